@@ -1,0 +1,374 @@
+"""Configuration: one frozen dataclass per concern, composed into `TrainConfig`.
+
+A run's config is built in three layers, later ones winning:
+
+1. the dataclass defaults below (the built-in default run: a tiny Llama on bundled bytes),
+2. an optional TOML preset (`--config=configs/NAME.toml`),
+3. command-line overrides `--section.key=value` (top-level keys `--steps`, `--seed`, `--run_dir`).
+
+`model.name` selects a named size (see `jaxzero.models.sizes`); every other `model.*` key then
+overrides one field of that size. All values are type-checked against the field annotations and every
+cross-field rule is checked by `validate` before anything is compiled or allocated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+
+class ConfigError(ValueError):
+    """A config value or combination is invalid; the message says which and how to fix it."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Transformer shape and numerics. Masters are always float32; `compute_dtype` is the matmul dtype."""
+
+    name: str = "llama-tiny"
+    family: Literal["llama", "gpt2"] = "llama"
+    vocab_size: int = 256
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2  # grouped-query attention; == num_heads is plain multi-head attention
+    intermediate_size: int = 384  # MLP width (SwiGLU for llama, GELU for gpt2)
+    max_seq_len: int = 1024
+    tie_embeddings: bool = False  # gpt2 is always tied
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    compute_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    attention_impl: Literal["auto", "xla", "cudnn"] = "auto"  # auto: cuDNN on GPU when it applies, else XLA
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where tokens come from and how they are batched.
+
+    `batch_size` is the global number of sequences per optimizer step, over all devices and all
+    `grad_accum` micro-batches; each sequence is `seq_len` inputs plus one shifted target.
+    """
+
+    source: Literal["builtin", "tokens", "synthetic"] = "builtin"
+    path: str = ""  # source=tokens: directory holding train.bin (and optionally val.bin)
+    token_dtype: Literal["uint16", "uint32"] = "uint16"
+    seq_len: int = 128
+    batch_size: int = 16
+    grad_accum: int = 1
+    val_fraction: float = 0.05  # held-out tail when there is no val.bin
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW with warmup then decay, weight decay masked off norms/biases/embeddings, global-norm clipping."""
+
+    name: Literal["adamw", "adam", "lion", "sgd"] = "adamw"
+    lr: float = 3e-3
+    warmup_steps: int = 20
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    min_lr_ratio: float = 0.1  # final lr = lr * min_lr_ratio
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    momentum: float = 0.9  # sgd only
+    weight_decay: float = 0.1
+    decay_norms_biases_embeddings: bool = False
+    grad_clip: float = 1.0  # global-norm clip; 0 disables
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """Where state lives, in DeepSpeed's vocabulary: `none` keeps it on the accelerator, `cpu` in host RAM."""
+
+    params: Literal["none", "cpu"] = "none"
+    optimizer: Literal["none", "cpu"] = "none"
+    resident_blocks: int = 0  # with params=cpu: keep the first K blocks on the accelerator, stream the rest
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Orbax checkpoints in `<run_dir>/checkpoints`. `every=0` saves only at the end of the run."""
+
+    enabled: bool = False
+    every: int = 0
+    keep: int = 3
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """How often scalars are read back from the device (a host sync) and validation runs."""
+
+    log_every: int = 10
+    eval_every: int = 100  # 0 disables periodic validation; a final validation always runs
+    eval_batches: int = 4
+    progress: bool = True  # a one-line progress bar on stderr
+    peak_tflops: float = 0.0  # accelerator peak for MFU; 0 = look up from the device kind
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The whole run. `steps`, `seed` and `run_dir` are the run concern and live at the top level."""
+
+    steps: int = 300
+    seed: int = 0
+    run_dir: str = "runs/default"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=False)
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "optimizer": OptimizerConfig,
+    "offload": OffloadConfig,
+    "checkpoint": CheckpointConfig,
+    "logging": LoggingConfig,
+}
+TOP_LEVEL_KEYS = ("steps", "seed", "run_dir")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Parsing and type checking
+# ---------------------------------------------------------------------------------------------------
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _coerce(key: str, raw: Any, typ: Any) -> Any:
+    """Convert `raw` (a CLI string or a TOML value) to `typ`, or raise ConfigError naming the key."""
+    origin = get_origin(typ)
+    if origin is Literal:
+        choices = get_args(typ)
+        if raw not in choices:
+            raise ConfigError(f"{key}={raw!r} is not one of {list(choices)}.")
+        return raw
+    if origin in (types.UnionType, typing.Union):
+        raise TypeError(f"unsupported annotation for {key}: {typ}")  # no optional fields by design
+    if typ is bool:
+        if isinstance(raw, bool):
+            return raw
+        if isinstance(raw, str) and raw.lower() in ("true", "1", "yes", "false", "0", "no"):
+            return raw.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{key}={raw!r} is not a boolean; use true or false.")
+    if typ is int:
+        if isinstance(raw, bool):
+            raise ConfigError(f"{key}={raw!r} is not an integer.")
+        if isinstance(raw, int):
+            return raw
+        if isinstance(raw, str):
+            try:
+                return int(raw.replace("_", ""))
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}={raw!r} is not an integer.")
+    if typ is float:
+        if isinstance(raw, bool):
+            raise ConfigError(f"{key}={raw!r} is not a number.")
+        if isinstance(raw, (int, float)):
+            return float(raw)
+        if isinstance(raw, str):
+            try:
+                return float(raw)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}={raw!r} is not a number.")
+    if typ is str:
+        if isinstance(raw, str):
+            return raw
+        raise ConfigError(f"{key}={raw!r} is not a string.")
+    raise TypeError(f"unsupported annotation for {key}: {typ}")
+
+
+def _unknown_key(key: str, valid: list[str]) -> ConfigError:
+    return ConfigError(f"unknown config key {key!r}. Valid keys: {', '.join(valid)}.")
+
+
+def all_keys() -> list[str]:
+    """Every settable key, dotted, in declaration order."""
+    keys = list(TOP_LEVEL_KEYS)
+    for sec, cls in SECTIONS.items():
+        keys += [f"{sec}.{f.name}" for f in dataclasses.fields(cls)]
+    return keys
+
+
+def apply_overrides(cfg: TrainConfig, overrides: dict[str, Any]) -> TrainConfig:
+    """Return `cfg` with dotted `overrides` applied (values as strings or TOML-typed values).
+
+    `model.name` is applied first: it resets the model section to that named size, and the other
+    `model.*` keys then override single fields of it.
+    """
+    from jaxzero.models.sizes import named_model_config  # models import config, not the reverse at load
+
+    top: dict[str, Any] = {}
+    per_section: dict[str, dict[str, Any]] = {}
+    for key, raw in overrides.items():
+        if key in TOP_LEVEL_KEYS:
+            top[key] = _coerce(key, raw, _field_types(TrainConfig)[key])
+            continue
+        sec, _, name = key.partition(".")
+        if sec not in SECTIONS or not name:
+            raise _unknown_key(key, all_keys())
+        hints = _field_types(SECTIONS[sec])
+        if name not in hints:
+            valid = [f"{sec}.{k}" for k in hints]
+            raise _unknown_key(key, valid)
+        per_section.setdefault(sec, {})[name] = _coerce(key, raw, hints[name])
+
+    model = cfg.model
+    model_over = per_section.pop("model", {})
+    if "name" in model_over:
+        model = named_model_config(model_over.pop("name"))
+    model = dataclasses.replace(model, **model_over)
+    sections = {sec: dataclasses.replace(getattr(cfg, sec), **vals) for sec, vals in per_section.items()}
+    return dataclasses.replace(cfg, model=model, **sections, **top)
+
+
+def _flatten_toml(tree: dict[str, Any], path: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        key = f"{path}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten_toml(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def load_preset(path: str | Path) -> dict[str, Any]:
+    """Read a TOML preset into dotted overrides. Missing files and bad TOML raise ConfigError."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist. Presets live in configs/, e.g. configs/tiny.toml.")
+    try:
+        tree = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from e
+    flat = _flatten_toml(tree)
+    # `model.name` first, so that a preset may name a size and then adjust it.
+    return dict(sorted(flat.items(), key=lambda kv: kv[0] != "model.name"))
+
+
+def parse_args(argv: list[str]) -> TrainConfig:
+    """Build a validated TrainConfig from `[--config=PATH] [--section.key=value ...]`."""
+    preset: dict[str, Any] = {}
+    cli: dict[str, Any] = {}
+    for arg in argv:
+        if not arg.startswith("--") or "=" not in arg:
+            raise ConfigError(
+                f"cannot parse argument {arg!r}: write overrides as --section.key=value "
+                f"(e.g. --steps=100 --offload.params=cpu) and presets as --config=PATH."
+            )
+        key, _, value = arg[2:].partition("=")
+        if key == "config":
+            preset = load_preset(value)
+        else:
+            cli[key] = value
+    cfg = apply_overrides(TrainConfig(), preset)
+    if "model.name" in cli:  # a CLI size replaces the preset's whole model section, then its keys apply
+        cfg = apply_overrides(cfg, {"model.name": cli.pop("model.name")})
+    cfg = apply_overrides(cfg, cli)
+    validate(cfg)
+    return cfg
+
+
+def config_from_dict(d: dict[str, Any]) -> TrainConfig:
+    """Rebuild a TrainConfig from `TrainConfig.to_dict()` output (e.g. a run's config.json)."""
+    flat = _flatten_toml(d)
+    model_keys = {k: v for k, v in flat.items() if k.startswith("model.")}
+    rest = {k: v for k, v in flat.items() if not k.startswith("model.")}
+    cfg = dataclasses.replace(TrainConfig(), model=ModelConfig(**{k[6:]: v for k, v in model_keys.items()}))
+    return apply_overrides(cfg, rest)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Cross-field validation: runs before any array is allocated or any function compiled.
+# ---------------------------------------------------------------------------------------------------
+
+
+def validate(cfg: TrainConfig, num_devices: int | None = None) -> None:
+    """Raise ConfigError for impossible combinations. `num_devices` adds the mesh checks when known."""
+    m, d, o = cfg.model, cfg.data, cfg.optimizer
+
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            raise ConfigError(msg)
+
+    need(cfg.steps >= 1, f"steps={cfg.steps} must be >= 1.")
+    need(cfg.run_dir != "", "run_dir must not be empty; pass --run_dir=PATH.")
+    for k in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
+              "max_seq_len"):
+        need(getattr(m, k) >= 1, f"model.{k}={getattr(m, k)} must be >= 1.")
+    need(m.hidden_size % m.num_heads == 0,
+         f"model.hidden_size={m.hidden_size} must be divisible by model.num_heads={m.num_heads}.")
+    need(m.num_heads % m.num_kv_heads == 0,
+         f"model.num_heads={m.num_heads} must be divisible by model.num_kv_heads={m.num_kv_heads} "
+         "(each key/value head serves a whole group of query heads).")
+    if m.family == "llama":
+        need(m.head_dim % 2 == 0, f"rotary embeddings need an even head_dim; got {m.head_dim} "
+             f"(hidden_size={m.hidden_size} / num_heads={m.num_heads}).")
+    if m.family == "gpt2":
+        need(m.num_kv_heads == m.num_heads,
+             f"gpt2 uses multi-head attention: model.num_kv_heads={m.num_kv_heads} must equal "
+             f"model.num_heads={m.num_heads}.")
+    need(d.seq_len >= 2, f"data.seq_len={d.seq_len} must be >= 2.")
+    need(d.seq_len <= m.max_seq_len,
+         f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}; lower data.seq_len or "
+         "raise model.max_seq_len.")
+    need(d.grad_accum >= 1, f"data.grad_accum={d.grad_accum} must be >= 1.")
+    need(d.batch_size >= 1 and d.batch_size % d.grad_accum == 0,
+         f"data.batch_size={d.batch_size} must be a positive multiple of data.grad_accum={d.grad_accum}.")
+    need(0.0 <= d.val_fraction < 0.5, f"data.val_fraction={d.val_fraction} must be in [0, 0.5).")
+    if d.source == "tokens":
+        need(d.path != "", "data.source=tokens needs data.path=DIR, a directory holding train.bin "
+             "(nanoGPT format: a flat array of uint16 or uint32 token ids).")
+    if num_devices is not None:
+        micro = d.batch_size // d.grad_accum
+        need(micro % num_devices == 0,
+             f"the micro-batch data.batch_size/data.grad_accum = {d.batch_size}/{d.grad_accum} = {micro} "
+             f"must be divisible by the {num_devices} devices of the data axis.")
+    need(o.lr > 0, f"optimizer.lr={o.lr} must be > 0.")
+    need(0 <= o.warmup_steps, f"optimizer.warmup_steps={o.warmup_steps} must be >= 0.")
+    need(0.0 <= o.min_lr_ratio <= 1.0, f"optimizer.min_lr_ratio={o.min_lr_ratio} must be in [0, 1].")
+    need(0.0 <= o.b1 < 1.0 and 0.0 <= o.b2 < 1.0, f"optimizer.b1={o.b1}, b2={o.b2} must be in [0, 1).")
+    need(o.weight_decay >= 0, f"optimizer.weight_decay={o.weight_decay} must be >= 0.")
+    need(o.grad_clip >= 0, f"optimizer.grad_clip={o.grad_clip} must be >= 0 (0 disables clipping).")
+    need(cfg.offload.resident_blocks >= 0,
+         f"offload.resident_blocks={cfg.offload.resident_blocks} must be >= 0.")
+    need(cfg.offload.resident_blocks <= m.num_layers,
+         f"offload.resident_blocks={cfg.offload.resident_blocks} exceeds model.num_layers={m.num_layers}.")
+    if cfg.offload.resident_blocks and cfg.offload.params != "cpu":
+        raise ConfigError("offload.resident_blocks only applies with offload.params=cpu "
+                          f"(got offload.params={cfg.offload.params}).")
+    if cfg.offload.params == "cpu" and cfg.offload.optimizer != "cpu":
+        raise ConfigError("offload.params=cpu needs offload.optimizer=cpu: streamed weights are updated "
+                          "from host-resident fp32 masters (DeepSpeed's ZeRO-3 offload pairs them too).")
+    lg = cfg.logging
+    need(lg.log_every >= 1, f"logging.log_every={lg.log_every} must be >= 1.")
+    need(lg.eval_every >= 0, f"logging.eval_every={lg.eval_every} must be >= 0.")
+    need(lg.eval_batches >= 1, f"logging.eval_batches={lg.eval_batches} must be >= 1.")
+    ck = cfg.checkpoint
+    need(ck.every >= 0 and ck.keep >= 1, f"checkpoint.every={ck.every} must be >= 0 and checkpoint.keep="
+         f"{ck.keep} >= 1.")

@@ -1,0 +1,75 @@
+"""Transformer models exposed as embed -> N identical blocks -> head.
+
+Every model is split into three units so that one compiled block function serves every layer and an
+offload engine can place and move layers one at a time. Models know nothing of memory kinds or
+devices: they are pure functions of parameter pytrees.
+
+    params = model.init(key)                    # ModelParams, float32 masters
+    x = model.embed(params.embed, tokens)       # (B, S) int32 -> (B, S, D) compute dtype
+    for p in params.blocks: x = model.block(p, x)
+    logits = model.head(params.head, params.embed, x)   # (B, S, V) float32
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Protocol
+
+import jax
+
+from jaxzero.config import ModelConfig
+
+
+class ModelParams(NamedTuple):
+    """Parameters of one model, a pytree. All leaves float32 masters unless cast by the caller.
+
+    embed:  pytree of the token (and, for gpt2, position) embedding.
+    blocks: tuple of `num_layers` pytrees with identical structure, shapes and dtypes.
+    head:   pytree of the final norm and, when untied, the output projection.
+    """
+
+    embed: Any
+    blocks: tuple[Any, ...]
+    head: Any
+
+
+class Model(Protocol):
+    """What every model family provides. All functions are pure and jit-able."""
+
+    config: ModelConfig
+
+    def init(self, key: jax.Array) -> ModelParams:
+        """Fresh float32 parameters from a PRNG key."""
+        ...
+
+    def embed(self, embed_params: Any, tokens: jax.Array) -> jax.Array:
+        """tokens int32 (B, S) -> activations (B, S, D) in the compute dtype."""
+        ...
+
+    def block(self, block_params: Any, x: jax.Array) -> jax.Array:
+        """One transformer block: (B, S, D) -> (B, S, D), causal. Params may be float32 or compute dtype."""
+        ...
+
+    def head(self, head_params: Any, embed_params: Any, x: jax.Array) -> jax.Array:
+        """Final norm and projection: (B, S, D) -> logits (B, S, V) float32. Tied heads read embed_params."""
+        ...
+
+
+def build_model(config: ModelConfig) -> Model:
+    """The model of `config.family`."""
+    if config.family == "llama":
+        from jaxzero.models.llama import Llama
+
+        return Llama(config)
+    if config.family == "gpt2":
+        from jaxzero.models.gpt2 import GPT2
+
+        return GPT2(config)
+    raise ValueError(f"unknown model family {config.family!r}; choose 'llama' or 'gpt2'.")
+
+
+def forward(model: Model, params: ModelParams, tokens: jax.Array) -> jax.Array:
+    """Logits (B, S, V) float32 for int32 tokens (B, S), all blocks in sequence (no remat)."""
+    x = model.embed(params.embed, tokens)
+    for p in params.blocks:
+        x = model.block(p, x)
+    return model.head(params.head, params.embed, x)
