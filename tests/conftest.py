@@ -1,4 +1,6 @@
-"""Test setup: 4 fake CPU devices (set before JAX starts), strict numerics, float64 available.
+"""Test setup: 4 fake CPU devices (set before JAX starts), strict rank promotion.
+
+Float64 references are computed in NumPy; JAX runs in its production (32-bit) mode.
 
 Tests that need one device build a mesh of `jax.devices()[:1]`; sharded == unsharded tests compare a
 mesh over all 4 devices with that one.
@@ -13,5 +15,4 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 
-jax.config.update("jax_enable_x64", True)  # for float64 NumPy-reference comparisons; dtypes stay explicit
 jax.config.update("jax_numpy_rank_promotion", "raise")
