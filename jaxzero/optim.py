@@ -1,0 +1,99 @@
+"""The optimizer: an Optax transformation built from `OptimizerConfig`.
+
+The same transformation runs on the accelerator (resident training) and on the host (offloaded
+optimizer): placement is decided elsewhere, this module only says *what* the update is.
+
+    tx = build_optimizer(cfg.optimizer, total_steps=cfg.steps)
+    lr = learning_rate_schedule(cfg.optimizer, total_steps)(step)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxzero.config import ConfigError, OptimizerConfig
+from jaxzero.models import ModelParams
+
+
+def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
+    """Linear warmup from 0 to `lr` over `warmup_steps`, then cosine/linear decay to `lr*min_lr_ratio`
+    at `total_steps` (or constant). Maps an int32 step count (0-based, the number of updates already
+    applied) to a float32 learning rate."""
+    end = cfg.lr * cfg.min_lr_ratio
+    warmup = max(cfg.warmup_steps, 0)
+    decay_steps = max(total_steps - warmup, 1)
+    if cfg.schedule == "constant":
+        after = optax.constant_schedule(cfg.lr)
+    elif cfg.schedule == "cosine":
+        after = optax.cosine_decay_schedule(cfg.lr, decay_steps, alpha=cfg.min_lr_ratio)
+    else:
+        after = optax.linear_schedule(cfg.lr, end, decay_steps)
+    if warmup == 0:
+        return after
+    return optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, warmup), after], [warmup])
+
+
+def weight_decay_mask(params: ModelParams, decay_all: bool = False) -> ModelParams:
+    """True where weight decay applies: matrices (ndim >= 2) in blocks and head; embeddings, norm
+    scales and biases are excluded. With `decay_all` every leaf decays. Works on arrays or
+    `jax.ShapeDtypeStruct`s (only `.shape` is read)."""
+    if decay_all:
+        return jax.tree.map(lambda _: True, params)
+    is_matrix = lambda x: len(x.shape) >= 2  # noqa: E731
+    return ModelParams(
+        embed=jax.tree.map(lambda _: False, params.embed),
+        blocks=jax.tree.map(is_matrix, params.blocks),
+        head=jax.tree.map(is_matrix, params.head),
+    )
+
+
+def build_optimizer(
+    cfg: OptimizerConfig, total_steps: int, *, clip: bool = True, mask: Any = None
+) -> optax.GradientTransformation:
+    """Global-norm clipping (if `clip` and `grad_clip > 0`) followed by the named optimizer.
+
+    The transformation expects float32 gradients and float32 master params. By default they are whole
+    `ModelParams` and the weight-decay mask is `weight_decay_mask`; pass `mask` (a pytree of bools
+    matching the params) to apply it to one unit of a model, e.g. a single block. Clipping needs the
+    whole gradient, so per-unit users pass `clip=False` and clip with `clip_by_norm`.
+    """
+    lr = learning_rate_schedule(cfg, total_steps)
+    if mask is None:
+        mask = lambda p: weight_decay_mask(p, cfg.decay_norms_biases_embeddings)  # noqa: E731
+    if cfg.name == "adamw":
+        opt = optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=mask)
+    elif cfg.name == "adam":
+        if cfg.weight_decay:
+            raise ConfigError(
+                f"optimizer.name=adam has no weight decay but optimizer.weight_decay={cfg.weight_decay}; "
+                "use optimizer.name=adamw for decoupled decay, or set optimizer.weight_decay=0."
+            )
+        opt = optax.adam(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps)
+    elif cfg.name == "lion":
+        opt = optax.lion(lr, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=mask)
+    elif cfg.name == "sgd":
+        opt = optax.chain(
+            optax.add_decayed_weights(cfg.weight_decay, mask=mask),
+            optax.sgd(lr, momentum=cfg.momentum or None),
+        )
+    else:  # config validation makes this unreachable; keep the message for library callers
+        raise ConfigError(f"optimizer.name={cfg.name!r} is not one of adamw, adam, lion, sgd.")
+    if clip and cfg.grad_clip > 0:
+        return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), opt)
+    return opt
+
+
+def clip_by_norm(tree: Any, norm: jax.Array, max_norm: float) -> Any:
+    """`optax.clip_by_global_norm`'s rule with the global norm given: leaves scaled by max_norm/norm
+    when norm >= max_norm. Lets a gradient be clipped one unit at a time once the norm is known."""
+    trigger = norm < max_norm
+    return jax.tree.map(lambda t: jax.lax.select(trigger, t, (t / norm.astype(t.dtype)) * max_norm), tree)
+
+
+def global_norm(tree: Any) -> jax.Array:
+    """L2 norm over all leaves, accumulated in float32. Scalar float32."""
+    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))

@@ -1,0 +1,142 @@
+"""Where every array lives: the device mesh, batch sharding and memory kinds, decided in one place.
+
+Batches are sharded over the `data` axis of all local devices; model state is replicated over it.
+Memory kinds (`device` for accelerator memory, `pinned_host` for host RAM the accelerator can DMA)
+are chosen here and nowhere else; models and the training loop never name them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxzero.config import ConfigError
+
+DATA_AXIS = "data"
+DEVICE = "device"
+PINNED_HOST = "pinned_host"
+
+
+def make_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A 1-D mesh named `data` over `devices` (default: all local devices).
+
+    Axis types are Auto (not JAX 0.10's Explicit default of `jax.make_mesh`) so that jitted code
+    relies on sharding propagation from the in/out shardings given here.
+    """
+    devices = list(devices) if devices is not None else jax.local_devices()
+    return Mesh(np.array(devices), (DATA_AXIS,))
+
+
+def train_batch_sharding(mesh: Mesh) -> NamedSharding:
+    """int32 (grad_accum, micro_batch, seq_len + 1): micro-batch rows split over `data`."""
+    return NamedSharding(mesh, P(None, DATA_AXIS, None))
+
+
+def eval_batch_sharding(mesh: Mesh) -> NamedSharding:
+    """int32 (batch, seq_len + 1): rows split over `data`."""
+    return NamedSharding(mesh, P(DATA_AXIS, None))
+
+
+def replicated(mesh: Mesh, memory_kind: str = DEVICE) -> NamedSharding:
+    """Every device holds a full copy, in `memory_kind`."""
+    return NamedSharding(mesh, P(), memory_kind=memory_kind)
+
+
+def supports_memory_kind(device: jax.Device, kind: str) -> bool:
+    """Whether `device` exposes memory of `kind` (e.g. `pinned_host`)."""
+    return kind in {m.kind for m in device.addressable_memories()}
+
+
+def put_train_batch(batch: np.ndarray, mesh: Mesh) -> jax.Array:
+    """Host int32 (A, mb, S+1) -> a global array sharded over `data` (one transfer per device shard)."""
+    return jax.make_array_from_process_local_data(train_batch_sharding(mesh), batch)
+
+
+def put_eval_batch(batch: np.ndarray, mesh: Mesh) -> jax.Array:
+    """Host int32 (B, S+1) -> a global array sharded over `data`."""
+    return jax.make_array_from_process_local_data(eval_batch_sharding(mesh), batch)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Offload placement: which memory holds each part of the training state.
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OffloadPlacement:
+    """Where the offload engine keeps each part of the state (one accelerator).
+
+    - fp32 masters and optimizer state: host RAM, as arrays of the CPU backend (`host_device`). The
+      host optimizer computes on them in place at full CPU speed; they never cross the link, so they
+      need no pinned (DMA-able) memory and do not count against XLA's pinned host pool.
+    - compute-dtype weights of the embedding and head units, and of the first `resident_blocks`
+      blocks: accelerator memory (`device`).
+    - compute-dtype weights of the other blocks: the accelerator's `pinned_host` memory, from which
+      they are streamed to the accelerator one block at a time.
+    - gradients: the accelerator's `pinned_host` memory (DMA'd there as each block's backward ends,
+      then read by the host optimizer without a copy).
+    """
+
+    accelerator: jax.Device
+    host_device: jax.Device
+    num_layers: int
+    resident_blocks: int
+
+    @property
+    def device(self) -> SingleDeviceSharding:
+        return SingleDeviceSharding(self.accelerator, memory_kind=DEVICE)
+
+    @property
+    def pinned(self) -> SingleDeviceSharding:
+        return SingleDeviceSharding(self.accelerator, memory_kind=PINNED_HOST)
+
+    @property
+    def host(self) -> SingleDeviceSharding:
+        return SingleDeviceSharding(self.host_device)
+
+    def is_streamed(self, block: int) -> bool:
+        return block >= self.resident_blocks
+
+    def weight_shardings(self, weights: Any) -> Any:
+        """Shardings for a compute-dtype `ModelParams` (arrays or ShapeDtypeStructs)."""
+        from jaxzero.models import ModelParams
+
+        on = lambda s, tree: jax.tree.map(lambda _: s, tree)  # noqa: E731
+        return ModelParams(
+            embed=on(self.device, weights.embed),
+            blocks=tuple(
+                on(self.pinned if self.is_streamed(i) else self.device, b) for i, b in enumerate(weights.blocks)
+            ),
+            head=on(self.device, weights.head),
+        )
+
+
+def offload_placement(mesh: Mesh, num_layers: int, params: str, resident_blocks: int) -> OffloadPlacement:
+    """The placement for `offload.params` in {none, cpu} on the single device of `mesh`.
+
+    `params=none` keeps every block's compute weights on the accelerator (ZeRO-Offload); `params=cpu`
+    streams all but the first `resident_blocks` (ZeRO-3 offload).
+    """
+    if mesh.size != 1:
+        raise ConfigError(
+            f"host offload runs on one accelerator, but the data mesh has {mesh.size} devices "
+            f"({[str(d) for d in mesh.devices.flat]}). Run with one visible device "
+            "(e.g. CUDA_VISIBLE_DEVICES=0), or use offload.params=none offload.optimizer=none."
+        )
+    accelerator = mesh.devices.flat[0]
+    if not supports_memory_kind(accelerator, PINNED_HOST):
+        kinds = sorted(m.kind for m in accelerator.addressable_memories())
+        raise ConfigError(
+            f"device {accelerator} ({accelerator.platform}) has no pinned_host memory (it has {kinds}), "
+            "so weights and gradients cannot be kept in host memory. Use offload.params=none "
+            "offload.optimizer=none on this platform."
+        )
+    host_device = jax.devices("cpu")[0]
+    resident = num_layers if params == "none" else resident_blocks
+    return OffloadPlacement(accelerator, host_device, num_layers, resident)

@@ -1,0 +1,151 @@
+"""A `Trainer`: the model, its placed state and a train step, built once from a `TrainConfig`.
+
+This is the library API. Whether weights are resident or streamed from host memory is decided here,
+when the step function is built, never inside it:
+
+    trainer = build_trainer(cfg)
+    state = trainer.init(jax.random.key(cfg.seed))
+    for batch in batches:                       # int32 numpy (grad_accum, micro_batch, seq_len + 1)
+        state, metrics = trainer.step(state, trainer.put_batch(batch))
+
+The resident strategy (`offload.optimizer=none`) keeps everything in accelerator memory: fp32 masters,
+optimizer state, and the bf16 casts made inside each block. It is the oracle the offload engine is
+tested against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh
+
+from jaxzero import placement
+from jaxzero.config import TrainConfig, validate
+from jaxzero.models import Model, ModelParams, build_model
+from jaxzero.objective import loss_fn
+from jaxzero.optim import build_optimizer, global_norm, learning_rate_schedule
+
+
+class TrainState(NamedTuple):
+    """Everything that changes during training (a pytree).
+
+    step:      int32 scalar, optimizer updates applied so far.
+    params:    float32 master weights.
+    opt_state: the optax state of `Trainer.optimizer` over `params` (float32).
+    """
+
+    step: jax.Array
+    params: ModelParams
+    opt_state: Any
+
+
+class StepMetrics(NamedTuple):
+    """Per-step float32 scalars, left on the device until the loop reads them."""
+
+    loss: jax.Array  # mean cross-entropy over the step's tokens
+    grad_norm: jax.Array  # global L2 norm of the averaged gradient, before clipping
+    lr: jax.Array  # learning rate used by this step's update
+
+
+@dataclass(frozen=True)
+class Trainer:
+    """A built training setup. All callables are pure functions of their arguments."""
+
+    config: TrainConfig
+    model: Model
+    mesh: Mesh
+    optimizer: optax.GradientTransformation  # the update applied (by the offload engine: per unit, on the host)
+    init: Callable[[jax.Array], TrainState]  # PRNG key -> state in its final placement
+    step: Callable[[TrainState, jax.Array], tuple[TrainState, StepMetrics]]  # donates the state
+    eval_loss: Callable[[TrainState, jax.Array], jax.Array]  # (state, int32 (B, S+1)) -> float32
+    put_batch: Callable[[np.ndarray], jax.Array]  # host (A, mb, S+1) -> sharded device array
+    put_eval_batch: Callable[[np.ndarray], jax.Array]  # host (B, S+1) -> sharded device array
+    strategy: str  # a short description of where state lives, for logs
+
+
+def averaged_grads(model: Model, params: ModelParams, batch: jax.Array) -> tuple[jax.Array, ModelParams]:
+    """Mean loss and float32 gradients over `grad_accum` micro-batches of int32 (A, mb, S+1).
+
+    Micro-batches hold equal token counts, so the mean of their means is the mean over the step.
+    One micro-batch is differentiated directly; more are summed in a `lax.scan` (one float32
+    gradient buffer, not A of them).
+    """
+    value_and_grad = jax.value_and_grad(partial(loss_fn, model))
+    if batch.shape[0] == 1:
+        return value_and_grad(params, batch[0])
+
+    def micro(carry, window):
+        loss, grads = value_and_grad(params, window)
+        return jax.tree.map(jnp.add, carry, (loss, grads)), None
+
+    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+    (loss, grads), _ = jax.lax.scan(micro, zeros, batch)
+    return jax.tree.map(lambda x: x / batch.shape[0], (loss, grads))
+
+
+def build_trainer(cfg: TrainConfig, mesh: Mesh | None = None) -> Trainer:
+    """Validate `cfg` against the mesh and build the trainer its offload settings ask for.
+
+    Nothing is allocated or compiled here; `trainer.init` and the first `trainer.step` do that.
+    """
+    mesh = mesh if mesh is not None else placement.make_mesh()
+    validate(cfg, num_devices=mesh.size)
+    if cfg.offload.optimizer == "cpu":
+        from jaxzero.offload import build_offload_trainer
+
+        return build_offload_trainer(cfg, mesh)
+    return build_resident_trainer(cfg, mesh)
+
+
+def build_resident_trainer(cfg: TrainConfig, mesh: Mesh) -> Trainer:
+    """Everything in accelerator memory, replicated over `data`; one jitted step per optimizer update."""
+    model = build_model(cfg.model)
+    tx = build_optimizer(cfg.optimizer, cfg.steps)
+    schedule = learning_rate_schedule(cfg.optimizer, cfg.steps)
+
+    def init_state(key: jax.Array) -> TrainState:
+        params = model.init(key)
+        return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
+
+    state_sharding = jax.tree.map(
+        lambda _: placement.replicated(mesh), jax.eval_shape(init_state, jax.random.key(0))
+    )
+    batch_sharding = placement.train_batch_sharding(mesh)
+
+    def train_step(state: TrainState, batch: jax.Array) -> tuple[TrainState, StepMetrics]:
+        loss, grads = averaged_grads(model, state.params, batch)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = StepMetrics(loss, global_norm(grads), jnp.asarray(schedule(state.step), jnp.float32))
+        return TrainState(state.step + 1, params, opt_state), metrics
+
+    step = jax.jit(
+        train_step,
+        in_shardings=(state_sharding, batch_sharding),
+        out_shardings=(state_sharding, placement.replicated(mesh)),
+        donate_argnums=(0,),
+    )
+    eval_loss = jax.jit(
+        lambda state, window: loss_fn(model, state.params, window),
+        in_shardings=(state_sharding, placement.eval_batch_sharding(mesh)),
+        out_shardings=placement.replicated(mesh),
+    )
+    return Trainer(
+        config=cfg,
+        model=model,
+        mesh=mesh,
+        optimizer=tx,
+        init=jax.jit(init_state, out_shardings=state_sharding),
+        step=step,
+        eval_loss=eval_loss,
+        put_batch=partial(placement.put_train_batch, mesh=mesh),
+        put_eval_batch=partial(placement.put_eval_batch, mesh=mesh),
+        strategy=f"resident: params, grads and optimizer state in accelerator memory on {mesh.size} device(s)",
+    )
