@@ -1,0 +1,159 @@
+"""Memory planning: will this run fit, and how large must XLA's pinned host pool be?
+
+Everything here is arithmetic on the config, so it runs before JAX starts a backend and before any
+array is allocated: a run that cannot fit fails at once with the numbers, never after minutes of
+initialisation. Byte counts per parameter, by where the state lives:
+
+    state                          resident        offload.optimizer=cpu      + offload.params=cpu
+    fp32 masters                   4  accelerator  4  host RAM                4  host RAM
+    optimizer state (AdamW)        8  accelerator  8  host RAM                8  host RAM
+    compute-dtype weights          -  (cast per    2  accelerator             2  pinned host (streamed)
+                                       block)
+    gradients                      4  accelerator  2|4 pinned host            2|4 pinned host
+
+(gradients leave in the compute dtype with one micro-batch, as float32 sums with several.)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+from jaxzero.config import ConfigError, TrainConfig
+from jaxzero.models.sizes import unit_param_counts
+
+GiB = 2**30
+PINNED_POOL_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
+PINNED_POOL_DEFAULT_GB = 64  # XLA's GPU client default cap on pinned_host allocations
+OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "lion": 4, "sgd": 4}
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Estimated bytes by memory. `accelerator_state` is exact state; `activations` an estimate."""
+
+    host: int  # host RAM: masters, optimizer state, pinned weights and gradients, write-back staging
+    pinned: int  # the part of `host` inside the accelerator's pinned pool
+    accelerator_state: int  # weights, masters, optimizer state and gradients kept on the accelerator
+    activations: int  # saved block inputs plus one block's transient activations and the logits
+
+    def describe(self) -> str:
+        return (
+            f"host {self.host / GiB:.1f} GiB (pinned {self.pinned / GiB:.1f} GiB), accelerator "
+            f"{self.accelerator_state / GiB:.1f} GiB state + ~{self.activations / GiB:.1f} GiB activations"
+        )
+
+
+def plan_memory(cfg: TrainConfig) -> MemoryPlan:
+    """Bytes each memory must hold for `cfg` (see the module docstring for the accounting)."""
+    m, d, off = cfg.model, cfg.data, cfg.offload
+    n_embed, n_block, n_head = unit_param_counts(m)
+    n = n_embed + m.num_layers * n_block + n_head
+    opt = OPTIMIZER_STATE_BYTES.get(cfg.optimizer.name, 8)
+    if cfg.optimizer.name == "sgd" and cfg.optimizer.momentum == 0:
+        opt = 0
+    compute = 2 if m.compute_dtype == "bfloat16" else 4
+    grad = compute if d.grad_accum == 1 else 4
+
+    tokens = d.batch_size * d.seq_len  # per step, all micro-batches
+    micro_tokens = tokens // d.grad_accum
+    saved_inputs = m.num_layers * tokens * m.hidden_size * compute
+    # One block's live intermediates for one micro-batch (q/k/v/attn out, MLP up/gate/act, their
+    # gradients) and the float32 logits with their gradient.
+    block_transient = micro_tokens * (8 * m.hidden_size + 4 * m.intermediate_size) * compute * 2
+    logits = 3 * micro_tokens * m.vocab_size * 4
+    activations = saved_inputs + block_transient + logits
+
+    if off.optimizer == "none":
+        return MemoryPlan(host=0, pinned=0, accelerator_state=n * (4 + opt + 4), activations=activations)
+
+    streamed_blocks = 0 if off.params == "none" else m.num_layers - off.resident_blocks
+    n_streamed = streamed_blocks * n_block
+    pinned = n_streamed * compute + n * grad
+    staging = 3 * n_block * compute  # compute-dtype copies on their way back, a few blocks at a time
+    host = n * (4 + opt) + pinned + staging
+    in_flight = 3 if streamed_blocks else 0  # the block computing, the one prefetched, a gradient leaving
+    accelerator = (n - n_streamed) * compute + in_flight * n_block * max(compute, grad)
+    return MemoryPlan(host=host, pinned=pinned, accelerator_state=accelerator, activations=activations)
+
+
+def host_memory_available() -> int:
+    """Bytes of host RAM available to this process now (MemAvailable), or total RAM if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_host_fits(cfg: TrainConfig, plan: MemoryPlan, available: int | None = None) -> None:
+    """Raise ConfigError if the host state will not fit in host RAM. Nothing has been allocated yet."""
+    available = host_memory_available() if available is None else available
+    if plan.host > available:
+        raise ConfigError(
+            f"{cfg.model.name} with offload.optimizer={cfg.offload.optimizer}, offload.params="
+            f"{cfg.offload.params} needs {plan.host / GiB:.1f} GiB of host RAM ({plan.describe()}), but "
+            f"{available / GiB:.1f} GiB is available. Free memory, choose a smaller model, or use an "
+            "optimizer with less state (optimizer.name=lion or sgd keep 4 bytes per parameter, AdamW 8)."
+        )
+
+
+def configure_pinned_pool(plan: MemoryPlan) -> int | None:
+    """Size XLA's pinned host pool for `plan` before the GPU backend starts; return the cap in GB.
+
+    XLA's GPU client caps `pinned_host` allocations at `XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB` (64 GB by
+    default) and fails with RESOURCE_EXHAUSTED past it, mid-run. If the run needs more, the variable
+    is set here; a user-set value that is too small, or a backend already started with too small a
+    cap, is an error that says what to set.
+    """
+    need_gb = math.ceil(plan.pinned * 1.1 / 1e9) + 2
+    if need_gb <= PINNED_POOL_DEFAULT_GB and PINNED_POOL_ENV not in os.environ:
+        return PINNED_POOL_DEFAULT_GB
+    current = os.environ.get(PINNED_POOL_ENV)
+    if current is not None:
+        if float(current) < need_gb:
+            raise ConfigError(
+                f"{PINNED_POOL_ENV}={current} is below the {need_gb} GB of pinned host memory this run needs "
+                f"({plan.describe()}). Set {PINNED_POOL_ENV}={need_gb} or unset it."
+            )
+        return int(float(current))
+    if _backends_started():
+        raise ConfigError(
+            f"this run needs {need_gb} GB of pinned host memory, over XLA's default {PINNED_POOL_DEFAULT_GB} GB "
+            f"pool, and JAX has already started its backends. Set {PINNED_POOL_ENV}={need_gb} in the "
+            "environment before JAX starts (e.g. before the first jax.devices() call)."
+        )
+    os.environ[PINNED_POOL_ENV] = str(need_gb)
+    return need_gb
+
+
+def _backends_started() -> bool:
+    try:
+        from jax._src import xla_bridge
+
+        return bool(xla_bridge.backends_are_initialized())
+    except (ImportError, AttributeError):  # private API moved: assume the worst and ask the user
+        return True
+
+
+def check_accelerator_fits(cfg: TrainConfig, plan: MemoryPlan, capacity: int | None) -> None:
+    """Raise ConfigError if the accelerator state alone exceeds `capacity` bytes (None: unknown)."""
+    if capacity is None:
+        return
+    if plan.accelerator_state + plan.activations > capacity:
+        if cfg.offload.optimizer == "none":
+            hint = "offload.optimizer=cpu keeps masters and optimizer state in host RAM"
+        elif cfg.offload.params == "none":
+            hint = "offload.params=cpu streams the weights from host RAM one block at a time"
+        elif cfg.offload.resident_blocks:
+            hint = "lower offload.resident_blocks"
+        else:
+            hint = "lower data.batch_size or data.seq_len, or raise data.grad_accum"
+        raise ConfigError(
+            f"{cfg.model.name} needs ~{(plan.accelerator_state + plan.activations) / GiB:.1f} GiB of "
+            f"accelerator memory ({plan.describe()}) but the device has {capacity / GiB:.1f} GiB: {hint}."
+        )

@@ -1,0 +1,101 @@
+"""The offload engine: host-resident masters and optimizer state, streamed weights, Optax on the host.
+
+`build_offload_trainer` returns a `Trainer` with the same contract as the resident one; the state it
+carries is an `OffloadState`. A step is
+
+    loss, grads = streamed.grads(weights, batch)     # accelerator; gradients land in pinned_host
+    masters, opt_state, weights = host.update(...)   # host CPU; new compute weights written back
+
+Where each array lives is decided by `jaxzero.placement.OffloadPlacement`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from jaxzero import placement as placement_lib
+from jaxzero.config import TrainConfig
+from jaxzero.models import ModelParams, build_model
+from jaxzero.models.layers import compute_dtype
+from jaxzero.offload.host_optimizer import HostOptimizer
+from jaxzero.offload.streaming import StreamedModel
+from jaxzero.optim import build_optimizer
+
+
+class OffloadState(NamedTuple):
+    """Training state of the offload engine (a pytree).
+
+    step:      int32 scalar on the host device: optimizer updates applied.
+    params:    float32 masters, host RAM (CPU backend).
+    opt_state: one optax state per unit in `ModelParams` layout (embed, blocks, head), host RAM.
+    weights:   compute-dtype weights: embed/head and resident blocks in accelerator memory, streamed
+               blocks in the accelerator's pinned_host memory.
+    """
+
+    step: jax.Array
+    params: ModelParams
+    opt_state: ModelParams
+    weights: ModelParams
+
+
+def _delete(tree: Any) -> None:
+    """Release buffers now rather than when Python drops the last reference (their memory is reused)."""
+    for x in jax.tree.leaves(tree):
+        x.delete()
+
+
+def build_offload_trainer(cfg: TrainConfig, mesh: Mesh, *, prefetch: int = 1):
+    """A `Trainer` for `offload.optimizer=cpu` (and `offload.params` none or cpu) on `mesh`'s one device."""
+    from jaxzero.trainer import StepMetrics, Trainer  # trainer.py imports this module lazily
+
+    model = build_model(cfg.model)
+    where = placement_lib.offload_placement(mesh, cfg.model.num_layers, cfg.offload.params,
+                                            cfg.offload.resident_blocks)
+    masters_shape = jax.eval_shape(model.init, jax.random.key(0))
+    host = HostOptimizer(cfg.optimizer, cfg.steps, masters_shape, compute_dtype(cfg.model), where,
+                         cfg.data.grad_accum)
+    streamed = StreamedModel(model, where, cfg.data.grad_accum, prefetch=prefetch)
+    init_masters = jax.jit(model.init, out_shardings=where.host)
+
+    def init(key: jax.Array) -> OffloadState:
+        # Created on the host directly: the key moves to the CPU backend, never the state to the GPU.
+        masters = init_masters(jax.device_put(key, where.host))
+        step = jax.device_put(jnp.zeros((), jnp.int32), where.host)
+        return OffloadState(step, masters, host.init(masters), host.compute_weights(masters))
+
+    def step(state: OffloadState, batch: jax.Array) -> tuple[OffloadState, StepMetrics]:
+        loss, grads = streamed.grads(state.weights, batch)
+        _delete(state.weights)  # the new weights take their place (deletion waits for pending reads)
+        masters, opt_state, weights, grad_norm, lr = host.update(state.step, state.params, state.opt_state, grads)
+        del grads
+        return OffloadState(state.step + 1, masters, opt_state, weights), StepMetrics(loss, grad_norm, lr)
+
+    def eval_loss(state: OffloadState, window: jax.Array) -> jax.Array:
+        return streamed.loss(state.weights, window[None])
+
+    def put_batch(batch):  # whole batch on the one accelerator
+        return jax.device_put(batch, where.device)
+
+    mode = "ZeRO-3 offload" if cfg.offload.params == "cpu" else "ZeRO-Offload"
+    streamed_n = sum(where.is_streamed(i) for i in range(cfg.model.num_layers))
+    return Trainer(
+        config=cfg,
+        model=model,
+        mesh=mesh,
+        optimizer=build_optimizer(cfg.optimizer, cfg.steps),
+        init=init,
+        step=step,
+        eval_loss=eval_loss,
+        put_batch=put_batch,
+        put_eval_batch=put_batch,
+        strategy=(
+            f"{mode}: fp32 masters and {cfg.optimizer.name} state in host RAM (optax on the CPU); "
+            f"{streamed_n}/{cfg.model.num_layers} blocks streamed from pinned host memory, "
+            f"the rest of the {cfg.model.compute_dtype} weights on {where.accelerator}"
+        ),
+    )
+

@@ -1,0 +1,175 @@
+"""Optax on the host: the fp32 masters and optimizer state never leave host RAM.
+
+The update runs one unit at a time (embedding, each block, head) as XLA:CPU programs on the CPU
+backend, so one compiled block update serves every block and the compute-dtype copy of each unit can
+start its way back to the accelerator while the next unit updates. Global-norm clipping needs the norm
+of the whole gradient first, so the update is two passes:
+
+    1. norm:   the squared norm of each unit's (averaged) gradient, summed -> the exact global norm
+    2. update: per unit, clip with that norm (optax's rule), apply the optax transformation, cast the
+               new masters to the compute dtype and write them back to where the weights live.
+
+Optimizer state is one optax state per unit, kept in `ModelParams` layout (embed, blocks, head).
+
+The way back to accelerator-visible memory avoids the CPU backend's slow cross-client path: the
+compute-dtype result is read as a NumPy view (no copy) and `device_put` from a pool of threads, the
+fast path measured in `shared/design/measurements.md`.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxzero.config import OptimizerConfig
+from jaxzero.models import ModelParams
+from jaxzero.optim import build_optimizer, clip_by_norm, learning_rate_schedule, weight_decay_mask
+from jaxzero.placement import OffloadPlacement
+
+
+class HostOptimizer:
+    """The configured optax transformation applied on the host, unit by unit.
+
+    masters:   float32 `ModelParams` on `placement.host_device`.
+    opt_state: `ModelParams`-shaped tuple of per-unit optax states, on the host device.
+    grads:     `ModelParams` of gradient *sums* over `grad_accum` micro-batches, anywhere host-readable
+               (compute dtype or float32); they are upcast and divided by `grad_accum` here.
+    """
+
+    def __init__(
+        self,
+        cfg: OptimizerConfig,
+        total_steps: int,
+        masters_shape: ModelParams,
+        compute_dtype: jnp.dtype,
+        placement: OffloadPlacement,
+        grad_accum: int,
+        threads: int = 16,
+    ):
+        self.placement = placement
+        self.compute_dtype = jnp.dtype(compute_dtype)
+        self.grad_accum = grad_accum
+        self.max_norm = cfg.grad_clip
+        self.schedule = learning_rate_schedule(cfg, total_steps)
+        mask = weight_decay_mask(masters_shape, cfg.decay_norms_biases_embeddings)
+        self.tx = ModelParams(
+            embed=build_optimizer(cfg, total_steps, clip=False, mask=mask.embed),
+            blocks=build_optimizer(cfg, total_steps, clip=False, mask=mask.blocks[0]),  # blocks share one
+            head=build_optimizer(cfg, total_steps, clip=False, mask=mask.head),
+        )
+        self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="jaxzero-writeback")
+        host = placement.host
+
+        def mean_grad(g):
+            return jax.tree.map(lambda x: x.astype(jnp.float32) / grad_accum, g)
+
+        def sq_norm(g):  # float32 scalar: squared L2 norm of one unit's averaged gradient
+            return sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(mean_grad(g)))
+
+        def make_update(tx: optax.GradientTransformation):
+            def update(masters, opt_state, grads, norm):
+                g = mean_grad(grads)
+                if self.max_norm > 0:
+                    g = clip_by_norm(g, norm, self.max_norm)
+                updates, opt_state = tx.update(g, opt_state, masters)
+                masters = optax.apply_updates(masters, updates)
+                weights = jax.tree.map(lambda p: p.astype(self.compute_dtype), masters)
+                return masters, opt_state, weights
+
+            # Masters and state are updated in place (donated); everything runs on the host device.
+            return jax.jit(update, donate_argnums=(0, 1), out_shardings=host)
+
+        self._sq_norm = jax.jit(sq_norm, out_shardings=host)
+        self._update = ModelParams(
+            embed=make_update(self.tx.embed), blocks=make_update(self.tx.blocks), head=make_update(self.tx.head)
+        )
+        self._init = ModelParams(
+            embed=jax.jit(self.tx.embed.init, out_shardings=host),
+            blocks=jax.jit(self.tx.blocks.init, out_shardings=host),
+            head=jax.jit(self.tx.head.init, out_shardings=host),
+        )
+        self._cast = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(self.compute_dtype), p), out_shardings=host)
+
+    # -- state ---------------------------------------------------------------------------------------
+
+    def init(self, masters: ModelParams) -> ModelParams:
+        """Per-unit optimizer state for host-resident float32 masters, created on the host."""
+        return ModelParams(
+            embed=self._init.embed(masters.embed),
+            blocks=tuple(self._init.blocks(b) for b in masters.blocks),
+            head=self._init.head(masters.head),
+        )
+
+    def compute_weights(self, masters: ModelParams) -> ModelParams:
+        """The compute-dtype weights of `masters`, placed per `placement` (used at init and restore)."""
+        futures = ModelParams(
+            embed=self._write_back(self._cast(masters.embed), self.placement.device),
+            blocks=tuple(
+                self._write_back(self._cast(b), self._block_target(i)) for i, b in enumerate(masters.blocks)
+            ),
+            head=self._write_back(self._cast(masters.head), self.placement.device),
+        )
+        return _resolve(futures)
+
+    # -- the update ----------------------------------------------------------------------------------
+
+    def global_norm(self, grads_host: ModelParams) -> jax.Array:
+        """Exact L2 norm of the averaged gradient over all units; float32 scalar on the host."""
+        parts = [self._sq_norm(grads_host.embed), self._sq_norm(grads_host.head)]
+        parts += [self._sq_norm(g) for g in grads_host.blocks]
+        return jnp.sqrt(sum(parts[1:], parts[0]))
+
+    def update(
+        self, step: jax.Array, masters: ModelParams, opt_state: ModelParams, grads: ModelParams
+    ) -> tuple[ModelParams, ModelParams, ModelParams, jax.Array, jax.Array]:
+        """One optimizer step. Returns (masters, opt_state, weights, grad_norm, lr).
+
+        `grads` are moved onto the host device first: for arrays in the accelerator's `pinned_host`
+        memory that is an alias, not a copy. `masters` and `opt_state` are donated. `weights` are the
+        new compute-dtype weights already placed per `placement`; the caller must have released the
+        old ones (their memory is reused).
+        """
+        grads = jax.device_put(grads, self.placement.host)  # pinned_host -> CPU backend: no copy on GPU
+        norm = self.global_norm(grads)
+        m_embed, s_embed, w_embed = self._update.embed(masters.embed, opt_state.embed, grads.embed, norm)
+        w_futures_embed = self._write_back(w_embed, self.placement.device)
+        new_blocks, new_states, w_futures = [], [], []
+        for i, (m, s, g) in enumerate(zip(masters.blocks, opt_state.blocks, grads.blocks)):
+            m, s, w = self._update.blocks(m, s, g, norm)
+            new_blocks.append(m)
+            new_states.append(s)
+            w_futures.append(self._write_back(w, self._block_target(i)))
+        m_head, s_head, w_head = self._update.head(masters.head, opt_state.head, grads.head, norm)
+        w_futures_head = self._write_back(w_head, self.placement.device)
+        weights = _resolve(ModelParams(w_futures_embed, tuple(w_futures), w_futures_head))
+        lr = jnp.asarray(self.schedule(step), jnp.float32)
+        return (
+            ModelParams(m_embed, tuple(new_blocks), m_head),
+            ModelParams(s_embed, tuple(new_states), s_head),
+            weights,
+            norm,
+            lr,
+        )
+
+    # -- the way back --------------------------------------------------------------------------------
+
+    def _block_target(self, i: int):
+        return self.placement.pinned if self.placement.is_streamed(i) else self.placement.device
+
+    def _write_back(self, unit_host: Any, target) -> Future:
+        """Copy a host-device pytree to `target` from a worker thread: NumPy view, then `device_put`."""
+
+        def run():
+            arrays = jax.device_get(unit_host)  # host sync (worker thread): waits for this unit's update
+            return jax.device_put(arrays, target)
+
+        return self._pool.submit(run)
+
+
+def _resolve(futures: ModelParams) -> ModelParams:
+    """Wait for every write-back. Host sync."""
+    return jax.tree.map(lambda f: f.result(), futures, is_leaf=lambda x: isinstance(x, Future))

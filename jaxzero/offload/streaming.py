@@ -1,0 +1,198 @@
+"""The per-block streaming schedule: forward, loss, and a rematerialised backward, one block at a time.
+
+Compute-dtype weights of streamed blocks live in the accelerator's `pinned_host` memory. One step:
+
+    forward   x = embed(tokens); for i in 0..L-1: fetch block i+1 (async); save x; x = block_i(x)
+    head      loss and dL/dx for every micro-batch
+    backward  for i in L-1..0: fetch block i-1 (async); recompute block_i from its saved input and
+              backpropagate; block i's gradients leave for `pinned_host` at once; its input is freed
+    embed     gradient of the embedding lookup (plus the tied head's share)
+
+Each unit is its own small jitted function, compiled once: one compiled block forward and one block
+backward serve every layer, so compile time does not grow with depth. The Python loop only issues
+asynchronous work: a copy is issued `prefetch` accesses ahead of the compute that needs it, so it
+overlaps the previous block's compute (JAX orders each compute after its inputs' copies), and each
+block's gradient copy to the host overlaps the next block's backward.
+
+Micro-batches are processed layer-major: every micro-batch passes block i before block i+1 starts,
+so weights cross the link twice per optimizer step however large `grad_accum` is, and a block's
+gradient is summed over micro-batches in float32 on the accelerator before it leaves.
+
+Exactness: with one micro-batch, a block's gradient leaves in the compute dtype; that is exactly the
+value the resident trainer upcasts (the gradient of `astype` is an upcast), so sending it narrow
+loses nothing. With several micro-batches the float32 sum leaves, as the resident trainer keeps it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxzero.models import Model, ModelParams
+from jaxzero.objective import cross_entropy
+from jaxzero.placement import OffloadPlacement
+
+
+def _f32(tree: Any) -> Any:
+    return jax.tree.map(lambda x: x.astype(jnp.float32), tree)
+
+
+def _accumulate(fn, xs: Sequence[jax.Array], init: Any):
+    """Sum `fn(*x)`'s first output (a pytree, upcast to float32) over the leading axis of `xs`, and
+    stack its second output. One micro-batch at a time, so only one micro-batch's activations live."""
+
+    def body(acc, x):
+        g, out = fn(*x)
+        return jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc, g), out
+
+    return jax.lax.scan(body, init, xs)
+
+
+def stream_blocks(
+    blocks: Sequence[Any], order: Sequence[int], placement: OffloadPlacement, depth: int
+) -> Iterator[Any]:
+    """Yield the accelerator copy of `blocks[i]` for each i in `order`, keeping up to `depth` further
+    copies in flight. Resident blocks are yielded as they are; a block accessed twice in a row (the
+    last block, where the forward pass turns into the backward pass) is reused, not copied again.
+
+    Each copy is an asynchronous `device_put` from `pinned_host` to `device` memory; the previous
+    copy is released (and its accelerator memory freed) once the consumer moves on.
+    """
+    inflight: deque[Any] = deque()
+    issued = 0
+    last: tuple[int, Any] | None = None  # (block index, accelerator copy) of the newest issued access
+
+    def issue() -> None:
+        nonlocal issued, last
+        i = order[issued]
+        if last is not None and last[0] == i:
+            w = last[1]
+        elif placement.is_streamed(i):
+            w = jax.device_put(blocks[i], placement.device)  # async host -> accelerator DMA
+        else:
+            w = blocks[i]
+        inflight.append(w)
+        last = (i, w)
+        issued += 1
+
+    for k in range(len(order)):
+        while issued < min(len(order), k + 1 + depth):
+            issue()
+        yield inflight.popleft()
+    last = None
+
+
+class StreamedModel:
+    """Loss and gradients of a model whose blocks are fetched per use. Built once; holds compiled units.
+
+    Weights are a compute-dtype `ModelParams` placed by `placement` (embed/head on the accelerator,
+    blocks on the accelerator or in `pinned_host`). Batches are int32 (A, mb, S+1) on the accelerator.
+    """
+
+    def __init__(self, model: Model, placement: OffloadPlacement, grad_accum: int, prefetch: int = 1):
+        self.model, self.placement, self.prefetch = model, placement, prefetch
+        self.num_layers = model.config.num_layers
+        self.tied = model.config.tie_embeddings or model.config.family == "gpt2"
+        self.accum = grad_accum
+        m = model
+
+        def embed(embed_w, batch):  # (A, mb, S+1) -> (A, mb, S, D)
+            return jax.lax.map(lambda w: m.embed(embed_w, w[:, :-1]), batch)
+
+        def block_fwd(w, x):  # (A, mb, S, D) -> same
+            return jax.lax.map(lambda xa: m.block(w, xa), x)
+
+        def head_loss(head_w, embed_w, x, window):  # scalar: mean over micro-batches of their means
+            losses = jax.lax.map(lambda a: cross_entropy(m.head(head_w, embed_w, a[0]), a[1][:, 1:]), (x, window))
+            return jnp.mean(losses)
+
+        def head_grad(head_w, embed_w, x, batch):
+            """-> loss, dL_a/dx_a per micro-batch (seed 1 each, as the resident trainer), float32 head
+            (and tied-embedding) gradient sums over micro-batches."""
+
+            def one(xa, wa):
+                def f(hw, ew, xa):
+                    return cross_entropy(m.head(hw, ew, xa), wa[:, 1:])
+
+                loss, vjp = jax.vjp(f, head_w, embed_w, xa)
+                g_head, g_embed, dx = vjp(jnp.ones((), jnp.float32))
+                return (loss, _f32(g_head), _f32(g_embed) if self.tied else None), dx
+
+            zeros = (jnp.zeros((), jnp.float32), _f32(jax.tree.map(jnp.zeros_like, head_w)),
+                     _f32(jax.tree.map(jnp.zeros_like, embed_w)) if self.tied else None)
+            (loss, g_head, g_embed), dx = _accumulate(one, (x, batch), zeros)
+            return loss / x.shape[0], dx, g_head, g_embed
+
+        def block_bwd(w, x, dy):
+            """Recompute block(w, x_a) and backpropagate dy_a for each micro-batch -> (dx, dw)."""
+
+            def one(xa, dya):
+                _, vjp = jax.vjp(m.block, w, xa)
+                return vjp(dya)
+
+            if x.shape[0] == 1:  # exact in the compute dtype; see the module docstring
+                g, dx = one(x[0], dy[0])
+                return dx[None], g
+            g, dx = _accumulate(one, (x, dy), _f32(jax.tree.map(jnp.zeros_like, w)))
+            return dx, g
+
+        def embed_grad(embed_w, batch, dx, g_from_head):
+            def one(wa, dxa):
+                _, vjp = jax.vjp(lambda ew: m.embed(ew, wa[:, :-1]), embed_w)
+                return vjp(dxa)[0], None
+
+            g, _ = _accumulate(one, (batch, dx), _f32(jax.tree.map(jnp.zeros_like, embed_w)))
+            if g_from_head is not None:
+                g = jax.tree.map(jnp.add, g, g_from_head)
+            return g
+
+        self._embed = jax.jit(embed)
+        self._block_fwd = jax.jit(block_fwd)
+        self._head_loss = jax.jit(head_loss)
+        self._head_grad = jax.jit(head_grad)
+        # The saved input is consumed by its block's backward: donating it frees it as soon as possible.
+        self._block_bwd = jax.jit(block_bwd, donate_argnums=(1, 2))
+        self._embed_grad = jax.jit(embed_grad)
+
+    def loss(self, weights: ModelParams, batch: jax.Array) -> jax.Array:
+        """Mean loss over int32 (A, mb, S+1) with weights streamed once through; float32 scalar."""
+        x = self._embed(weights.embed, batch)
+        for w in stream_blocks(weights.blocks, range(self.num_layers), self.placement, self.prefetch):
+            x = self._block_fwd(w, x)
+        return self._head_loss(weights.head, weights.embed, x, batch)
+
+    def grads(self, weights: ModelParams, batch: jax.Array) -> tuple[jax.Array, ModelParams]:
+        """Loss and gradients over int32 (A, mb, S+1); gradients land in `pinned_host`.
+
+        Block gradients are summed over the A micro-batches (compute dtype if A == 1, float32 if A > 1);
+        embed and head gradients are float32 sums. Divide by A for the mean (the host optimizer does).
+        """
+        L = self.num_layers
+        order = [*range(L), *reversed(range(L))]
+        fetched = stream_blocks(weights.blocks, order, self.placement, self.prefetch)
+        x = self._embed(weights.embed, batch)
+        saved: list[jax.Array | None] = []
+        for _ in range(L):
+            w = next(fetched)
+            saved.append(x)  # the block input is all the backward pass keeps
+            x = self._block_fwd(w, x)
+        loss, dx, g_head, g_embed_head = self._head_grad(weights.head, weights.embed, x, batch)
+        del x
+        to_host = self.placement.pinned
+        block_grads: list[Any] = [None] * L
+        for i in reversed(range(L)):
+            w = next(fetched)
+            dx, g = self._block_bwd(w, saved[i], dx)
+            saved[i] = None
+            block_grads[i] = jax.device_put(g, to_host)  # async accelerator -> host DMA, overlaps block i-1
+        g_embed = self._embed_grad(weights.embed, batch, dx, g_embed_head)
+        grads = ModelParams(
+            embed=jax.device_put(g_embed, to_host),
+            blocks=tuple(block_grads),
+            head=jax.device_put(g_head, to_host),
+        )
+        return loss, grads
