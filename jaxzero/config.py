@@ -122,7 +122,7 @@ class TrainConfig:
 
     steps: int = 300
     seed: int = 0
-    run_dir: str = "runs/default"
+    run_dir: str = ""  # empty: runs/<model.name>-<UTC timestamp>
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -317,7 +317,6 @@ def validate(cfg: TrainConfig, num_devices: int | None = None) -> None:
             raise ConfigError(msg)
 
     need(cfg.steps >= 1, f"steps={cfg.steps} must be >= 1.")
-    need(cfg.run_dir != "", "run_dir must not be empty; pass --run_dir=PATH.")
     for k in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
               "max_seq_len"):
         need(getattr(m, k) >= 1, f"model.{k}={getattr(m, k)} must be >= 1.")

@@ -16,3 +16,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+# Trainers built by different tests compile identical programs (same shapes, fresh closures); a
+# persistent compilation cache shared by the session turns the repeats into cache hits.
+_cache_dir = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"jaxzero-test-cache-{os.getuid()}")
+jax.config.update("jax_compilation_cache_dir", _cache_dir)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 
 from jaxzero import placement as placement_lib
@@ -60,11 +60,12 @@ def build_offload_trainer(cfg: TrainConfig, mesh: Mesh, *, prefetch: int = 1):
                          cfg.data.grad_accum)
     streamed = StreamedModel(model, where, cfg.data.grad_accum, prefetch=prefetch)
     init_masters = jax.jit(model.init, out_shardings=where.host)
+    increment = jax.jit(lambda step: step + 1)
 
     def init(key: jax.Array) -> OffloadState:
         # Created on the host directly: the key moves to the CPU backend, never the state to the GPU.
         masters = init_masters(jax.device_put(key, where.host))
-        step = jax.device_put(jnp.zeros((), jnp.int32), where.host)
+        step = jax.device_put(np.zeros((), np.int32), where.host)
         return OffloadState(step, masters, host.init(masters), host.compute_weights(masters))
 
     def step(state: OffloadState, batch: jax.Array) -> tuple[OffloadState, StepMetrics]:
@@ -72,7 +73,7 @@ def build_offload_trainer(cfg: TrainConfig, mesh: Mesh, *, prefetch: int = 1):
         _delete(state.weights)  # the new weights take their place (deletion waits for pending reads)
         masters, opt_state, weights, grad_norm, lr = host.update(state.step, state.params, state.opt_state, grads)
         del grads
-        return OffloadState(state.step + 1, masters, opt_state, weights), StepMetrics(loss, grad_norm, lr)
+        return OffloadState(increment(state.step), masters, opt_state, weights), StepMetrics(loss, grad_norm, lr)
 
     def eval_loss(state: OffloadState, window: jax.Array) -> jax.Array:
         return streamed.loss(state.weights, window[None])

@@ -84,6 +84,8 @@ class HostOptimizer:
             return jax.jit(update, donate_argnums=(0, 1), out_shardings=host)
 
         self._sq_norm = jax.jit(sq_norm, out_shardings=host)
+        self._sqrt_sum = jax.jit(lambda parts: jnp.sqrt(sum(parts[1:], parts[0])), out_shardings=host)
+        self._lr = jax.jit(lambda step: jnp.asarray(self.schedule(step), jnp.float32), out_shardings=host)
         self._update = ModelParams(
             embed=make_update(self.tx.embed), blocks=make_update(self.tx.blocks), head=make_update(self.tx.head)
         )
@@ -121,7 +123,7 @@ class HostOptimizer:
         """Exact L2 norm of the averaged gradient over all units; float32 scalar on the host."""
         parts = [self._sq_norm(grads_host.embed), self._sq_norm(grads_host.head)]
         parts += [self._sq_norm(g) for g in grads_host.blocks]
-        return jnp.sqrt(sum(parts[1:], parts[0]))
+        return self._sqrt_sum(parts)
 
     def update(
         self, step: jax.Array, masters: ModelParams, opt_state: ModelParams, grads: ModelParams
@@ -132,28 +134,30 @@ class HostOptimizer:
         memory that is an alias, not a copy. `masters` and `opt_state` are donated. `weights` are the
         new compute-dtype weights already placed per `placement`; the caller must have released the
         old ones (their memory is reused).
+
+        Units are updated concurrently from the worker pool: one XLA:CPU call uses only part of the
+        host's cores and memory bandwidth, several at once use most of it.
         """
         grads = jax.device_put(grads, self.placement.host)  # pinned_host -> CPU backend: no copy on GPU
         norm = self.global_norm(grads)
-        m_embed, s_embed, w_embed = self._update.embed(masters.embed, opt_state.embed, grads.embed, norm)
-        w_futures_embed = self._write_back(w_embed, self.placement.device)
-        new_blocks, new_states, w_futures = [], [], []
-        for i, (m, s, g) in enumerate(zip(masters.blocks, opt_state.blocks, grads.blocks)):
-            m, s, w = self._update.blocks(m, s, g, norm)
-            new_blocks.append(m)
-            new_states.append(s)
-            w_futures.append(self._write_back(w, self._block_target(i)))
-        m_head, s_head, w_head = self._update.head(masters.head, opt_state.head, grads.head, norm)
-        w_futures_head = self._write_back(w_head, self.placement.device)
-        weights = _resolve(ModelParams(w_futures_embed, tuple(w_futures), w_futures_head))
-        lr = jnp.asarray(self.schedule(step), jnp.float32)
-        return (
-            ModelParams(m_embed, tuple(new_blocks), m_head),
-            ModelParams(s_embed, tuple(new_states), s_head),
-            weights,
-            norm,
-            lr,
-        )
+        units = [(self._update.embed, masters.embed, opt_state.embed, grads.embed, self.placement.device)]
+        units += [
+            (self._update.blocks, m, s, g, self._block_target(i))
+            for i, (m, s, g) in enumerate(zip(masters.blocks, opt_state.blocks, grads.blocks))
+        ]
+        units += [(self._update.head, masters.head, opt_state.head, grads.head, self.placement.device)]
+        del masters, opt_state, grads
+
+        def run(update, m, s, g, target):
+            m, s, w = update(m, s, g, norm)
+            w = jax.device_get(w)  # host sync (worker thread): waits for this unit's update
+            return m, s, jax.device_put(w, target)
+
+        results = [f.result() for f in [self._pool.submit(run, *u) for u in units]]  # host sync
+        masters_out, states_out, weights_out = (list(col) for col in zip(*results))
+        as_params = lambda xs: ModelParams(xs[0], tuple(xs[1:-1]), xs[-1])  # noqa: E731
+        lr = self._lr(step)
+        return as_params(masters_out), as_params(states_out), as_params(weights_out), norm, lr
 
     # -- the way back --------------------------------------------------------------------------------
 

@@ -154,8 +154,8 @@ class StreamedModel:
         self._block_fwd = jax.jit(block_fwd)
         self._head_loss = jax.jit(head_loss)
         self._head_grad = jax.jit(head_grad)
-        # The saved input is consumed by its block's backward: donating it frees it as soon as possible.
-        self._block_bwd = jax.jit(block_bwd, donate_argnums=(1, 2))
+        # The incoming gradient is consumed here: donating it lets the outgoing one reuse its memory.
+        self._block_bwd = jax.jit(block_bwd, donate_argnums=(2,))
         self._embed_grad = jax.jit(embed_grad)
 
     def loss(self, weights: ModelParams, batch: jax.Array) -> jax.Array:

@@ -1,0 +1,153 @@
+"""The resident reference trainer: accumulation, clipping, schedule, sharding and weight decay."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxzero import placement
+from jaxzero.config import TrainConfig, apply_overrides
+from jaxzero.models import build_model
+from jaxzero.objective import loss_fn
+from jaxzero.optim import build_optimizer, clip_by_norm, learning_rate_schedule, weight_decay_mask
+from jaxzero.trainer import averaged_grads, build_trainer
+
+FP32 = {"model.compute_dtype": "float32", "model.num_layers": "2", "data.seq_len": "32"}
+
+
+def cfg_with(**over) -> TrainConfig:
+    return apply_overrides(TrainConfig(), {**FP32, **{k.replace("__", "."): str(v) for k, v in over.items()}})
+
+
+def random_batch(cfg: TrainConfig, key: int = 0) -> np.ndarray:
+    d = cfg.data
+    shape = (d.grad_accum, d.batch_size // d.grad_accum, d.seq_len + 1)
+    return np.random.default_rng(key).integers(0, cfg.model.vocab_size, shape, dtype=np.int32)
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def test_grad_accumulation_equals_one_big_batch():
+    cfg = cfg_with(data__batch_size=8)
+    model = build_model(cfg.model)
+    params = model.init(jax.random.key(0))
+    big = random_batch(cfg)  # (1, 8, S+1)
+    loss1, g1 = jax.jit(lambda p, b: averaged_grads(model, p, b))(params, big)
+    loss4, g4 = jax.jit(lambda p, b: averaged_grads(model, p, b))(params, big.reshape(4, 2, -1))
+    assert abs(float(loss1) - float(loss4)) < 1e-5
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g4)):
+        assert rel(b, a) < 1e-5
+
+
+def test_training_with_accumulation_matches_without():
+    """Whole optimizer steps: grad_accum=4 over the same 8 sequences equals grad_accum=1."""
+    losses = {}
+    for accum in (1, 4):
+        cfg = cfg_with(data__batch_size=8, data__grad_accum=accum, steps=3)
+        tr = build_trainer(cfg, placement.make_mesh(jax.devices()[:1]))
+        state = tr.init(jax.random.key(0))
+        out = []
+        for k in range(3):
+            batch = random_batch(cfg_with(data__batch_size=8), key=k).reshape(accum, 8 // accum, -1)
+            state, m = tr.step(state, tr.put_batch(batch))
+            out.append(float(m.loss))
+        losses[accum] = (out, jax.device_get(state.params))
+    np.testing.assert_allclose(losses[1][0], losses[4][0], rtol=2e-5)
+    for a, b in zip(jax.tree.leaves(losses[1][1]), jax.tree.leaves(losses[4][1])):
+        assert rel(b, a) < 1e-4
+
+
+def test_schedule_values():
+    cfg = cfg_with(optimizer__lr=1.0, optimizer__warmup_steps=10, optimizer__min_lr_ratio=0.1).optimizer
+    cos = learning_rate_schedule(cfg, total_steps=110)
+    assert float(cos(0)) == 0.0
+    assert float(cos(5)) == pytest.approx(0.5)
+    assert float(cos(10)) == pytest.approx(1.0)
+    assert float(cos(60)) == pytest.approx(0.55, abs=1e-6)  # halfway down the cosine: (1 + 0.1) / 2
+    assert float(cos(110)) == pytest.approx(0.1, abs=1e-6)
+    lin = learning_rate_schedule(cfg_with(optimizer__lr=1.0, optimizer__warmup_steps=10,
+                                          optimizer__schedule="linear").optimizer, total_steps=110)
+    assert float(lin(60)) == pytest.approx(0.55, abs=1e-6)
+    const = learning_rate_schedule(cfg_with(optimizer__warmup_steps=0, optimizer__schedule="constant").optimizer, 50)
+    assert float(const(0)) == float(const(49)) == pytest.approx(3e-3)
+
+
+def test_clip_by_norm_matches_optax():
+    tree = {"a": jnp.arange(6.0).reshape(2, 3), "b": jnp.ones(4)}
+    norm = optax.tree.norm(tree)
+    for max_norm in (0.5, 100.0):
+        ref, _ = optax.clip_by_global_norm(max_norm).update(tree, optax.EmptyState())
+        ours = clip_by_norm(tree, norm, max_norm)
+        for x, y in zip(jax.tree.leaves(ours), jax.tree.leaves(ref)):
+            np.testing.assert_array_equal(x, y)
+
+
+def test_clipping_bounds_the_update():
+    """With SGD (lr 1, no momentum) the update is the clipped gradient: its norm is the clip value."""
+    cfg = cfg_with(optimizer__name="sgd", optimizer__momentum=0, optimizer__lr=1.0, optimizer__warmup_steps=0,
+                   optimizer__schedule="constant", optimizer__weight_decay=0, optimizer__grad_clip=0.01, steps=1)
+    tr = build_trainer(cfg, placement.make_mesh(jax.devices()[:1]))
+    state = tr.init(jax.random.key(0))
+    before = jax.device_get(state.params)
+    state, m = tr.step(state, tr.put_batch(random_batch(cfg)))
+    after = jax.device_get(state.params)
+    delta = jax.tree.map(lambda a, b: a - b, after, before)
+    assert float(m.grad_norm) > 0.01  # clipping was active
+    assert float(optax.tree.norm(delta)) == pytest.approx(0.01, rel=1e-4)
+
+
+def test_weight_decay_mask_excludes_norms_biases_embeddings():
+    for name in ("llama-tiny", "gpt2-tiny"):
+        cfg = apply_overrides(TrainConfig(), {"model.name": name})
+        model = build_model(cfg.model)
+        shapes = jax.eval_shape(model.init, jax.random.key(0))
+        mask = weight_decay_mask(shapes)
+        assert not any(jax.tree.leaves(mask.embed))
+        flat = jax.tree_util.tree_flatten_with_path(mask.blocks[0])[0]
+        for path, decays in flat:
+            leaf = jax.tree_util.keystr(path)
+            assert decays == ("kernel" in leaf), leaf
+
+
+def test_sharded_over_four_devices_equals_one():
+    assert len(jax.devices()) == 4
+    results = []
+    for devices in (jax.devices()[:1], jax.devices()):
+        cfg = cfg_with(data__batch_size=8, data__grad_accum=2, steps=3)
+        tr = build_trainer(cfg, placement.make_mesh(devices))
+        state = tr.init(jax.random.key(1))
+        losses = []
+        for k in range(3):
+            state, m = tr.step(state, tr.put_batch(random_batch(cfg, key=k)))
+            losses.append(float(m.loss))
+        val = float(tr.eval_loss(state, tr.put_eval_batch(random_batch(cfg, key=9)[0])))
+        results.append((losses, val, jax.device_get(state.params)))
+        if len(devices) == 4:
+            assert state.params.blocks[0]["mlp"]["up_proj"]["kernel"].sharding.is_fully_replicated
+    (l1, v1, p1), (l4, v4, p4) = results
+    np.testing.assert_allclose(l1, l4, rtol=1e-5)
+    assert v1 == pytest.approx(v4, rel=1e-5)
+    for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p4)):
+        assert rel(b, a) < 1e-5
+
+
+def test_loss_at_init_is_log_vocab():
+    cfg = cfg_with()
+    model = build_model(cfg.model)
+    params = model.init(jax.random.key(0))
+    loss = float(loss_fn(model, params, jnp.asarray(random_batch(cfg)[0])))
+    assert loss == pytest.approx(np.log(cfg.model.vocab_size), rel=0.02)
+
+
+def test_optimizer_names_build():
+    for name in ("adamw", "lion", "sgd"):
+        build_optimizer(cfg_with(optimizer__name=name).optimizer, 10)
+    from jaxzero.config import ConfigError
+
+    with pytest.raises(ConfigError, match="optimizer.name=adam has no weight decay"):
+        build_optimizer(cfg_with(optimizer__name="adam").optimizer, 10)
+    build_optimizer(cfg_with(optimizer__name="adam", optimizer__weight_decay=0).optimizer, 10)
