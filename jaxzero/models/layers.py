@@ -1,0 +1,329 @@
+"""Building blocks shared by the model families: casting, init, norms, rotary embeddings, attention.
+
+Everything here is a pure function of arrays. Parameters are plain nested dicts whose leaves follow the
+Flax naming convention, which the optimizer and the checkpoint/HF-conversion code rely on:
+
+    "kernel"     a matmul weight stored (in, out), like `flax.linen.Dense` (HF Linear stores (out, in))
+    "embedding"  a lookup table (rows, D)
+    "scale"      a norm's multiplicative weight (D,)
+    "bias"       an additive bias (out,)
+
+Numerics: activations flow in the compute dtype (bfloat16 or float32); norm statistics, softmax and
+the rotary rotation are computed in float32 and cast back, and logits leave the head in float32.
+JAX runs with `jax_numpy_rank_promotion="raise"` in the tests, so every broadcast here is explicit.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxzero.config import ConfigError, ModelConfig
+
+COMPUTE_DTYPES: dict[str, jnp.dtype] = {
+    "bfloat16": jnp.dtype(jnp.bfloat16),
+    "float32": jnp.dtype(jnp.float32),
+}
+
+
+def compute_dtype(config: ModelConfig) -> jnp.dtype:
+    """The matmul/activation dtype named by `config.compute_dtype`."""
+    try:
+        return COMPUTE_DTYPES[config.compute_dtype]
+    except KeyError:
+        raise ConfigError(
+            f"model.compute_dtype={config.compute_dtype!r} is not one of {list(COMPUTE_DTYPES)}."
+        ) from None
+
+
+def cast_tree(tree: Any, dtype: jnp.dtype) -> Any:
+    """Cast every floating leaf of `tree` to `dtype`; leaves already of that dtype are returned as is.
+
+    Skipping same-dtype leaves keeps the call free when the offload engine already streams weights in
+    the compute dtype, and keeps the traced graph free of no-op converts.
+    """
+
+    def cast(x: jax.Array) -> jax.Array:
+        if x.dtype == dtype or not jnp.issubdtype(x.dtype, jnp.floating):
+            return x
+        return x.astype(dtype)
+
+    return jax.tree.map(cast, tree)
+
+
+def check_shape(config: ModelConfig, family: str) -> None:
+    """Raise ConfigError if `config` cannot describe a `family` transformer.
+
+    `jaxzero.config.validate` checks the same rules for whole runs; models check them again because
+    they are also built directly (tests, conversion scripts) without a TrainConfig.
+    """
+    if config.family != family:
+        raise ConfigError(f"model.family={config.family!r} cannot build a {family} model.")
+    for k in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
+              "max_seq_len"):
+        if getattr(config, k) < 1:
+            raise ConfigError(f"model.{k}={getattr(config, k)} must be >= 1.")
+    if config.hidden_size % config.num_heads:
+        raise ConfigError(f"model.hidden_size={config.hidden_size} must be divisible by "
+                          f"model.num_heads={config.num_heads}.")
+    if config.num_heads % config.num_kv_heads:
+        raise ConfigError(f"model.num_heads={config.num_heads} must be divisible by "
+                          f"model.num_kv_heads={config.num_kv_heads}.")
+    compute_dtype(config)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Initialization
+# ---------------------------------------------------------------------------------------------------
+
+
+# Initialization cost, measured for llama-7b (226 tensors) with jax 0.11 on one H200: each tensor is one
+# threefry instance, and XLA:GPU unrolls threefry's 20 rounds per instance, so `jax.jit(init)` compiles in
+# ~90 s; with `jax.config.update("jax_threefry_gpu_kernel_lowering", True)` (set by the program, not
+# here: it is process-wide) it compiles in ~11 s and gives bit-identical values. Drawing one flat vector
+# per block and slicing it compiles slower still on GPU, and on XLA:CPU, which runs independent ops
+# concurrently, keeps every draw's temporaries live at once, so tensors are drawn one by one.
+
+
+def split_init_keys(key: jax.Array, num_layers: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Split a model key into (embed key, `num_layers` block keys, head key).
+
+    This is the one place that fixes how `init` consumes randomness: block `i` of `init(key)` is
+    `init_block(split_init_keys(key, L)[1][i])`, so an engine that initializes one layer at a time
+    (e.g. straight into host memory) reproduces `init(key)` exactly. Works for raw `PRNGKey` arrays
+    (block keys shaped (L, 2) uint32) and typed `jax.random.key` arrays (block keys shaped (L,)).
+    """
+    k_embed, k_blocks, k_head = jax.random.split(key, 3)
+    return k_embed, jax.random.split(k_blocks, num_layers), k_head
+
+
+def normal(key: jax.Array, shape: Sequence[int], std: float) -> jax.Array:
+    """float32 samples of Normal(0, std**2) with the given shape."""
+    return _normal(key, tuple(shape), float(std))
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "std"))
+def _normal(key: jax.Array, shape: tuple[int, ...], std: float) -> jax.Array:
+    # Jitted as one unit so that `init` gives bit-identical values eagerly and under an outer jit. XLA
+    # folds `sqrt(2) * erfinv(u) * std` into `erfinv(u) * (sqrt(2) * std)` when both multiplies are in
+    # one computation; with the scaling inside this function that holds on both paths, whereas an eager
+    # multiply outside it would round differently (by one ulp) from the fused one under jit.
+    return jax.random.normal(key, shape, jnp.float32) * jnp.float32(std)
+
+
+def ones(shape: Sequence[int]) -> jax.Array:
+    """float32 ones (norm scales)."""
+    return jnp.ones(tuple(shape), jnp.float32)
+
+
+def zeros(shape: Sequence[int]) -> jax.Array:
+    """float32 zeros (biases)."""
+    return jnp.zeros(tuple(shape), jnp.float32)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Linear algebra
+# ---------------------------------------------------------------------------------------------------
+
+
+def _lead(v: jax.Array, ndim: int) -> jax.Array:
+    """Reshape a (F,) vector to (1, ..., 1, F) with `ndim` dims: an explicit, rank-preserving broadcast."""
+    return v.reshape((1,) * (ndim - 1) + v.shape)
+
+
+def dense(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None) -> jax.Array:
+    """x (..., in) @ kernel (in, out) [+ bias (out,)] -> (..., out), in the dtype of x and kernel.
+
+    Both operands are expected in the compute dtype already. On GPU a bf16 x bf16 dot accumulates in
+    float32 inside cuBLAS, so no `preferred_element_type` is needed (and asking for f32 output here
+    would make the backward pass run mixed f32 x bf16 GEMMs).
+    """
+    y = jnp.matmul(x, kernel)
+    if bias is not None:
+        y = y + _lead(bias, y.ndim)
+    return y
+
+
+@jax.custom_vjp
+def logits_matmul(h: jax.Array, w: jax.Array) -> jax.Array:
+    """Logits h (B, S, D) @ w (D, V) -> (B, S, V) float32, with a compute-dtype backward pass.
+
+    The forward GEMM writes float32 directly (no bf16 rounding of logits before the softmax/CE). Plain
+    autodiff of a `preferred_element_type=float32` dot would then run both backward GEMMs with a float32
+    cotangent against bf16 operands, i.e. as slow float32 GEMMs on the largest matmul of small models;
+    instead the custom VJP rounds the cotangent to the operands' dtype (what every bf16 trainer does) and
+    runs the backward GEMMs in that dtype with float32 accumulation. In float32 compute it is exactly
+    the ordinary gradient.
+    """
+    return jnp.einsum("bsd,dv->bsv", h, w, preferred_element_type=jnp.float32)
+
+
+def _logits_matmul_fwd(h: jax.Array, w: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    return logits_matmul(h, w), (h, w)
+
+
+def _logits_matmul_bwd(res: tuple[jax.Array, jax.Array], g: jax.Array) -> tuple[jax.Array, jax.Array]:
+    h, w = res
+    g = g.astype(h.dtype)
+    dh = jnp.einsum("bsv,dv->bsd", g, w.astype(h.dtype), preferred_element_type=jnp.float32)
+    dw = jnp.einsum("bsv,bsd->dv", g, h, preferred_element_type=jnp.float32)
+    return dh.astype(h.dtype), dw.astype(w.dtype)
+
+
+logits_matmul.defvjp(_logits_matmul_fwd, _logits_matmul_bwd)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Normalization
+# ---------------------------------------------------------------------------------------------------
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm over the last axis: x / sqrt(mean(x^2) + eps) * scale.
+
+    x (..., D) in any float dtype, scale (D,). Statistics and the product are computed in float32 (a
+    bf16 mean of squares over thousands of features loses most of its mantissa), then cast back to
+    x.dtype once.
+    """
+    x32 = x.astype(jnp.float32)
+    var = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+    y = x32 * jax.lax.rsqrt(var + jnp.float32(eps))
+    return (y * _lead(scale.astype(jnp.float32), y.ndim)).astype(x.dtype)
+
+
+def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
+    """LayerNorm over the last axis: (x - mean) / sqrt(var + eps) * scale + bias.
+
+    x (..., D) in any float dtype, scale and bias (D,). Computed in float32, cast back to x.dtype.
+    """
+    x32 = x.astype(jnp.float32)
+    mean = jnp.mean(x32, axis=-1, keepdims=True)
+    centered = x32 - mean
+    var = jnp.mean(jnp.square(centered), axis=-1, keepdims=True)
+    y = centered * jax.lax.rsqrt(var + jnp.float32(eps))
+    y = y * _lead(scale.astype(jnp.float32), y.ndim) + _lead(bias.astype(jnp.float32), y.ndim)
+    return y.astype(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Rotary position embeddings (Hugging Face "rotate half" convention)
+# ---------------------------------------------------------------------------------------------------
+
+
+def rope_cos_sin(seq_len: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """cos and sin tables, each (seq_len, head_dim) float32, for positions 0 .. seq_len-1.
+
+    Matches HF `LlamaRotaryEmbedding` (default rope type): inv_freq = 1 / theta^(arange(0, H, 2) / H),
+    freqs = pos (x) inv_freq, emb = concat([freqs, freqs]). `inv_freq` is computed on the host in
+    float64 and rounded once to float32 (HF computes it in float32; the two agree to an ulp); the
+    tables depend only on static shapes, so under jit they are constants folded into the program.
+    """
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    inv_freq = jnp.asarray(inv_freq, jnp.float32)
+    pos = jnp.arange(seq_len, dtype=jnp.float32)
+    freqs = pos[:, None] * inv_freq[None, :]  # (S, H/2)
+    emb = jnp.concatenate([freqs, freqs], axis=-1)  # (S, H)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def rotate_half(x: jax.Array) -> jax.Array:
+    """(x1, x2) -> (-x2, x1) over the halves of the last axis."""
+    half = x.shape[-1] // 2
+    return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate x (B, S, heads, H) by position: x * cos + rotate_half(x) * sin, cos/sin (S, H) float32.
+
+    The rotation is done in float32 and cast back once: at long contexts the high-frequency pairs
+    need more than bf16's 8 bits of mantissa to keep relative positions distinguishable.
+    """
+    x32 = x.astype(jnp.float32)
+    c = cos[None, :, None, :]
+    s = sin[None, :, None, :]
+    return (x32 * c + rotate_half(x32) * s).astype(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Attention
+# ---------------------------------------------------------------------------------------------------
+
+AttentionImpl = Literal["xla", "cudnn"]
+
+
+def _cuda_backend() -> tuple[bool, tuple[int, int] | None]:
+    """(default backend is CUDA, compute capability of device 0 or None)."""
+    if jax.default_backend() != "gpu":
+        return False, None
+    from jax.extend.backend import get_backend
+
+    # ROCm also reports the "gpu" backend; cuDNN exists only on CUDA (the check JAX's own cuDNN
+    # attention uses).
+    if "cuda" not in get_backend().platform_version.lower():
+        return False, None
+    cc = getattr(jax.devices()[0], "compute_capability", None)
+    try:
+        major, minor = (int(p) for p in str(cc).split(".")[:2])
+    except ValueError:
+        return True, None
+    return True, (major, minor)
+
+
+def _cudnn_unsupported_reason(dtype: jnp.dtype, head_dim: int) -> str | None:
+    """Why cuDNN flash attention cannot run here, or None if it can.
+
+    Mirrors the checks of jax._src.cudnn.fused_attention_stablehlo.check_is_flash_attention for the
+    configuration we use (causal, no bias, no padding): bf16/fp16 inputs, head_dim a multiple of 8 and
+    at most 128 (256 on Hopper and later).
+    """
+    is_cuda, cc = _cuda_backend()
+    if not is_cuda:
+        return f"the default JAX backend is {jax.default_backend()!r}, not a CUDA GPU"
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"cuDNN flash attention needs bfloat16 or float16 inputs, got {jnp.dtype(dtype).name}"
+    max_head_dim = 256 if cc is not None and cc >= (9, 0) else 128
+    if head_dim % 8 or head_dim > max_head_dim:
+        return f"cuDNN flash attention needs head_dim a multiple of 8 and <= {max_head_dim}, got {head_dim}"
+    return None
+
+
+def resolve_attention_impl(requested: str, dtype: jnp.dtype, head_dim: int) -> AttentionImpl:
+    """Map `ModelConfig.attention_impl` to the `implementation=` of `jax.nn.dot_product_attention`.
+
+    "xla" -> "xla". "cudnn" -> "cudnn", raising ConfigError (rather than an opaque lowering error) when
+    it cannot apply. "auto" -> "cudnn" when the default backend is a CUDA GPU, the dtype is bf16/fp16 and
+    head_dim is supported, else "xla". We pick explicitly because in jax 0.10 `implementation=None`
+    always means XLA (the cuDNN auto-selection is a TODO there), which on GPU materializes the full
+    (B, N, S, S) float32 score tensor.
+    """
+    if requested == "xla":
+        return "xla"
+    reason = _cudnn_unsupported_reason(dtype, head_dim)
+    if requested == "cudnn":
+        if reason is not None:
+            raise ConfigError(f"model.attention_impl=cudnn cannot be used: {reason}. "
+                              "Use model.attention_impl=auto or xla.")
+        return "cudnn"
+    if requested == "auto":
+        return "cudnn" if reason is None else "xla"
+    raise ConfigError(f"model.attention_impl={requested!r} is not one of ['auto', 'xla', 'cudnn'].")
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, requested_impl: str) -> jax.Array:
+    """Causal scaled dot-product attention with grouped-query heads.
+
+    q (B, S, N, H), k and v (B, S, K, H), all in one dtype, N a multiple of K -> (B, S, N, H) in that
+    dtype. Query head n reads key/value head n // (N // K), the HF `repeat_kv` grouping. Scale is
+    1/sqrt(H); scores and softmax are float32 in both implementations.
+    """
+    head_dim = q.shape[-1]
+    impl = resolve_attention_impl(requested_impl, q.dtype, head_dim)
+    return jax.nn.dot_product_attention(
+        q, k, v, scale=1.0 / math.sqrt(head_dim), is_causal=True, implementation=impl
+    )
