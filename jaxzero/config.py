@@ -261,7 +261,9 @@ def load_preset(path: str | Path) -> dict[str, Any]:
     """Read a TOML preset into dotted overrides. Missing files and bad TOML raise ConfigError."""
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(f"config file {str(p)!r} does not exist. Presets live in configs/, e.g. configs/tiny.toml.")
+        raise ConfigError(
+            f"config file {str(p)!r} does not exist. Presets live in configs/, e.g. configs/tiny.toml."
+        )
     try:
         tree = tomllib.loads(p.read_text())
     except tomllib.TOMLDecodeError as e:
@@ -317,57 +319,92 @@ def validate(cfg: TrainConfig, num_devices: int | None = None) -> None:
             raise ConfigError(msg)
 
     need(cfg.steps >= 1, f"steps={cfg.steps} must be >= 1.")
-    for k in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
-              "max_seq_len"):
+    for k in (
+        "vocab_size",
+        "hidden_size",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "intermediate_size",
+        "max_seq_len",
+    ):
         need(getattr(m, k) >= 1, f"model.{k}={getattr(m, k)} must be >= 1.")
-    need(m.hidden_size % m.num_heads == 0,
-         f"model.hidden_size={m.hidden_size} must be divisible by model.num_heads={m.num_heads}.")
-    need(m.num_heads % m.num_kv_heads == 0,
-         f"model.num_heads={m.num_heads} must be divisible by model.num_kv_heads={m.num_kv_heads} "
-         "(each key/value head serves a whole group of query heads).")
+    need(
+        m.hidden_size % m.num_heads == 0,
+        f"model.hidden_size={m.hidden_size} must be divisible by model.num_heads={m.num_heads}.",
+    )
+    need(
+        m.num_heads % m.num_kv_heads == 0,
+        f"model.num_heads={m.num_heads} must be divisible by model.num_kv_heads={m.num_kv_heads} "
+        "(each key/value head serves a whole group of query heads).",
+    )
     if m.family == "llama":
-        need(m.head_dim % 2 == 0, f"rotary embeddings need an even head_dim; got {m.head_dim} "
-             f"(hidden_size={m.hidden_size} / num_heads={m.num_heads}).")
+        need(
+            m.head_dim % 2 == 0,
+            f"rotary embeddings need an even head_dim; got {m.head_dim} "
+            f"(hidden_size={m.hidden_size} / num_heads={m.num_heads}).",
+        )
     if m.family == "gpt2":
-        need(m.num_kv_heads == m.num_heads,
-             f"gpt2 uses multi-head attention: model.num_kv_heads={m.num_kv_heads} must equal "
-             f"model.num_heads={m.num_heads}.")
+        need(
+            m.num_kv_heads == m.num_heads,
+            f"gpt2 uses multi-head attention: model.num_kv_heads={m.num_kv_heads} must equal "
+            f"model.num_heads={m.num_heads}.",
+        )
     need(d.seq_len >= 2, f"data.seq_len={d.seq_len} must be >= 2.")
-    need(d.seq_len <= m.max_seq_len,
-         f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}; lower data.seq_len or "
-         "raise model.max_seq_len.")
+    need(
+        d.seq_len <= m.max_seq_len,
+        f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}; lower data.seq_len or "
+        "raise model.max_seq_len.",
+    )
     need(d.grad_accum >= 1, f"data.grad_accum={d.grad_accum} must be >= 1.")
-    need(d.batch_size >= 1 and d.batch_size % d.grad_accum == 0,
-         f"data.batch_size={d.batch_size} must be a positive multiple of data.grad_accum={d.grad_accum}.")
+    need(
+        d.batch_size >= 1 and d.batch_size % d.grad_accum == 0,
+        f"data.batch_size={d.batch_size} must be a positive multiple of data.grad_accum={d.grad_accum}.",
+    )
     need(0.0 <= d.val_fraction < 0.5, f"data.val_fraction={d.val_fraction} must be in [0, 0.5).")
     if d.source == "tokens":
-        need(d.path != "", "data.source=tokens needs data.path=DIR, a directory holding train.bin "
-             "(nanoGPT format: a flat array of uint16 or uint32 token ids).")
+        need(
+            d.path != "",
+            "data.source=tokens needs data.path=DIR, a directory holding train.bin "
+            "(nanoGPT format: a flat array of uint16 or uint32 token ids).",
+        )
     if num_devices is not None:
         micro = d.batch_size // d.grad_accum
-        need(micro % num_devices == 0,
-             f"the micro-batch data.batch_size/data.grad_accum = {d.batch_size}/{d.grad_accum} = {micro} "
-             f"must be divisible by the {num_devices} devices of the data axis.")
+        need(
+            micro % num_devices == 0,
+            f"the micro-batch data.batch_size/data.grad_accum = {d.batch_size}/{d.grad_accum} = {micro} "
+            f"must be divisible by the {num_devices} devices of the data axis.",
+        )
     need(o.lr > 0, f"optimizer.lr={o.lr} must be > 0.")
     need(0 <= o.warmup_steps, f"optimizer.warmup_steps={o.warmup_steps} must be >= 0.")
     need(0.0 <= o.min_lr_ratio <= 1.0, f"optimizer.min_lr_ratio={o.min_lr_ratio} must be in [0, 1].")
     need(0.0 <= o.b1 < 1.0 and 0.0 <= o.b2 < 1.0, f"optimizer.b1={o.b1}, b2={o.b2} must be in [0, 1).")
     need(o.weight_decay >= 0, f"optimizer.weight_decay={o.weight_decay} must be >= 0.")
     need(o.grad_clip >= 0, f"optimizer.grad_clip={o.grad_clip} must be >= 0 (0 disables clipping).")
-    need(cfg.offload.resident_blocks >= 0,
-         f"offload.resident_blocks={cfg.offload.resident_blocks} must be >= 0.")
-    need(cfg.offload.resident_blocks <= m.num_layers,
-         f"offload.resident_blocks={cfg.offload.resident_blocks} exceeds model.num_layers={m.num_layers}.")
+    need(
+        cfg.offload.resident_blocks >= 0,
+        f"offload.resident_blocks={cfg.offload.resident_blocks} must be >= 0.",
+    )
+    need(
+        cfg.offload.resident_blocks <= m.num_layers,
+        f"offload.resident_blocks={cfg.offload.resident_blocks} exceeds model.num_layers={m.num_layers}.",
+    )
     if cfg.offload.resident_blocks and cfg.offload.params != "cpu":
-        raise ConfigError("offload.resident_blocks only applies with offload.params=cpu "
-                          f"(got offload.params={cfg.offload.params}).")
+        raise ConfigError(
+            "offload.resident_blocks only applies with offload.params=cpu "
+            f"(got offload.params={cfg.offload.params})."
+        )
     if cfg.offload.params == "cpu" and cfg.offload.optimizer != "cpu":
-        raise ConfigError("offload.params=cpu needs offload.optimizer=cpu: streamed weights are updated "
-                          "from host-resident fp32 masters (DeepSpeed's ZeRO-3 offload pairs them too).")
+        raise ConfigError(
+            "offload.params=cpu needs offload.optimizer=cpu: streamed weights are updated "
+            "from host-resident fp32 masters (DeepSpeed's ZeRO-3 offload pairs them too)."
+        )
     lg = cfg.logging
     need(lg.log_every >= 1, f"logging.log_every={lg.log_every} must be >= 1.")
     need(lg.eval_every >= 0, f"logging.eval_every={lg.eval_every} must be >= 0.")
     need(lg.eval_batches >= 1, f"logging.eval_batches={lg.eval_batches} must be >= 1.")
     ck = cfg.checkpoint
-    need(ck.every >= 0 and ck.keep >= 1, f"checkpoint.every={ck.every} must be >= 0 and checkpoint.keep="
-         f"{ck.keep} >= 1.")
+    need(
+        ck.every >= 0 and ck.keep >= 1,
+        f"checkpoint.every={ck.every} must be >= 0 and checkpoint.keep={ck.keep} >= 1.",
+    )

@@ -275,8 +275,10 @@ def _check_token_file_size(path: Path, token_dtype: str) -> int:
         if token_dtype == "uint32" and size % 2 == 0:
             hint = "it may hold uint16 tokens: set data.token_dtype=uint16."
         else:
-            hint = ("an odd byte count fits neither uint16 nor uint32: the file is truncated or is not a "
-                    "flat token array (write one with jaxzero.data.write_tokens).")
+            hint = (
+                "an odd byte count fits neither uint16 nor uint32: the file is truncated or is not a "
+                "flat token array (write one with jaxzero.data.write_tokens)."
+            )
         raise DataError(
             f"{str(path)!r} has {size:,} bytes, not a multiple of {itemsize} "
             f"(data.token_dtype={token_dtype}); {hint}"
@@ -302,8 +304,11 @@ def _check_token_ids(tokens: np.ndarray, vocab_size: int, path: Path, token_dtyp
             # uint16 ids read as uint32 fuse in pairs into huge ids, so that is the likely mistake then;
             # the reverse (uint32 read as uint16) gives small ids, every other one 0, which no cheap check
             # can tell from real data.
-            dtype_hint = (" or, if the file was written as uint16, set data.token_dtype=uint16"
-                          if token_dtype == "uint32" else "")
+            dtype_hint = (
+                " or, if the file was written as uint16, set data.token_dtype=uint16"
+                if token_dtype == "uint32"
+                else ""
+            )
             raise DataError(
                 f"{str(path)!r}: token id {int(tokens[first])} at position {first:,} is >= "
                 f"model.vocab_size={vocab_size} (largest id in that sample: {top}). Set model.vocab_size "
@@ -336,8 +341,11 @@ def load_token_files(
     directory = Path(path)
     if not directory.exists():
         parent = directory.parent
-        where = (f"its parent {str(parent)!r} holds: {_listing(parent)}" if parent.is_dir()
-                 else f"nor does its parent {str(parent)!r}")
+        where = (
+            f"its parent {str(parent)!r} holds: {_listing(parent)}"
+            if parent.is_dir()
+            else f"nor does its parent {str(parent)!r}"
+        )
         raise DataError(
             f"data.path={str(directory)!r} does not exist ({where}). Point data.path at the directory "
             "holding train.bin (and optionally val.bin): flat uint16/uint32 token arrays, as written by "
@@ -363,8 +371,11 @@ def load_token_files(
     n_held_out = 0 if has_val_file else int(n_train_file * val_fraction)
     n_train = n_train_file - n_held_out
     if n_train < seq_len + 1:
-        held = (f" after holding out its last {n_held_out:,} for validation (data.val_fraction="
-                f"{val_fraction})" if n_held_out else "")
+        held = (
+            f" after holding out its last {n_held_out:,} for validation (data.val_fraction={val_fraction})"
+            if n_held_out
+            else ""
+        )
         raise DataError(
             f"{str(train_path)!r} holds {n_train_file:,} {token_dtype} tokens, leaving {n_train:,} for "
             f"training{held}, but one sequence needs data.seq_len+1 = {seq_len + 1}. Use more data or "
@@ -474,7 +485,13 @@ class WindowIterator(BatchIterator):
     """
 
     def __init__(
-        self, tokens: np.ndarray, *, seq_len: int, batch_size: int, grad_accum: int, seed: int,
+        self,
+        tokens: np.ndarray,
+        *,
+        seq_len: int,
+        batch_size: int,
+        grad_accum: int,
+        seed: int,
         state: DataState,
     ) -> None:
         self._tokens = tokens
@@ -600,17 +617,33 @@ class Data(ABC):
         """One line for logs: source, token and window counts, batch layout."""
 
     def _layout(self) -> str:
-        return (f"seq_len {self.seq_len}, batch {self.batch_size} = {self.grad_accum} x "
-                f"{self.micro_batch_size}, seed {self.seed}")
+        return (
+            f"seq_len {self.seq_len}, batch {self.batch_size} = {self.grad_accum} x "
+            f"{self.micro_batch_size}, seed {self.seed}"
+        )
 
 
 class WindowData(Data):
     """`builtin` or `tokens` data: windows over a train and a validation token array."""
 
-    def __init__(self, source: str, splits: TokenSplits, *, seq_len: int, batch_size: int, grad_accum: int,
-                 seed: int, val_requested: bool) -> None:
-        super().__init__(vocab_size=splits.vocab_size, seq_len=seq_len, batch_size=batch_size,
-                         grad_accum=grad_accum, seed=seed)
+    def __init__(
+        self,
+        source: str,
+        splits: TokenSplits,
+        *,
+        seq_len: int,
+        batch_size: int,
+        grad_accum: int,
+        seed: int,
+        val_requested: bool,
+    ) -> None:
+        super().__init__(
+            vocab_size=splits.vocab_size,
+            seq_len=seq_len,
+            batch_size=batch_size,
+            grad_accum=grad_accum,
+            seed=seed,
+        )
         self.source = source
         self.splits = splits
         self.num_train_windows = _num_windows(len(splits.train), seq_len)
@@ -644,8 +677,14 @@ class WindowData(Data):
     def train_iter(self, state: DataState | None = None) -> WindowIterator:
         if state is None:
             state = DataState(epoch=0, cursor=0, num_windows=self.num_train_windows)
-        return WindowIterator(self.splits.train, seq_len=self.seq_len, batch_size=self.batch_size,
-                              grad_accum=self.grad_accum, seed=self.seed, state=state)
+        return WindowIterator(
+            self.splits.train,
+            seq_len=self.seq_len,
+            batch_size=self.batch_size,
+            grad_accum=self.grad_accum,
+            seed=self.seed,
+            state=state,
+        )
 
     def val_batches(self, n: int) -> np.ndarray:
         if n < 0:
@@ -658,10 +697,15 @@ class WindowData(Data):
 
     def describe(self) -> str:
         s = self.splits
-        val = (f"val {len(s.val):,} tokens = {self.num_val_windows:,} windows" if self.num_val_windows
-               else "no validation split")
-        return (f"data: {self.source} from {s.origin}, vocab {s.vocab_size} | train {len(s.train):,} tokens "
-                f"= {self.num_train_windows:,} windows, {val} | {self._layout()}")
+        val = (
+            f"val {len(s.val):,} tokens = {self.num_val_windows:,} windows"
+            if self.num_val_windows
+            else "no validation split"
+        )
+        return (
+            f"data: {self.source} from {s.origin}, vocab {s.vocab_size} | train {len(s.train):,} tokens "
+            f"= {self.num_train_windows:,} windows, {val} | {self._layout()}"
+        )
 
 
 class SyntheticData(Data):
@@ -676,21 +720,30 @@ class SyntheticData(Data):
     def train_iter(self, state: DataState | None = None) -> SyntheticIterator:
         if state is None:
             state = DataState(epoch=0, cursor=0, num_windows=0)
-        return SyntheticIterator(vocab_size=self.vocab_size, seq_len=self.seq_len, batch_size=self.batch_size,
-                                 grad_accum=self.grad_accum, seed=self.seed, state=state)
+        return SyntheticIterator(
+            vocab_size=self.vocab_size,
+            seq_len=self.seq_len,
+            batch_size=self.batch_size,
+            grad_accum=self.grad_accum,
+            seed=self.seed,
+            state=state,
+        )
 
     def val_batches(self, n: int) -> np.ndarray:
         if n < 0:
             raise DataError(f"val_batches(n={n}) needs n >= 0.")
         shape = (self.micro_batch_size, self.seq_len + 1)
         # Seed-independent and one stream per batch index, so val_batches(2) is a prefix of val_batches(4).
-        batches = [np.random.default_rng(np.random.SeedSequence([_TAG_SYNTHETIC_VAL, i]))
-                   .integers(0, self.vocab_size, size=shape, dtype=np.int32) for i in range(n)]
+        batches = [
+            np.random.default_rng(np.random.SeedSequence([_TAG_SYNTHETIC_VAL, i])).integers(
+                0, self.vocab_size, size=shape, dtype=np.int32
+            )
+            for i in range(n)
+        ]
         return np.stack(batches) if batches else np.empty((0, *shape), dtype=np.int32)
 
     def describe(self) -> str:
-        return (f"data: synthetic uniform random tokens, vocab {self.vocab_size}, unbounded | "
-                f"{self._layout()}")
+        return f"data: synthetic uniform random tokens, vocab {self.vocab_size}, unbounded | {self._layout()}"
 
 
 def _check_data_config(cfg: DataConfig, vocab_size: int) -> None:
@@ -700,18 +753,24 @@ def _check_data_config(cfg: DataConfig, vocab_size: int) -> None:
     if cfg.seq_len < 2:
         raise DataError(f"data.seq_len={cfg.seq_len} must be >= 2.")
     if cfg.grad_accum < 1 or cfg.batch_size < 1 or cfg.batch_size % cfg.grad_accum:
-        raise DataError(f"data.batch_size={cfg.batch_size} must be a positive multiple of "
-                        f"data.grad_accum={cfg.grad_accum} (itself >= 1).")
+        raise DataError(
+            f"data.batch_size={cfg.batch_size} must be a positive multiple of "
+            f"data.grad_accum={cfg.grad_accum} (itself >= 1)."
+        )
     if not 0.0 <= cfg.val_fraction < 0.5:
         raise DataError(f"data.val_fraction={cfg.val_fraction} must be in [0, 0.5).")
     if vocab_size < 1:
         raise DataError(f"model.vocab_size={vocab_size} must be >= 1.")
     if cfg.source == "builtin" and vocab_size < BUILTIN_VOCAB_SIZE:
-        raise DataError(f"data.source=builtin yields byte tokens 0..255, but model.vocab_size={vocab_size}; "
-                        f"set model.vocab_size >= {BUILTIN_VOCAB_SIZE}.")
+        raise DataError(
+            f"data.source=builtin yields byte tokens 0..255, but model.vocab_size={vocab_size}; "
+            f"set model.vocab_size >= {BUILTIN_VOCAB_SIZE}."
+        )
     if cfg.source == "tokens" and not cfg.path:
-        raise DataError("data.source=tokens needs data.path=DIR, a directory holding train.bin "
-                        "(nanoGPT format: a flat array of uint16 or uint32 token ids).")
+        raise DataError(
+            "data.source=tokens needs data.path=DIR, a directory holding train.bin "
+            "(nanoGPT format: a flat array of uint16 or uint32 token ids)."
+        )
 
 
 def build_data(cfg: DataConfig, vocab_size: int, seed: int) -> Data:
@@ -722,15 +781,21 @@ def build_data(cfg: DataConfig, vocab_size: int, seed: int) -> Data:
     seed:       sets the per-epoch shuffle (and the synthetic stream); validation ignores it.
     """
     _check_data_config(cfg, vocab_size)
-    common: dict[str, Any] = dict(seq_len=cfg.seq_len, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum,
-                                  seed=seed)
+    common: dict[str, Any] = dict(
+        seq_len=cfg.seq_len, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum, seed=seed
+    )
     if cfg.source == "synthetic":
         return SyntheticData(vocab_size=vocab_size, **common)
     if cfg.source == "builtin":
         splits = load_builtin_corpus(cfg.val_fraction)
     else:
-        splits = load_token_files(cfg.path, token_dtype=cfg.token_dtype, seq_len=cfg.seq_len,
-                                  val_fraction=cfg.val_fraction, vocab_size=vocab_size)
+        splits = load_token_files(
+            cfg.path,
+            token_dtype=cfg.token_dtype,
+            seq_len=cfg.seq_len,
+            val_fraction=cfg.val_fraction,
+            vocab_size=vocab_size,
+        )
     # Validation is wanted when a val.bin exists (then splits.val is non-empty) or a tail was asked for;
     # only data.val_fraction=0 without val.bin means "no validation".
     val_requested = cfg.val_fraction > 0 or len(splits.val) > 0

@@ -123,9 +123,10 @@ def configure_pinned_pool(plan: MemoryPlan) -> int | None:
         return int(float(current))
     if _backends_started():
         raise ConfigError(
-            f"this run needs {need_gb} GB of pinned host memory, over XLA's default {PINNED_POOL_DEFAULT_GB} GB "
-            f"pool, and JAX has already started its backends. Set {PINNED_POOL_ENV}={need_gb} in the "
-            "environment before JAX starts (e.g. before the first jax.devices() call)."
+            f"this run needs {need_gb} GB of pinned host memory, over XLA's default "
+            f"{PINNED_POOL_DEFAULT_GB} GB pool, and JAX has already started its backends. Set "
+            f"{PINNED_POOL_ENV}={need_gb} in the environment before JAX starts (e.g. before the first "
+            "jax.devices() call)."
         )
     os.environ[PINNED_POOL_ENV] = str(need_gb)
     return need_gb
@@ -140,20 +141,38 @@ def _backends_started() -> bool:
         return True
 
 
-def check_accelerator_fits(cfg: TrainConfig, plan: MemoryPlan, capacity: int | None) -> None:
-    """Raise ConfigError if the accelerator state alone exceeds `capacity` bytes (None: unknown)."""
+def accelerator_capacity(device) -> int | None:
+    """Bytes the allocator may use on `device` (a CPU "accelerator" has the host's free RAM), or None
+    where the backend does not say."""
+    if device.platform == "cpu":
+        return host_memory_available()
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    return stats.get("bytes_limit") if stats else None
+
+
+def check_accelerator_fits(cfg: TrainConfig, plan: MemoryPlan, capacity: int | None) -> str | None:
+    """Raise ConfigError if the state the accelerator must hold exceeds `capacity` bytes; return a
+    warning if state plus estimated activations does (the estimate is rough, so that only warns)."""
     if capacity is None:
-        return
-    if plan.accelerator_state + plan.activations > capacity:
-        if cfg.offload.optimizer == "none":
-            hint = "offload.optimizer=cpu keeps masters and optimizer state in host RAM"
-        elif cfg.offload.params == "none":
-            hint = "offload.params=cpu streams the weights from host RAM one block at a time"
-        elif cfg.offload.resident_blocks:
-            hint = "lower offload.resident_blocks"
-        else:
-            hint = "lower data.batch_size or data.seq_len, or raise data.grad_accum"
+        return None
+    if cfg.offload.optimizer == "none":
+        hint = "offload.optimizer=cpu keeps masters and optimizer state in host RAM"
+    elif cfg.offload.params == "none":
+        hint = "offload.params=cpu streams the weights from host RAM one block at a time"
+    elif cfg.offload.resident_blocks:
+        hint = "lower offload.resident_blocks"
+    else:
+        hint = "lower data.batch_size or data.seq_len, or raise data.grad_accum"
+    if plan.accelerator_state > capacity:
         raise ConfigError(
-            f"{cfg.model.name} needs ~{(plan.accelerator_state + plan.activations) / GiB:.1f} GiB of "
-            f"accelerator memory ({plan.describe()}) but the device has {capacity / GiB:.1f} GiB: {hint}."
+            f"{cfg.model.name} with offload.optimizer={cfg.offload.optimizer}, "
+            f"offload.params={cfg.offload.params} needs {plan.accelerator_state / GiB:.1f} GiB of "
+            f"accelerator memory for its state alone ({plan.describe()}), but the device has "
+            f"{capacity / GiB:.1f} GiB: {hint}."
         )
+    if plan.accelerator_state + plan.activations > capacity:
+        return (
+            f"warning: estimated accelerator use {(plan.accelerator_state + plan.activations) / GiB:.1f} GiB "
+            f"exceeds the device's {capacity / GiB:.1f} GiB; if it runs out of memory: {hint}."
+        )
+    return None

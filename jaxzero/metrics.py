@@ -121,10 +121,17 @@ class MetricsLog:
 def format_record(rec: dict[str, Any]) -> str:
     """A compact console line for one metrics record."""
     parts = [f"step {rec['step']}"]
-    names = [("loss", "loss", "{:.4f}"), ("val_loss", "val", "{:.4f}"), ("lr", "lr", "{:.2e}"),
-             ("grad_norm", "gnorm", "{:.3f}"), ("tokens_per_s", "tok/s", "{:,.0f}"),
-             ("tflops", "TFLOP/s", "{:.3g}"), ("mfu", "MFU", "{:.1%}"), ("gpu_peak_gib", "GPU GiB", "{:.2f}"),
-             ("host_rss_gib", "RSS GiB", "{:.2f}")]
+    names = [
+        ("loss", "loss", "{:.4f}"),
+        ("val_loss", "val", "{:.4f}"),
+        ("lr", "lr", "{:.2e}"),
+        ("grad_norm", "gnorm", "{:.3f}"),
+        ("tokens_per_s", "tok/s", "{:,.0f}"),
+        ("tflops", "TFLOP/s", "{:.3g}"),
+        ("mfu", "MFU", "{:.1%}"),
+        ("gpu_peak_gib", "GPU GiB", "{:.2f}"),
+        ("host_rss_gib", "RSS GiB", "{:.2f}"),
+    ]
     for key, label, f in names:
         v = rec.get(key)
         if v is not None:

@@ -111,7 +111,8 @@ class OffloadPlacement:
         return ModelParams(
             embed=on(self.device, weights.embed),
             blocks=tuple(
-                on(self.pinned if self.is_streamed(i) else self.device, b) for i, b in enumerate(weights.blocks)
+                on(self.pinned if self.is_streamed(i) else self.device, b)
+                for i, b in enumerate(weights.blocks)
             ),
             head=on(self.device, weights.head),
         )

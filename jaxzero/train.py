@@ -22,7 +22,14 @@ import numpy as np
 
 from jaxzero.config import ConfigError, TrainConfig, parse_args
 from jaxzero.data import build_data
-from jaxzero.metrics import MetricsLog, ProgressBar, Throughput, accelerator_peak_gib, host_rss_gib, peak_tflops
+from jaxzero.metrics import (
+    MetricsLog,
+    ProgressBar,
+    Throughput,
+    accelerator_peak_gib,
+    host_rss_gib,
+    peak_tflops,
+)
 from jaxzero.models.sizes import flops_per_token, param_count
 from jaxzero.trainer import StepMetrics, build_trainer
 
@@ -131,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
 
         print("Keys:", " ".join(all_keys()))
         return 0
+    # Random init of a large model compiles in seconds instead of minutes with the threefry kernel
+    # (identical values); process-wide, so it is set here by the program, not by the library.
+    jax.config.update("jax_threefry_gpu_kernel_lowering", True)
     try:
         cfg = parse_args(argv)
         train(cfg)

@@ -15,6 +15,7 @@ tested against.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -26,7 +27,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from jaxzero import placement
+from jaxzero import memory, placement
 from jaxzero.config import TrainConfig, validate
 from jaxzero.models import Model, ModelParams, build_model
 from jaxzero.objective import loss_fn
@@ -61,7 +62,9 @@ class Trainer:
     config: TrainConfig
     model: Model
     mesh: Mesh
-    optimizer: optax.GradientTransformation  # the update applied (by the offload engine: per unit, on the host)
+    optimizer: (
+        optax.GradientTransformation
+    )  # the update applied (by the offload engine: per unit, on the host)
     init: Callable[[jax.Array], TrainState]  # PRNG key -> state in its final placement
     step: Callable[[TrainState, jax.Array], tuple[TrainState, StepMetrics]]  # donates the state
     eval_loss: Callable[[TrainState, jax.Array], jax.Array]  # (state, int32 (B, S+1)) -> float32
@@ -91,12 +94,20 @@ def averaged_grads(model: Model, params: ModelParams, batch: jax.Array) -> tuple
 
 
 def build_trainer(cfg: TrainConfig, mesh: Mesh | None = None) -> Trainer:
-    """Validate `cfg` against the mesh and build the trainer its offload settings ask for.
+    """Validate `cfg` against the mesh and memory, and build the trainer its offload settings ask for.
 
-    Nothing is allocated or compiled here; `trainer.init` and the first `trainer.step` do that.
+    Nothing is allocated or compiled here; `trainer.init` and the first `trainer.step` do that. A run
+    that cannot fit in host or accelerator memory fails here with the numbers (`jaxzero.memory`).
     """
+    plan = memory.plan_memory(cfg)
+    if cfg.offload.optimizer == "cpu":
+        memory.check_host_fits(cfg, plan)
+        memory.configure_pinned_pool(plan)  # before the first backend call, if this is it
     mesh = mesh if mesh is not None else placement.make_mesh()
     validate(cfg, num_devices=mesh.size)
+    warning = memory.check_accelerator_fits(cfg, plan, memory.accelerator_capacity(mesh.devices.flat[0]))
+    if warning:
+        print(f"jaxzero: {warning}", file=sys.stderr)
     if cfg.offload.optimizer == "cpu":
         from jaxzero.offload import build_offload_trainer
 
@@ -147,5 +158,5 @@ def build_resident_trainer(cfg: TrainConfig, mesh: Mesh) -> Trainer:
         eval_loss=eval_loss,
         put_batch=partial(placement.put_train_batch, mesh=mesh),
         put_eval_batch=partial(placement.put_eval_batch, mesh=mesh),
-        strategy=f"resident: params, grads and optimizer state in accelerator memory on {mesh.size} device(s)",
+        strategy=f"resident: params, grads and optimizer state in accelerator memory, {mesh.size} device(s)",
     )

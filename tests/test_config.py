@@ -4,7 +4,15 @@ import json
 
 import pytest
 
-from jaxzero.config import ConfigError, TrainConfig, all_keys, apply_overrides, config_from_dict, parse_args, validate
+from jaxzero.config import (
+    ConfigError,
+    TrainConfig,
+    all_keys,
+    apply_overrides,
+    config_from_dict,
+    parse_args,
+    validate,
+)
 
 
 def test_defaults_are_valid_and_keys_listed():
@@ -15,8 +23,17 @@ def test_defaults_are_valid_and_keys_listed():
 
 
 def test_cli_overrides_are_typed():
-    cfg = parse_args(["--steps=7", "--seed=3", "--run_dir=/tmp/x", "--optimizer.lr=1e-4",
-                      "--logging.progress=false", "--offload.optimizer=cpu", "--offload.params=cpu"])
+    cfg = parse_args(
+        [
+            "--steps=7",
+            "--seed=3",
+            "--run_dir=/tmp/x",
+            "--optimizer.lr=1e-4",
+            "--logging.progress=false",
+            "--offload.optimizer=cpu",
+            "--offload.params=cpu",
+        ]
+    )
     assert (cfg.steps, cfg.seed, cfg.run_dir) == (7, 3, "/tmp/x")
     assert cfg.optimizer.lr == 1e-4 and cfg.logging.progress is False
     assert (cfg.offload.params, cfg.offload.optimizer) == ("cpu", "cpu")
@@ -57,15 +74,20 @@ def test_config_json_round_trip():
         (["--model.hidden_size=130"], "model.hidden_size=130 must be divisible by model.num_heads=4"),
         (["--model.num_kv_heads=3"], "model.num_heads=4 must be divisible by model.num_kv_heads=3"),
         (["--data.seq_len=4096"], "data.seq_len=4096 exceeds model.max_seq_len=1024"),
-        (["--data.batch_size=10", "--data.grad_accum=4"], "data.batch_size=10 must be a positive multiple of"),
+        (
+            ["--data.batch_size=10", "--data.grad_accum=4"],
+            "data.batch_size=10 must be a positive multiple of",
+        ),
         (["--data.source=tokens"], "data.source=tokens needs data.path=DIR"),
         (["--optimizer.lr=0"], "optimizer.lr=0.0 must be > 0"),
         (["--optimizer.b2=1.0"], "must be in [0, 1)"),
         (["--optimizer.grad_clip=-1"], "optimizer.grad_clip=-1.0 must be >= 0"),
         (["--offload.params=cpu"], "offload.params=cpu needs offload.optimizer=cpu"),
         (["--offload.resident_blocks=2"], "offload.resident_blocks only applies with offload.params=cpu"),
-        (["--offload.optimizer=cpu", "--offload.params=cpu", "--offload.resident_blocks=9"],
-         "offload.resident_blocks=9 exceeds model.num_layers=4"),
+        (
+            ["--offload.optimizer=cpu", "--offload.params=cpu", "--offload.resident_blocks=9"],
+            "offload.resident_blocks=9 exceeds model.num_layers=4",
+        ),
         (["--model.name=gpt2-tiny", "--model.num_kv_heads=2"], "gpt2 uses multi-head attention"),
         (["--logging.log_every=0"], "logging.log_every=0 must be >= 1"),
     ],
@@ -86,7 +108,9 @@ def test_bad_toml(tmp_path):
 def test_unknown_key_in_preset(tmp_path):
     p = tmp_path / "p.toml"
     p.write_text("[optimizer]\nlearning_rate = 0.1\n")
-    with pytest.raises(ConfigError, match="unknown config key 'optimizer.learning_rate'. Valid keys: optimizer.name"):
+    with pytest.raises(
+        ConfigError, match="unknown config key 'optimizer.learning_rate'. Valid keys: optimizer.name"
+    ):
         parse_args([f"--config={p}"])
 
 

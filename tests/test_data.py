@@ -29,8 +29,15 @@ BIG_VOCAB = 1 << 20  # the arange-token tests need ids beyond uint16 in places
 
 
 def _cfg(path: Path | str = "", **kw: object) -> DataConfig:
-    base: dict[str, object] = dict(source="tokens", path=str(path), token_dtype="uint32", seq_len=8,
-                                   batch_size=4, grad_accum=1, val_fraction=0.0)
+    base: dict[str, object] = dict(
+        source="tokens",
+        path=str(path),
+        token_dtype="uint32",
+        seq_len=8,
+        batch_size=4,
+        grad_accum=1,
+        val_fraction=0.0,
+    )
     base.update(kw)
     return DataConfig(**base)  # type: ignore[arg-type]
 
@@ -98,8 +105,13 @@ def test_token_files_round_trip_through_memmap(tmp_path: Path, dtype: str, top: 
     write_tokens(tmp_path / "train.bin", tokens, dtype)  # type: ignore[arg-type]
     assert (tmp_path / "train.bin").stat().st_size == 5_000 * np.dtype(dtype).itemsize
     assert [p.name for p in tmp_path.iterdir()] == ["train.bin"]  # no temporary file left behind
-    splits = load_token_files(tmp_path, token_dtype=dtype, seq_len=8, val_fraction=0.1,  # type: ignore[arg-type]
-                              vocab_size=top + 1)
+    splits = load_token_files(
+        tmp_path,
+        token_dtype=dtype,
+        seq_len=8,
+        val_fraction=0.1,  # type: ignore[arg-type]
+        vocab_size=top + 1,
+    )
     assert isinstance(splits.train, np.memmap) and isinstance(splits.val, np.memmap)
     assert splits.train.dtype == np.dtype(dtype)
     np.testing.assert_array_equal(np.concatenate([splits.train, splits.val]), tokens)
@@ -107,12 +119,22 @@ def test_token_files_round_trip_through_memmap(tmp_path: Path, dtype: str, top: 
 
 
 def test_val_bin_present_vs_absent(tmp_path: Path) -> None:
-    absent = load_token_files(_arange_dir(tmp_path / "a", 1_000), token_dtype="uint32", seq_len=8,
-                              val_fraction=0.2, vocab_size=BIG_VOCAB)
+    absent = load_token_files(
+        _arange_dir(tmp_path / "a", 1_000),
+        token_dtype="uint32",
+        seq_len=8,
+        val_fraction=0.2,
+        vocab_size=BIG_VOCAB,
+    )
     np.testing.assert_array_equal(absent.train, np.arange(800))
     np.testing.assert_array_equal(absent.val, np.arange(800, 1_000))
-    present = load_token_files(_arange_dir(tmp_path / "p", 1_000, n_val=300), token_dtype="uint32",
-                               seq_len=8, val_fraction=0.2, vocab_size=BIG_VOCAB)
+    present = load_token_files(
+        _arange_dir(tmp_path / "p", 1_000, n_val=300),
+        token_dtype="uint32",
+        seq_len=8,
+        val_fraction=0.2,
+        vocab_size=BIG_VOCAB,
+    )
     np.testing.assert_array_equal(present.train, np.arange(1_000))  # val_fraction ignored with val.bin
     np.testing.assert_array_equal(present.val, np.arange(1_000, 1_300))
 
@@ -130,8 +152,9 @@ def test_no_validation_when_val_fraction_zero_and_no_val_bin(tmp_path: Path) -> 
 
 
 def test_batch_shape_dtype_and_windows_are_real_slices(tmp_path: Path) -> None:
-    data = build_data(_cfg(_arange_dir(tmp_path, 2_001), seq_len=16, batch_size=12, grad_accum=3), BIG_VOCAB,
-                      seed=0)
+    data = build_data(
+        _cfg(_arange_dir(tmp_path, 2_001), seq_len=16, batch_size=12, grad_accum=3), BIG_VOCAB, seed=0
+    )
     assert data.batch_shape == (3, 4, 17)
     for batch in _take(data.train_iter(), 20):
         assert batch.shape == (3, 4, 17) and batch.dtype == np.int32
@@ -167,8 +190,11 @@ def test_each_epoch_covers_every_window_exactly_once(
 ) -> None:
     seq_len = 8
     d = _arange_dir(tmp_path, num_windows * seq_len + 1)
-    data = build_data(_cfg(d, batch_size=batch_size, grad_accum=batch_size // 4 if batch_size >= 4 else 1),
-                      BIG_VOCAB, seed=0)
+    data = build_data(
+        _cfg(d, batch_size=batch_size, grad_accum=batch_size // 4 if batch_size >= 4 else 1),
+        BIG_VOCAB,
+        seed=0,
+    )
     assert data.num_train_windows == num_windows
     epochs = 3
     n_batches = -(-epochs * num_windows // batch_size)
@@ -210,8 +236,9 @@ def test_resume_matches_uninterrupted_stream(tmp_path: Path, k: int) -> None:
 def test_resume_with_another_batch_size_continues_the_window_stream(tmp_path: Path) -> None:
     # The cursor counts windows, so halving the batch size after a restart keeps the same window order.
     d = _arange_dir(tmp_path, 30 * 8 + 1)
-    reference = np.concatenate([_starts(b) for b in _take(build_data(_cfg(d, batch_size=8), BIG_VOCAB,
-                                                                      seed=2).train_iter(), 8)])
+    reference = np.concatenate(
+        [_starts(b) for b in _take(build_data(_cfg(d, batch_size=8), BIG_VOCAB, seed=2).train_iter(), 8)]
+    )
     it = build_data(_cfg(d, batch_size=8), BIG_VOCAB, seed=2).train_iter()
     _take(it, 3)
     smaller = build_data(_cfg(d, batch_size=4), BIG_VOCAB, seed=2).train_iter(_through_json(it.state))
@@ -363,8 +390,11 @@ def test_too_short_for_one_sequence(tmp_path: Path) -> None:
 
 def test_fewer_windows_than_a_micro_batch(tmp_path: Path) -> None:
     _arange_dir(tmp_path, 3 * 8 + 1)  # 3 windows
-    with pytest.raises(DataError, match=r"3 windows .* one micro-batch of data.batch_size/data.grad_accum = "
-                                        r"4/1 = 4 sequences"):
+    with pytest.raises(
+        DataError,
+        match=r"3 windows .* one micro-batch of data.batch_size/data.grad_accum = "
+        r"4/1 = 4 sequences",
+    ):
         build_data(_cfg(tmp_path), BIG_VOCAB, seed=0)
     assert build_data(_cfg(tmp_path, batch_size=6, grad_accum=2), BIG_VOCAB, seed=0).num_train_windows == 3
 

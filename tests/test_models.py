@@ -37,15 +37,36 @@ from jaxzero.models.sizes import (
 
 # Odd vocab, GQA with 2 query heads per kv head, head_dim 8, MLP width not a multiple of D.
 LLAMA_SMALL = ModelConfig(
-    name="llama-test", family="llama", vocab_size=61, hidden_size=32, num_layers=2, num_heads=4,
-    num_kv_heads=2, intermediate_size=48, max_seq_len=64, tie_embeddings=False, rope_theta=100.0,
-    norm_eps=1e-5, compute_dtype="float32", attention_impl="xla",
+    name="llama-test",
+    family="llama",
+    vocab_size=61,
+    hidden_size=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=48,
+    max_seq_len=64,
+    tie_embeddings=False,
+    rope_theta=100.0,
+    norm_eps=1e-5,
+    compute_dtype="float32",
+    attention_impl="xla",
 )
 LLAMA_SMALL_TIED = dataclasses.replace(LLAMA_SMALL, tie_embeddings=True, num_kv_heads=1)
 GPT2_SMALL = ModelConfig(
-    name="gpt2-test", family="gpt2", vocab_size=61, hidden_size=32, num_layers=2, num_heads=4,
-    num_kv_heads=4, intermediate_size=80, max_seq_len=24, tie_embeddings=True, norm_eps=1e-5,
-    compute_dtype="float32", attention_impl="xla",
+    name="gpt2-test",
+    family="gpt2",
+    vocab_size=61,
+    hidden_size=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=4,
+    intermediate_size=80,
+    max_seq_len=24,
+    tie_embeddings=True,
+    norm_eps=1e-5,
+    compute_dtype="float32",
+    attention_impl="xla",
 )
 SMALL_CONFIGS = {"llama": LLAMA_SMALL, "llama-tied-mqa": LLAMA_SMALL_TIED, "gpt2": GPT2_SMALL}
 # For the init tests: shapes chosen so that few distinct (shape, std) samplers exist, since each one is
@@ -196,7 +217,7 @@ def np_gpt2_block(p: dict, x: np.ndarray, cfg: ModelConfig) -> np.ndarray:
     a = p["attn"]
     h = np_layer_norm(x, p["ln_1"]["scale"], p["ln_1"]["bias"], cfg.norm_eps)
     qkv = h @ a["c_attn"]["kernel"] + a["c_attn"]["bias"]
-    q, k, v = (qkv[..., i * d:(i + 1) * d].reshape(b, s, cfg.num_heads, hd) for i in range(3))
+    q, k, v = (qkv[..., i * d : (i + 1) * d].reshape(b, s, cfg.num_heads, hd) for i in range(3))
     o = np_causal_attention(q, k, v)
     x = x + o.reshape(b, s, d) @ a["c_proj"]["kernel"] + a["c_proj"]["bias"]
     m = p["mlp"]
@@ -386,8 +407,9 @@ def test_logits_matmul_vjp() -> None:
     assert logits_matmul(hb, wb).dtype == jnp.float32
     dh, dw = jax.grad(custom, (0, 1))(hb, wb)
     assert dh.dtype == jnp.bfloat16 and dw.dtype == jnp.bfloat16
-    np.testing.assert_allclose(np.asarray(dh, np.float32), np.asarray(jax.grad(plain)(h, w)),
-                               rtol=0.05, atol=0.05)
+    np.testing.assert_allclose(
+        np.asarray(dh, np.float32), np.asarray(jax.grad(plain)(h, w)), rtol=0.05, atol=0.05
+    )
 
 
 def test_attention_impl_resolution() -> None:
@@ -459,16 +481,20 @@ def test_init_distributions() -> None:
     scales, zeros for biases. Samples are pooled over layers (thousands per group, so 5% is > 3 sigma)."""
 
     def pooled_std(p: ModelParams, keep: Callable[[str], bool]) -> float:
-        leaves = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(p.blocks)
-                  if _leaf_name(path) == "kernel" and keep(jax.tree_util.keystr(path))]
+        leaves = [
+            leaf
+            for path, leaf in jax.tree_util.tree_leaves_with_path(p.blocks)
+            if _leaf_name(path) == "kernel" and keep(jax.tree_util.keystr(path))
+        ]
         return float(np.concatenate([np.ravel(leaf) for leaf in leaves]).std())
 
     for cfg in INIT_CONFIGS.values():
         p = build_model(cfg).init(jax.random.key(7))
         std = cfg.init_std
         tables = [p.embed, p.head.get("lm_head", {})]
-        np.testing.assert_allclose(np.concatenate([np.ravel(t) for t in jax.tree.leaves(tables)]).std(), std,
-                                   rtol=0.05)
+        np.testing.assert_allclose(
+            np.concatenate([np.ravel(t) for t in jax.tree.leaves(tables)]).std(), std, rtol=0.05
+        )
         if cfg.family == "gpt2":
             resid = std / math.sqrt(2 * cfg.num_layers)
             np.testing.assert_allclose(pooled_std(p, lambda k: "c_proj" not in k), std, rtol=0.05)
@@ -544,13 +570,31 @@ def test_every_named_size_is_covered() -> None:
 def test_tiny_sizes() -> None:
     assert named_model_config("llama-tiny") == ModelConfig()
     g = named_model_config("gpt2-tiny")
-    shape = (g.family, g.vocab_size, g.hidden_size, g.num_layers, g.num_heads, g.num_kv_heads,
-             g.intermediate_size, g.max_seq_len, g.tie_embeddings)
+    shape = (
+        g.family,
+        g.vocab_size,
+        g.hidden_size,
+        g.num_layers,
+        g.num_heads,
+        g.num_kv_heads,
+        g.intermediate_size,
+        g.max_seq_len,
+        g.tie_embeddings,
+    )
     assert shape == ("gpt2", 256, 128, 4, 4, 4, 512, 1024, True)
 
 
-@pytest.mark.parametrize("cfg", [named_model_config("llama-tiny"), named_model_config("gpt2-tiny"),
-                                 LLAMA_SMALL, LLAMA_SMALL_TIED, GPT2_SMALL], ids=lambda c: c.name)
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        named_model_config("llama-tiny"),
+        named_model_config("gpt2-tiny"),
+        LLAMA_SMALL,
+        LLAMA_SMALL_TIED,
+        GPT2_SMALL,
+    ],
+    ids=lambda c: c.name,
+)
 def test_param_count_matches_init(cfg: ModelConfig) -> None:
     assert param_count(cfg) == _eval_shape_count(cfg)
     shapes = jax.eval_shape(build_model(cfg).init, jax.random.key(0))

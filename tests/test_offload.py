@@ -31,10 +31,22 @@ TOLERANCE = {"float32": (2e-5, 1e-5), "bfloat16": (2e-2, 2e-3)}
 
 
 def tiny(family: str, dtype: str, **over) -> TrainConfig:
-    return apply_overrides(TrainConfig(), {
-        "model.name": f"{family}-tiny", "model.num_layers": "3", "model.compute_dtype": dtype,
-        "data.seq_len": "32", "data.batch_size": "8", "data.grad_accum": "2", "steps": str(STEPS),
-        "optimizer.grad_clip": "0.5", "optimizer.warmup_steps": "2", "optimizer.lr": "1e-2", **over})
+    return apply_overrides(
+        TrainConfig(),
+        {
+            "model.name": f"{family}-tiny",
+            "model.num_layers": "3",
+            "model.compute_dtype": dtype,
+            "data.seq_len": "32",
+            "data.batch_size": "8",
+            "data.grad_accum": "2",
+            "steps": str(STEPS),
+            "optimizer.grad_clip": "0.5",
+            "optimizer.warmup_steps": "2",
+            "optimizer.lr": "1e-2",
+            **over,
+        },
+    )
 
 
 def run(cfg: TrainConfig, guard: bool = False):
@@ -92,7 +104,7 @@ def test_offload_matches_resident(references, family, dtype, mode):
         name = jax.tree_util.keystr(path)
         if name.endswith("['c_attn']['bias']"):  # drop the key third: see the module docstring
             d = a.shape[0] // 3
-            a, b = np.concatenate([a[:d], a[2 * d:]]), np.concatenate([b[:d], b[2 * d:]])
+            a, b = np.concatenate([a[:d], a[2 * d :]]), np.concatenate([b[:d], b[2 * d :]])
         assert rel(a, b) < param_tol, name
 
 

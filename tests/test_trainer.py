@@ -69,10 +69,14 @@ def test_schedule_values():
     assert float(cos(10)) == pytest.approx(1.0)
     assert float(cos(60)) == pytest.approx(0.55, abs=1e-6)  # halfway down the cosine: (1 + 0.1) / 2
     assert float(cos(110)) == pytest.approx(0.1, abs=1e-6)
-    lin = learning_rate_schedule(cfg_with(optimizer__lr=1.0, optimizer__warmup_steps=10,
-                                          optimizer__schedule="linear").optimizer, total_steps=110)
+    lin = learning_rate_schedule(
+        cfg_with(optimizer__lr=1.0, optimizer__warmup_steps=10, optimizer__schedule="linear").optimizer,
+        total_steps=110,
+    )
     assert float(lin(60)) == pytest.approx(0.55, abs=1e-6)
-    const = learning_rate_schedule(cfg_with(optimizer__warmup_steps=0, optimizer__schedule="constant").optimizer, 50)
+    const = learning_rate_schedule(
+        cfg_with(optimizer__warmup_steps=0, optimizer__schedule="constant").optimizer, 50
+    )
     assert float(const(0)) == float(const(49)) == pytest.approx(3e-3)
 
 
@@ -88,8 +92,16 @@ def test_clip_by_norm_matches_optax():
 
 def test_clipping_bounds_the_update():
     """With SGD (lr 1, no momentum) the update is the clipped gradient: its norm is the clip value."""
-    cfg = cfg_with(optimizer__name="sgd", optimizer__momentum=0, optimizer__lr=1.0, optimizer__warmup_steps=0,
-                   optimizer__schedule="constant", optimizer__weight_decay=0, optimizer__grad_clip=0.01, steps=1)
+    cfg = cfg_with(
+        optimizer__name="sgd",
+        optimizer__momentum=0,
+        optimizer__lr=1.0,
+        optimizer__warmup_steps=0,
+        optimizer__schedule="constant",
+        optimizer__weight_decay=0,
+        optimizer__grad_clip=0.01,
+        steps=1,
+    )
     tr = build_trainer(cfg, placement.make_mesh(jax.devices()[:1]))
     state = tr.init(jax.random.key(0))
     before = jax.device_get(state.params)

@@ -41,6 +41,18 @@ class Model(Protocol):
         """Fresh float32 parameters from a PRNG key."""
         ...
 
+    def init_embed(self, key: jax.Array) -> Any:
+        """The embedding unit of `init`, from the embed key of `init_keys`."""
+        ...
+
+    def init_block(self, key: jax.Array) -> Any:
+        """One block of `init`, from that block's key of `init_keys`."""
+        ...
+
+    def init_head(self, key: jax.Array) -> Any:
+        """The head unit of `init`, from the head key of `init_keys`."""
+        ...
+
     def embed(self, embed_params: Any, tokens: jax.Array) -> jax.Array:
         """tokens int32 (B, S) -> activations (B, S, D) in the compute dtype."""
         ...
@@ -65,6 +77,15 @@ def build_model(config: ModelConfig) -> Model:
 
         return GPT2(config)
     raise ValueError(f"unknown model family {config.family!r}; choose 'llama' or 'gpt2'.")
+
+
+def init_keys(key: jax.Array, num_layers: int) -> tuple[jax.Array, tuple[jax.Array, ...], jax.Array]:
+    """(embed key, one key per block, head key): how `Model.init` consumes `key`, so that a caller
+    initialising one unit at a time (e.g. straight into host memory) reproduces `init(key)` exactly."""
+    from jaxzero.models.layers import split_init_keys
+
+    k_embed, k_blocks, k_head = split_init_keys(key, num_layers)
+    return k_embed, tuple(k_blocks[i] for i in range(num_layers)), k_head
 
 
 def forward(model: Model, params: ModelParams, tokens: jax.Array) -> jax.Array:

@@ -48,8 +48,10 @@ class GPT2:
         L.check_shape(self.config, "gpt2")
         c = self.config
         if c.num_kv_heads != c.num_heads:
-            raise ConfigError(f"gpt2 uses multi-head attention: model.num_kv_heads={c.num_kv_heads} "
-                              f"must equal model.num_heads={c.num_heads}.")
+            raise ConfigError(
+                f"gpt2 uses multi-head attention: model.num_kv_heads={c.num_kv_heads} "
+                f"must equal model.num_heads={c.num_heads}."
+            )
 
     @property
     def dtype(self) -> jnp.dtype:
@@ -117,8 +119,10 @@ class GPT2:
         """
         s = tokens.shape[-1]
         if s > self.config.max_seq_len:
-            raise ValueError(f"sequence length {s} exceeds model.max_seq_len={self.config.max_seq_len}: "
-                             "GPT-2 has no position embedding beyond it.")
+            raise ValueError(
+                f"sequence length {s} exceeds model.max_seq_len={self.config.max_seq_len}: "
+                "GPT-2 has no position embedding beyond it."
+            )
         tok = jnp.take(embed_params["wte"]["embedding"], tokens, axis=0).astype(self.dtype)
         pos = embed_params["wpe"]["embedding"][:s].astype(self.dtype)
         return tok + pos[None, :, :]

@@ -65,16 +65,26 @@ def check_shape(config: ModelConfig, family: str) -> None:
     """
     if config.family != family:
         raise ConfigError(f"model.family={config.family!r} cannot build a {family} model.")
-    for k in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
-              "max_seq_len"):
+    for k in (
+        "vocab_size",
+        "hidden_size",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "intermediate_size",
+        "max_seq_len",
+    ):
         if getattr(config, k) < 1:
             raise ConfigError(f"model.{k}={getattr(config, k)} must be >= 1.")
     if config.hidden_size % config.num_heads:
-        raise ConfigError(f"model.hidden_size={config.hidden_size} must be divisible by "
-                          f"model.num_heads={config.num_heads}.")
+        raise ConfigError(
+            f"model.hidden_size={config.hidden_size} must be divisible by model.num_heads={config.num_heads}."
+        )
     if config.num_heads % config.num_kv_heads:
-        raise ConfigError(f"model.num_heads={config.num_heads} must be divisible by "
-                          f"model.num_kv_heads={config.num_kv_heads}.")
+        raise ConfigError(
+            f"model.num_heads={config.num_heads} must be divisible by "
+            f"model.num_kv_heads={config.num_kv_heads}."
+        )
     compute_dtype(config)
 
 
@@ -307,8 +317,9 @@ def resolve_attention_impl(requested: str, dtype: jnp.dtype, head_dim: int) -> A
     reason = _cudnn_unsupported_reason(dtype, head_dim)
     if requested == "cudnn":
         if reason is not None:
-            raise ConfigError(f"model.attention_impl=cudnn cannot be used: {reason}. "
-                              "Use model.attention_impl=auto or xla.")
+            raise ConfigError(
+                f"model.attention_impl=cudnn cannot be used: {reason}. Use model.attention_impl=auto or xla."
+            )
         return "cudnn"
     if requested == "auto":
         return "cudnn" if reason is None else "xla"

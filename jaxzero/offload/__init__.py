@@ -11,6 +11,7 @@ Where each array lives is decided by `jaxzero.placement.OffloadPlacement`.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, NamedTuple
 
 import jax
@@ -19,7 +20,7 @@ from jax.sharding import Mesh
 
 from jaxzero import placement as placement_lib
 from jaxzero.config import TrainConfig
-from jaxzero.models import ModelParams, build_model
+from jaxzero.models import ModelParams, build_model, init_keys
 from jaxzero.models.layers import compute_dtype
 from jaxzero.offload.host_optimizer import HostOptimizer
 from jaxzero.offload.streaming import StreamedModel
@@ -53,27 +54,41 @@ def build_offload_trainer(cfg: TrainConfig, mesh: Mesh, *, prefetch: int = 1):
     from jaxzero.trainer import StepMetrics, Trainer  # trainer.py imports this module lazily
 
     model = build_model(cfg.model)
-    where = placement_lib.offload_placement(mesh, cfg.model.num_layers, cfg.offload.params,
-                                            cfg.offload.resident_blocks)
+    where = placement_lib.offload_placement(
+        mesh, cfg.model.num_layers, cfg.offload.params, cfg.offload.resident_blocks
+    )
     masters_shape = jax.eval_shape(model.init, jax.random.key(0))
-    host = HostOptimizer(cfg.optimizer, cfg.steps, masters_shape, compute_dtype(cfg.model), where,
-                         cfg.data.grad_accum)
+    host = HostOptimizer(
+        cfg.optimizer, cfg.steps, masters_shape, compute_dtype(cfg.model), where, cfg.data.grad_accum
+    )
     streamed = StreamedModel(model, where, cfg.data.grad_accum, prefetch=prefetch)
-    init_masters = jax.jit(model.init, out_shardings=where.host)
+    # Masters are created unit by unit on the host: one compiled block init serves every block, and
+    # the transient memory is one unit, not a second copy of the model.
+    keys = jax.jit(partial(init_keys, num_layers=cfg.model.num_layers), out_shardings=where.host)
+    init_unit = ModelParams(
+        *(jax.jit(f, out_shardings=where.host) for f in (model.init_embed, model.init_block, model.init_head))
+    )
     increment = jax.jit(lambda step: step + 1)
 
     def init(key: jax.Array) -> OffloadState:
         # Created on the host directly: the key moves to the CPU backend, never the state to the GPU.
-        masters = init_masters(jax.device_put(key, where.host))
+        k_embed, k_blocks, k_head = keys(jax.device_put(key, where.host))
+        masters = ModelParams(
+            init_unit.embed(k_embed), tuple(init_unit.blocks(k) for k in k_blocks), init_unit.head(k_head)
+        )
         step = jax.device_put(np.zeros((), np.int32), where.host)
         return OffloadState(step, masters, host.init(masters), host.compute_weights(masters))
 
     def step(state: OffloadState, batch: jax.Array) -> tuple[OffloadState, StepMetrics]:
         loss, grads = streamed.grads(state.weights, batch)
         _delete(state.weights)  # the new weights take their place (deletion waits for pending reads)
-        masters, opt_state, weights, grad_norm, lr = host.update(state.step, state.params, state.opt_state, grads)
+        masters, opt_state, weights, grad_norm, lr = host.update(
+            state.step, state.params, state.opt_state, grads
+        )
         del grads
-        return OffloadState(increment(state.step), masters, opt_state, weights), StepMetrics(loss, grad_norm, lr)
+        return OffloadState(increment(state.step), masters, opt_state, weights), StepMetrics(
+            loss, grad_norm, lr
+        )
 
     def eval_loss(state: OffloadState, window: jax.Array) -> jax.Array:
         return streamed.loss(state.weights, window[None])
@@ -99,4 +114,3 @@ def build_offload_trainer(cfg: TrainConfig, mesh: Mesh, *, prefetch: int = 1):
             f"the rest of the {cfg.model.compute_dtype} weights on {where.accelerator}"
         ),
     )
-

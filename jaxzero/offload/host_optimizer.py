@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jaxzero.config import OptimizerConfig
@@ -87,14 +88,18 @@ class HostOptimizer:
         self._sqrt_sum = jax.jit(lambda parts: jnp.sqrt(sum(parts[1:], parts[0])), out_shardings=host)
         self._lr = jax.jit(lambda step: jnp.asarray(self.schedule(step), jnp.float32), out_shardings=host)
         self._update = ModelParams(
-            embed=make_update(self.tx.embed), blocks=make_update(self.tx.blocks), head=make_update(self.tx.head)
+            embed=make_update(self.tx.embed),
+            blocks=make_update(self.tx.blocks),
+            head=make_update(self.tx.head),
         )
         self._init = ModelParams(
             embed=jax.jit(self.tx.embed.init, out_shardings=host),
             blocks=jax.jit(self.tx.blocks.init, out_shardings=host),
             head=jax.jit(self.tx.head.init, out_shardings=host),
         )
-        self._cast = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(self.compute_dtype), p), out_shardings=host)
+        self._cast = jax.jit(
+            lambda p: jax.tree.map(lambda x: x.astype(self.compute_dtype), p), out_shardings=host
+        )
 
     # -- state ---------------------------------------------------------------------------------------
 
@@ -138,7 +143,9 @@ class HostOptimizer:
         Units are updated concurrently from the worker pool: one XLA:CPU call uses only part of the
         host's cores and memory bandwidth, several at once use most of it.
         """
-        grads = jax.device_put(grads, self.placement.host)  # pinned_host -> CPU backend: no copy on GPU
+        # pinned_host -> CPU backend through a NumPy view: no copy. (A direct device_put between the
+        # GPU and CPU clients stages through a slow path: ~1 GB/s, measured on the H100/H200 box.)
+        grads = jax.device_put(jax.tree.map(host_view, grads), self.placement.host)
         norm = self.global_norm(grads)
         units = [(self._update.embed, masters.embed, opt_state.embed, grads.embed, self.placement.device)]
         units += [
@@ -150,7 +157,7 @@ class HostOptimizer:
 
         def run(update, m, s, g, target):
             m, s, w = update(m, s, g, norm)
-            w = jax.device_get(w)  # host sync (worker thread): waits for this unit's update
+            w = jax.tree.map(host_view, w)  # host sync (worker thread): waits for this unit's update
             return m, s, jax.device_put(w, target)
 
         results = [f.result() for f in [self._pool.submit(run, *u) for u in units]]  # host sync
@@ -168,10 +175,17 @@ class HostOptimizer:
         """Copy a host-device pytree to `target` from a worker thread: NumPy view, then `device_put`."""
 
         def run():
-            arrays = jax.device_get(unit_host)  # host sync (worker thread): waits for this unit's update
+            arrays = jax.tree.map(host_view, unit_host)  # host sync (worker thread): waits for the unit
             return jax.device_put(arrays, target)
 
         return self._pool.submit(run)
+
+
+def host_view(x: jax.Array) -> np.ndarray:
+    """A read-only NumPy view of an array that lives in host memory (`pinned_host` or the CPU
+    backend): no copy. Waits for the array to be ready (a host sync)."""
+    with jax.transfer_guard_device_to_host("allow"):  # reading host memory in place is not a transfer
+        return np.asarray(x)
 
 
 def _resolve(futures: ModelParams) -> ModelParams:

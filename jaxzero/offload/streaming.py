@@ -107,7 +107,9 @@ class StreamedModel:
             return jax.lax.map(lambda xa: m.block(w, xa), x)
 
         def head_loss(head_w, embed_w, x, window):  # scalar: mean over micro-batches of their means
-            losses = jax.lax.map(lambda a: cross_entropy(m.head(head_w, embed_w, a[0]), a[1][:, 1:]), (x, window))
+            losses = jax.lax.map(
+                lambda a: cross_entropy(m.head(head_w, embed_w, a[0]), a[1][:, 1:]), (x, window)
+            )
             return jnp.mean(losses)
 
         def head_grad(head_w, embed_w, x, batch):
@@ -122,8 +124,11 @@ class StreamedModel:
                 g_head, g_embed, dx = vjp(jnp.ones((), jnp.float32))
                 return (loss, _f32(g_head), _f32(g_embed) if self.tied else None), dx
 
-            zeros = (jnp.zeros((), jnp.float32), _f32(jax.tree.map(jnp.zeros_like, head_w)),
-                     _f32(jax.tree.map(jnp.zeros_like, embed_w)) if self.tied else None)
+            zeros = (
+                jnp.zeros((), jnp.float32),
+                _f32(jax.tree.map(jnp.zeros_like, head_w)),
+                _f32(jax.tree.map(jnp.zeros_like, embed_w)) if self.tied else None,
+            )
             (loss, g_head, g_embed), dx = _accumulate(one, (x, batch), zeros)
             return loss / x.shape[0], dx, g_head, g_embed
 

@@ -1,0 +1,367 @@
+"""Benchmark jaxzero's resident trainer and offload engine side by side on one accelerator.
+
+Each case runs in its own process (clean peak-memory and RSS readings); the parent prints one table.
+
+    python scripts/bench_offload.py --cases=grad --model=llama-3.4b-bench --batch=8 --seq=2048
+    python scripts/bench_offload.py --cases=step --model=llama-3.4b-bench --batch=8 --seq=2048
+
+Cases
+  grad   forward + rematerialised backward only, bf16 weights (the gradient computation offload must
+         hide the link behind), at `--batch` and `--small_batch` sequences:
+           resident-jit    one jit over weights resident on the accelerator (the ceiling)
+           resident-units  jaxzero's per-block units, all weights resident (offload.params=none)
+           stream-p1/-p2   offload.params=cpu, prefetch 1 / 2 blocks ahead
+  step   whole optimizer steps through `build_trainer`, synthetic tokens:
+           resident, zero-offload (offload.optimizer=cpu), zero3-offload (+ offload.params=cpu)
+
+FLOP accounting: "TFLOP/s (8N)" counts 8 x params x tokens (forward, recomputed forward, backward), the
+figure the DeepSpeed comparison in shared/design/measurements.md uses; "model TFLOP/s" is jaxzero's
+metrics accounting (6 x matmul params + attention, no recompute). The link bound for streaming is
+2 x (streamed bf16 bytes) / measured host-to-device bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from functools import partial
+
+GRAD_CASES = ["resident-jit", "resident-units", "stream-p1", "stream-p2"]
+STEP_CASES = ["resident", "zero-offload", "zero3-offload"]
+HOST_CASES = ["host-phases"]
+
+
+def _median_time(fn, reps: int) -> float:
+    import jax
+    import numpy as np
+
+    jax.block_until_ready(fn())  # warm-up (compile)
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())  # host sync
+        ts.append(time.perf_counter() - t)
+    return float(np.median(ts))
+
+
+def _h2d_bandwidth() -> float:
+    """GB/s of one 2 GiB pinned_host -> device copy (median of 5)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import SingleDeviceSharding
+
+    d = jax.devices()[0]
+    host = SingleDeviceSharding(d, memory_kind="pinned_host")
+    dev = SingleDeviceSharding(d, memory_kind="device")
+    x = jax.device_put(jnp.ones((2**30,), jnp.bfloat16), host)
+    t = _median_time(lambda: jax.device_put(x, dev), 5)
+    return 2 * 2**30 / t / 1e9
+
+
+def run_grad_case(case: str, args) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from jaxzero import placement
+    from jaxzero.config import TrainConfig, apply_overrides
+    from jaxzero.models import build_model
+    from jaxzero.models.sizes import flops_per_token, param_count, unit_param_counts
+    from jaxzero.offload.streaming import StreamedModel
+    from jaxzero.trainer import averaged_grads
+
+    cfg = apply_overrides(TrainConfig(), {"model.name": args.model, "data.seq_len": str(args.seq)})
+    model = build_model(cfg.model)
+    n = param_count(cfg.model)
+    mesh = placement.make_mesh(jax.devices()[:1])
+    params_mode = "cpu" if case.startswith("stream") else "none"
+    where = placement.offload_placement(mesh, cfg.model.num_layers, params_mode, 0)
+    # bf16 weights created on the accelerator, then placed (benchmark setup, not the trainer's path).
+    init = jax.jit(lambda k: jax.tree.map(lambda x: x.astype(jnp.bfloat16), model.init(k)))
+    weights = init(jax.random.key(0))
+    weights = jax.device_put(weights, where.weight_shardings(weights))
+    out = {"case": case, "params": n, "device": jax.devices()[0].device_kind}
+    n_embed, n_block, n_head = unit_param_counts(cfg.model)
+    link = _h2d_bandwidth()
+    out["h2d_GBps"] = link
+    for batch in (args.batch, args.small_batch):
+        tokens = batch * args.seq
+        window = jax.random.randint(jax.random.key(1), (1, batch, args.seq + 1), 0, cfg.model.vocab_size)
+        if case == "resident-jit":
+            run = partial(jax.jit(partial(averaged_grads, model)), weights, window)
+        else:
+            prefetch = 2 if case == "stream-p2" else 1
+            run = partial(StreamedModel(model, where, 1, prefetch=prefetch).grads, weights, window)
+        try:
+            t = _median_time(run, args.reps)
+        except Exception as e:  # noqa: BLE001 - report and go on with the next size
+            out[f"T{tokens}"] = {"error": repr(e)[:400]}
+            continue
+        r = {
+            "s": t,
+            "tokens_per_s": tokens / t,
+            "tflops_8N": 8 * n * tokens / t / 1e12,
+            "model_tflops": flops_per_token(cfg.model, args.seq) * tokens / t / 1e12,
+        }
+        if case.startswith("stream"):
+            streamed_bytes = cfg.model.num_layers * n_block * 2
+            r["link_bound_s"] = 2 * streamed_bytes / (link * 1e9)
+            r["of_link_bound"] = r["link_bound_s"] / t
+        stats = jax.devices()[0].memory_stats() or {}
+        r["gpu_peak_gib"] = stats.get("peak_bytes_in_use", 0) / 2**30
+        out[f"T{tokens}"] = r
+        print(json.dumps({case: {f"T{tokens}": r}}), flush=True)
+    return out
+
+
+def run_step_case(case: str, args) -> dict:
+    import jax
+    import numpy as np
+
+    from jaxzero.config import TrainConfig, apply_overrides
+    from jaxzero.data import build_data
+    from jaxzero.metrics import host_rss_gib
+    from jaxzero.models.sizes import flops_per_token, param_count
+    from jaxzero.trainer import build_trainer
+
+    offload = {
+        "resident": {},
+        "zero-offload": {"offload.optimizer": "cpu"},
+        "zero3-offload": {"offload.optimizer": "cpu", "offload.params": "cpu"},
+    }[case]
+    over = {
+        "model.name": args.model,
+        "data.seq_len": str(args.seq),
+        "data.batch_size": str(args.batch),
+        "data.source": "synthetic",
+        "steps": "1000",
+        "optimizer.lr": "1e-5",
+        **offload,
+    }
+    cfg = apply_overrides(TrainConfig(), over)
+    trainer = build_trainer(cfg)
+    data = build_data(cfg.data, cfg.model.vocab_size, cfg.seed)
+    batches = data.train_iter()
+    t0 = time.perf_counter()
+    state = trainer.init(jax.random.key(0))
+    jax.block_until_ready(state)
+    init_s = time.perf_counter() - t0
+    losses, ts = [], []
+    for _ in range(args.warmup + args.steps):
+        t = time.perf_counter()
+        state, m = trainer.step(state, trainer.put_batch(next(batches)))
+        loss = float(jax.device_get(m.loss))  # host sync: time whole steps
+        ts.append(time.perf_counter() - t)
+        losses.append(loss)
+    step_s = float(np.median(ts[args.warmup :]))
+    n = param_count(cfg.model)
+    tokens = args.batch * args.seq
+    stats = jax.devices()[0].memory_stats() or {}
+    out = {
+        "case": case,
+        "params": n,
+        "device": jax.devices()[0].device_kind,
+        "init_s": init_s,
+        "first_step_s": ts[0],
+        "step_s": step_s,
+        "tokens_per_s": tokens / step_s,
+        "tflops_8N": 8 * n * tokens / step_s / 1e12,
+        "model_tflops": flops_per_token(cfg.model, args.seq) * tokens / step_s / 1e12,
+        "gpu_peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30,
+        "host_rss_gib": host_rss_gib(),
+        "losses": losses,
+    }
+    print(json.dumps(out), flush=True)
+    return out
+
+
+def _updated(update, *args):
+    """Run one unit's host update and wait for it (a worker-thread task)."""
+    import jax
+
+    return jax.block_until_ready(update(*args))
+
+
+def run_host_case(case: str, args) -> dict:
+    """Where the host update's time goes, phase by phase, on real-size per-block state; and torch's
+    fused CPU AdamW on the same number of parameters for reference."""
+    import jax
+    import numpy as np
+
+    from jaxzero.config import TrainConfig, apply_overrides
+    from jaxzero.models.sizes import param_count
+    from jaxzero.trainer import build_trainer
+
+    over = {
+        "model.name": args.model,
+        "data.seq_len": str(args.seq),
+        "data.batch_size": str(args.batch),
+        "offload.optimizer": "cpu",
+        "offload.params": "cpu",
+        "steps": "100",
+    }
+    cfg = apply_overrides(TrainConfig(), over)
+    trainer = build_trainer(cfg)
+    host = trainer.step.__closure__  # the engine's HostOptimizer, for phase timing
+    host = next(c.cell_contents for c in host if type(c.cell_contents).__name__ == "HostOptimizer")
+    state = trainer.init(jax.random.key(0))
+    where = host.placement
+    grads = jax.device_put(jax.tree.map(lambda w: w * 0 + 1e-3, state.weights), where.pinned)
+    jax.block_until_ready(grads)
+    n = param_count(cfg.model)
+    out = {"case": case, "params": n, "device": jax.devices()[0].device_kind}
+    T = time.perf_counter
+    for rep in range(3):
+        r = {}
+        t = T()
+        from jaxzero.offload.host_optimizer import host_view
+
+        g = jax.device_put(jax.tree.map(host_view, grads), where.host)
+        jax.block_until_ready(g)
+        r["grads_to_cpu_s"] = T() - t
+        t = T()
+        norm = host.global_norm(g)
+        jax.block_until_ready(norm)
+        r["norm_s"] = T() - t
+        t = T()
+        futs = [
+            host._pool.submit(_updated, host._update.blocks, m, s, gg, norm)
+            for m, s, gg in zip(state.params.blocks, state.opt_state.blocks, g.blocks)
+        ]
+        res = [f.result() for f in futs]
+        r["block_updates_s"] = T() - t
+        state = state._replace(
+            params=state.params._replace(blocks=tuple(x[0] for x in res)),
+            opt_state=state.opt_state._replace(blocks=tuple(x[1] for x in res)),
+        )
+        ws = [x[2] for x in res]
+        t = T()
+        arrs = [f.result() for f in [host._pool.submit(jax.tree.map, host_view, w) for w in ws]]
+        r["device_get_s"] = T() - t
+        t = T()
+        back = [f.result() for f in [host._pool.submit(jax.device_put, a, where.pinned) for a in arrs]]
+        jax.block_until_ready(back)
+        r["put_pinned_s"] = T() - t
+        del back
+        t = T()
+        state, m = trainer.step(state, trainer.put_batch(np.zeros((1, args.batch, args.seq + 1), np.int32)))
+        jax.block_until_ready(m)
+        r["whole_step_s"] = T() - t
+        r["block_params_G_per_s"] = (n / 1e9) / r["block_updates_s"]
+        print(json.dumps({f"rep{rep}": r}), flush=True)
+        out[f"rep{rep}"] = r
+    try:
+        import torch
+
+        nt = min(n, 1024**3)
+        p = torch.ones(nt)
+        p.grad = torch.full((nt,), 1e-3)
+        opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
+        opt.step()
+        t = T()
+        for _ in range(3):
+            opt.step()
+        out["torch_fused_adamw_G_per_s"] = 3 * nt / (T() - t) / 1e9
+    except Exception as e:  # noqa: BLE001
+        out["torch_err"] = repr(e)[:200]
+    print(json.dumps(out), flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", default="grad", help="grad, step, or a comma list of case names")
+    ap.add_argument("--case", default="", help=argparse.SUPPRESS)  # child process: run one case
+    ap.add_argument("--model", default="llama-3.4b-bench")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--small_batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    if args.case:
+        import jax
+
+        jax.config.update("jax_threefry_gpu_kernel_lowering", True)  # as `python -m jaxzero.train` does
+        runner = {
+            **dict.fromkeys(GRAD_CASES, run_grad_case),
+            **dict.fromkeys(STEP_CASES, run_step_case),
+            **dict.fromkeys(HOST_CASES, run_host_case),
+        }[args.case]
+        result = runner(args.case, args)
+        print("RESULT " + json.dumps(result), flush=True)
+        return
+
+    names = {"grad": GRAD_CASES, "step": STEP_CASES, "host": HOST_CASES}.get(
+        args.cases, args.cases.split(",")
+    )
+    results = []
+    for case in names:
+        cmd = [sys.executable, __file__, f"--case={case}"] + [
+            a for a in sys.argv[1:] if not a.startswith("--cases")
+        ]
+        t = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        log = os.path.join(args.out, f"bench_{case}.log")
+        with open(log, "w") as f:
+            f.write(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        if proc.returncode or not lines:
+            print(
+                f"{case}: FAILED rc={proc.returncode} ({time.perf_counter() - t:.0f}s); "
+                f"tail:\n{proc.stderr[-1500:]}"
+            )
+            continue
+        results.append(json.loads(lines[-1][7:]))
+        print(f"{case}: done in {time.perf_counter() - t:.0f}s", flush=True)
+    with open(os.path.join(args.out, f"bench_{args.cases.replace(',', '_')}.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    print_table(results, args)
+
+
+def print_table(results: list[dict], args) -> None:
+    if not results or "step_s" not in results[0] and not any(k.startswith("T") for k in results[0]):
+        return
+    print(f"\nmodel {args.model}, {results[0]['params'] / 1e9:.2f}B params, device {results[0]['device']}")
+    if "step_s" in results[0]:
+        base = next((r["step_s"] for r in results if r["case"] == "resident"), None)
+        print(
+            f"{'case':16} {'s/step':>7} {'tok/s':>8} {'TFLOP/s(8N)':>11} {'model TF/s':>10} "
+            f"{'GPU GiB':>8} {'RSS GiB':>8} {'vs resident':>11}"
+        )
+        for r in results:
+            ratio = f"{base / r['step_s']:.2f}x" if base else "-"
+            print(
+                f"{r['case']:16} {r['step_s']:7.3f} {r['tokens_per_s']:8.0f} {r['tflops_8N']:11.1f} "
+                f"{r['model_tflops']:10.1f} {r['gpu_peak_gib']:8.1f} {r['host_rss_gib']:8.1f} {ratio:>11}"
+            )
+        return
+    for key in sorted({k for r in results for k in r if k.startswith("T")}, key=lambda k: -int(k[1:])):
+        base = next(
+            (r[key]["s"] for r in results if r["case"] == "resident-jit" and "s" in r.get(key, {})), None
+        )
+        print(f"\n{int(key[1:])} tokens/step: forward + rematerialised backward")
+        print(
+            f"{'case':16} {'s':>7} {'TFLOP/s(8N)':>11} {'vs resident-jit':>15} {'of link bound':>13} "
+            f"{'GPU GiB':>8}"
+        )
+        for r in results:
+            x = r.get(key, {})
+            if "s" not in x:
+                print(f"{r['case']:16} {x.get('error', 'missing')[:80]}")
+                continue
+            ratio = f"{base / x['s']:.2f}" if base else "-"
+            lb = f"{x['of_link_bound']:.2f}" if "of_link_bound" in x else "-"
+            print(
+                f"{r['case']:16} {x['s']:7.3f} {x['tflops_8N']:11.1f} {ratio:>15} {lb:>13} "
+                f"{x['gpu_peak_gib']:8.1f}"
+            )
+
+
+if __name__ == "__main__":
+    main()

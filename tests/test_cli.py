@@ -1,0 +1,104 @@
+"""`python -m jaxzero.train` end to end on the tiny model, as a user runs it (a subprocess, one device)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = [
+    "--steps=30",
+    "--logging.log_every=5",
+    "--logging.eval_every=15",
+    "--data.seq_len=64",
+    "--data.batch_size=8",
+    "--model.num_layers=2",
+]
+
+
+def train(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # a plain one-device run
+    env["PYTHONPATH"] = str(REPO)
+    env["JAX_PLATFORMS"] = "cpu"
+    return subprocess.run(
+        [sys.executable, "-m", "jaxzero.train", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("cli")
+    proc = train(*TINY, "--run_dir=a", cwd=cwd)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return cwd, proc
+
+
+def test_trains_and_writes_run_dir(first_run):
+    cwd, proc = first_run
+    run_dir = cwd / "a"
+    cfg = json.loads((run_dir / "config.json").read_text())
+    assert (
+        cfg["steps"] == 30
+        and cfg["run_dir"] == "a"
+        and cfg["offload"] == {"params": "none", "optimizer": "none", "resident_blocks": 0}
+    )
+    recs = records(run_dir)
+    assert [r["step"] for r in recs] == [1, 5, 10, 15, 20, 25, 30]
+    for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops", "mfu", "host_rss_gib"):
+        assert key in recs[-1], key
+    assert recs[-1]["tokens_per_s"] > 0 and recs[-1]["mfu"] is None  # no known peak for a CPU
+    assert "val_loss" in recs[3] and "val_loss" in recs[-1] and "val_loss" not in recs[2]
+    assert recs[-1]["loss"] < recs[0]["loss"] - 1.0, "loss must fall visibly"
+    assert "step 30 | loss" in proc.stdout
+
+
+def test_same_seed_same_losses_and_offload_agrees(first_run):
+    cwd, _ = first_run
+    again = train(*TINY, "--run_dir=b", cwd=cwd)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert [r["loss"] for r in records(cwd / "a")] == [r["loss"] for r in records(cwd / "b")]
+    off = train(*TINY, "--run_dir=c", "--offload.optimizer=cpu", "--offload.params=cpu", cwd=cwd)
+    assert off.returncode == 0, off.stderr[-3000:]
+    assert "ZeRO-3 offload" in off.stdout
+    a, c = records(cwd / "a"), records(cwd / "c")
+    assert abs(a[-1]["loss"] - c[-1]["loss"]) < 0.05  # bf16, same math in different programs
+
+
+def test_refuses_to_overwrite_and_reports_bad_config(first_run):
+    cwd, _ = first_run
+    before = (cwd / "a" / "metrics.jsonl").read_text()
+    proc = train(*TINY, "--run_dir=a", cwd=cwd)
+    assert proc.returncode == 2 and "already holds a run" in proc.stderr
+    assert (cwd / "a" / "metrics.jsonl").read_text() == before
+    proc = train("--optimizer.learning_rate=1", cwd=cwd)
+    assert proc.returncode == 2 and "unknown config key 'optimizer.learning_rate'" in proc.stderr
+    proc = train("--data.source=tokens", "--data.path=/nonexistent", cwd=cwd)
+    assert proc.returncode == 2 and "/nonexistent" in proc.stderr
+
+
+def test_nan_loss_stops_with_a_clear_error(tmp_path):
+    proc = train(
+        *TINY,
+        "--steps=10",
+        "--optimizer.lr=1e6",
+        "--optimizer.warmup_steps=0",
+        "--optimizer.grad_clip=0",
+        "--model.compute_dtype=float32",
+        "--run_dir=nan",
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "loss became nan" in proc.stderr and "Try a lower optimizer.lr" in proc.stderr
+    assert (tmp_path / "nan" / "metrics.jsonl").exists()
