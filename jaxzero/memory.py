@@ -16,7 +16,6 @@ initialisation. Byte counts per parameter, by where the state lives:
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 
@@ -110,7 +109,7 @@ def configure_pinned_pool(plan: MemoryPlan) -> int | None:
     is set here; a user-set value that is too small, or a backend already started with too small a
     cap, is an error that says what to set.
     """
-    need_gb = math.ceil(plan.pinned * 1.1 / 1e9) + 2
+    need_gb = -(-plan.pinned * 11 // (10 * 10**9)) + 2  # 10% headroom plus 2 GB, integer GB
     if need_gb <= PINNED_POOL_DEFAULT_GB and PINNED_POOL_ENV not in os.environ:
         return PINNED_POOL_DEFAULT_GB
     current = os.environ.get(PINNED_POOL_ENV)

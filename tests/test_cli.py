@@ -102,3 +102,15 @@ def test_nan_loss_stops_with_a_clear_error(tmp_path):
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "loss became nan" in proc.stderr and "Try a lower optimizer.lr" in proc.stderr
     assert (tmp_path / "nan" / "metrics.jsonl").exists()
+
+
+def test_readme_library_example_runs():
+    """The README's library example, verbatim but for the step count, trains and lowers the loss."""
+    readme = (REPO / "README.md").read_text()
+    code = readme.split("## Library API")[1].split("```python")[1].split("```")[0]
+    code = code.replace('"--steps=100"', '"--steps=12"')
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "StepMetrics(loss=" in proc.stdout

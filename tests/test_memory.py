@@ -1,0 +1,74 @@
+"""Memory planning and the early, clear failures it gives (before anything is allocated)."""
+
+import jax
+import pytest
+
+from jaxzero import memory, placement
+from jaxzero.config import ConfigError, TrainConfig, apply_overrides
+from jaxzero.models.sizes import param_count, unit_param_counts
+
+GiB = 2**30
+
+
+def cfg(**over) -> TrainConfig:
+    base = {"model.name": "llama-7b", "data.seq_len": "2048", "data.batch_size": "8"}
+    return apply_overrides(TrainConfig(), {**base, **{k.replace("__", "."): v for k, v in over.items()}})
+
+
+def test_plan_counts_bytes_per_parameter():
+    n = param_count(cfg().model)
+    e, b, h = unit_param_counts(cfg().model)
+    assert e + 32 * b + h == n
+    resident = memory.plan_memory(cfg())
+    assert resident.host == 0 and resident.accelerator_state == 16 * n  # masters 4 + AdamW 8 + grads 4
+    zero = memory.plan_memory(cfg(offload__optimizer="cpu"))
+    assert zero.pinned == 2 * n  # bf16 gradients (one micro-batch)
+    assert zero.accelerator_state == 2 * n  # bf16 weights resident
+    full = memory.plan_memory(cfg(offload__optimizer="cpu", offload__params="cpu"))
+    assert full.pinned == 2 * n + 2 * 32 * b  # gradients + streamed weights
+    assert full.accelerator_state < 0.15 * zero.accelerator_state  # embed/head + 3 blocks in flight
+    accum = memory.plan_memory(cfg(offload__optimizer="cpu", data__grad_accum="2"))
+    assert accum.pinned == 4 * n  # float32 gradient sums leave with several micro-batches
+
+
+def test_host_too_small_is_refused_with_numbers():
+    c = cfg(offload__optimizer="cpu", offload__params="cpu")
+    plan = memory.plan_memory(c)
+    with pytest.raises(ConfigError, match=r"needs 1\d\d\.\d GiB of host RAM .* but 64\.0 GiB is available"):
+        memory.check_host_fits(c, plan, available=64 * GiB)
+    memory.check_host_fits(c, plan, available=plan.host + 1)
+
+
+def test_accelerator_too_small_is_refused_with_a_hint():
+    c = cfg()
+    with pytest.raises(ConfigError, match="needs 100.4 GiB of accelerator memory .*optimizer=cpu keeps"):
+        memory.check_accelerator_fits(c, memory.plan_memory(c), capacity=80 * GiB)
+    c2 = cfg(offload__optimizer="cpu")
+    with pytest.raises(ConfigError, match="offload.params=cpu streams the weights"):
+        memory.check_accelerator_fits(c2, memory.plan_memory(c2), capacity=10 * GiB)
+    c3 = cfg(offload__optimizer="cpu", offload__params="cpu")
+    warning = memory.check_accelerator_fits(c3, memory.plan_memory(c3), capacity=10 * GiB)
+    assert warning and "lower data.batch_size" in warning
+
+
+def test_pinned_pool_is_sized_or_the_user_is_told(monkeypatch):
+    big = memory.MemoryPlan(host=0, pinned=100 * 10**9, accelerator_state=0, activations=0)
+    small = memory.MemoryPlan(host=0, pinned=10 * 10**9, accelerator_state=0, activations=0)
+    monkeypatch.delenv(memory.PINNED_POOL_ENV, raising=False)
+    jax.devices()  # the backend is running, as it is in any session that already used JAX
+    assert memory.configure_pinned_pool(small) == memory.PINNED_POOL_DEFAULT_GB
+    # Raising the cap after the backend started is impossible: the error says what to set.
+    with pytest.raises(ConfigError, match=r"needs 112 GB of pinned host memory.*_MEMORY_LIMIT_GB=112 in"):
+        memory.configure_pinned_pool(big)
+    monkeypatch.setenv(memory.PINNED_POOL_ENV, "80")
+    with pytest.raises(ConfigError, match="XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=80 is below the 112 GB"):
+        memory.configure_pinned_pool(big)
+    monkeypatch.setenv(memory.PINNED_POOL_ENV, "120")
+    assert memory.configure_pinned_pool(big) == 120
+
+
+def test_platform_without_pinned_host_is_refused(monkeypatch):
+    monkeypatch.setattr(placement, "supports_memory_kind", lambda device, kind: False)
+    mesh = placement.make_mesh(jax.devices()[:1])
+    with pytest.raises(ConfigError, match="has no pinned_host memory .* Use offload.params=none"):
+        placement.offload_placement(mesh, 4, "cpu", 0)
