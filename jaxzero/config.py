@@ -98,11 +98,14 @@ class OffloadConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    """Orbax checkpoints in `<run_dir>/checkpoints`. `every=0` saves only at the end of the run."""
+    """Orbax checkpoints in `<run_dir>/checkpoints`: every `every` steps (0: only at the end and on
+    preemption), keeping the newest `keep` plus every `keep_every`-th step (0: none)."""
 
-    enabled: bool = False
+    enabled: bool = True
     every: int = 0
     keep: int = 3
+    keep_every: int = 0
+    async_save: bool = True  # snapshot to host RAM, write in the background; false: block, no copy
 
 
 @dataclass(frozen=True)
@@ -405,6 +408,7 @@ def validate(cfg: TrainConfig, num_devices: int | None = None) -> None:
     need(lg.eval_batches >= 1, f"logging.eval_batches={lg.eval_batches} must be >= 1.")
     ck = cfg.checkpoint
     need(
-        ck.every >= 0 and ck.keep >= 1,
-        f"checkpoint.every={ck.every} must be >= 0 and checkpoint.keep={ck.keep} >= 1.",
+        ck.every >= 0 and ck.keep >= 1 and ck.keep_every >= 0,
+        f"checkpoint.every={ck.every} and checkpoint.keep_every={ck.keep_every} must be >= 0, "
+        f"checkpoint.keep={ck.keep} >= 1.",
     )

@@ -1,18 +1,26 @@
 """`python -m jaxzero.train [--config=PATH] [--section.key=value ...]`: train a model.
 
 With no arguments it trains the tiny Llama on the built-in byte-level corpus on whatever JAX backend is
-present. The run directory receives the resolved `config.json` and `metrics.jsonl` (one JSON object
-per logged step: step, loss, lr, grad_norm, tokens_per_s, tflops, mfu, gpu_peak_gib, host_rss_gib,
-and val_loss on validation steps).
+present. The run directory receives the resolved `config.json`, `metrics.jsonl` (one JSON object per
+logged step: step, loss, lr, grad_norm, tokens_per_s, tflops, mfu, gpu_peak_gib, host_rss_gib, and
+val_loss on validation steps) and Orbax checkpoints under `checkpoints/`.
 
-The loop reads top to bottom: config -> data -> trainer -> state -> steps (log, validate).
+Pointed at a run directory that holds a checkpoint, it resumes from the newest complete one with the
+config saved there; `--steps`, `--logging.*` and `--checkpoint.*` may be changed on resume.
+SIGTERM saves a checkpoint at the next step boundary and exits with status 3.
+
+The loop reads top to bottom: config -> data -> trainer -> state (init or restore) -> steps (log,
+validate, checkpoint).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 import math
+import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -20,8 +28,9 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxzero.config import ConfigError, TrainConfig, parse_args
-from jaxzero.data import build_data
+from jaxzero.checkpoint import CHECKPOINT_DIR, Checkpointer, make_meta
+from jaxzero.config import ConfigError, TrainConfig, apply_overrides, config_from_dict, parse_args, validate
+from jaxzero.data import DataState, build_data
 from jaxzero.metrics import (
     MetricsLog,
     ProgressBar,
@@ -33,25 +42,67 @@ from jaxzero.metrics import (
 from jaxzero.models.sizes import flops_per_token, param_count
 from jaxzero.trainer import StepMetrics, build_trainer
 
+EXIT_CONFIG, EXIT_TRAINING, EXIT_PREEMPTED = 2, 1, 3
+# Keys a resumed run may change; anything else would make the resumed run a different run.
+RESUMABLE_CHANGES = ("steps", "logging.", "checkpoint.")
+# Fault injection for the crash tests: SIGKILL this process right after the save of this step starts.
+KILL_AFTER_SAVE_ENV = "JAXZERO_TEST_KILL_AFTER_SAVE_STEP"
+
 
 class TrainingError(RuntimeError):
     """Training cannot go on (e.g. a non-finite loss); the message says why and what to try."""
 
 
-def resolve_run_dir(cfg: TrainConfig) -> Path:
-    """The run directory, created empty. An existing run is never overwritten."""
+class Preempted(RuntimeError):
+    """SIGTERM arrived; a checkpoint was saved at `step`."""
+
+
+def has_checkpoint(run_dir: Path) -> bool:
+    ckpt = run_dir / CHECKPOINT_DIR
+    return ckpt.is_dir() and any(p.name.isdigit() for p in ckpt.iterdir())
+
+
+def resolve_run_dir(cfg: TrainConfig) -> tuple[Path, bool]:
+    """(run directory, whether it resumes a checkpointed run). A run without checkpoints is never
+    overwritten."""
     if cfg.run_dir:
         run_dir = Path(cfg.run_dir)
     else:
         stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
         run_dir = Path("runs") / f"{cfg.model.name}-{stamp}"
+    if has_checkpoint(run_dir):
+        return run_dir, True
     if (run_dir / "metrics.jsonl").exists() or (run_dir / "config.json").exists():
         raise ConfigError(
-            f"run_dir {str(run_dir)!r} already holds a run (config.json / metrics.jsonl); "
-            "pass a new --run_dir=PATH (or delete the old run) so its results are not overwritten."
+            f"run_dir {str(run_dir)!r} already holds a run (config.json / metrics.jsonl) with no checkpoint "
+            "to resume from; pass a new --run_dir=PATH (or delete the old run) so its results are not "
+            "overwritten."
         )
     run_dir.mkdir(parents=True, exist_ok=True)
-    return run_dir
+    return run_dir, False
+
+
+def resume_config(run_dir: Path, overrides: dict[str, str]) -> TrainConfig:
+    """The saved config of a run being resumed, with the allowed `overrides` applied."""
+    saved = config_from_dict(json.loads((run_dir / "config.json").read_text()))
+    changed = {k: v for k, v in overrides.items() if k != "run_dir"}
+    cfg = apply_overrides(saved, changed)
+    different = [k for k in changed if not k.startswith(RESUMABLE_CHANGES) and _get(cfg, k) != _get(saved, k)]
+    if different:
+        raise ConfigError(
+            f"run_dir {str(run_dir)!r} holds a checkpointed run; resuming it cannot change "
+            f"{', '.join(f'{k} ({_get(saved, k)!r} -> {_get(cfg, k)!r})' for k in different)}. Only steps, "
+            "logging.* and checkpoint.* may change; start a new --run_dir for a different run."
+        )
+    validate(cfg)
+    return cfg
+
+
+def _get(cfg: TrainConfig, key: str):
+    obj = cfg
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 def evaluate(trainer, state, batches: list[np.ndarray]) -> float:
@@ -60,13 +111,39 @@ def evaluate(trainer, state, batches: list[np.ndarray]) -> float:
     return float(np.mean(jax.device_get(losses)))  # host sync
 
 
+def truncate_metrics(path: Path, last_step: int) -> None:
+    """Drop records past `last_step`: the resumed run recomputes them (identically), so the file keeps
+    one record per step. Rewritten atomically."""
+    if not path.exists():
+        return
+    keep = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= last_step]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(ln + "\n" for ln in keep))
+    tmp.replace(path)
+
+
+def preemption_requested(step: int) -> bool:
+    """Whether a SIGTERM asks this process (and, with several, all of them at this same step) to stop.
+
+    JAX's preemption sync point needs the distributed runtime; without it there is no notifier and
+    the answer is always no.
+    """
+    if not jax.distributed.is_initialized():
+        return False
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.reached_preemption_sync_point(step)
+
+
 def train(cfg: TrainConfig, console=sys.stdout) -> Path:
-    """Run training as configured; returns the run directory. Raises ConfigError / TrainingError."""
+    """Run training as configured; returns the run directory. Raises ConfigError / TrainingError /
+    Preempted."""
     data = build_data(cfg.data, cfg.model.vocab_size, cfg.seed)  # checks files before anything is allocated
-    trainer = build_trainer(cfg)  # checks the mesh; allocates and compiles nothing
-    run_dir = resolve_run_dir(cfg)
+    run_dir, resuming = resolve_run_dir(cfg)
+    trainer = build_trainer(cfg)  # checks the mesh and memory; allocates and compiles nothing
     cfg = dataclasses.replace(cfg, run_dir=str(run_dir))
     (run_dir / "config.json").write_text(cfg.to_json() + "\n")
+    ckpt = Checkpointer(run_dir, cfg.checkpoint) if cfg.checkpoint.enabled or resuming else None
 
     tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
     throughput = Throughput(
@@ -81,21 +158,38 @@ def train(cfg: TrainConfig, console=sys.stdout) -> Path:
         file=console,
     )
     val_batches = data.val_batches(cfg.logging.eval_batches)
-    log = MetricsLog(run_dir / "metrics.jsonl", console)
-    bar = ProgressBar(cfg.steps, cfg.logging.progress)
 
     t_start = time.perf_counter()
-    state = trainer.init(jax.random.key(cfg.seed))
-    batches = data.train_iter()
+    restored = ckpt.restore_latest(trainer.abstract_saved_state(), trainer.layout, cfg) if resuming else None
+    if restored is not None:
+        state = trainer.from_saved_state(restored.state)
+        first = restored.step + 1
+        batches = data.train_iter(DataState.from_dict(restored.meta["data_state"]))
+        truncate_metrics(run_dir / "metrics.jsonl", restored.step)
+        print(f"jaxzero: resumed from {ckpt.directory / str(restored.step)}", file=console)
+    else:
+        state = trainer.init(jax.random.key(cfg.seed))
+        first = 1
+        batches = data.train_iter()
+    log = MetricsLog(run_dir / "metrics.jsonl", console)
+    bar = ProgressBar(cfg.steps, cfg.logging.progress)
+    kill_after = int(os.environ.get(KILL_AFTER_SAVE_ENV, "0"))
+
+    def save(step: int) -> None:
+        saved = trainer.saved_state(state)
+        ckpt.save(step, saved, make_meta(step, batches.state.to_dict(), cfg, trainer.layout, saved))
+        if step == kill_after:
+            os.kill(os.getpid(), 9)  # fault injection: die while the asynchronous write is in flight
+
     pending: list[tuple[int, StepMetrics]] = []
-    for step in range(1, cfg.steps + 1):
+    for step in range(first, cfg.steps + 1):
         state, metrics = trainer.step(state, trainer.put_batch(next(batches)))
         pending.append((step, metrics))
         throughput.add_step()
         is_eval = cfg.logging.eval_every > 0 and step % cfg.logging.eval_every == 0
-        if step == 1 or step % cfg.logging.log_every == 0 or step == cfg.steps or is_eval:
+        if step == first or step % cfg.logging.log_every == 0 or step == cfg.steps or is_eval:
             values = jax.device_get([m for _, m in pending])  # host sync: scalars only, every log_every steps
-            rates = throughput.read() if step > 1 else {"tokens_per_s": None, "tflops": None, "mfu": None}
+            rates = throughput.read() if step > first else {"tokens_per_s": None, "tflops": None, "mfu": None}
             last = values[-1]
             record = {
                 "step": step,
@@ -106,15 +200,17 @@ def train(cfg: TrainConfig, console=sys.stdout) -> Path:
                 "gpu_peak_gib": accelerator_peak_gib(devices),
                 "host_rss_gib": host_rss_gib(),
             }
-            if step == 1:
-                record["compile_s"] = time.perf_counter() - t_start  # init + compile + first step
+            if step == first:
+                record["compile_s"] = time.perf_counter() - t_start  # init or restore + compile + first step
             bad = [(s, v) for (s, _), v in zip(pending, values) if not math.isfinite(float(v.loss))]
-            if is_eval or step == cfg.steps:
+            if (is_eval or step == cfg.steps) and not bad:
                 record["val_loss"] = evaluate(trainer, state, val_batches)
             bar.clear()
             log.write(record)
             if bad:
                 log.close()
+                if ckpt is not None:
+                    ckpt.close()  # the last good checkpoint stays; nothing non-finite is saved
                 raise TrainingError(
                     f"loss became {float(bad[0][1].loss)} at step {bad[0][0]} "
                     f"(grad_norm {float(bad[0][1].grad_norm):.4g}). "
@@ -124,10 +220,42 @@ def train(cfg: TrainConfig, console=sys.stdout) -> Path:
                 )
             pending.clear()
             throughput.restart()
+        preempted = preemption_requested(step)
+        every = cfg.checkpoint.every
+        if (
+            ckpt is not None
+            and cfg.checkpoint.enabled
+            and (preempted or step == cfg.steps or (every and step % every == 0))
+        ):
+            save(step)
+        if preempted:
+            bar.clear()
+            log.close()
+            ckpt.close()  # host sync: the checkpoint is committed before the process exits
+            raise Preempted(
+                f"SIGTERM: saved a checkpoint at step {step} in {ckpt.directory}; rerun with "
+                f"--run_dir={run_dir} to resume."
+            )
         bar.update(step)
     bar.close()
     log.close()
+    if ckpt is not None:
+        ckpt.close()  # host sync: wait for the last asynchronous save
     return run_dir
+
+
+def start_distributed() -> None:
+    """Start JAX's distributed runtime (one local process unless a cluster is configured), before any
+    backend: it carries the SIGTERM preemption notifier that `preemption_requested` reads."""
+    if jax.distributed.is_initialized():
+        return
+    if os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        jax.distributed.initialize()
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=1, process_id=0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,14 +270,27 @@ def main(argv: list[str] | None = None) -> int:
     # (identical values); process-wide, so it is set here by the program, not by the library.
     jax.config.update("jax_threefry_gpu_kernel_lowering", True)
     try:
-        cfg = parse_args(argv)
+        run_dir = next((a.split("=", 1)[1] for a in argv if a.startswith("--run_dir=")), "")
+        if run_dir and has_checkpoint(Path(run_dir)):
+            overrides = dict(a[2:].split("=", 1) for a in argv if a.startswith("--") and "=" in a)
+            if "config" in overrides:
+                raise ConfigError(
+                    "--config cannot be combined with resuming a run; the run's own config is used."
+                )
+            cfg = resume_config(Path(run_dir), overrides)
+        else:
+            cfg = parse_args(argv)
+        start_distributed()
         train(cfg)
     except ConfigError as e:
         print(f"jaxzero: config error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     except TrainingError as e:
         print(f"jaxzero: training stopped: {e}", file=sys.stderr)
-        return 1
+        return EXIT_TRAINING
+    except Preempted as e:
+        print(f"jaxzero: preempted: {e}", file=sys.stderr)
+        return EXIT_PREEMPTED
     return 0
 
 

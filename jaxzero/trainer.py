@@ -62,15 +62,25 @@ class Trainer:
     config: TrainConfig
     model: Model
     mesh: Mesh
-    optimizer: (
-        optax.GradientTransformation
-    )  # the update applied (by the offload engine: per unit, on the host)
+    optimizer: optax.GradientTransformation  # the update (the offload engine applies it per unit)
     init: Callable[[jax.Array], TrainState]  # PRNG key -> state in its final placement
     step: Callable[[TrainState, jax.Array], tuple[TrainState, StepMetrics]]  # donates the state
     eval_loss: Callable[[TrainState, jax.Array], jax.Array]  # (state, int32 (B, S+1)) -> float32
     put_batch: Callable[[np.ndarray], jax.Array]  # host (A, mb, S+1) -> sharded device array
     put_eval_batch: Callable[[np.ndarray], jax.Array]  # host (B, S+1) -> sharded device array
     strategy: str  # a short description of where state lives, for logs
+    # Checkpointing: what is saved ({"step", "params", "opt_state"}), its abstract placed form (the
+    # restore target), and how a state is rebuilt from it. `layout` names the optimizer-state layout.
+    layout: str
+    saved_state: Callable[[Any], dict[str, Any]]
+    abstract_saved_state: Callable[[], dict[str, Any]]
+    from_saved_state: Callable[[dict[str, Any]], Any]
+
+
+def abstract_placed(shapes: Any, shardings: Any) -> Any:
+    """ShapeDtypeStructs of `shapes` carrying `shardings` (a tree of the same structure): a restore
+    target that puts every array back in its intended memory."""
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
 
 
 def averaged_grads(model: Model, params: ModelParams, batch: jax.Array) -> tuple[jax.Array, ModelParams]:
@@ -125,9 +135,8 @@ def build_resident_trainer(cfg: TrainConfig, mesh: Mesh) -> Trainer:
         params = model.init(key)
         return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
 
-    state_sharding = jax.tree.map(
-        lambda _: placement.replicated(mesh), jax.eval_shape(init_state, jax.random.key(0))
-    )
+    shapes = jax.eval_shape(init_state, jax.random.key(0))
+    state_sharding = jax.tree.map(lambda _: placement.replicated(mesh), shapes)
     batch_sharding = placement.train_batch_sharding(mesh)
 
     def train_step(state: TrainState, batch: jax.Array) -> tuple[TrainState, StepMetrics]:
@@ -159,4 +168,8 @@ def build_resident_trainer(cfg: TrainConfig, mesh: Mesh) -> Trainer:
         put_batch=partial(placement.put_train_batch, mesh=mesh),
         put_eval_batch=partial(placement.put_eval_batch, mesh=mesh),
         strategy=f"resident: params, grads and optimizer state in accelerator memory, {mesh.size} device(s)",
+        layout="resident",
+        saved_state=lambda state: state._asdict(),
+        abstract_saved_state=lambda: abstract_placed(shapes, state_sharding)._asdict(),
+        from_saved_state=lambda saved: TrainState(**saved),
     )

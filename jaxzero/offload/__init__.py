@@ -51,7 +51,7 @@ def _delete(tree: Any) -> None:
 
 def build_offload_trainer(cfg: TrainConfig, mesh: Mesh, *, prefetch: int = 1):
     """A `Trainer` for `offload.optimizer=cpu` (and `offload.params` none or cpu) on `mesh`'s one device."""
-    from jaxzero.trainer import StepMetrics, Trainer  # trainer.py imports this module lazily
+    from jaxzero.trainer import StepMetrics, Trainer, abstract_placed  # trainer.py imports us lazily
 
     model = build_model(cfg.model)
     where = placement_lib.offload_placement(
@@ -90,6 +90,19 @@ def build_offload_trainer(cfg: TrainConfig, mesh: Mesh, *, prefetch: int = 1):
             loss, grad_norm, lr
         )
 
+    def abstract_saved_state() -> dict[str, Any]:
+        masters = jax.eval_shape(model.init, jax.random.key(0))
+        shapes = {
+            "step": jax.ShapeDtypeStruct((), np.int32),
+            "params": masters,
+            "opt_state": jax.eval_shape(host.init, masters),
+        }
+        return abstract_placed(shapes, jax.tree.map(lambda _: where.host, shapes))
+
+    def from_saved_state(saved: dict[str, Any]) -> OffloadState:
+        params = saved["params"]
+        return OffloadState(saved["step"], params, saved["opt_state"], host.compute_weights(params))
+
     def eval_loss(state: OffloadState, window: jax.Array) -> jax.Array:
         return streamed.loss(state.weights, window[None])
 
@@ -113,4 +126,8 @@ def build_offload_trainer(cfg: TrainConfig, mesh: Mesh, *, prefetch: int = 1):
             f"{streamed_n}/{cfg.model.num_layers} blocks streamed from pinned host memory, "
             f"the rest of the {cfg.model.compute_dtype} weights on {where.accelerator}"
         ),
+        layout="offload",
+        saved_state=lambda state: {"step": state.step, "params": state.params, "opt_state": state.opt_state},
+        abstract_saved_state=abstract_saved_state,
+        from_saved_state=from_saved_state,
     )

@@ -1,0 +1,151 @@
+"""Checkpoints: exact resume after SIGKILL (also mid-save), preemption, corruption and mismatches."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from jaxzero import placement
+from jaxzero.checkpoint import Checkpointer, CheckpointError, make_meta
+from jaxzero.config import TrainConfig, apply_overrides
+from jaxzero.train import KILL_AFTER_SAVE_ENV
+from jaxzero.trainer import build_trainer
+
+REPO = Path(__file__).resolve().parents[1]
+RUN = [
+    "--steps=12",
+    "--logging.log_every=1",
+    "--logging.eval_every=0",
+    "--data.seq_len=32",
+    "--data.batch_size=4",
+    "--model.num_layers=2",
+    "--checkpoint.every=4",
+    "--checkpoint.keep=5",
+]
+MODES = {"resident": [], "zero3-offload": ["--offload.optimizer=cpu", "--offload.params=cpu"]}
+
+
+def cli(*args: str, cwd: Path, env_extra: dict | None = None, wait: bool = True):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", **(env_extra or {}))
+    cmd = [sys.executable, "-m", "jaxzero.train", *args]
+    if not wait:
+        return subprocess.Popen(
+            cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    recs = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in recs}
+
+
+def final_params(run_dir: Path, step: int) -> list[np.ndarray]:
+    """The saved masters of checkpoint `step`, read back as NumPy (no placement needed to compare)."""
+    path = run_dir / "checkpoints" / str(step) / "state"
+    tree = ocp.PyTreeCheckpointer().restore(path)
+    return [np.asarray(x) for x in jax.tree.leaves(tree["params"])]
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_sigkill_mid_save_then_resume_is_bitwise(tmp_path, mode):
+    args = [*RUN, *MODES[mode]]
+    full = cli(*args, "--run_dir=full", cwd=tmp_path)
+    assert full.returncode == 0, full.stderr[-3000:]
+    # Killed by SIGKILL right after the save of step 8 starts: the write may or may not be committed.
+    killed = cli(*args, "--run_dir=killed", cwd=tmp_path, env_extra={KILL_AFTER_SAVE_ENV: "8"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    resumed = cli("--run_dir=killed", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout
+    a, b = losses(tmp_path / "full"), losses(tmp_path / "killed")
+    assert sorted(a) == sorted(b) == list(range(1, 13))
+    assert a == b  # bitwise: JSON floats printed to 6 significant digits, and the parameters below
+    for x, y in zip(final_params(tmp_path / "full", 12), final_params(tmp_path / "killed", 12), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_sigterm_saves_at_a_step_boundary_and_exits_3(tmp_path):
+    proc = cli(*RUN, "--steps=100000", "--checkpoint.every=0", "--run_dir=pre", cwd=tmp_path, wait=False)
+    metrics = tmp_path / "pre" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 3, err[-3000:]
+    assert "preempted: SIGTERM: saved a checkpoint at step" in err
+    saved = sorted(int(p.name) for p in (tmp_path / "pre" / "checkpoints").iterdir() if p.name.isdigit())
+    assert len(saved) == 1 and saved[0] >= 3
+    resumed = cli("--run_dir=pre", "--steps=" + str(saved[0] + 2), cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert max(losses(tmp_path / "pre")) == saved[0] + 2
+
+
+def test_corrupt_latest_checkpoint_falls_back_to_previous(tmp_path):
+    run = cli(*RUN, "--run_dir=c", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    latest = tmp_path / "c" / "checkpoints" / "12" / "state"
+    for f in latest.rglob("*"):
+        if f.is_file() and f.stat().st_size > 64 and "metadata" not in f.name:
+            f.write_bytes(f.read_bytes()[: f.stat().st_size // 3])  # truncate the array data
+    again = cli("--run_dir=c", "--steps=14", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "checkpoints/12 is unreadable" in again.stderr and "trying the previous one" in again.stderr
+    assert "resumed from" in again.stdout and again.stdout.count("checkpoints/8") >= 1
+
+
+def test_resume_refuses_a_different_run(tmp_path):
+    run = cli(*RUN, "--steps=4", "--run_dir=r", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    other = cli("--run_dir=r", "--model.hidden_size=64", cwd=tmp_path)
+    assert other.returncode == 2
+    assert "cannot change model.hidden_size (128 -> 64)" in other.stderr
+
+
+def tiny(**over) -> TrainConfig:
+    return apply_overrides(
+        TrainConfig(), {"model.num_layers": "2", "data.seq_len": "32", "data.batch_size": "4", **over}
+    )
+
+
+def test_restore_places_offloaded_state_on_the_host_and_rejects_mismatches(tmp_path):
+    mesh = placement.make_mesh(jax.devices()[:1])
+    cfg = tiny(**{"offload.optimizer": "cpu", "offload.params": "cpu"})
+    trainer = build_trainer(cfg, mesh)
+    state = trainer.init(jax.random.key(0))
+    ckpt = Checkpointer(tmp_path, cfg.checkpoint)
+    saved = trainer.saved_state(state)
+    ckpt.save(1, saved, make_meta(1, {"epoch": 0, "cursor": 4, "num_windows": 9}, cfg, trainer.layout, saved))
+    ckpt.wait()
+    restored = ckpt.restore(1, trainer.abstract_saved_state(), trainer.layout, cfg)
+    new = trainer.from_saved_state(restored.state)
+    host = jax.devices("cpu")[0]
+    assert all(x.devices() == {host} for x in jax.tree.leaves((new.params, new.opt_state)))
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(new.weights.blocks)} == {"pinned_host"}
+    for x, y in zip(
+        jax.tree.leaves(jax.device_get(state.params)), jax.tree.leaves(jax.device_get(new.params))
+    ):
+        np.testing.assert_array_equal(x, y)
+
+    wider = tiny(**{"offload.optimizer": "cpu", "offload.params": "cpu", "model.intermediate_size": "512"})
+    other = build_trainer(wider, mesh)
+    with pytest.raises(
+        CheckpointError, match=r"does not match this run's model .*model.intermediate_size=384"
+    ):
+        ckpt.restore(1, other.abstract_saved_state(), other.layout, wider)
+    resident = build_trainer(tiny(), mesh)
+    with pytest.raises(
+        CheckpointError, match="laid out for 'offload' training, and this run uses 'resident'"
+    ):
+        ckpt.restore(1, resident.abstract_saved_state(), resident.layout, tiny())
+    ckpt.close()
