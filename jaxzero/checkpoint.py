@@ -20,8 +20,10 @@ accelerator memory.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,17 +50,20 @@ class Restored:
     meta: dict[str, Any]  # {"data_state", "config", "layout", "step"}
 
 
-def _snapshot(tree: Any) -> Any:
+def _snapshot(tree: Any, pool: ThreadPoolExecutor) -> Any:
     """Host copies of every leaf, so an asynchronous write never sees later in-place updates.
 
-    Host-resident leaves are copied in host memory; accelerator leaves are fetched to host.
+    Host-resident leaves are copied in host memory; accelerator leaves are fetched to host. Leaves
+    are copied concurrently (NumPy copies release the GIL): one thread moves a fraction of the
+    host's memory bandwidth.
     """
 
     def copy(x):
         with jax.transfer_guard_device_to_host("allow"):  # a deliberate copy for the checkpoint
             return np.array(x, copy=True)
 
-    return jax.tree.map(copy, tree)
+    leaves, treedef = jax.tree.flatten(tree)
+    return jax.tree.unflatten(treedef, list(pool.map(copy, leaves)))
 
 
 class Checkpointer:
@@ -79,12 +84,15 @@ class Checkpointer:
             cleanup_tmp_directories=True,  # remove what a killed save left half-written
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options)
+        self._pool = ThreadPoolExecutor(
+            max(1, min(16, os.cpu_count() or 1)), thread_name_prefix="jaxzero-ckpt"
+        )
 
     # -- saving --------------------------------------------------------------------------------------
 
     def save(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> None:
         """Save `state` ({"step", "params", "opt_state"}) and JSON `meta` as checkpoint `step`."""
-        arrays = _snapshot(state) if self.cfg.async_save else state
+        arrays = _snapshot(state, self._pool) if self.cfg.async_save else state
         self.manager.save(
             step,
             args=ocp.args.Composite(state=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta)),
@@ -98,6 +106,7 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+        self._pool.shutdown()
 
     # -- restoring -----------------------------------------------------------------------------------
 

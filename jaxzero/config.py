@@ -46,6 +46,7 @@ class ModelConfig:
     init_std: float = 0.02
     compute_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     attention_impl: Literal["auto", "xla", "cudnn"] = "auto"  # auto: cuDNN on GPU when it applies, else XLA
+    init_from: str = ""  # a Hugging Face safetensors directory to start from (set by model.name=hf:DIR)
 
     @property
     def head_dim(self) -> int:
@@ -220,8 +221,9 @@ def all_keys() -> list[str]:
 def apply_overrides(cfg: TrainConfig, overrides: dict[str, Any]) -> TrainConfig:
     """Return `cfg` with dotted `overrides` applied (values as strings or TOML-typed values).
 
-    `model.name` is applied first: it resets the model section to that named size, and the other
-    `model.*` keys then override single fields of it.
+    `model.name` is applied first: it resets the model section to that named size (or, for
+    `hf:DIR`, to the shape of a Hugging Face checkpoint whose weights the run starts from), and the
+    other `model.*` keys then override single fields of it.
     """
     from jaxzero.models.sizes import named_model_config  # models import config, not the reverse at load
 
@@ -243,7 +245,14 @@ def apply_overrides(cfg: TrainConfig, overrides: dict[str, Any]) -> TrainConfig:
     model = cfg.model
     model_over = per_section.pop("model", {})
     if "name" in model_over:
-        model = named_model_config(model_over.pop("name"))
+        name = model_over.pop("name")
+        if name.startswith("hf:"):  # a Hugging Face checkpoint: its shape, and its weights to start from
+            from jaxzero.hf import model_config_from_hf
+
+            model = model_config_from_hf(name[3:], name=name)
+            model = dataclasses.replace(model, init_from=name[3:])
+        else:
+            model = named_model_config(name)
     model = dataclasses.replace(model, **model_over)
     sections = {sec: dataclasses.replace(getattr(cfg, sec), **vals) for sec, vals in per_section.items()}
     return dataclasses.replace(cfg, model=model, **sections, **top)

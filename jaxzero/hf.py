@@ -39,6 +39,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
+from jaxzero.checkpoint import CheckpointError
 from jaxzero.config import ConfigError, ModelConfig
 from jaxzero.models import ModelParams, build_model
 from jaxzero.safetensors_io import SafetensorsReader, SafetensorsWriter, TensorSpec
@@ -103,8 +104,8 @@ _GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")
 _FLOAT_CODES = ("F64", "F32", "F16", "BF16")
 
 
-class CheckpointError(ValueError):
-    """A checkpoint's files or tensors do not match its config; the message lists every problem."""
+# A checkpoint's files or tensors do not match its config: the project's one CheckpointError (a
+# ConfigError, so the CLI reports it as bad input).
 
 
 # -------------------------------------------------------------------------------------------------
@@ -625,6 +626,7 @@ def export_hf(
                 if k != current:  # shards hold consecutive tensors: finish the last one, start the next
                     if writer is not None:
                         written.append(writer.close())
+                    # transformers 4 refuses a safetensors file whose metadata lacks "format".
                     writer = SafetensorsWriter(out / files[k], shards[k], metadata={"format": "pt"})
                     current = k
                 leaf = np.asarray(_get(host, t.path))
@@ -682,10 +684,17 @@ def _open_weights(ckpt: Path) -> tuple[dict[str, SafetensorsReader], list[Safete
         missing = [f for f in shard_files if not (ckpt / f).is_file()]
         if missing:
             raise CheckpointError(f"{index_file} names shard files that do not exist in {ckpt}: {missing}.")
-        readers = {f: SafetensorsReader(ckpt / f) for f in shard_files}
-        absent = [f"{n} (in {f})" for n, f in weight_map.items() if n not in readers[f]]
-        if absent:
-            raise CheckpointError(f"{index_file} lists tensors its shard files do not contain: {absent}.")
+        readers: dict[str, SafetensorsReader] = {}
+        try:
+            for f in shard_files:
+                readers[f] = SafetensorsReader(ckpt / f)
+            absent = [f"{n} (in {f})" for n, f in weight_map.items() if n not in readers[f]]
+            if absent:
+                raise CheckpointError(f"{index_file} lists tensors its shard files do not contain: {absent}.")
+        except BaseException:
+            for r in readers.values():
+                r.close()
+            raise
         return {n: readers[f] for n, f in weight_map.items()}, list(readers.values())
     if single.is_file():
         reader = SafetensorsReader(single)

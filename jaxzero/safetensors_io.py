@@ -237,7 +237,9 @@ class SafetensorsReader(Mapping[str, np.ndarray]):
                 f"{self.path}: no tensor named {name!r} ({len(self.tensors)} tensors in the file)."
             ) from None
         if info.nbytes == 0:
-            return np.zeros(info.shape, info.np_dtype)
+            empty = np.zeros(info.shape, info.np_dtype)
+            empty.flags.writeable = False  # read-only like every other tensor of the file
+            return empty
         if self._mm is None:
             raise SafetensorsError(f"{self.path}: the reader is closed.")
         # .view() on a uint8 slice whose begin is not a multiple of the itemsize gives an unaligned array:

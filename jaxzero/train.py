@@ -167,6 +167,13 @@ def train(cfg: TrainConfig, console=sys.stdout) -> Path:
         batches = data.train_iter(DataState.from_dict(restored.meta["data_state"]))
         truncate_metrics(run_dir / "metrics.jsonl", restored.step)
         print(f"jaxzero: resumed from {ckpt.directory / str(restored.step)}", file=console)
+    elif cfg.model.init_from:
+        from jaxzero.hf import load_hf_into
+
+        state = trainer.init_from_params(load_hf_into(cfg.model, cfg.model.init_from))
+        first = 1
+        batches = data.train_iter()
+        print(f"jaxzero: initialised from the Hugging Face checkpoint {cfg.model.init_from}", file=console)
     else:
         state = trainer.init(jax.random.key(cfg.seed))
         first = 1

@@ -64,6 +64,7 @@ class Trainer:
     mesh: Mesh
     optimizer: optax.GradientTransformation  # the update (the offload engine applies it per unit)
     init: Callable[[jax.Array], TrainState]  # PRNG key -> state in its final placement
+    init_from_params: Callable[[ModelParams], Any]  # float32 host (NumPy) masters -> fresh state, placed
     step: Callable[[TrainState, jax.Array], tuple[TrainState, StepMetrics]]  # donates the state
     eval_loss: Callable[[TrainState, jax.Array], jax.Array]  # (state, int32 (B, S+1)) -> float32
     put_batch: Callable[[np.ndarray], jax.Array]  # host (A, mb, S+1) -> sharded device array
@@ -110,8 +111,9 @@ def build_trainer(cfg: TrainConfig, mesh: Mesh | None = None) -> Trainer:
     that cannot fit in host or accelerator memory fails here with the numbers (`jaxzero.memory`).
     """
     plan = memory.plan_memory(cfg)
-    if cfg.offload.optimizer == "cpu":
+    if plan.host:
         memory.check_host_fits(cfg, plan)
+    if cfg.offload.optimizer == "cpu":
         memory.configure_pinned_pool(plan)  # before the first backend call, if this is it
     mesh = mesh if mesh is not None else placement.make_mesh()
     validate(cfg, num_devices=mesh.size)
@@ -138,6 +140,10 @@ def build_resident_trainer(cfg: TrainConfig, mesh: Mesh) -> Trainer:
     shapes = jax.eval_shape(init_state, jax.random.key(0))
     state_sharding = jax.tree.map(lambda _: placement.replicated(mesh), shapes)
     batch_sharding = placement.train_batch_sharding(mesh)
+    start_from = jax.jit(
+        lambda params: TrainState(jnp.zeros((), jnp.int32), params, tx.init(params)),
+        out_shardings=state_sharding,
+    )
 
     def train_step(state: TrainState, batch: jax.Array) -> tuple[TrainState, StepMetrics]:
         loss, grads = averaged_grads(model, state.params, batch)
@@ -163,6 +169,7 @@ def build_resident_trainer(cfg: TrainConfig, mesh: Mesh) -> Trainer:
         mesh=mesh,
         optimizer=tx,
         init=jax.jit(init_state, out_shardings=state_sharding),
+        init_from_params=lambda params: start_from(jax.device_put(params, state_sharding.params)),
         step=step,
         eval_loss=eval_loss,
         put_batch=partial(placement.put_train_batch, mesh=mesh),

@@ -79,9 +79,17 @@ def test_same_seed_same_losses_and_offload_agrees(first_run):
 def test_refuses_to_overwrite_and_reports_bad_config(first_run):
     cwd, _ = first_run
     before = (cwd / "a" / "metrics.jsonl").read_text()
-    proc = train(*TINY, "--run_dir=a", cwd=cwd)
-    assert proc.returncode == 2 and "already holds a run" in proc.stderr
+    # A checkpointed, finished run is resumed: there is nothing left to do, and nothing is lost.
+    proc = train("--run_dir=a", cwd=cwd)
+    assert proc.returncode == 0 and "resumed from" in proc.stdout, proc.stderr[-2000:]
     assert (cwd / "a" / "metrics.jsonl").read_text() == before
+    # A run without checkpoints is never overwritten.
+    proc = train(*TINY, "--checkpoint.enabled=false", "--run_dir=nock", cwd=cwd)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    before = (cwd / "nock" / "metrics.jsonl").read_text()
+    proc = train(*TINY, "--run_dir=nock", cwd=cwd)
+    assert proc.returncode == 2 and "already holds a run" in proc.stderr
+    assert (cwd / "nock" / "metrics.jsonl").read_text() == before
     proc = train("--optimizer.learning_rate=1", cwd=cwd)
     assert proc.returncode == 2 and "unknown config key 'optimizer.learning_rate'" in proc.stderr
     proc = train("--data.source=tokens", "--data.path=/nonexistent", cwd=cwd)

@@ -19,8 +19,11 @@ def test_plan_counts_bytes_per_parameter():
     n = param_count(cfg().model)
     e, b, h = unit_param_counts(cfg().model)
     assert e + 32 * b + h == n
-    resident = memory.plan_memory(cfg())
+    resident = memory.plan_memory(cfg(checkpoint__enabled="false"))
     assert resident.host == 0 and resident.accelerator_state == 16 * n  # masters 4 + AdamW 8 + grads 4
+    # An asynchronous checkpoint snapshots masters + AdamW state into host RAM while it writes.
+    assert memory.plan_memory(cfg()).host == 12 * n
+    assert memory.plan_memory(cfg(checkpoint__async_save="false")).host == 0
     zero = memory.plan_memory(cfg(offload__optimizer="cpu"))
     assert zero.pinned == 2 * n  # bf16 gradients (one micro-batch)
     assert zero.accelerator_state == 2 * n  # bf16 weights resident

@@ -79,6 +79,11 @@ def build_offload_trainer(cfg: TrainConfig, mesh: Mesh, *, prefetch: int = 1):
         step = jax.device_put(np.zeros((), np.int32), where.host)
         return OffloadState(step, masters, host.init(masters), host.compute_weights(masters))
 
+    def init_from_params(params: ModelParams) -> OffloadState:
+        masters = jax.device_put(params, where.host)  # NumPy masters -> host device (CPU backend)
+        step = jax.device_put(np.zeros((), np.int32), where.host)
+        return OffloadState(step, masters, host.init(masters), host.compute_weights(masters))
+
     def step(state: OffloadState, batch: jax.Array) -> tuple[OffloadState, StepMetrics]:
         loss, grads = streamed.grads(state.weights, batch)
         _delete(state.weights)  # the new weights take their place (deletion waits for pending reads)
@@ -117,6 +122,7 @@ def build_offload_trainer(cfg: TrainConfig, mesh: Mesh, *, prefetch: int = 1):
         mesh=mesh,
         optimizer=build_optimizer(cfg.optimizer, cfg.steps),
         init=init,
+        init_from_params=init_from_params,
         step=step,
         eval_loss=eval_loss,
         put_batch=put_batch,

@@ -1,0 +1,106 @@
+"""`python -m jaxzero.export --run_dir=DIR --out=DIR [--format=hf|orbax] [--dtype=bfloat16|float32]
+[--step=N]`: a consolidated inference checkpoint from a training run's checkpoint.
+
+`hf` writes Hugging Face safetensors plus `config.json` for `LlamaForCausalLM` / `GPT2LMHeadModel`
+(sharded with an index file past `--max_shard_gb`); `orbax` writes the parameters alone as an Orbax
+checkpoint. No optimizer state is read or written. Only the master weights are restored (Orbax
+partial restore), as host NumPy arrays, and they are converted one unit (embedding, block, head) at
+a time, so the model is never held twice in RAM.
+
+To fine-tune from a Hugging Face checkpoint instead: `python -m jaxzero.train --model.name=hf:DIR`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from jaxzero.checkpoint import CHECKPOINT_DIR, CheckpointError
+from jaxzero.config import ConfigError, TrainConfig, config_from_dict
+from jaxzero.models import ModelParams, build_model
+
+
+def load_masters(run_dir: str | Path, step: int | None = None) -> tuple[TrainConfig, ModelParams, int]:
+    """(config, float32 NumPy masters, step) of the newest (or given) checkpoint of `run_dir`."""
+    ckpt_dir = Path(run_dir).absolute() / CHECKPOINT_DIR  # Orbax wants absolute paths
+    steps = sorted(int(p.name) for p in ckpt_dir.iterdir() if p.name.isdigit()) if ckpt_dir.is_dir() else []
+    if not steps:
+        raise CheckpointError(f"{ckpt_dir} holds no checkpoint; train with checkpoint.enabled=true first.")
+    step = steps[-1] if step is None else step
+    if step not in steps:
+        raise CheckpointError(f"{ckpt_dir} has no checkpoint for step {step}; it has steps {steps}.")
+    meta = json.loads((ckpt_dir / str(step) / "meta" / "metadata").read_text())
+    cfg = config_from_dict(meta["config"])
+    shapes = jax.eval_shape(build_model(cfg.model).init, jax.random.key(0))
+    item = {"params": jax.tree.map(lambda s: np.zeros((), s.dtype), shapes)}
+    restore_args = {"params": jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), shapes)}
+    restored = ocp.PyTreeCheckpointer().restore(
+        ckpt_dir / str(step) / "state",
+        args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True),
+    )
+    p = restored["params"]
+    if isinstance(p, dict):  # restored without the NamedTuple type
+        p = ModelParams(p["embed"], tuple(p["blocks"]), p["head"])
+    return cfg, p, step
+
+
+def export_orbax(params: ModelParams, out: str | Path, dtype: str) -> Path:
+    """Save `params` cast to `dtype` as an Orbax checkpoint at `out`, casting one unit at a time."""
+    out = Path(out).absolute()
+    if out.exists():
+        raise FileExistsError(f"{out} exists; choose a new --out directory.")
+    np_dtype = np.dtype(jax.numpy.dtype(dtype))
+    cast = lambda tree: jax.tree.map(lambda x: np.asarray(x).astype(np_dtype), tree)  # noqa: E731
+    blocks = list(params.blocks)
+    for i in range(len(blocks)):  # replace each float32 block as it is cast: one copy of the model
+        blocks[i] = cast(blocks[i])
+    tree = ModelParams(cast(params.embed), tuple(blocks), cast(params.head))
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(out, tree)
+    checkpointer.wait_until_finished()  # host sync: committed before the process exits
+    checkpointer.close()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m jaxzero.export",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("--run_dir", required=True, help="a training run directory with checkpoints/")
+    ap.add_argument("--out", required=True, help="a new directory for the export")
+    ap.add_argument("--format", choices=("hf", "orbax"), default="hf")
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    ap.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
+    ap.add_argument("--max_shard_gb", type=float, default=5.0, help="hf: shard files past this size")
+    args = ap.parse_args(argv)
+    try:
+        cfg, params, step = load_masters(args.run_dir, args.step)
+        if args.format == "hf":
+            from jaxzero.hf import export_hf
+
+            files = export_hf(
+                params, cfg.model, args.out, dtype=args.dtype, max_shard_bytes=int(args.max_shard_gb * 2**30)
+            )
+            print(
+                f"jaxzero: exported step {step} of {args.run_dir} as Hugging Face {args.dtype}: "
+                f"{', '.join(str(f) for f in files)}"
+            )
+        else:
+            out = export_orbax(params, args.out, args.dtype)
+            print(f"jaxzero: exported step {step} of {args.run_dir} as Orbax {args.dtype}: {out}")
+    except (ConfigError, FileExistsError) as e:
+        print(f"jaxzero: export error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

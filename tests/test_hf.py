@@ -1,0 +1,570 @@
+"""Hugging Face interop against the real libraries: `safetensors`, `torch` (CPU) and `transformers`.
+
+Tiny random models (hidden 64, 2 layers, vocab 128, 16 positions) are built and saved with transformers
+and imported into jaxzero, and jaxzero params are exported and loaded by transformers; in both
+directions jaxzero's float32 logits must match torch's. Models and checkpoints are built once per
+module: importing transformers and building the models is most of this file's cost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import struct
+import zlib
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import safetensors.numpy
+import safetensors.torch
+import torch
+import transformers
+
+from jaxzero.config import ConfigError, ModelConfig
+from jaxzero.hf import (
+    CheckpointError,
+    export_hf,
+    hf_config,
+    hf_tensor_names,
+    import_hf,
+    load_hf_into,
+    model_config_from_hf,
+)
+from jaxzero.models import ModelParams, build_model, forward
+from jaxzero.safetensors_io import (
+    SafetensorsError,
+    SafetensorsReader,
+    SafetensorsWriter,
+    TensorSpec,
+    load_file,
+    save_file,
+)
+
+VOCAB, HIDDEN, LAYERS, SEQ = 128, 64, 2, 16
+TOKENS = np.random.default_rng(0).integers(0, VOCAB, size=(2, SEQ), dtype=np.int32)
+
+LLAMA = ModelConfig(
+    name="llama-hf-test",
+    family="llama",
+    vocab_size=VOCAB,
+    hidden_size=HIDDEN,
+    num_layers=LAYERS,
+    num_heads=4,
+    num_kv_heads=2,  # grouped-query attention
+    intermediate_size=96,
+    max_seq_len=SEQ,
+    tie_embeddings=False,
+    rope_theta=10000.0,
+    norm_eps=1e-5,
+    compute_dtype="float32",
+    attention_impl="xla",
+)
+LLAMA_TIED = dataclasses.replace(LLAMA, name="llama-tied-hf-test", tie_embeddings=True, rope_theta=5e5)
+GPT2 = ModelConfig(
+    name="gpt2-hf-test",
+    family="gpt2",
+    vocab_size=VOCAB,
+    hidden_size=HIDDEN,
+    num_layers=LAYERS,
+    num_heads=4,
+    num_kv_heads=4,
+    intermediate_size=4 * HIDDEN,
+    max_seq_len=SEQ,
+    tie_embeddings=True,
+    norm_eps=1e-5,
+    compute_dtype="float32",
+    attention_impl="xla",
+)
+CONFIGS = {"llama": LLAMA, "llama_tied": LLAMA_TIED, "gpt2": GPT2}
+
+
+def rel_err(a: np.ndarray, b: np.ndarray) -> float:
+    """max |a - b| / max |b|: the error relative to the logits' scale."""
+    return float(np.max(np.abs(np.asarray(a, np.float64) - b)) / np.max(np.abs(b)))
+
+
+def jax_logits(cfg: ModelConfig, params: ModelParams) -> np.ndarray:
+    """(2, SEQ, VOCAB) float32 logits of jaxzero's forward, float32 compute, full-precision matmuls."""
+    cfg = dataclasses.replace(cfg, compute_dtype="float32", attention_impl="xla")
+    with jax.default_matmul_precision("highest"):
+        return np.asarray(forward(build_model(cfg), params, jnp.asarray(TOKENS)))
+
+
+def torch_logits(model: torch.nn.Module) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.from_numpy(TOKENS).long()).logits.float().numpy()
+
+
+def load_torch(path: Path, **kwargs: Any) -> torch.nn.Module:
+    return transformers.AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
+
+
+def torch_model(key: str) -> torch.nn.Module:
+    """A random transformers model of CONFIGS[key]'s shape, with every parameter random.
+
+    transformers initialises norm weights to 1 and biases to 0; those are re-drawn so that a norm or
+    bias read from the wrong tensor could not go unnoticed.
+    """
+    torch.manual_seed(zlib.crc32(key.encode()))  # str hash() is salted per process: not reproducible
+    if key.startswith("llama"):
+        c = CONFIGS[key]
+        model = transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(
+                vocab_size=VOCAB,
+                hidden_size=HIDDEN,
+                intermediate_size=c.intermediate_size,
+                num_hidden_layers=LAYERS,
+                num_attention_heads=c.num_heads,
+                num_key_value_heads=c.num_kv_heads,
+                max_position_embeddings=SEQ,
+                rms_norm_eps=c.norm_eps,
+                rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
+                tie_word_embeddings=c.tie_embeddings,
+                bos_token_id=None,
+                eos_token_id=None,
+            )
+        )
+    else:
+        model = transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(
+                vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=4, n_positions=SEQ, bos_token_id=None
+            )
+        )
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def hf_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, np.ndarray]]:
+    """{key: (directory saved by transformers' save_pretrained, torch float32 logits of TOKENS)}."""
+    out = {}
+    for key in CONFIGS:
+        model = torch_model(key)
+        path = tmp_path_factory.mktemp(f"hf-{key}")
+        model.save_pretrained(path)
+        out[key] = (path, torch_logits(model))
+    return out
+
+
+@pytest.fixture(scope="module")
+def jax_params() -> dict[str, ModelParams]:
+    """Random float32 jaxzero params per config, with random norm scales and biases (see torch_model)."""
+
+    def perturb(path: tuple[Any, ...], x: jax.Array) -> jax.Array:
+        if x.ndim != 1:
+            return x
+        k = jax.random.fold_in(jax.random.key(1), zlib.crc32(jax.tree_util.keystr(path).encode()))
+        return x + 0.1 * jax.random.normal(k, x.shape)
+
+    out = {}
+    for i, (key, cfg) in enumerate(CONFIGS.items()):
+        params = build_model(cfg).init(jax.random.key(i))
+        out[key] = jax.tree_util.tree_map_with_path(perturb, params)
+    return out
+
+
+# -------------------------------------------------------------------------------------------------
+# safetensors
+# -------------------------------------------------------------------------------------------------
+
+
+def sample_tensors() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {
+        "f16": rng.normal(size=(3, 5)).astype(np.float16),  # first, so that a naive layout misaligns f32
+        "f32": rng.normal(size=(4, 7)).astype(np.float32),
+        "bf16": rng.normal(size=(2, 3, 4)).astype(ml_dtypes.bfloat16),
+        "i64": np.arange(6, dtype=np.int64).reshape(2, 3),
+        "i32": np.arange(5, dtype=np.int32),
+        "bool": np.array([True, False, True]),
+        "scalar": np.array(3.5, dtype=np.float32),
+        "empty": np.zeros((0, 4), dtype=np.float32),
+        "big_endian": np.arange(4, dtype=">f4"),
+    }
+
+
+def test_safetensors_round_trip_and_alignment(tmp_path: Path) -> None:
+    tensors = sample_tensors()
+    path = save_file(tensors, tmp_path / "x.safetensors", metadata={"format": "pt", "note": "hi"})
+    with SafetensorsReader(path) as r:
+        assert dict(r.metadata) == {"format": "pt", "note": "hi"}
+        assert set(r) == set(tensors)
+        for name, want in tensors.items():
+            got = r[name]
+            assert got.shape == want.shape and got.dtype == want.dtype.newbyteorder("<"), name
+            np.testing.assert_array_equal(got, want)
+            assert not got.flags.writeable  # a view of the read-only mapping, not a copy
+            info = r.tensors[name]
+            # Every tensor is aligned to its itemsize (header padded to 8, tensors by decreasing size).
+            assert (r.data_start + info.begin) % got.dtype.itemsize == 0, name
+        base = r["f32"]
+        while base.base is not None and not isinstance(base, np.memmap):
+            base = base.base
+        assert isinstance(base, np.memmap)  # memory-mapped, not read into RAM
+    assert (r.data_start - 8) % 8 == 0
+
+
+def test_safetensors_interop_with_reference_library(tmp_path: Path) -> None:
+    rng = np.random.default_rng(1)
+    f32 = {"a": rng.normal(size=(5, 3)).astype(np.float32), "b.c": rng.normal(size=(7,)).astype(np.float32)}
+    bf16 = {"w": rng.normal(size=(4, 6)).astype(ml_dtypes.bfloat16)}
+
+    # Ours -> theirs (safetensors.numpy has no bfloat16; safetensors.torch does).
+    save_file(f32, tmp_path / "ours_f32.safetensors")
+    for k, v in safetensors.numpy.load_file(tmp_path / "ours_f32.safetensors").items():
+        np.testing.assert_array_equal(v, f32[k])
+    save_file(bf16, tmp_path / "ours_bf16.safetensors")
+    theirs = safetensors.torch.load_file(tmp_path / "ours_bf16.safetensors")
+    assert theirs["w"].dtype == torch.bfloat16
+    np.testing.assert_array_equal(theirs["w"].float().numpy(), bf16["w"].astype(np.float32))
+
+    # Theirs -> ours.
+    safetensors.numpy.save_file(f32, tmp_path / "theirs_f32.safetensors", metadata={"format": "np"})
+    got = load_file(tmp_path / "theirs_f32.safetensors")
+    assert set(got) == set(f32)
+    for k in f32:
+        np.testing.assert_array_equal(got[k], f32[k])
+    w = torch.from_numpy(bf16["w"].astype(np.float32)).to(torch.bfloat16)
+    safetensors.torch.save_file({"w": w, "x": torch.ones(3)}, tmp_path / "theirs_bf16.safetensors")
+    with SafetensorsReader(tmp_path / "theirs_bf16.safetensors") as r:
+        assert r.tensors["w"].dtype == "BF16" and r["w"].dtype == np.dtype(ml_dtypes.bfloat16)
+        np.testing.assert_array_equal(r["w"], bf16["w"])
+        np.testing.assert_array_equal(r["x"], np.ones(3, np.float32))
+
+
+def test_streaming_writer_any_order_and_failures(tmp_path: Path) -> None:
+    specs = [
+        TensorSpec("a", np.dtype(np.float32), (2, 2)),
+        TensorSpec("b", np.dtype(ml_dtypes.bfloat16), (3,)),
+    ]
+    path = tmp_path / "s.safetensors"
+    with SafetensorsWriter(path, specs) as w:
+        w.write("b", np.ones(3, ml_dtypes.bfloat16))  # out of plan order
+        w.write("a", np.eye(2, dtype=np.float32))
+        assert not path.exists()  # only the .partial file until closed
+    np.testing.assert_array_equal(load_file(path)["a"], np.eye(2))
+
+    w = SafetensorsWriter(tmp_path / "bad.safetensors", specs)
+    with pytest.raises(SafetensorsError, match=r"planned as F32 \(2, 2\) but got float64"):
+        w.write("a", np.eye(2))
+    with pytest.raises(SafetensorsError, match="'c' was not in the plan"):
+        w.write("c", np.eye(2, dtype=np.float32))
+    w.write("a", np.eye(2, dtype=np.float32))
+    with pytest.raises(SafetensorsError, match=r"planned tensors were written: \['b'\]"):
+        w.close()
+    assert not list(tmp_path.glob("bad.safetensors*"))  # neither the file nor its .partial remain
+
+    with (
+        pytest.raises(RuntimeError, match="boom"),
+        SafetensorsWriter(tmp_path / "exc.safetensors", specs) as w,
+    ):
+        w.write("a", np.eye(2, dtype=np.float32))
+        raise RuntimeError("boom")
+    assert not list(tmp_path.glob("exc.safetensors*"))
+
+
+def _raw_file(path: Path, header: dict[str, Any], data: bytes) -> Path:
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+    return path
+
+
+def test_safetensors_corrupt_files_name_the_file(tmp_path: Path) -> None:
+    good = save_file({"w": np.arange(16, dtype=np.float32)}, tmp_path / "good.safetensors")
+    blob = good.read_bytes()
+
+    truncated = tmp_path / "truncated.safetensors"
+    truncated.write_bytes(blob[:-4])
+    with pytest.raises(
+        SafetensorsError, match=r"truncated\.safetensors.*'w' ends at data offset 64.*truncated"
+    ):
+        SafetensorsReader(truncated)
+
+    short = tmp_path / "short.safetensors"
+    short.write_bytes(blob[:5])
+    with pytest.raises(SafetensorsError, match=r"short\.safetensors: 5 bytes is too short"):
+        SafetensorsReader(short)
+
+    cut_header = tmp_path / "cut_header.safetensors"
+    cut_header.write_bytes(blob[:20])
+    with pytest.raises(SafetensorsError, match=r"cut_header\.safetensors: header size field says \d+ bytes"):
+        SafetensorsReader(cut_header)
+
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_bytes(struct.pack("<Q", 6) + b"{nope}" + b"\0" * 8)
+    with pytest.raises(SafetensorsError, match=r"garbage\.safetensors: the header is not valid UTF-8 JSON"):
+        SafetensorsReader(garbage)
+
+    header = {"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}
+    oob = _raw_file(tmp_path / "oob.safetensors", header, b"\0" * 8)
+    with pytest.raises(
+        SafetensorsError, match=r"oob\.safetensors.*ends at data offset 16 but the file holds only 8"
+    ):
+        SafetensorsReader(oob)
+
+    header = {"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 12]}}
+    size = _raw_file(tmp_path / "size.safetensors", header, b"\0" * 12)
+    with pytest.raises(SafetensorsError, match=r"needs 16 bytes but its data_offsets \[0, 12\] span 12"):
+        SafetensorsReader(size)
+
+    header = {
+        "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+        "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
+    }
+    overlap = _raw_file(tmp_path / "overlap.safetensors", header, b"\0" * 12)
+    with pytest.raises(SafetensorsError, match=r"overlap\.safetensors: tensor 'b'.*overlaps"):
+        SafetensorsReader(overlap)
+
+    header = {"w": {"dtype": "Q4", "shape": [2], "data_offsets": [0, 1]}}
+    with pytest.raises(SafetensorsError, match="dtype 'Q4'; supported: F64, F32"):
+        SafetensorsReader(_raw_file(tmp_path / "q4.safetensors", header, b"\0"))
+
+
+# -------------------------------------------------------------------------------------------------
+# transformers -> jaxzero
+# -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key", list(CONFIGS))
+def test_import_matches_transformers_logits(key: str, hf_checkpoints: dict) -> None:
+    path, want = hf_checkpoints[key]
+    cfg, params = import_hf(path)
+    expected = dataclasses.replace(
+        CONFIGS[key], name=f"hf:{path.name}", compute_dtype="bfloat16", attention_impl="auto"
+    )
+    assert cfg == expected
+    leaves = jax.tree.leaves(params)
+    assert all(type(x) is np.ndarray and x.dtype == np.float32 and x.flags.writeable for x in leaves)
+    assert rel_err(jax_logits(cfg, params), want) < 1e-4
+
+
+def test_load_hf_into_checks_every_shape_field(hf_checkpoints: dict) -> None:
+    path, want = hf_checkpoints["llama"]
+    run_cfg = dataclasses.replace(LLAMA, name="run", max_seq_len=4096, init_std=0.01)  # run-only fields
+    params = load_hf_into(run_cfg, path)
+    assert rel_err(jax_logits(run_cfg, params), want) < 1e-4
+
+    wrong = dataclasses.replace(LLAMA, hidden_size=128, num_kv_heads=4, tie_embeddings=True, rope_theta=1e6)
+    with pytest.raises(ConfigError) as e:
+        load_hf_into(wrong, path)
+    msg = str(e.value)
+    for field, ours, theirs in [
+        ("hidden_size", 128, 64),
+        ("num_kv_heads", 4, 2),
+        ("tie_embeddings", True, False),
+        ("rope_theta", 1e6, 10000.0),
+    ]:
+        assert f"model.{field}: run config has {ours!r}, checkpoint has {theirs!r}" in msg
+    assert "num_heads" not in msg and "vocab_size" not in msg
+    # rope_theta is a numerics field: allowed to differ on request, shapes never.
+    with pytest.raises(ConfigError, match="hidden_size") as e:
+        load_hf_into(wrong, path, check_numerics=False)
+    assert "rope_theta" not in str(e.value)
+    load_hf_into(dataclasses.replace(LLAMA, rope_theta=1e6), path, check_numerics=False)
+
+    with pytest.raises(ConfigError, match=r"model.family: run config has 'gpt2', checkpoint has 'llama'"):
+        load_hf_into(GPT2, path)
+
+
+def _rewrite_checkpoint(src: Path, dst: Path, edit: Any) -> Path:
+    """Copy a single-file checkpoint, passing its {name: array} through `edit` (and config.json as is)."""
+    dst.mkdir()
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    tensors = {k: np.array(v) for k, v in load_file(src / "model.safetensors").items()}
+    save_file(edit(tensors), dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def test_import_legacy_gpt2_layout(hf_checkpoints: dict, tmp_path: Path) -> None:
+    """openai-community/gpt2's files: no "transformer." prefix, causal-mask buffers, a tied lm_head copy."""
+    path, want = hf_checkpoints["gpt2"]
+
+    def legacy(t: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        out = {k.removeprefix("transformer."): v for k, v in t.items()}
+        for i in range(LAYERS):
+            out[f"h.{i}.attn.bias"] = np.tril(np.ones((1, 1, SEQ, SEQ), np.float32))
+        out["lm_head.weight"] = out["wte.weight"]
+        return out
+
+    legacy_dir = _rewrite_checkpoint(path, tmp_path / "legacy", legacy)
+    cfg, params = import_hf(legacy_dir)
+    assert rel_err(jax_logits(cfg, params), want) < 1e-4
+    # transformers reads the same files to the same logits.
+    assert rel_err(torch_logits(load_torch(legacy_dir)), want) < 1e-6
+
+
+def test_import_legacy_llama_config(hf_checkpoints: dict, tmp_path: Path) -> None:
+    """transformers 4 configs: top-level rope_theta, rope_scaling null, torch_dtype; bf16 weights."""
+    path, want = hf_checkpoints["llama_tied"]
+    d = json.loads((path / "config.json").read_text())
+    d.pop("rope_parameters")
+    d.pop("dtype", None)
+    d.update(rope_theta=LLAMA_TIED.rope_theta, rope_scaling=None, torch_dtype="bfloat16", head_dim=None)
+    legacy_dir = _rewrite_checkpoint(
+        path, tmp_path / "legacy", lambda t: {k: v.astype(ml_dtypes.bfloat16) for k, v in t.items()}
+    )
+    (legacy_dir / "config.json").write_text(json.dumps(d))
+    cfg, params = import_hf(legacy_dir)
+    assert cfg.rope_theta == LLAMA_TIED.rope_theta and cfg.tie_embeddings
+    assert rel_err(jax_logits(cfg, params), want) < 2e-2
+
+
+# -------------------------------------------------------------------------------------------------
+# jaxzero -> transformers
+# -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key", list(CONFIGS))
+def test_export_loads_in_transformers(key: str, jax_params: dict, tmp_path: Path) -> None:
+    cfg, params = CONFIGS[key], jax_params[key]
+    want = jax_logits(cfg, params)
+
+    paths = export_hf(params, cfg, tmp_path / "f32", dtype="float32")
+    assert [p.name for p in paths] == ["config.json", "model.safetensors"]
+    with SafetensorsReader(paths[1]) as r:
+        assert list(r.tensors) and set(r) == set(hf_tensor_names(cfg))
+        assert r.metadata["format"] == "pt"  # transformers 4 refuses metadata without it
+    model = load_torch(tmp_path / "f32")
+    assert type(model).__name__ == ("GPT2LMHeadModel" if cfg.family == "gpt2" else "LlamaForCausalLM")
+    if cfg.tie_embeddings:
+        emb = model.get_input_embeddings().weight
+        assert model.get_output_embeddings().weight.data_ptr() == emb.data_ptr()
+    assert rel_err(torch_logits(model), want) < 1e-4
+
+    # bf16: transformers 5 loads in the checkpoint's dtype by default; in float32 it computes with the
+    # bf16-rounded weights, which must still agree with jaxzero's float32 logits to bf16 precision.
+    export_hf(params, cfg, tmp_path / "bf16")
+    assert load_torch(tmp_path / "bf16").dtype == torch.bfloat16
+    model = load_torch(tmp_path / "bf16", dtype=torch.float32)
+    assert rel_err(torch_logits(model), want) < 2e-2
+
+    # And back: import of our own export is exact in float32.
+    cfg2, params2 = import_hf(tmp_path / "f32")
+    assert cfg2 == dataclasses.replace(cfg, name="hf:f32", compute_dtype="bfloat16", attention_impl="auto")
+    for a, b in zip(jax.tree.leaves(params2), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(a, np.asarray(b))
+
+
+def test_sharded_export(jax_params: dict, tmp_path: Path) -> None:
+    cfg, params = LLAMA, jax_params["llama"]
+    embed_bytes = VOCAB * HIDDEN * 4
+    paths = export_hf(params, cfg, tmp_path / "ckpt", dtype="float32", max_shard_bytes=embed_bytes + 1024)
+    names = [p.name for p in paths]
+    n = len(names) - 2
+    assert n >= 3
+    assert names == ["config.json", *[f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]] + [
+        "model.safetensors.index.json"
+    ]
+    assert all(p.stat().st_size <= embed_bytes + 1024 + 4096 for p in paths[1:-1])  # + header
+    index = json.loads(paths[-1].read_text())
+    assert set(index["weight_map"]) == set(hf_tensor_names(cfg))
+    assert index["metadata"]["total_size"] == sum(np.asarray(x).size * 4 for x in jax.tree.leaves(params))
+    assert rel_err(torch_logits(load_torch(tmp_path / "ckpt")), jax_logits(cfg, params)) < 1e-4
+    _, back = import_hf(tmp_path / "ckpt")
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(a, np.asarray(b))
+
+    # A re-export with fewer shards must not leave stale shards behind.
+    with pytest.raises(FileExistsError, match="pass overwrite=True"):
+        export_hf(params, cfg, tmp_path / "ckpt")
+    export_hf(params, cfg, tmp_path / "ckpt", overwrite=True)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_hf_config_round_trip() -> None:
+    for cfg in CONFIGS.values():
+        d = hf_config(cfg, "float32")
+        back = model_config_from_hf(d, name=cfg.name)
+        assert back == dataclasses.replace(cfg, compute_dtype="bfloat16", attention_impl="auto")
+        # transformers parses it to the same shape.
+        hf = transformers.AutoConfig.for_model(**d)
+        if cfg.family == "llama":
+            assert (hf.hidden_size, hf.num_key_value_heads, hf.head_dim) == (HIDDEN, cfg.num_kv_heads, 16)
+            assert hf.rope_parameters == {"rope_type": "default", "rope_theta": cfg.rope_theta}
+        else:
+            assert (hf.n_embd, hf.n_inner, hf.activation_function) == (HIDDEN, 4 * HIDDEN, "gelu_new")
+
+
+# -------------------------------------------------------------------------------------------------
+# Errors
+# -------------------------------------------------------------------------------------------------
+
+
+def test_unsupported_configs_are_refused() -> None:
+    llama = hf_config(LLAMA)
+    cases = [
+        ({**llama, "model_type": "mistral"}, "model_type='mistral' is not supported"),
+        (
+            {**llama, "rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5}},
+            "rope type 'llama3'",
+        ),
+        (
+            {**llama, "rope_parameters": None, "rope_scaling": {"type": "linear", "factor": 2.0}},
+            "rope type 'linear'",
+        ),
+        ({**llama, "attention_bias": True}, "attention_bias=true"),
+        ({**llama, "head_dim": 32}, "head_dim=32 != hidden_size/num_attention_heads = 64/4"),
+        ({**llama, "hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ({**llama, "architectures": ["LlamaForSequenceClassification"]}, "LlamaForSequenceClassification"),
+        ({**llama, "num_attention_heads": 5, "head_dim": None}, "must be divisible"),
+        ({**hf_config(GPT2), "activation_function": "relu"}, "activation_function='relu'"),
+        ({**hf_config(GPT2), "tie_word_embeddings": False}, "tie_word_embeddings=false"),
+    ]
+    for d, match in cases:
+        with pytest.raises(ConfigError, match=match.replace("(", r"\(").replace("[", r"\[")):
+            model_config_from_hf(d)
+    # Several problems are reported together.
+    with pytest.raises(ConfigError, match="attention_bias=true.*mlp_bias=true"):
+        model_config_from_hf({**llama, "attention_bias": True, "mlp_bias": True})
+
+
+def test_import_reports_missing_unexpected_and_misshaped_tensors(
+    hf_checkpoints: dict, tmp_path: Path
+) -> None:
+    path, _ = hf_checkpoints["llama"]
+
+    def damage(t: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        del t["model.layers.1.mlp.up_proj.weight"]
+        t["model.layers.0.self_attn.k_proj.weight"] = t["model.layers.0.self_attn.k_proj.weight"][:16]
+        t["model.layers.0.self_attn.q_proj.bias"] = np.zeros(64, np.float32)
+        return t
+
+    bad = _rewrite_checkpoint(path, tmp_path / "bad", damage)
+    with pytest.raises(CheckpointError) as e:
+        import_hf(bad)
+    msg = str(e.value)
+    assert "missing tensors (1): ['model.layers.1.mlp.up_proj.weight']" in msg
+    assert "unexpected tensors (1): ['model.layers.0.self_attn.q_proj.bias']" in msg
+    assert "model.layers.0.self_attn.k_proj.weight: checkpoint [16, 64], config needs [32, 64]" in msg
+
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "config.json").write_text((path / "config.json").read_text())
+    (tmp_path / "empty" / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"neither model.safetensors nor .*pytorch_model.bin"):
+        import_hf(tmp_path / "empty")
+    with pytest.raises(ConfigError, match="no HF config"):
+        import_hf(tmp_path)
+
+
+def test_export_rejects_params_that_do_not_match_the_config(jax_params: dict, tmp_path: Path) -> None:
+    params = jax_params["llama"]
+    with pytest.raises(ValueError, match=r"head: missing lm_head/kernel \(-> lm_head.weight\)"):
+        export_hf(jax_params["llama_tied"], LLAMA, tmp_path / "a")
+    with pytest.raises(ValueError, match="head: unexpected lm_head/kernel"):
+        export_hf(params, LLAMA_TIED, tmp_path / "b")
+    wide = dataclasses.replace(LLAMA, intermediate_size=128)
+    with pytest.raises(
+        ValueError, match=r"block 0: mlp/gate_proj/kernel has shape \(64, 96\), the config needs"
+    ):
+        export_hf(params, wide, tmp_path / "c")
+    with pytest.raises(ValueError, match="dtype='int8' is not one of"):
+        export_hf(params, LLAMA, tmp_path / "d", dtype="int8")
+    assert not any((tmp_path / x).exists() for x in "abcd")  # nothing written on a rejected export
