@@ -97,3 +97,61 @@ def clip_by_norm(tree: Any, norm: jax.Array, max_norm: float) -> Any:
 def global_norm(tree: Any) -> jax.Array:
     """L2 norm over all leaves, accumulated in float32. Scalar float32."""
     return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Optimizer-state layouts. The resident trainer keeps one optax state over the whole `ModelParams`;
+# the offload engine keeps one per unit (embedding, each block, head), without the clipping state.
+# Checkpoints always hold the per-unit form, so a run can resume under either trainer.
+# ---------------------------------------------------------------------------------------------------
+
+
+def _is_params(x: Any) -> bool:
+    return isinstance(x, ModelParams)
+
+
+def split_opt_state(state: Any, clipped: bool) -> ModelParams:
+    """Whole-model optax state (of `build_optimizer(..., clip=clipped)`) -> per-unit states in
+    `ModelParams` layout. Param-shaped parts are sliced per unit; scalars (step counts) are shared.
+    Works on arrays and on ShapeDtypeStructs."""
+    inner = state[1] if clipped else state  # chain(clip_by_global_norm, opt): (EmptyState, opt state)
+
+    def unit(select):
+        return jax.tree.map(lambda x: select(x) if _is_params(x) else x, inner, is_leaf=_is_params)
+
+    blocks = len(next(x for x in jax.tree.leaves(inner, is_leaf=_is_params) if _is_params(x)).blocks)
+    return ModelParams(
+        embed=unit(lambda p: p.embed),
+        blocks=tuple(unit(lambda p, i=i: p.blocks[i]) for i in range(blocks)),
+        head=unit(lambda p: p.head),
+    )
+
+
+def join_opt_state(units: ModelParams, template: Any, clipped: bool) -> Any:
+    """Per-unit states -> the whole-model optax state shaped like `template` (e.g. `jax.eval_shape`
+    of `build_optimizer(..., clip=clipped).init`). Inverse of `split_opt_state`."""
+    inner_template = template[1] if clipped else template
+    paths_and_nodes, treedef = jax.tree_util.tree_flatten_with_path(inner_template, is_leaf=_is_params)
+
+    def at(tree: Any, path) -> Any:
+        for key in path:
+            if isinstance(key, jax.tree_util.GetAttrKey):
+                tree = getattr(tree, key.name)
+            elif isinstance(key, jax.tree_util.SequenceKey):
+                tree = tree[key.idx]
+            else:
+                tree = tree[key.key]
+        return tree
+
+    leaves = []
+    for path, node in paths_and_nodes:
+        if _is_params(node):
+            leaves.append(
+                ModelParams(
+                    at(units.embed, path), tuple(at(b, path) for b in units.blocks), at(units.head, path)
+                )
+            )
+        else:
+            leaves.append(at(units.embed, path))  # a shared scalar, e.g. the step count
+    inner = jax.tree_util.tree_unflatten(treedef, leaves)
+    return (template[0], inner) if clipped else inner

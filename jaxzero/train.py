@@ -6,7 +6,8 @@ logged step: step, loss, lr, grad_norm, tokens_per_s, tflops, mfu, gpu_peak_gib,
 val_loss on validation steps) and Orbax checkpoints under `checkpoints/`.
 
 Pointed at a run directory that holds a checkpoint, it resumes from the newest complete one with the
-config saved there; `--steps`, `--logging.*` and `--checkpoint.*` may be changed on resume.
+config saved there; `--steps`, `--logging.*`, `--checkpoint.*` and `--offload.*` (resume a resident
+run offloaded, or the reverse) may be changed on resume.
 SIGTERM saves a checkpoint at the next step boundary and exits with status 3.
 
 The loop reads top to bottom: config -> data -> trainer -> state (init or restore) -> steps (log,
@@ -44,7 +45,7 @@ from jaxzero.trainer import StepMetrics, build_trainer
 
 EXIT_CONFIG, EXIT_TRAINING, EXIT_PREEMPTED = 2, 1, 3
 # Keys a resumed run may change; anything else would make the resumed run a different run.
-RESUMABLE_CHANGES = ("steps", "logging.", "checkpoint.")
+RESUMABLE_CHANGES = ("steps", "logging.", "checkpoint.", "offload.")
 # Fault injection for the crash tests: SIGKILL this process right after the save of this step starts.
 KILL_AFTER_SAVE_ENV = "JAXZERO_TEST_KILL_AFTER_SAVE_STEP"
 
@@ -92,7 +93,7 @@ def resume_config(run_dir: Path, overrides: dict[str, str]) -> TrainConfig:
         raise ConfigError(
             f"run_dir {str(run_dir)!r} holds a checkpointed run; resuming it cannot change "
             f"{', '.join(f'{k} ({_get(saved, k)!r} -> {_get(cfg, k)!r})' for k in different)}. Only steps, "
-            "logging.* and checkpoint.* may change; start a new --run_dir for a different run."
+            "logging.*, checkpoint.* and offload.* may change; start a new --run_dir for a different run."
         )
     validate(cfg)
     return cfg

@@ -31,7 +31,13 @@ from jaxzero import memory, placement
 from jaxzero.config import TrainConfig, validate
 from jaxzero.models import Model, ModelParams, build_model
 from jaxzero.objective import loss_fn
-from jaxzero.optim import build_optimizer, global_norm, learning_rate_schedule
+from jaxzero.optim import (
+    build_optimizer,
+    global_norm,
+    join_opt_state,
+    learning_rate_schedule,
+    split_opt_state,
+)
 
 
 class TrainState(NamedTuple):
@@ -70,8 +76,9 @@ class Trainer:
     put_batch: Callable[[np.ndarray], jax.Array]  # host (A, mb, S+1) -> sharded device array
     put_eval_batch: Callable[[np.ndarray], jax.Array]  # host (B, S+1) -> sharded device array
     strategy: str  # a short description of where state lives, for logs
-    # Checkpointing: what is saved ({"step", "params", "opt_state"}), its abstract placed form (the
-    # restore target), and how a state is rebuilt from it. `layout` names the optimizer-state layout.
+    # Checkpointing: what is saved ({"step", "params", "opt_state"}, the optimizer state one per unit
+    # whatever the trainer), its abstract placed form (the restore target), and how a state is
+    # rebuilt from it. `layout` names the trainer that saved, for the record.
     layout: str
     saved_state: Callable[[Any], dict[str, Any]]
     abstract_saved_state: Callable[[], dict[str, Any]]
@@ -140,6 +147,17 @@ def build_resident_trainer(cfg: TrainConfig, mesh: Mesh) -> Trainer:
     shapes = jax.eval_shape(init_state, jax.random.key(0))
     state_sharding = jax.tree.map(lambda _: placement.replicated(mesh), shapes)
     batch_sharding = placement.train_batch_sharding(mesh)
+    # Checkpoints hold the optimizer state per unit (the offload engine's layout), so a run saved by
+    # either trainer resumes under the other.
+    clipped = cfg.optimizer.grad_clip > 0
+
+    def to_saved(state: TrainState) -> dict[str, Any]:
+        return {
+            "step": state.step,
+            "params": state.params,
+            "opt_state": split_opt_state(state.opt_state, clipped),
+        }
+
     start_from = jax.jit(
         lambda params: TrainState(jnp.zeros((), jnp.int32), params, tx.init(params)),
         out_shardings=state_sharding,
@@ -176,7 +194,9 @@ def build_resident_trainer(cfg: TrainConfig, mesh: Mesh) -> Trainer:
         put_eval_batch=partial(placement.put_eval_batch, mesh=mesh),
         strategy=f"resident: params, grads and optimizer state in accelerator memory, {mesh.size} device(s)",
         layout="resident",
-        saved_state=lambda state: state._asdict(),
-        abstract_saved_state=lambda: abstract_placed(shapes, state_sharding)._asdict(),
-        from_saved_state=lambda saved: TrainState(**saved),
+        saved_state=lambda state: to_saved(state),
+        abstract_saved_state=lambda: to_saved(abstract_placed(shapes, state_sharding)),
+        from_saved_state=lambda saved: TrainState(
+            saved["step"], saved["params"], join_opt_state(saved["opt_state"], shapes.opt_state, clipped)
+        ),
     )

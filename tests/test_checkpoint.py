@@ -143,9 +143,62 @@ def test_restore_places_offloaded_state_on_the_host_and_rejects_mismatches(tmp_p
         CheckpointError, match=r"does not match this run's model .*model.intermediate_size=384"
     ):
         ckpt.restore(1, other.abstract_saved_state(), other.layout, wider)
-    resident = build_trainer(tiny(), mesh)
-    with pytest.raises(
-        CheckpointError, match="laid out for 'offload' training, and this run uses 'resident'"
-    ):
-        ckpt.restore(1, resident.abstract_saved_state(), resident.layout, tiny())
     ckpt.close()
+
+
+def run_steps(trainer, state, first: int, last: int, cfg: TrainConfig):
+    """Steps first..last on fixed random batches (batch k depends only on k)."""
+    losses = []
+    for k in range(first, last + 1):
+        d = cfg.data
+        batch = np.random.default_rng(k).integers(0, cfg.model.vocab_size, (1, d.batch_size, d.seq_len + 1))
+        state, m = trainer.step(state, trainer.put_batch(batch.astype(np.int32)))
+        losses.append(float(jax.device_get(m.loss)))
+    return state, losses
+
+
+@pytest.mark.parametrize("saved_by, resumed_by", [("resident", "offload"), ("offload", "resident")])
+def test_changing_plans_resumes_under_the_other_trainer(tmp_path, saved_by, resumed_by):
+    """Saved by one trainer after 3 steps, resumed by the other for 3 more: equal to 6 uninterrupted
+    resident steps (float32 compute, the offload == resident tolerances of test_offload.py)."""
+    mesh = placement.make_mesh(jax.devices()[:1])
+    offload = {"offload.optimizer": "cpu", "offload.params": "cpu"}
+    cfgs = {
+        "resident": tiny(**{"model.compute_dtype": "float32"}),
+        "offload": tiny(**{"model.compute_dtype": "float32", **offload}),
+    }
+    ref = build_trainer(cfgs["resident"], mesh)
+    ref_state, ref_losses = run_steps(ref, ref.init(jax.random.key(0)), 1, 6, cfgs["resident"])
+
+    first = build_trainer(cfgs[saved_by], mesh)
+    state, losses = run_steps(first, first.init(jax.random.key(0)), 1, 3, cfgs[saved_by])
+    ckpt = Checkpointer(tmp_path, cfgs[saved_by].checkpoint)
+    saved = first.saved_state(state)
+    meta = make_meta(3, {"epoch": 0, "cursor": 0, "num_windows": 1}, cfgs[saved_by], first.layout, saved)
+    ckpt.save(3, saved, meta)
+    ckpt.wait()
+    second = build_trainer(cfgs[resumed_by], mesh)
+    restored = ckpt.restore_latest(second.abstract_saved_state(), second.layout, cfgs[resumed_by])
+    ckpt.close()
+    state, more = run_steps(second, second.from_saved_state(restored.state), 4, 6, cfgs[resumed_by])
+    np.testing.assert_allclose(losses + more, ref_losses, atol=1e-5, rtol=0)
+    params, ref_params = jax.device_get(state.params), jax.device_get(ref_state.params)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
+        assert np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-5
+
+
+def test_resume_on_a_different_device_count(tmp_path):
+    """Resident state saved from a 4-device mesh restores onto 1 device, exactly."""
+    cfg = tiny()
+    four = build_trainer(cfg, placement.make_mesh(jax.devices()))
+    state, _ = run_steps(four, four.init(jax.random.key(0)), 1, 2, cfg)
+    ckpt = Checkpointer(tmp_path, cfg.checkpoint)
+    saved = four.saved_state(state)
+    ckpt.save(2, saved, make_meta(2, {"epoch": 0, "cursor": 0, "num_windows": 1}, cfg, four.layout, saved))
+    ckpt.wait()
+    one = build_trainer(cfg, placement.make_mesh(jax.devices()[:1]))
+    restored = one.from_saved_state(ckpt.restore(2, one.abstract_saved_state(), one.layout, cfg).state)
+    ckpt.close()
+    assert all(len(x.devices()) == 1 for x in jax.tree.leaves(restored.params))
+    for a, b in zip(jax.tree.leaves(jax.device_get(state)), jax.tree.leaves(jax.device_get(restored))):
+        np.testing.assert_array_equal(a, b)
