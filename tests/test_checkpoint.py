@@ -202,3 +202,17 @@ def test_resume_on_a_different_device_count(tmp_path):
     assert all(len(x.devices()) == 1 for x in jax.tree.leaves(restored.params))
     for a, b in zip(jax.tree.leaves(jax.device_get(state)), jax.tree.leaves(jax.device_get(restored))):
         np.testing.assert_array_equal(a, b)
+
+
+def test_keep_last_n_and_every_k(tmp_path):
+    cfg = tiny(**{"checkpoint.keep": "2", "checkpoint.keep_every": "4", "checkpoint.async_save": "false"})
+    trainer = build_trainer(cfg, placement.make_mesh(jax.devices()[:1]))
+    saved = trainer.saved_state(trainer.init(jax.random.key(0)))
+    ckpt = Checkpointer(tmp_path, cfg.checkpoint)
+    for step in range(1, 10):
+        ckpt.save(
+            step, saved, make_meta(step, {"epoch": 0, "cursor": 0, "num_windows": 1}, cfg, "resident", saved)
+        )
+    ckpt.wait()
+    assert ckpt.steps() == [4, 8, 9]  # the newest two, and every 4th
+    ckpt.close()
