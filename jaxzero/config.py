@@ -322,15 +322,9 @@ def config_from_dict(d: dict[str, Any]) -> TrainConfig:
 # ---------------------------------------------------------------------------------------------------
 
 
-def validate(cfg: TrainConfig, num_devices: int | None = None) -> None:
-    """Raise ConfigError for impossible combinations. `num_devices` adds the mesh checks when known."""
-    m, d, o = cfg.model, cfg.data, cfg.optimizer
-
-    def need(cond: bool, msg: str) -> None:
-        if not cond:
-            raise ConfigError(msg)
-
-    need(cfg.steps >= 1, f"steps={cfg.steps} must be >= 1.")
+def validate_model(m: ModelConfig) -> None:
+    """Raise ConfigError if `m` describes no valid transformer of its family. Used by `validate` and by
+    the models themselves (they are also built without a TrainConfig)."""
     for k in (
         "vocab_size",
         "hidden_size",
@@ -340,28 +334,39 @@ def validate(cfg: TrainConfig, num_devices: int | None = None) -> None:
         "intermediate_size",
         "max_seq_len",
     ):
-        need(getattr(m, k) >= 1, f"model.{k}={getattr(m, k)} must be >= 1.")
-    need(
-        m.hidden_size % m.num_heads == 0,
-        f"model.hidden_size={m.hidden_size} must be divisible by model.num_heads={m.num_heads}.",
-    )
-    need(
-        m.num_heads % m.num_kv_heads == 0,
-        f"model.num_heads={m.num_heads} must be divisible by model.num_kv_heads={m.num_kv_heads} "
-        "(each key/value head serves a whole group of query heads).",
-    )
-    if m.family == "llama":
-        need(
-            m.head_dim % 2 == 0,
+        if getattr(m, k) < 1:
+            raise ConfigError(f"model.{k}={getattr(m, k)} must be >= 1.")
+    if m.hidden_size % m.num_heads:
+        raise ConfigError(
+            f"model.hidden_size={m.hidden_size} must be divisible by model.num_heads={m.num_heads}."
+        )
+    if m.num_heads % m.num_kv_heads:
+        raise ConfigError(
+            f"model.num_heads={m.num_heads} must be divisible by model.num_kv_heads={m.num_kv_heads} "
+            "(each key/value head serves a whole group of query heads)."
+        )
+    if m.family == "llama" and m.head_dim % 2:
+        raise ConfigError(
             f"rotary embeddings need an even head_dim; got {m.head_dim} "
-            f"(hidden_size={m.hidden_size} / num_heads={m.num_heads}).",
+            f"(hidden_size={m.hidden_size} / num_heads={m.num_heads})."
         )
-    if m.family == "gpt2":
-        need(
-            m.num_kv_heads == m.num_heads,
+    if m.family == "gpt2" and m.num_kv_heads != m.num_heads:
+        raise ConfigError(
             f"gpt2 uses multi-head attention: model.num_kv_heads={m.num_kv_heads} must equal "
-            f"model.num_heads={m.num_heads}.",
+            f"model.num_heads={m.num_heads}."
         )
+
+
+def validate(cfg: TrainConfig, num_devices: int | None = None) -> None:
+    """Raise ConfigError for impossible combinations. `num_devices` adds the mesh checks when known."""
+    m, d, o = cfg.model, cfg.data, cfg.optimizer
+
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            raise ConfigError(msg)
+
+    need(cfg.steps >= 1, f"steps={cfg.steps} must be >= 1.")
+    validate_model(m)
     need(d.seq_len >= 2, f"data.seq_len={d.seq_len} must be >= 2.")
     need(
         d.seq_len <= m.max_seq_len,

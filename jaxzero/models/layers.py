@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxzero.config import ConfigError, ModelConfig
+from jaxzero.config import ConfigError, ModelConfig, validate_model
 
 COMPUTE_DTYPES: dict[str, jnp.dtype] = {
     "bfloat16": jnp.dtype(jnp.bfloat16),
@@ -65,26 +65,7 @@ def check_shape(config: ModelConfig, family: str) -> None:
     """
     if config.family != family:
         raise ConfigError(f"model.family={config.family!r} cannot build a {family} model.")
-    for k in (
-        "vocab_size",
-        "hidden_size",
-        "num_layers",
-        "num_heads",
-        "num_kv_heads",
-        "intermediate_size",
-        "max_seq_len",
-    ):
-        if getattr(config, k) < 1:
-            raise ConfigError(f"model.{k}={getattr(config, k)} must be >= 1.")
-    if config.hidden_size % config.num_heads:
-        raise ConfigError(
-            f"model.hidden_size={config.hidden_size} must be divisible by model.num_heads={config.num_heads}."
-        )
-    if config.num_heads % config.num_kv_heads:
-        raise ConfigError(
-            f"model.num_heads={config.num_heads} must be divisible by "
-            f"model.num_kv_heads={config.num_kv_heads}."
-        )
+    validate_model(config)
     compute_dtype(config)
 
 

@@ -31,7 +31,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxzero.config import ConfigError, ModelConfig
+from jaxzero.config import ModelConfig
 from jaxzero.models import ModelParams
 from jaxzero.models import layers as L
 
@@ -43,9 +43,7 @@ class Llama:
     config: ModelConfig
 
     def __post_init__(self) -> None:
-        L.check_shape(self.config, "llama")
-        if self.config.head_dim % 2:
-            raise ConfigError(f"rotary embeddings need an even head_dim; got {self.config.head_dim}.")
+        L.check_shape(self.config, "llama")  # includes the even head_dim that rotary embeddings need
 
     @property
     def dtype(self) -> jnp.dtype:
