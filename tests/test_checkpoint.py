@@ -1,10 +1,7 @@
 """Checkpoints: exact resume after SIGKILL (also mid-save), preemption, corruption and mismatches."""
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -12,6 +9,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from subprocess_run import run_module
 
 from jaxzero import placement
 from jaxzero.checkpoint import Checkpointer, CheckpointError, make_meta
@@ -19,7 +17,6 @@ from jaxzero.config import TrainConfig, apply_overrides
 from jaxzero.train import KILL_AFTER_SAVE_ENV
 from jaxzero.trainer import build_trainer
 
-REPO = Path(__file__).resolve().parents[1]
 RUN = [
     "--steps=12",
     "--logging.log_every=1",
@@ -34,14 +31,7 @@ MODES = {"resident": [], "zero3-offload": ["--offload.optimizer=cpu", "--offload
 
 
 def cli(*args: str, cwd: Path, env_extra: dict | None = None, wait: bool = True):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", **(env_extra or {}))
-    cmd = [sys.executable, "-m", "jaxzero.train", *args]
-    if not wait:
-        return subprocess.Popen(
-            cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    return run_module("jaxzero.train", *args, cwd=cwd, env_extra=env_extra, wait=wait)
 
 
 def losses(run_dir: Path) -> dict[int, float]:

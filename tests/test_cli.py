@@ -1,14 +1,13 @@
 """`python -m jaxzero.train` end to end on the tiny model, as a user runs it (a subprocess, one device)."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from subprocess_run import REPO, run_module, user_env
 
-REPO = Path(__file__).resolve().parents[1]
 TINY = [
     "--steps=30",
     "--logging.log_every=5",
@@ -20,17 +19,7 @@ TINY = [
 
 
 def train(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # a plain one-device run
-    env["PYTHONPATH"] = str(REPO)
-    env["JAX_PLATFORMS"] = "cpu"
-    return subprocess.run(
-        [sys.executable, "-m", "jaxzero.train", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    return run_module("jaxzero.train", *args, cwd=cwd)
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -117,8 +106,8 @@ def test_readme_library_example_runs():
     readme = (REPO / "README.md").read_text()
     code = readme.split("## Library API")[1].split("```python")[1].split("```")[0]
     code = code.replace('"--steps=100"', '"--steps=12"')
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=user_env(), capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "StepMetrics(loss=" in proc.stdout

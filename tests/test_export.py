@@ -2,10 +2,6 @@
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -13,11 +9,11 @@ import orbax.checkpoint as ocp
 import pytest
 import torch
 import transformers
+from subprocess_run import run_module
 
 from jaxzero.export import load_masters
 from jaxzero.models import build_model, forward
 
-REPO = Path(__file__).resolve().parents[1]
 RUN = [
     "--steps=6",
     "--logging.log_every=3",
@@ -28,12 +24,7 @@ RUN = [
 ]
 
 
-def run(module: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
-    return subprocess.run(
-        [sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
-    )
+run = run_module
 
 
 @pytest.fixture(scope="module")

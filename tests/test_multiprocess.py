@@ -1,12 +1,12 @@
 """Two processes on loopback save and restore one checkpoint (jax.distributed with gloo on CPU)."""
 
-import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from subprocess_run import user_env
+
 PROGRAM = Path(__file__).parent / "programs" / "multiprocess_checkpoint.py"
 
 
@@ -14,8 +14,7 @@ def test_two_processes_save_and_restore_one_checkpoint(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device per process
-    env.update(PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
+    env = user_env()  # one CPU device per process
     procs = [
         subprocess.Popen(
             [sys.executable, str(PROGRAM), str(port), str(i), str(tmp_path / "ckpt")],

@@ -1,0 +1,25 @@
+"""Run jaxzero's command-line programs as a user does: a fresh process with one CPU device."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def user_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # no fake devices: a plain run
+    env.update(PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", **extra)
+    return env
+
+
+def run_module(module: str, *args: str, cwd: Path, env_extra: dict | None = None, wait: bool = True):
+    """`python -m module args` in `cwd`: a CompletedProcess, or with `wait=False` a running Popen."""
+    cmd = [sys.executable, "-m", module, *args]
+    env = user_env(**(env_extra or {}))
+    if not wait:
+        return subprocess.Popen(
+            cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
