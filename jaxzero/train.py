@@ -239,6 +239,8 @@ def train(cfg: TrainConfig, console=sys.stdout) -> Path:
         if preempted:
             bar.clear()
             log.close()
+            if ckpt is None or not cfg.checkpoint.enabled:
+                raise Preempted(f"SIGTERM at step {step}; checkpoint.enabled=false, so nothing was saved.")
             ckpt.close()  # host sync: the checkpoint is committed before the process exits
             raise Preempted(
                 f"SIGTERM: saved a checkpoint at step {step} in {ckpt.directory}; rerun with "
