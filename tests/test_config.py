@@ -1,6 +1,7 @@
 """Config parsing and validation: every error path gives its clear message, before anything is built."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -119,3 +120,10 @@ def test_mesh_divisibility_checked_with_device_count():
     validate(cfg)
     with pytest.raises(ConfigError, match="must be divisible by the 4 devices of the data axis"):
         validate(cfg, num_devices=4)
+
+
+@pytest.mark.parametrize("preset", sorted((Path(__file__).parents[1] / "configs").glob("*.toml")), ids=str)
+def test_every_preset_parses_and_says_what_to_expect(preset):
+    parse_args([f"--config={preset}"])
+    header = preset.read_text().split("\n\n")[0]
+    assert "python -m jaxzero.train --config=configs/" in header and "Expect" in header
