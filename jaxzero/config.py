@@ -86,6 +86,7 @@ class OptimizerConfig:
     weight_decay: float = 0.1
     decay_norms_biases_embeddings: bool = False
     grad_clip: float = 1.0  # global-norm clip; 0 disables
+    state_dtype: Literal["float32", "bfloat16"] = "float32"  # storage of moments (bf16: half the bytes)
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,8 @@ def plan_memory(cfg: TrainConfig) -> MemoryPlan:
     opt = OPTIMIZER_STATE_BYTES.get(cfg.optimizer.name, 8)
     if cfg.optimizer.name == "sgd" and cfg.optimizer.momentum == 0:
         opt = 0
+    if cfg.optimizer.state_dtype == "bfloat16":
+        opt //= 2
     compute = 2 if m.compute_dtype == "bfloat16" else 4
     grad = compute if d.grad_accum == 1 else 4
 

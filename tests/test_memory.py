@@ -77,3 +77,11 @@ def test_platform_without_pinned_host_is_refused(monkeypatch):
     mesh = placement.make_mesh(jax.devices()[:1])
     with pytest.raises(ConfigError, match="has no pinned_host memory .* Use offload.params=none"):
         placement.offload_placement(mesh, 4, "cpu", 0)
+
+
+def test_bf16_moments_cut_host_state_from_12_to_8_bytes_per_parameter():
+    n = param_count(cfg().model)
+    over = {"offload__optimizer": "cpu", "checkpoint__enabled": "false"}
+    full = memory.plan_memory(cfg(**over))
+    half = memory.plan_memory(cfg(**over, optimizer__state_dtype="bfloat16"))
+    assert full.host - half.host == 4 * n  # masters 4 + moments 8 -> masters 4 + moments 4
