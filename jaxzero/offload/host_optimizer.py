@@ -157,8 +157,7 @@ class HostOptimizer:
 
         def run(update, m, s, g, target):
             m, s, w = update(m, s, g, norm)
-            w = jax.tree.map(host_view, w)  # host sync (worker thread): waits for this unit's update
-            return m, s, jax.device_put(w, target)
+            return m, s, place(w, target)  # host sync (worker thread): waits for this unit's update
 
         results = [f.result() for f in [self._pool.submit(run, *u) for u in units]]  # host sync
         masters_out, states_out, weights_out = (list(col) for col in zip(*results))
@@ -172,13 +171,15 @@ class HostOptimizer:
         return self.placement.pinned if self.placement.is_streamed(i) else self.placement.device
 
     def _write_back(self, unit_host: Any, target) -> Future:
-        """Copy a host-device pytree to `target` from a worker thread: NumPy view, then `device_put`."""
+        """`place` a host-device pytree at `target` from a worker thread."""
+        return self._pool.submit(place, unit_host, target)
 
-        def run():
-            arrays = jax.tree.map(host_view, unit_host)  # host sync (worker thread): waits for the unit
-            return jax.device_put(arrays, target)
 
-        return self._pool.submit(run)
+def place(unit_host: Any, target) -> Any:
+    """Copy a pytree of host-device (CPU backend) arrays to `target`: a NumPy view (no copy), then one
+    `device_put` per leaf, never the CPU client's slow cross-client path. Waits for the arrays (a host
+    sync)."""
+    return jax.device_put(jax.tree.map(host_view, unit_host), target)
 
 
 def host_view(x: jax.Array) -> np.ndarray:
