@@ -44,7 +44,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
-    compute_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    compute_dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"  # float16: dynamic loss scaling
     attention_impl: Literal["auto", "xla", "cudnn"] = "auto"  # auto: cuDNN on GPU when it applies, else XLA
     init_from: str = ""  # a Hugging Face safetensors directory to start from (set by model.name=hf:DIR)
 
@@ -90,6 +90,17 @@ class OptimizerConfig:
 
 
 @dataclass(frozen=True)
+class FP16Config:
+    """Dynamic loss scaling for `model.compute_dtype=float16`, in DeepSpeed's terms (its `fp16` section)."""
+
+    initial_scale_power: int = 16  # the scale starts at 2**initial_scale_power
+    loss_scale_window: int = 1000  # stable steps before the scale doubles
+    hysteresis: int = 2  # overflows tolerated before the scale halves
+    consecutive_hysteresis: bool = False  # refill the tolerance on every stable step
+    min_loss_scale: float = 1.0
+
+
+@dataclass(frozen=True)
 class OffloadConfig:
     """Where state lives, in DeepSpeed's vocabulary: `none` keeps it on the accelerator, `cpu` in host RAM."""
 
@@ -132,6 +143,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
+    fp16: FP16Config = field(default_factory=FP16Config)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
@@ -147,6 +159,7 @@ SECTIONS: dict[str, type] = {
     "data": DataConfig,
     "optimizer": OptimizerConfig,
     "offload": OffloadConfig,
+    "fp16": FP16Config,
     "checkpoint": CheckpointConfig,
     "logging": LoggingConfig,
 }
@@ -417,6 +430,17 @@ def validate(cfg: TrainConfig, num_devices: int | None = None) -> None:
             "offload.params=cpu needs offload.optimizer=cpu: streamed weights are updated "
             "from host-resident fp32 masters (DeepSpeed's ZeRO-3 offload pairs them too)."
         )
+    f16 = cfg.fp16
+    need(
+        f16.loss_scale_window >= 1 and f16.hysteresis >= 1 and f16.min_loss_scale > 0,
+        f"fp16.loss_scale_window={f16.loss_scale_window} and fp16.hysteresis={f16.hysteresis} must be >= 1, "
+        f"fp16.min_loss_scale={f16.min_loss_scale} > 0.",
+    )
+    need(
+        0 <= f16.initial_scale_power <= 64 and 2.0**f16.initial_scale_power >= f16.min_loss_scale,
+        f"fp16.initial_scale_power={f16.initial_scale_power} must be in [0, 64] and give a scale >= "
+        f"fp16.min_loss_scale={f16.min_loss_scale}.",
+    )
     lg = cfg.logging
     need(lg.log_every >= 1, f"logging.log_every={lg.log_every} must be >= 1.")
     need(lg.eval_every >= 0, f"logging.eval_every={lg.eval_every} must be >= 0.")

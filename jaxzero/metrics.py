@@ -129,6 +129,8 @@ def format_record(rec: dict[str, Any]) -> str:
         ("tokens_per_s", "tok/s", "{:,.0f}"),
         ("tflops", "TFLOP/s", "{:.3g}"),
         ("mfu", "MFU", "{:.1%}"),
+        ("loss_scale", "scale", "{:.0f}"),
+        ("skipped_steps", "skipped", "{}"),
         ("gpu_peak_gib", "GPU GiB", "{:.2f}"),
         ("host_rss_gib", "RSS GiB", "{:.2f}"),
     ]

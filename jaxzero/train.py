@@ -190,6 +190,7 @@ def train(cfg: TrainConfig, console=sys.stdout) -> Path:
             os.kill(os.getpid(), 9)  # fault injection: die while the asynchronous write is in flight
 
     pending: list[tuple[int, StepMetrics]] = []
+    skipped_steps = 0  # float16: steps whose update was skipped for overflow, in this process
     for step in range(first, cfg.steps + 1):
         state, metrics = trainer.step(state, trainer.put_batch(next(batches)))
         pending.append((step, metrics))
@@ -210,6 +211,21 @@ def train(cfg: TrainConfig, console=sys.stdout) -> Path:
             }
             if step == first:
                 record["compile_s"] = time.perf_counter() - t_start  # init or restore + compile + first step
+            if last.loss_scale is not None:  # float16: overflowing steps are skipped, not failures
+                skipped_steps += sum(bool(v.skipped) for v in values)
+                record.update(loss_scale=float(last.loss_scale), skipped_steps=skipped_steps)
+                at_min = [
+                    s
+                    for (s, _), v in zip(pending, values)
+                    if bool(v.skipped) and float(v.loss_scale) <= cfg.fp16.min_loss_scale
+                ]
+                if at_min:
+                    log.write(record)
+                    raise TrainingError(
+                        f"float16 gradients overflowed at step {at_min[0]} with the loss scale already at "
+                        f"fp16.min_loss_scale={cfg.fp16.min_loss_scale} (DeepSpeed stops here too). Try "
+                        "model.compute_dtype=bfloat16, a lower optimizer.lr, or a lower fp16.min_loss_scale."
+                    )
             bad = [(s, v) for (s, _), v in zip(pending, values) if not math.isfinite(float(v.loss))]
             if (is_eval or step == cfg.steps) and not bad:
                 record["val_loss"] = evaluate(trainer, state, val_batches)

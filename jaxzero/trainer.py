@@ -29,6 +29,7 @@ from jax.sharding import Mesh
 
 from jaxzero import memory, placement
 from jaxzero.config import TrainConfig, validate
+from jaxzero.loss_scale import all_finite, init_loss_scale, update_loss_scale
 from jaxzero.models import Model, ModelParams, build_model
 from jaxzero.objective import loss_fn
 from jaxzero.optim import (
@@ -46,11 +47,13 @@ class TrainState(NamedTuple):
     step:      int32 scalar, optimizer updates applied so far.
     params:    float32 master weights.
     opt_state: the optax state of `Trainer.optimizer` over `params` (float32).
+    loss_scale: float16 training's `LossScaleState`; None otherwise.
     """
 
     step: jax.Array
     params: ModelParams
     opt_state: Any
+    loss_scale: Any = None
 
 
 class StepMetrics(NamedTuple):
@@ -59,6 +62,8 @@ class StepMetrics(NamedTuple):
     loss: jax.Array  # mean cross-entropy over the step's tokens
     grad_norm: jax.Array  # global L2 norm of the averaged gradient, before clipping
     lr: jax.Array  # learning rate used by this step's update
+    loss_scale: jax.Array | None = None  # float16: the scale this step used
+    skipped: jax.Array | None = None  # float16: bool, the step overflowed and its update was skipped
 
 
 @dataclass(frozen=True)
@@ -91,14 +96,28 @@ def abstract_placed(shapes: Any, shardings: Any) -> Any:
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
 
 
-def averaged_grads(model: Model, params: ModelParams, batch: jax.Array) -> tuple[jax.Array, ModelParams]:
+def averaged_grads(
+    model: Model, params: ModelParams, batch: jax.Array, scale: jax.Array | None = None
+) -> tuple[jax.Array, ModelParams]:
     """Mean loss and float32 gradients over `grad_accum` micro-batches of int32 (A, mb, S+1).
 
     Micro-batches hold equal token counts, so the mean of their means is the mean over the step.
     One micro-batch is differentiated directly; more are summed in a `lax.scan` (one float32
-    gradient buffer, not A of them).
+    gradient buffer, not A of them). With a loss `scale` (float16) the gradients are those of
+    `scale * loss` (the caller unscales them); the loss returned is unscaled.
     """
-    value_and_grad = jax.value_and_grad(partial(loss_fn, model))
+    if scale is None:
+        value_and_grad = jax.value_and_grad(partial(loss_fn, model))
+    else:
+
+        def scaled(p, window):
+            loss = loss_fn(model, p, window)
+            return loss * scale, loss
+
+        def value_and_grad(p, window):
+            (_, loss), grads = jax.value_and_grad(scaled, has_aux=True)(p, window)
+            return loss, grads
+
     if batch.shape[0] == 1:
         return value_and_grad(params, batch[0])
 
@@ -140,9 +159,14 @@ def build_resident_trainer(cfg: TrainConfig, mesh: Mesh) -> Trainer:
     tx = build_optimizer(cfg.optimizer, cfg.steps)
     schedule = learning_rate_schedule(cfg.optimizer, cfg.steps)
 
+    fp16 = cfg.model.compute_dtype == "float16"
+
+    def fresh(params: ModelParams) -> TrainState:
+        scale = init_loss_scale(cfg.fp16) if fp16 else None
+        return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), scale)
+
     def init_state(key: jax.Array) -> TrainState:
-        params = model.init(key)
-        return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
+        return fresh(model.init(key))
 
     shapes = jax.eval_shape(init_state, jax.random.key(0))
     state_sharding = jax.tree.map(lambda _: placement.replicated(mesh), shapes)
@@ -152,16 +176,18 @@ def build_resident_trainer(cfg: TrainConfig, mesh: Mesh) -> Trainer:
     clipped = cfg.optimizer.grad_clip > 0
 
     def to_saved(state: TrainState) -> dict[str, Any]:
-        return {
+        saved = {
             "step": state.step,
             "params": state.params,
             "opt_state": split_opt_state(state.opt_state, clipped),
         }
+        return saved if state.loss_scale is None else {**saved, "loss_scale": state.loss_scale}
 
-    start_from = jax.jit(
-        lambda params: TrainState(jnp.zeros((), jnp.int32), params, tx.init(params)),
-        out_shardings=state_sharding,
-    )
+    def from_saved(saved: dict[str, Any]) -> TrainState:
+        opt_state = join_opt_state(saved["opt_state"], shapes.opt_state, clipped)
+        return TrainState(saved["step"], saved["params"], opt_state, saved.get("loss_scale"))
+
+    start_from = jax.jit(fresh, out_shardings=state_sharding)
 
     def train_step(state: TrainState, batch: jax.Array) -> tuple[TrainState, StepMetrics]:
         loss, grads = averaged_grads(model, state.params, batch)
@@ -170,8 +196,26 @@ def build_resident_trainer(cfg: TrainConfig, mesh: Mesh) -> Trainer:
         metrics = StepMetrics(loss, global_norm(grads), jnp.asarray(schedule(state.step), jnp.float32))
         return TrainState(state.step + 1, params, opt_state), metrics
 
+    def train_step_fp16(state: TrainState, batch: jax.Array) -> tuple[TrainState, StepMetrics]:
+        """float16: a scaled loss; a step that overflows keeps params, optimizer state and step count."""
+        ls = state.loss_scale
+        loss, grads = averaged_grads(model, state.params, batch, ls.scale)
+        grads = jax.tree.map(lambda g: g / ls.scale, grads)
+        ok = all_finite(grads)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
+        lr = jnp.asarray(schedule(state.step), jnp.float32)
+        new = TrainState(
+            state.step + ok.astype(jnp.int32),
+            keep(params, state.params),
+            keep(opt_state, state.opt_state),
+            update_loss_scale(ls, ~ok, cfg.fp16),
+        )
+        return new, StepMetrics(loss, global_norm(grads), lr, ls.scale, ~ok)
+
     step = jax.jit(
-        train_step,
+        train_step_fp16 if fp16 else train_step,
         in_shardings=(state_sharding, batch_sharding),
         out_shardings=(state_sharding, placement.replicated(mesh)),
         donate_argnums=(0,),
@@ -196,7 +240,5 @@ def build_resident_trainer(cfg: TrainConfig, mesh: Mesh) -> Trainer:
         layout="resident",
         saved_state=lambda state: to_saved(state),
         abstract_saved_state=lambda: to_saved(abstract_placed(shapes, state_sharding)),
-        from_saved_state=lambda saved: TrainState(
-            saved["step"], saved["params"], join_opt_state(saved["opt_state"], shapes.opt_state, clipped)
-        ),
+        from_saved_state=from_saved,
     )

@@ -65,6 +65,7 @@ def _h2d_bandwidth() -> float:
 def run_grad_case(case: str, args) -> dict:
     import jax
     import jax.numpy as jnp
+    import numpy as np
 
     from jaxzero import placement
     from jaxzero.config import TrainConfig, apply_overrides
@@ -94,7 +95,8 @@ def run_grad_case(case: str, args) -> dict:
             run = partial(jax.jit(partial(averaged_grads, model)), weights, window)
         else:
             prefetch = 2 if case == "stream-p2" else 1
-            run = partial(StreamedModel(model, where, 1, prefetch=prefetch).grads, weights, window)
+            seed = jax.device_put(np.float32(1.0), where.device)  # no loss scale
+            run = partial(StreamedModel(model, where, 1, prefetch=prefetch).grads, weights, window, seed)
         try:
             t = _median_time(run, args.reps)
         except Exception as e:  # noqa: BLE001 - report and go on with the next size
@@ -214,6 +216,7 @@ def run_host_case(case: str, args) -> dict:
     n = param_count(cfg.model)
     out = {"case": case, "params": n, "device": jax.devices()[0].device_kind}
     T = time.perf_counter
+    one = jax.device_put(np.float32(1.0), where.host)  # no loss scale
     for rep in range(3):
         r = {}
         t = T()
@@ -223,12 +226,12 @@ def run_host_case(case: str, args) -> dict:
         jax.block_until_ready(g)
         r["grads_to_cpu_s"] = T() - t
         t = T()
-        norm = host.global_norm(g)
+        norm = host.global_norm(g, one)
         jax.block_until_ready(norm)
         r["norm_s"] = T() - t
         t = T()
         futs = [
-            host._pool.submit(_updated, host._update.blocks, m, s, gg, norm)
+            host._pool.submit(_updated, host._update.blocks, m, s, gg, norm, one)
             for m, s, gg in zip(state.params.blocks, state.opt_state.blocks, g.blocks)
         ]
         res = [f.result() for f in futs]

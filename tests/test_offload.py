@@ -151,8 +151,9 @@ def test_gradients_land_in_pinned_host():
     where = placement.offload_placement(trainer.mesh, 3, "cpu", 0)
     streamed = StreamedModel(trainer.model, where, grad_accum=1)
     batch = build_data(cfg.data, 256, 0).train_iter().__next__()[:1]
+    seed = jax.device_put(np.float32(1.0), where.device)  # no loss scale
     with jax.transfer_guard("disallow"):
-        loss, grads = streamed.grads(state.weights, trainer.put_batch(batch))
+        loss, grads = streamed.grads(state.weights, trainer.put_batch(batch), seed)
     assert kinds(grads) == {("pinned_host", "cpu")}
     # One micro-batch: block gradients leave in the compute dtype (exact, half the link bytes).
     assert {x.dtype for x in jax.tree.leaves(grads.blocks)} == {np.dtype(jax.numpy.bfloat16)}

@@ -29,6 +29,7 @@ from jaxzero.config import ConfigError, ModelConfig, validate_model
 COMPUTE_DTYPES: dict[str, jnp.dtype] = {
     "bfloat16": jnp.dtype(jnp.bfloat16),
     "float32": jnp.dtype(jnp.float32),
+    "float16": jnp.dtype(jnp.float16),
 }
 
 
@@ -316,6 +317,16 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, requested_impl: s
     """
     head_dim = q.shape[-1]
     impl = resolve_attention_impl(requested_impl, q.dtype, head_dim)
+    if impl == "xla" and q.dtype == jnp.float16:
+        # XLA's CPU backend has no float16 x float16 -> float32 dot, which the XLA path asks for;
+        # float16 inputs are exact in float32, so attend there and round once at the end.
+        out = jax.nn.dot_product_attention(
+            *(t.astype(jnp.float32) for t in (q, k, v)),
+            scale=1.0 / math.sqrt(head_dim),
+            is_causal=True,
+            implementation="xla",
+        )
+        return out.astype(jnp.float16)
     return jax.nn.dot_product_attention(
         q, k, v, scale=1.0 / math.sqrt(head_dim), is_causal=True, implementation=impl
     )

@@ -20,9 +20,10 @@ from jax.sharding import Mesh
 
 from jaxzero import placement as placement_lib
 from jaxzero.config import TrainConfig
+from jaxzero.loss_scale import init_loss_scale, update_loss_scale
 from jaxzero.models import ModelParams, build_model, init_keys
 from jaxzero.models.layers import compute_dtype
-from jaxzero.offload.host_optimizer import HostOptimizer
+from jaxzero.offload.host_optimizer import HostOptimizer, host_view
 from jaxzero.offload.streaming import StreamedModel
 from jaxzero.optim import build_optimizer
 
@@ -35,12 +36,14 @@ class OffloadState(NamedTuple):
     opt_state: one optax state per unit in `ModelParams` layout (embed, blocks, head), host RAM.
     weights:   compute-dtype weights: embed/head and resident blocks in accelerator memory, streamed
                blocks in the accelerator's pinned_host memory.
+    loss_scale: float16 training's `LossScaleState` on the host device; None otherwise.
     """
 
     step: jax.Array
     params: ModelParams
     opt_state: ModelParams
     weights: ModelParams
+    loss_scale: Any = None
 
 
 def _delete(tree: Any) -> None:
@@ -69,6 +72,17 @@ def build_offload_trainer(cfg: TrainConfig, mesh: Mesh, *, prefetch: int = 1):
         *(jax.jit(f, out_shardings=where.host) for f in (model.init_embed, model.init_block, model.init_head))
     )
     increment = jax.jit(lambda step: step + 1)
+    fp16 = cfg.model.compute_dtype == "float16"
+    one_host = jax.device_put(np.float32(1.0), where.host)
+    one_device = jax.device_put(np.float32(1.0), where.device)
+    new_loss_scale = jax.jit(partial(init_loss_scale, cfg.fp16), out_shardings=where.host)
+    next_loss_scale = jax.jit(partial(update_loss_scale, cfg=cfg.fp16), out_shardings=where.host)
+    overflowed = {flag: jax.device_put(np.bool_(flag), where.host) for flag in (False, True)}
+
+    def fresh(masters: ModelParams) -> OffloadState:
+        step = jax.device_put(np.zeros((), np.int32), where.host)
+        scale = new_loss_scale() if fp16 else None
+        return OffloadState(step, masters, host.init(masters), host.compute_weights(masters), scale)
 
     def init(key: jax.Array) -> OffloadState:
         # Created on the host directly: the key moves to the CPU backend, never the state to the GPU.
@@ -76,24 +90,45 @@ def build_offload_trainer(cfg: TrainConfig, mesh: Mesh, *, prefetch: int = 1):
         masters = ModelParams(
             init_unit.embed(k_embed), tuple(init_unit.blocks(k) for k in k_blocks), init_unit.head(k_head)
         )
-        step = jax.device_put(np.zeros((), np.int32), where.host)
-        return OffloadState(step, masters, host.init(masters), host.compute_weights(masters))
+        return fresh(masters)
 
     def init_from_params(params: ModelParams) -> OffloadState:
-        masters = jax.device_put(params, where.host)  # NumPy masters -> host device (CPU backend)
-        step = jax.device_put(np.zeros((), np.int32), where.host)
-        return OffloadState(step, masters, host.init(masters), host.compute_weights(masters))
+        return fresh(jax.device_put(params, where.host))  # NumPy masters -> host device (CPU backend)
 
     def step(state: OffloadState, batch: jax.Array) -> tuple[OffloadState, StepMetrics]:
-        loss, grads = streamed.grads(state.weights, batch)
+        loss, grads = streamed.grads(state.weights, batch, one_device)
+        grads, norm = host.prepare(grads, one_host)
         _delete(state.weights)  # the new weights take their place (deletion waits for pending reads)
-        masters, opt_state, weights, grad_norm, lr = host.update(
-            state.step, state.params, state.opt_state, grads
+        masters, opt_state, weights, lr = host.apply(
+            state.step, state.params, state.opt_state, grads, norm, one_host
         )
         del grads
-        return OffloadState(increment(state.step), masters, opt_state, weights), StepMetrics(
-            loss, grad_norm, lr
+        return OffloadState(increment(state.step), masters, opt_state, weights), StepMetrics(loss, norm, lr)
+
+    def step_fp16(state: OffloadState, batch: jax.Array) -> tuple[OffloadState, StepMetrics]:
+        """float16: the backward pass carries the loss scale; an overflowing step changes nothing but
+        the loss scale (DeepSpeed's rules, `jaxzero.loss_scale`)."""
+        ls = state.loss_scale
+        loss, grads = streamed.grads(state.weights, batch, jax.device_put(ls.scale, where.device))
+        grads, norm = host.prepare(grads, ls.scale)
+        # Host sync: the update must not start before we know it is wanted. A non-finite norm means an
+        # inf or NaN in some gradient (an astronomically large finite one would also count).
+        ok = bool(np.isfinite(host_view(norm)))
+        scale = next_loss_scale(ls, overflowed[not ok])
+        if not ok:
+            metrics = StepMetrics(loss, norm, host.lr(state.step), ls.scale, overflowed[True])
+            return state._replace(loss_scale=scale), metrics
+        _delete(state.weights)
+        masters, opt_state, weights, lr = host.apply(
+            state.step, state.params, state.opt_state, grads, norm, ls.scale
         )
+        del grads
+        new = OffloadState(increment(state.step), masters, opt_state, weights, scale)
+        return new, StepMetrics(loss, norm, lr, ls.scale, overflowed[False])
+
+    def saved_state(state: OffloadState) -> dict[str, Any]:
+        saved = {"step": state.step, "params": state.params, "opt_state": state.opt_state}
+        return saved if state.loss_scale is None else {**saved, "loss_scale": state.loss_scale}
 
     def abstract_saved_state() -> dict[str, Any]:
         masters = jax.eval_shape(model.init, jax.random.key(0))
@@ -102,11 +137,14 @@ def build_offload_trainer(cfg: TrainConfig, mesh: Mesh, *, prefetch: int = 1):
             "params": masters,
             "opt_state": jax.eval_shape(host.init, masters),
         }
+        if fp16:
+            shapes["loss_scale"] = jax.eval_shape(partial(init_loss_scale, cfg.fp16))
         return abstract_placed(shapes, jax.tree.map(lambda _: where.host, shapes))
 
     def from_saved_state(saved: dict[str, Any]) -> OffloadState:
         params = saved["params"]
-        return OffloadState(saved["step"], params, saved["opt_state"], host.compute_weights(params))
+        weights = host.compute_weights(params)
+        return OffloadState(saved["step"], params, saved["opt_state"], weights, saved.get("loss_scale"))
 
     def eval_loss(state: OffloadState, window: jax.Array) -> jax.Array:
         return streamed.loss(state.weights, window[None])
@@ -123,7 +161,7 @@ def build_offload_trainer(cfg: TrainConfig, mesh: Mesh, *, prefetch: int = 1):
         optimizer=build_optimizer(cfg.optimizer, cfg.steps),
         init=init,
         init_from_params=init_from_params,
-        step=step,
+        step=step_fp16 if fp16 else step,
         eval_loss=eval_loss,
         put_batch=put_batch,
         put_eval_batch=put_batch,
@@ -133,7 +171,7 @@ def build_offload_trainer(cfg: TrainConfig, mesh: Mesh, *, prefetch: int = 1):
             f"the rest of the {cfg.model.compute_dtype} weights on {where.accelerator}"
         ),
         layout="offload",
-        saved_state=lambda state: {"step": state.step, "params": state.params, "opt_state": state.opt_state},
+        saved_state=saved_state,
         abstract_saved_state=abstract_saved_state,
         from_saved_state=from_saved_state,
     )

@@ -65,15 +65,15 @@ class HostOptimizer:
         self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="jaxzero-writeback")
         host = placement.host
 
-        def mean_grad(g):
-            return jax.tree.map(lambda x: x.astype(jnp.float32) / grad_accum, g)
+        def mean_grad(g, scale):  # sums of `scale * loss` gradients -> the mean gradient of the loss
+            return jax.tree.map(lambda x: x.astype(jnp.float32) / grad_accum / scale, g)
 
-        def sq_norm(g):  # float32 scalar: squared L2 norm of one unit's averaged gradient
-            return sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(mean_grad(g)))
+        def sq_norm(g, scale):  # float32 scalar: squared L2 norm of one unit's averaged gradient
+            return sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(mean_grad(g, scale)))
 
         def make_update(tx: optax.GradientTransformation):
-            def update(masters, opt_state, grads, norm):
-                g = mean_grad(grads)
+            def update(masters, opt_state, grads, norm, scale):
+                g = mean_grad(grads, scale)
                 if self.max_norm > 0:
                     g = clip_by_norm(g, norm, self.max_norm)
                 updates, opt_state = tx.update(g, opt_state, masters)
@@ -124,29 +124,40 @@ class HostOptimizer:
 
     # -- the update ----------------------------------------------------------------------------------
 
-    def global_norm(self, grads_host: ModelParams) -> jax.Array:
+    def global_norm(self, grads_host: ModelParams, scale: jax.Array) -> jax.Array:
         """Exact L2 norm of the averaged gradient over all units; float32 scalar on the host."""
-        parts = [self._sq_norm(grads_host.embed), self._sq_norm(grads_host.head)]
-        parts += [self._sq_norm(g) for g in grads_host.blocks]
+        parts = [self._sq_norm(grads_host.embed, scale), self._sq_norm(grads_host.head, scale)]
+        parts += [self._sq_norm(g, scale) for g in grads_host.blocks]
         return self._sqrt_sum(parts)
 
-    def update(
-        self, step: jax.Array, masters: ModelParams, opt_state: ModelParams, grads: ModelParams
-    ) -> tuple[ModelParams, ModelParams, ModelParams, jax.Array, jax.Array]:
-        """One optimizer step. Returns (masters, opt_state, weights, grad_norm, lr).
+    def prepare(self, grads: ModelParams, scale: jax.Array) -> tuple[ModelParams, jax.Array]:
+        """Gradient sums in `pinned_host` -> (the same on the host device, the global norm of the mean
+        gradient). `scale` (float32 scalar on the host device) is the loss scale the sums carry.
 
-        `grads` are moved onto the host device first: for arrays in the accelerator's `pinned_host`
-        memory that is an alias, not a copy. `masters` and `opt_state` are donated. `weights` are the
-        new compute-dtype weights already placed per `placement`; the caller must have released the
-        old ones (their memory is reused).
+        For arrays in the accelerator's `pinned_host` memory the move is an alias, not a copy: a
+        NumPy view handed to the CPU backend. (A direct device_put between the GPU and CPU clients
+        stages through a slow path: ~1 GB/s, measured on the H100/H200 box.)
+        """
+        grads = jax.device_put(jax.tree.map(host_view, grads), self.placement.host)
+        return grads, self.global_norm(grads, scale)
+
+    def apply(
+        self,
+        step: jax.Array,
+        masters: ModelParams,
+        opt_state: ModelParams,
+        grads: ModelParams,
+        norm: jax.Array,
+        scale: jax.Array,
+    ) -> tuple[ModelParams, ModelParams, ModelParams, jax.Array]:
+        """One optimizer step from `prepare`d gradients. Returns (masters, opt_state, weights, lr).
+
+        `masters` and `opt_state` are donated. `weights` are the new compute-dtype weights already
+        placed per `placement`; the caller must have released the old ones (their memory is reused).
 
         Units are updated concurrently from the worker pool: one XLA:CPU call uses only part of the
         host's cores and memory bandwidth, several at once use most of it.
         """
-        # pinned_host -> CPU backend through a NumPy view: no copy. (A direct device_put between the
-        # GPU and CPU clients stages through a slow path: ~1 GB/s, measured on the H100/H200 box.)
-        grads = jax.device_put(jax.tree.map(host_view, grads), self.placement.host)
-        norm = self.global_norm(grads)
         units = [(self._update.embed, masters.embed, opt_state.embed, grads.embed, self.placement.device)]
         units += [
             (self._update.blocks, m, s, g, self._block_target(i))
@@ -156,14 +167,17 @@ class HostOptimizer:
         del masters, opt_state, grads
 
         def run(update, m, s, g, target):
-            m, s, w = update(m, s, g, norm)
+            m, s, w = update(m, s, g, norm, scale)
             return m, s, place(w, target)  # host sync (worker thread): waits for this unit's update
 
         results = [f.result() for f in [self._pool.submit(run, *u) for u in units]]  # host sync
         masters_out, states_out, weights_out = (list(col) for col in zip(*results))
         as_params = lambda xs: ModelParams(xs[0], tuple(xs[1:-1]), xs[-1])  # noqa: E731
-        lr = self._lr(step)
-        return as_params(masters_out), as_params(states_out), as_params(weights_out), norm, lr
+        return as_params(masters_out), as_params(states_out), as_params(weights_out), self.lr(step)
+
+    def lr(self, step: jax.Array) -> jax.Array:
+        """The learning rate of update number `step` (int32 on the host device)."""
+        return self._lr(step)
 
     # -- the way back --------------------------------------------------------------------------------
 

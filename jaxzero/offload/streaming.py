@@ -112,7 +112,7 @@ class StreamedModel:
             )
             return jnp.mean(losses)
 
-        def head_grad(head_w, embed_w, x, batch):
+        def head_grad(head_w, embed_w, x, batch, seed):
             """-> loss, dL_a/dx_a per micro-batch (seed 1 each, as the resident trainer), float32 head
             (and tied-embedding) gradient sums over micro-batches."""
 
@@ -121,7 +121,7 @@ class StreamedModel:
                     return cross_entropy(m.head(hw, ew, xa), wa[:, 1:])
 
                 loss, vjp = jax.vjp(f, head_w, embed_w, xa)
-                g_head, g_embed, dx = vjp(jnp.ones((), jnp.float32))
+                g_head, g_embed, dx = vjp(seed)  # 1, or the float16 loss scale
                 return (loss, _f32(g_head), _f32(g_embed) if self.tied else None), dx
 
             zeros = (
@@ -170,11 +170,13 @@ class StreamedModel:
             x = self._block_fwd(w, x)
         return self._head_loss(weights.head, weights.embed, x, batch)
 
-    def grads(self, weights: ModelParams, batch: jax.Array) -> tuple[jax.Array, ModelParams]:
+    def grads(self, weights: ModelParams, batch: jax.Array, seed: jax.Array) -> tuple[jax.Array, ModelParams]:
         """Loss and gradients over int32 (A, mb, S+1); gradients land in `pinned_host`.
 
         Block gradients are summed over the A micro-batches (compute dtype if A == 1, float32 if A > 1);
-        embed and head gradients are float32 sums. Divide by A for the mean (the host optimizer does).
+        embed and head gradients are float32 sums. `seed` (float32 scalar on the accelerator) multiplies
+        the loss: 1, or float16's loss scale. Divide by A * seed for the mean gradient (the host
+        optimizer does).
         """
         L = self.num_layers
         order = [*range(L), *reversed(range(L))]
@@ -185,7 +187,7 @@ class StreamedModel:
             w = next(fetched)
             saved.append(x)  # the block input is all the backward pass keeps
             x = self._block_fwd(w, x)
-        loss, dx, g_head, g_embed_head = self._head_grad(weights.head, weights.embed, x, batch)
+        loss, dx, g_head, g_embed_head = self._head_grad(weights.head, weights.embed, x, batch, seed)
         del x
         to_host = self.placement.pinned
         block_grads: list[Any] = [None] * L
