@@ -1,8 +1,10 @@
 """Transformer models exposed as embed -> N identical blocks -> head.
 
 Every model is split into three units so that one compiled block function serves every layer and an
-offload engine can place and move layers one at a time. Models know nothing of memory kinds or
-devices: they are pure functions of parameter pytrees.
+offload engine can place and move layers one at a time. Blocks are Flax (linen) modules
+(`LlamaBlock`, `GPT2Block`) applied to one layer's parameter pytree; embed and head are small pure
+functions. Models know nothing of memory kinds or devices: they are pure functions of parameter
+pytrees.
 
     params = model.init(key)                    # ModelParams, float32 masters
     x = model.embed(params.embed, tokens)       # (B, S) int32 -> (B, S, D) compute dtype

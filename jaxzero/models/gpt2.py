@@ -26,12 +26,89 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax.core import unfreeze
 
 from jaxzero.config import ConfigError, ModelConfig
 from jaxzero.models import ModelParams
 from jaxzero.models import layers as L
+
+
+class _Conv1D(nn.Module):
+    """y = x @ kernel + bias (GPT-2's Conv1D), kernel (in, out) ~ Normal(0, std), bias zeros; used in
+    x's (compute) dtype."""
+
+    features: int
+    std: float
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.param(
+            "kernel", lambda k, shape: L.normal(k, shape, self.std), (x.shape[-1], self.features)
+        )
+        bias = self.param("bias", lambda _, shape: L.zeros(shape), (self.features,))
+        return L.dense(x, kernel.astype(x.dtype), bias.astype(x.dtype))
+
+
+class _LayerNorm(nn.Module):
+    """LayerNorm with learned `scale` (ones) and `bias` (zeros); statistics in float32."""
+
+    eps: float
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param("scale", lambda _, shape: L.ones(shape), (x.shape[-1],))
+        bias = self.param("bias", lambda _, shape: L.zeros(shape), (x.shape[-1],))
+        # Cast like every weight (to the compute dtype) so f32 masters and streamed bf16 weights agree.
+        return L.layer_norm(x, scale.astype(x.dtype), bias.astype(x.dtype), self.eps)
+
+
+class _Attention(nn.Module):
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, h: jax.Array) -> jax.Array:
+        c = self.config
+        b, s, d = h.shape
+        n, hd = c.num_heads, c.head_dim
+        resid_std = c.init_std / math.sqrt(2 * c.num_layers)
+        qkv = _Conv1D(3 * d, c.init_std, name="c_attn")(h)  # (B, S, 3D)
+        q, k, v = (t.reshape(b, s, n, hd) for t in jnp.split(qkv, 3, axis=-1))
+        o = L.causal_attention(q, k, v, c.attention_impl).reshape(b, s, d)
+        return _Conv1D(d, resid_std, name="c_proj")(o)
+
+
+class _MLP(nn.Module):
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, h: jax.Array) -> jax.Array:
+        c = self.config
+        resid_std = c.init_std / math.sqrt(2 * c.num_layers)
+        # GPT-2's "gelu_new" is the tanh approximation; the exact erf GELU differs by up to ~1e-3.
+        h = jax.nn.gelu(_Conv1D(c.intermediate_size, c.init_std, name="c_fc")(h), approximate=True)
+        return _Conv1D(c.hidden_size, resid_std, name="c_proj")(h)
+
+
+class GPT2Block(nn.Module):
+    """One pre-norm GPT-2 block as a Flax module: (B, S, D) -> (B, S, D) in the compute dtype.
+
+        x = x + attn.c_proj(attn(split_qkv(c_attn(ln_1(x)))))
+        x = x + mlp.c_proj(gelu_tanh(c_fc(ln_2(x))))
+
+    The residual-stream output projections (both c_proj) start with std / sqrt(2 * num_layers).
+    """
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        c = self.config
+        x = x.astype(L.compute_dtype(c))
+        x = x + _Attention(c, name="attn")(_LayerNorm(c.norm_eps, name="ln_1")(x))
+        return x + _MLP(c, name="mlp")(_LayerNorm(c.norm_eps, name="ln_2")(x))
 
 
 @dataclass(frozen=True)
@@ -81,24 +158,11 @@ class GPT2:
         }
 
     def init_block(self, key: jax.Array) -> dict[str, Any]:
-        """One block's float32 parameters (layout in the module docstring)."""
+        """One block's float32 parameters (layout in the module docstring), from `GPT2Block`'s own
+        initializers; shapes are inferred without running the block."""
         c = self.config
-        d, f = c.hidden_size, c.intermediate_size
-        k_attn, k_aproj, k_fc, k_mproj = jax.random.split(key, 4)
-        std = c.init_std
-        resid_std = c.init_std / math.sqrt(2 * c.num_layers)
-        return {
-            "ln_1": {"scale": L.ones((d,)), "bias": L.zeros((d,))},
-            "attn": {
-                "c_attn": {"kernel": L.normal(k_attn, (d, 3 * d), std), "bias": L.zeros((3 * d,))},
-                "c_proj": {"kernel": L.normal(k_aproj, (d, d), resid_std), "bias": L.zeros((d,))},
-            },
-            "ln_2": {"scale": L.ones((d,)), "bias": L.zeros((d,))},
-            "mlp": {
-                "c_fc": {"kernel": L.normal(k_fc, (d, f), std), "bias": L.zeros((f,))},
-                "c_proj": {"kernel": L.normal(k_mproj, (f, d), resid_std), "bias": L.zeros((d,))},
-            },
-        }
+        x = jax.ShapeDtypeStruct((1, 1, c.hidden_size), self.dtype)
+        return unfreeze(GPT2Block(c).lazy_init(key, x)["params"])
 
     def init_head(self, key: jax.Array) -> dict[str, Any]:
         """Head unit: the final LayerNorm only (the projection is the tied wte). `key` is unused."""
@@ -128,30 +192,9 @@ class GPT2:
         return tok + pos[None, :, :]
 
     def block(self, block_params: Any, x: jax.Array) -> jax.Array:
-        """One pre-norm block, causal: (B, S, D) -> (B, S, D) compute dtype.
-
-        x = x + c_proj(attn(split_qkv(c_attn(ln_1(x)))))
-        x = x + mlp.c_proj(gelu_tanh(c_fc(ln_2(x))))
-        Params may be float32 masters or already in the compute dtype.
-        """
-        c = self.config
-        p = L.cast_tree(block_params, self.dtype)
-        x = x.astype(self.dtype)
-        b, s, d = x.shape
-        n, hd = c.num_heads, c.head_dim
-
-        attn = p["attn"]
-        h = L.layer_norm(x, p["ln_1"]["scale"], p["ln_1"]["bias"], c.norm_eps)
-        qkv = L.dense(h, attn["c_attn"]["kernel"], attn["c_attn"]["bias"])  # (B, S, 3D)
-        q, k, v = (t.reshape(b, s, n, hd) for t in jnp.split(qkv, 3, axis=-1))
-        o = L.causal_attention(q, k, v, c.attention_impl).reshape(b, s, d)
-        x = x + L.dense(o, attn["c_proj"]["kernel"], attn["c_proj"]["bias"])
-
-        mlp = p["mlp"]
-        h = L.layer_norm(x, p["ln_2"]["scale"], p["ln_2"]["bias"], c.norm_eps)
-        # GPT-2's "gelu_new" is the tanh approximation; the exact erf GELU differs by up to ~1e-3.
-        h = jax.nn.gelu(L.dense(h, mlp["c_fc"]["kernel"], mlp["c_fc"]["bias"]), approximate=True)
-        return x + L.dense(h, mlp["c_proj"]["kernel"], mlp["c_proj"]["bias"])
+        """One `GPT2Block`, causal: (B, S, D) -> (B, S, D) compute dtype. Params may be float32
+        masters or already in the compute dtype."""
+        return GPT2Block(self.config).apply({"params": block_params}, x)
 
     def head(self, head_params: Any, embed_params: Any, x: jax.Array) -> jax.Array:
         """Final LayerNorm and tied projection: (B, S, D) -> logits (B, S, V) float32 = ln_f(x) @ wte^T."""

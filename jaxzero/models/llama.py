@@ -28,12 +28,87 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax.core import unfreeze
 
 from jaxzero.config import ModelConfig
 from jaxzero.models import ModelParams
 from jaxzero.models import layers as L
+
+
+class _Linear(nn.Module):
+    """y = x @ kernel, kernel (in, out) float32 ~ Normal(0, std), used in x's (compute) dtype."""
+
+    features: int
+    std: float
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.param(
+            "kernel", lambda k, shape: L.normal(k, shape, self.std), (x.shape[-1], self.features)
+        )
+        return L.dense(x, kernel.astype(x.dtype))
+
+
+class _RMSNorm(nn.Module):
+    """RMSNorm with a learned `scale` (ones at init); statistics in float32 (`layers.rms_norm`)."""
+
+    eps: float
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param("scale", lambda _, shape: L.ones(shape), (x.shape[-1],))
+        # Cast like every weight (to the compute dtype) so f32 masters and streamed bf16 weights agree.
+        return L.rms_norm(x, scale.astype(x.dtype), self.eps)
+
+
+class _Attention(nn.Module):
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, h: jax.Array) -> jax.Array:
+        c = self.config
+        b, s, _ = h.shape
+        n, k, hd = c.num_heads, c.num_kv_heads, c.head_dim
+        q = _Linear(n * hd, c.init_std, name="q_proj")(h).reshape(b, s, n, hd)
+        kk = _Linear(k * hd, c.init_std, name="k_proj")(h).reshape(b, s, k, hd)
+        v = _Linear(k * hd, c.init_std, name="v_proj")(h).reshape(b, s, k, hd)
+        cos, sin = L.rope_cos_sin(s, hd, c.rope_theta)
+        o = L.causal_attention(L.apply_rope(q, cos, sin), L.apply_rope(kk, cos, sin), v, c.attention_impl)
+        return _Linear(c.hidden_size, c.init_std, name="o_proj")(o.reshape(b, s, n * hd))
+
+
+class _MLP(nn.Module):
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, h: jax.Array) -> jax.Array:
+        c = self.config
+        gate = _Linear(c.intermediate_size, c.init_std, name="gate_proj")(h)
+        up = _Linear(c.intermediate_size, c.init_std, name="up_proj")(h)
+        return _Linear(c.hidden_size, c.init_std, name="down_proj")(jax.nn.silu(gate) * up)
+
+
+class LlamaBlock(nn.Module):
+    """One pre-norm Llama block as a Flax module: (B, S, D) -> (B, S, D) in the compute dtype.
+
+        x = x + o_proj(attn(rope(q_proj(n1(x))), rope(k_proj(n1(x))), v_proj(n1(x))))
+        x = x + down_proj(silu(gate_proj(n2(x))) * up_proj(n2(x)))
+
+    Its parameters are the block pytree of the module docstring; every weight is used in the compute
+    dtype, so float32 masters and compute-dtype copies give the same result.
+    """
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        c = self.config
+        x = x.astype(L.compute_dtype(c))
+        x = x + _Attention(c, name="self_attn")(_RMSNorm(c.norm_eps, name="input_layernorm")(x))
+        return x + _MLP(c, name="mlp")(_RMSNorm(c.norm_eps, name="post_attention_layernorm")(x))
 
 
 @dataclass(frozen=True)
@@ -66,26 +141,11 @@ class Llama:
         return {"embed_tokens": {"embedding": L.normal(key, (c.vocab_size, c.hidden_size), c.init_std)}}
 
     def init_block(self, key: jax.Array) -> dict[str, Any]:
-        """One block's float32 parameters (layout in the module docstring)."""
+        """One block's float32 parameters (layout in the module docstring), from `LlamaBlock`'s own
+        initializers; shapes are inferred without running the block."""
         c = self.config
-        d, f, hd = c.hidden_size, c.intermediate_size, c.head_dim
-        kq, kk, kv, ko, kg, ku, kd = jax.random.split(key, 7)
-        std = c.init_std
-        return {
-            "input_layernorm": {"scale": L.ones((d,))},
-            "self_attn": {
-                "q_proj": {"kernel": L.normal(kq, (d, c.num_heads * hd), std)},
-                "k_proj": {"kernel": L.normal(kk, (d, c.num_kv_heads * hd), std)},
-                "v_proj": {"kernel": L.normal(kv, (d, c.num_kv_heads * hd), std)},
-                "o_proj": {"kernel": L.normal(ko, (c.num_heads * hd, d), std)},
-            },
-            "post_attention_layernorm": {"scale": L.ones((d,))},
-            "mlp": {
-                "gate_proj": {"kernel": L.normal(kg, (d, f), std)},
-                "up_proj": {"kernel": L.normal(ku, (d, f), std)},
-                "down_proj": {"kernel": L.normal(kd, (f, d), std)},
-            },
-        }
+        x = jax.ShapeDtypeStruct((1, 1, c.hidden_size), self.dtype)
+        return unfreeze(LlamaBlock(c).lazy_init(key, x)["params"])
 
     def init_head(self, key: jax.Array) -> dict[str, Any]:
         """Head unit: final norm, plus the (D, V) output projection unless embeddings are tied."""
@@ -110,33 +170,9 @@ class Llama:
         return jnp.take(table, tokens, axis=0).astype(self.dtype)
 
     def block(self, block_params: Any, x: jax.Array) -> jax.Array:
-        """One pre-norm block, causal over positions arange(S): (B, S, D) -> (B, S, D) compute dtype.
-
-        x = x + o_proj(attn(rope(q_proj(n1(x))), rope(k_proj(n1(x))), v_proj(n1(x))))
-        x = x + down_proj(silu(gate_proj(n2(x))) * up_proj(n2(x)))
-        Params may be float32 masters or already in the compute dtype.
-        """
-        c = self.config
-        p = L.cast_tree(block_params, self.dtype)
-        x = x.astype(self.dtype)
-        b, s, _ = x.shape
-        n, k, hd = c.num_heads, c.num_kv_heads, c.head_dim
-
-        attn = p["self_attn"]
-        h = L.rms_norm(x, p["input_layernorm"]["scale"], c.norm_eps)
-        q = L.dense(h, attn["q_proj"]["kernel"]).reshape(b, s, n, hd)
-        kk = L.dense(h, attn["k_proj"]["kernel"]).reshape(b, s, k, hd)
-        v = L.dense(h, attn["v_proj"]["kernel"]).reshape(b, s, k, hd)
-        cos, sin = L.rope_cos_sin(s, hd, c.rope_theta)
-        q = L.apply_rope(q, cos, sin)
-        kk = L.apply_rope(kk, cos, sin)
-        o = L.causal_attention(q, kk, v, c.attention_impl).reshape(b, s, n * hd)
-        x = x + L.dense(o, attn["o_proj"]["kernel"])
-
-        mlp = p["mlp"]
-        h = L.rms_norm(x, p["post_attention_layernorm"]["scale"], c.norm_eps)
-        gated = jax.nn.silu(L.dense(h, mlp["gate_proj"]["kernel"])) * L.dense(h, mlp["up_proj"]["kernel"])
-        return x + L.dense(gated, mlp["down_proj"]["kernel"])
+        """One `LlamaBlock`, causal over positions arange(S): (B, S, D) -> (B, S, D) compute dtype.
+        Params may be float32 masters or already in the compute dtype."""
+        return LlamaBlock(self.config).apply({"params": block_params}, x)
 
     def head(self, head_params: Any, embed_params: Any, x: jax.Array) -> jax.Array:
         """Final RMSNorm and output projection: (B, S, D) -> logits (B, S, V) float32.
