@@ -90,6 +90,13 @@ def init_keys(key: jax.Array, num_layers: int) -> tuple[jax.Array, tuple[jax.Arr
     return k_embed, tuple(k_blocks[i] for i in range(num_layers)), k_head
 
 
+def init_params(model: Model, key: jax.Array) -> ModelParams:
+    """`Model.init` for every family: each unit from its own key of `init_keys`."""
+    k_embed, k_blocks, k_head = init_keys(key, model.config.num_layers)
+    blocks = tuple(model.init_block(k) for k in k_blocks)
+    return ModelParams(embed=model.init_embed(k_embed), blocks=blocks, head=model.init_head(k_head))
+
+
 def forward(model: Model, params: ModelParams, tokens: jax.Array) -> jax.Array:
     """Logits (B, S, V) float32 for int32 tokens (B, S), all blocks in sequence (no remat)."""
     x = model.embed(params.embed, tokens)

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from flax.core import unfreeze
 
 from jaxzero.config import ModelConfig
-from jaxzero.models import ModelParams
+from jaxzero.models import ModelParams, init_params
 from jaxzero.models import layers as L
 
 
@@ -131,9 +131,7 @@ class Llama:
 
     def init(self, key: jax.Array) -> ModelParams:
         """Fresh float32 parameters; a pure function of `key` (see `layers.split_init_keys`)."""
-        k_embed, k_blocks, k_head = L.split_init_keys(key, self.config.num_layers)
-        blocks = tuple(self.init_block(k_blocks[i]) for i in range(self.config.num_layers))
-        return ModelParams(embed=self.init_embed(k_embed), blocks=blocks, head=self.init_head(k_head))
+        return init_params(self, key)
 
     def init_embed(self, key: jax.Array) -> dict[str, Any]:
         """Embedding unit: {"embed_tokens": {"embedding": (V, D) float32}}."""
