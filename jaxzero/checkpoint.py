@@ -118,13 +118,7 @@ class Checkpointer:
 
     def read_meta(self, step: int) -> dict[str, Any]:
         """The JSON metadata of checkpoint `step` (cheap: no arrays are read)."""
-        path = self.directory / str(step) / "meta" / "metadata"
-        try:
-            return json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise CheckpointError(
-                f"checkpoint {self.directory / str(step)} has unreadable metadata: {e}"
-            ) from e
+        return read_meta(self.directory, step)
 
     def restore_latest(
         self, abstract_state: dict[str, Any], layout: str, run: TrainConfig
@@ -225,6 +219,17 @@ def make_meta(
     }
 
 
-def remove_checkpoints(run_dir: str | Path) -> None:
-    """Delete `<run_dir>/checkpoints` (used by tests and by users starting over)."""
-    shutil.rmtree(Path(run_dir) / CHECKPOINT_DIR, ignore_errors=True)
+def saved_steps(run_dir: str | Path) -> list[int]:
+    """Steps of the committed checkpoints under `<run_dir>/checkpoints`, oldest first, read from the
+    directory names without starting Orbax (a half-written save has no step-named directory)."""
+    directory = Path(run_dir) / CHECKPOINT_DIR
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) if directory.is_dir() else []
+
+
+def read_meta(directory: str | Path, step: int) -> dict[str, Any]:
+    """The JSON metadata of checkpoint `step` in the checkpoints `directory` (no arrays are read)."""
+    path = Path(directory) / str(step) / "meta" / "metadata"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"checkpoint {Path(directory) / str(step)} has unreadable metadata: {e}") from e

@@ -13,7 +13,6 @@ To fine-tune from a Hugging Face checkpoint instead: `python -m jaxzero.train --
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxzero.checkpoint import CHECKPOINT_DIR, CheckpointError
+from jaxzero.checkpoint import CHECKPOINT_DIR, CheckpointError, read_meta, saved_steps
 from jaxzero.config import ConfigError, TrainConfig, config_from_dict
 from jaxzero.models import ModelParams, build_model
 
@@ -29,13 +28,13 @@ from jaxzero.models import ModelParams, build_model
 def load_masters(run_dir: str | Path, step: int | None = None) -> tuple[TrainConfig, ModelParams, int]:
     """(config, float32 NumPy masters, step) of the newest (or given) checkpoint of `run_dir`."""
     ckpt_dir = Path(run_dir).absolute() / CHECKPOINT_DIR  # Orbax wants absolute paths
-    steps = sorted(int(p.name) for p in ckpt_dir.iterdir() if p.name.isdigit()) if ckpt_dir.is_dir() else []
+    steps = saved_steps(run_dir)
     if not steps:
         raise CheckpointError(f"{ckpt_dir} holds no checkpoint; train with checkpoint.enabled=true first.")
     step = steps[-1] if step is None else step
     if step not in steps:
         raise CheckpointError(f"{ckpt_dir} has no checkpoint for step {step}; it has steps {steps}.")
-    meta = json.loads((ckpt_dir / str(step) / "meta" / "metadata").read_text())
+    meta = read_meta(ckpt_dir, step)
     cfg = config_from_dict(meta["config"])
     shapes = jax.eval_shape(build_model(cfg.model).init, jax.random.key(0))
     item = {"params": jax.tree.map(lambda s: np.zeros((), s.dtype), shapes)}

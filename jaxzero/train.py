@@ -29,7 +29,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxzero.checkpoint import CHECKPOINT_DIR, Checkpointer, make_meta
+from jaxzero.checkpoint import Checkpointer, make_meta, saved_steps
 from jaxzero.config import ConfigError, TrainConfig, apply_overrides, config_from_dict, parse_args, validate
 from jaxzero.data import DataState, build_data
 from jaxzero.metrics import (
@@ -59,8 +59,7 @@ class Preempted(RuntimeError):
 
 
 def has_checkpoint(run_dir: Path) -> bool:
-    ckpt = run_dir / CHECKPOINT_DIR
-    return ckpt.is_dir() and any(p.name.isdigit() for p in ckpt.iterdir())
+    return bool(saved_steps(run_dir))
 
 
 def resolve_run_dir(cfg: TrainConfig) -> tuple[Path, bool]:
