@@ -107,6 +107,14 @@ class OffloadConfig:
     params: Literal["none", "cpu"] = "none"
     optimizer: Literal["none", "cpu"] = "none"
     resident_blocks: int = 0  # with params=cpu: keep the first K blocks on the accelerator, stream the rest
+    # How the host update meets the accelerator: "overlapped" (exact: each unit updates once the
+    # gradient norm is known, in the order the next forward pass needs them, which waits per unit) or
+    # "delayed" (ZeRO-Offload's DPU: the forward and backward run on weights one update old, so the
+    # host update of step t overlaps step t+1 completely).
+    update: Literal["overlapped", "delayed"] = "overlapped"
+    fused_update: bool = (
+        True  # the fused host kernels where they cover the optimizer; false: optax on XLA:CPU
+    )
 
 
 @dataclass(frozen=True)

@@ -138,7 +138,21 @@ def format_record(rec: dict[str, Any]) -> str:
         v = rec.get(key)
         if v is not None:
             parts.append(f"{label} {f.format(v)}")
-    return " | ".join(parts)
+    line = " | ".join(parts)
+    if rec.get("step_s") is not None:  # the offload engine's breakdown, per step
+        times = [
+            ("gpu_compute_s", "GPU compute"),
+            ("h2d_s", "H2D"),
+            ("d2h_s", "D2H"),
+            ("host_update_s", "host update"),
+            ("wait_weights_s", "GPU waits for host"),
+            ("gpu_idle_s", "GPU idle"),
+            ("host_idle_s", "host idle"),
+        ]
+        line += f"\n    step {rec['step_s']:.3f}s: " + " | ".join(
+            f"{label} {rec[key]:.3f}" for key, label in times if rec.get(key) is not None
+        )
+    return line
 
 
 class ProgressBar:

@@ -189,6 +189,7 @@ def train(cfg: TrainConfig, console=sys.stdout) -> Path:
             os.kill(os.getpid(), 9)  # fault injection: die while the asynchronous write is in flight
 
     pending: list[tuple[int, StepMetrics]] = []
+    t_window = time.perf_counter()  # start of the steps the next log line covers
     skipped_steps = 0  # float16: steps whose update was skipped for overflow, in this process
     for step in range(first, cfg.steps + 1):
         state, metrics = trainer.step(state, trainer.put_batch(next(batches)))
@@ -210,6 +211,13 @@ def train(cfg: TrainConfig, console=sys.stdout) -> Path:
             }
             if step == first:
                 record["compile_s"] = time.perf_counter() - t_start  # init or restore + compile + first step
+            now = time.perf_counter()
+            if trainer.timings is not None:  # offload: where the steps' time went (jaxzero.offload.timeline)
+                breakdown = trainer.timings(now - t_window, len(pending))
+                if step > first:
+                    record["step_s"] = (now - t_window) / len(pending)
+                    record.update({f"{k}_s": v for k, v in breakdown.items()})
+            t_window = now
             if last.loss_scale is not None:  # float16: overflowing steps are skipped, not failures
                 skipped_steps += sum(bool(v.skipped) for v in values)
                 record.update(loss_scale=float(last.loss_scale), skipped_steps=skipped_steps)

@@ -88,6 +88,10 @@ class Trainer:
     saved_state: Callable[[Any], dict[str, Any]]
     abstract_saved_state: Callable[[], dict[str, Any]]
     from_saved_state: Callable[[dict[str, Any]], Any]
+    # Where the time of the steps since the last call went, per step: (wall seconds, steps) ->
+    # {"gpu_compute", "h2d", "d2h", "host_update", "wait_weights", "gpu_idle", "host_idle"}.
+    # Only the offload engine measures it (`jaxzero.offload.timeline`); None elsewhere.
+    timings: Callable[[float, int], dict[str, float]] | None = None
 
 
 def abstract_placed(shapes: Any, shardings: Any) -> Any:

@@ -31,7 +31,7 @@ import time
 from functools import partial
 
 GRAD_CASES = ["resident-jit", "resident-units", "stream-p1", "stream-p2"]
-STEP_CASES = ["resident", "zero-offload", "zero3-offload"]
+STEP_CASES = ["resident", "zero-offload", "zero3-offload", "zero3-delayed", "zero3-fused"]
 HOST_CASES = ["host-phases"]
 
 
@@ -133,6 +133,8 @@ def run_step_case(case: str, args) -> dict:
         "resident": {},
         "zero-offload": {"offload.optimizer": "cpu"},
         "zero3-offload": {"offload.optimizer": "cpu", "offload.params": "cpu"},
+        "zero3-delayed": {"offload.optimizer": "cpu", "offload.params": "cpu", "offload.update": "delayed"},
+        "zero3-fused": {"offload.optimizer": "cpu", "offload.params": "cpu", "offload.fused_update": "true"},
     }[case]
     over = {
         "model.name": args.model,
@@ -152,13 +154,20 @@ def run_step_case(case: str, args) -> dict:
     jax.block_until_ready(state)
     init_s = time.perf_counter() - t0
     losses, ts = [], []
-    for _ in range(args.warmup + args.steps):
+    for k in range(args.warmup + args.steps):
+        if k == args.warmup and trainer.timings is not None:
+            trainer.timings(1.0, 1)  # drop the warm-up steps' events
+            t_timed = time.perf_counter()
         t = time.perf_counter()
         state, m = trainer.step(state, trainer.put_batch(next(batches)))
         loss = float(jax.device_get(m.loss))  # host sync: time whole steps
         ts.append(time.perf_counter() - t)
         losses.append(loss)
     step_s = float(np.median(ts[args.warmup :]))
+    breakdown = {}
+    if trainer.timings is not None:
+        jax.block_until_ready(state)  # the last host update too (a host sync)
+        breakdown = trainer.timings(time.perf_counter() - t_timed, args.steps)
     n = param_count(cfg.model)
     tokens = args.batch * args.seq
     stats = jax.devices()[0].memory_stats() or {}
@@ -175,87 +184,67 @@ def run_step_case(case: str, args) -> dict:
         "gpu_peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30,
         "host_rss_gib": host_rss_gib(),
         "losses": losses,
+        "breakdown": breakdown,
     }
     print(json.dumps(out), flush=True)
     return out
 
 
-def _updated(update, *args):
-    """Run one unit's host update and wait for it (a worker-thread task)."""
-    import jax
-
-    return jax.block_until_ready(update(*args))
-
-
 def run_host_case(case: str, args) -> dict:
-    """Where the host update's time goes, phase by phase, on real-size per-block state; and torch's
-    fused CPU AdamW on the same number of parameters for reference."""
+    """The host update alone on real-size state: every block of `--model` updated through
+    `HostOptimizer.update_unit` from 16 concurrent unit threads (as the pipeline runs it), with the
+    fused kernels (float32 and bfloat16 moments) and with optax on XLA:CPU; then torch's fused CPU
+    AdamW on the same number of parameters, in the same process, for reference."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import jax
+    import jax.numpy as jnp
     import numpy as np
 
+    from jaxzero import placement
     from jaxzero.config import TrainConfig, apply_overrides
-    from jaxzero.models.sizes import param_count
-    from jaxzero.trainer import build_trainer
+    from jaxzero.models import build_model
+    from jaxzero.offload.host_optimizer import HostOptimizer, HostUnit
 
-    over = {
-        "model.name": args.model,
-        "data.seq_len": str(args.seq),
-        "data.batch_size": str(args.batch),
-        "offload.optimizer": "cpu",
-        "offload.params": "cpu",
-        "steps": "100",
-    }
-    cfg = apply_overrides(TrainConfig(), over)
-    trainer = build_trainer(cfg)
-    host = trainer.step.__closure__  # the engine's HostOptimizer, for phase timing
-    host = next(c.cell_contents for c in host if type(c.cell_contents).__name__ == "HostOptimizer")
-    state = trainer.init(jax.random.key(0))
-    where = host.placement
-    grads = jax.device_put(jax.tree.map(lambda w: w * 0 + 1e-3, state.weights), where.pinned)
-    jax.block_until_ready(grads)
-    n = param_count(cfg.model)
-    out = {"case": case, "params": n, "device": jax.devices()[0].device_kind}
-    T = time.perf_counter
-    one = jax.device_put(np.float32(1.0), where.host)  # no loss scale
-    for rep in range(3):
-        r = {}
-        t = T()
-        from jaxzero.offload.host_optimizer import host_view
-
-        g = jax.device_put(jax.tree.map(host_view, grads), where.host)
-        jax.block_until_ready(g)
-        r["grads_to_cpu_s"] = T() - t
-        t = T()
-        norm = host.global_norm(g, one)
-        jax.block_until_ready(norm)
-        r["norm_s"] = T() - t
-        t = T()
-        futs = [
-            host._pool.submit(_updated, host._update.blocks, m, s, gg, norm, one)
-            for m, s, gg in zip(state.params.blocks, state.opt_state.blocks, g.blocks)
-        ]
-        res = [f.result() for f in futs]
-        r["block_updates_s"] = T() - t
-        state = state._replace(
-            params=state.params._replace(blocks=tuple(x[0] for x in res)),
-            opt_state=state.opt_state._replace(blocks=tuple(x[1] for x in res)),
-        )
-        ws = [x[2] for x in res]
-        t = T()
-        arrs = [f.result() for f in [host._pool.submit(jax.tree.map, host_view, w) for w in ws]]
-        r["device_get_s"] = T() - t
-        t = T()
-        back = [f.result() for f in [host._pool.submit(jax.device_put, a, where.pinned) for a in arrs]]
-        jax.block_until_ready(back)
-        r["put_pinned_s"] = T() - t
-        del back
-        t = T()
-        state, m = trainer.step(state, trainer.put_batch(np.zeros((1, args.batch, args.seq + 1), np.int32)))
-        jax.block_until_ready(m)
-        r["whole_step_s"] = T() - t
-        r["block_params_G_per_s"] = (n / 1e9) / r["block_updates_s"]
-        print(json.dumps({f"rep{rep}": r}), flush=True)
-        out[f"rep{rep}"] = r
+    cfg = apply_overrides(TrainConfig(), {"model.name": args.model, "optimizer.warmup_steps": "0"})
+    model = build_model(cfg.model)
+    mesh = placement.make_mesh(jax.devices()[:1])
+    where = placement.offload_placement(mesh, cfg.model.num_layers, "cpu", 0)
+    shape = jax.eval_shape(model.init, jax.random.key(0))
+    init_block = jax.jit(model.init_block, out_shardings=where.host)
+    L = cfg.model.num_layers
+    grads = jax.device_put(
+        jax.tree.map(lambda s: np.full(s.shape, 1e-3, jnp.bfloat16), shape.blocks[0]), where.pinned
+    )
+    per_block = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shape.blocks[0]))
+    n = L * per_block
+    out = {"case": case, "params": n, "device": jax.devices()[0].device_kind, "cpus": os.cpu_count()}
+    variants = [("fused", "float32", True), ("fused", "bfloat16", True), ("optax", "float32", False)]
+    for name, state_dtype, fused in variants:
+        ocfg = apply_overrides(cfg, {"optimizer.state_dtype": state_dtype}).optimizer
+        host = HostOptimizer(ocfg, 100, shape, jnp.bfloat16, where, 1, fused=fused)
+        units = []
+        for i in range(L):
+            m = init_block(jax.random.key(i))
+            units.append(HostUnit(m, host._init.blocks(m), None))
+        gmul = host.grad_multiplier(np.float32(0.5), np.float32(1.0))
+        pool = ThreadPoolExecutor(16)
+        ts = []
+        for _rep in range(4):
+            t = time.perf_counter()
+            futs = [
+                pool.submit(host.update_unit, "blocks", i, u, jax.tree.map(np.asarray, grads), gmul, i)
+                for i, u in enumerate(units)
+            ]
+            units = [f.result() for f in futs]
+            ts.append(time.perf_counter() - t)
+            for u in units:
+                for w in jax.tree.leaves(u.weights):
+                    w.delete()
+        key = f"{name}_{state_dtype}"
+        out[f"{key}_G_per_s"] = n / min(ts[1:]) / 1e9
+        print(json.dumps({key: ts, "G_per_s": out[f"{key}_G_per_s"]}), flush=True)
+        del units, host
     try:
         import torch
 
@@ -264,10 +253,11 @@ def run_host_case(case: str, args) -> dict:
         p.grad = torch.full((nt,), 1e-3)
         opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
         opt.step()
-        t = T()
+        t = time.perf_counter()
         for _ in range(3):
             opt.step()
-        out["torch_fused_adamw_G_per_s"] = 3 * nt / (T() - t) / 1e9
+        out["torch_fused_adamw_G_per_s"] = 3 * nt / (time.perf_counter() - t) / 1e9
+        out["torch_threads"] = torch.get_num_threads()
     except Exception as e:  # noqa: BLE001
         out["torch_err"] = repr(e)[:200]
     print(json.dumps(out), flush=True)
@@ -328,7 +318,7 @@ def main() -> None:
 
 
 def print_table(results: list[dict], args) -> None:
-    if not results or "step_s" not in results[0] and not any(k.startswith("T") for k in results[0]):
+    if not results:
         return
     print(f"\nmodel {args.model}, {results[0]['params'] / 1e9:.2f}B params, device {results[0]['device']}")
     if "step_s" in results[0]:
@@ -343,6 +333,19 @@ def print_table(results: list[dict], args) -> None:
                 f"{r['case']:16} {r['step_s']:7.3f} {r['tokens_per_s']:8.0f} {r['tflops_8N']:11.1f} "
                 f"{r['model_tflops']:10.1f} {r['gpu_peak_gib']:8.1f} {r['host_rss_gib']:8.1f} {ratio:>11}"
             )
+        for r in results:
+            if r.get("breakdown"):
+                print(
+                    f"{r['case']:16} per step: "
+                    + " | ".join(f"{k} {v:.3f}" for k, v in r["breakdown"].items())
+                )
+        return
+    if "torch_fused_adamw_G_per_s" in results[0]:
+        r = results[0]
+        print(f"host update of {r['params'] / 1e9:.2f}B block params, {r['cpus']} CPUs, G params/s:")
+        for k, v in r.items():
+            if k.endswith("_G_per_s"):
+                print(f"  {k[:-8]:28} {v:6.2f}")
         return
     for key in sorted({k for r in results for k in r if k.startswith("T")}, key=lambda k: -int(k[1:])):
         base = next(

@@ -41,7 +41,14 @@ def test_trains_and_writes_run_dir(first_run):
     assert (
         cfg["steps"] == 30
         and cfg["run_dir"] == "a"
-        and cfg["offload"] == {"params": "none", "optimizer": "none", "resident_blocks": 0}
+        and cfg["offload"]
+        == {
+            "params": "none",
+            "optimizer": "none",
+            "resident_blocks": 0,
+            "update": "overlapped",
+            "fused_update": True,
+        }
     )
     recs = records(run_dir)
     assert [r["step"] for r in recs] == [1, 5, 10, 15, 20, 25, 30]

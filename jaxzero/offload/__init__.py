@@ -1,10 +1,13 @@
-"""The offload engine: host-resident masters and optimizer state, streamed weights, Optax on the host.
+"""The offload engine: host-resident masters and optimizer state, streamed weights, the update on the host.
 
 `build_offload_trainer` returns a `Trainer` with the same contract as the resident one; the state it
 carries is an `OffloadState`. A step is
 
-    loss, grads = streamed.grads(weights, batch)     # accelerator; gradients land in pinned_host
-    masters, opt_state, weights = host.update(...)   # host CPU; new compute weights written back
+    loss, grads, norm = streamed.grads(weights, batch)   # accelerator; gradients land in pinned_host
+    units = pipeline.submit(units, grads, norm)          # host; one background update per unit
+
+and returns as soon as the accelerator work is issued. The next step's forward pass waits for each
+unit's update only when it reaches that unit (`jaxzero.offload.pipeline`).
 
 Where each array lives is decided by `jaxzero.placement.OffloadPlacement`.
 """
@@ -12,9 +15,10 @@ Where each array lives is decided by `jaxzero.placement.OffloadPlacement`.
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
@@ -23,33 +27,13 @@ from jaxzero.config import TrainConfig
 from jaxzero.loss_scale import init_loss_scale, update_loss_scale
 from jaxzero.models import ModelParams, build_model, init_keys
 from jaxzero.models.layers import compute_dtype
-from jaxzero.offload.host_optimizer import HostOptimizer, host_view
+from jaxzero.offload.host_optimizer import HostOptimizer, HostUnit
+from jaxzero.offload.pipeline import OffloadState, UpdatePipeline, weights_of
 from jaxzero.offload.streaming import StreamedModel
+from jaxzero.offload.timeline import StepClock
 from jaxzero.optim import build_optimizer
 
-
-class OffloadState(NamedTuple):
-    """Training state of the offload engine (a pytree).
-
-    step:      int32 scalar on the host device: optimizer updates applied.
-    params:    float32 masters, host RAM (CPU backend).
-    opt_state: one optax state per unit in `ModelParams` layout (embed, blocks, head), host RAM.
-    weights:   compute-dtype weights: embed/head and resident blocks in accelerator memory, streamed
-               blocks in the accelerator's pinned_host memory.
-    loss_scale: float16 training's `LossScaleState` on the host device; None otherwise.
-    """
-
-    step: jax.Array
-    params: ModelParams
-    opt_state: ModelParams
-    weights: ModelParams
-    loss_scale: Any = None
-
-
-def _delete(tree: Any) -> None:
-    """Release buffers now rather than when Python drops the last reference (their memory is reused)."""
-    for x in jax.tree.leaves(tree):
-        x.delete()
+__all__ = ["OffloadState", "build_offload_trainer"]
 
 
 def build_offload_trainer(cfg: TrainConfig, mesh: Mesh, *, prefetch: int = 1):
@@ -62,9 +46,26 @@ def build_offload_trainer(cfg: TrainConfig, mesh: Mesh, *, prefetch: int = 1):
     )
     masters_shape = jax.eval_shape(model.init, jax.random.key(0))
     host = HostOptimizer(
-        cfg.optimizer, cfg.steps, masters_shape, compute_dtype(cfg.model), where, cfg.data.grad_accum
+        cfg.optimizer,
+        cfg.steps,
+        masters_shape,
+        compute_dtype(cfg.model),
+        where,
+        cfg.data.grad_accum,
+        fused=cfg.offload.fused_update,
     )
     streamed = StreamedModel(model, where, cfg.data.grad_accum, prefetch=prefetch)
+    fp16 = cfg.model.compute_dtype == "float16"
+    delayed = cfg.offload.update == "delayed"
+    clock = StepClock()
+    pipeline = UpdatePipeline(
+        host,
+        cfg.model.num_layers,
+        needs_norm=cfg.optimizer.grad_clip > 0 or fp16,
+        skip_nonfinite=fp16,
+        delayed=delayed,
+        clock=clock,
+    )
     # Masters are created unit by unit on the host: one compiled block init serves every block, and
     # the transient memory is one unit, not a second copy of the model.
     keys = jax.jit(partial(init_keys, num_layers=cfg.model.num_layers), out_shardings=where.host)
@@ -72,17 +73,23 @@ def build_offload_trainer(cfg: TrainConfig, mesh: Mesh, *, prefetch: int = 1):
         *(jax.jit(f, out_shardings=where.host) for f in (model.init_embed, model.init_block, model.init_head))
     )
     increment = jax.jit(lambda step: step + 1)
-    fp16 = cfg.model.compute_dtype == "float16"
-    one_host = jax.device_put(np.float32(1.0), where.host)
-    one_device = jax.device_put(np.float32(1.0), where.device)
-    new_loss_scale = jax.jit(partial(init_loss_scale, cfg.fp16), out_shardings=where.host)
-    next_loss_scale = jax.jit(partial(update_loss_scale, cfg=cfg.fp16), out_shardings=where.host)
-    overflowed = {flag: jax.device_put(np.bool_(flag), where.host) for flag in (False, True)}
+    one = jax.device_put(np.float32(1.0), where.device)
+    new_loss_scale = jax.jit(partial(init_loss_scale, cfg.fp16), out_shardings=where.device)
+    # float16: whether the step overflowed is known on the accelerator (the norm is computed there),
+    # so the step count and loss scale advance there too, with no host sync.
+    advance_fp16 = jax.jit(
+        lambda step, ls, norm: (
+            step + jnp.isfinite(norm).astype(step.dtype),
+            update_loss_scale(ls, ~jnp.isfinite(norm), cfg.fp16),
+            ~jnp.isfinite(norm),
+        )
+    )
 
     def fresh(masters: ModelParams) -> OffloadState:
-        step = jax.device_put(np.zeros((), np.int32), where.host)
+        on = where.device if fp16 else where.host
+        step = jax.device_put(np.zeros((), np.int32), on)
         scale = new_loss_scale() if fp16 else None
-        return OffloadState(step, masters, host.init(masters), host.compute_weights(masters), scale)
+        return OffloadState.of(step, masters, host.init(masters), host.compute_weights(masters), scale)
 
     def init(key: jax.Array) -> OffloadState:
         # Created on the host directly: the key moves to the CPU backend, never the state to the GPU.
@@ -96,39 +103,31 @@ def build_offload_trainer(cfg: TrainConfig, mesh: Mesh, *, prefetch: int = 1):
         return fresh(jax.device_put(params, where.host))  # NumPy masters -> host device (CPU backend)
 
     def step(state: OffloadState, batch: jax.Array) -> tuple[OffloadState, StepMetrics]:
-        loss, grads = streamed.grads(state.weights, batch, one_device)
-        grads, norm = host.prepare(grads, one_host)
-        _delete(state.weights)  # the new weights take their place (deletion waits for pending reads)
-        masters, opt_state, weights, lr = host.apply(
-            state.step, state.params, state.opt_state, grads, norm, one_host
-        )
-        del grads
-        return OffloadState(increment(state.step), masters, opt_state, weights), StepMetrics(loss, norm, lr)
-
-    def step_fp16(state: OffloadState, batch: jax.Array) -> tuple[OffloadState, StepMetrics]:
-        """float16: the backward pass carries the loss scale; an overflowing step changes nothing but
-        the loss scale (DeepSpeed's rules, `jaxzero.loss_scale`)."""
         ls = state.loss_scale
-        loss, grads = streamed.grads(state.weights, batch, jax.device_put(ls.scale, where.device))
-        grads, norm = host.prepare(grads, ls.scale)
-        # Host sync: the update must not start before we know it is wanted. A non-finite norm means an
-        # inf or NaN in some gradient (an astronomically large finite one would also count).
-        ok = bool(np.isfinite(host_view(norm)))
-        scale = next_loss_scale(ls, overflowed[not ok])
-        if not ok:
-            metrics = StepMetrics(loss, norm, host.lr(state.step), ls.scale, overflowed[True])
-            return state._replace(loss_scale=scale), metrics
-        _delete(state.weights)
-        masters, opt_state, weights, lr = host.apply(
-            state.step, state.params, state.opt_state, grads, norm, ls.scale
-        )
-        del grads
-        new = OffloadState(increment(state.step), masters, opt_state, weights, scale)
-        return new, StepMetrics(loss, norm, lr, ls.scale, overflowed[False])
+        seed = ls.scale if fp16 else one
+        loss, grads, norm = streamed.grads(state.in_use, batch, seed, clock)
+        units = pipeline.submit(state.units, state.in_use, grads, norm, seed)
+        lr = host.lr(state.step)
+        if fp16:
+            next_step, next_ls, skipped = advance_fp16(state.step, ls, norm)
+            metrics = StepMetrics(loss, norm, lr, ls.scale, skipped)
+        else:
+            next_step, next_ls, metrics = increment(state.step), None, StepMetrics(loss, norm, lr)
+        # Overlapped, the next pass reads the new weights (waiting per unit); delayed, the previous ones.
+        in_use = state.units if delayed else units
+        return OffloadState(next_step, units, jax.tree.map(weights_of, in_use), next_ls), metrics
 
     def saved_state(state: OffloadState) -> dict[str, Any]:
-        saved = {"step": state.step, "params": state.params, "opt_state": state.opt_state}
-        return saved if state.loss_scale is None else {**saved, "loss_scale": state.loss_scale}
+        """Waits for the pending host updates (a host sync). Everything saved lives on the host."""
+        units = state.resolved()
+        saved = {
+            "step": jax.device_put(state.step, where.host),
+            "params": jax.tree.map(lambda u: u.params, units, is_leaf=_is_unit),
+            "opt_state": jax.tree.map(lambda u: u.opt_state, units, is_leaf=_is_unit),
+        }
+        if state.loss_scale is not None:
+            saved["loss_scale"] = jax.device_put(state.loss_scale, where.host)
+        return saved
 
     def abstract_saved_state() -> dict[str, Any]:
         masters = jax.eval_shape(model.init, jax.random.key(0))
@@ -144,10 +143,18 @@ def build_offload_trainer(cfg: TrainConfig, mesh: Mesh, *, prefetch: int = 1):
     def from_saved_state(saved: dict[str, Any]) -> OffloadState:
         params = saved["params"]
         weights = host.compute_weights(params)
-        return OffloadState(saved["step"], params, saved["opt_state"], weights, saved.get("loss_scale"))
+        step, scale = saved["step"], saved.get("loss_scale")
+        if fp16:  # the step count and loss scale advance on the accelerator
+            step, scale = jax.device_put((step, scale), where.device)
+        return OffloadState.of(step, params, saved["opt_state"], weights, scale)
 
     def eval_loss(state: OffloadState, window: jax.Array) -> jax.Array:
-        return streamed.loss(state.weights, window[None])
+        # The newest weights, each waited for when the pass reaches it.
+        return streamed.loss(jax.tree.map(weights_of, state.units), window[None])
+
+    def timings(wall: float, steps: int) -> dict[str, float]:
+        """Per-step breakdown (seconds) of what finished since the last call (`timeline`)."""
+        return {k: v / max(steps, 1) for k, v in clock.summary(wall).items()}
 
     def put_batch(batch):  # whole batch on the one accelerator
         return jax.device_put(batch, where.device)
@@ -161,12 +168,13 @@ def build_offload_trainer(cfg: TrainConfig, mesh: Mesh, *, prefetch: int = 1):
         optimizer=build_optimizer(cfg.optimizer, cfg.steps),
         init=init,
         init_from_params=init_from_params,
-        step=step_fp16 if fp16 else step,
+        step=step,
         eval_loss=eval_loss,
         put_batch=put_batch,
         put_eval_batch=put_batch,
         strategy=(
-            f"{mode}: fp32 masters and {cfg.optimizer.name} state in host RAM (optax on the CPU); "
+            f"{mode}: fp32 masters and {cfg.optimizer.name} state in host RAM, updated on the CPU "
+            f"({'fused kernels' if host.fused else 'optax on XLA:CPU'}, {cfg.offload.update}); "
             f"{streamed_n}/{cfg.model.num_layers} blocks streamed from pinned host memory, "
             f"the rest of the {cfg.model.compute_dtype} weights on {where.accelerator}"
         ),
@@ -174,4 +182,9 @@ def build_offload_trainer(cfg: TrainConfig, mesh: Mesh, *, prefetch: int = 1):
         saved_state=saved_state,
         abstract_saved_state=abstract_saved_state,
         from_saved_state=from_saved_state,
+        timings=timings,
     )
+
+
+def _is_unit(x: Any) -> bool:
+    return isinstance(x, HostUnit)

@@ -1,25 +1,34 @@
-"""Optax on the host: the fp32 masters and optimizer state never leave host RAM.
+"""The optimizer on the host: the fp32 masters and optimizer state never leave host RAM.
 
-The update runs one unit at a time (embedding, each block, head) as XLA:CPU programs on the CPU
-backend, so one compiled block update serves every block and the compute-dtype copy of each unit can
-start its way back to the accelerator while the next unit updates. Global-norm clipping needs the norm
-of the whole gradient first, so the update is two passes:
+The update runs one unit at a time (embedding, each block, head), so a unit's new compute-dtype
+weights can start their way back to the accelerator while the next unit updates, and so units can be
+updated in the order the next forward pass needs them (`jaxzero.offload.pipeline`). For one unit:
 
-    1. norm:   the squared norm of each unit's (averaged) gradient, summed -> the exact global norm
-    2. update: per unit, clip with that norm (optax's rule), apply the optax transformation, cast the
-               new masters to the compute dtype and write them back to where the weights live.
+    gradients:  read in place from `pinned_host` (a NumPy view, no copy)
+    scale:      1 / (grad_accum * loss scale), times optax's clipping factor for the global norm
+    update:     the optax transformation itself, jitted on XLA:CPU with the state donated, one unit
+                per call and many units at once; or, with `offload.fused_update=true`, the fused
+                single-pass kernels of `host_kernels` (AdamW, Adam, Lion, SGD; float32 or bfloat16
+                moments), in place, in chunks on all cores. On the 16-core GPU host the fused kernels
+                are not yet faster than XLA:CPU (BENCHMARKS.md), so optax is the default.
+    way back:   the new compute-dtype weights `device_put` to where the weights live
 
-Optimizer state is one optax state per unit, kept in `ModelParams` layout (embed, blocks, head).
+Optimizer state is one optax state per unit, kept in `ModelParams` layout (embed, blocks, head); the
+fused kernels keep that state bit-compatible with optax's, so checkpoints do not care which ran.
 
-The way back to accelerator-visible memory avoids the CPU backend's slow cross-client path: the
-compute-dtype result is read as a NumPy view (no copy) and `device_put` from a pool of threads, the
-fast path measured in `shared/design/measurements.md`.
+The way back avoids the CPU backend's slow cross-client path: the compute-dtype result is a NumPy
+array `device_put` from the unit's own thread, the fast path measured in `shared/design/measurements.md`.
 """
 
 from __future__ import annotations
 
+import itertools
+import os
+import queue
+import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,17 +37,79 @@ import optax
 
 from jaxzero.config import OptimizerConfig
 from jaxzero.models import ModelParams
-from jaxzero.optim import build_optimizer, clip_by_norm, learning_rate_schedule, weight_decay_mask
+from jaxzero.optim import build_optimizer, learning_rate_schedule, weight_decay_mask
 from jaxzero.placement import OffloadPlacement
 
 
+class HostUnit(NamedTuple):
+    """One unit (embedding, a block or the head) of the offload engine's state.
+
+    params:    float32 masters, CPU backend.
+    opt_state: the unit's optax state, CPU backend.
+    weights:   compute-dtype weights, accelerator memory or its `pinned_host` memory.
+    """
+
+    params: Any
+    opt_state: Any
+    weights: Any
+
+
+class PriorityPool:
+    """Threads that run submitted functions lowest priority first (ties: first come, first served).
+
+    The host update's work items are prioritised by the position of their unit in the next forward
+    pass, so whatever the order gradients arrive in, the embedding and block 0 finish first."""
+
+    def __init__(self, threads: int, name: str):
+        self._queue: queue.PriorityQueue = queue.PriorityQueue()
+        self._seq = itertools.count()
+        for k in range(threads):
+            threading.Thread(target=self._work, name=f"{name}-{k}", daemon=True).start()
+
+    def submit(self, priority: int, fn: Callable[..., Any], *args: Any) -> Future:
+        fut: Future = Future()
+        self._queue.put((priority, next(self._seq), fn, args, fut))
+        return fut
+
+    def _work(self) -> None:
+        while True:
+            _, _, fn, args, fut = self._queue.get()
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # handed to whoever waits on the future
+                fut.set_exception(e)
+
+
+class _Buffers:
+    """Reusable NumPy buffers for the compute-dtype results, so that each step does not fault in
+    fresh pages (large allocations are fresh `mmap`s)."""
+
+    def __init__(self):
+        self._free: dict[tuple[int, np.dtype], list[np.ndarray]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, n: int, dtype: np.dtype) -> np.ndarray:
+        with self._lock:
+            free = self._free.get((n, np.dtype(dtype)))
+            if free:
+                return free.pop()
+        return np.empty(n, dtype)
+
+    def give(self, arrays: list[np.ndarray]) -> None:
+        with self._lock:
+            for a in arrays:
+                self._free.setdefault((a.size, a.dtype), []).append(a)
+
+
 class HostOptimizer:
-    """The configured optax transformation applied on the host, unit by unit.
+    """The configured optimizer applied on the host, one unit at a time.
 
     masters:   float32 `ModelParams` on `placement.host_device`.
     opt_state: `ModelParams`-shaped tuple of per-unit optax states, on the host device.
-    grads:     `ModelParams` of gradient *sums* over `grad_accum` micro-batches, anywhere host-readable
-               (compute dtype or float32); they are upcast and divided by `grad_accum` here.
+    grads:     per unit, gradient *sums* over `grad_accum` micro-batches of `scale * loss`, in
+               `pinned_host` (compute dtype or float32); the update divides by both.
     """
 
     def __init__(
@@ -49,7 +120,9 @@ class HostOptimizer:
         compute_dtype: jnp.dtype,
         placement: OffloadPlacement,
         grad_accum: int,
-        threads: int = 16,
+        *,
+        fused: bool = True,
+        threads: int | None = None,
     ):
         self.placement = placement
         self.compute_dtype = jnp.dtype(compute_dtype)
@@ -57,25 +130,32 @@ class HostOptimizer:
         self.max_norm = cfg.grad_clip
         self.schedule = learning_rate_schedule(cfg, total_steps)
         mask = weight_decay_mask(masters_shape, cfg.decay_norms_biases_embeddings)
+        self._decay = ModelParams(
+            embed=jax.tree.map(lambda m: cfg.weight_decay if m else 0.0, mask.embed),
+            blocks=jax.tree.map(lambda m: cfg.weight_decay if m else 0.0, mask.blocks[0]),
+            head=jax.tree.map(lambda m: cfg.weight_decay if m else 0.0, mask.head),
+        )
         self.tx = ModelParams(
             embed=build_optimizer(cfg, total_steps, clip=False, mask=mask.embed),
             blocks=build_optimizer(cfg, total_steps, clip=False, mask=mask.blocks[0]),  # blocks share one
             head=build_optimizer(cfg, total_steps, clip=False, mask=mask.head),
         )
-        self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="jaxzero-writeback")
+        # Gradients of one micro-batch leave in the compute dtype, sums of several in float32.
+        grad_dtype = self.compute_dtype if grad_accum == 1 else jnp.float32
+        self.rule = None
+        if fused:  # numba is an optional dependency (`pip install jaxzero[fused]`): import it on demand
+            from jaxzero.offload import host_kernels as hk
+
+            self.rule = hk.FusedRule.of(cfg, self.compute_dtype, [grad_dtype, jnp.float32])
+        self.threads = threads or os.cpu_count() or 1
+        self.pool = PriorityPool(self.threads, "jaxzero-host-update")
+        self._io = ThreadPoolExecutor(self.threads, thread_name_prefix="jaxzero-writeback")
+        self._buffers = _Buffers()
         host = placement.host
 
-        def mean_grad(g, scale):  # sums of `scale * loss` gradients -> the mean gradient of the loss
-            return jax.tree.map(lambda x: x.astype(jnp.float32) / grad_accum / scale, g)
-
-        def sq_norm(g, scale):  # float32 scalar: squared L2 norm of one unit's averaged gradient
-            return sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(mean_grad(g, scale)))
-
         def make_update(tx: optax.GradientTransformation):
-            def update(masters, opt_state, grads, norm, scale):
-                g = mean_grad(grads, scale)
-                if self.max_norm > 0:
-                    g = clip_by_norm(g, norm, self.max_norm)
+            def update(masters, opt_state, grads, gmul):
+                g = jax.tree.map(lambda x: x.astype(jnp.float32) * gmul, grads)
                 updates, opt_state = tx.update(g, opt_state, masters)
                 masters = optax.apply_updates(masters, updates)
                 weights = jax.tree.map(lambda p: p.astype(self.compute_dtype), masters)
@@ -84,9 +164,6 @@ class HostOptimizer:
             # Masters and state are updated in place (donated); everything runs on the host device.
             return jax.jit(update, donate_argnums=(0, 1), out_shardings=host)
 
-        self._sq_norm = jax.jit(sq_norm, out_shardings=host)
-        self._sqrt_sum = jax.jit(lambda parts: jnp.sqrt(sum(parts[1:], parts[0])), out_shardings=host)
-        self._lr = jax.jit(lambda step: jnp.asarray(self.schedule(step), jnp.float32), out_shardings=host)
         self._update = ModelParams(
             embed=make_update(self.tx.embed),
             blocks=make_update(self.tx.blocks),
@@ -100,6 +177,12 @@ class HostOptimizer:
         self._cast = jax.jit(
             lambda p: jax.tree.map(lambda x: x.astype(self.compute_dtype), p), out_shardings=host
         )
+        self._lr = jax.jit(lambda step: jnp.asarray(self.schedule(step), jnp.float32))
+
+    @property
+    def fused(self) -> bool:
+        """Whether updates run as the fused host kernels (else as optax on XLA:CPU)."""
+        return self.rule is not None
 
     # -- state ---------------------------------------------------------------------------------------
 
@@ -114,95 +197,123 @@ class HostOptimizer:
     def compute_weights(self, masters: ModelParams) -> ModelParams:
         """The compute-dtype weights of `masters`, placed per `placement` (used at init and restore)."""
         futures = ModelParams(
-            embed=self._write_back(self._cast(masters.embed), self.placement.device),
+            embed=self._io.submit(place, self._cast(masters.embed), self.placement.device),
             blocks=tuple(
-                self._write_back(self._cast(b), self._block_target(i)) for i, b in enumerate(masters.blocks)
+                self._io.submit(place, self._cast(b), self.target(i)) for i, b in enumerate(masters.blocks)
             ),
-            head=self._write_back(self._cast(masters.head), self.placement.device),
+            head=self._io.submit(place, self._cast(masters.head), self.placement.device),
         )
-        return _resolve(futures)
+        return jax.tree.map(lambda f: f.result(), futures, is_leaf=lambda x: isinstance(x, Future))
+
+    def target(self, block: int | None):
+        """Where a unit's compute weights live: `pinned_host` for streamed blocks, else the device.
+        `block` is the block index, None for the embedding and the head."""
+        if block is not None and self.placement.is_streamed(block):
+            return self.placement.pinned
+        return self.placement.device
 
     # -- the update ----------------------------------------------------------------------------------
 
-    def global_norm(self, grads_host: ModelParams, scale: jax.Array) -> jax.Array:
-        """Exact L2 norm of the averaged gradient over all units; float32 scalar on the host."""
-        parts = [self._sq_norm(grads_host.embed, scale), self._sq_norm(grads_host.head, scale)]
-        parts += [self._sq_norm(g, scale) for g in grads_host.blocks]
-        return self._sqrt_sum(parts)
+    def grad_multiplier(self, norm: np.float32 | None, scale: np.float32) -> np.float32:
+        """The factor taking gradient sums to the clipped mean gradient: 1 / (grad_accum * scale),
+        then optax's `clip_by_global_norm` rule (x / norm * max_norm when norm >= max_norm)."""
+        f32 = np.float32
+        gmul = f32(1.0) / f32(self.grad_accum) / f32(scale)
+        if self.max_norm > 0 and not (f32(norm) < f32(self.max_norm)):
+            gmul = gmul / f32(norm) * f32(self.max_norm)
+        return f32(gmul)
 
-    def prepare(self, grads: ModelParams, scale: jax.Array) -> tuple[ModelParams, jax.Array]:
-        """Gradient sums in `pinned_host` -> (the same on the host device, the global norm of the mean
-        gradient). `scale` (float32 scalar on the host device) is the loss scale the sums carry.
+    def update_unit(
+        self, kind: str, block: int | None, unit: HostUnit, grads: Any, gmul: np.float32, priority: int
+    ) -> HostUnit:
+        """One optimizer step of one unit. Blocking; call it from a worker thread.
 
-        For arrays in the accelerator's `pinned_host` memory the move is an alias, not a copy: a
-        NumPy view handed to the CPU backend. (A direct device_put between the GPU and CPU clients
-        stages through a slow path: ~1 GB/s, measured on the H100/H200 box.)
+        kind:   "embed", "blocks" or "head"; `block` is the block index (None for embed and head).
+        unit:   its masters and optax state (consumed: updated in place) and old weights (the caller
+                has released them).
+        grads:  the unit's gradient sums as host-readable arrays (NumPy views of `pinned_host`).
+        gmul:   `grad_multiplier`'s factor.
+        Returns the updated unit with its new weights placed per `placement`.
         """
-        grads = jax.device_put(jax.tree.map(host_view, grads), self.placement.host)
-        return grads, self.global_norm(grads, scale)
+        if self.rule is None:
+            return self._optax_update(kind, block, unit, grads, gmul, priority)
+        return self._fused_update(kind, block, unit, grads, gmul, priority)
 
-    def apply(
-        self,
-        step: jax.Array,
-        masters: ModelParams,
-        opt_state: ModelParams,
-        grads: ModelParams,
-        norm: jax.Array,
-        scale: jax.Array,
-    ) -> tuple[ModelParams, ModelParams, ModelParams, jax.Array]:
-        """One optimizer step from `prepare`d gradients. Returns (masters, opt_state, weights, lr).
+    def _optax_update(self, kind, block, unit: HostUnit, grads, gmul, priority) -> HostUnit:
+        update = getattr(self._update, kind)
+        g = jax.device_put(grads, self.placement.host)  # NumPy views -> CPU backend
+        gm = jax.device_put(np.float32(gmul), self.placement.host)
+        # Ordered with the other units' work; the XLA:CPU call itself uses XLA's own threads.
+        run = lambda: jax.block_until_ready(update(unit.params, unit.opt_state, g, gm))  # noqa: E731
+        params, opt_state, weights = self.pool.submit(priority, run).result()  # host sync
+        return HostUnit(params, opt_state, place(weights, self.target(block)))
 
-        `masters` and `opt_state` are donated. `weights` are the new compute-dtype weights already
-        placed per `placement`; the caller must have released the old ones (their memory is reused).
+    def _fused_update(self, kind, block, unit: HostUnit, grads, gmul, priority) -> HostUnit:
+        from jaxzero.offload import host_kernels as hk
 
-        Units are updated concurrently from the worker pool: one XLA:CPU call uses only part of the
-        host's cores and memory bandwidth, several at once use most of it.
-        """
-        units = [(self._update.embed, masters.embed, opt_state.embed, grads.embed, self.placement.device)]
-        units += [
-            (self._update.blocks, m, s, g, self._block_target(i))
-            for i, (m, s, g) in enumerate(zip(masters.blocks, opt_state.blocks, grads.blocks))
+        rule = self.rule
+        p_leaves, treedef = jax.tree.flatten(unit.params)
+        g_leaves = treedef.flatten_up_to(grads)
+        m_leaves = [
+            treedef.flatten_up_to(optax.tree_utils.tree_get(unit.opt_state, n)) for n in rule.moments()
         ]
-        units += [(self._update.head, masters.head, opt_state.head, grads.head, self.placement.device)]
-        del masters, opt_state, grads
-
-        def run(update, m, s, g, target):
-            m, s, w = update(m, s, g, norm, scale)
-            return m, s, place(w, target)  # host sync (worker thread): waits for this unit's update
-
-        results = [f.result() for f in [self._pool.submit(run, *u) for u in units]]  # host sync
-        masters_out, states_out, weights_out = (list(col) for col in zip(*results))
-        as_params = lambda xs: ModelParams(xs[0], tuple(xs[1:-1]), xs[-1])  # noqa: E731
-        return as_params(masters_out), as_params(states_out), as_params(weights_out), self.lr(step)
+        decay = treedef.flatten_up_to(getattr(self._decay, kind))
+        count = _count(unit.opt_state)  # host sync (a scalar already on the host)
+        kernel = rule.kernel(count, float(self._lr(np.int32(count))), gmul)
+        w_dtype = hk._bits(np.dtype(self.compute_dtype))
+        outs = [self._buffers.take(p.size, w_dtype) for p in p_leaves]
+        work = []
+        for k, p in enumerate(p_leaves):
+            views = [hk.writable_view(p)] + [hk.writable_view(m[k]) for m in m_leaves]
+            views += [hk.readable_view(g_leaves[k]), outs[k]]
+            for s in hk.chunks(p.size):
+                work.append(self.pool.submit(priority, kernel, *[v[s] for v in views], decay[k]))
+        for f in work:
+            f.result()  # host sync: this unit's update is done
+        opt_state = jax.tree.map(_increment, unit.opt_state)
+        w_np = [o.view(self.compute_dtype).reshape(p.shape) for o, p in zip(outs, p_leaves)]
+        weights = place(jax.tree.unflatten(treedef, w_np), self.target(block))
+        # `place` copied and has finished reading them; reuse them unless a backend adopted one.
+        if all(w.unsafe_buffer_pointer() != o.ctypes.data for w, o in zip(jax.tree.leaves(weights), outs)):
+            self._buffers.give(outs)
+        return HostUnit(unit.params, opt_state, weights)
 
     def lr(self, step: jax.Array) -> jax.Array:
-        """The learning rate of update number `step` (int32 on the host device)."""
+        """The learning rate of update number `step` (int32 scalar, on the device it lives on)."""
         return self._lr(step)
 
-    # -- the way back --------------------------------------------------------------------------------
 
-    def _block_target(self, i: int):
-        return self.placement.pinned if self.placement.is_streamed(i) else self.placement.device
+def _count(opt_state: Any) -> int:
+    """Updates applied so far: optax's int32 step count (every count in these states agrees)."""
+    for x in jax.tree.leaves(opt_state):
+        if x.ndim == 0 and x.dtype == np.int32:
+            return int(host_view(x))
+    raise ValueError("this optimizer state holds no step count")
 
-    def _write_back(self, unit_host: Any, target) -> Future:
-        """`place` a host-device pytree at `target` from a worker thread."""
-        return self._pool.submit(place, unit_host, target)
+
+def _increment(x: jax.Array) -> jax.Array:
+    """optax's counts advance by one per update (saturating, as `optax.safe_increment`)."""
+    if x.ndim == 0 and x.dtype == np.int32:
+        c = int(host_view(x))
+        return jax.device_put(np.int32(min(c + 1, np.iinfo(np.int32).max)), x.sharding)
+    return x
 
 
 def place(unit_host: Any, target) -> Any:
-    """Copy a pytree of host-device (CPU backend) arrays to `target`: a NumPy view (no copy), then one
-    `device_put` per leaf, never the CPU client's slow cross-client path. Waits for the arrays (a host
-    sync)."""
-    return jax.device_put(jax.tree.map(host_view, unit_host), target)
+    """Copy a pytree of host arrays (CPU backend or NumPy) to `target`: a NumPy view (no copy), then
+    one `device_put` per leaf, never the CPU client's slow cross-client path. Waits until the copies
+    are done (a host sync). The result never shares memory with the source, so the source may be
+    reused or updated in place."""
+    views = jax.tree.map(host_view, unit_host)
+    if next(iter(target.device_set)).platform == "cpu":
+        # The CPU backend may adopt a suitably aligned NumPy buffer instead of copying it; the result
+        # must own its memory (the source is a master updated in place, or a reused buffer).
+        views = jax.tree.map(lambda v: np.array(v, copy=True), views)
+    return jax.block_until_ready(jax.device_put(views, target))
 
 
-def host_view(x: jax.Array) -> np.ndarray:
+def host_view(x: jax.Array | np.ndarray) -> np.ndarray:
     """A read-only NumPy view of an array that lives in host memory (`pinned_host` or the CPU
     backend): no copy. Waits for the array to be ready (a host sync)."""
     with jax.transfer_guard_device_to_host("allow"):  # reading host memory in place is not a transfer
         return np.asarray(x)
-
-
-def _resolve(futures: ModelParams) -> ModelParams:
-    """Wait for every write-back. Host sync."""
-    return jax.tree.map(lambda f: f.result(), futures, is_leaf=lambda x: isinstance(x, Future))

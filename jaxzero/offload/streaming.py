@@ -26,7 +26,8 @@ loses nothing. With several micro-batches the float32 sum leaves, as the residen
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import jax
@@ -34,11 +35,17 @@ import jax.numpy as jnp
 
 from jaxzero.models import Model, ModelParams
 from jaxzero.objective import cross_entropy
+from jaxzero.offload.timeline import StepClock
 from jaxzero.placement import OffloadPlacement
 
 
 def _f32(tree: Any) -> Any:
     return jax.tree.map(lambda x: x.astype(jnp.float32), tree)
+
+
+def _sq_norm(tree: Any) -> jax.Array:
+    """Sum of squares of all leaves, in float32 (one unit's share of the global norm)."""
+    return sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree))
 
 
 def _accumulate(fn, xs: Sequence[jax.Array], init: Any):
@@ -52,15 +59,28 @@ def _accumulate(fn, xs: Sequence[jax.Array], init: Any):
     return jax.lax.scan(body, init, xs)
 
 
+def resolve(unit: Any) -> Any:
+    """A unit's weights: the value itself, or the result of a `Future` of it (a host sync: waits for
+    the host update that produces them)."""
+    return unit.result() if isinstance(unit, Future) else unit
+
+
 def stream_blocks(
-    blocks: Sequence[Any], order: Sequence[int], placement: OffloadPlacement, depth: int
+    blocks: Sequence[Any],
+    order: Sequence[int],
+    placement: OffloadPlacement,
+    depth: int,
+    on_copy: Callable[[Any], Any] | None = None,
 ) -> Iterator[Any]:
     """Yield the accelerator copy of `blocks[i]` for each i in `order`, keeping up to `depth` further
     copies in flight. Resident blocks are yielded as they are; a block accessed twice in a row (the
     last block, where the forward pass turns into the backward pass) is reused, not copied again.
+    A block may be a `Future` of its weights (still being updated on the host): it is waited for
+    when its copy is issued, not before.
 
-    Each copy is an asynchronous `device_put` from `pinned_host` to `device` memory; the previous
-    copy is released (and its accelerator memory freed) once the consumer moves on.
+    Each copy is an asynchronous `device_put` from `pinned_host` to `device` memory (passed to
+    `on_copy` as it is issued); the previous copy is released (and its accelerator memory freed) once
+    the consumer moves on.
     """
     inflight: deque[Any] = deque()
     issued = 0
@@ -72,9 +92,11 @@ def stream_blocks(
         if last is not None and last[0] == i:
             w = last[1]
         elif placement.is_streamed(i):
-            w = jax.device_put(blocks[i], placement.device)  # async host -> accelerator DMA
+            w = jax.device_put(resolve(blocks[i]), placement.device)  # async host -> accelerator DMA
+            if on_copy is not None:
+                on_copy(w)
         else:
-            w = blocks[i]
+            w = resolve(blocks[i])
         inflight.append(w)
         last = (i, w)
         issued += 1
@@ -130,7 +152,7 @@ class StreamedModel:
                 _f32(jax.tree.map(jnp.zeros_like, embed_w)) if self.tied else None,
             )
             (loss, g_head, g_embed), dx = _accumulate(one, (x, batch), zeros)
-            return loss / x.shape[0], dx, g_head, g_embed
+            return loss / x.shape[0], dx, g_head, g_embed, _sq_norm(g_head)
 
         def block_bwd(w, x, dy):
             """Recompute block(w, x_a) and backpropagate dy_a for each micro-batch -> (dx, dw)."""
@@ -141,9 +163,9 @@ class StreamedModel:
 
             if x.shape[0] == 1:  # exact in the compute dtype; see the module docstring
                 g, dx = one(x[0], dy[0])
-                return dx[None], g
+                return dx[None], g, _sq_norm(g)
             g, dx = _accumulate(one, (x, dy), _f32(jax.tree.map(jnp.zeros_like, w)))
-            return dx, g
+            return dx, g, _sq_norm(g)
 
         def embed_grad(embed_w, batch, dx, g_from_head):
             def one(wa, dxa):
@@ -153,7 +175,10 @@ class StreamedModel:
             g, _ = _accumulate(one, (batch, dx), _f32(jax.tree.map(jnp.zeros_like, embed_w)))
             if g_from_head is not None:
                 g = jax.tree.map(jnp.add, g, g_from_head)
-            return g
+            return g, _sq_norm(g)
+
+        def global_norm(sq_norms, seed):  # of the mean gradient of the loss: the sums / (A * seed)
+            return jnp.sqrt(sum(sq_norms[1:], sq_norms[0])) / (jnp.float32(grad_accum) * seed)
 
         self._embed = jax.jit(embed)
         self._block_fwd = jax.jit(block_fwd)
@@ -162,44 +187,64 @@ class StreamedModel:
         # The incoming gradient is consumed here: donating it lets the outgoing one reuse its memory.
         self._block_bwd = jax.jit(block_bwd, donate_argnums=(2,))
         self._embed_grad = jax.jit(embed_grad)
+        self._global_norm = jax.jit(global_norm)
 
     def loss(self, weights: ModelParams, batch: jax.Array) -> jax.Array:
-        """Mean loss over int32 (A, mb, S+1) with weights streamed once through; float32 scalar."""
-        x = self._embed(weights.embed, batch)
+        """Mean loss over int32 (A, mb, S+1) with weights streamed once through; float32 scalar.
+        Units of `weights` may be `Future`s (see `stream_blocks`)."""
+        embed_w = resolve(weights.embed)
+        x = self._embed(embed_w, batch)
         for w in stream_blocks(weights.blocks, range(self.num_layers), self.placement, self.prefetch):
             x = self._block_fwd(w, x)
-        return self._head_loss(weights.head, weights.embed, x, batch)
+        return self._head_loss(resolve(weights.head), embed_w, x, batch)
 
-    def grads(self, weights: ModelParams, batch: jax.Array, seed: jax.Array) -> tuple[jax.Array, ModelParams]:
-        """Loss and gradients over int32 (A, mb, S+1); gradients land in `pinned_host`.
+    def grads(
+        self, weights: ModelParams, batch: jax.Array, seed: jax.Array, clock: StepClock | None = None
+    ) -> tuple[jax.Array, ModelParams, jax.Array]:
+        """Loss, gradients and their global norm over int32 (A, mb, S+1); gradients land in `pinned_host`.
 
         Block gradients are summed over the A micro-batches (compute dtype if A == 1, float32 if A > 1);
         embed and head gradients are float32 sums. `seed` (float32 scalar on the accelerator) multiplies
         the loss: 1, or float16's loss scale. Divide by A * seed for the mean gradient (the host
-        optimizer does).
+        optimizer does). The norm (float32 scalar on the accelerator) is the L2 norm of the mean
+        gradient, computed on the accelerator from each unit's gradient before it leaves.
+
+        Units of `weights` may be `Future`s of their weights (`stream_blocks`): each is waited for only
+        when the pass reaches it. `clock`, if given, records when each copy and computation finished.
         """
+        clock = clock or StepClock.off()
         L = self.num_layers
         order = [*range(L), *reversed(range(L))]
-        fetched = stream_blocks(weights.blocks, order, self.placement, self.prefetch)
-        x = self._embed(weights.embed, batch)
+        fetched = stream_blocks(weights.blocks, order, self.placement, self.prefetch, on_copy=clock.copied)
+        with clock.waiting():
+            embed_w = resolve(weights.embed)
+        x = clock.computed(self._embed(embed_w, batch))
         saved: list[jax.Array | None] = []
         for _ in range(L):
-            w = next(fetched)
+            with clock.waiting():
+                w = next(fetched)
             saved.append(x)  # the block input is all the backward pass keeps
-            x = self._block_fwd(w, x)
-        loss, dx, g_head, g_embed_head = self._head_grad(weights.head, weights.embed, x, batch, seed)
+            x = clock.computed(self._block_fwd(w, x))
+        with clock.waiting():
+            head_w = resolve(weights.head)
+        loss, dx, g_head, g_embed_head, sq_head = self._head_grad(head_w, embed_w, x, batch, seed)
+        clock.computed(loss)
         del x
         to_host = self.placement.pinned
         block_grads: list[Any] = [None] * L
+        sq = [sq_head]
         for i in reversed(range(L)):
             w = next(fetched)
-            dx, g = self._block_bwd(w, saved[i], dx)
+            dx, g, sq_i = self._block_bwd(w, saved[i], dx)
+            clock.computed(sq_i)
+            sq.append(sq_i)
             saved[i] = None
-            block_grads[i] = jax.device_put(g, to_host)  # async accelerator -> host DMA, overlaps block i-1
-        g_embed = self._embed_grad(weights.embed, batch, dx, g_embed_head)
+            block_grads[i] = clock.sent(jax.device_put(g, to_host))  # async DMA, overlaps block i-1
+        g_embed, sq_embed = self._embed_grad(embed_w, batch, dx, g_embed_head)
+        clock.computed(sq_embed)
         grads = ModelParams(
-            embed=jax.device_put(g_embed, to_host),
+            embed=clock.sent(jax.device_put(g_embed, to_host)),
             blocks=tuple(block_grads),
-            head=jax.device_put(g_head, to_host),
+            head=clock.sent(jax.device_put(g_head, to_host)),
         )
-        return loss, grads
+        return loss, grads, self._global_norm([*sq, sq_embed], seed)

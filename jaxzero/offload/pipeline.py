@@ -1,0 +1,201 @@
+"""The host update, unit by unit, running in the background of the accelerator's work.
+
+After a step's gradient pass is issued, one task per unit (embedding, each block, head) waits for
+that unit's gradients to land in `pinned_host` and for the global norm (computed on the accelerator),
+then updates the unit on the host (`HostOptimizer.update_unit`). The step returns at once; its state
+holds a `Future` per unit. The next step's forward pass waits for each unit only when it reaches it,
+and the host works on units in the order that pass needs them (embedding, block 0, 1, ..., head), so
+the host update of step t overlaps the forward pass of step t+1:
+
+    accelerator   fwd t | bwd t           | fwd t+1 (block i waits for update i) | bwd t+1 ...
+    host                     grads land -> | norm known: update embed, 0, 1, ... L-1, head  |
+
+Exactness: no unit is updated before the global norm of the whole gradient is known, so clipping is
+optax's, and float16 overflow (a non-finite norm) skips every unit's update, as the resident trainer
+does. Without clipping and without float16 the norm is not needed, and each unit's update starts as
+soon as its gradients land, overlapping the backward pass of the blocks below it too.
+
+`delayed` (ZeRO-Offload's delayed parameter update, DPU) lets step t+1's forward and backward use the
+weights from before update t, so update t overlaps all of step t+1. Gradients are then one update
+stale: the step-(t+1) gradient is taken at the weights of update t-1. It costs a second copy of the
+compute-dtype weights (accelerator memory for resident blocks, `pinned_host` for streamed ones).
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxzero.models import ModelParams
+from jaxzero.offload.host_optimizer import HostOptimizer, HostUnit, host_view
+from jaxzero.offload.timeline import StepClock
+
+
+def done(value: Any) -> Future:
+    """A Future already holding `value`."""
+    f: Future = Future()
+    f.set_result(value)
+    return f
+
+
+def weights_of(unit: Future) -> Future:
+    """A Future of the `weights` of a Future[HostUnit]."""
+    out: Future = Future()
+
+    def relay(f: Future) -> None:
+        if f.exception() is not None:
+            out.set_exception(f.exception())
+        else:
+            out.set_result(f.result().weights)
+
+    unit.add_done_callback(relay)
+    return out
+
+
+def _resolve(units: ModelParams) -> ModelParams:
+    """Wait for every unit (a host sync) and return the `HostUnit`s."""
+    return ModelParams(units.embed.result(), tuple(u.result() for u in units.blocks), units.head.result())
+
+
+def _units(params: ModelParams, opt_state: ModelParams, weights: ModelParams) -> ModelParams:
+    return ModelParams(
+        done(HostUnit(params.embed, opt_state.embed, weights.embed)),
+        tuple(done(HostUnit(*u)) for u in zip(params.blocks, opt_state.blocks, weights.blocks)),
+        done(HostUnit(params.head, opt_state.head, weights.head)),
+    )
+
+
+@jax.tree_util.register_pytree_node_class
+class OffloadState:
+    """Training state of the offload engine (a pytree; flattening it waits for pending updates).
+
+    step:       int32 scalar: optimizer updates applied (host device; the accelerator under float16,
+                where it depends on the overflow check made there).
+    units:      `ModelParams` of `Future[HostUnit]`: the newest update of each unit, maybe still
+                running on the host. Its params are float32 masters in host RAM (CPU backend), its
+                opt_state the unit's optax state there, its weights the compute-dtype weights
+                (embed/head and resident blocks in accelerator memory, streamed blocks in the
+                accelerator's pinned_host memory).
+    in_use:     `ModelParams` of `Future`s of the weights the next gradient pass reads: the newest
+                (`units`' own) or, under the delayed update, those of the update before.
+    loss_scale: float16 training's `LossScaleState` (accelerator); None otherwise.
+
+    `params`, `opt_state` and `weights` read the resolved units (host sync).
+    """
+
+    def __init__(self, step: jax.Array, units: ModelParams, in_use: ModelParams, loss_scale: Any = None):
+        self.step, self.units, self.in_use, self.loss_scale = step, units, in_use, loss_scale
+
+    @classmethod
+    def of(cls, step, params, opt_state, weights, loss_scale=None) -> OffloadState:
+        units = _units(params, opt_state, weights)
+        return cls(step, units, jax.tree.map(weights_of, units, is_leaf=_is_future), loss_scale)
+
+    def resolved(self) -> ModelParams:
+        return _resolve(self.units)
+
+    @property
+    def params(self) -> ModelParams:
+        return jax.tree.map(lambda u: u.params, self.resolved(), is_leaf=_is_unit)
+
+    @property
+    def opt_state(self) -> ModelParams:
+        return jax.tree.map(lambda u: u.opt_state, self.resolved(), is_leaf=_is_unit)
+
+    @property
+    def weights(self) -> ModelParams:
+        return jax.tree.map(lambda u: u.weights, self.resolved(), is_leaf=_is_unit)
+
+    def tree_flatten(self):
+        return (self.step, self.params, self.opt_state, self.weights, self.loss_scale), None
+
+    @classmethod
+    def tree_unflatten(cls, _aux, children):
+        return cls.of(*children)
+
+
+def _is_future(x: Any) -> bool:
+    return isinstance(x, Future)
+
+
+def _is_unit(x: Any) -> bool:
+    return isinstance(x, HostUnit)
+
+
+class UpdatePipeline:
+    """Submits each step's per-unit host updates; see the module docstring."""
+
+    def __init__(
+        self,
+        host: HostOptimizer,
+        num_layers: int,
+        *,
+        needs_norm: bool,
+        skip_nonfinite: bool,
+        delayed: bool,
+        clock: StepClock,
+    ):
+        self.host = host
+        self.delayed = delayed
+        self.needs_norm = needs_norm  # clipping or float16: wait for the global norm before updating
+        self.skip_nonfinite = skip_nonfinite  # float16: a non-finite norm means overflow, skip the step
+        self.clock = clock
+        # One waiting thread per unit: they mostly wait (gradients, norm); the work itself runs on the
+        # host optimizer's prioritised pool.
+        self._tasks = ThreadPoolExecutor(num_layers + 2, thread_name_prefix="jaxzero-unit")
+
+    def submit(
+        self,
+        units: ModelParams,
+        used: ModelParams,
+        grads: ModelParams,
+        norm: jax.Array,
+        scale: jax.Array,
+    ) -> ModelParams:
+        """Start the update of every unit; returns `ModelParams` of `Future[HostUnit]` at once.
+
+        units: the units' previous `Future[HostUnit]`s (their masters and state are consumed).
+        used:  the weights the gradient pass read (futures, already resolved): released once the
+               unit's gradients have landed (the pass is then done with them).
+        grads: per-unit gradient sums in `pinned_host`; norm, scale: float32 scalars on the
+               accelerator (the global norm of the mean gradient; the loss scale used).
+        """
+        pinned = self.host.placement.pinned
+        # Two scalars to host memory, asynchronously; each task reads them in place when it needs them.
+        norm_h, scale_h = jax.device_put((norm, scale), pinned)
+        L = len(grads.blocks)
+        jobs = [("embed", None, units.embed, used.embed, grads.embed, 0)]
+        jobs += [("blocks", i, units.blocks[i], used.blocks[i], grads.blocks[i], 1 + i) for i in range(L)]
+        jobs += [("head", None, units.head, used.head, grads.head, L + 1)]
+        out = [self._tasks.submit(self._run, *job, norm_h, scale_h) for job in jobs]
+        return ModelParams(out[0], tuple(out[1:-1]), out[-1])
+
+    def _run(self, kind, block, prev: Future, used: Future, grads, priority, norm_h, scale_h) -> HostUnit:
+        unit = prev.result()  # the unit's previous update (in the overlapped mode it is done already)
+        g = jax.tree.map(host_view, grads)  # host sync: waits for this unit's gradients to land
+        norm = np.float32(host_view(norm_h)) if self.needs_norm else None  # host sync: whole backward
+        # The weights the pass read are done with (its gradients landed). Overlapped, the new ones
+        # replace them. Delayed, the unit's newest weights are read by the next pass; older ones go.
+        stale = used.result() is not unit.weights
+        if self.skip_nonfinite and not np.isfinite(norm):
+            if stale:
+                _delete(used.result())
+            return unit  # float16 overflow: this step changes nothing
+        gmul = self.host.grad_multiplier(norm, np.float32(host_view(scale_h)))
+        if stale or not self.delayed:
+            _delete(used.result())  # their memory is reused for the new weights
+        start = time.perf_counter()
+        new = self.host.update_unit(kind, block, unit, g, gmul, priority)
+        self.clock.updated(start, time.perf_counter())
+        return new
+
+
+def _delete(tree: Any) -> None:
+    """Release buffers now rather than when Python drops the last reference (their memory is reused).
+    Deletion waits for pending reads."""
+    for x in jax.tree.leaves(tree):
+        x.delete()

@@ -1,0 +1,98 @@
+"""The fused host kernels against optax's own update of the same transformation.
+
+Both run `HostOptimizer.update_unit` on one Llama block for several steps from the same state and
+gradients, with clipping and averaging folded into the gradient factor; one with the fused kernels,
+one with the optax transformation jitted on XLA:CPU. Tolerances are fixed:
+- float32 moments: parameters and moments within 1e-6 relative per leaf (float32 rounding of
+  differently ordered operations, a few ulp per step).
+- bfloat16 moments: a float32 difference of one ulp can flip a bf16 rounding of a moment (2^-8
+  relative), which moves that element's update by up to 2^-8 relative. Moments: within 1e-2
+  relative. Parameters: each step changes them by about lr / |p| = 1e-3 / 0.02 = 5% here, so three
+  steps can differ by up to 3 * 5% * 2^-8 = 6e-4 relative: within 1e-3 per leaf.
+- Lion's update is sign(x): where x is within rounding of 0 the two programs (which contract
+  multiply-adds differently) can take opposite signs, moving that element by 2 * lr. Parameters
+  within 1e-4 relative per leaf (a few such elements per leaf).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxzero import placement
+from jaxzero.config import TrainConfig, apply_overrides
+from jaxzero.models import build_model
+from jaxzero.offload import host_kernels
+from jaxzero.offload.host_optimizer import HostOptimizer, HostUnit
+
+OPTIMIZERS = {
+    "adamw": {"optimizer.name": "adamw", "optimizer.weight_decay": "0.1"},
+    "adam": {"optimizer.name": "adam", "optimizer.weight_decay": "0"},
+    "lion": {"optimizer.name": "lion", "optimizer.weight_decay": "0.1", "optimizer.lr": "1e-4"},
+    "sgd-momentum": {"optimizer.name": "sgd", "optimizer.momentum": "0.9", "optimizer.weight_decay": "0.01"},
+    "sgd": {"optimizer.name": "sgd", "optimizer.momentum": "0", "optimizer.weight_decay": "0.01"},
+}
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def run(over: dict, fused: bool, grad_dtype, steps: int = 3):
+    cfg = apply_overrides(
+        TrainConfig(),
+        {"model.name": "llama-tiny", "model.num_layers": "2", "optimizer.warmup_steps": "1", **over},
+    )
+    model = build_model(cfg.model)
+    mesh = placement.make_mesh(jax.devices()[:1])
+    where = placement.offload_placement(mesh, cfg.model.num_layers, "cpu", 0)
+    shape = jax.eval_shape(model.init, jax.random.key(0))
+    accum = 1 if grad_dtype == jnp.bfloat16 else 2
+    host = HostOptimizer(cfg.optimizer, 10, shape, jnp.bfloat16, where, accum, fused=fused)
+    assert host.fused == fused
+    masters = jax.device_put(model.init(jax.random.key(0)), where.host)
+    unit = HostUnit(masters.blocks[0], host.init(masters).blocks[0], None)
+    rng = np.random.default_rng(0)
+    for k in range(steps):
+        g = jax.tree.map(lambda x: (rng.standard_normal(x.shape) * 0.1).astype(grad_dtype), masters.blocks[0])
+        # Clipping active on odd steps (norm 3 > max 1), the loss scale 2 and grad_accum folded in.
+        gmul = host.grad_multiplier(np.float32(3.0 if k % 2 else 0.5), np.float32(2.0))
+        unit = host.update_unit("blocks", 0, unit, g, gmul, priority=0)
+    return jax.device_get((unit.params, unit.opt_state, unit.weights))
+
+
+@pytest.mark.parametrize("grad_dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_fused_update_matches_optax(name, state_dtype, grad_dtype):
+    over = {**OPTIMIZERS[name], "optimizer.state_dtype": state_dtype}
+    fused, ref = run(over, True, grad_dtype), run(over, False, grad_dtype)
+    p_tol, m_tol = (1e-6, 1e-6) if state_dtype == "float32" else (1e-3, 1e-2)
+    if name == "lion":
+        p_tol = max(p_tol, 1e-4)
+    (pf, sf, wf), (pr, sr, wr) = fused, ref
+    assert jax.tree.structure(sf) == jax.tree.structure(sr)
+    for a, b in zip(jax.tree.leaves(pf), jax.tree.leaves(pr)):
+        assert a.dtype == b.dtype and rel(a, b) < p_tol
+    for a, b in zip(jax.tree.leaves(sf), jax.tree.leaves(sr)):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        if a.ndim == 0:
+            assert a == b  # step counts
+        else:
+            assert rel(a, b) < m_tol
+    for a, b in zip(jax.tree.leaves(wf), jax.tree.leaves(wr)):  # compute-dtype weights
+        assert a.dtype == b.dtype and rel(a, b) < max(p_tol, 2**-8)
+
+
+def test_bfloat16_rounding_is_round_to_nearest_even():
+    x = np.array([1.0, 1.00390625, 1.01171875, 1.0078125, -2.5e-3, 3.4e38, np.nan, 0.0, -0.0], np.float32)
+    x = np.concatenate([x, np.random.default_rng(0).standard_normal(4096).astype(np.float32)])
+    p, w = x.copy(), np.zeros(x.size, np.uint16)
+    # SGD with lr 0 and no decay writes the parameter through to the compute-dtype copy unchanged
+    # (ties 1.00390625 and 1.01171875 round to even; 3.4e38 overflows to inf, as XLA's convert does).
+    host_kernels.FusedRule("sgd", 0.9, 0.99, 1e-8, 0.0, 0.0).kernel(0, 0.0, 1.0)(p, np.zeros_like(x), w, 0.0)
+    expected = np.asarray(jnp.asarray(x).astype(jnp.bfloat16)).view(np.uint16)
+    nan = np.isnan(x)
+    np.testing.assert_array_equal(w[~nan], expected[~nan])
+    assert np.isnan(w[nan].view(jnp.bfloat16).astype(np.float32)).all()
