@@ -77,7 +77,10 @@ def plan_memory(cfg: TrainConfig) -> MemoryPlan:
 
     streamed_blocks = 0 if off.params == "none" else m.num_layers - off.resident_blocks
     n_streamed = streamed_blocks * n_block
-    pinned = n_streamed * compute + n * grad
+    # offload.update=delayed keeps two copies of the compute weights (the pass reads one while the
+    # host writes the next).
+    copies = 2 if off.update == "delayed" else 1
+    pinned = copies * n_streamed * compute + n * grad
     staging = 3 * n_block * compute  # compute-dtype copies on their way back, a few blocks at a time
     # Measured on the H100/H200 boxes (BENCHMARKS.md): peak RSS exceeded the sum of the arrays by
     # 1.3-1.6x the pinned bytes (the pinned pool grows in large regions; runtime buffers), so the
@@ -85,7 +88,7 @@ def plan_memory(cfg: TrainConfig) -> MemoryPlan:
     allowance = pinned * 3 // 2
     host = n * (4 + opt) + pinned + staging + snapshot + allowance
     in_flight = 3 if streamed_blocks else 0  # the block computing, the one prefetched, a gradient leaving
-    accelerator = (n - n_streamed) * compute + in_flight * n_block * max(compute, grad)
+    accelerator = copies * (n - n_streamed) * compute + in_flight * n_block * max(compute, grad)
     return MemoryPlan(host=host, pinned=pinned, accelerator_state=accelerator, activations=activations)
 
 

@@ -70,6 +70,13 @@ def test_same_seed_same_losses_and_offload_agrees(first_run):
     assert "ZeRO-3 offload" in off.stdout
     a, c = records(cwd / "a"), records(cwd / "c")
     assert abs(a[-1]["loss"] - c[-1]["loss"]) < 0.05  # bf16, same math in different programs
+    # The offload engine reports where each step's time went, in the log line and the records.
+    breakdown = ["step_s", "gpu_compute_s", "h2d_s", "d2h_s", "host_update_s", "wait_weights_s"]
+    for key in breakdown + ["gpu_idle_s", "host_idle_s"]:
+        assert c[-1][key] >= 0, key
+    assert c[-1]["gpu_compute_s"] > 0 and c[-1]["host_update_s"] > 0
+    assert all(k not in a[-1] for k in breakdown)  # the resident trainer has no host update to time
+    assert "host update" in off.stdout and "GPU compute" in off.stdout
 
 
 def test_refuses_to_overwrite_and_reports_bad_config(first_run):

@@ -32,6 +32,13 @@ def test_plan_counts_bytes_per_parameter():
     assert full.accelerator_state < 0.15 * zero.accelerator_state  # embed/head + 3 blocks in flight
     accum = memory.plan_memory(cfg(offload__optimizer="cpu", data__grad_accum="2"))
     assert accum.pinned == 4 * n  # float32 gradient sums leave with several micro-batches
+    # The delayed update keeps a second copy of the compute weights, wherever they live.
+    delayed = memory.plan_memory(
+        cfg(offload__optimizer="cpu", offload__params="cpu", offload__update="delayed")
+    )
+    assert delayed.pinned == full.pinned + 2 * 32 * b
+    delayed = memory.plan_memory(cfg(offload__optimizer="cpu", offload__update="delayed"))
+    assert delayed.accelerator_state == 2 * zero.accelerator_state
 
 
 def test_host_too_small_is_refused_with_numbers():

@@ -18,166 +18,218 @@ buffer (`writable_view`). That is what the update's buffer donation did before; 
 its input state either way, and nothing else reads these buffers while a step runs.
 
 bfloat16 is handled as its 16 bits (uint16): widening is a shift, narrowing rounds to nearest even as
-XLA's convert does. Each kernel runs over cache-sized tiles (widen, update in float32, narrow), so
-every stage vectorises and memory is still read and written once.
+XLA's convert does.
 """
 
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import importlib.util
+import os
+import sys
+import tempfile
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
 
 import jax
 import jax.numpy as jnp
 import numba
 import numpy as np
-from numba import types
-from numba.extending import overload
 
 from jaxzero.config import OptimizerConfig
 
-CHUNK = 1 << 20  # parameters per kernel call: enough to amortise the call, small enough to balance threads
+CHUNK = 1 << 22  # parameters per kernel call: few calls (each holds the GIL briefly), still balanced
 
 _F32_ONE = np.float32(1.0)
 
-# -- bfloat16 as bits ------------------------------------------------------------------------------
-# The kernels work on tiles of TILE elements that stay in cache: bfloat16 inputs are widened into
-# float32 tiles, the update runs on float32, and results are narrowed back, each stage a simple loop
-# over arrays that LLVM vectorises (per-element bit casts inside the main loop would stop that).
-
-TILE = 2048
-
-
-def _widen(src, dst):  # dst[:n] = src as float32 (bfloat16 given as uint16 bits)
-    raise NotImplementedError  # numba-only; see the overload
-
-
-def _narrow(src, dst):  # dst[:] = float32 src, rounded to nearest even if dst holds bfloat16 bits
-    raise NotImplementedError
-
-
-@overload(_widen, inline="always")
-def _widen_impl(src, dst):
-    if src.dtype == types.uint16:
-
-        def widen_bf16(src, dst):
-            bits = dst.view(np.uint32)
-            for j in range(src.shape[0]):
-                bits[j] = np.uint32(src[j]) << np.uint32(16)
-
-        return widen_bf16
-
-    def widen(src, dst):
-        for j in range(src.shape[0]):
-            dst[j] = src[j]
-
-    return widen
-
-
-@overload(_narrow, inline="always")
-def _narrow_impl(src, dst):
-    if dst.dtype == types.uint16:
-
-        def narrow_bf16(src, dst):
-            bits = src.view(np.uint32)
-            for j in range(dst.shape[0]):
-                u = bits[j]
-                rounded = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-                nan = (u >> np.uint32(16)) | np.uint32(0x40)  # a NaN stays NaN (quiet), never rounds to inf
-                is_nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
-                dst[j] = np.uint16(nan if is_nan else rounded)
-
-        return narrow_bf16
-
-    def narrow(src, dst):
-        for j in range(dst.shape[0]):
-            dst[j] = src[j]
-
-    return narrow
-
-
-# -- kernels: one chunk, in place ------------------------------------------------------------------
+# -- kernels ----------------------------------------------------------------------------------------
+# One kernel per (optimizer, gradient dtype, moment dtype, weight dtype), generated from the update
+# rule below as flat loops that LLVM vectorises: bfloat16 inputs are first widened into float32
+# scratch (a shift of the bits), the update runs in float32 with optax's order of operations, and
+# results are narrowed back (round to nearest even; a NaN stays a quiet NaN), TILE elements at a
+# time so that the scratch stays in cache and memory is still read and written once.
 # Scalars arrive as float32 so that every operation stays in float32, as in XLA.
 
-_jit = numba.njit(nogil=True, error_model="numpy", cache=False)
+_RULES = {  # optimizer -> (moment names, scalar names, update of element j)
+    "adam": (
+        ("m", "v"),
+        ("b1", "b2", "eps", "bc1", "bc2"),
+        """
+        gj = gf[j] * gmul
+        mj = (one - b1) * gj + b1 * mf[j]
+        vj = (one - b2) * (gj * gj) + b2 * vf[j]
+        pj = p[j]
+        u = (mj / bc1) / (np.sqrt(vj / bc2) + eps) + wd * pj
+        p[j] = pj + u * neg_lr
+        mf[j] = mj
+        vf[j] = vj""",
+    ),
+    "lion": (
+        ("m",),
+        ("b1", "b2"),
+        """
+        gj = gf[j] * gmul
+        mj = mf[j]
+        pj = p[j]
+        u = np.sign((one - b1) * gj + b1 * mj) + wd * pj
+        p[j] = pj + u * neg_lr
+        mf[j] = (one - b2) * gj + b2 * mj""",
+    ),
+    "sgd_momentum": (
+        ("t",),
+        ("momentum",),
+        """
+        pj = p[j]
+        tj = (gf[j] * gmul + wd * pj) + momentum * tf[j]
+        p[j] = pj + tj * neg_lr
+        tf[j] = tj""",
+    ),
+    "sgd": (
+        (),
+        (),
+        """
+        pj = p[j]
+        p[j] = pj + (gf[j] * gmul + wd * pj) * neg_lr""",
+    ),
+}
+
+_WIDEN = """
+    {x}u = scratch[{k} * n : ({k} + 1) * n]
+    for j in range(n):
+        {x}u[j] = np.uint32({src}[j]) << np.uint32(16)
+    {x}f = {x}u.view(np.float32)"""
+
+_COPY_IN = """
+    {x}f = scratch[{k} * n : ({k} + 1) * n].view(np.float32)
+    for j in range(n):
+        {x}f[j] = {src}[j]"""
+
+_NARROW = """
+    for j in range(n):
+        u = {bits}[j]
+        r = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+        q = (u >> np.uint32(16)) | np.uint32(0x40)
+        nan = np.uint32((u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000))
+        {out}[j] = np.uint16(r + nan * (q - r))"""
+
+TILE = 1 << 16  # elements widened into scratch at a time: 3 x 256 KiB, in L2
+
+_kernels: dict[tuple, Callable[..., None]] = {}
+_compile_lock = threading.Lock()
+_local = threading.local()
 
 
-@_jit
-def _adam(p, m, v, g, w, gmul, b1, b2, eps, bc1, bc2, neg_lr, wd):  # pragma: no cover - numba
-    one = np.float32(1.0)
-    gt, mt, vt = np.empty(TILE, np.float32), np.empty(TILE, np.float32), np.empty(TILE, np.float32)
-    for lo in range(0, p.shape[0], TILE):
-        hi = min(lo + TILE, p.shape[0])
-        k = hi - lo
-        _widen(g[lo:hi], gt)
-        _widen(m[lo:hi], mt)
-        _widen(v[lo:hi], vt)
-        for j in range(k):
-            gj = gt[j] * gmul
-            mj = (one - b1) * gj + b1 * mt[j]
-            vj = (one - b2) * (gj * gj) + b2 * vt[j]
-            pj = p[lo + j]
-            u = (mj / bc1) / (np.sqrt(vj / bc2) + eps)
-            u = u + wd * pj
-            p[lo + j] = pj + u * neg_lr
-            mt[j] = mj
-            vt[j] = vj
-        _narrow(mt[:k], m[lo:hi])
-        _narrow(vt[:k], v[lo:hi])
-        _narrow(p[lo:hi], w[lo:hi])
+def _scratch() -> np.ndarray:
+    """This thread's scratch for widened inputs (3 x TILE), allocated once per thread."""
+    buf = getattr(_local, "scratch", None)
+    if buf is None:
+        buf = _local.scratch = np.empty(3 * TILE, np.uint32)
+    return buf
 
 
-@_jit
-def _lion(p, m, g, w, gmul, b1, b2, neg_lr, wd):  # pragma: no cover - numba
-    one = np.float32(1.0)
-    gt, mt = np.empty(TILE, np.float32), np.empty(TILE, np.float32)
-    for lo in range(0, p.shape[0], TILE):
-        hi = min(lo + TILE, p.shape[0])
-        k = hi - lo
-        _widen(g[lo:hi], gt)
-        _widen(m[lo:hi], mt)
-        for j in range(k):
-            gj = gt[j] * gmul
-            mj = mt[j]
-            u = np.sign((one - b1) * gj + b1 * mj)
-            pj = p[lo + j]
-            u = u + wd * pj
-            p[lo + j] = pj + u * neg_lr
-            mt[j] = (one - b2) * gj + b2 * mj
-        _narrow(mt[:k], m[lo:hi])
-        _narrow(p[lo:hi], w[lo:hi])
+def _kernel(name: str, g16: bool, m16: bool, w16: bool, inplace: bool) -> Callable[..., None]:
+    """The compiled kernel for one combination: (p, *moments, g, w, scratch, gmul, *scalars,
+    neg_lr, wd) in place, or (pi, p, mi, m, ..., g, w, scratch, ...) from inputs into outputs;
+    `scratch` is uint32 of at least 3 * TILE."""
+    key = (name, g16, m16, w16, inplace)
+    with _compile_lock:
+        if key not in _kernels:
+            _kernels[key] = _load(_source(name, g16, m16, w16, inplace)).kernel
+    return _kernels[key]
 
 
-@_jit
-def _sgd_momentum(p, t, g, w, gmul, momentum, neg_lr, wd):  # pragma: no cover - numba
-    gt, tt = np.empty(TILE, np.float32), np.empty(TILE, np.float32)
-    for lo in range(0, p.shape[0], TILE):
-        hi = min(lo + TILE, p.shape[0])
-        k = hi - lo
-        _widen(g[lo:hi], gt)
-        _widen(t[lo:hi], tt)
-        for j in range(k):
-            pj = p[lo + j]
-            gj = gt[j] * gmul + wd * pj
-            tj = gj + momentum * tt[j]
-            p[lo + j] = pj + tj * neg_lr
-            tt[j] = tj
-        _narrow(tt[:k], t[lo:hi])
-        _narrow(p[lo:hi], w[lo:hi])
+def _source(name: str, g16: bool, m16: bool, w16: bool, inplace: bool) -> str:
+    """Kernel source. Out of place, parameters and moments are read from `pi`, `{x}i` and written to
+    `p`, `{x}` (a speculative update must leave its inputs untouched); in place they are one array,
+    one pointer, which is what lets LLVM vectorise without alias checks. Moments pass through
+    float32 scratch (widened from bf16, or copied)."""
+    moments, scalars, body = _RULES[name]
+    i = "" if inplace else "i"  # suffix of the arrays read
+    arrays = (
+        f"p{i}, " * (not inplace) + "p, " + "".join(f"{x}{i}, " * (not inplace) + f"{x}, " for x in moments)
+    )
+    arrays += "g, w"
+    rest = f"gmul, {''.join(x + ', ' for x in scalars)}neg_lr, wd"
+    jit = "@numba.njit(nogil=True, error_model='numpy', cache=True)"
+    # `tile` updates n <= TILE elements with flat loops (LLVM vectorises those); `kernel` walks the
+    # chunk tile by tile so that the scratch stays in cache.
+    src = ["import numba", "import numpy as np", "", "", jit, f"def tile({arrays}, scratch, {rest}):"]
+    src += ["    n = p.shape[0]", "    one = np.float32(1.0)"]
+    src.append(_WIDEN.format(x="g", k=0, src="g") if g16 else "    gf = g")
+    direct = inplace and not m16  # float32 moments updated in place need no scratch
+    for k, x in enumerate(moments, start=1):
+        if direct:
+            src.append(f"    {x}f = {x}")
+        else:
+            src.append((_WIDEN if m16 else _COPY_IN).format(x=x, k=k, src=f"{x}{i}"))
+    src.append("    for j in range(n):" + body.replace("pj = p[j]", f"pj = p{i}[j]"))
+    for x in moments:
+        if m16:
+            src.append(_NARROW.format(bits=f"{x}u", out=x))
+        elif not direct:
+            src.append(f"    for j in range(n):\n        {x}[j] = {x}f[j]")
+    if w16:
+        src.append("    pu = p.view(np.uint32)" + _NARROW.format(bits="pu", out="w"))
+    else:
+        src.append("    for j in range(n):\n        w[j] = p[j]")
+    sliced = ", ".join(f"{x}[lo:hi]" for x in arrays.split(", "))
+    src += [
+        "",
+        "",
+        jit,
+        f"def kernel({arrays}, scratch, {rest}):",
+        f"    for lo in range(0, p.shape[0], {TILE}):",
+        f"        hi = min(lo + {TILE}, p.shape[0])",
+        f"        tile({sliced}, scratch, {rest})",
+        "",
+    ]
+    return "\n".join(src)
 
 
-@_jit
-def _sgd(p, g, w, gmul, neg_lr, wd):  # pragma: no cover - numba
-    gt = np.empty(TILE, np.float32)
-    for lo in range(0, p.shape[0], TILE):
-        hi = min(lo + TILE, p.shape[0])
-        _widen(g[lo:hi], gt)
-        for j in range(hi - lo):
-            pj = p[lo + j]
-            gj = gt[j] * gmul + wd * pj
-            p[lo + j] = pj + gj * neg_lr
-        _narrow(p[lo:hi], w[lo:hi])
+def _load(source: str) -> ModuleType:
+    """Import generated kernel source from a file named by its hash, so that numba's on-disk cache
+    (next to the file) spares later processes the compilation (seconds per kernel)."""
+    # The salt names this loader's layout: a change to how modules are registered invalidates old caches.
+    digest = hashlib.sha256((source + numba.__version__ + "sys.modules").encode()).hexdigest()[:20]
+    for root in (
+        os.environ.get("JAXZERO_CACHE_DIR"),
+        os.path.join(Path.home(), ".cache"),
+        tempfile.gettempdir(),
+    ):
+        if not root:
+            continue
+        path = Path(root) / "jaxzero" / f"host_kernel_{digest}.py"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if not path.exists():
+                tmp = path.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_text(source)
+                tmp.replace(path)  # atomic: concurrent processes write the same text
+            break
+        except OSError:  # read-only home or the like: try the next place
+            continue
+    name = f"jaxzero_host_kernel_{digest}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # numba's cache finds the module by name when it loads a kernel
+    spec.loader.exec_module(module)
+    return module
+
+
+def warm_up(rule: FusedRule, grad_dtype: np.dtype, moment_dtype: np.dtype, weight_dtype: np.dtype) -> None:
+    """Compile (or load from the cache) the kernel `rule` will use, on tiny arrays."""
+    n = 8
+    p = np.zeros(n, np.float32)
+    moments = [np.zeros(n, _bits(moment_dtype)) for _ in rule.moments()]
+    rule.kernel(0, 0.0, 1.0)(
+        p, *moments, np.zeros(n, _bits(grad_dtype)), np.zeros(n, _bits(weight_dtype)), 0.0
+    )
 
 
 # -- views -----------------------------------------------------------------------------------------
@@ -237,29 +289,40 @@ class FusedRule:
         return ("trace",) if self.momentum else ()
 
     def kernel(self, count: int, lr: float, gmul: float) -> Callable[..., None]:
-        """A function (p, *moments, g, w, decays) -> None updating one chunk in place, for the update
+        """A function (p, *moments, g, w, decay) -> None updating one chunk in place, for the update
         number `count` (0-based: updates already applied) at learning rate `lr`; gradients are
-        multiplied by `gmul` (averaging, loss scale and clipping in one factor)."""
+        multiplied by `gmul` (averaging, loss scale and clipping in one factor). Arrays are flat:
+        p float32; moments float32 or bf16 bits (uint16); g likewise; w the compute dtype (bf16 bits
+        or float32)."""
         f32 = np.float32
         gmul, neg_lr = f32(gmul), -f32(lr)
         if self.name in ("adamw", "adam"):
-            b1, b2, eps = f32(self.b1), f32(self.b2), f32(self.eps)
-            t = f32(count + 1)  # optax: bias correction with the incremented count, 1 - b**t in float32
-            bc1, bc2 = _F32_ONE - b1**t, _F32_ONE - b2**t
-
-            def adam(p, m, v, g, w, wd):
-                _adam(p, m, v, g, w, gmul, b1, b2, eps, bc1, bc2, neg_lr, f32(wd))
-
-            return adam
-        if self.name == "lion":
             b1, b2 = f32(self.b1), f32(self.b2)
-            return lambda p, m, g, w, wd: _lion(p, m, g, w, gmul, b1, b2, neg_lr, f32(wd))
-        if self.momentum:
-            mom = f32(self.momentum)
-            return lambda p, t, g, w, wd: _sgd_momentum(p, t, g, w, gmul, mom, neg_lr, f32(wd))
-        return lambda p, g, w, wd: _sgd(p, g, w, gmul, neg_lr, f32(wd))
+            t = f32(count + 1)  # optax: bias correction with the incremented count, 1 - b**t in float32
+            name, scalars = "adam", (b1, b2, f32(self.eps), _F32_ONE - b1**t, _F32_ONE - b2**t)
+        elif self.name == "lion":
+            name, scalars = "lion", (f32(self.b1), f32(self.b2))
+        elif self.momentum:
+            name, scalars = "sgd_momentum", (f32(self.momentum),)
+        else:
+            name, scalars = "sgd", ()
+
+        def run(p, *arrays_and_decay, out=None):
+            """In place; or, with `out` = (p, *moments) of the same shapes, into those arrays."""
+            *arrays, wd = arrays_and_decay
+            *moments, g, w = arrays
+            m16 = bool(moments) and moments[0].dtype == np.uint16
+            k = _kernel(name, g.dtype == np.uint16, m16, w.dtype == np.uint16, out is None)
+            if out is None:
+                k(p, *moments, g, w, _scratch(), gmul, *scalars, neg_lr, f32(wd))
+            else:
+                pairs = [a for pair in zip((p, *moments), out) for a in pair]
+                k(*pairs, g, w, _scratch(), gmul, *scalars, neg_lr, f32(wd))
+
+        return run
 
 
-def chunks(n: int, size: int = CHUNK) -> list[slice]:
-    """[0, n) cut into slices of at most `size`."""
+def chunks(n: int, size: int | None = None) -> list[slice]:
+    """[0, n) cut into slices of at most `size` (default `CHUNK`)."""
+    size = size or CHUNK
     return [slice(lo, min(lo + size, n)) for lo in range(0, n, size)]

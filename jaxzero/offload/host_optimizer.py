@@ -6,11 +6,10 @@ updated in the order the next forward pass needs them (`jaxzero.offload.pipeline
 
     gradients:  read in place from `pinned_host` (a NumPy view, no copy)
     scale:      1 / (grad_accum * loss scale), times optax's clipping factor for the global norm
-    update:     the optax transformation itself, jitted on XLA:CPU with the state donated, one unit
-                per call and many units at once; or, with `offload.fused_update=true`, the fused
-                single-pass kernels of `host_kernels` (AdamW, Adam, Lion, SGD; float32 or bfloat16
-                moments), in place, in chunks on all cores. On the 16-core GPU host the fused kernels
-                are not yet faster than XLA:CPU (BENCHMARKS.md), so optax is the default.
+    update:     the fused single-pass kernels of `host_kernels` where they cover the optimizer (AdamW,
+                Adam, Lion, SGD; float32 or bfloat16 moments), in place, in chunks on all cores;
+                otherwise (or with `offload.fused_update=false`) the optax transformation itself,
+                jitted on XLA:CPU with the state donated, one unit per call, many units at once.
     way back:   the new compute-dtype weights `device_put` to where the weights live
 
 Optimizer state is one optax state per unit, kept in `ModelParams` layout (embed, blocks, head); the
@@ -143,7 +142,7 @@ class HostOptimizer:
         # Gradients of one micro-batch leave in the compute dtype, sums of several in float32.
         grad_dtype = self.compute_dtype if grad_accum == 1 else jnp.float32
         self.rule = None
-        if fused:  # numba is an optional dependency (`pip install jaxzero[fused]`): import it on demand
+        if fused:
             from jaxzero.offload import host_kernels as hk
 
             self.rule = hk.FusedRule.of(cfg, self.compute_dtype, [grad_dtype, jnp.float32])
@@ -151,6 +150,11 @@ class HostOptimizer:
         self.pool = PriorityPool(self.threads, "jaxzero-host-update")
         self._io = ThreadPoolExecutor(self.threads, thread_name_prefix="jaxzero-writeback")
         self._buffers = _Buffers()
+        if self.rule is not None:  # compile (or load) the kernel while the model initialises
+            from jaxzero.offload import host_kernels as hk
+
+            moment = jnp.dtype(cfg.state_dtype)
+            self._warm = self._io.submit(hk.warm_up, self.rule, grad_dtype, moment, self.compute_dtype)
         host = placement.host
 
         def make_update(tx: optax.GradientTransformation):
