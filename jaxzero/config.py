@@ -112,9 +112,12 @@ class OffloadConfig:
     # "delayed" (ZeRO-Offload's DPU: the forward and backward run on weights one update old, so the
     # host update of step t overlaps step t+1 completely).
     update: Literal["overlapped", "delayed"] = "overlapped"
-    fused_update: bool = (
-        True  # the fused host kernels where they cover the optimizer; false: optax on XLA:CPU
-    )
+    # With clipping: update this many units speculatively during the backward pass (exact: kept only
+    # if the norm shows no clipping applies). Costs a spare copy of their host state. Off by default:
+    # on the H200 box it did not pay (BENCHMARKS.md).
+    speculative_units: int = 0
+    # The fused host kernels where they cover the optimizer; false: the optax update on XLA:CPU.
+    fused_update: bool = True
 
 
 @dataclass(frozen=True)
@@ -423,6 +426,10 @@ def validate(cfg: TrainConfig, num_devices: int | None = None) -> None:
     need(
         cfg.offload.resident_blocks >= 0,
         f"offload.resident_blocks={cfg.offload.resident_blocks} must be >= 0.",
+    )
+    need(
+        cfg.offload.speculative_units >= 0,
+        f"offload.speculative_units={cfg.offload.speculative_units} must be >= 0 (0 disables speculation).",
     )
     need(
         cfg.offload.resident_blocks <= m.num_layers,

@@ -86,7 +86,10 @@ def plan_memory(cfg: TrainConfig) -> MemoryPlan:
     # 1.3-1.6x the pinned bytes (the pinned pool grows in large regions; runtime buffers), so the
     # plan allows 1.5x the pinned bytes on top rather than promise memory that is not there.
     allowance = pinned * 3 // 2
-    host = n * (4 + opt) + pinned + staging + snapshot + allowance
+    # Speculative updates (with clipping or float16) keep a spare copy of a few units' host state.
+    speculating = off.fused_update and (cfg.optimizer.grad_clip > 0 or m.compute_dtype == "float16")
+    spares = off.speculative_units * max(n_embed, n_block, n_head) * (4 + opt) if speculating else 0
+    host = n * (4 + opt) + pinned + staging + snapshot + allowance + spares
     in_flight = 3 if streamed_blocks else 0  # the block computing, the one prefetched, a gradient leaving
     accelerator = copies * (n - n_streamed) * compute + in_flight * n_block * max(compute, grad)
     return MemoryPlan(host=host, pinned=pinned, accelerator_state=accelerator, activations=activations)
@@ -113,6 +116,12 @@ def check_host_fits(cfg: TrainConfig, plan: MemoryPlan, available: int | None = 
             f"{cfg.offload.params} needs {plan.host / GiB:.1f} GiB of host RAM ({plan.describe()}), but "
             f"{available / GiB:.1f} GiB is available. Free memory, choose a smaller model, or use an "
             "optimizer with less state (optimizer.name=lion or sgd keep 4 bytes per parameter, AdamW 8)"
+            + (
+                f", lower offload.speculative_units (now {cfg.offload.speculative_units}; each keeps a "
+                "spare copy of one unit's state)"
+                if cfg.offload.speculative_units
+                else ""
+            )
             + (
                 ", or set checkpoint.async_save=false (no snapshot copy)."
                 if cfg.checkpoint.async_save

@@ -89,7 +89,8 @@ class Trainer:
     abstract_saved_state: Callable[[], dict[str, Any]]
     from_saved_state: Callable[[dict[str, Any]], Any]
     # Where the time of the steps since the last call went, per step: (wall seconds, steps) ->
-    # {"gpu_compute", "h2d", "d2h", "host_update", "wait_weights", "gpu_idle", "host_idle"}.
+    # {"gpu_compute_s", "h2d_s", "d2h_s", "host_update_s", "wait_weights_s", "gpu_idle_s",
+    # "host_idle_s", "speculated", "rolled_back"} (the last two: speculative unit updates per step).
     # Only the offload engine measures it (`jaxzero.offload.timeline`); None elsewhere.
     timings: Callable[[float, int], dict[str, float]] | None = None
 

@@ -31,7 +31,16 @@ import time
 from functools import partial
 
 GRAD_CASES = ["resident-jit", "resident-units", "stream-p1", "stream-p2"]
-STEP_CASES = ["resident", "zero-offload", "zero3-offload", "zero3-delayed", "zero3-fused"]
+STEP_CASES = [
+    "resident",
+    "zero-offload",
+    "zero3-offload",
+    "zero3-delayed",
+    "zero3-optax",
+    "zero3-spec0",
+    "zero3-spec16",
+    "zero3-noclip",
+]
 HOST_CASES = ["host-phases"]
 
 
@@ -129,12 +138,16 @@ def run_step_case(case: str, args) -> dict:
     from jaxzero.models.sizes import flops_per_token, param_count
     from jaxzero.trainer import build_trainer
 
+    zero3 = {"offload.optimizer": "cpu", "offload.params": "cpu"}
     offload = {
         "resident": {},
         "zero-offload": {"offload.optimizer": "cpu"},
         "zero3-offload": {"offload.optimizer": "cpu", "offload.params": "cpu"},
         "zero3-delayed": {"offload.optimizer": "cpu", "offload.params": "cpu", "offload.update": "delayed"},
-        "zero3-fused": {"offload.optimizer": "cpu", "offload.params": "cpu", "offload.fused_update": "true"},
+        "zero3-optax": {"offload.optimizer": "cpu", "offload.params": "cpu", "offload.fused_update": "false"},
+        "zero3-spec0": {**zero3, "offload.speculative_units": "0"},
+        "zero3-spec16": {**zero3, "offload.speculative_units": "16"},
+        "zero3-noclip": {"offload.optimizer": "cpu", "offload.params": "cpu", "optimizer.grad_clip": "0"},
     }[case]
     over = {
         "model.name": args.model,
@@ -153,7 +166,7 @@ def run_step_case(case: str, args) -> dict:
     state = trainer.init(jax.random.key(0))
     jax.block_until_ready(state)
     init_s = time.perf_counter() - t0
-    losses, ts = [], []
+    losses, ts, norms = [], [], []
     for k in range(args.warmup + args.steps):
         if k == args.warmup and trainer.timings is not None:
             trainer.timings(1.0, 1)  # drop the warm-up steps' events
@@ -163,6 +176,7 @@ def run_step_case(case: str, args) -> dict:
         loss = float(jax.device_get(m.loss))  # host sync: time whole steps
         ts.append(time.perf_counter() - t)
         losses.append(loss)
+        norms.append(float(jax.device_get(m.grad_norm)))
     step_s = float(np.median(ts[args.warmup :]))
     breakdown = {}
     if trainer.timings is not None:
@@ -184,6 +198,7 @@ def run_step_case(case: str, args) -> dict:
         "gpu_peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30,
         "host_rss_gib": host_rss_gib(),
         "losses": losses,
+        "grad_norms": norms,
         "breakdown": breakdown,
     }
     print(json.dumps(out), flush=True)
@@ -337,7 +352,7 @@ def print_table(results: list[dict], args) -> None:
             if r.get("breakdown"):
                 print(
                     f"{r['case']:16} per step: "
-                    + " | ".join(f"{k} {v:.3f}" for k, v in r["breakdown"].items())
+                    + " | ".join(f"{k.removesuffix('_s')} {v:.3f}" for k, v in r["breakdown"].items())
                 )
         return
     if "torch_fused_adamw_G_per_s" in results[0]:

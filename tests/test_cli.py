@@ -47,6 +47,7 @@ def test_trains_and_writes_run_dir(first_run):
             "optimizer": "none",
             "resident_blocks": 0,
             "update": "overlapped",
+            "speculative_units": 0,
             "fused_update": True,
         }
     )

@@ -39,13 +39,19 @@ def test_plan_counts_bytes_per_parameter():
     assert delayed.pinned == full.pinned + 2 * 32 * b
     delayed = memory.plan_memory(cfg(offload__optimizer="cpu", offload__update="delayed"))
     assert delayed.accelerator_state == 2 * zero.accelerator_state
+    # Speculative updates (with clipping) keep a spare copy of K units' masters + AdamW state.
+    spec = memory.plan_memory(cfg(offload__optimizer="cpu", offload__speculative_units="8"))
+    assert spec.host - zero.host == 8 * b * 12
+    with pytest.raises(ConfigError, match="lower offload.speculative_units"):
+        memory.check_host_fits(cfg(offload__speculative_units="8"), spec, available=64 * GiB)
 
 
 def test_host_too_small_is_refused_with_numbers():
     c = cfg(offload__optimizer="cpu", offload__params="cpu")
     plan = memory.plan_memory(c)
     with pytest.raises(
-        ConfigError, match=r"needs 213\.3 GiB of host RAM .* but 64\.0 GiB .* checkpoint.async_save=false"
+        ConfigError,
+        match=r"needs 213\.3 GiB of host RAM .* but 64\.0 GiB .* checkpoint.async_save=false",
     ):
         memory.check_host_fits(c, plan, available=64 * GiB)
     memory.check_host_fits(c, plan, available=plan.host + 1)

@@ -64,6 +64,7 @@ def build_offload_trainer(cfg: TrainConfig, mesh: Mesh, *, prefetch: int = 1):
         needs_norm=cfg.optimizer.grad_clip > 0 or fp16,
         skip_nonfinite=fp16,
         delayed=delayed,
+        speculative_units=cfg.offload.speculative_units,
         clock=clock,
     )
     # Masters are created unit by unit on the host: one compiled block init serves every block, and
@@ -153,8 +154,12 @@ def build_offload_trainer(cfg: TrainConfig, mesh: Mesh, *, prefetch: int = 1):
         return streamed.loss(jax.tree.map(weights_of, state.units), window[None])
 
     def timings(wall: float, steps: int) -> dict[str, float]:
-        """Per-step breakdown (seconds) of what finished since the last call (`timeline`)."""
-        return {k: v / max(steps, 1) for k, v in clock.summary(wall).items()}
+        """Per-step breakdown (seconds, `timeline`) of what finished since the last call, and the
+        speculative unit updates kept and recomputed per step."""
+        n = max(steps, 1)
+        out = {f"{k}_s": v / n for k, v in clock.summary(wall).items()}
+        kept, redone = pipeline.take_counts()
+        return {**out, "speculated": kept / n, "rolled_back": redone / n}
 
     def put_batch(batch):  # whole batch on the one accelerator
         return jax.device_put(batch, where.device)

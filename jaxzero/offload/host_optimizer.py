@@ -27,6 +27,7 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import Any, NamedTuple
 
 import jax
@@ -181,6 +182,7 @@ class HostOptimizer:
         self._cast = jax.jit(
             lambda p: jax.tree.map(lambda x: x.astype(self.compute_dtype), p), out_shardings=host
         )
+        self._zeros_like = jax.jit(lambda t: jax.tree.map(jnp.zeros_like, t), out_shardings=host)
         self._lr = jax.jit(lambda step: jnp.asarray(self.schedule(step), jnp.float32))
 
     @property
@@ -220,12 +222,17 @@ class HostOptimizer:
 
     def grad_multiplier(self, norm: np.float32 | None, scale: np.float32) -> np.float32:
         """The factor taking gradient sums to the clipped mean gradient: 1 / (grad_accum * scale),
-        then optax's `clip_by_global_norm` rule (x / norm * max_norm when norm >= max_norm)."""
+        then optax's `clip_by_global_norm` rule (x / norm * max_norm when norm >= max_norm).
+        `norm=None`: the factor if no clipping applies."""
         f32 = np.float32
         gmul = f32(1.0) / f32(self.grad_accum) / f32(scale)
-        if self.max_norm > 0 and not (f32(norm) < f32(self.max_norm)):
+        if norm is not None and not self.unclipped(norm):
             gmul = gmul / f32(norm) * f32(self.max_norm)
         return f32(gmul)
+
+    def unclipped(self, norm: np.float32) -> bool:
+        """Whether optax's rule leaves a gradient of global norm `norm` as it is (False for NaN)."""
+        return self.max_norm <= 0 or bool(np.float32(norm) < np.float32(self.max_norm))
 
     def update_unit(
         self, kind: str, block: int | None, unit: HostUnit, grads: Any, gmul: np.float32, priority: int
@@ -252,15 +259,22 @@ class HostOptimizer:
         params, opt_state, weights = self.pool.submit(priority, run).result()  # host sync
         return HostUnit(params, opt_state, place(weights, self.target(block)))
 
-    def _fused_update(self, kind, block, unit: HostUnit, grads, gmul, priority) -> HostUnit:
+    def _fused_update(self, kind, block, unit: HostUnit, grads, gmul, priority, into=None) -> HostUnit:
+        """The fused kernels on every leaf, in place, or into `into` = (params, opt_state) of the
+        same structure (a speculative update: `unit` is left untouched). Returns the updated unit
+        with its new weights placed."""
         from jaxzero.offload import host_kernels as hk
 
         rule = self.rule
         p_leaves, treedef = jax.tree.flatten(unit.params)
         g_leaves = treedef.flatten_up_to(grads)
-        m_leaves = [
-            treedef.flatten_up_to(optax.tree_utils.tree_get(unit.opt_state, n)) for n in rule.moments()
-        ]
+
+        def moments(opt_state):
+            return [treedef.flatten_up_to(optax.tree_utils.tree_get(opt_state, n)) for n in rule.moments()]
+
+        m_leaves = moments(unit.opt_state)
+        if into is not None:
+            out_p, out_m = treedef.flatten_up_to(into[0]), moments(into[1])
         decay = treedef.flatten_up_to(getattr(self._decay, kind))
         count = _count(unit.opt_state)  # host sync (a scalar already on the host)
         kernel = rule.kernel(count, float(self._lr(np.int32(count))), gmul)
@@ -270,17 +284,52 @@ class HostOptimizer:
         for k, p in enumerate(p_leaves):
             views = [hk.writable_view(p)] + [hk.writable_view(m[k]) for m in m_leaves]
             views += [hk.readable_view(g_leaves[k]), outs[k]]
+            dst = None
+            if into is not None:
+                dst = [hk.writable_view(out_p[k])] + [hk.writable_view(m[k]) for m in out_m]
             for s in hk.chunks(p.size):
-                work.append(self.pool.submit(priority, kernel, *[v[s] for v in views], decay[k]))
+                out = None if dst is None else [d[s] for d in dst]
+                work.append(
+                    self.pool.submit(priority, partial(kernel, out=out), *[v[s] for v in views], decay[k])
+                )
         for f in work:
             f.result()  # host sync: this unit's update is done
-        opt_state = jax.tree.map(_increment, unit.opt_state)
+        new_params, new_state = (unit.params, unit.opt_state) if into is None else into
+        # The step counts of the new state: the old ones plus one (scalars, new arrays).
+        counts = iter(_increment(x) for x in jax.tree.leaves(unit.opt_state) if _is_count(x))
+        new_state = jax.tree.map(lambda x: next(counts) if _is_count(x) else x, new_state)
         w_np = [o.view(self.compute_dtype).reshape(p.shape) for o, p in zip(outs, p_leaves)]
         weights = place(jax.tree.unflatten(treedef, w_np), self.target(block))
         # `place` copied and has finished reading them; reuse them unless a backend adopted one.
         if all(w.unsafe_buffer_pointer() != o.ctypes.data for w, o in zip(jax.tree.leaves(weights), outs)):
             self._buffers.give(outs)
-        return HostUnit(unit.params, opt_state, weights)
+        return HostUnit(new_params, new_state, weights)
+
+    # -- speculative updates -------------------------------------------------------------------------
+
+    @property
+    def can_speculate(self) -> bool:
+        """Speculative updates need the fused kernels (they write into separate buffers)."""
+        return self.rule is not None
+
+    def spare(self, unit: HostUnit) -> tuple[Any, Any]:
+        """Fresh buffers shaped like `unit`'s params and optimizer state (on the host device), for a
+        speculative update to write into."""
+        return self._zeros_like((unit.params, unit.opt_state))
+
+    def speculate(
+        self,
+        kind: str,
+        block: int | None,
+        unit: HostUnit,
+        grads: Any,
+        gmul: np.float32,
+        priority: int,
+        into: tuple[Any, Any],
+    ) -> HostUnit:
+        """`update_unit` into `into` (from `spare`), leaving `unit` as it was: the update this unit
+        gets if the gradient turns out not to need clipping. The caller keeps whichever it needs."""
+        return self._fused_update(kind, block, unit, grads, gmul, priority, into=into)
 
     def lr(self, step: jax.Array) -> jax.Array:
         """The learning rate of update number `step` (int32 scalar, on the device it lives on)."""
@@ -290,17 +339,19 @@ class HostOptimizer:
 def _count(opt_state: Any) -> int:
     """Updates applied so far: optax's int32 step count (every count in these states agrees)."""
     for x in jax.tree.leaves(opt_state):
-        if x.ndim == 0 and x.dtype == np.int32:
+        if _is_count(x):
             return int(host_view(x))
     raise ValueError("this optimizer state holds no step count")
 
 
+def _is_count(x: jax.Array) -> bool:
+    return x.ndim == 0 and x.dtype == np.int32
+
+
 def _increment(x: jax.Array) -> jax.Array:
     """optax's counts advance by one per update (saturating, as `optax.safe_increment`)."""
-    if x.ndim == 0 and x.dtype == np.int32:
-        c = int(host_view(x))
-        return jax.device_put(np.int32(min(c + 1, np.iinfo(np.int32).max)), x.sharding)
-    return x
+    c = int(host_view(x))
+    return jax.device_put(np.int32(min(c + 1, np.iinfo(np.int32).max)), x.sharding)
 
 
 def place(unit_host: Any, target) -> Any:

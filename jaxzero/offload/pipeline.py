@@ -10,10 +10,17 @@ the host update of step t overlaps the forward pass of step t+1:
     accelerator   fwd t | bwd t           | fwd t+1 (block i waits for update i) | bwd t+1 ...
     host                     grads land -> | norm known: update embed, 0, 1, ... L-1, head  |
 
-Exactness: no unit is updated before the global norm of the whole gradient is known, so clipping is
-optax's, and float16 overflow (a non-finite norm) skips every unit's update, as the resident trainer
-does. Without clipping and without float16 the norm is not needed, and each unit's update starts as
-soon as its gradients land, overlapping the backward pass of the blocks below it too.
+Exactness: no update is committed before the global norm of the whole gradient is known, so clipping
+is optax's, and float16 overflow (a non-finite norm) skips every unit's update, as the resident
+trainer does. Without clipping and without float16 the norm is not needed, and each unit's update
+starts as soon as its gradients land, overlapping the backward pass of the blocks below it too.
+
+With clipping, the first `offload.speculative_units` units whose gradients land (the head and the top
+blocks) are updated speculatively during the backward pass, as if no clipping will apply, into
+spare buffers. When the norm arrives: below `grad_clip` the speculative result is exactly the update
+(the same kernel on the same numbers) and is kept, the old buffers becoming the next spare; otherwise
+it is discarded and the unit is updated again with the clipping factor. The cost is one spare copy
+of those units' masters and optimizer state in host RAM.
 
 `delayed` (ZeRO-Offload's delayed parameter update, DPU) lets step t+1's forward and backward use the
 weights from before update t, so update t overlaps all of step t+1. Gradients are then one update
@@ -23,6 +30,8 @@ compute-dtype weights (accelerator memory for resident blocks, `pinned_host` for
 
 from __future__ import annotations
 
+import itertools
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -137,10 +146,20 @@ class UpdatePipeline:
         needs_norm: bool,
         skip_nonfinite: bool,
         delayed: bool,
+        speculative_units: int,
         clock: StepClock,
     ):
         self.host = host
         self.delayed = delayed
+        # Speculation only pays where a unit would otherwise wait for the norm (not in the delayed
+        # mode, whose update is off the accelerator's critical path).
+        speculate = needs_norm and host.can_speculate and not delayed
+        self.speculative_units = speculative_units if speculate else 0
+        # Buffers for speculative updates, by unit kind (blocks share one shape), at most
+        # `speculative_units` in all.
+        self._spares: dict[str, list[tuple[Any, Any]]] = {"embed": [], "blocks": [], "head": []}
+        self._lock = threading.Lock()
+        self.committed = self.rolled_back = 0  # speculative updates kept / recomputed, since the last read
         self.needs_norm = needs_norm  # clipping or float16: wait for the global norm before updating
         self.skip_nonfinite = skip_nonfinite  # float16: a non-finite norm means overflow, skip the step
         self.clock = clock
@@ -171,13 +190,59 @@ class UpdatePipeline:
         jobs = [("embed", None, units.embed, used.embed, grads.embed, 0)]
         jobs += [("blocks", i, units.blocks[i], used.blocks[i], grads.blocks[i], 1 + i) for i in range(L)]
         jobs += [("head", None, units.head, used.head, grads.head, L + 1)]
-        out = [self._tasks.submit(self._run, *job, norm_h, scale_h) for job in jobs]
+        tickets = itertools.count()  # the first `speculative_units` gradients to land may speculate
+        out = [self._tasks.submit(self._run, *job, norm_h, scale_h, tickets) for job in jobs]
         return ModelParams(out[0], tuple(out[1:-1]), out[-1])
 
-    def _run(self, kind, block, prev: Future, used: Future, grads, priority, norm_h, scale_h) -> HostUnit:
+    def take_counts(self) -> tuple[int, int]:
+        """Speculative updates kept and recomputed since the last call."""
+        with self._lock:
+            out = (self.committed, self.rolled_back)
+            self.committed = self.rolled_back = 0
+        return out
+
+    def _speculate(self, kind, block, unit: HostUnit, g, priority, scale_h, tickets) -> HostUnit | None:
+        """While the backward pass still runs, update this unit as if no clipping will apply, into
+        spare buffers (the unit itself untouched). None if this unit does not speculate."""
+        evict = None
+        with self._lock:
+            if next(tickets) >= self.speculative_units:
+                return None
+            spare = self._spares[kind].pop() if self._spares[kind] else None
+            if spare is None and sum(map(len, self._spares.values())) >= self.speculative_units:
+                # Spares of another shape only: free one, so the bound holds.
+                evict = next(v for v in self._spares.values() if v).pop()
+        if evict is not None:
+            _delete(evict)
+        if spare is None:
+            spare = self.host.spare(unit)  # rarely: afterwards the replaced state becomes the spare
+        gmul = self.host.grad_multiplier(None, np.float32(host_view(scale_h)))
+        return self.host.speculate(kind, block, unit, g, gmul, priority, spare)
+
+    def _run(
+        self, kind, block, prev: Future, used: Future, grads, priority, norm_h, scale_h, tickets
+    ) -> HostUnit:
         unit = prev.result()  # the unit's previous update (in the overlapped mode it is done already)
         g = jax.tree.map(host_view, grads)  # host sync: waits for this unit's gradients to land
+        spec = None
+        if self.speculative_units:
+            start = time.perf_counter()
+            spec = self._speculate(kind, block, unit, g, priority, scale_h, tickets)
+            if spec is not None:
+                self.clock.updated(start, time.perf_counter())
         norm = np.float32(host_view(norm_h)) if self.needs_norm else None  # host sync: whole backward
+        if spec is not None:
+            if (not self.skip_nonfinite or np.isfinite(norm)) and self.host.unclipped(norm):
+                # Exactly the update the unit would get now: keep it; the old state is the next spare.
+                _delete(used.result())
+                with self._lock:
+                    self._spares[kind].append((unit.params, unit.opt_state))
+                    self.committed += 1
+                return spec
+            _delete(spec.weights)  # clipping (or overflow) applies after all: recompute below
+            with self._lock:
+                self._spares[kind].append((spec.params, spec.opt_state))
+                self.rolled_back += 1
         # The weights the pass read are done with (its gradients landed). Overlapped, the new ones
         # replace them. Delayed, the unit's newest weights are read by the next pass; older ones go.
         stale = used.result() is not unit.weights
