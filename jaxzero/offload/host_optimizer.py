@@ -277,7 +277,10 @@ class HostOptimizer:
             out_p, out_m = treedef.flatten_up_to(into[0]), moments(into[1])
         decay = treedef.flatten_up_to(getattr(self._decay, kind))
         count = _count(unit.opt_state)  # host sync (a scalar already on the host)
-        kernel = rule.kernel(count, float(self._lr(np.int32(count))), gmul)
+        # The rate on the host device: a NumPy scalar would go to the default device, the accelerator,
+        # and reading it back would wait behind the whole queued backward pass.
+        lr = host_view(self._lr(jax.device_put(np.int32(count), self.placement.host)))  # host sync
+        kernel = rule.kernel(count, float(lr), gmul)
         w_dtype = hk._bits(np.dtype(self.compute_dtype))
         outs = [self._buffers.take(p.size, w_dtype) for p in p_leaves]
         work = []

@@ -185,7 +185,9 @@ class UpdatePipeline:
         """
         pinned = self.host.placement.pinned
         # Two scalars to host memory, asynchronously; each task reads them in place when it needs them.
-        norm_h, scale_h = jax.device_put((norm, scale), pinned)
+        norm_h = jax.device_put(norm, pinned)
+        # Only float16 has a loss scale; reading a copy of it would wait behind the gradients' copies.
+        scale_h = jax.device_put(scale, pinned) if self.skip_nonfinite else None
         L = len(grads.blocks)
         jobs = [("embed", None, units.embed, used.embed, grads.embed, 0)]
         jobs += [("blocks", i, units.blocks[i], used.blocks[i], grads.blocks[i], 1 + i) for i in range(L)]
@@ -216,7 +218,7 @@ class UpdatePipeline:
             _delete(evict)
         if spare is None:
             spare = self.host.spare(unit)  # rarely: afterwards the replaced state becomes the spare
-        gmul = self.host.grad_multiplier(None, np.float32(host_view(scale_h)))
+        gmul = self.host.grad_multiplier(None, _scale(scale_h))
         return self.host.speculate(kind, block, unit, g, gmul, priority, spare)
 
     def _run(
@@ -250,13 +252,18 @@ class UpdatePipeline:
             if stale:
                 _delete(used.result())
             return unit  # float16 overflow: this step changes nothing
-        gmul = self.host.grad_multiplier(norm, np.float32(host_view(scale_h)))
+        gmul = self.host.grad_multiplier(norm, _scale(scale_h))
         if stale or not self.delayed:
             _delete(used.result())  # their memory is reused for the new weights
         start = time.perf_counter()
         new = self.host.update_unit(kind, block, unit, g, gmul, priority)
         self.clock.updated(start, time.perf_counter())
         return new
+
+
+def _scale(scale_h: jax.Array | None) -> np.float32:
+    """The loss scale the gradients carry: float16's (a host sync on its copy), else 1."""
+    return np.float32(1.0) if scale_h is None else np.float32(host_view(scale_h))
 
 
 def _delete(tree: Any) -> None:
