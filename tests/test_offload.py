@@ -66,7 +66,12 @@ def run(cfg: TrainConfig, guard: bool = False):
     data = build_data(cfg.data, cfg.model.vocab_size, cfg.seed)
     batches = data.train_iter()
     key = jax.random.key(cfg.seed)  # made from a Python int: an implicit transfer, outside the guard
-    with jax.transfer_guard("disallow" if guard else "allow"):
+    # The guard is set for the whole process, so the engine's worker threads (the host update) run
+    # under it too: an implicit transfer there, such as a NumPy scalar handed to a jitted function,
+    # lands on the default device (the accelerator) and waits behind its queue.
+    previous = jax.config.jax_transfer_guard
+    jax.config.update("jax_transfer_guard", "disallow" if guard else "allow")
+    try:
         state = trainer.init(key)
         losses, norms = [], []
         for _ in range(cfg.steps):
@@ -75,6 +80,9 @@ def run(cfg: TrainConfig, guard: bool = False):
             losses.append(float(m.loss))
             norms.append(float(m.grad_norm))
         val = jax.device_get(trainer.eval_loss(state, trainer.put_eval_batch(data.val_batches(1)[0])))
+        jax.block_until_ready(state)  # the last host updates, still under the guard
+    finally:
+        jax.config.update("jax_transfer_guard", previous)
     return trainer, state, np.array(losses), np.array(norms), float(val)
 
 
