@@ -29,7 +29,6 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from flax.core import unfreeze
 
 from jaxzero.config import ConfigError, ModelConfig
 from jaxzero.models import ModelParams, init_params
@@ -158,9 +157,7 @@ class GPT2:
     def init_block(self, key: jax.Array) -> dict[str, Any]:
         """One block's float32 parameters (layout in the module docstring), from `GPT2Block`'s own
         initializers; shapes are inferred without running the block."""
-        c = self.config
-        x = jax.ShapeDtypeStruct((1, 1, c.hidden_size), self.dtype)
-        return unfreeze(GPT2Block(c).lazy_init(key, x)["params"])
+        return L.init_block_module(GPT2Block(self.config), self.config, key)
 
     def init_head(self, key: jax.Array) -> dict[str, Any]:
         """Head unit: the final LayerNorm only (the projection is the tied wte). `key` is unused."""

@@ -23,6 +23,7 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax.core import unfreeze
 
 from jaxzero.config import ConfigError, ModelConfig, validate_model
 
@@ -81,6 +82,13 @@ def check_shape(config: ModelConfig, family: str) -> None:
 # here: it is process-wide) it compiles in ~11 s and gives bit-identical values. Drawing one flat vector
 # per block and slicing it compiles slower still on GPU, and on XLA:CPU, which runs independent ops
 # concurrently, keeps every draw's temporaries live at once, so tensors are drawn one by one.
+
+
+def init_block_module(block: Any, config: ModelConfig, key: jax.Array) -> dict[str, Any]:
+    """The float32 parameters of a block module (`LlamaBlock`, `GPT2Block`) from its own initializers;
+    shapes are inferred from a (1, 1, D) input without running the block."""
+    x = jax.ShapeDtypeStruct((1, 1, config.hidden_size), compute_dtype(config))
+    return unfreeze(block.lazy_init(key, x)["params"])
 
 
 def split_init_keys(key: jax.Array, num_layers: int) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -31,7 +31,6 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from flax.core import unfreeze
 
 from jaxzero.config import ModelConfig
 from jaxzero.models import ModelParams, init_params
@@ -141,9 +140,7 @@ class Llama:
     def init_block(self, key: jax.Array) -> dict[str, Any]:
         """One block's float32 parameters (layout in the module docstring), from `LlamaBlock`'s own
         initializers; shapes are inferred without running the block."""
-        c = self.config
-        x = jax.ShapeDtypeStruct((1, 1, c.hidden_size), self.dtype)
-        return unfreeze(LlamaBlock(c).lazy_init(key, x)["params"])
+        return L.init_block_module(LlamaBlock(self.config), self.config, key)
 
     def init_head(self, key: jax.Array) -> dict[str, Any]:
         """Head unit: final norm, plus the (D, V) output projection unless embeddings are tied."""

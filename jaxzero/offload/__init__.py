@@ -27,7 +27,7 @@ from jaxzero.config import TrainConfig
 from jaxzero.loss_scale import init_loss_scale, update_loss_scale
 from jaxzero.models import ModelParams, build_model, init_keys
 from jaxzero.models.layers import compute_dtype
-from jaxzero.offload.host_optimizer import HostOptimizer, HostUnit
+from jaxzero.offload.host_optimizer import HostOptimizer
 from jaxzero.offload.pipeline import OffloadState, UpdatePipeline, weights_of
 from jaxzero.offload.streaming import StreamedModel
 from jaxzero.offload.timeline import StepClock
@@ -123,8 +123,8 @@ def build_offload_trainer(cfg: TrainConfig, mesh: Mesh, *, prefetch: int = 1):
         units = state.resolved()
         saved = {
             "step": jax.device_put(state.step, where.host),
-            "params": jax.tree.map(lambda u: u.params, units, is_leaf=_is_unit),
-            "opt_state": jax.tree.map(lambda u: u.opt_state, units, is_leaf=_is_unit),
+            "params": units.params,
+            "opt_state": units.opt_state,
         }
         if state.loss_scale is not None:
             saved["loss_scale"] = jax.device_put(state.loss_scale, where.host)
@@ -189,7 +189,3 @@ def build_offload_trainer(cfg: TrainConfig, mesh: Mesh, *, prefetch: int = 1):
         from_saved_state=from_saved_state,
         timings=timings,
     )
-
-
-def _is_unit(x: Any) -> bool:
-    return isinstance(x, HostUnit)

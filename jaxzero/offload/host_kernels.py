@@ -226,16 +226,16 @@ def warm_up(rule: FusedRule, grad_dtype: np.dtype, moment_dtype: np.dtype, weigh
     """Compile (or load from the cache) the kernel `rule` will use, on tiny arrays."""
     n = 8
     p = np.zeros(n, np.float32)
-    moments = [np.zeros(n, _bits(moment_dtype)) for _ in rule.moments()]
+    moments = [np.zeros(n, bits_dtype(moment_dtype)) for _ in rule.moments()]
     rule.kernel(0, 0.0, 1.0)(
-        p, *moments, np.zeros(n, _bits(grad_dtype)), np.zeros(n, _bits(weight_dtype)), 0.0
+        p, *moments, np.zeros(n, bits_dtype(grad_dtype)), np.zeros(n, bits_dtype(weight_dtype)), 0.0
     )
 
 
 # -- views -----------------------------------------------------------------------------------------
 
 
-def _bits(dtype: np.dtype) -> np.dtype:
+def bits_dtype(dtype: np.dtype) -> np.dtype:
     """The dtype a kernel sees: bfloat16 as its bits."""
     return np.dtype(np.uint16) if dtype == jnp.bfloat16 else np.dtype(dtype)
 
@@ -245,12 +245,12 @@ def writable_view(x: jax.Array) -> np.ndarray:
     seen by the array: the caller must own `x` and nothing may read it concurrently. Waits for `x`
     (a host sync)."""
     buf = (ctypes.c_byte * x.nbytes).from_address(x.unsafe_buffer_pointer())
-    return np.frombuffer(buf, dtype=_bits(x.dtype))
+    return np.frombuffer(buf, dtype=bits_dtype(x.dtype))
 
 
 def readable_view(x: np.ndarray) -> np.ndarray:
     """A flat view of a host NumPy array (bfloat16 as uint16)."""
-    return x.reshape(-1).view(_bits(x.dtype))
+    return x.reshape(-1).view(bits_dtype(x.dtype))
 
 
 # -- which optimizers --------------------------------------------------------------------------------

@@ -155,7 +155,7 @@ class HostOptimizer:
             from jaxzero.offload import host_kernels as hk
 
             moment = jnp.dtype(cfg.state_dtype)
-            self._warm = self._io.submit(hk.warm_up, self.rule, grad_dtype, moment, self.compute_dtype)
+            self._io.submit(hk.warm_up, self.rule, grad_dtype, moment, self.compute_dtype)
         host = placement.host
 
         def make_update(tx: optax.GradientTransformation):
@@ -281,7 +281,7 @@ class HostOptimizer:
         # and reading it back would wait behind the whole queued backward pass.
         lr = host_view(self._lr(jax.device_put(np.int32(count), self.placement.host)))  # host sync
         kernel = rule.kernel(count, float(lr), gmul)
-        w_dtype = hk._bits(np.dtype(self.compute_dtype))
+        w_dtype = hk.bits_dtype(np.dtype(self.compute_dtype))
         outs = [self._buffers.take(p.size, w_dtype) for p in p_leaves]
         work = []
         for k, p in enumerate(p_leaves):
@@ -298,9 +298,11 @@ class HostOptimizer:
         for f in work:
             f.result()  # host sync: this unit's update is done
         new_params, new_state = (unit.params, unit.opt_state) if into is None else into
-        # The step counts of the new state: the old ones plus one (scalars, new arrays).
-        counts = iter(_increment(x) for x in jax.tree.leaves(unit.opt_state) if _is_count(x))
-        new_state = jax.tree.map(lambda x: next(counts) if _is_count(x) else x, new_state)
+        # The step counts of the new state: `count` plus one (new scalars, one per count leaf).
+        new_count = np.int32(min(count + 1, np.iinfo(np.int32).max))  # saturating, as optax's
+        new_state = jax.tree.map(
+            lambda x: jax.device_put(new_count, x.sharding) if _is_count(x) else x, new_state
+        )
         w_np = [o.view(self.compute_dtype).reshape(p.shape) for o, p in zip(outs, p_leaves)]
         weights = place(jax.tree.unflatten(treedef, w_np), self.target(block))
         # `place` copied and has finished reading them; reuse them unless a backend adopted one.
@@ -349,12 +351,6 @@ def _count(opt_state: Any) -> int:
 
 def _is_count(x: jax.Array) -> bool:
     return x.ndim == 0 and x.dtype == np.int32
-
-
-def _increment(x: jax.Array) -> jax.Array:
-    """optax's counts advance by one per update (saturating, as `optax.safe_increment`)."""
-    c = int(host_view(x))
-    return jax.device_put(np.int32(min(c + 1, np.iinfo(np.int32).max)), x.sharding)
 
 
 def place(unit_host: Any, target) -> Any:

@@ -104,23 +104,26 @@ class OffloadState:
         units = _units(params, opt_state, weights)
         return cls(step, units, jax.tree.map(weights_of, units, is_leaf=_is_future), loss_scale)
 
-    def resolved(self) -> ModelParams:
-        return _resolve(self.units)
+    def resolved(self) -> HostUnit:
+        """Waits for every unit (a host sync); their params, opt_state and weights, each in
+        `ModelParams` layout."""
+        units = _resolve(self.units)
+        return HostUnit(*(jax.tree.map(lambda u, k=k: u[k], units, is_leaf=_is_unit) for k in range(3)))
 
     @property
     def params(self) -> ModelParams:
-        return jax.tree.map(lambda u: u.params, self.resolved(), is_leaf=_is_unit)
+        return self.resolved().params
 
     @property
     def opt_state(self) -> ModelParams:
-        return jax.tree.map(lambda u: u.opt_state, self.resolved(), is_leaf=_is_unit)
+        return self.resolved().opt_state
 
     @property
     def weights(self) -> ModelParams:
-        return jax.tree.map(lambda u: u.weights, self.resolved(), is_leaf=_is_unit)
+        return self.resolved().weights
 
     def tree_flatten(self):
-        return (self.step, self.params, self.opt_state, self.weights, self.loss_scale), None
+        return (self.step, *self.resolved(), self.loss_scale), None
 
     @classmethod
     def tree_unflatten(cls, _aux, children):
