@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from jaxzero.config import ConfigError, TrainConfig
 from jaxzero.models.sizes import unit_param_counts
+from jaxzero.offload.pipeline import speculative_units
 
 GiB = 2**30
 PINNED_POOL_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
@@ -86,9 +87,8 @@ def plan_memory(cfg: TrainConfig) -> MemoryPlan:
     # 1.3-1.6x the pinned bytes (the pinned pool grows in large regions; runtime buffers), so the
     # plan allows 1.5x the pinned bytes on top rather than promise memory that is not there.
     allowance = pinned * 3 // 2
-    # Speculative updates (with clipping or float16) keep a spare copy of a few units' host state.
-    speculating = off.fused_update and (cfg.optimizer.grad_clip > 0 or m.compute_dtype == "float16")
-    spares = off.speculative_units * max(n_embed, n_block, n_head) * (4 + opt) if speculating else 0
+    # Speculative updates keep a spare copy of a few units' host state (where they apply at all).
+    spares = speculative_units(cfg) * max(n_embed, n_block, n_head) * (4 + opt)
     host = n * (4 + opt) + pinned + staging + snapshot + allowance + spares
     in_flight = 3 if streamed_blocks else 0  # the block computing, the one prefetched, a gradient leaving
     accelerator = copies * (n - n_streamed) * compute + in_flight * n_block * max(compute, grad)

@@ -42,6 +42,10 @@ def test_plan_counts_bytes_per_parameter():
     # Speculative updates (with clipping) keep a spare copy of K units' masters + AdamW state.
     spec = memory.plan_memory(cfg(offload__optimizer="cpu", offload__speculative_units="8"))
     assert spec.host - zero.host == 8 * b * 12
+    # ... where they apply: not under the delayed update, nor without clipping.
+    for other in ({"offload__update": "delayed"}, {"optimizer__grad_clip": "0"}):
+        with_k = memory.plan_memory(cfg(offload__optimizer="cpu", offload__speculative_units="8", **other))
+        assert with_k.host == memory.plan_memory(cfg(offload__optimizer="cpu", **other)).host
     with pytest.raises(ConfigError, match="lower offload.speculative_units"):
         memory.check_host_fits(cfg(offload__speculative_units="8"), spec, available=64 * GiB)
 

@@ -28,7 +28,7 @@ from jaxzero.loss_scale import init_loss_scale, update_loss_scale
 from jaxzero.models import ModelParams, build_model, init_keys
 from jaxzero.models.layers import compute_dtype
 from jaxzero.offload.host_optimizer import HostOptimizer
-from jaxzero.offload.pipeline import OffloadState, UpdatePipeline, weights_of
+from jaxzero.offload.pipeline import OffloadState, UpdatePipeline, speculative_units, weights_of
 from jaxzero.offload.streaming import StreamedModel
 from jaxzero.offload.timeline import StepClock
 from jaxzero.optim import build_optimizer
@@ -64,7 +64,7 @@ def build_offload_trainer(cfg: TrainConfig, mesh: Mesh, *, prefetch: int = 1):
         needs_norm=cfg.optimizer.grad_clip > 0 or fp16,
         skip_nonfinite=fp16,
         delayed=delayed,
-        speculative_units=cfg.offload.speculative_units,
+        speculative_units=speculative_units(cfg),
         clock=clock,
     )
     # Masters are created unit by unit on the host: one compiled block init serves every block, and

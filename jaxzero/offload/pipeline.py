@@ -39,6 +39,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxzero.config import TrainConfig
 from jaxzero.models import ModelParams
 from jaxzero.offload.host_optimizer import HostOptimizer, HostUnit, host_view
 from jaxzero.offload.timeline import StepClock
@@ -138,6 +139,18 @@ def _is_unit(x: Any) -> bool:
     return isinstance(x, HostUnit)
 
 
+def speculative_units(cfg: TrainConfig) -> int:
+    """How many units a run updates speculatively: `offload.speculative_units` where speculation
+    applies, else 0. It applies where units would otherwise wait for the norm (clipping; float16 is
+    not covered by the fused kernels anyway), not under the delayed update (off the critical path),
+    and only with the fused kernels (they write into spare buffers; float16 falls back to optax).
+    The memory plan counts the spares with this same rule."""
+    o = cfg.offload
+    fused = o.fused_update and cfg.model.compute_dtype != "float16"  # `host_kernels.FusedRule.of`
+    applies = cfg.optimizer.grad_clip > 0 and o.update == "overlapped" and fused
+    return o.speculative_units if applies else 0
+
+
 class UpdatePipeline:
     """Submits each step's per-unit host updates; see the module docstring."""
 
@@ -154,10 +167,10 @@ class UpdatePipeline:
     ):
         self.host = host
         self.delayed = delayed
-        # Speculation only pays where a unit would otherwise wait for the norm (not in the delayed
-        # mode, whose update is off the accelerator's critical path).
-        speculate = needs_norm and host.can_speculate and not delayed
-        self.speculative_units = speculative_units if speculate else 0
+        # `speculative_units` is already the effective count (`speculative_units(cfg)`).
+        if speculative_units and not (needs_norm and host.can_speculate and not delayed):
+            raise ValueError("speculative updates need the norm wait, the fused kernels and no delay")
+        self.speculative_units = speculative_units
         # Buffers for speculative updates, by unit kind (blocks share one shape), at most
         # `speculative_units` in all.
         self._spares: dict[str, list[tuple[Any, Any]]] = {"embed": [], "blocks": [], "head": []}
