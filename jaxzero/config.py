@@ -116,6 +116,12 @@ class OffloadConfig:
     # if the norm shows no clipping applies). Costs a spare copy of their host state. Off by default:
     # on the H200 box it did not pay (BENCHMARKS.md).
     speculative_units: int = 0
+    # With clipping: update this many units (in forward order) in two passes: the compute-dtype
+    # weights as soon as the norm is known (the next forward pass waits only for those), the masters
+    # and optimizer state during the next backward pass, when the host is otherwise idle. The same
+    # bits as one pass; more host memory traffic in all, less of it before the next forward pass.
+    # -1: adaptive (as many as the host finishes within the next backward pass); 0: off.
+    two_pass_units: int = -1
     # The fused host kernels where they cover the optimizer; false: the optax update on XLA:CPU.
     fused_update: bool = True
 
@@ -430,6 +436,10 @@ def validate(cfg: TrainConfig, num_devices: int | None = None) -> None:
     need(
         cfg.offload.speculative_units >= 0,
         f"offload.speculative_units={cfg.offload.speculative_units} must be >= 0 (0 disables speculation).",
+    )
+    need(
+        cfg.offload.two_pass_units >= -1,
+        f"offload.two_pass_units={cfg.offload.two_pass_units} must be >= -1 (-1: adaptive; 0: none).",
     )
     need(
         cfg.offload.resident_blocks <= m.num_layers,

@@ -10,11 +10,15 @@ initialisation. Byte counts per parameter, by where the state lives:
     compute-dtype weights          -  (cast per    2  accelerator             2  pinned host (streamed)
                                        block)
     gradients                      4  accelerator  2|4 pinned host            2|4 pinned host
+    weights staging                -               2  pinned host             2  pinned host (embed/head)
 
-(gradients leave in the compute dtype with one micro-batch, as float32 sums with several.)
+(gradients leave in the compute dtype with one micro-batch, as float32 sums with several; the host
+update writes the new weights of units that live on the accelerator into pinned staging buffers, one
+DMA away, and every unit may be in flight at once. Two-pass updates keep their units' gradients
+into the next step: up to 2|4 more.)
 An asynchronous checkpoint (`checkpoint.async_save`, the default) snapshots masters and optimizer
 state into host RAM while it writes: 4 + 8 more bytes per parameter of host memory during a save.
-Offloaded runs also get an allowance of 1.5x their pinned bytes, measured (see `plan_memory`).
+Offloaded runs also get an allowance of 1.25x their pinned bytes, measured (see `plan_memory`).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from dataclasses import dataclass
 
 from jaxzero.config import ConfigError, TrainConfig
 from jaxzero.models.sizes import unit_param_counts
-from jaxzero.offload.pipeline import speculative_units
+from jaxzero.offload.pipeline import speculative_units, two_pass_units
 
 GiB = 2**30
 PINNED_POOL_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
@@ -81,15 +85,21 @@ def plan_memory(cfg: TrainConfig) -> MemoryPlan:
     # offload.update=delayed keeps two copies of the compute weights (the pass reads one while the
     # host writes the next).
     copies = 2 if off.update == "delayed" else 1
-    pinned = copies * n_streamed * compute + n * grad
-    staging = 3 * n_block * compute  # compute-dtype copies on their way back, a few blocks at a time
-    # Measured on the H100/H200 boxes (BENCHMARKS.md): peak RSS exceeded the sum of the arrays by
-    # 1.3-1.6x the pinned bytes (the pinned pool grows in large regions; runtime buffers), so the
-    # plan allows 1.5x the pinned bytes on top rather than promise memory that is not there.
-    allowance = pinned * 3 // 2
+    # A two-pass update keeps a unit's gradients until its second pass, during the next step's
+    # backward pass, while that step's gradients arrive: those units' gradients twice.
+    k = two_pass_units(cfg)
+    n_two_pass = (k >= 1) * n_embed + max(0, min(k - 1, m.num_layers)) * n_block
+    n_two_pass += (k >= m.num_layers + 2) * n_head
+    staging = (n - n_streamed) * compute  # new weights of accelerator-resident units, one DMA away
+    pinned = copies * n_streamed * compute + (n + n_two_pass) * grad + staging
+    # Measured on the H200 box (BENCHMARKS.md, 3.37B model, six offload modes): peak RSS exceeded
+    # the sum of the arrays by 0.4-1.1x the pinned bytes (the pinned pool grows in large regions;
+    # runtime buffers), so the plan allows 1.25x the pinned bytes on top rather than promise memory
+    # that is not there.
+    allowance = pinned * 5 // 4
     # Speculative updates keep a spare copy of a few units' host state (where they apply at all).
     spares = speculative_units(cfg) * max(n_embed, n_block, n_head) * (4 + opt)
-    host = n * (4 + opt) + pinned + staging + snapshot + allowance + spares
+    host = n * (4 + opt) + pinned + snapshot + allowance + spares
     in_flight = 3 if streamed_blocks else 0  # the block computing, the one prefetched, a gradient leaving
     accelerator = copies * (n - n_streamed) * compute + in_flight * n_block * max(compute, grad)
     return MemoryPlan(host=host, pinned=pinned, accelerator_state=accelerator, activations=activations)
@@ -120,6 +130,12 @@ def check_host_fits(cfg: TrainConfig, plan: MemoryPlan, available: int | None = 
                 f", lower offload.speculative_units (now {cfg.offload.speculative_units}; each keeps a "
                 "spare copy of one unit's state)"
                 if cfg.offload.speculative_units
+                else ""
+            )
+            + (
+                f", set offload.two_pass_units=0 or a small count (now {cfg.offload.two_pass_units}; "
+                "two-pass units keep their gradients in pinned memory into the next step)"
+                if two_pass_units(cfg)
                 else ""
             )
             + (

@@ -149,7 +149,11 @@ def format_record(rec: dict[str, Any]) -> str:
             ("gpu_idle_s", "GPU idle"),
             ("host_idle_s", "host idle"),
         ]
-        counts = [("speculated", "speculative updates kept"), ("rolled_back", "redone")]
+        counts = [
+            ("speculated", "speculative updates kept"),
+            ("rolled_back", "redone"),
+            ("two_pass_units", "two-pass units"),
+        ]
         line += f"\n    step {rec['step_s']:.3f}s: " + " | ".join(
             [f"{label} {rec[key]:.3f}" for key, label in times if rec.get(key) is not None]
             + [f"{label} {rec[key]:.1f}" for key, label in counts if rec.get(key)]

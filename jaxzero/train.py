@@ -4,8 +4,8 @@ With no arguments it trains the tiny Llama on the built-in byte-level corpus on 
 present. The run directory receives the resolved `config.json`, `metrics.jsonl` (one JSON object per
 logged step: step, loss, lr, grad_norm, tokens_per_s, tflops, mfu, gpu_peak_gib, host_rss_gib,
 val_loss on validation steps, and for offloaded runs the per-step breakdown step_s, gpu_compute_s,
-h2d_s, d2h_s, host_update_s, wait_weights_s, gpu_idle_s, host_idle_s, speculated, rolled_back) and
-Orbax checkpoints under `checkpoints/`.
+h2d_s, d2h_s, host_update_s, wait_weights_s, gpu_idle_s, host_idle_s, speculated, rolled_back,
+two_pass_units) and Orbax checkpoints under `checkpoints/`.
 
 Pointed at a run directory that holds a checkpoint, it resumes from the newest complete one with the
 config saved there; `--steps`, `--logging.*`, `--checkpoint.*` and `--offload.*` (resume a resident

@@ -48,6 +48,7 @@ def test_trains_and_writes_run_dir(first_run):
             "resident_blocks": 0,
             "update": "overlapped",
             "speculative_units": 0,
+            "two_pass_units": -1,
             "fused_update": True,
         }
     )

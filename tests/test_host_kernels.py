@@ -23,7 +23,7 @@ from jaxzero import placement
 from jaxzero.config import TrainConfig, apply_overrides
 from jaxzero.models import build_model
 from jaxzero.offload import host_kernels
-from jaxzero.offload.host_optimizer import HostOptimizer, HostUnit
+from jaxzero.offload.host_optimizer import HostOptimizer, HostUnit, host_view
 
 OPTIMIZERS = {
     "adamw": {"optimizer.name": "adamw", "optimizer.weight_decay": "0.1"},
@@ -39,7 +39,7 @@ def rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def run(over: dict, fused: bool, grad_dtype, steps: int = 3):
+def run(over: dict, fused: bool, grad_dtype, steps: int = 3, two_pass: bool = False):
     cfg = apply_overrides(
         TrainConfig(),
         {"model.name": "llama-tiny", "model.num_layers": "2", "optimizer.warmup_steps": "1", **over},
@@ -58,7 +58,11 @@ def run(over: dict, fused: bool, grad_dtype, steps: int = 3):
         g = jax.tree.map(lambda x: (rng.standard_normal(x.shape) * 0.1).astype(grad_dtype), masters.blocks[0])
         # Clipping active on odd steps (norm 3 > max 1), the loss scale 2 and grad_accum folded in.
         gmul = host.grad_multiplier(np.float32(3.0 if k % 2 else 0.5), np.float32(2.0))
-        unit = host.update_unit("blocks", 0, unit, g, gmul, priority=0)
+        if two_pass:  # the weights first, then masters and state, as the pipeline does
+            weights = host.update_weights("blocks", 0, unit, g, gmul, 0, recycle=unit.weights)
+            unit = host.commit("blocks", 0, unit, g, gmul, 1, weights)
+        else:
+            unit = host.update_unit("blocks", 0, unit, g, gmul, 0, recycle=unit.weights)
     return jax.device_get((unit.params, unit.opt_state, unit.weights))
 
 
@@ -83,6 +87,21 @@ def test_fused_update_matches_optax(name, state_dtype, grad_dtype):
             assert rel(a, b) < m_tol
     for a, b in zip(jax.tree.leaves(wf), jax.tree.leaves(wr)):  # compute-dtype weights
         assert a.dtype == b.dtype and rel(a, b) < max(p_tol, 2**-8)
+
+
+@pytest.mark.parametrize("grad_dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_two_pass_update_is_bitwise_the_one_pass_update(name, state_dtype, grad_dtype):
+    """The weights pass then the state pass give exactly the bits of the one-pass kernel: masters,
+    moments, step counts and compute-dtype weights (the new weights written into the old ones'
+    pinned buffers, as the pipeline recycles them)."""
+    over = {**OPTIMIZERS[name], "optimizer.state_dtype": state_dtype}
+    one, two = run(over, True, grad_dtype), run(over, True, grad_dtype, two_pass=True)
+    assert jax.tree.structure(one) == jax.tree.structure(two)
+    for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(two)):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.atleast_1d(a).view(np.uint8), np.atleast_1d(b).view(np.uint8))
 
 
 def test_bfloat16_rounding_is_round_to_nearest_even():
@@ -116,7 +135,8 @@ def test_chunks_and_tiles_do_not_change_the_result(moments):
         return p, m.astype(mdt), v.astype(mdt)
 
     g = (rng.standard_normal(n).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
-    kernel = host_kernels.FusedRule("adamw", 0.9, 0.95, 1e-8, 0.1, 0.0).kernel(4, 3e-4, 0.7)
+    rule = host_kernels.FusedRule("adamw", 0.9, 0.95, 1e-8, 0.1, 0.0)
+    kernel = rule.kernel(4, 3e-4, 0.7)
     (p1, m1, v1), (p2, m2, v2) = state(), state()
     w1, w2 = np.zeros(n, np.uint16), np.zeros(n, np.uint16)
     kernel(p1, m1, v1, g, w1, 0.1)
@@ -129,8 +149,31 @@ def test_chunks_and_tiles_do_not_change_the_result(moments):
     p3, m3, v3 = state()
     out = (np.empty_like(p3), np.empty_like(m3), np.empty_like(v3))
     w3 = np.zeros(n, np.uint16)
-    kernel(p3, m3, v3, g, w3, 0.1, out=out)
+    rule.kernel(4, 3e-4, 0.7, "out")(p3, m3, v3, g, w3, 0.1, out=out)
     for a, b in zip((p3, m3, v3), state()):
         np.testing.assert_array_equal(a, b)
     for a, b in zip((*out, w3), (p1, m1, v1, w1)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_warm_up_compiles_what_the_update_runs():
+    """The kernels compiled while the model initialises are exactly those the update calls (same
+    numba signatures, read-only gradient views included): no compilation inside a training step."""
+    cfg = apply_overrides(TrainConfig(), {"model.name": "llama-tiny", "model.num_layers": "1"})
+    model = build_model(cfg.model)
+    where = placement.offload_placement(placement.make_mesh(jax.devices()[:1]), 1, "cpu", 0)
+    shape = jax.eval_shape(model.init, jax.random.key(0))
+    host = HostOptimizer(cfg.optimizer, 10, shape, jnp.bfloat16, where, 1)
+    host.warmed_up.result()
+    dispatchers = {k: v for k, v in host_kernels._kernels.items() if k[-1] in ("full", "weights", "state")}
+    before = {k: list(d.signatures) for k, d in dispatchers.items()}
+    masters = jax.device_put(model.init(jax.random.key(0)), where.host)
+    unit = HostUnit(masters.blocks[0], host.init(masters).blocks[0], None)
+    g = jax.device_put(
+        jax.tree.map(lambda x: np.full(x.shape, 1e-3, jnp.bfloat16), masters.blocks[0]), where.pinned
+    )
+    g = jax.tree.map(host_view, g)  # as the pipeline reads gradients: views of pinned_host
+    unit = host.update_unit("blocks", 0, unit, g, np.float32(1.0), 0, recycle=unit.weights)
+    weights = host.update_weights("blocks", 0, unit, g, np.float32(1.0), 0, recycle=unit.weights)
+    host.commit("blocks", 0, unit, g, np.float32(1.0), 1, weights)
+    assert {k: list(d.signatures) for k, d in dispatchers.items()} == before

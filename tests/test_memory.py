@@ -24,14 +24,26 @@ def test_plan_counts_bytes_per_parameter():
     # An asynchronous checkpoint snapshots masters + AdamW state into host RAM while it writes.
     assert memory.plan_memory(cfg()).host == 12 * n
     assert memory.plan_memory(cfg(checkpoint__async_save="false")).host == 0
-    zero = memory.plan_memory(cfg(offload__optimizer="cpu"))
-    assert zero.pinned == 2 * n  # bf16 gradients (one micro-batch)
+    zero = memory.plan_memory(cfg(offload__optimizer="cpu", offload__two_pass_units="0"))
+    assert zero.pinned == 2 * n + 2 * n  # bf16 gradients (one micro-batch), new weights' staging
+    # Two-pass updates keep a unit's gradients into the next step: up to every unit's (adaptive,
+    # the default), the first K units' (embedding, K - 1 blocks), none without clipping.
+    two_pass = memory.plan_memory(cfg(offload__optimizer="cpu"))
+    assert two_pass.pinned == zero.pinned + 2 * n
+    k5 = memory.plan_memory(cfg(offload__optimizer="cpu", offload__two_pass_units="5"))
+    assert k5.pinned == zero.pinned + 2 * (e + 4 * b)
+    unclipped = memory.plan_memory(cfg(offload__optimizer="cpu", optimizer__grad_clip="0"))
+    assert unclipped.pinned == zero.pinned
     assert zero.accelerator_state == 2 * n  # bf16 weights resident
-    full = memory.plan_memory(cfg(offload__optimizer="cpu", offload__params="cpu"))
-    assert full.pinned == 2 * n + 2 * 32 * b  # gradients + streamed weights
+    full = memory.plan_memory(
+        cfg(offload__optimizer="cpu", offload__params="cpu", offload__two_pass_units="0")
+    )
+    assert full.pinned == 2 * n + 2 * 32 * b + 2 * (e + h)  # gradients, streamed weights, staging
     assert full.accelerator_state < 0.15 * zero.accelerator_state  # embed/head + 3 blocks in flight
-    accum = memory.plan_memory(cfg(offload__optimizer="cpu", data__grad_accum="2"))
-    assert accum.pinned == 4 * n  # float32 gradient sums leave with several micro-batches
+    accum = memory.plan_memory(
+        cfg(offload__optimizer="cpu", data__grad_accum="2", offload__two_pass_units="0")
+    )
+    assert accum.pinned == 4 * n + 2 * n  # float32 gradient sums leave with several micro-batches
     # The delayed update keeps a second copy of the compute weights, wherever they live.
     delayed = memory.plan_memory(
         cfg(offload__optimizer="cpu", offload__params="cpu", offload__update="delayed")
@@ -41,7 +53,7 @@ def test_plan_counts_bytes_per_parameter():
     assert delayed.accelerator_state == 2 * zero.accelerator_state
     # Speculative updates (with clipping) keep a spare copy of K units' masters + AdamW state.
     spec = memory.plan_memory(cfg(offload__optimizer="cpu", offload__speculative_units="8"))
-    assert spec.host - zero.host == 8 * b * 12
+    assert spec.host - two_pass.host == 8 * b * 12
     # ... where they apply: not under the delayed update, nor without clipping.
     for other in ({"offload__update": "delayed"}, {"optimizer__grad_clip": "0"}):
         with_k = memory.plan_memory(cfg(offload__optimizer="cpu", offload__speculative_units="8", **other))
@@ -55,7 +67,8 @@ def test_host_too_small_is_refused_with_numbers():
     plan = memory.plan_memory(c)
     with pytest.raises(
         ConfigError,
-        match=r"needs 213\.3 GiB of host RAM .* but 64\.0 GiB .* checkpoint.async_save=false",
+        match=r"needs 235\.3 GiB of host RAM .* but 64\.0 GiB .* offload.two_pass_units=0 .* "
+        r"checkpoint.async_save=false",
     ):
         memory.check_host_fits(c, plan, available=64 * GiB)
     memory.check_host_fits(c, plan, available=plan.host + 1)

@@ -250,3 +250,47 @@ def test_speculative_updates_are_kept_only_when_exact(grad_clip):
         jax.tree.leaves(jax.device_get(state.params)), jax.tree.leaves(jax.device_get(ref_state.params))
     ):
         assert rel(a, b) < param_tol
+
+
+@pytest.mark.parametrize("mode", ["zero-offload", "zero3-offload", "zero3-offload-bf16-moments"])
+def test_two_pass_updates_train_bitwise_like_one_pass(mode):
+    """Two-pass updates (the weights first, masters and state a step later) change when the host
+    does the work, not what it computes: the same losses and the same final masters and moments,
+    bit for bit, as one-pass updates, whether every unit, the first two or an adaptive count."""
+    runs = {
+        k: run(tiny("llama", "float32", **MODES[mode], **{"offload.two_pass_units": k}), guard=True)
+        for k in ("0", "-1", "2")
+    }
+    _, one_state, one_losses, one_norms, one_val = runs["0"]
+    assert (one_norms > 0.5).all(), "clipping must be active: two-pass updates apply only then"
+    for k in ("-1", "2"):
+        trainer, state, losses, norms, val = runs[k]
+        assert 0 < trainer.timings(1.0, 1)["two_pass_units"] <= 5
+        np.testing.assert_array_equal(losses, one_losses)
+        np.testing.assert_array_equal(norms, one_norms)
+        assert val == one_val
+        for a, b in zip(jax.tree.leaves(state.resolved()[:2]), jax.tree.leaves(one_state.resolved()[:2])):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_adaptive_two_pass_count_follows_the_host_slack():
+    """The adaptive count: one more unit after a step whose second passes were all done when the
+    next norm arrived, that many fewer for each still running, within [0, the maximum]."""
+    from jaxzero.offload.pipeline import UpdatePipeline
+    from jaxzero.offload.timeline import StepClock
+
+    class Host:  # what the pipeline's constructor reads of the host optimizer
+        fused = can_speculate = True
+
+    p = UpdatePipeline(
+        Host(), 3, needs_norm=True, skip_nonfinite=False, delayed=False, speculative_units=0,
+        two_pass_units=5, adaptive_two_pass=True, clock=StepClock.off(),
+    )  # fmt: skip
+    assert p._two_pass_count(0) == 5  # the first step: the maximum
+    p._second_passes_running = 2  # two of step 0's second passes still running at step 1's norm
+    assert p._two_pass_count(1) == 3
+    assert p._two_pass_count(1) == 3  # decided once per step
+    p._second_passes_running = 0
+    assert [p._two_pass_count(s) for s in (2, 3, 4)] == [4, 5, 5]  # up by one, capped
+    p._second_passes_running = 9
+    assert p._two_pass_count(5) == 0

@@ -28,7 +28,13 @@ from jaxzero.loss_scale import init_loss_scale, update_loss_scale
 from jaxzero.models import ModelParams, build_model, init_keys
 from jaxzero.models.layers import compute_dtype
 from jaxzero.offload.host_optimizer import HostOptimizer
-from jaxzero.offload.pipeline import OffloadState, UpdatePipeline, speculative_units, weights_of
+from jaxzero.offload.pipeline import (
+    OffloadState,
+    UpdatePipeline,
+    speculative_units,
+    two_pass_units,
+    weights_of,
+)
 from jaxzero.offload.streaming import StreamedModel
 from jaxzero.offload.timeline import StepClock
 from jaxzero.optim import build_optimizer
@@ -65,6 +71,8 @@ def build_offload_trainer(cfg: TrainConfig, mesh: Mesh, *, prefetch: int = 1):
         skip_nonfinite=fp16,
         delayed=delayed,
         speculative_units=speculative_units(cfg),
+        two_pass_units=two_pass_units(cfg),
+        adaptive_two_pass=cfg.offload.two_pass_units < 0,
         clock=clock,
     )
     # Masters are created unit by unit on the host: one compiled block init serves every block, and
@@ -107,7 +115,7 @@ def build_offload_trainer(cfg: TrainConfig, mesh: Mesh, *, prefetch: int = 1):
         ls = state.loss_scale
         seed = ls.scale if fp16 else one
         loss, grads, norm = streamed.grads(state.in_use, batch, seed, clock)
-        units = pipeline.submit(state.units, state.in_use, grads, norm, seed)
+        submitted = pipeline.submit(state.units, state.in_use, grads, norm, seed)
         lr = host.lr(state.step)
         if fp16:
             next_step, next_ls, skipped = advance_fp16(state.step, ls, norm)
@@ -115,8 +123,8 @@ def build_offload_trainer(cfg: TrainConfig, mesh: Mesh, *, prefetch: int = 1):
         else:
             next_step, next_ls, metrics = increment(state.step), None, StepMetrics(loss, norm, lr)
         # Overlapped, the next pass reads the new weights (waiting per unit); delayed, the previous ones.
-        in_use = state.units if delayed else units
-        return OffloadState(next_step, units, jax.tree.map(weights_of, in_use), next_ls), metrics
+        in_use = jax.tree.map(weights_of, state.units) if delayed else submitted.weights
+        return OffloadState(next_step, submitted.units, in_use, next_ls), metrics
 
     def saved_state(state: OffloadState) -> dict[str, Any]:
         """Waits for the pending host updates (a host sync). Everything saved lives on the host."""
@@ -159,7 +167,8 @@ def build_offload_trainer(cfg: TrainConfig, mesh: Mesh, *, prefetch: int = 1):
         n = max(steps, 1)
         out = {f"{k}_s": v / n for k, v in clock.summary(wall).items()}
         kept, redone = pipeline.take_counts()
-        return {**out, "speculated": kept / n, "rolled_back": redone / n}
+        counts = {"speculated": kept / n, "rolled_back": redone / n, "two_pass_units": pipeline.two_pass_now}
+        return {**out, **counts}
 
     def put_batch(batch):  # whole batch on the one accelerator
         return jax.device_put(batch, where.device)

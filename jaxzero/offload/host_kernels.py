@@ -13,9 +13,15 @@ They reproduce optax's arithmetic in float32 and in optax's order of operations,
 float32 or bfloat16). They are tested against optax's own update (tests/test_host_kernels.py). Any
 other transformation keeps running as optax on XLA:CPU.
 
+Each kernel comes in four passes over the same arithmetic (`PASSES`): the whole update in place,
+the whole update into other buffers (speculation), and the two halves of a two-pass update, which
+writes the new compute-dtype weights first and masters and moments later, bit for bit the one-pass
+result (`jaxzero.offload.pipeline`).
+
 The kernels update the host arrays *in place*: they write through a NumPy view of the CPU backend's
-buffer (`writable_view`). That is what the update's buffer donation did before; the step consumes
-its input state either way, and nothing else reads these buffers while a step runs.
+buffer (`writable_view`), and write the compute-dtype weights likewise into `pinned_host` buffers.
+That is what the update's buffer donation did before; the step consumes its input state either way,
+and nothing else reads these buffers while a step runs.
 
 bfloat16 is handled as its 16 bits (uint16): widening is a shift, narrowing rounds to nearest even as
 XLA's convert does.
@@ -116,7 +122,16 @@ _NARROW = """
         nan = np.uint32((u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000))
         {out}[j] = np.uint16(r + nan * (q - r))"""
 
-TILE = 1 << 16  # elements widened into scratch at a time: 3 x 256 KiB, in L2
+TILE = 1 << 16  # elements widened into scratch at a time: 4 x 256 KiB, in L2
+SCRATCH = 4 * TILE  # gradient, up to two moments, new parameters (the weights pass)
+
+# What one kernel call reads and writes (all flat, one chunk):
+#   full     reads p, moments, g; writes p, moments (in place) and w, the compute-dtype weights
+#   out      reads pi, moments_i, g; writes p, moments, w (other buffers: a speculative update)
+#   weights  reads p, moments, g; writes only w (the first pass of a two-pass update)
+#   state    reads p, moments, g; writes p, moments in place (its second pass: the same arithmetic,
+#            so the same bits as the `weights` pass and as `full`)
+PASSES = ("full", "out", "weights", "state")
 
 _kernels: dict[tuple, Callable[..., None]] = {}
 _compile_lock = threading.Lock()
@@ -124,35 +139,35 @@ _local = threading.local()
 
 
 def _scratch() -> np.ndarray:
-    """This thread's scratch for widened inputs (3 x TILE), allocated once per thread."""
+    """This thread's scratch for widened inputs (SCRATCH uint32), allocated once per thread."""
     buf = getattr(_local, "scratch", None)
     if buf is None:
-        buf = _local.scratch = np.empty(3 * TILE, np.uint32)
+        buf = _local.scratch = np.empty(SCRATCH, np.uint32)
     return buf
 
 
-def _kernel(name: str, g16: bool, m16: bool, w16: bool, inplace: bool) -> Callable[..., None]:
-    """The compiled kernel for one combination: (p, *moments, g, w, scratch, gmul, *scalars,
-    neg_lr, wd) in place, or (pi, p, mi, m, ..., g, w, scratch, ...) from inputs into outputs;
-    `scratch` is uint32 of at least 3 * TILE."""
-    key = (name, g16, m16, w16, inplace)
+def _kernel(name: str, g16: bool, m16: bool, w16: bool, pass_: str) -> Callable[..., None]:
+    """The compiled kernel for one combination; its arguments are `_source`'s."""
+    key = (name, g16, m16, w16, pass_)
     with _compile_lock:
         if key not in _kernels:
-            _kernels[key] = _load(_source(name, g16, m16, w16, inplace)).kernel
+            _kernels[key] = _load(_source(name, g16, m16, w16, pass_)).kernel
     return _kernels[key]
 
 
-def _source(name: str, g16: bool, m16: bool, w16: bool, inplace: bool) -> str:
-    """Kernel source. Out of place, parameters and moments are read from `pi`, `{x}i` and written to
-    `p`, `{x}` (a speculative update must leave its inputs untouched); in place they are one array,
-    one pointer, which is what lets LLVM vectorise without alias checks. Moments pass through
-    float32 scratch (widened from bf16, or copied)."""
+def _source(name: str, g16: bool, m16: bool, w16: bool, pass_: str) -> str:
+    """Kernel source: `kernel(<arrays>, scratch, gmul, *scalars, neg_lr, wd)` where <arrays> is
+    `p, *moments, g, w` (`full`, `weights`), `p, *moments, g` (`state`) or `pi, p, mi, m, ..., g, w`
+    (`out`: parameters and moments read from `pi`, `{x}i`, written to `p`, `{x}`; a speculative
+    update leaves its inputs untouched). In place they are one array, one pointer, which is what lets
+    LLVM vectorise without alias checks. Moments pass through float32 scratch when they are bf16
+    (widened) or read from other buffers (copied)."""
+    assert pass_ in PASSES, pass_
     moments, scalars, body = _RULES[name]
-    i = "" if inplace else "i"  # suffix of the arrays read
-    arrays = (
-        f"p{i}, " * (not inplace) + "p, " + "".join(f"{x}{i}, " * (not inplace) + f"{x}, " for x in moments)
-    )
-    arrays += "g, w"
+    out_of_place = pass_ == "out"
+    i = "i" if out_of_place else ""  # suffix of the arrays read
+    arrays = "".join(f"{x}{i}, " * out_of_place + f"{x}, " for x in ("p", *moments)) + "g"
+    arrays += ", w" * (pass_ != "state")
     rest = f"gmul, {''.join(x + ', ' for x in scalars)}neg_lr, wd"
     jit = "@numba.njit(nogil=True, error_model='numpy', cache=True)"
     # `tile` updates n <= TILE elements with flat loops (LLVM vectorises those); `kernel` walks the
@@ -160,22 +175,32 @@ def _source(name: str, g16: bool, m16: bool, w16: bool, inplace: bool) -> str:
     src = ["import numba", "import numpy as np", "", "", jit, f"def tile({arrays}, scratch, {rest}):"]
     src += ["    n = p.shape[0]", "    one = np.float32(1.0)"]
     src.append(_WIDEN.format(x="g", k=0, src="g") if g16 else "    gf = g")
-    direct = inplace and not m16  # float32 moments updated in place need no scratch
+    direct = not out_of_place and not m16  # float32 moments read (and written) in place
     for k, x in enumerate(moments, start=1):
         if direct:
             src.append(f"    {x}f = {x}")
         else:
             src.append((_WIDEN if m16 else _COPY_IN).format(x=x, k=k, src=f"{x}{i}"))
-    src.append("    for j in range(n):" + body.replace("pj = p[j]", f"pj = p{i}[j]"))
-    for x in moments:
-        if m16:
-            src.append(_NARROW.format(bits=f"{x}u", out=x))
-        elif not direct:
-            src.append(f"    for j in range(n):\n        {x}[j] = {x}f[j]")
-    if w16:
-        src.append("    pu = p.view(np.uint32)" + _NARROW.format(bits="pu", out="w"))
-    else:
-        src.append("    for j in range(n):\n        w[j] = p[j]")
+    body = body.replace("pj = p[j]", f"pj = p{i}[j]")
+    if pass_ == "weights":  # new parameters into scratch; moments not stored
+        k = len(moments) + 1
+        src.append(f"    pnu = scratch[{k} * n : ({k} + 1) * n]\n    pn = pnu.view(np.float32)")
+        stores = tuple(f"{x}f[j] =" for x in moments)
+        body = "\n".join(ln for ln in body.split("\n") if not ln.strip().startswith(stores))
+        body = body.replace("p[j] = ", "pn[j] = ")
+    src.append("    for j in range(n):" + body)
+    if pass_ != "weights":
+        for x in moments:
+            if m16:
+                src.append(_NARROW.format(bits=f"{x}u", out=x))
+            elif not direct:
+                src.append(f"    for j in range(n):\n        {x}[j] = {x}f[j]")
+    new_p = "pn" if pass_ == "weights" else "p"
+    if pass_ != "state":
+        if w16:
+            src.append(f"    pu = {new_p}.view(np.uint32)" + _NARROW.format(bits="pu", out="w"))
+        else:
+            src.append(f"    for j in range(n):\n        w[j] = {new_p}[j]")
     sliced = ", ".join(f"{x}[lo:hi]" for x in arrays.split(", "))
     src += [
         "",
@@ -222,14 +247,24 @@ def _load(source: str) -> ModuleType:
     return module
 
 
-def warm_up(rule: FusedRule, grad_dtype: np.dtype, moment_dtype: np.dtype, weight_dtype: np.dtype) -> None:
-    """Compile (or load from the cache) the kernel `rule` will use, on tiny arrays."""
+def warm_up(
+    rule: FusedRule,
+    grad_dtype: np.dtype,
+    moment_dtype: np.dtype,
+    weight_dtype: np.dtype,
+    passes: Sequence[str] = ("full", "weights", "state"),
+) -> None:
+    """Compile (or load from the cache) the kernels `rule` will use, one per pass, on tiny arrays.
+    (The `out` pass of speculative updates, off by default, compiles on first use.)"""
     n = 8
-    p = np.zeros(n, np.float32)
-    moments = [np.zeros(n, bits_dtype(moment_dtype)) for _ in rule.moments()]
-    rule.kernel(0, 0.0, 1.0)(
-        p, *moments, np.zeros(n, bits_dtype(grad_dtype)), np.zeros(n, bits_dtype(weight_dtype)), 0.0
-    )
+    g = np.zeros(n, bits_dtype(grad_dtype))
+    g.flags.writeable = False  # gradients are read through read-only views: a distinct numba type
+    for pass_ in passes:
+        p = np.zeros(n, np.float32)
+        moments = [np.zeros(n, bits_dtype(moment_dtype)) for _ in rule.moments()]
+        w = None if pass_ == "state" else np.zeros(n, bits_dtype(weight_dtype))
+        out = (np.zeros_like(p), *map(np.zeros_like, moments)) if pass_ == "out" else None
+        rule.kernel(0, 0.0, 1.0, pass_)(p, *moments, g, w, 0.0, out=out)
 
 
 # -- views -----------------------------------------------------------------------------------------
@@ -249,8 +284,11 @@ def writable_view(x: jax.Array) -> np.ndarray:
 
 
 def readable_view(x: np.ndarray) -> np.ndarray:
-    """A flat view of a host NumPy array (bfloat16 as uint16)."""
-    return x.reshape(-1).view(bits_dtype(x.dtype))
+    """A flat, read-only view of a host NumPy array (bfloat16 as uint16). Always read-only, so that
+    the kernels see one numba type for gradients, whatever array they came from."""
+    v = x.reshape(-1).view(bits_dtype(x.dtype))
+    v.flags.writeable = False
+    return v
 
 
 # -- which optimizers --------------------------------------------------------------------------------
@@ -288,12 +326,14 @@ class FusedRule:
             return ("mu",)
         return ("trace",) if self.momentum else ()
 
-    def kernel(self, count: int, lr: float, gmul: float) -> Callable[..., None]:
-        """A function (p, *moments, g, w, decay) -> None updating one chunk in place, for the update
-        number `count` (0-based: updates already applied) at learning rate `lr`; gradients are
-        multiplied by `gmul` (averaging, loss scale and clipping in one factor). Arrays are flat:
-        p float32; moments float32 or bf16 bits (uint16); g likewise; w the compute dtype (bf16 bits
-        or float32)."""
+    def kernel(self, count: int, lr: float, gmul: float, pass_: str = "full") -> Callable[..., None]:
+        """A function (p, *moments, g, w, decay, out=None) -> None running one pass (`PASSES`) of
+        update number `count` (0-based: updates already applied) over one chunk, at learning rate
+        `lr`; gradients are multiplied by `gmul` (averaging, loss scale and clipping in one factor).
+        Arrays are flat: p float32; moments float32 or bf16 bits (uint16); g likewise; w the compute
+        dtype (bf16 bits or float32), None for the `state` pass; `out` = (p, *moments) to write
+        into, for the `out` pass."""
+        assert pass_ in PASSES, pass_
         f32 = np.float32
         gmul, neg_lr = f32(gmul), -f32(lr)
         if self.name in ("adamw", "adam"):
@@ -308,16 +348,15 @@ class FusedRule:
             name, scalars = "sgd", ()
 
         def run(p, *arrays_and_decay, out=None):
-            """In place; or, with `out` = (p, *moments) of the same shapes, into those arrays."""
-            *arrays, wd = arrays_and_decay
-            *moments, g, w = arrays
+            *moments, g, w, wd = arrays_and_decay
             m16 = bool(moments) and moments[0].dtype == np.uint16
-            k = _kernel(name, g.dtype == np.uint16, m16, w.dtype == np.uint16, out is None)
-            if out is None:
-                k(p, *moments, g, w, _scratch(), gmul, *scalars, neg_lr, f32(wd))
+            w16 = w is not None and w.dtype == np.uint16
+            k = _kernel(name, g.dtype == np.uint16, m16, w16, pass_)
+            if pass_ == "out":
+                arrays = [a for pair in zip((p, *moments), out) for a in pair] + [g, w]
             else:
-                pairs = [a for pair in zip((p, *moments), out) for a in pair]
-                k(*pairs, g, w, _scratch(), gmul, *scalars, neg_lr, f32(wd))
+                arrays = [p, *moments, g] + [w] * (pass_ != "state")
+            k(*arrays, _scratch(), gmul, *scalars, neg_lr, f32(wd))
 
         return run
 

@@ -10,13 +10,17 @@ updated in the order the next forward pass needs them (`jaxzero.offload.pipeline
                 Adam, Lion, SGD; float32 or bfloat16 moments), in place, in chunks on all cores;
                 otherwise (or with `offload.fused_update=false`) the optax transformation itself,
                 jitted on XLA:CPU with the state donated, one unit per call, many units at once.
-    way back:   the new compute-dtype weights `device_put` to where the weights live
+                The fused update can also run in two passes (`update_weights`, then `commit`).
+    way back:   the fused kernels write the new compute-dtype weights straight into `pinned_host`:
+                into the previous weights' buffers for streamed blocks (recycled step to step), or
+                into a staging buffer one DMA away from the accelerator for resident units
 
 Optimizer state is one optax state per unit, kept in `ModelParams` layout (embed, blocks, head); the
 fused kernels keep that state bit-compatible with optax's, so checkpoints do not care which ran.
 
-The way back avoids the CPU backend's slow cross-client path: the compute-dtype result is a NumPy
-array `device_put` from the unit's own thread, the fast path measured in `shared/design/measurements.md`.
+Writing the weights into `pinned_host` directly avoids a copy per step (NumPy -> `pinned_host`, 4
+bytes of memory traffic per parameter, ~9 GB/s per thread) and the CPU backend's slow cross-client
+path; the optax path still places its result with one `device_put` per leaf (`place`).
 """
 
 from __future__ import annotations
@@ -66,7 +70,8 @@ class PriorityPool:
         for k in range(threads):
             threading.Thread(target=self._work, name=f"{name}-{k}", daemon=True).start()
 
-    def submit(self, priority: int, fn: Callable[..., Any], *args: Any) -> Future:
+    def submit(self, priority: Any, fn: Callable[..., Any], *args: Any) -> Future:
+        """Run `fn(*args)` on the pool; `priority` is any comparable value (lowest runs first)."""
         fut: Future = Future()
         self._queue.put((priority, next(self._seq), fn, args, fut))
         return fut
@@ -82,25 +87,29 @@ class PriorityPool:
                 fut.set_exception(e)
 
 
-class _Buffers:
-    """Reusable NumPy buffers for the compute-dtype results, so that each step does not fault in
-    fresh pages (large allocations are fresh `mmap`s)."""
+class _Staging:
+    """Reusable compute-dtype buffers in `pinned_host`, by shape and dtype. The fused kernels write a
+    unit's new weights straight into pinned memory: streamed blocks keep them there (their buffers
+    are recycled step to step), weights that live on the accelerator are one DMA away from such a
+    staging buffer, which then comes back here."""
 
-    def __init__(self):
-        self._free: dict[tuple[int, np.dtype], list[np.ndarray]] = {}
+    def __init__(self, pinned):
+        self._pinned = pinned
+        self._free: dict[tuple[tuple[int, ...], np.dtype], list[jax.Array]] = {}
         self._lock = threading.Lock()
 
-    def take(self, n: int, dtype: np.dtype) -> np.ndarray:
+    def take(self, shape: tuple[int, ...], dtype: np.dtype) -> jax.Array:
         with self._lock:
-            free = self._free.get((n, np.dtype(dtype)))
+            free = self._free.get((tuple(shape), np.dtype(dtype)))
             if free:
                 return free.pop()
-        return np.empty(n, dtype)
+        # A new buffer: a copy of zeros, once per buffer (later steps reuse it).
+        return jax.block_until_ready(jax.device_put(np.zeros(shape, dtype), self._pinned))
 
-    def give(self, arrays: list[np.ndarray]) -> None:
+    def give(self, arrays: list[jax.Array]) -> None:
         with self._lock:
             for a in arrays:
-                self._free.setdefault((a.size, a.dtype), []).append(a)
+                self._free.setdefault((a.shape, np.dtype(a.dtype)), []).append(a)
 
 
 class HostOptimizer:
@@ -150,12 +159,12 @@ class HostOptimizer:
         self.threads = threads or os.cpu_count() or 1
         self.pool = PriorityPool(self.threads, "jaxzero-host-update")
         self._io = ThreadPoolExecutor(self.threads, thread_name_prefix="jaxzero-writeback")
-        self._buffers = _Buffers()
+        self._staging = _Staging(placement.pinned)
         if self.rule is not None:  # compile (or load) the kernel while the model initialises
             from jaxzero.offload import host_kernels as hk
 
             moment = jnp.dtype(cfg.state_dtype)
-            self._io.submit(hk.warm_up, self.rule, grad_dtype, moment, self.compute_dtype)
+            self.warmed_up = self._io.submit(hk.warm_up, self.rule, grad_dtype, moment, self.compute_dtype)
         host = placement.host
 
         def make_update(tx: optax.GradientTransformation):
@@ -200,6 +209,11 @@ class HostOptimizer:
             head=self._init.head(masters.head),
         )
 
+    def init_unit(self, kind: str, masters: Any) -> Any:
+        """One unit's optimizer state for its float32 masters (`kind`: embed, blocks or head), on the
+        host device."""
+        return getattr(self._init, kind)(masters)
+
     def compute_weights(self, masters: ModelParams) -> ModelParams:
         """The compute-dtype weights of `masters`, placed per `placement` (used at init and restore)."""
         futures = ModelParams(
@@ -235,20 +249,66 @@ class HostOptimizer:
         return self.max_norm <= 0 or bool(np.float32(norm) < np.float32(self.max_norm))
 
     def update_unit(
-        self, kind: str, block: int | None, unit: HostUnit, grads: Any, gmul: np.float32, priority: int
+        self,
+        kind: str,
+        block: int | None,
+        unit: HostUnit,
+        grads: Any,
+        gmul: np.float32,
+        priority: Any,
+        recycle: Any = None,
     ) -> HostUnit:
         """One optimizer step of one unit. Blocking; call it from a worker thread.
 
-        kind:   "embed", "blocks" or "head"; `block` is the block index (None for embed and head).
-        unit:   its masters and optax state (consumed: updated in place) and old weights (the caller
-                has released them).
-        grads:  the unit's gradient sums as host-readable arrays (NumPy views of `pinned_host`).
-        gmul:   `grad_multiplier`'s factor.
+        kind:     "embed", "blocks" or "head"; `block` is the block index (None for embed and head).
+        unit:     its masters and optax state (consumed: updated in place) and old weights.
+        grads:    the unit's gradient sums as host-readable arrays (NumPy views of `pinned_host`).
+        gmul:     `grad_multiplier`'s factor.
+        priority: orders this work among the other units' on the host pool (lowest first).
+        recycle:  compute-dtype weights no longer read by anyone (the caller hands them over): their
+                  `pinned_host` buffers receive the new weights; accelerator ones are freed first.
         Returns the updated unit with its new weights placed per `placement`.
         """
+        count = _count(unit.opt_state)  # host sync (a scalar already on the host)
         if self.rule is None:
+            release(recycle)
             return self._optax_update(kind, block, unit, grads, gmul, priority)
-        return self._fused_update(kind, block, unit, grads, gmul, priority)
+        weights = self._fused(kind, block, unit, grads, gmul, count, priority, "full", recycle=recycle)
+        return HostUnit(unit.params, _advance(unit.opt_state, count), weights)
+
+    def update_weights(
+        self,
+        kind: str,
+        block: int | None,
+        unit: HostUnit,
+        grads: Any,
+        gmul: np.float32,
+        priority: Any,
+        recycle: Any = None,
+    ) -> Any:
+        """The first pass of a two-pass update (fused kernels only): the unit's new compute-dtype
+        weights, placed, reading but not writing its masters and state (p, m, v, g read; only the
+        weights written: 16 of the 28 bytes per parameter of a whole AdamW update). `commit` with the
+        same arguments applies the update itself later. Arguments as `update_unit`."""
+        count = _count(unit.opt_state)
+        return self._fused(kind, block, unit, grads, gmul, count, priority, "weights", recycle=recycle)
+
+    def commit(
+        self,
+        kind: str,
+        block: int | None,
+        unit: HostUnit,
+        grads: Any,
+        gmul: np.float32,
+        priority: Any,
+        weights: Any,
+    ) -> HostUnit:
+        """The second pass of a two-pass update: masters and state updated in place with the same
+        arithmetic as `update_weights` (so the same bits as `update_unit`); `weights` are its result.
+        `grads` and `gmul` must be the ones `update_weights` had."""
+        count = _count(unit.opt_state)
+        self._fused(kind, block, unit, grads, gmul, count, priority, "state")
+        return HostUnit(unit.params, _advance(unit.opt_state, count), weights)
 
     def _optax_update(self, kind, block, unit: HostUnit, grads, gmul, priority) -> HostUnit:
         update = getattr(self._update, kind)
@@ -259,10 +319,22 @@ class HostOptimizer:
         params, opt_state, weights = self.pool.submit(priority, run).result()  # host sync
         return HostUnit(params, opt_state, place(weights, self.target(block)))
 
-    def _fused_update(self, kind, block, unit: HostUnit, grads, gmul, priority, into=None) -> HostUnit:
-        """The fused kernels on every leaf, in place, or into `into` = (params, opt_state) of the
-        same structure (a speculative update: `unit` is left untouched). Returns the updated unit
-        with its new weights placed."""
+    def _fused(
+        self,
+        kind,
+        block,
+        unit: HostUnit,
+        grads,
+        gmul,
+        count: int,
+        priority,
+        pass_: str,
+        into=None,
+        recycle=None,
+    ) -> Any:
+        """One pass (`host_kernels.PASSES`) of the fused kernels over every leaf of `unit`, chunked
+        onto the pool. `into` = (params, opt_state) for the `out` pass. Returns the new weights,
+        placed (None for the `state` pass)."""
         from jaxzero.offload import host_kernels as hk
 
         rule = self.rule
@@ -276,39 +348,41 @@ class HostOptimizer:
         if into is not None:
             out_p, out_m = treedef.flatten_up_to(into[0]), moments(into[1])
         decay = treedef.flatten_up_to(getattr(self._decay, kind))
-        count = _count(unit.opt_state)  # host sync (a scalar already on the host)
         # The rate on the host device: a NumPy scalar would go to the default device, the accelerator,
         # and reading it back would wait behind the whole queued backward pass.
         lr = host_view(self._lr(jax.device_put(np.int32(count), self.placement.host)))  # host sync
-        kernel = rule.kernel(count, float(lr), gmul)
-        w_dtype = hk.bits_dtype(np.dtype(self.compute_dtype))
-        outs = [self._buffers.take(p.size, w_dtype) for p in p_leaves]
+        kernel = rule.kernel(count, float(lr), gmul, pass_)
+        target = self.target(block)
+        streamed = target.memory_kind == "pinned_host"
+        dst = None
+        if pass_ != "state":
+            if streamed and recycle is not None:
+                dst = treedef.flatten_up_to(recycle)  # the old weights' pinned buffers, written in place
+            else:
+                release(recycle)  # accelerator weights (freed before the new ones arrive), or none
+                dst = [self._staging.take(p.shape, self.compute_dtype) for p in p_leaves]
         work = []
         for k, p in enumerate(p_leaves):
             views = [hk.writable_view(p)] + [hk.writable_view(m[k]) for m in m_leaves]
-            views += [hk.readable_view(g_leaves[k]), outs[k]]
-            dst = None
+            views += [hk.readable_view(g_leaves[k]), None if dst is None else hk.writable_view(dst[k])]
+            outs = None
             if into is not None:
-                dst = [hk.writable_view(out_p[k])] + [hk.writable_view(m[k]) for m in out_m]
+                outs = [hk.writable_view(out_p[k])] + [hk.writable_view(m[k]) for m in out_m]
             for s in hk.chunks(p.size):
-                out = None if dst is None else [d[s] for d in dst]
-                work.append(
-                    self.pool.submit(priority, partial(kernel, out=out), *[v[s] for v in views], decay[k])
-                )
+                args = [None if v is None else v[s] for v in views]
+                out = None if outs is None else [o[s] for o in outs]
+                work.append(self.pool.submit(priority, partial(kernel, out=out), *args, decay[k]))
         for f in work:
-            f.result()  # host sync: this unit's update is done
-        new_params, new_state = (unit.params, unit.opt_state) if into is None else into
-        # The step counts of the new state: `count` plus one (new scalars, one per count leaf).
-        new_count = np.int32(min(count + 1, np.iinfo(np.int32).max))  # saturating, as optax's
-        new_state = jax.tree.map(
-            lambda x: jax.device_put(new_count, x.sharding) if _is_count(x) else x, new_state
-        )
-        w_np = [o.view(self.compute_dtype).reshape(p.shape) for o, p in zip(outs, p_leaves)]
-        weights = place(jax.tree.unflatten(treedef, w_np), self.target(block))
-        # `place` copied and has finished reading them; reuse them unless a backend adopted one.
-        if all(w.unsafe_buffer_pointer() != o.ctypes.data for w, o in zip(jax.tree.leaves(weights), outs)):
-            self._buffers.give(outs)
-        return HostUnit(new_params, new_state, weights)
+            f.result()  # host sync: this pass over the unit is done
+        if dst is None:
+            return None
+        weights = jax.tree.unflatten(treedef, dst)
+        if streamed:
+            return weights
+        # Accelerator weights: one DMA from the pinned staging buffers (a host sync: they are reused).
+        weights = jax.block_until_ready(jax.device_put(weights, target))
+        self._staging.give(dst)
+        return weights
 
     # -- speculative updates -------------------------------------------------------------------------
 
@@ -329,12 +403,16 @@ class HostOptimizer:
         unit: HostUnit,
         grads: Any,
         gmul: np.float32,
-        priority: int,
+        priority: Any,
         into: tuple[Any, Any],
+        recycle: Any = None,
     ) -> HostUnit:
-        """`update_unit` into `into` (from `spare`), leaving `unit` as it was: the update this unit
-        gets if the gradient turns out not to need clipping. The caller keeps whichever it needs."""
-        return self._fused_update(kind, block, unit, grads, gmul, priority, into=into)
+        """`update_unit` into `into` (from `spare`), leaving `unit`'s masters and state as they were:
+        the update this unit gets if the gradient turns out not to need clipping. The caller keeps
+        whichever it needs."""
+        count = _count(unit.opt_state)
+        weights = self._fused(kind, block, unit, grads, gmul, count, priority, "out", into, recycle)
+        return HostUnit(into[0], _advance(into[1], count), weights)
 
     def lr(self, step: jax.Array) -> jax.Array:
         """The learning rate of update number `step` (int32 scalar, on the device it lives on)."""
@@ -351,6 +429,19 @@ def _count(opt_state: Any) -> int:
 
 def _is_count(x: jax.Array) -> bool:
     return x.ndim == 0 and x.dtype == np.int32
+
+
+def _advance(opt_state: Any, count: int) -> Any:
+    """`opt_state` with its step counts at `count` + 1 (new scalars; saturating, as optax's)."""
+    new_count = np.int32(min(count + 1, np.iinfo(np.int32).max))
+    return jax.tree.map(lambda x: jax.device_put(new_count, x.sharding) if _is_count(x) else x, opt_state)
+
+
+def release(tree: Any) -> None:
+    """Release buffers now rather than when Python drops the last reference (their memory is reused).
+    Deletion waits for pending reads."""
+    for x in jax.tree.leaves(tree):
+        x.delete()
 
 
 def place(unit_host: Any, target) -> Any:

@@ -15,6 +15,22 @@ is optax's, and float16 overflow (a non-finite norm) skips every unit's update, 
 trainer does. Without clipping and without float16 the norm is not needed, and each unit's update
 starts as soon as its gradients land, overlapping the backward pass of the blocks below it too.
 
+With clipping, that wait puts the whole host update between one backward pass and the end of the
+next forward pass, while the host idles during the backward pass. Two-pass updates
+(`offload.two_pass_units`, adaptive by default) move work out of that window without changing a bit:
+once the norm is known, a unit's first pass computes only its new compute-dtype weights (reading
+masters, moments and gradients, writing 2 bytes per parameter instead of 14), which is all the
+next forward pass waits for; its second pass, queued after every unit's first, recomputes the same
+update and writes masters and moments in place, during the next backward pass:
+
+    accelerator   bwd t     | fwd t+1 (waits for weights i)       | bwd t+1
+    host          idle      | weights 0, 1, ..., L-1, head        | state 0, 1, ...  (same bits)
+
+The unit's gradients live until its second pass. Adaptive, the number of two-pass units (counted
+from the embedding) follows the host's slack: if second passes are still running when the next
+norm arrives, they would delay that step's first passes, so the count drops by as many; if none
+are, it grows by one.
+
 With clipping, the first `offload.speculative_units` units whose gradients land (the head and the top
 blocks) are updated speculatively during the backward pass, as if no clipping will apply, into
 spare buffers. When the norm arrives: below `grad_clip` the speculative result is exactly the update
@@ -34,14 +50,14 @@ import itertools
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
 from jaxzero.config import TrainConfig
 from jaxzero.models import ModelParams
-from jaxzero.offload.host_optimizer import HostOptimizer, HostUnit, host_view
+from jaxzero.offload.host_optimizer import HostOptimizer, HostUnit, host_view, release
 from jaxzero.offload.timeline import StepClock
 
 
@@ -139,16 +155,38 @@ def _is_unit(x: Any) -> bool:
     return isinstance(x, HostUnit)
 
 
+def _waits_for_norm(cfg: TrainConfig) -> bool:
+    """Whether units wait for the global norm before their update can start, with the fused kernels
+    doing the update: where speculation and two-pass updates apply. Clipping makes units wait;
+    float16 too but its update is optax's (`host_kernels.FusedRule.of`); the delayed update is off
+    the critical path anyway."""
+    o = cfg.offload
+    fused = o.fused_update and cfg.model.compute_dtype != "float16"
+    return cfg.optimizer.grad_clip > 0 and o.update == "overlapped" and fused
+
+
 def speculative_units(cfg: TrainConfig) -> int:
     """How many units a run updates speculatively: `offload.speculative_units` where speculation
-    applies, else 0. It applies where units would otherwise wait for the norm (clipping; float16 is
-    not covered by the fused kernels anyway), not under the delayed update (off the critical path),
-    and only with the fused kernels (they write into spare buffers; float16 falls back to optax).
-    The memory plan counts the spares with this same rule."""
-    o = cfg.offload
-    fused = o.fused_update and cfg.model.compute_dtype != "float16"  # `host_kernels.FusedRule.of`
-    applies = cfg.optimizer.grad_clip > 0 and o.update == "overlapped" and fused
-    return o.speculative_units if applies else 0
+    applies (`_waits_for_norm`), else 0. The memory plan counts the spares with this same rule."""
+    return cfg.offload.speculative_units if _waits_for_norm(cfg) else 0
+
+
+def two_pass_units(cfg: TrainConfig) -> int:
+    """The most units (in forward order: embedding, blocks, head) a run updates in two passes:
+    `offload.two_pass_units` (-1, adaptive: up to every unit) where units wait for the norm
+    (`_waits_for_norm`), else 0. The memory plan counts their gradients' longer life with this same
+    rule."""
+    units = cfg.model.num_layers + 2
+    n = cfg.offload.two_pass_units
+    return (units if n < 0 else min(n, units)) if _waits_for_norm(cfg) else 0
+
+
+class Submitted(NamedTuple):
+    """One step's host update, as `ModelParams` of Futures: `units` of the updated `HostUnit`s,
+    `weights` of their new compute-dtype weights (these resolve first under a two-pass update)."""
+
+    units: ModelParams
+    weights: ModelParams
 
 
 class UpdatePipeline:
@@ -163,14 +201,25 @@ class UpdatePipeline:
         skip_nonfinite: bool,
         delayed: bool,
         speculative_units: int,
+        two_pass_units: int,
+        adaptive_two_pass: bool,
         clock: StepClock,
     ):
         self.host = host
         self.delayed = delayed
-        # `speculative_units` is already the effective count (`speculative_units(cfg)`).
+        # `speculative_units` and `two_pass_units` are the effective counts (the functions above).
         if speculative_units and not (needs_norm and host.can_speculate and not delayed):
             raise ValueError("speculative updates need the norm wait, the fused kernels and no delay")
+        if two_pass_units and not (needs_norm and host.fused and not delayed):
+            raise ValueError("two-pass updates need the norm wait, the fused kernels and no delay")
         self.speculative_units = speculative_units
+        # Two-pass updates: the first `two_pass_now` units of each step, at most `two_pass_units`.
+        # Adaptive, the count follows the host's slack: second passes still running when the next
+        # norm arrives sit on the critical path (fewer next step); none running: room for one more.
+        self.two_pass_units = self.two_pass_now = two_pass_units
+        self.adaptive_two_pass = adaptive_two_pass and two_pass_units > 0
+        self._second_passes_running = 0
+        self._two_pass_of_step: dict[int, int] = {}
         # Buffers for speculative updates, by unit kind (blocks share one shape), at most
         # `speculative_units` in all.
         self._spares: dict[str, list[tuple[Any, Any]]] = {"embed": [], "blocks": [], "head": []}
@@ -179,9 +228,13 @@ class UpdatePipeline:
         self.needs_norm = needs_norm  # clipping or float16: wait for the global norm before updating
         self.skip_nonfinite = skip_nonfinite  # float16: a non-finite norm means overflow, skip the step
         self.clock = clock
-        # One waiting thread per unit: they mostly wait (gradients, norm); the work itself runs on the
-        # host optimizer's prioritised pool.
-        self._tasks = ThreadPoolExecutor(num_layers + 2, thread_name_prefix="jaxzero-unit")
+        # Host work is ordered by (step, position): all of one step's work before the next step's, and
+        # within a step the units in the order the next forward pass needs them, second passes last.
+        self._steps = itertools.count()
+        # One waiting thread per unit and step: they mostly wait (gradients, norm, the previous
+        # update); the work itself runs on the host optimizer's prioritised pool. A unit's task
+        # lives into the next step while its second pass runs: two steps' worth of threads.
+        self._tasks = ThreadPoolExecutor(2 * (num_layers + 2), thread_name_prefix="jaxzero-unit")
 
     def submit(
         self,
@@ -190,12 +243,13 @@ class UpdatePipeline:
         grads: ModelParams,
         norm: jax.Array,
         scale: jax.Array,
-    ) -> ModelParams:
-        """Start the update of every unit; returns `ModelParams` of `Future[HostUnit]` at once.
+    ) -> Submitted:
+        """Start the update of every unit; returns its Futures at once.
 
         units: the units' previous `Future[HostUnit]`s (their masters and state are consumed).
-        used:  the weights the gradient pass read (futures, already resolved): released once the
-               unit's gradients have landed (the pass is then done with them).
+        used:  the weights the gradient pass read (futures, already resolved): handed to the update
+               once the unit's gradients have landed (the pass is then done with them), which writes
+               the new weights into their pinned buffers (or frees them).
         grads: per-unit gradient sums in `pinned_host`; norm, scale: float32 scalars on the
                accelerator (the global norm of the mean gradient; the loss scale used).
         """
@@ -204,13 +258,22 @@ class UpdatePipeline:
         norm_h = jax.device_put(norm, pinned)
         # Only float16 has a loss scale; reading a copy of it would wait behind the gradients' copies.
         scale_h = jax.device_put(scale, pinned) if self.skip_nonfinite else None
+        step = next(self._steps)
         L = len(grads.blocks)
-        jobs = [("embed", None, units.embed, used.embed, grads.embed, 0)]
-        jobs += [("blocks", i, units.blocks[i], used.blocks[i], grads.blocks[i], 1 + i) for i in range(L)]
-        jobs += [("head", None, units.head, used.head, grads.head, L + 1)]
+        jobs = [("embed", None, units.embed, used.embed, grads.embed)]
+        jobs += [("blocks", i, units.blocks[i], used.blocks[i], grads.blocks[i]) for i in range(L)]
+        jobs += [("head", None, units.head, used.head, grads.head)]
         tickets = itertools.count()  # the first `speculative_units` gradients to land may speculate
-        out = [self._tasks.submit(self._run, *job, norm_h, scale_h, tickets) for job in jobs]
-        return ModelParams(out[0], tuple(out[1:-1]), out[-1])
+        out, weights = [], []
+        for position, job in enumerate(jobs):
+            w: Future = Future()
+            order = _Order(step, position, L + 2)
+            out.append(self._tasks.submit(self._task, *job, order, w, norm_h, scale_h, tickets))
+            weights.append(w)
+        return Submitted(
+            ModelParams(out[0], tuple(out[1:-1]), out[-1]),
+            ModelParams(weights[0], tuple(weights[1:-1]), weights[-1]),
+        )
 
     def take_counts(self) -> tuple[int, int]:
         """Speculative updates kept and recomputed since the last call."""
@@ -219,9 +282,10 @@ class UpdatePipeline:
             self.committed = self.rolled_back = 0
         return out
 
-    def _speculate(self, kind, block, unit: HostUnit, g, priority, scale_h, tickets) -> HostUnit | None:
+    def _speculate(self, kind, block, unit: HostUnit, g, order, scale_h, tickets, used) -> HostUnit | None:
         """While the backward pass still runs, update this unit as if no clipping will apply, into
-        spare buffers (the unit itself untouched). None if this unit does not speculate."""
+        spare buffers (the unit itself untouched; its new weights into `used`'s buffers). None if this
+        unit does not speculate."""
         evict = None
         with self._lock:
             if next(tickets) >= self.speculative_units:
@@ -231,59 +295,120 @@ class UpdatePipeline:
                 # Spares of another shape only: free one, so the bound holds.
                 evict = next(v for v in self._spares.values() if v).pop()
         if evict is not None:
-            _delete(evict)
+            release(evict)
         if spare is None:
             spare = self.host.spare(unit)  # rarely: afterwards the replaced state becomes the spare
         gmul = self.host.grad_multiplier(None, _scale(scale_h))
-        return self.host.speculate(kind, block, unit, g, gmul, priority, spare)
+        return self.host.speculate(kind, block, unit, g, gmul, order.first, spare, recycle=used)
+
+    def _task(self, *args) -> HostUnit:
+        """`_run`, making sure the weights Future never waits forever: it gets `_run`'s error."""
+        weights: Future = args[-4]
+        try:
+            return self._run(*args)
+        except BaseException as e:
+            if not weights.done():
+                weights.set_exception(e)
+            raise
 
     def _run(
-        self, kind, block, prev: Future, used: Future, grads, priority, norm_h, scale_h, tickets
+        self,
+        kind,
+        block,
+        prev: Future,
+        used: Future,
+        grads,
+        order: _Order,
+        weights: Future,
+        norm_h,
+        scale_h,
+        tickets,
     ) -> HostUnit:
         unit = prev.result()  # the unit's previous update (in the overlapped mode it is done already)
         g = jax.tree.map(host_view, grads)  # host sync: waits for this unit's gradients to land
+        # The weights the pass read are done with once its gradients landed. Overlapped, the new
+        # weights are written into their buffers. Delayed, the unit's newest weights are read by the
+        # next pass (they stay); older ones are recycled.
+        stale = used.result() is not unit.weights
+        recycle = used.result() if stale or not self.delayed else None
         spec = None
         if self.speculative_units:
             start = time.perf_counter()
-            spec = self._speculate(kind, block, unit, g, priority, scale_h, tickets)
+            spec = self._speculate(kind, block, unit, g, order, scale_h, tickets, recycle)
             if spec is not None:
                 self.clock.updated(start, time.perf_counter())
+                recycle = spec.weights
         norm = np.float32(host_view(norm_h)) if self.needs_norm else None  # host sync: whole backward
         if spec is not None:
             if (not self.skip_nonfinite or np.isfinite(norm)) and self.host.unclipped(norm):
                 # Exactly the update the unit would get now: keep it; the old state is the next spare.
-                _delete(used.result())
                 with self._lock:
                     self._spares[kind].append((unit.params, unit.opt_state))
                     self.committed += 1
+                weights.set_result(spec.weights)
                 return spec
-            _delete(spec.weights)  # clipping (or overflow) applies after all: recompute below
-            with self._lock:
+            with self._lock:  # clipping (or overflow) applies after all: recompute below
                 self._spares[kind].append((spec.params, spec.opt_state))
                 self.rolled_back += 1
-        # The weights the pass read are done with (its gradients landed). Overlapped, the new ones
-        # replace them. Delayed, the unit's newest weights are read by the next pass; older ones go.
-        stale = used.result() is not unit.weights
         if self.skip_nonfinite and not np.isfinite(norm):
             if stale:
-                _delete(used.result())
+                release(used.result())
+            weights.set_result(unit.weights)
             return unit  # float16 overflow: this step changes nothing
         gmul = self.host.grad_multiplier(norm, _scale(scale_h))
-        if stale or not self.delayed:
-            _delete(used.result())  # their memory is reused for the new weights
         start = time.perf_counter()
-        new = self.host.update_unit(kind, block, unit, g, gmul, priority)
+        if spec is None and order.position < self._two_pass_count(order.step):
+            # Two passes: the new weights now (the next forward pass waits for them), the masters and
+            # state after every unit's weights, during the next backward pass (same bits).
+            with self._lock:
+                self._second_passes_running += 1
+            try:
+                new_weights = self.host.update_weights(kind, block, unit, g, gmul, order.first, recycle)
+                self.clock.updated(start, time.perf_counter())
+                weights.set_result(new_weights)
+                start = time.perf_counter()
+                new = self.host.commit(kind, block, unit, g, gmul, order.second, new_weights)
+            finally:
+                with self._lock:
+                    self._second_passes_running -= 1
+        else:
+            new = self.host.update_unit(kind, block, unit, g, gmul, order.first, recycle)
+            weights.set_result(new.weights)
         self.clock.updated(start, time.perf_counter())
         return new
+
+    def _two_pass_count(self, step: int) -> int:
+        """How many units of `step` update in two passes, decided once per step by its first unit
+        past the norm (called only there, so the previous step's second passes still running are
+        exactly those late for this step)."""
+        with self._lock:
+            if step not in self._two_pass_of_step:
+                if self.adaptive_two_pass and step > 0:
+                    late = self._second_passes_running
+                    k = self.two_pass_now - late if late else self.two_pass_now + 1
+                    self.two_pass_now = max(0, min(self.two_pass_units, k))
+                self._two_pass_of_step = {s: k for s, k in self._two_pass_of_step.items() if s > step - 3}
+                self._two_pass_of_step[step] = self.two_pass_now
+            return self._two_pass_of_step[step]
+
+
+class _Order(NamedTuple):
+    """Where a unit's host work queues: `first` for its update (or first pass), `second` for a
+    two-pass update's second pass, after every unit's first."""
+
+    step: int
+    position: int  # in the next forward pass: embedding 0, block i at 1 + i, head last
+    units: int
+
+    @property
+    def first(self) -> tuple[int, int]:
+        return (self.step, self.position)
+
+    @property
+    def second(self) -> tuple[int, int]:
+        return (self.step, self.units + self.position)
 
 
 def _scale(scale_h: jax.Array | None) -> np.float32:
     """The loss scale the gradients carry: float16's (a host sync on its copy), else 1."""
     return np.float32(1.0) if scale_h is None else np.float32(host_view(scale_h))
-
-
-def _delete(tree: Any) -> None:
-    """Release buffers now rather than when Python drops the last reference (their memory is reused).
-    Deletion waits for pending reads."""
-    for x in jax.tree.leaves(tree):
-        x.delete()
