@@ -41,6 +41,9 @@ STEP_CASES = [
     "zero3-spec16",
     "zero3-spec8-clip10",
     "zero3-noclip",
+    "zero3-1pass",
+    "zero3-2pass16",
+    "zero-offload-1pass",
 ]
 HOST_CASES = ["host-phases"]
 
@@ -151,6 +154,10 @@ def run_step_case(case: str, args) -> dict:
         # Clipping on but never triggered (the synthetic-token norm is ~7.7): speculation is kept.
         "zero3-spec8-clip10": {**zero3, "offload.speculative_units": "8", "optimizer.grad_clip": "10"},
         "zero3-noclip": {"offload.optimizer": "cpu", "offload.params": "cpu", "optimizer.grad_clip": "0"},
+        # Two-pass updates (offload.two_pass_units; the default -1 is every unit): none, 16 units.
+        "zero3-1pass": {**zero3, "offload.two_pass_units": "0"},
+        "zero3-2pass16": {**zero3, "offload.two_pass_units": "16"},
+        "zero-offload-1pass": {"offload.optimizer": "cpu", "offload.two_pass_units": "0"},
     }[case]
     over = {
         "model.name": args.model,
@@ -159,7 +166,9 @@ def run_step_case(case: str, args) -> dict:
         "data.source": "synthetic",
         "steps": "1000",
         "optimizer.lr": "1e-5",
-        **offload,
+        "checkpoint.enabled": "false",  # nothing is saved; the memory plan need not hold a snapshot
+        **dict(kv.split("=", 1) for kv in args.set),
+        **offload,  # the case's own settings win over --set
     }
     cfg = apply_overrides(TrainConfig(), over)
     trainer = build_trainer(cfg)
@@ -195,6 +204,8 @@ def run_step_case(case: str, args) -> dict:
         "init_s": init_s,
         "first_step_s": ts[0],
         "step_s": step_s,
+        "mean_step_s": float(np.mean(ts[args.warmup :])),
+        "step_times": ts,
         "tokens_per_s": tokens / step_s,
         "tflops_8N": 8 * n * tokens / step_s / 1e12,
         "model_tflops": flops_per_token(cfg.model, args.seq) * tokens / step_s / 1e12,
@@ -238,31 +249,47 @@ def run_host_case(case: str, args) -> dict:
     n = L * per_block
     out = {"case": case, "params": n, "device": jax.devices()[0].device_kind, "cpus": os.cpu_count()}
     variants = [("fused", "float32", True), ("fused", "bfloat16", True), ("optax", "float32", False)]
-    for name, state_dtype, fused in variants:
+    pool = ThreadPoolExecutor(16)
+    g_host = jax.tree.map(np.asarray, grads)  # NumPy views of pinned_host, as the pipeline reads them
+
+    def timed(fn, units, reps=4):
+        """Best of reps 2..: `fn` on every unit from 16 threads (unit i at priority i); new units."""
+        ts = []
+        for _rep in range(reps):
+            t = time.perf_counter()
+            units = [f.result() for f in [pool.submit(fn, i, u) for i, u in enumerate(units)]]
+            ts.append(time.perf_counter() - t)
+        return units, min(ts[1:]), ts
+
+    def measure(name: str, state_dtype: str, fused: bool) -> None:
         ocfg = apply_overrides(cfg, {"optimizer.state_dtype": state_dtype}).optimizer
         host = HostOptimizer(ocfg, 100, shape, jnp.bfloat16, where, 1, fused=fused)
         units = []
         for i in range(L):
             m = init_block(jax.random.key(i))
-            units.append(HostUnit(m, host._init.blocks(m), None))
+            units.append(HostUnit(m, host.init_unit("blocks", m), None))
         gmul = host.grad_multiplier(np.float32(0.5), np.float32(1.0))
-        pool = ThreadPoolExecutor(16)
-        ts = []
-        for _rep in range(4):
-            t = time.perf_counter()
-            futs = [
-                pool.submit(host.update_unit, "blocks", i, u, jax.tree.map(np.asarray, grads), gmul, i)
-                for i, u in enumerate(units)
-            ]
-            units = [f.result() for f in futs]
-            ts.append(time.perf_counter() - t)
-            for u in units:
-                for w in jax.tree.leaves(u.weights):
-                    w.delete()
+
+        def full(i, u):  # one pass, the new weights into the previous ones' pinned buffers
+            return host.update_unit("blocks", i, u, g_host, gmul, i, recycle=u.weights)
+
+        def weights(i, u):  # a two-pass update's first pass
+            return u._replace(weights=host.update_weights("blocks", i, u, g_host, gmul, i, recycle=u.weights))
+
+        def state(i, u):  # and its second
+            return host.commit("blocks", i, u, g_host, gmul, i, u.weights)
+
         key = f"{name}_{state_dtype}"
-        out[f"{key}_G_per_s"] = n / min(ts[1:]) / 1e9
-        print(json.dumps({key: ts, "G_per_s": out[f"{key}_G_per_s"]}), flush=True)
-        del units, host
+        passes = [("", full)]
+        if fused and state_dtype == "float32":  # the two passes timed apart
+            passes += [("_weights_pass", weights), ("_state_pass", state)]
+        for suffix, fn in passes:
+            units, t, ts = timed(fn, units)
+            out[f"{key}{suffix}_G_per_s"] = n / t / 1e9
+            print(json.dumps({key + suffix: ts, "G_per_s": n / t / 1e9}), flush=True)
+
+    for variant in variants:
+        measure(*variant)
     try:
         import torch
 
@@ -294,6 +321,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="extra config override (step cases)"
+    )
     args = ap.parse_args()
     if args.case:
         import jax
@@ -342,13 +372,14 @@ def print_table(results: list[dict], args) -> None:
     if "step_s" in results[0]:
         base = next((r["step_s"] for r in results if r["case"] == "resident"), None)
         print(
-            f"{'case':16} {'s/step':>7} {'tok/s':>8} {'TFLOP/s(8N)':>11} {'model TF/s':>10} "
+            f"{'case':16} {'s/step':>7} {'mean':>7} {'tok/s':>8} {'TFLOP/s(8N)':>11} {'model TF/s':>10} "
             f"{'GPU GiB':>8} {'RSS GiB':>8} {'vs resident':>11}"
         )
         for r in results:
             ratio = f"{base / r['step_s']:.2f}x" if base else "-"
             print(
-                f"{r['case']:16} {r['step_s']:7.3f} {r['tokens_per_s']:8.0f} {r['tflops_8N']:11.1f} "
+                f"{r['case']:16} {r['step_s']:7.3f} {r.get('mean_step_s', 0):7.3f} {r['tokens_per_s']:8.0f} "
+                f"{r['tflops_8N']:11.1f} "
                 f"{r['model_tflops']:10.1f} {r['gpu_peak_gib']:8.1f} {r['host_rss_gib']:8.1f} {ratio:>11}"
             )
         for r in results:
