@@ -9,7 +9,8 @@ initialisation. Byte counts per parameter, by where the state lives:
     optimizer state (AdamW)        8  accelerator  8  host RAM                8  host RAM
     compute-dtype weights          -  (cast per    2  accelerator             2  pinned host (streamed)
                                        block)
-    gradients                      4  accelerator  2|4 pinned host            2|4 pinned host
+    gradients (blocks)             4  accelerator  2|4 pinned host            2|4 pinned host
+    gradients (embed, head)        4  accelerator  4  pinned host             4  pinned host
     weights staging                -               2  pinned host             2  pinned host (embed/head)
 
 (gradients leave in the compute dtype with one micro-batch, as float32 sums with several; the host
@@ -85,13 +86,15 @@ def plan_memory(cfg: TrainConfig) -> MemoryPlan:
     # offload.update=delayed keeps two copies of the compute weights (the pass reads one while the
     # host writes the next).
     copies = 2 if off.update == "delayed" else 1
-    # A two-pass update keeps a unit's gradients until its second pass, during the next step's
-    # backward pass, while that step's gradients arrive: those units' gradients twice.
+    # Gradient bytes: blocks' in `grad`, the embedding's and head's always float32 sums. A two-pass
+    # update keeps a unit's gradients until its second pass, during the next step's backward pass,
+    # while that step's gradients arrive: those units' gradients twice.
+    grads = m.num_layers * n_block * grad + (n_embed + n_head) * 4
     k = two_pass_units(cfg)
-    n_two_pass = (k >= 1) * n_embed + max(0, min(k - 1, m.num_layers)) * n_block
-    n_two_pass += (k >= m.num_layers + 2) * n_head
+    grads += (k >= 1) * n_embed * 4 + max(0, min(k - 1, m.num_layers)) * n_block * grad
+    grads += (k >= m.num_layers + 2) * n_head * 4
     staging = (n - n_streamed) * compute  # new weights of accelerator-resident units, one DMA away
-    pinned = copies * n_streamed * compute + (n + n_two_pass) * grad + staging
+    pinned = copies * n_streamed * compute + grads + staging
     # Measured on the H200 box (BENCHMARKS.md, 3.37B model, six offload modes): peak RSS exceeded
     # the sum of the arrays by 0.4-1.1x the pinned bytes (the pinned pool grows in large regions;
     # runtime buffers), so the plan allows 1.25x the pinned bytes on top rather than promise memory

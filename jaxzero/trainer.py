@@ -91,7 +91,7 @@ class Trainer:
     # Where the time of the steps since the last call went, per step: (wall seconds, steps) ->
     # {"gpu_compute_s", "h2d_s", "d2h_s", "host_update_s", "wait_weights_s", "gpu_idle_s",
     # "host_idle_s", "speculated", "rolled_back", "two_pass_units"} (speculative unit updates kept
-    # and redone per step; units updated in two passes in the last step).
+    # and redone, and units updated in two passes, per step).
     # Only the offload engine measures it (`jaxzero.offload.timeline`); None elsewhere.
     timings: Callable[[float, int], dict[str, float]] | None = None
 

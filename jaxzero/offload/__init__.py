@@ -163,11 +163,11 @@ def build_offload_trainer(cfg: TrainConfig, mesh: Mesh, *, prefetch: int = 1):
 
     def timings(wall: float, steps: int) -> dict[str, float]:
         """Per-step breakdown (seconds, `timeline`) of what finished since the last call, and the
-        speculative unit updates kept and recomputed per step."""
+        speculative unit updates kept and recomputed, and units updated in two passes, per step."""
         n = max(steps, 1)
         out = {f"{k}_s": v / n for k, v in clock.summary(wall).items()}
-        kept, redone = pipeline.take_counts()
-        counts = {"speculated": kept / n, "rolled_back": redone / n, "two_pass_units": pipeline.two_pass_now}
+        kept, redone, two_pass = pipeline.take_counts()
+        counts = {"speculated": kept / n, "rolled_back": redone / n, "two_pass_units": two_pass / n}
         return {**out, **counts}
 
     def put_batch(batch):  # whole batch on the one accelerator

@@ -160,11 +160,15 @@ class HostOptimizer:
         self.pool = PriorityPool(self.threads, "jaxzero-host-update")
         self._io = ThreadPoolExecutor(self.threads, thread_name_prefix="jaxzero-writeback")
         self._staging = _Staging(placement.pinned)
-        if self.rule is not None:  # compile (or load) the kernel while the model initialises
+        if self.rule is not None:  # compile (or load) the kernels while the model initialises
             from jaxzero.offload import host_kernels as hk
 
             moment = jnp.dtype(cfg.state_dtype)
-            self.warmed_up = self._io.submit(hk.warm_up, self.rule, grad_dtype, moment, self.compute_dtype)
+            # Block gradients arrive in `grad_dtype`, embedding and head gradients in float32.
+            self.warmed_up = [
+                self._io.submit(hk.warm_up, self.rule, g, moment, self.compute_dtype)
+                for g in dict.fromkeys([np.dtype(grad_dtype), np.dtype(jnp.float32)])
+            ]
         host = placement.host
 
         def make_update(tx: optax.GradientTransformation):

@@ -225,11 +225,11 @@ class UpdatePipeline:
         self._spares: dict[str, list[tuple[Any, Any]]] = {"embed": [], "blocks": [], "head": []}
         self._lock = threading.Lock()
         self.committed = self.rolled_back = 0  # speculative updates kept / recomputed, since the last read
+        self.two_passed = 0  # units updated in two passes, since the last read
         self.needs_norm = needs_norm  # clipping or float16: wait for the global norm before updating
         self.skip_nonfinite = skip_nonfinite  # float16: a non-finite norm means overflow, skip the step
         self.clock = clock
-        # Host work is ordered by (step, position): all of one step's work before the next step's, and
-        # within a step the units in the order the next forward pass needs them, second passes last.
+        # Host work is ordered by step and position in the forward pass (`_Order`).
         self._steps = itertools.count()
         # One waiting thread per unit and step: they mostly wait (gradients, norm, the previous
         # update); the work itself runs on the host optimizer's prioritised pool. A unit's task
@@ -267,7 +267,7 @@ class UpdatePipeline:
         out, weights = [], []
         for position, job in enumerate(jobs):
             w: Future = Future()
-            order = _Order(step, position, L + 2)
+            order = _Order(step, position)
             out.append(self._tasks.submit(self._task, *job, order, w, norm_h, scale_h, tickets))
             weights.append(w)
         return Submitted(
@@ -275,11 +275,11 @@ class UpdatePipeline:
             ModelParams(weights[0], tuple(weights[1:-1]), weights[-1]),
         )
 
-    def take_counts(self) -> tuple[int, int]:
-        """Speculative updates kept and recomputed since the last call."""
+    def take_counts(self) -> tuple[int, int, int]:
+        """Speculative updates kept and recomputed, and two-pass updates, since the last call."""
         with self._lock:
-            out = (self.committed, self.rolled_back)
-            self.committed = self.rolled_back = 0
+            out = (self.committed, self.rolled_back, self.two_passed)
+            self.committed = self.rolled_back = self.two_passed = 0
         return out
 
     def _speculate(self, kind, block, unit: HostUnit, g, order, scale_h, tickets, used) -> HostUnit | None:
@@ -359,7 +359,7 @@ class UpdatePipeline:
         start = time.perf_counter()
         if spec is None and order.position < self._two_pass_count(order.step):
             # Two passes: the new weights now (the next forward pass waits for them), the masters and
-            # state after every unit's weights, during the next backward pass (same bits).
+            # state later, during the next backward pass (same bits; `_Order.second`).
             with self._lock:
                 self._second_passes_running += 1
             try:
@@ -368,6 +368,8 @@ class UpdatePipeline:
                 weights.set_result(new_weights)
                 start = time.perf_counter()
                 new = self.host.commit(kind, block, unit, g, gmul, order.second, new_weights)
+                with self._lock:
+                    self.two_passed += 1
             finally:
                 with self._lock:
                     self._second_passes_running -= 1
@@ -393,20 +395,21 @@ class UpdatePipeline:
 
 
 class _Order(NamedTuple):
-    """Where a unit's host work queues: `first` for its update (or first pass), `second` for a
-    two-pass update's second pass, after every unit's first."""
+    """Where a unit's host work queues on the pool (lowest first). A step's first passes (or whole
+    updates) go in forward order; a two-pass update's second pass goes right before the next step's
+    work on the same unit, which is the first thing that needs it: after every first pass of its
+    own step, and, if it is late, ahead of the next step's first passes only from its unit on."""
 
     step: int
     position: int  # in the next forward pass: embedding 0, block i at 1 + i, head last
-    units: int
 
     @property
-    def first(self) -> tuple[int, int]:
-        return (self.step, self.position)
+    def first(self) -> tuple[int, int, int]:
+        return (self.step, self.position, 1)
 
     @property
-    def second(self) -> tuple[int, int]:
-        return (self.step, self.units + self.position)
+    def second(self) -> tuple[int, int, int]:
+        return (self.step + 1, self.position, 0)
 
 
 def _scale(scale_h: jax.Array | None) -> np.float32:

@@ -1,0 +1,40 @@
+"""Run by tests/test_host_kernels.py in a fresh process (numba's dispatchers are process-wide): build a
+host optimizer, let its warm-up finish, then update the embedding, a block and the head in one pass
+and in two, as the pipeline does, with gradients as the engine delivers them (NumPy views of
+pinned_host; bf16 for blocks with one micro-batch, float32 for the embedding and head). Prints
+"OK" if no kernel and no kernel signature was added after the warm-up, else what was."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxzero import placement
+from jaxzero.config import TrainConfig, apply_overrides
+from jaxzero.models import build_model
+from jaxzero.offload import host_kernels
+from jaxzero.offload.host_optimizer import HostOptimizer, HostUnit, host_view
+
+cfg = apply_overrides(TrainConfig(), {"model.name": "llama-tiny", "model.num_layers": "1"})
+model = build_model(cfg.model)
+where = placement.offload_placement(placement.make_mesh(jax.devices()[:1]), 1, "cpu", 0)
+host = HostOptimizer(cfg.optimizer, 10, jax.eval_shape(model.init, jax.random.key(0)), jnp.bfloat16, where, 1)
+for f in host.warmed_up:
+    f.result()
+compiled = {k: list(d.signatures) for k, d in host_kernels._kernels.items()}
+masters = jax.device_put(model.init(jax.random.key(0)), where.host)
+state = host.init(masters)
+for kind, block, dtype in (
+    ("embed", None, jnp.float32),
+    ("blocks", 0, jnp.bfloat16),
+    ("head", None, jnp.float32),
+):
+    params = masters.blocks[0] if kind == "blocks" else getattr(masters, kind)
+    opt = state.blocks[0] if kind == "blocks" else getattr(state, kind)
+    g = jax.device_put(jax.tree.map(lambda x, d=dtype: np.full(x.shape, 1e-3, d), params), where.pinned)
+    g = jax.tree.map(host_view, g)
+    unit = host.update_unit(kind, block, HostUnit(params, opt, None), g, np.float32(1.0), 0)
+    weights = host.update_weights(kind, block, unit, g, np.float32(1.0), 0, recycle=unit.weights)
+    host.commit(kind, block, unit, g, np.float32(1.0), 1, weights)
+after = {k: list(d.signatures) for k, d in host_kernels._kernels.items()}
+new = {k: v for k, v in after.items() if compiled.get(k) != v}
+print("OK" if compiled and not new else f"compiled after the warm-up: {new}")
