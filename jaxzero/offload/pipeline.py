@@ -20,8 +20,9 @@ next forward pass, while the host idles during the backward pass. Two-pass updat
 (`offload.two_pass_units`, adaptive by default) move work out of that window without changing a bit:
 once the norm is known, a unit's first pass computes only its new compute-dtype weights (reading
 masters, moments and gradients, writing 2 bytes per parameter instead of 14), which is all the
-next forward pass waits for; its second pass, queued after every unit's first, recomputes the same
-update and writes masters and moments in place, during the next backward pass:
+next forward pass waits for; its second pass, queued after every unit's first (and, if late, just
+before the next step's work on the same unit), recomputes the same update and writes masters and
+moments in place, during the next backward pass:
 
     accelerator   bwd t     | fwd t+1 (waits for weights i)       | bwd t+1
     host          idle      | weights 0, 1, ..., L-1, head        | state 0, 1, ...  (same bits)
