@@ -44,6 +44,8 @@ STEP_CASES = [
     "zero3-1pass",
     "zero3-2pass16",
     "zero-offload-1pass",
+    "zero3-t15",
+    "zero3-t14",
 ]
 HOST_CASES = ["host-phases"]
 
@@ -158,6 +160,9 @@ def run_step_case(case: str, args) -> dict:
         "zero3-1pass": {**zero3, "offload.two_pass_units": "0"},
         "zero3-2pass16": {**zero3, "offload.two_pass_units": "16"},
         "zero-offload-1pass": {"offload.optimizer": "cpu", "offload.two_pass_units": "0"},
+        # Fewer host update threads than cores (offload.host_threads; default one per core).
+        "zero3-t15": {**zero3, "offload.host_threads": "15"},
+        "zero3-t14": {**zero3, "offload.host_threads": "14"},
     }[case]
     over = {
         "model.name": args.model,

@@ -50,6 +50,7 @@ def test_trains_and_writes_run_dir(first_run):
             "speculative_units": 0,
             "two_pass_units": -1,
             "fused_update": True,
+            "host_threads": 0,
         }
     )
     recs = records(run_dir)

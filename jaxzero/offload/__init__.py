@@ -59,6 +59,7 @@ def build_offload_trainer(cfg: TrainConfig, mesh: Mesh, *, prefetch: int = 1):
         where,
         cfg.data.grad_accum,
         fused=cfg.offload.fused_update,
+        threads=cfg.offload.host_threads or None,
     )
     streamed = StreamedModel(model, where, cfg.data.grad_accum, prefetch=prefetch)
     fp16 = cfg.model.compute_dtype == "float16"
