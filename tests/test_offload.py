@@ -291,7 +291,7 @@ def test_adaptive_two_pass_count_follows_the_host_slack():
     from jaxzero.offload.timeline import StepClock
 
     class Host:  # what the pipeline's constructor reads of the host optimizer
-        fused = can_speculate = True
+        fused = True
 
     p = UpdatePipeline(
         Host(), 3, needs_norm=True, skip_nonfinite=False, delayed=False, speculative_units=0,

@@ -273,10 +273,10 @@ class HostOptimizer:
                   `pinned_host` buffers receive the new weights; accelerator ones are freed first.
         Returns the updated unit with its new weights placed per `placement`.
         """
-        count = _count(unit.opt_state)  # host sync (a scalar already on the host)
         if self.rule is None:
             release(recycle)
             return self._optax_update(kind, block, unit, grads, gmul, priority)
+        count = _count(unit.opt_state)  # host sync (a scalar already on the host)
         weights = self._fused(kind, block, unit, grads, gmul, count, priority, "full", recycle=recycle)
         return HostUnit(unit.params, _advance(unit.opt_state, count), weights)
 
@@ -389,11 +389,6 @@ class HostOptimizer:
         return weights
 
     # -- speculative updates -------------------------------------------------------------------------
-
-    @property
-    def can_speculate(self) -> bool:
-        """Speculative updates need the fused kernels (they write into separate buffers)."""
-        return self.rule is not None
 
     def spare(self, unit: HostUnit) -> tuple[Any, Any]:
         """Fresh buffers shaped like `unit`'s params and optimizer state (on the host device), for a

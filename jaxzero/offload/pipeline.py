@@ -209,10 +209,11 @@ class UpdatePipeline:
         self.host = host
         self.delayed = delayed
         # `speculative_units` and `two_pass_units` are the effective counts (the functions above).
-        if speculative_units and not (needs_norm and host.can_speculate and not delayed):
-            raise ValueError("speculative updates need the norm wait, the fused kernels and no delay")
-        if two_pass_units and not (needs_norm and host.fused and not delayed):
-            raise ValueError("two-pass updates need the norm wait, the fused kernels and no delay")
+        # Both write through the fused kernels, and only pay where units wait for the norm.
+        if (speculative_units or two_pass_units) and not (needs_norm and host.fused and not delayed):
+            raise ValueError(
+                "speculative and two-pass updates need the norm wait, the fused kernels and no delay"
+            )
         self.speculative_units = speculative_units
         # Two-pass updates: the first `two_pass_now` units of each step, at most `two_pass_units`.
         # Adaptive, the count follows the host's slack: second passes still running when the next
