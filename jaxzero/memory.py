@@ -179,6 +179,19 @@ def configure_pinned_pool(plan: MemoryPlan) -> int | None:
     return need_gb
 
 
+def pinned_pool_reservation(plan: MemoryPlan, platform: str) -> int:
+    """Bytes an offloaded run allocates (and frees) in XLA's pinned host pool as it initialises: the
+    plan's pinned bytes on a GPU; 0 on the CPU backend, whose `pinned_host` memory is plain host
+    memory with no pool.
+
+    XLA's GPU client grows the pool on demand by regions that double in size, each page-locked as
+    it is created. A region created inside a training step stalls that step for seconds (9-12 s
+    steps measured on the H200 box, BENCHMARKS.md); one allocation of what the run will hold creates
+    the region at start-up, and the steady state then allocates inside it. The region may round up
+    to twice the request, which the plan's allowance for the pool covers."""
+    return plan.pinned if platform != "cpu" else 0
+
+
 def _backends_started() -> bool:
     try:
         from jax._src import xla_bridge

@@ -155,7 +155,10 @@ def build_trainer(cfg: TrainConfig, mesh: Mesh | None = None) -> Trainer:
     if cfg.offload.optimizer == "cpu":
         from jaxzero.offload import build_offload_trainer
 
-        return build_offload_trainer(cfg, mesh)
+        device = mesh.devices.flat[0]
+        return build_offload_trainer(
+            cfg, mesh, pinned_reserve=memory.pinned_pool_reservation(plan, device.platform)
+        )
     return build_resident_trainer(cfg, mesh)
 
 

@@ -105,6 +105,13 @@ def test_pinned_pool_is_sized_or_the_user_is_told(monkeypatch):
     assert memory.configure_pinned_pool(big) == 120
 
 
+def test_the_pinned_pool_is_grown_at_start_on_gpus_only():
+    c = cfg(offload__optimizer="cpu", offload__params="cpu")
+    plan = memory.plan_memory(c)
+    assert plan.pinned > 0 and memory.pinned_pool_reservation(plan, "gpu") == plan.pinned
+    assert memory.pinned_pool_reservation(plan, "cpu") == 0  # no pool: plain host memory
+
+
 def test_platform_without_pinned_host_is_refused(monkeypatch):
     monkeypatch.setattr(placement, "supports_memory_kind", lambda device, kind: False)
     mesh = placement.make_mesh(jax.devices()[:1])

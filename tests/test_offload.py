@@ -305,3 +305,27 @@ def test_adaptive_two_pass_count_follows_the_host_slack():
     assert [p._two_pass_count(s) for s in (2, 3, 4)] == [4, 5, 5]  # up by one, capped
     p._second_passes_running = 9
     assert p._two_pass_count(5) == 0
+
+
+def test_pinned_pool_reservation_runs_before_the_first_pinned_array(monkeypatch):
+    """The start-up growth of the pinned pool (a GPU-only measure, `memory.pinned_pool_reservation`)
+    runs once, ahead of the state's pinned arrays, and leaves nothing allocated behind."""
+    from jaxzero.offload import build_offload_trainer
+
+    cfg = tiny("llama", "float32", **MODES["zero3-offload"])
+    mesh = placement.make_mesh(jax.devices()[:1])
+    puts = []
+    real_put = jax.device_put
+
+    def put(x, device=None, *a, **k):
+        if getattr(device, "memory_kind", None) == "pinned_host":
+            puts.append(getattr(x, "nbytes", 0))
+        return real_put(x, device, *a, **k)
+
+    monkeypatch.setattr(jax, "device_put", put)
+    trainer = build_offload_trainer(cfg, mesh, pinned_reserve=3 << 20)
+    state = trainer.init(jax.random.key(0))
+    assert puts[0] == 3 << 20 and puts.count(3 << 20) == 1
+    data = build_data(cfg.data, cfg.model.vocab_size, cfg.seed).train_iter()
+    state, m = trainer.step(state, trainer.put_batch(next(data)))
+    assert np.isfinite(float(m.loss))

@@ -42,8 +42,12 @@ from jaxzero.optim import build_optimizer
 __all__ = ["OffloadState", "build_offload_trainer"]
 
 
-def build_offload_trainer(cfg: TrainConfig, mesh: Mesh, *, prefetch: int = 1):
-    """A `Trainer` for `offload.optimizer=cpu` (and `offload.params` none or cpu) on `mesh`'s one device."""
+def build_offload_trainer(cfg: TrainConfig, mesh: Mesh, *, prefetch: int = 1, pinned_reserve: int = 0):
+    """A `Trainer` for `offload.optimizer=cpu` (and `offload.params` none or cpu) on `mesh`'s one device.
+
+    `pinned_reserve`: bytes to allocate and free in the accelerator's pinned pool before the state's
+    first pinned array, so that the pool grows at start-up, not inside a step
+    (`jaxzero.memory.pinned_pool_reservation`)."""
     from jaxzero.trainer import StepMetrics, Trainer, abstract_placed  # trainer.py imports us lazily
 
     model = build_model(cfg.model)
@@ -95,7 +99,15 @@ def build_offload_trainer(cfg: TrainConfig, mesh: Mesh, *, prefetch: int = 1):
         )
     )
 
+    def reserve_pinned() -> None:
+        nonlocal pinned_reserve
+        if pinned_reserve:
+            # A copy of zero pages (no host RAM besides the pool's own); a host sync.
+            jax.block_until_ready(jax.device_put(np.zeros(pinned_reserve, np.uint8), where.pinned)).delete()
+            pinned_reserve = 0
+
     def fresh(masters: ModelParams) -> OffloadState:
+        reserve_pinned()
         on = where.device if fp16 else where.host
         step = jax.device_put(np.zeros((), np.int32), on)
         scale = new_loss_scale() if fp16 else None
@@ -151,6 +163,7 @@ def build_offload_trainer(cfg: TrainConfig, mesh: Mesh, *, prefetch: int = 1):
         return abstract_placed(shapes, jax.tree.map(lambda _: where.host, shapes))
 
     def from_saved_state(saved: dict[str, Any]) -> OffloadState:
+        reserve_pinned()
         params = saved["params"]
         weights = host.compute_weights(params)
         step, scale = saved["step"], saved.get("loss_scale")
