@@ -285,8 +285,9 @@ def test_two_pass_updates_train_bitwise_like_one_pass(mode, dtype, over):
 
 
 def test_adaptive_two_pass_count_follows_the_host_slack():
-    """The adaptive count: one more unit after a step whose second passes were all done when the
-    next norm arrived, that many fewer for each still running, within [0, the maximum]."""
+    """The adaptive count: that many fewer units for each second pass still running when the next
+    norm arrives; with none running, one more only if the slack since the last second pass ended
+    would fit another (1.5x their mean interval); within [0, the maximum]."""
     from jaxzero.offload.pipeline import UpdatePipeline
     from jaxzero.offload.timeline import StepClock
 
@@ -297,14 +298,20 @@ def test_adaptive_two_pass_count_follows_the_host_slack():
         Host(), 3, needs_norm=True, skip_nonfinite=False, delayed=False, speculative_units=0,
         two_pass_units=5, adaptive_two_pass=True, clock=StepClock.off(),
     )  # fmt: skip
-    assert p._two_pass_count(0) == 5  # the first step: the maximum
+    assert p._two_pass_count(0, now=0.0) == 5  # the first step: the maximum
     p._second_passes_running = 2  # two of step 0's second passes still running at step 1's norm
-    assert p._two_pass_count(1) == 3
-    assert p._two_pass_count(1) == 3  # decided once per step
+    assert p._two_pass_count(1, now=1.0) == 3
+    assert p._two_pass_count(1, now=9.0) == 3  # decided once per step
     p._second_passes_running = 0
-    assert [p._two_pass_count(s) for s in (2, 3, 4)] == [4, 5, 5]  # up by one, capped
+    p._second_pass_ends[1] = [1.1, 1.2, 1.3]  # step 1's three second passes, 0.1 s apart
+    assert p._two_pass_count(2, now=1.349) == 3  # 0.049 s of slack: no room for a fourth
+    p._second_pass_ends[2] = [2.1, 2.2, 2.3]
+    assert p._two_pass_count(3, now=2.451) == 4  # 0.151 s >= 1.5 x 0.1 s: room for one more
+    p._second_pass_ends[3] = [3.2]  # one second pass: nothing to measure an interval by
+    assert [p._two_pass_count(s, now=float(s)) for s in (4, 5, 6)] == [5, 5, 5]  # capped
     p._second_passes_running = 9
-    assert p._two_pass_count(5) == 0
+    assert p._two_pass_count(7, now=7.0) == 0
+    assert set(p._second_pass_ends) <= {5, 6, 7}  # old steps' records are dropped
 
 
 def test_pinned_pool_reservation_runs_before_the_first_pinned_array(monkeypatch):

@@ -30,7 +30,7 @@ moments in place, during the next backward pass:
 The unit's gradients live until its second pass. Adaptive, the number of two-pass units (counted
 from the embedding) follows the host's slack: if second passes are still running when the next
 norm arrives, they would delay that step's first passes, so the count drops by as many; if none
-are, it grows by one.
+are and the slack would fit one more, it grows by one.
 
 With clipping, the first `offload.speculative_units` units whose gradients land (the head and the top
 blocks) are updated speculatively during the backward pass, as if no clipping will apply, into
@@ -217,11 +217,13 @@ class UpdatePipeline:
         self.speculative_units = speculative_units
         # Two-pass updates: the first `two_pass_now` units of each step, at most `two_pass_units`.
         # Adaptive, the count follows the host's slack: second passes still running when the next
-        # norm arrives sit on the critical path (fewer next step); none running: room for one more.
+        # norm arrives sit on the critical path (fewer next step); none running and slack to spare:
+        # one more (`_two_pass_count`).
         self.two_pass_units = self.two_pass_now = two_pass_units
         self.adaptive_two_pass = adaptive_two_pass and two_pass_units > 0
         self._second_passes_running = 0
         self._two_pass_of_step: dict[int, int] = {}
+        self._second_pass_ends: dict[int, list[float]] = {}  # by step: when each second pass ended
         # Buffers for speculative updates, by unit kind (blocks share one shape), at most
         # `speculative_units` in all.
         self._spares: dict[str, list[tuple[Any, Any]]] = {"embed": [], "blocks": [], "head": []}
@@ -359,7 +361,7 @@ class UpdatePipeline:
             return unit  # float16 overflow: this step changes nothing
         gmul = self.host.grad_multiplier(norm, _scale(scale_h))
         start = time.perf_counter()
-        if spec is None and order.position < self._two_pass_count(order.step):
+        if spec is None and order.position < self._two_pass_count(order.step, start):
             # Two passes: the new weights now (the next forward pass waits for them), the masters and
             # state later, during the next backward pass (same bits; `_Order.second`).
             with self._lock:
@@ -372,6 +374,7 @@ class UpdatePipeline:
                 new = self.host.commit(kind, block, unit, g, gmul, order.second, new_weights)
                 with self._lock:
                     self.two_passed += 1
+                    self._second_pass_ends.setdefault(order.step, []).append(time.perf_counter())
             finally:
                 with self._lock:
                     self._second_passes_running -= 1
@@ -381,19 +384,36 @@ class UpdatePipeline:
         self.clock.updated(start, time.perf_counter())
         return new
 
-    def _two_pass_count(self, step: int) -> int:
+    def _two_pass_count(self, step: int, now: float) -> int:
         """How many units of `step` update in two passes, decided once per step by its first unit
-        past the norm (called only there, so the previous step's second passes still running are
-        exactly those late for this step)."""
+        past the norm, at time `now` (called only there, so the previous step's second passes still
+        running are exactly those late for this step).
+
+        Adaptive: each late second pass costs one unit. With none late, one more unit only if the
+        slack since the last one ended would fit another (1.5 times the mean interval between the
+        previous step's second passes). Adding a unit on any slack at all, as before, made a count
+        that just fits step up to one that does not, so every other step had a late pass on its
+        critical path."""
         with self._lock:
             if step not in self._two_pass_of_step:
                 if self.adaptive_two_pass and step > 0:
                     late = self._second_passes_running
-                    k = self.two_pass_now - late if late else self.two_pass_now + 1
+                    k = self.two_pass_now - late if late else self.two_pass_now + self._room(step - 1, now)
                     self.two_pass_now = max(0, min(self.two_pass_units, k))
-                self._two_pass_of_step = {s: k for s, k in self._two_pass_of_step.items() if s > step - 3}
+                recent = lambda d: {s: v for s, v in d.items() if s > step - 3}  # noqa: E731
+                self._two_pass_of_step = recent(self._two_pass_of_step)
+                self._second_pass_ends = recent(self._second_pass_ends)
                 self._two_pass_of_step[step] = self.two_pass_now
             return self._two_pass_of_step[step]
+
+    def _room(self, step: int, now: float) -> int:
+        """1 if another second pass of `step`'s kind would have ended by `now`, else 0 (under the
+        lock). With fewer than two second passes to measure by, 1."""
+        ends = self._second_pass_ends.get(step, [])
+        if len(ends) < 2:
+            return 1
+        interval = (max(ends) - min(ends)) / (len(ends) - 1)
+        return int(now - max(ends) >= 1.5 * interval)
 
 
 class _Order(NamedTuple):
