@@ -43,6 +43,9 @@ STEP_CASES = [
     "zero3-noclip",
     "zero3-1pass",
     "zero3-2pass16",
+    "zero3-2pass22",
+    "zero3-2pass25",
+    "zero3-2pass28",
     "zero-offload-1pass",
     "zero3-t15",
     "zero3-t14",
@@ -159,6 +162,9 @@ def run_step_case(case: str, args) -> dict:
         # Two-pass updates (offload.two_pass_units; the default -1 is every unit): none, 16 units.
         "zero3-1pass": {**zero3, "offload.two_pass_units": "0"},
         "zero3-2pass16": {**zero3, "offload.two_pass_units": "16"},
+        "zero3-2pass22": {**zero3, "offload.two_pass_units": "22"},
+        "zero3-2pass25": {**zero3, "offload.two_pass_units": "25"},
+        "zero3-2pass28": {**zero3, "offload.two_pass_units": "28"},
         "zero-offload-1pass": {"offload.optimizer": "cpu", "offload.two_pass_units": "0"},
         # Fewer host update threads than cores (offload.host_threads; default one per core).
         "zero3-t15": {**zero3, "offload.host_threads": "15"},
