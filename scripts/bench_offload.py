@@ -159,7 +159,7 @@ def run_step_case(case: str, args) -> dict:
         # Clipping on but never triggered (the synthetic-token norm is ~7.7): speculation is kept.
         "zero3-spec8-clip10": {**zero3, "offload.speculative_units": "8", "optimizer.grad_clip": "10"},
         "zero3-noclip": {"offload.optimizer": "cpu", "offload.params": "cpu", "optimizer.grad_clip": "0"},
-        # Two-pass updates (offload.two_pass_units; the default -1 is every unit): none, 16 units.
+        # Two-pass updates (offload.two_pass_units; the default -1 is adaptive): none, fixed counts.
         "zero3-1pass": {**zero3, "offload.two_pass_units": "0"},
         "zero3-2pass16": {**zero3, "offload.two_pass_units": "16"},
         "zero3-2pass22": {**zero3, "offload.two_pass_units": "22"},
