@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from jaxzero.config import ConfigError, TrainConfig
 from jaxzero.models.sizes import unit_param_counts
-from jaxzero.offload.pipeline import speculative_units, two_pass_units
+from jaxzero.offload.pipeline import first_units, speculative_units, two_pass_units
 
 GiB = 2**30
 PINNED_POOL_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
@@ -90,9 +90,8 @@ def plan_memory(cfg: TrainConfig) -> MemoryPlan:
     # update keeps a unit's gradients until its second pass, during the next step's backward pass,
     # while that step's gradients arrive: those units' gradients twice.
     grads = m.num_layers * n_block * grad + (n_embed + n_head) * 4
-    k = two_pass_units(cfg)
-    grads += (k >= 1) * n_embed * 4 + max(0, min(k - 1, m.num_layers)) * n_block * grad
-    grads += (k >= m.num_layers + 2) * n_head * 4
+    embed2, blocks2, head2 = first_units(two_pass_units(cfg), m.num_layers)
+    grads += embed2 * n_embed * 4 + blocks2 * n_block * grad + head2 * n_head * 4
     staging = (n - n_streamed) * compute  # new weights of accelerator-resident units, one DMA away
     pinned = copies * n_streamed * compute + grads + staging
     # Measured on the H200 box (BENCHMARKS.md, 3.37B model, six offload modes): peak RSS exceeded

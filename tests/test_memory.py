@@ -125,3 +125,15 @@ def test_bf16_moments_cut_host_state_from_12_to_8_bytes_per_parameter():
     full = memory.plan_memory(cfg(**over))
     half = memory.plan_memory(cfg(**over, optimizer__state_dtype="bfloat16"))
     assert full.host - half.host == 4 * n  # masters 4 + moments 8 -> masters 4 + moments 4
+
+
+def test_two_pass_units_counted_by_the_plan_are_the_pipelines():
+    """The plan counts gradients kept for the units `first_units` names; the pipeline makes a unit
+    two-pass when its forward position (embedding 0, block i at 1 + i, head L + 1) is below the count."""
+    from jaxzero.offload.pipeline import first_units
+
+    L = 4
+    for k in range(-1, L + 4):
+        two_pass = [p for p in range(L + 2) if p < k]
+        blocks = sum(1 <= p <= L for p in two_pass)
+        assert first_units(k, L) == (int(0 in two_pass), blocks, int(L + 1 in two_pass))

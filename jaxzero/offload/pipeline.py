@@ -182,6 +182,14 @@ def two_pass_units(cfg: TrainConfig) -> int:
     return (units if n < 0 else min(n, units)) if _waits_for_norm(cfg) else 0
 
 
+def first_units(k: int, num_layers: int) -> tuple[int, int, int]:
+    """How many of the embedding, the blocks and the head are among the first `k` units in forward
+    order (embedding at position 0, block i at 1 + i, head last): the units a two-pass count of `k`
+    covers (`UpdatePipeline` compares positions with `k`; the memory plan counts their gradients)."""
+    k = max(0, k)
+    return min(k, 1), max(0, min(k - 1, num_layers)), int(k >= num_layers + 2)
+
+
 class Submitted(NamedTuple):
     """One step's host update, as `ModelParams` of Futures: `units` of the updated `HostUnit`s,
     `weights` of their new compute-dtype weights (these resolve first under a two-pass update)."""
