@@ -152,13 +152,15 @@ def configure_pinned_pool(plan: MemoryPlan) -> int | None:
     """Size XLA's pinned host pool for `plan` before the GPU backend starts; return the cap in GB.
 
     XLA's GPU client caps `pinned_host` allocations at `XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB` (64 GB by
-    default) and fails with RESOURCE_EXHAUSTED past it, mid-run. If the run needs more, the variable
-    is set here; a user-set value that is too small, or a backend already started with too small a
-    cap, is an error that says what to set.
+    default) and fails with RESOURCE_EXHAUSTED past it, mid-run. Below the cap the pool grows on
+    demand by regions that double in size, so it can come to hold nearly twice what the run uses.
+    When JAX has not started and the user has not set the variable, it is set here to this run's
+    pool: the plan's pinned bytes plus 25% and 2 GB (within the allowance `plan_memory` holds for
+    it), so that host RAM holds what the plan says. A user-set cap is kept if it is at least the
+    run's minimum (10% and 2 GB over the plan); a smaller one, or a running backend whose default
+    cap is too small, is an error that says what to set.
     """
     need_gb = -(-plan.pinned * 11 // (10 * 10**9)) + 2  # 10% headroom plus 2 GB, integer GB
-    if need_gb <= PINNED_POOL_DEFAULT_GB and PINNED_POOL_ENV not in os.environ:
-        return PINNED_POOL_DEFAULT_GB
     current = os.environ.get(PINNED_POOL_ENV)
     if current is not None:
         if float(current) < need_gb:
@@ -168,27 +170,30 @@ def configure_pinned_pool(plan: MemoryPlan) -> int | None:
             )
         return int(float(current))
     if _backends_started():
+        if need_gb <= PINNED_POOL_DEFAULT_GB:
+            return PINNED_POOL_DEFAULT_GB
         raise ConfigError(
             f"this run needs {need_gb} GB of pinned host memory, over XLA's default "
             f"{PINNED_POOL_DEFAULT_GB} GB pool, and JAX has already started its backends. Set "
             f"{PINNED_POOL_ENV}={need_gb} in the environment before JAX starts (e.g. before the first "
             "jax.devices() call)."
         )
-    os.environ[PINNED_POOL_ENV] = str(need_gb)
-    return need_gb
+    pool_gb = max(need_gb, -(-plan.pinned * 5 // (4 * 10**9)) + 2)
+    os.environ[PINNED_POOL_ENV] = str(pool_gb)
+    return pool_gb
 
 
 def pinned_pool_reservation(plan: MemoryPlan, platform: str) -> int:
     """Bytes an offloaded run allocates (and frees) in XLA's pinned host pool as it initialises: the
-    plan's pinned bytes on a GPU; 0 on the CPU backend, whose `pinned_host` memory is plain host
-    memory with no pool.
+    plan's pinned bytes on a GPU; 0 elsewhere (the CPU backend's `pinned_host` memory is plain host
+    memory, with no pool).
 
     XLA's GPU client grows the pool on demand by regions that double in size, each page-locked as
-    it is created. A region created inside a training step stalls that step for seconds (9-12 s
-    steps measured on the H200 box, BENCHMARKS.md); one allocation of what the run will hold creates
-    the region at start-up, and the steady state then allocates inside it. The region may round up
-    to twice the request, which the plan's allowance for the pool covers."""
-    return plan.pinned if platform != "cpu" else 0
+    it is created. A region created inside a training step stalls that step for seconds (a 9.2 s
+    step on the H200 box, BENCHMARKS.md); one allocation of what the run will hold creates the region
+    at start-up (a copy of that many bytes: seconds), and the steady state then allocates inside it.
+    The region is capped by the pool's size (`configure_pinned_pool`)."""
+    return plan.pinned if platform == "gpu" else 0
 
 
 def _backends_started() -> bool:

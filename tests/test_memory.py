@@ -1,5 +1,7 @@
 """Memory planning and the early, clear failures it gives (before anything is allocated)."""
 
+import os
+
 import jax
 import pytest
 
@@ -110,6 +112,19 @@ def test_the_pinned_pool_is_grown_at_start_on_gpus_only():
     plan = memory.plan_memory(c)
     assert plan.pinned > 0 and memory.pinned_pool_reservation(plan, "gpu") == plan.pinned
     assert memory.pinned_pool_reservation(plan, "cpu") == 0  # no pool: plain host memory
+    assert memory.pinned_pool_reservation(plan, "tpu") == 0  # not XLA's GPU pool
+
+
+def test_pinned_pool_is_capped_at_the_plan_when_jaxzero_starts_the_backend(monkeypatch):
+    """Before JAX starts, the cap is set to the run's pool (plan + 25% + 2 GB) even under XLA's 64 GB
+    default, so that the pool's doubling regions cannot hold more than the plan allows."""
+    plan = memory.MemoryPlan(host=0, pinned=20 * 10**9, accelerator_state=0, activations=0)
+    monkeypatch.setattr(memory, "_backends_started", lambda: False)
+    monkeypatch.delenv(memory.PINNED_POOL_ENV, raising=False)
+    assert memory.configure_pinned_pool(plan) == 27  # 1.25 x 20 + 2 (the minimum is 1.1 x 20 + 2 = 24)
+    assert os.environ[memory.PINNED_POOL_ENV] == "27"
+    monkeypatch.setenv(memory.PINNED_POOL_ENV, "40")  # a user's cap that is enough stands
+    assert memory.configure_pinned_pool(plan) == 40
 
 
 def test_platform_without_pinned_host_is_refused(monkeypatch):

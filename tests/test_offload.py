@@ -330,9 +330,17 @@ def test_pinned_pool_reservation_runs_before_the_first_pinned_array(monkeypatch)
         return real_put(x, device, *a, **k)
 
     monkeypatch.setattr(jax, "device_put", put)
-    trainer = build_offload_trainer(cfg, mesh, pinned_reserve=3 << 20)
+    reserve = 3 << 20
+    trainer = build_offload_trainer(cfg, mesh, pinned_reserve=reserve)
     state = trainer.init(jax.random.key(0))
-    assert puts[0] == 3 << 20 and puts.count(3 << 20) == 1
+    assert puts[0] == reserve and puts.count(reserve) == 1
+    assert not [a for a in jax.live_arrays() if a.nbytes == reserve]  # freed at once
     data = build_data(cfg.data, cfg.model.vocab_size, cfg.seed).train_iter()
     state, m = trainer.step(state, trainer.put_batch(next(data)))
     assert np.isfinite(float(m.loss))
+    # Restoring a checkpoint into a new trainer: the same, before the restored state's pinned arrays.
+    saved = trainer.saved_state(state)
+    puts.clear()
+    restored = build_offload_trainer(cfg, mesh, pinned_reserve=reserve).from_saved_state(saved)
+    assert puts[0] == reserve and puts.count(reserve) == 1
+    jax.block_until_ready(restored)

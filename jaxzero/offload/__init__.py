@@ -15,7 +15,7 @@ Where each array lives is decided by `jaxzero.placement.OffloadPlacement`.
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -39,10 +39,15 @@ from jaxzero.offload.streaming import StreamedModel
 from jaxzero.offload.timeline import StepClock
 from jaxzero.optim import build_optimizer
 
+if TYPE_CHECKING:
+    from jaxzero.trainer import Trainer
+
 __all__ = ["OffloadState", "build_offload_trainer"]
 
 
-def build_offload_trainer(cfg: TrainConfig, mesh: Mesh, *, prefetch: int = 1, pinned_reserve: int = 0):
+def build_offload_trainer(
+    cfg: TrainConfig, mesh: Mesh, *, prefetch: int = 1, pinned_reserve: int = 0
+) -> Trainer:
     """A `Trainer` for `offload.optimizer=cpu` (and `offload.params` none or cpu) on `mesh`'s one device.
 
     `pinned_reserve`: bytes to allocate and free in the accelerator's pinned pool before the state's
@@ -101,10 +106,20 @@ def build_offload_trainer(cfg: TrainConfig, mesh: Mesh, *, prefetch: int = 1, pi
 
     def reserve_pinned() -> None:
         nonlocal pinned_reserve
-        if pinned_reserve:
-            # A copy of zero pages (no host RAM besides the pool's own); a host sync.
-            jax.block_until_ready(jax.device_put(np.zeros(pinned_reserve, np.uint8), where.pinned)).delete()
-            pinned_reserve = 0
+        if not pinned_reserve:
+            return
+        try:
+            # A copy of zero pages into the pool (seconds; no host RAM besides the pool's own).
+            reserved = jax.device_put(np.zeros(pinned_reserve, np.uint8), where.pinned)
+            jax.block_until_ready(reserved).delete()  # host sync
+        except RuntimeError as e:  # XLA's allocation errors are RuntimeErrors
+            raise RuntimeError(
+                f"could not allocate the {pinned_reserve / 2**30:.1f} GiB of pinned (page-locked) host "
+                f"memory this offloaded run needs: {e}. Check the locked-memory limit (`ulimit -l` should "
+                "be unlimited) and free host RAM, raise XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, or lower "
+                "offload.two_pass_units (two-pass units keep their gradients pinned longer)."
+            ) from e
+        pinned_reserve = 0
 
     def fresh(masters: ModelParams) -> OffloadState:
         reserve_pinned()

@@ -408,20 +408,25 @@ class UpdatePipeline:
                     late = self._second_passes_running
                     k = self.two_pass_now - late if late else self.two_pass_now + self._room(step - 1, now)
                     self.two_pass_now = max(0, min(self.two_pass_units, k))
-                recent = lambda d: {s: v for s, v in d.items() if s > step - 3}  # noqa: E731
-                self._two_pass_of_step = recent(self._two_pass_of_step)
-                self._second_pass_ends = recent(self._second_pass_ends)
+                self._two_pass_of_step = _recent(self._two_pass_of_step, step)
+                self._second_pass_ends = _recent(self._second_pass_ends, step)
                 self._two_pass_of_step[step] = self.two_pass_now
             return self._two_pass_of_step[step]
 
     def _room(self, step: int, now: float) -> int:
-        """1 if another second pass of `step`'s kind would have ended by `now`, else 0 (under the
-        lock). With fewer than two second passes to measure by, 1."""
+        """1 if one more second pass, as long as `step`'s took on average, would have ended by `now`,
+        else 0 (under the lock). With fewer than two of them to measure by, 1: the count is then
+        low, and may swing by one unit where the host fits only one or two."""
         ends = self._second_pass_ends.get(step, [])
         if len(ends) < 2:
             return 1
         interval = (max(ends) - min(ends)) / (len(ends) - 1)
         return int(now - max(ends) >= 1.5 * interval)
+
+
+def _recent(by_step: dict[int, Any], step: int) -> dict[int, Any]:
+    """`by_step`'s entries of the last three steps up to `step` (older ones are never read again)."""
+    return {s: v for s, v in by_step.items() if s > step - 3}
 
 
 class _Order(NamedTuple):
