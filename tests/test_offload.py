@@ -10,6 +10,10 @@ to every key, so its exact gradient is zero and what it receives is rounding noi
 division by sqrt(v) turns into full-size, run-specific steps. Both trainers do that; neither is wrong.
 """
 
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import jax
 import numpy as np
 import pytest
@@ -344,3 +348,24 @@ def test_pinned_pool_reservation_runs_before_the_first_pinned_array(monkeypatch)
     restored = build_offload_trainer(cfg, mesh, pinned_reserve=reserve).from_saved_state(saved)
     assert puts[0] == reserve and puts.count(reserve) == 1
     jax.block_until_ready(restored)
+
+
+def test_the_shared_norm_is_read_on_the_host_once(monkeypatch):
+    """Every unit task waits for the same norm; one of them takes the NumPy view of its pinned buffer
+    (XLA's plugin does not count views of one buffer from several threads safely), the rest get the
+    same value."""
+    from jaxzero.offload import pipeline
+
+    reads = []
+
+    def slow_view(x):
+        reads.append(threading.get_ident())
+        time.sleep(0.05)  # the norm landing while every task waits for it
+        return np.asarray(x)
+
+    monkeypatch.setattr(pipeline, "host_view", slow_view)
+    where = placement.offload_placement(placement.make_mesh(jax.devices()[:1]), 1, "cpu", 0)
+    norm = pipeline.HostScalar(jax.device_put(np.float32(7.5), where.pinned))
+    with ThreadPoolExecutor(16) as pool:
+        values = list(pool.map(lambda _: norm.get(), range(32)))
+    assert len(reads) == 1 and values == [np.float32(7.5)] * 32

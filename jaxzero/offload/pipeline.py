@@ -266,10 +266,10 @@ class UpdatePipeline:
                accelerator (the global norm of the mean gradient; the loss scale used).
         """
         pinned = self.host.placement.pinned
-        # Two scalars to host memory, asynchronously; each task reads them in place when it needs them.
-        norm_h = jax.device_put(norm, pinned)
+        # Two scalars to host memory, asynchronously; the first task to need each reads it (`HostScalar`).
+        norm_h = HostScalar(jax.device_put(norm, pinned))
         # Only float16 has a loss scale; reading a copy of it would wait behind the gradients' copies.
-        scale_h = jax.device_put(scale, pinned) if self.skip_nonfinite else None
+        scale_h = HostScalar(jax.device_put(scale, pinned)) if self.skip_nonfinite else None
         step = next(self._steps)
         L = len(grads.blocks)
         jobs = [("embed", None, units.embed, used.embed, grads.embed)]
@@ -350,7 +350,7 @@ class UpdatePipeline:
             if spec is not None:
                 self.clock.updated(start, time.perf_counter())
                 recycle = spec.weights
-        norm = np.float32(host_view(norm_h)) if self.needs_norm else None  # host sync: whole backward
+        norm = norm_h.get() if self.needs_norm else None  # host sync: the whole backward pass
         if spec is not None:
             if (not self.skip_nonfinite or np.isfinite(norm)) and self.host.unclipped(norm):
                 # Exactly the update the unit would get now: keep it; the old state is the next spare.
@@ -447,6 +447,26 @@ class _Order(NamedTuple):
         return (self.step + 1, self.position, 0)
 
 
-def _scale(scale_h: jax.Array | None) -> np.float32:
+def _scale(scale_h: HostScalar | None) -> np.float32:
     """The loss scale the gradients carry: float16's (a host sync on its copy), else 1."""
-    return np.float32(1.0) if scale_h is None else np.float32(host_view(scale_h))
+    return np.float32(1.0) if scale_h is None else scale_h.get()
+
+
+class HostScalar:
+    """A float32 scalar in `pinned_host`, read on the host once, by whichever unit task asks first
+    (a host sync: it waits for the value); the others get the same NumPy scalar.
+
+    Why once: a NumPy view of a pinned buffer takes an external reference through XLA's plugin API,
+    which appends it to a list without a lock (`PJRT_Buffer_IncreaseExternalReferenceCount`). Every
+    unit task used to read the shared norm at the moment it landed, so their references raced on
+    that list; one run on the H200 box aborted when the norm's buffer was freed with a reference
+    still counted ("Non-zero type 1 hold on destruction"), most likely from that race."""
+
+    def __init__(self, x: jax.Array):
+        self._x, self._lock, self._value = x, threading.Lock(), None
+
+    def get(self) -> np.float32:
+        with self._lock:
+            if self._value is None:
+                self._value = np.float32(host_view(self._x))  # host sync
+            return self._value
