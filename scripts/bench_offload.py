@@ -353,13 +353,14 @@ def main() -> None:
         args.cases, args.cases.split(",")
     )
     results = []
-    for case in names:
+    for k, case in enumerate(names):
         cmd = [sys.executable, __file__, f"--case={case}"] + [
             a for a in sys.argv[1:] if not a.startswith("--cases")
         ]
         t = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True)
-        log = os.path.join(args.out, f"bench_{case}.log")
+        repeat = f"-{k}" if names.count(case) > 1 else ""  # a case named twice keeps both logs
+        log = os.path.join(args.out, f"bench_{case}{repeat}.log")
         with open(log, "w") as f:
             f.write(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
