@@ -244,7 +244,7 @@ def run_host_case(case: str, args) -> dict:
     from jaxzero import placement
     from jaxzero.config import TrainConfig, apply_overrides
     from jaxzero.models import build_model
-    from jaxzero.offload.host_optimizer import HostOptimizer, HostUnit
+    from jaxzero.offload.host_optimizer import HostOptimizer, HostUnit, UnitUpdate
 
     cfg = apply_overrides(TrainConfig(), {"model.name": args.model, "optimizer.warmup_steps": "0"})
     model = build_model(cfg.model)
@@ -282,13 +282,14 @@ def run_host_case(case: str, args) -> dict:
         gmul = host.grad_multiplier(np.float32(0.5), np.float32(1.0))
 
         def full(i, u):  # one pass, the new weights into the previous ones' pinned buffers
-            return host.update_unit("blocks", i, u, g_host, gmul, i, recycle=u.weights)
+            return host.update_unit(UnitUpdate("blocks", i, u, g_host, gmul), i, recycle=u.weights)
 
         def weights(i, u):  # a two-pass update's first pass
-            return u._replace(weights=host.update_weights("blocks", i, u, g_host, gmul, i, recycle=u.weights))
+            new = host.update_weights(UnitUpdate("blocks", i, u, g_host, gmul), i, recycle=u.weights)
+            return u._replace(weights=new)
 
         def state(i, u):  # and its second
-            return host.commit("blocks", i, u, g_host, gmul, i, u.weights)
+            return host.commit(UnitUpdate("blocks", i, u, g_host, gmul), i, u.weights)
 
         key = f"{name}_{state_dtype}"
         passes = [("", full)]

@@ -27,7 +27,7 @@ from jaxzero import placement
 from jaxzero.config import TrainConfig, apply_overrides
 from jaxzero.models import build_model
 from jaxzero.offload import host_kernels
-from jaxzero.offload.host_optimizer import HostOptimizer, HostUnit
+from jaxzero.offload.host_optimizer import HostOptimizer, HostUnit, UnitUpdate
 
 OPTIMIZERS = {
     "adamw": {"optimizer.name": "adamw", "optimizer.weight_decay": "0.1"},
@@ -63,10 +63,10 @@ def run(over: dict, fused: bool, grad_dtype, steps: int = 3, two_pass: bool = Fa
         # Clipping active on odd steps (norm 3 > max 1), the loss scale 2 and grad_accum folded in.
         gmul = host.grad_multiplier(np.float32(3.0 if k % 2 else 0.5), np.float32(2.0))
         if two_pass:  # the weights first, then masters and state, as the pipeline does
-            weights = host.update_weights("blocks", 0, unit, g, gmul, 0, recycle=unit.weights)
-            unit = host.commit("blocks", 0, unit, g, gmul, 1, weights)
+            u = UnitUpdate("blocks", 0, unit, g, gmul)
+            unit = host.commit(u, 1, host.update_weights(u, 0, recycle=unit.weights))
         else:
-            unit = host.update_unit("blocks", 0, unit, g, gmul, 0, recycle=unit.weights)
+            unit = host.update_unit(UnitUpdate("blocks", 0, unit, g, gmul), 0, recycle=unit.weights)
     return jax.device_get((unit.params, unit.opt_state, unit.weights))
 
 

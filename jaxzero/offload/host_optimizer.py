@@ -58,6 +58,22 @@ class HostUnit(NamedTuple):
     weights: Any
 
 
+class UnitUpdate(NamedTuple):
+    """One unit's update, as every pass of `HostOptimizer` takes it.
+
+    kind:  "embed", "blocks" or "head"; `block` is the block index (None for embed and head).
+    unit:  its masters and optax state (consumed: updated in place) and old weights.
+    grads: the unit's gradient sums as host-readable arrays (NumPy views of `pinned_host`).
+    gmul:  `HostOptimizer.grad_multiplier`'s factor (averaging, loss scale and clipping in one).
+    """
+
+    kind: str
+    block: int | None
+    unit: HostUnit
+    grads: Any
+    gmul: np.float32
+
+
 class PriorityPool:
     """Threads that run submitted functions lowest priority first (ties: first come, first served).
 
@@ -252,22 +268,9 @@ class HostOptimizer:
         """Whether optax's rule leaves a gradient of global norm `norm` as it is (False for NaN)."""
         return self.max_norm <= 0 or bool(np.float32(norm) < np.float32(self.max_norm))
 
-    def update_unit(
-        self,
-        kind: str,
-        block: int | None,
-        unit: HostUnit,
-        grads: Any,
-        gmul: np.float32,
-        priority: Any,
-        recycle: Any = None,
-    ) -> HostUnit:
+    def update_unit(self, u: UnitUpdate, priority: Any, recycle: Any = None) -> HostUnit:
         """One optimizer step of one unit. Blocking; call it from a worker thread.
 
-        kind:     "embed", "blocks" or "head"; `block` is the block index (None for embed and head).
-        unit:     its masters and optax state (consumed: updated in place) and old weights.
-        grads:    the unit's gradient sums as host-readable arrays (NumPy views of `pinned_host`).
-        gmul:     `grad_multiplier`'s factor.
         priority: orders this work among the other units' on the host pool (lowest first).
         recycle:  compute-dtype weights no longer read by anyone (the caller hands them over): their
                   `pinned_host` buffers receive the new weights; accelerator ones are freed first.
@@ -275,88 +278,58 @@ class HostOptimizer:
         """
         if self.rule is None:
             release(recycle)
-            return self._optax_update(kind, block, unit, grads, gmul, priority)
-        count = _count(unit.opt_state)  # host sync (a scalar already on the host)
-        weights = self._fused(kind, block, unit, grads, gmul, count, priority, "full", recycle=recycle)
-        return HostUnit(unit.params, _advance(unit.opt_state, count), weights)
+            return self._optax_update(u, priority)
+        count = _count(u.unit.opt_state)  # host sync (a scalar already on the host)
+        weights = self._fused(u, count, priority, "full", recycle=recycle)
+        return HostUnit(u.unit.params, _advance(u.unit.opt_state, count), weights)
 
-    def update_weights(
-        self,
-        kind: str,
-        block: int | None,
-        unit: HostUnit,
-        grads: Any,
-        gmul: np.float32,
-        priority: Any,
-        recycle: Any = None,
-    ) -> Any:
+    def update_weights(self, u: UnitUpdate, priority: Any, recycle: Any = None) -> Any:
         """The first pass of a two-pass update (fused kernels only): the unit's new compute-dtype
         weights, placed, reading but not writing its masters and state (p, m, v, g read; only the
         weights written: 16 of the 28 bytes per parameter of a whole AdamW update). `commit` with the
-        same arguments applies the update itself later. Arguments as `update_unit`."""
-        count = _count(unit.opt_state)
-        return self._fused(kind, block, unit, grads, gmul, count, priority, "weights", recycle=recycle)
+        same `u` applies the update itself later. Arguments as `update_unit`."""
+        count = _count(u.unit.opt_state)
+        return self._fused(u, count, priority, "weights", recycle=recycle)
 
-    def commit(
-        self,
-        kind: str,
-        block: int | None,
-        unit: HostUnit,
-        grads: Any,
-        gmul: np.float32,
-        priority: Any,
-        weights: Any,
-    ) -> HostUnit:
+    def commit(self, u: UnitUpdate, priority: Any, weights: Any) -> HostUnit:
         """The second pass of a two-pass update: masters and state updated in place with the same
-        arithmetic as `update_weights` (so the same bits as `update_unit`); `weights` are its result.
-        `grads` and `gmul` must be the ones `update_weights` had."""
-        count = _count(unit.opt_state)
-        self._fused(kind, block, unit, grads, gmul, count, priority, "state")
-        return HostUnit(unit.params, _advance(unit.opt_state, count), weights)
+        arithmetic as `update_weights(u, ...)` (so the same bits as `update_unit`); `weights` are
+        its result."""
+        count = _count(u.unit.opt_state)
+        self._fused(u, count, priority, "state")
+        return HostUnit(u.unit.params, _advance(u.unit.opt_state, count), weights)
 
-    def _optax_update(self, kind, block, unit: HostUnit, grads, gmul, priority) -> HostUnit:
-        update = getattr(self._update, kind)
-        g = jax.device_put(grads, self.placement.host)  # NumPy views -> CPU backend
-        gm = jax.device_put(np.float32(gmul), self.placement.host)
+    def _optax_update(self, u: UnitUpdate, priority: Any) -> HostUnit:
+        update = getattr(self._update, u.kind)
+        g = jax.device_put(u.grads, self.placement.host)  # NumPy views -> CPU backend
+        gm = jax.device_put(np.float32(u.gmul), self.placement.host)
         # Ordered with the other units' work; the XLA:CPU call itself uses XLA's own threads.
-        run = lambda: jax.block_until_ready(update(unit.params, unit.opt_state, g, gm))  # noqa: E731
+        run = lambda: jax.block_until_ready(update(u.unit.params, u.unit.opt_state, g, gm))  # noqa: E731
         params, opt_state, weights = self.pool.submit(priority, run).result()  # host sync
-        return HostUnit(params, opt_state, place(weights, self.target(block)))
+        return HostUnit(params, opt_state, place(weights, self.target(u.block)))
 
-    def _fused(
-        self,
-        kind,
-        block,
-        unit: HostUnit,
-        grads,
-        gmul,
-        count: int,
-        priority,
-        pass_: str,
-        into=None,
-        recycle=None,
-    ) -> Any:
+    def _fused(self, u: UnitUpdate, count: int, priority: Any, pass_: str, into=None, recycle=None) -> Any:
         """One pass (`host_kernels.PASSES`) of the fused kernels over every leaf of `unit`, chunked
         onto the pool. `into` = (params, opt_state) for the `out` pass. Returns the new weights,
         placed (None for the `state` pass)."""
         from jaxzero.offload import host_kernels as hk
 
         rule = self.rule
-        p_leaves, treedef = jax.tree.flatten(unit.params)
-        g_leaves = treedef.flatten_up_to(grads)
+        p_leaves, treedef = jax.tree.flatten(u.unit.params)
+        g_leaves = treedef.flatten_up_to(u.grads)
 
         def moments(opt_state):
             return [treedef.flatten_up_to(optax.tree_utils.tree_get(opt_state, n)) for n in rule.moments()]
 
-        m_leaves = moments(unit.opt_state)
+        m_leaves = moments(u.unit.opt_state)
         if into is not None:
             out_p, out_m = treedef.flatten_up_to(into[0]), moments(into[1])
-        decay = treedef.flatten_up_to(getattr(self._decay, kind))
+        decay = treedef.flatten_up_to(getattr(self._decay, u.kind))
         # The rate on the host device: a NumPy scalar would go to the default device, the accelerator,
         # and reading it back would wait behind the whole queued backward pass.
         lr = host_view(self._lr(jax.device_put(np.int32(count), self.placement.host)))  # host sync
-        kernel = rule.kernel(count, float(lr), gmul, pass_)
-        target = self.target(block)
+        kernel = rule.kernel(count, float(lr), u.gmul, pass_)
+        target = self.target(u.block)
         streamed = target.memory_kind == "pinned_host"
         dst = None
         if pass_ != "state":
@@ -395,22 +368,12 @@ class HostOptimizer:
         speculative update to write into."""
         return self._zeros_like((unit.params, unit.opt_state))
 
-    def speculate(
-        self,
-        kind: str,
-        block: int | None,
-        unit: HostUnit,
-        grads: Any,
-        gmul: np.float32,
-        priority: Any,
-        into: tuple[Any, Any],
-        recycle: Any = None,
-    ) -> HostUnit:
-        """`update_unit` into `into` (from `spare`), leaving `unit`'s masters and state as they were:
-        the update this unit gets if the gradient turns out not to need clipping. The caller keeps
-        whichever it needs."""
-        count = _count(unit.opt_state)
-        weights = self._fused(kind, block, unit, grads, gmul, count, priority, "out", into, recycle)
+    def speculate(self, u: UnitUpdate, priority: Any, into: tuple[Any, Any], recycle: Any = None) -> HostUnit:
+        """`update_unit` into `into` (from `spare`), leaving the unit's masters and state as they
+        were: the update this unit gets if the gradient turns out not to need clipping. The caller
+        keeps whichever it needs."""
+        count = _count(u.unit.opt_state)
+        weights = self._fused(u, count, priority, "out", into, recycle)
         return HostUnit(into[0], _advance(into[1], count), weights)
 
     def lr(self, step: jax.Array) -> jax.Array:

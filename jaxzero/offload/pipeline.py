@@ -58,7 +58,7 @@ import numpy as np
 
 from jaxzero.config import TrainConfig
 from jaxzero.models import ModelParams
-from jaxzero.offload.host_optimizer import HostOptimizer, HostUnit, host_view, release
+from jaxzero.offload.host_optimizer import HostOptimizer, HostUnit, UnitUpdate, host_view, release
 from jaxzero.offload.timeline import StepClock
 
 
@@ -311,7 +311,7 @@ class UpdatePipeline:
         if spare is None:
             spare = self.host.spare(unit)  # rarely: afterwards the replaced state becomes the spare
         gmul = self.host.grad_multiplier(None, _scale(scale_h))
-        return self.host.speculate(kind, block, unit, g, gmul, order.first, spare, recycle=used)
+        return self.host.speculate(UnitUpdate(kind, block, unit, g, gmul), order.first, spare, recycle=used)
 
     def _task(self, *args) -> HostUnit:
         """`_run`, making sure the weights Future never waits forever: it gets `_run`'s error."""
@@ -367,7 +367,7 @@ class UpdatePipeline:
                 release(used.result())
             weights.set_result(unit.weights)
             return unit  # float16 overflow: this step changes nothing
-        gmul = self.host.grad_multiplier(norm, _scale(scale_h))
+        update = UnitUpdate(kind, block, unit, g, self.host.grad_multiplier(norm, _scale(scale_h)))
         start = time.perf_counter()
         if spec is None and order.position < self._two_pass_count(order.step, start):
             # Two passes: the new weights now (the next forward pass waits for them), the masters and
@@ -375,11 +375,11 @@ class UpdatePipeline:
             with self._lock:
                 self._second_passes_running += 1
             try:
-                new_weights = self.host.update_weights(kind, block, unit, g, gmul, order.first, recycle)
+                new_weights = self.host.update_weights(update, order.first, recycle)
                 self.clock.updated(start, time.perf_counter())
                 weights.set_result(new_weights)
                 start = time.perf_counter()
-                new = self.host.commit(kind, block, unit, g, gmul, order.second, new_weights)
+                new = self.host.commit(update, order.second, new_weights)
                 with self._lock:
                     self.two_passed += 1
                     self._second_pass_ends.setdefault(order.step, []).append(time.perf_counter())
@@ -387,7 +387,7 @@ class UpdatePipeline:
                 with self._lock:
                     self._second_passes_running -= 1
         else:
-            new = self.host.update_unit(kind, block, unit, g, gmul, order.first, recycle)
+            new = self.host.update_unit(update, order.first, recycle)
             weights.set_result(new.weights)
         self.clock.updated(start, time.perf_counter())
         return new

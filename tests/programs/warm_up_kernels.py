@@ -12,7 +12,7 @@ from jaxzero import placement
 from jaxzero.config import TrainConfig, apply_overrides
 from jaxzero.models import build_model
 from jaxzero.offload import host_kernels
-from jaxzero.offload.host_optimizer import HostOptimizer, HostUnit, host_view
+from jaxzero.offload.host_optimizer import HostOptimizer, HostUnit, UnitUpdate, host_view
 
 cfg = apply_overrides(TrainConfig(), {"model.name": "llama-tiny", "model.num_layers": "1"})
 model = build_model(cfg.model)
@@ -32,9 +32,9 @@ for kind, block, dtype in (
     opt = state.blocks[0] if kind == "blocks" else getattr(state, kind)
     g = jax.device_put(jax.tree.map(lambda x, d=dtype: np.full(x.shape, 1e-3, d), params), where.pinned)
     g = jax.tree.map(host_view, g)
-    unit = host.update_unit(kind, block, HostUnit(params, opt, None), g, np.float32(1.0), 0)
-    weights = host.update_weights(kind, block, unit, g, np.float32(1.0), 0, recycle=unit.weights)
-    host.commit(kind, block, unit, g, np.float32(1.0), 1, weights)
+    unit = host.update_unit(UnitUpdate(kind, block, HostUnit(params, opt, None), g, np.float32(1.0)), 0)
+    u = UnitUpdate(kind, block, unit, g, np.float32(1.0))
+    host.commit(u, 1, host.update_weights(u, 0, recycle=unit.weights))
 after = {k: list(d.signatures) for k, d in host_kernels._kernels.items()}
 new = {k: v for k, v in after.items() if compiled.get(k) != v}
 print("OK" if compiled and not new else f"compiled after the warm-up: {new}")
