@@ -16,7 +16,8 @@ initialisation. Byte counts per parameter, by where the state lives:
 (gradients leave in the compute dtype with one micro-batch, as float32 sums with several; the host
 update writes the new weights of units that live on the accelerator into pinned staging buffers, one
 DMA away, and every unit may be in flight at once. Two-pass updates keep their units' gradients
-into the next step: up to 2|4 more.)
+into the next step: up to 2|4 more. The delayed update keeps two steps' gradients and two copies of
+the compute weights.)
 An asynchronous checkpoint (`checkpoint.async_save`, the default) snapshots masters and optimizer
 state into host RAM while it writes: 4 + 8 more bytes per parameter of host memory during a save.
 Offloaded runs also get an allowance of 1.25x their pinned bytes, measured (see `plan_memory`).
@@ -84,12 +85,13 @@ def plan_memory(cfg: TrainConfig) -> MemoryPlan:
     streamed_blocks = 0 if off.params == "none" else m.num_layers - off.resident_blocks
     n_streamed = streamed_blocks * n_block
     # offload.update=delayed keeps two copies of the compute weights (the pass reads one while the
-    # host writes the next).
+    # host writes the next), and two steps' gradients (the next pass's land while the host is still
+    # updating from the previous ones).
     copies = 2 if off.update == "delayed" else 1
     # Gradient bytes: blocks' in `grad`, the embedding's and head's always float32 sums. A two-pass
     # update keeps a unit's gradients until its second pass, during the next step's backward pass,
     # while that step's gradients arrive: those units' gradients twice.
-    grads = m.num_layers * n_block * grad + (n_embed + n_head) * 4
+    grads = copies * (m.num_layers * n_block * grad + (n_embed + n_head) * 4)
     embed2, blocks2, head2 = first_units(two_pass_units(cfg), m.num_layers)
     grads += embed2 * n_embed * 4 + blocks2 * n_block * grad + head2 * n_head * 4
     staging = (n - n_streamed) * compute  # new weights of accelerator-resident units, one DMA away
@@ -158,10 +160,19 @@ def configure_pinned_pool(plan: MemoryPlan) -> int | None:
     pool: the plan's pinned bytes plus 25% and 2 GB (within the allowance `plan_memory` holds for
     it), so that host RAM holds what the plan says. A user-set cap is kept if it is at least the
     run's minimum (10% and 2 GB over the plan); a smaller one, or a running backend whose default
-    cap is too small, is an error that says what to set.
+    cap is too small, is an error that says what to set. (XLA reads the variable in GiB, so each cap
+    holds about 7% more than the GB figures here.)
     """
     need_gb = -(-plan.pinned * 11 // (10 * 10**9)) + 2  # 10% headroom plus 2 GB, integer GB
     current = os.environ.get(PINNED_POOL_ENV)
+    if current is not None and current == _pool_set_here.get(PINNED_POOL_ENV):
+        if float(current) < need_gb:  # an earlier build_trainer in this process sized the pool
+            raise ConfigError(
+                f"this run needs {need_gb} GB of pinned host memory, but this process's pool was "
+                f"sized to {current} GB for an earlier run ({PINNED_POOL_ENV} was set by jaxzero "
+                f"then). Run it in a new process, or set {PINNED_POOL_ENV}={need_gb} before JAX starts."
+            )
+        return int(float(current))
     if current is not None:
         if float(current) < need_gb:
             raise ConfigError(
@@ -179,8 +190,11 @@ def configure_pinned_pool(plan: MemoryPlan) -> int | None:
             "jax.devices() call)."
         )
     pool_gb = max(need_gb, -(-plan.pinned * 5 // (4 * 10**9)) + 2)
-    os.environ[PINNED_POOL_ENV] = str(pool_gb)
+    os.environ[PINNED_POOL_ENV] = _pool_set_here[PINNED_POOL_ENV] = str(pool_gb)
     return pool_gb
+
+
+_pool_set_here: dict[str, str] = {}  # what `configure_pinned_pool` set in this process's environment
 
 
 def pinned_pool_reservation(plan: MemoryPlan, platform: str) -> int:

@@ -53,7 +53,9 @@ def test_plan_counts_bytes_per_parameter():
     delayed = memory.plan_memory(
         cfg(offload__optimizer="cpu", offload__params="cpu", offload__update="delayed")
     )
-    assert delayed.pinned == full.pinned + 2 * 32 * b
+    # ... and two steps' gradients (bf16 block sums, float32 embed and head: the next pass's land
+    # while the host still updates from the previous ones).
+    assert delayed.pinned == full.pinned + 2 * 32 * b + (32 * b * 2 + (e + h) * 4)
     delayed = memory.plan_memory(cfg(offload__optimizer="cpu", offload__update="delayed"))
     assert delayed.accelerator_state == 2 * zero.accelerator_state
     # Speculative updates (with clipping) keep a spare copy of K units' masters + AdamW state.
@@ -120,9 +122,15 @@ def test_pinned_pool_is_capped_at_the_plan_when_jaxzero_starts_the_backend(monke
     default, so that the pool's doubling regions cannot hold more than the plan allows."""
     plan = memory.MemoryPlan(host=0, pinned=20 * 10**9, accelerator_state=0, activations=0)
     monkeypatch.setattr(memory, "_backends_started", lambda: False)
+    monkeypatch.setattr(memory, "_pool_set_here", {})
     monkeypatch.delenv(memory.PINNED_POOL_ENV, raising=False)
     assert memory.configure_pinned_pool(plan) == 27  # 1.25 x 20 + 2 (the minimum is 1.1 x 20 + 2 = 24)
     assert os.environ[memory.PINNED_POOL_ENV] == "27"
+    # A second, larger run in the same process meets the pool sized for the first: it is told so.
+    big = memory.MemoryPlan(host=0, pinned=40 * 10**9, accelerator_state=0, activations=0)
+    with pytest.raises(ConfigError, match=r"sized to 27 GB for an earlier run.*in a new process"):
+        memory.configure_pinned_pool(big)
+    assert memory.configure_pinned_pool(plan) == 27  # one that fits uses it
     monkeypatch.setenv(memory.PINNED_POOL_ENV, "40")  # a user's cap that is enough stands
     assert memory.configure_pinned_pool(plan) == 40
 

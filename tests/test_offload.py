@@ -369,3 +369,21 @@ def test_the_shared_norm_is_read_on_the_host_once(monkeypatch):
     with ThreadPoolExecutor(16) as pool:
         values = list(pool.map(lambda _: norm.get(), range(32)))
     assert len(reads) == 1 and values == [np.float32(7.5)] * 32
+
+
+def test_each_step_reads_its_norm_on_the_host_once(monkeypatch):
+    """The unit tasks share one read of the step's norm (`HostScalar`), however many units wait."""
+    from jaxzero.offload import pipeline
+
+    scalar_reads = []
+    real_view = pipeline.host_view
+
+    def counting_view(x):
+        if np.ndim(x) == 0:
+            scalar_reads.append(x)
+        return real_view(x)
+
+    monkeypatch.setattr(pipeline, "host_view", counting_view)
+    cfg = tiny("llama", "float32", **MODES["zero3-offload"])  # clipping on: every unit needs the norm
+    run(cfg)
+    assert len(scalar_reads) == STEPS  # one per step, not one per unit (5 units here)

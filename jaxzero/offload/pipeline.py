@@ -469,4 +469,5 @@ class HostScalar:
         with self._lock:
             if self._value is None:
                 self._value = np.float32(host_view(self._x))  # host sync
+                self._x = None  # its buffer can go
             return self._value
