@@ -399,9 +399,9 @@ class UpdatePipeline:
 
         Adaptive: each late second pass costs one unit. With none late, one more unit only if the
         slack since the last one ended would fit another (1.5 times the mean interval between the
-        previous step's second passes). Adding a unit on any slack at all, as before, made a count
-        that just fits step up to one that does not, so every other step had a late pass on its
-        critical path."""
+        previous step's second passes). Adding a unit on any slack at all (the rule before) lets a
+        count that just fits step up to one that does not, putting a late pass on every other
+        step's critical path."""
         with self._lock:
             if step not in self._two_pass_of_step:
                 if self.adaptive_two_pass and step > 0:
