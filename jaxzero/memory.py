@@ -165,16 +165,14 @@ def configure_pinned_pool(plan: MemoryPlan) -> int | None:
     """
     need_gb = -(-plan.pinned * 11 // (10 * 10**9)) + 2  # 10% headroom plus 2 GB, integer GB
     current = os.environ.get(PINNED_POOL_ENV)
-    if current is not None and current == _pool_set_here.get(PINNED_POOL_ENV):
-        if float(current) < need_gb:  # an earlier build_trainer in this process sized the pool
-            raise ConfigError(
-                f"this run needs {need_gb} GB of pinned host memory, but this process's pool was "
-                f"sized to {current} GB for an earlier run ({PINNED_POOL_ENV} was set by jaxzero "
-                f"then). Run it in a new process, or set {PINNED_POOL_ENV}={need_gb} before JAX starts."
-            )
-        return int(float(current))
     if current is not None:
         if float(current) < need_gb:
+            if current == _pool_set_here.get(PINNED_POOL_ENV):  # an earlier run in this process set it
+                raise ConfigError(
+                    f"this run needs {need_gb} GB of pinned host memory, but this process's pool was "
+                    f"sized to {current} GB for an earlier run ({PINNED_POOL_ENV} was set by jaxzero "
+                    f"then). Run it in a new process, or set {PINNED_POOL_ENV}={need_gb} before JAX starts."
+                )
             raise ConfigError(
                 f"{PINNED_POOL_ENV}={current} is below the {need_gb} GB of pinned host memory this run needs "
                 f"({plan.describe()}). Set {PINNED_POOL_ENV}={need_gb} or unset it."
