@@ -31,8 +31,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxzero.config import ConfigError, ModelConfig
-from jaxzero.models import ModelParams, init_params
-from jaxzero.models import layers as L
+from jaxzero.models import layers
+from jaxzero.models.base import ModelParams, init_params
 
 
 class _Conv1D(nn.Module):
@@ -45,10 +45,10 @@ class _Conv1D(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         kernel = self.param(
-            "kernel", lambda k, shape: L.normal(k, shape, self.std), (x.shape[-1], self.features)
+            "kernel", lambda k, shape: layers.normal(k, shape, self.std), (x.shape[-1], self.features)
         )
-        bias = self.param("bias", lambda _, shape: L.zeros(shape), (self.features,))
-        return L.dense(x, kernel.astype(x.dtype), bias.astype(x.dtype))
+        bias = self.param("bias", lambda _, shape: layers.zeros(shape), (self.features,))
+        return layers.dense(x, kernel.astype(x.dtype), bias.astype(x.dtype))
 
 
 class _LayerNorm(nn.Module):
@@ -58,10 +58,10 @@ class _LayerNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        scale = self.param("scale", lambda _, shape: L.ones(shape), (x.shape[-1],))
-        bias = self.param("bias", lambda _, shape: L.zeros(shape), (x.shape[-1],))
+        scale = self.param("scale", lambda _, shape: layers.ones(shape), (x.shape[-1],))
+        bias = self.param("bias", lambda _, shape: layers.zeros(shape), (x.shape[-1],))
         # Cast like every weight (to the compute dtype) so f32 masters and streamed bf16 weights agree.
-        return L.layer_norm(x, scale.astype(x.dtype), bias.astype(x.dtype), self.eps)
+        return layers.layer_norm(x, scale.astype(x.dtype), bias.astype(x.dtype), self.eps)
 
 
 class _Attention(nn.Module):
@@ -75,7 +75,7 @@ class _Attention(nn.Module):
         resid_std = c.init_std / math.sqrt(2 * c.num_layers)
         qkv = _Conv1D(3 * d, c.init_std, name="c_attn")(h)  # (B, S, 3D)
         q, k, v = (t.reshape(b, s, n, hd) for t in jnp.split(qkv, 3, axis=-1))
-        o = L.causal_attention(q, k, v, c.attention_impl).reshape(b, s, d)
+        o = layers.causal_attention(q, k, v, c.attention_impl).reshape(b, s, d)
         return _Conv1D(d, resid_std, name="c_proj")(o)
 
 
@@ -105,7 +105,7 @@ class GPT2Block(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         c = self.config
-        x = x.astype(L.compute_dtype(c))
+        x = x.astype(layers.compute_dtype(c))
         x = x + _Attention(c, name="attn")(_LayerNorm(c.norm_eps, name="ln_1")(x))
         return x + _MLP(c, name="mlp")(_LayerNorm(c.norm_eps, name="ln_2")(x))
 
@@ -121,7 +121,7 @@ class GPT2:
     config: ModelConfig
 
     def __post_init__(self) -> None:
-        L.check_shape(self.config, "gpt2")
+        layers.check_shape(self.config, "gpt2")
         c = self.config
         if c.num_kv_heads != c.num_heads:
             raise ConfigError(
@@ -132,7 +132,7 @@ class GPT2:
     @property
     def dtype(self) -> jnp.dtype:
         """The compute dtype (bfloat16 or float32)."""
-        return L.compute_dtype(self.config)
+        return layers.compute_dtype(self.config)
 
     # ---------------------------------------------------------------------------------------------
     # Initialization (GPT-2 paper / HF `GPT2PreTrainedModel._init_weights`): Normal(0, init_std) for
@@ -150,20 +150,20 @@ class GPT2:
         c = self.config
         k_wte, k_wpe = jax.random.split(key)
         return {
-            "wte": {"embedding": L.normal(k_wte, (c.vocab_size, c.hidden_size), c.init_std)},
-            "wpe": {"embedding": L.normal(k_wpe, (c.max_seq_len, c.hidden_size), c.init_std)},
+            "wte": {"embedding": layers.normal(k_wte, (c.vocab_size, c.hidden_size), c.init_std)},
+            "wpe": {"embedding": layers.normal(k_wpe, (c.max_seq_len, c.hidden_size), c.init_std)},
         }
 
     def init_block(self, key: jax.Array) -> dict[str, Any]:
         """One block's float32 parameters (layout in the module docstring), from `GPT2Block`'s own
         initializers; shapes are inferred without running the block."""
-        return L.init_block_module(GPT2Block(self.config), self.config, key)
+        return layers.init_block_module(GPT2Block(self.config), self.config, key)
 
     def init_head(self, key: jax.Array) -> dict[str, Any]:
         """Head unit: the final LayerNorm only (the projection is the tied wte). `key` is unused."""
         del key
         d = self.config.hidden_size
-        return {"ln_f": {"scale": L.ones((d,)), "bias": L.zeros((d,))}}
+        return {"ln_f": {"scale": layers.ones((d,)), "bias": layers.zeros((d,))}}
 
     # ---------------------------------------------------------------------------------------------
     # Forward units
@@ -194,8 +194,8 @@ class GPT2:
     def head(self, head_params: Any, embed_params: Any, x: jax.Array) -> jax.Array:
         """Final LayerNorm and tied projection: (B, S, D) -> logits (B, S, V) float32 = ln_f(x) @ wte^T."""
         c = self.config
-        head_params = L.cast_tree(head_params, self.dtype)
+        head_params = layers.cast_tree(head_params, self.dtype)
         x = x.astype(self.dtype)
-        h = L.layer_norm(x, head_params["ln_f"]["scale"], head_params["ln_f"]["bias"], c.norm_eps)
+        h = layers.layer_norm(x, head_params["ln_f"]["scale"], head_params["ln_f"]["bias"], c.norm_eps)
         w = embed_params["wte"]["embedding"].astype(self.dtype).T  # (D, V)
-        return L.logits_matmul(h, w)
+        return layers.logits_matmul(h, w)

@@ -95,9 +95,9 @@ def split_init_keys(key: jax.Array, num_layers: int) -> tuple[jax.Array, jax.Arr
     """Split a model key into (embed key, `num_layers` block keys, head key).
 
     This is the one place that fixes how `init` consumes randomness: block `i` of `init(key)` is
-    `init_block(split_init_keys(key, L)[1][i])`, so an engine that initializes one layer at a time
+    `init_block(split_init_keys(key, num_layers)[1][i])`, so an engine that initializes one layer at a time
     (e.g. straight into host memory) reproduces `init(key)` exactly. Works for raw `PRNGKey` arrays
-    (block keys shaped (L, 2) uint32) and typed `jax.random.key` arrays (block keys shaped (L,)).
+    (block keys shaped (num_layers, 2) uint32) and typed `jax.random.key` arrays (block keys (num_layers,)).
     """
     k_embed, k_blocks, k_head = jax.random.split(key, 3)
     return k_embed, jax.random.split(k_blocks, num_layers), k_head

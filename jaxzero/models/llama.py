@@ -33,8 +33,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxzero.config import ModelConfig
-from jaxzero.models import ModelParams, init_params
-from jaxzero.models import layers as L
+from jaxzero.models import layers
+from jaxzero.models.base import ModelParams, init_params
 
 
 class _Linear(nn.Module):
@@ -46,9 +46,9 @@ class _Linear(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         kernel = self.param(
-            "kernel", lambda k, shape: L.normal(k, shape, self.std), (x.shape[-1], self.features)
+            "kernel", lambda k, shape: layers.normal(k, shape, self.std), (x.shape[-1], self.features)
         )
-        return L.dense(x, kernel.astype(x.dtype))
+        return layers.dense(x, kernel.astype(x.dtype))
 
 
 class _RMSNorm(nn.Module):
@@ -58,9 +58,9 @@ class _RMSNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        scale = self.param("scale", lambda _, shape: L.ones(shape), (x.shape[-1],))
+        scale = self.param("scale", lambda _, shape: layers.ones(shape), (x.shape[-1],))
         # Cast like every weight (to the compute dtype) so f32 masters and streamed bf16 weights agree.
-        return L.rms_norm(x, scale.astype(x.dtype), self.eps)
+        return layers.rms_norm(x, scale.astype(x.dtype), self.eps)
 
 
 class _Attention(nn.Module):
@@ -74,8 +74,10 @@ class _Attention(nn.Module):
         q = _Linear(n * hd, c.init_std, name="q_proj")(h).reshape(b, s, n, hd)
         kk = _Linear(k * hd, c.init_std, name="k_proj")(h).reshape(b, s, k, hd)
         v = _Linear(k * hd, c.init_std, name="v_proj")(h).reshape(b, s, k, hd)
-        cos, sin = L.rope_cos_sin(s, hd, c.rope_theta)
-        o = L.causal_attention(L.apply_rope(q, cos, sin), L.apply_rope(kk, cos, sin), v, c.attention_impl)
+        cos, sin = layers.rope_cos_sin(s, hd, c.rope_theta)
+        o = layers.causal_attention(
+            layers.apply_rope(q, cos, sin), layers.apply_rope(kk, cos, sin), v, c.attention_impl
+        )
         return _Linear(c.hidden_size, c.init_std, name="o_proj")(o.reshape(b, s, n * hd))
 
 
@@ -105,7 +107,7 @@ class LlamaBlock(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         c = self.config
-        x = x.astype(L.compute_dtype(c))
+        x = x.astype(layers.compute_dtype(c))
         x = x + _Attention(c, name="self_attn")(_RMSNorm(c.norm_eps, name="input_layernorm")(x))
         return x + _MLP(c, name="mlp")(_RMSNorm(c.norm_eps, name="post_attention_layernorm")(x))
 
@@ -117,12 +119,12 @@ class Llama:
     config: ModelConfig
 
     def __post_init__(self) -> None:
-        L.check_shape(self.config, "llama")  # includes the even head_dim that rotary embeddings need
+        layers.check_shape(self.config, "llama")  # includes the even head_dim that rotary embeddings need
 
     @property
     def dtype(self) -> jnp.dtype:
         """The compute dtype (bfloat16 or float32)."""
-        return L.compute_dtype(self.config)
+        return layers.compute_dtype(self.config)
 
     # ---------------------------------------------------------------------------------------------
     # Initialization: Normal(0, init_std) for matrices and embeddings, ones for norm scales. float32.
@@ -135,19 +137,19 @@ class Llama:
     def init_embed(self, key: jax.Array) -> dict[str, Any]:
         """Embedding unit: {"embed_tokens": {"embedding": (V, D) float32}}."""
         c = self.config
-        return {"embed_tokens": {"embedding": L.normal(key, (c.vocab_size, c.hidden_size), c.init_std)}}
+        return {"embed_tokens": {"embedding": layers.normal(key, (c.vocab_size, c.hidden_size), c.init_std)}}
 
     def init_block(self, key: jax.Array) -> dict[str, Any]:
         """One block's float32 parameters (layout in the module docstring), from `LlamaBlock`'s own
         initializers; shapes are inferred without running the block."""
-        return L.init_block_module(LlamaBlock(self.config), self.config, key)
+        return layers.init_block_module(LlamaBlock(self.config), self.config, key)
 
     def init_head(self, key: jax.Array) -> dict[str, Any]:
         """Head unit: final norm, plus the (D, V) output projection unless embeddings are tied."""
         c = self.config
-        head: dict[str, Any] = {"norm": {"scale": L.ones((c.hidden_size,))}}
+        head: dict[str, Any] = {"norm": {"scale": layers.ones((c.hidden_size,))}}
         if not c.tie_embeddings:
-            head["lm_head"] = {"kernel": L.normal(key, (c.hidden_size, c.vocab_size), c.init_std)}
+            head["lm_head"] = {"kernel": layers.normal(key, (c.hidden_size, c.vocab_size), c.init_std)}
         return head
 
     # ---------------------------------------------------------------------------------------------
@@ -176,11 +178,11 @@ class Llama:
         """
         c = self.config
         # Cast like `block` does, so results do not depend on whether the caller passes f32 or bf16.
-        head_params = L.cast_tree(head_params, self.dtype)
+        head_params = layers.cast_tree(head_params, self.dtype)
         x = x.astype(self.dtype)
-        h = L.rms_norm(x, head_params["norm"]["scale"], c.norm_eps)
+        h = layers.rms_norm(x, head_params["norm"]["scale"], c.norm_eps)
         if c.tie_embeddings:
             w = embed_params["embed_tokens"]["embedding"].astype(self.dtype).T  # (D, V)
         else:
             w = head_params["lm_head"]["kernel"].astype(self.dtype)
-        return L.logits_matmul(h, w)
+        return layers.logits_matmul(h, w)

@@ -1,0 +1,83 @@
+"""What every model family is: `ModelParams` (embed, blocks, head) and the `Model` protocol of pure
+functions over them, with the helpers that every family shares (per-unit init keys, the plain forward).
+
+Models know nothing of memory kinds or devices.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Protocol
+
+import jax
+
+from jaxzero.config import ModelConfig
+from jaxzero.models.layers import split_init_keys
+
+
+class ModelParams(NamedTuple):
+    """Parameters of one model, a pytree. All leaves float32 masters unless cast by the caller.
+
+    embed:  pytree of the token (and, for gpt2, position) embedding.
+    blocks: tuple of `num_layers` pytrees with identical structure, shapes and dtypes.
+    head:   pytree of the final norm and, when untied, the output projection.
+    """
+
+    embed: Any
+    blocks: tuple[Any, ...]
+    head: Any
+
+
+class Model(Protocol):
+    """What every model family provides. All functions are pure and jit-able."""
+
+    config: ModelConfig
+
+    def init(self, key: jax.Array) -> ModelParams:
+        """Fresh float32 parameters from a PRNG key."""
+        ...
+
+    def init_embed(self, key: jax.Array) -> Any:
+        """The embedding unit of `init`, from the embed key of `init_keys`."""
+        ...
+
+    def init_block(self, key: jax.Array) -> Any:
+        """One block of `init`, from that block's key of `init_keys`."""
+        ...
+
+    def init_head(self, key: jax.Array) -> Any:
+        """The head unit of `init`, from the head key of `init_keys`."""
+        ...
+
+    def embed(self, embed_params: Any, tokens: jax.Array) -> jax.Array:
+        """tokens int32 (B, S) -> activations (B, S, D) in the compute dtype."""
+        ...
+
+    def block(self, block_params: Any, x: jax.Array) -> jax.Array:
+        """One transformer block: (B, S, D) -> (B, S, D), causal. Params may be float32 or compute dtype."""
+        ...
+
+    def head(self, head_params: Any, embed_params: Any, x: jax.Array) -> jax.Array:
+        """Final norm and projection: (B, S, D) -> logits (B, S, V) float32. Tied heads read embed_params."""
+        ...
+
+
+def init_keys(key: jax.Array, num_layers: int) -> tuple[jax.Array, tuple[jax.Array, ...], jax.Array]:
+    """(embed key, one key per block, head key): how `Model.init` consumes `key`, so that a caller
+    initialising one unit at a time (e.g. straight into host memory) reproduces `init(key)` exactly."""
+    k_embed, k_blocks, k_head = split_init_keys(key, num_layers)
+    return k_embed, tuple(k_blocks[i] for i in range(num_layers)), k_head
+
+
+def init_params(model: Model, key: jax.Array) -> ModelParams:
+    """`Model.init` for every family: each unit from its own key of `init_keys`."""
+    k_embed, k_blocks, k_head = init_keys(key, model.config.num_layers)
+    blocks = tuple(model.init_block(k) for k in k_blocks)
+    return ModelParams(embed=model.init_embed(k_embed), blocks=blocks, head=model.init_head(k_head))
+
+
+def forward(model: Model, params: ModelParams, tokens: jax.Array) -> jax.Array:
+    """Logits (B, S, V) float32 for int32 tokens (B, S), all blocks in sequence (no remat)."""
+    x = model.embed(params.embed, tokens)
+    for p in params.blocks:
+        x = model.block(p, x)
+    return model.head(params.head, params.embed, x)
