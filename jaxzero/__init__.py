@@ -9,9 +9,10 @@ The library API in one screen:
     state, metrics = trainer.step(state, trainer.put_batch(next(data.train_iter())))
 """
 
-from jaxzero.config import ConfigError, TrainConfig, apply_overrides, parse_args
+from jaxzero.config import ConfigError, TrainConfig
 from jaxzero.data import build_data
 from jaxzero.models import ModelParams, build_model
+from jaxzero.overrides import apply_overrides, parse_args
 from jaxzero.trainer import StepMetrics, Trainer, TrainState, build_trainer
 
 __all__ = [

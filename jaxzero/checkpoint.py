@@ -33,13 +33,9 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxzero.config import CheckpointConfig, ConfigError, TrainConfig
+from jaxzero.config import CheckpointConfig, CheckpointError, TrainConfig
 
 CHECKPOINT_DIR = "checkpoints"
-
-
-class CheckpointError(ConfigError):
-    """A checkpoint cannot be used; the message names it and says why."""
 
 
 @dataclass(frozen=True)

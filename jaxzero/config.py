@@ -1,30 +1,27 @@
-"""Configuration: one frozen dataclass per concern, composed into `TrainConfig`.
+"""Configuration: one frozen dataclass per concern, composed into `TrainConfig`, its validation, and
+the error types.
 
-A run's config is built in three layers, later ones winning:
-
-1. the dataclass defaults below (the built-in default run: a tiny Llama on bundled bytes),
-2. an optional TOML preset (`--config=configs/NAME.toml`),
-3. command-line overrides `--section.key=value` (top-level keys `--steps`, `--seed`, `--run_dir`).
-
-`model.name` selects a named size (see `jaxzero.models.sizes`); every other `model.*` key then
-overrides one field of that size. All values are type-checked against the field annotations and every
-cross-field rule is checked by `validate` before anything is compiled or allocated.
+This module is a leaf: it imports nothing of jaxzero, so every other module may import it. The
+dataclass defaults are the built-in default run (a tiny Llama on bundled bytes). How a config is built
+from presets and `--section.key=value` overrides is `jaxzero.overrides`; every cross-field rule is
+checked by `validate` before anything is compiled or allocated.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import tomllib
-import types
-import typing
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, Literal
 
 
 class ConfigError(ValueError):
     """A config value or combination is invalid; the message says which and how to fix it."""
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint cannot be used; the message names it and says why. A ConfigError, so the CLI
+    reports it as bad input (exit status 2)."""
 
 
 @dataclass(frozen=True)
@@ -174,6 +171,7 @@ class TrainConfig:
         return json.dumps(self.to_dict(), indent=2, sort_keys=False)
 
 
+# The config file's sections and top-level keys, as `--section.key=value` and TOML name them.
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "data": DataConfig,
@@ -184,171 +182,6 @@ SECTIONS: dict[str, type] = {
     "logging": LoggingConfig,
 }
 TOP_LEVEL_KEYS = ("steps", "seed", "run_dir")
-
-
-# ---------------------------------------------------------------------------------------------------
-# Parsing and type checking
-# ---------------------------------------------------------------------------------------------------
-
-
-def _field_types(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _coerce(key: str, raw: Any, typ: Any) -> Any:
-    """Convert `raw` (a CLI string or a TOML value) to `typ`, or raise ConfigError naming the key."""
-    origin = get_origin(typ)
-    if origin is Literal:
-        choices = get_args(typ)
-        if raw not in choices:
-            raise ConfigError(f"{key}={raw!r} is not one of {list(choices)}.")
-        return raw
-    if origin in (types.UnionType, typing.Union):
-        raise TypeError(f"unsupported annotation for {key}: {typ}")  # no optional fields by design
-    if typ is bool:
-        if isinstance(raw, bool):
-            return raw
-        if isinstance(raw, str) and raw.lower() in ("true", "1", "yes", "false", "0", "no"):
-            return raw.lower() in ("true", "1", "yes")
-        raise ConfigError(f"{key}={raw!r} is not a boolean; use true or false.")
-    if typ is int:
-        if isinstance(raw, bool):
-            raise ConfigError(f"{key}={raw!r} is not an integer.")
-        if isinstance(raw, int):
-            return raw
-        if isinstance(raw, str):
-            try:
-                return int(raw.replace("_", ""))
-            except ValueError:
-                pass
-        raise ConfigError(f"{key}={raw!r} is not an integer.")
-    if typ is float:
-        if isinstance(raw, bool):
-            raise ConfigError(f"{key}={raw!r} is not a number.")
-        if isinstance(raw, (int, float)):
-            return float(raw)
-        if isinstance(raw, str):
-            try:
-                return float(raw)
-            except ValueError:
-                pass
-        raise ConfigError(f"{key}={raw!r} is not a number.")
-    if typ is str:
-        if isinstance(raw, str):
-            return raw
-        raise ConfigError(f"{key}={raw!r} is not a string.")
-    raise TypeError(f"unsupported annotation for {key}: {typ}")
-
-
-def _unknown_key(key: str, valid: list[str]) -> ConfigError:
-    return ConfigError(f"unknown config key {key!r}. Valid keys: {', '.join(valid)}.")
-
-
-def all_keys() -> list[str]:
-    """Every settable key, dotted, in declaration order."""
-    keys = list(TOP_LEVEL_KEYS)
-    for sec, cls in SECTIONS.items():
-        keys += [f"{sec}.{f.name}" for f in dataclasses.fields(cls)]
-    return keys
-
-
-def apply_overrides(cfg: TrainConfig, overrides: dict[str, Any]) -> TrainConfig:
-    """Return `cfg` with dotted `overrides` applied (values as strings or TOML-typed values).
-
-    `model.name` is applied first: it resets the model section to that named size (or, for
-    `hf:DIR`, to the shape of a Hugging Face checkpoint whose weights the run starts from), and the
-    other `model.*` keys then override single fields of it.
-    """
-    from jaxzero.models.sizes import named_model_config  # models import config, not the reverse at load
-
-    top: dict[str, Any] = {}
-    per_section: dict[str, dict[str, Any]] = {}
-    for key, raw in overrides.items():
-        if key in TOP_LEVEL_KEYS:
-            top[key] = _coerce(key, raw, _field_types(TrainConfig)[key])
-            continue
-        sec, _, name = key.partition(".")
-        if sec not in SECTIONS or not name:
-            raise _unknown_key(key, all_keys())
-        hints = _field_types(SECTIONS[sec])
-        if name not in hints:
-            valid = [f"{sec}.{k}" for k in hints]
-            raise _unknown_key(key, valid)
-        per_section.setdefault(sec, {})[name] = _coerce(key, raw, hints[name])
-
-    model = cfg.model
-    model_over = per_section.pop("model", {})
-    if "name" in model_over:
-        name = model_over.pop("name")
-        if name.startswith("hf:"):  # a Hugging Face checkpoint: its shape, and its weights to start from
-            from jaxzero.hf import model_config_from_hf
-
-            model = model_config_from_hf(name[3:], name=name)
-            model = dataclasses.replace(model, init_from=name[3:])
-        else:
-            model = named_model_config(name)
-    model = dataclasses.replace(model, **model_over)
-    sections = {sec: dataclasses.replace(getattr(cfg, sec), **vals) for sec, vals in per_section.items()}
-    return dataclasses.replace(cfg, model=model, **sections, **top)
-
-
-def _flatten_toml(tree: dict[str, Any], path: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in tree.items():
-        key = f"{path}{k}"
-        if isinstance(v, dict):
-            out.update(_flatten_toml(v, key + "."))
-        else:
-            out[key] = v
-    return out
-
-
-def load_preset(path: str | Path) -> dict[str, Any]:
-    """Read a TOML preset into dotted overrides. Missing files and bad TOML raise ConfigError."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(
-            f"config file {str(p)!r} does not exist. Presets live in configs/, e.g. configs/tiny.toml."
-        )
-    try:
-        tree = tomllib.loads(p.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from e
-    flat = _flatten_toml(tree)
-    # `model.name` first, so that a preset may name a size and then adjust it.
-    return dict(sorted(flat.items(), key=lambda kv: kv[0] != "model.name"))
-
-
-def parse_args(argv: list[str]) -> TrainConfig:
-    """Build a validated TrainConfig from `[--config=PATH] [--section.key=value ...]`."""
-    preset: dict[str, Any] = {}
-    cli: dict[str, Any] = {}
-    for arg in argv:
-        if not arg.startswith("--") or "=" not in arg:
-            raise ConfigError(
-                f"cannot parse argument {arg!r}: write overrides as --section.key=value "
-                f"(e.g. --steps=100 --offload.params=cpu) and presets as --config=PATH."
-            )
-        key, _, value = arg[2:].partition("=")
-        if key == "config":
-            preset = load_preset(value)
-        else:
-            cli[key] = value
-    cfg = apply_overrides(TrainConfig(), preset)
-    if "model.name" in cli:  # a CLI size replaces the preset's whole model section, then its keys apply
-        cfg = apply_overrides(cfg, {"model.name": cli.pop("model.name")})
-    cfg = apply_overrides(cfg, cli)
-    validate(cfg)
-    return cfg
-
-
-def config_from_dict(d: dict[str, Any]) -> TrainConfig:
-    """Rebuild a TrainConfig from `TrainConfig.to_dict()` output (e.g. a run's config.json)."""
-    flat = _flatten_toml(d)
-    model_keys = {k: v for k, v in flat.items() if k.startswith("model.")}
-    rest = {k: v for k, v in flat.items() if not k.startswith("model.")}
-    cfg = dataclasses.replace(TrainConfig(), model=ModelConfig(**{k[6:]: v for k, v in model_keys.items()}))
-    return apply_overrides(cfg, rest)
 
 
 # ---------------------------------------------------------------------------------------------------

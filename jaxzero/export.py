@@ -21,8 +21,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxzero.checkpoint import CHECKPOINT_DIR, CheckpointError, read_meta, saved_steps
-from jaxzero.config import ConfigError, TrainConfig, config_from_dict
+from jaxzero.config import ConfigError, TrainConfig
 from jaxzero.models import ModelParams, build_model
+from jaxzero.overrides import config_from_dict
 
 
 def load_masters(run_dir: str | Path, step: int | None = None) -> tuple[TrainConfig, ModelParams, int]:
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg, params, step = load_masters(args.run_dir, args.step)
         if args.format == "hf":
-            from jaxzero.hf import export_hf
+            from jaxzero.interop import export_hf
 
             files = export_hf(
                 params, cfg.model, args.out, dtype=args.dtype, max_shard_bytes=int(args.max_shard_gb * 2**30)

@@ -32,7 +32,7 @@ import jax
 import numpy as np
 
 from jaxzero.checkpoint import Checkpointer, make_meta, saved_steps
-from jaxzero.config import ConfigError, TrainConfig, apply_overrides, config_from_dict, parse_args, validate
+from jaxzero.config import ConfigError, TrainConfig, validate
 from jaxzero.data import DataState, build_data
 from jaxzero.metrics import (
     MetricsLog,
@@ -43,6 +43,7 @@ from jaxzero.metrics import (
     peak_tflops,
 )
 from jaxzero.models.sizes import flops_per_token, param_count
+from jaxzero.overrides import apply_overrides, config_from_dict, parse_args
 from jaxzero.trainer import StepMetrics, build_trainer
 
 EXIT_CONFIG, EXIT_TRAINING, EXIT_PREEMPTED = 2, 1, 3
@@ -170,7 +171,7 @@ def train(cfg: TrainConfig, console=sys.stdout) -> Path:
         truncate_metrics(run_dir / "metrics.jsonl", restored.step)
         print(f"jaxzero: resumed from {ckpt.directory / str(restored.step)}", file=console)
     elif cfg.model.init_from:
-        from jaxzero.hf import load_hf_into
+        from jaxzero.interop import load_hf_into
 
         state = trainer.init_from_params(load_hf_into(cfg.model, cfg.model.init_from))
         first = 1
@@ -297,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
-        from jaxzero.config import all_keys
+        from jaxzero.overrides import all_keys
 
         print("Keys:", " ".join(all_keys()))
         return 0

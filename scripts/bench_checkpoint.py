@@ -20,7 +20,8 @@ import jax
 import numpy as np
 
 from jaxzero.checkpoint import Checkpointer, make_meta
-from jaxzero.config import TrainConfig, apply_overrides
+from jaxzero.config import TrainConfig
+from jaxzero.overrides import apply_overrides
 from jaxzero.trainer import build_trainer
 
 

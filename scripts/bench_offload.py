@@ -86,10 +86,11 @@ def run_grad_case(case: str, args) -> dict:
     import numpy as np
 
     from jaxzero import placement
-    from jaxzero.config import TrainConfig, apply_overrides
+    from jaxzero.config import TrainConfig
     from jaxzero.models import build_model
     from jaxzero.models.sizes import flops_per_token, param_count, unit_param_counts
     from jaxzero.offload.streaming import StreamedModel
+    from jaxzero.overrides import apply_overrides
     from jaxzero.trainer import averaged_grads
 
     cfg = apply_overrides(TrainConfig(), {"model.name": args.model, "data.seq_len": str(args.seq)})
@@ -141,10 +142,11 @@ def run_step_case(case: str, args) -> dict:
     import jax
     import numpy as np
 
-    from jaxzero.config import TrainConfig, apply_overrides
+    from jaxzero.config import TrainConfig
     from jaxzero.data import build_data
     from jaxzero.metrics import host_rss_gib
     from jaxzero.models.sizes import flops_per_token, param_count
+    from jaxzero.overrides import apply_overrides
     from jaxzero.trainer import build_trainer
 
     zero3 = {"offload.optimizer": "cpu", "offload.params": "cpu"}
@@ -242,9 +244,10 @@ def run_host_case(case: str, args) -> dict:
     import numpy as np
 
     from jaxzero import placement
-    from jaxzero.config import TrainConfig, apply_overrides
+    from jaxzero.config import TrainConfig
     from jaxzero.models import build_model
     from jaxzero.offload.host_optimizer import HostOptimizer, HostUnit, UnitUpdate
+    from jaxzero.overrides import apply_overrides
 
     cfg = apply_overrides(TrainConfig(), {"model.name": args.model, "optimizer.warmup_steps": "0"})
     model = build_model(cfg.model)

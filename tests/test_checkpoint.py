@@ -13,7 +13,8 @@ from subprocess_run import run_module
 
 from jaxzero import placement
 from jaxzero.checkpoint import Checkpointer, CheckpointError, make_meta
-from jaxzero.config import TrainConfig, apply_overrides
+from jaxzero.config import TrainConfig
+from jaxzero.overrides import apply_overrides
 from jaxzero.train import KILL_AFTER_SAVE_ENV
 from jaxzero.trainer import build_trainer
 

@@ -5,15 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from jaxzero.config import (
-    ConfigError,
-    TrainConfig,
-    all_keys,
-    apply_overrides,
-    config_from_dict,
-    parse_args,
-    validate,
-)
+from jaxzero.config import ConfigError, TrainConfig, validate
+from jaxzero.overrides import all_keys, apply_overrides, config_from_dict, parse_args
 
 
 def test_defaults_are_valid_and_keys_listed():

@@ -6,10 +6,11 @@ import pytest
 
 from jaxzero import placement
 from jaxzero.checkpoint import Checkpointer, make_meta
-from jaxzero.config import FP16Config, TrainConfig, apply_overrides
+from jaxzero.config import FP16Config, TrainConfig
 from jaxzero.data import build_data
 from jaxzero.loss_scale import init_loss_scale, update_loss_scale
 from jaxzero.optim import learning_rate_schedule
+from jaxzero.overrides import apply_overrides
 from jaxzero.trainer import build_trainer
 
 

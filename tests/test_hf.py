@@ -25,9 +25,8 @@ import safetensors.torch
 import torch
 import transformers
 
-from jaxzero.config import ConfigError, ModelConfig
-from jaxzero.hf import (
-    CheckpointError,
+from jaxzero.config import CheckpointError, ConfigError, ModelConfig
+from jaxzero.interop import (
     export_hf,
     hf_config,
     hf_tensor_names,
@@ -35,8 +34,7 @@ from jaxzero.hf import (
     load_hf_into,
     model_config_from_hf,
 )
-from jaxzero.models import ModelParams, build_model, forward
-from jaxzero.safetensors_io import (
+from jaxzero.interop.safetensors import (
     SafetensorsError,
     SafetensorsReader,
     SafetensorsWriter,
@@ -44,6 +42,7 @@ from jaxzero.safetensors_io import (
     load_file,
     save_file,
 )
+from jaxzero.models import ModelParams, build_model, forward
 
 VOCAB, HIDDEN, LAYERS, SEQ = 128, 64, 2, 16
 TOKENS = np.random.default_rng(0).integers(0, VOCAB, size=(2, SEQ), dtype=np.int32)

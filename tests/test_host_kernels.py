@@ -24,10 +24,11 @@ import pytest
 from subprocess_run import REPO, user_env
 
 from jaxzero import placement
-from jaxzero.config import TrainConfig, apply_overrides
+from jaxzero.config import TrainConfig
 from jaxzero.models import build_model
 from jaxzero.offload import host_kernels
 from jaxzero.offload.host_optimizer import HostOptimizer, HostUnit, UnitUpdate
+from jaxzero.overrides import apply_overrides
 
 OPTIMIZERS = {
     "adamw": {"optimizer.name": "adamw", "optimizer.weight_decay": "0.1"},

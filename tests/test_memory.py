@@ -6,8 +6,9 @@ import jax
 import pytest
 
 from jaxzero import memory, placement
-from jaxzero.config import ConfigError, TrainConfig, apply_overrides
+from jaxzero.config import ConfigError, TrainConfig
 from jaxzero.models.sizes import param_count, unit_param_counts
+from jaxzero.overrides import apply_overrides
 
 GiB = 2**30
 

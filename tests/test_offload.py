@@ -19,9 +19,10 @@ import numpy as np
 import pytest
 
 from jaxzero import placement
-from jaxzero.config import ConfigError, TrainConfig, apply_overrides
+from jaxzero.config import ConfigError, TrainConfig
 from jaxzero.data import build_data
 from jaxzero.offload import OffloadState
+from jaxzero.overrides import apply_overrides
 from jaxzero.trainer import build_trainer
 
 STEPS = 4

@@ -7,10 +7,11 @@ import optax
 import pytest
 
 from jaxzero import placement
-from jaxzero.config import TrainConfig, apply_overrides
+from jaxzero.config import TrainConfig
 from jaxzero.models import build_model
 from jaxzero.objective import loss_fn
 from jaxzero.optim import build_optimizer, clip_by_norm, learning_rate_schedule, weight_decay_mask
+from jaxzero.overrides import apply_overrides
 from jaxzero.trainer import averaged_grads, build_trainer
 
 FP32 = {"model.compute_dtype": "float32", "model.num_layers": "2", "data.seq_len": "32"}

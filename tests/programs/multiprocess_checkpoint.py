@@ -11,7 +11,8 @@ import numpy as np
 
 from jaxzero import placement
 from jaxzero.checkpoint import Checkpointer, make_meta
-from jaxzero.config import TrainConfig, apply_overrides
+from jaxzero.config import TrainConfig
+from jaxzero.overrides import apply_overrides
 from jaxzero.trainer import build_trainer
 
 

@@ -9,10 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxzero import placement
-from jaxzero.config import TrainConfig, apply_overrides
+from jaxzero.config import TrainConfig
 from jaxzero.models import build_model
 from jaxzero.offload import host_kernels
 from jaxzero.offload.host_optimizer import HostOptimizer, HostUnit, UnitUpdate, host_view
+from jaxzero.overrides import apply_overrides
 
 cfg = apply_overrides(TrainConfig(), {"model.name": "llama-tiny", "model.num_layers": "1"})
 model = build_model(cfg.model)

@@ -8,9 +8,9 @@ The format (https://github.com/huggingface/safetensors), all integers little-end
     rest       the byte buffer: each tensor's C-order little-endian bytes at [begin, end) relative to the
                start of the buffer; tensors tile the buffer exactly, with no holes and no overlaps
 
-Why not the `safetensors` package: jaxzero's runtime depends on NumPy and JAX only, and its export must
-stream a model far larger than RAM one tensor at a time, which `safetensors.numpy.save_file` (a dict of
-whole arrays in, one file out) cannot do.
+Why not Hugging Face's `safetensors` package: jaxzero's runtime depends on NumPy and JAX only, and its
+export (`jaxzero.interop.hf_io`) must stream a model far larger than RAM one tensor at a time, which
+`safetensors.numpy.save_file` (a dict of whole arrays in, one file out) cannot do.
 
 Reading maps the file with `np.memmap` and hands out read-only views: nothing is read until a tensor's
 pages are touched, so opening a 10 GB shard costs no RAM. Writing takes the full list of (name, dtype,

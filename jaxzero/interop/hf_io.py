@@ -1,0 +1,373 @@
+"""Export jaxzero parameters as a transformers checkpoint directory, and import one back.
+
+Memory: export converts and writes one unit (the embedding, one block, the head) at a time, so the
+host holds the model once (the caller's `params`) plus one unit in the target dtype; import reads
+memory-mapped safetensors and builds the float32 result one unit at a time.
+
+Files are the safetensors format of `jaxzero.interop.safetensors` (NumPy only); transformers itself is
+not needed at runtime.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxzero.config import CheckpointError, ConfigError, ModelConfig
+from jaxzero.interop.hf_config_map import CONFIG_NAME, EXPORT_DTYPES, hf_config, model_config_from_hf
+from jaxzero.interop.hf_names import (
+    BASE_PREFIX,
+    IGNORED,
+    HFUnit,
+    get_path,
+    hf_units,
+    leaf_paths,
+    set_path,
+    unit_trees,
+)
+from jaxzero.interop.safetensors import SafetensorsReader, SafetensorsWriter, TensorSpec
+from jaxzero.models import ModelParams
+
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+_SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+
+# Stored dtypes import reads (and converts to float32); integer or float8 tensors mean a quantized
+# checkpoint whose scales jaxzero does not model.
+_FLOAT_CODES = ("F64", "F32", "F16", "BF16")
+
+
+# -------------------------------------------------------------------------------------------------
+# Export
+# -------------------------------------------------------------------------------------------------
+
+
+def _check_params(params: ModelParams, cfg: ModelConfig, units: list[HFUnit]) -> None:
+    """Raise ValueError listing every leaf of `params` that is missing, unexpected or mis-shaped."""
+    trees = list(unit_trees(params))
+    if len(trees) != len(units):
+        raise ValueError(
+            f"params has {len(params.blocks)} blocks but model.num_layers={cfg.num_layers}; "
+            "export the params with the config they were trained with."
+        )
+    problems = []
+    for unit, tree in zip(units, trees):
+        have = dict(leaf_paths(tree))
+        want = {t.path: t for t in unit.tensors}
+        for path, t in want.items():
+            if path not in have:
+                problems.append(f"{unit.label}: missing {'/'.join(path)} (-> {t.hf_name})")
+            elif tuple(np.shape(have[path])) != t.shape:
+                problems.append(
+                    f"{unit.label}: {'/'.join(path)} has shape {tuple(np.shape(have[path]))}, "
+                    f"the config needs {t.shape}"
+                )
+        problems += [f"{unit.label}: unexpected {'/'.join(p)}" for p in have if p not in want]
+    if problems:
+        raise ValueError(
+            f"params do not match model config {cfg.name!r} ({cfg.family}, tie_embeddings="
+            f"{cfg.tie_embeddings}):\n  " + "\n  ".join(problems)
+        )
+
+
+def _existing_outputs(out: Path) -> list[Path]:
+    if not out.is_dir():
+        return []
+    return sorted(
+        p
+        for p in out.iterdir()
+        if p.name in (CONFIG_NAME, WEIGHTS_NAME, INDEX_NAME) or _SHARD_RE.match(p.name)
+    )
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".partial")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def export_hf(
+    params: ModelParams,
+    cfg: ModelConfig,
+    out_dir: str | os.PathLike[str],
+    dtype: str = "bfloat16",
+    max_shard_bytes: int = 5 * 2**30,
+    *,
+    overwrite: bool = False,
+) -> list[Path]:
+    """Write `params` as a transformers checkpoint in `out_dir`; returns the written paths.
+
+    params: a `cfg`-shaped ModelParams; leaves float32/bfloat16, NumPy or jax arrays on any device
+        (each unit is fetched with `jax.device_get` when it is written).
+    dtype: "bfloat16" (default), "float32" or "float16", the dtype of the written tensors (rounded to
+        nearest even, as torch's `.to()` does) and of config.json's `dtype`.
+    max_shard_bytes: if the tensors total more than this, they are split into
+        `model-0000i-of-0000N.safetensors` files of at most this size (a single larger tensor gets a
+        shard of its own) plus `model.safetensors.index.json`; otherwise one `model.safetensors`.
+    overwrite: replace an existing checkpoint in `out_dir` (its config.json, model*.safetensors and
+        index are deleted first, so no stale shard survives); without it, existing files are an error.
+
+    Returns [config.json, weight file(s)..., index (when sharded)]. The files are written unit by unit:
+    the host holds one unit in the target dtype at a time besides `params` itself. If anything fails,
+    the files this call wrote are removed.
+    """
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not one of {list(EXPORT_DTYPES)}.")
+    if max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes={max_shard_bytes} must be >= 1.")
+    np_dtype = EXPORT_DTYPES[dtype]
+    units = hf_units(cfg)
+    _check_params(params, cfg, units)
+    config = hf_config(cfg, dtype)
+
+    out = Path(out_dir)
+    existing = _existing_outputs(out)
+    if existing and not overwrite:
+        raise FileExistsError(
+            f"{out} already holds a checkpoint ({', '.join(p.name for p in existing)}); "
+            "pass overwrite=True to replace it or choose another directory."
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    for p in existing:
+        p.unlink()
+
+    # Plan the shards: consecutive tensors in save order, greedily packed (what transformers does).
+    shards: list[list[TensorSpec]] = [[]]
+    shard_bytes = 0
+    for unit in units:
+        for t in unit.tensors:
+            spec = TensorSpec(t.hf_name, np_dtype, t.hf_shape)
+            if shards[-1] and shard_bytes + spec.nbytes > max_shard_bytes:
+                shards.append([])
+                shard_bytes = 0
+            shards[-1].append(spec)
+            shard_bytes += spec.nbytes
+    n = len(shards)
+    files = [WEIGHTS_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    shard_of = {spec.name: k for k, specs in enumerate(shards) for spec in specs}
+
+    written: list[Path] = []
+    writer: SafetensorsWriter | None = None
+    current = -1
+    try:
+        for unit, tree in zip(units, unit_trees(params)):
+            host = jax.device_get(tree)  # one unit on the host at a time
+            for t in unit.tensors:
+                k = shard_of[t.hf_name]
+                if k != current:  # shards hold consecutive tensors: finish the last one, start the next
+                    if writer is not None:
+                        written.append(writer.close())
+                    # transformers 4 refuses a safetensors file whose metadata lacks "format".
+                    writer = SafetensorsWriter(out / files[k], shards[k], metadata={"format": "pt"})
+                    current = k
+                leaf = np.asarray(get_path(host, t.path))
+                # One copy: transpose (Llama kernels) and cast together, C-contiguous for the writer.
+                array = np.array(leaf.T if t.transpose else leaf, dtype=np_dtype, order="C")
+                assert writer is not None
+                writer.write(t.hf_name, array)
+                del array
+            del host
+        assert writer is not None
+        written.append(writer.close())
+        writer = None
+        if n > 1:
+            index = {
+                "metadata": {
+                    "total_size": sum(s.nbytes for specs in shards for s in specs),
+                    "total_parameters": sum(int(np.prod(s.shape)) for specs in shards for s in specs),
+                },
+                "weight_map": {spec.name: files[k] for k, specs in enumerate(shards) for spec in specs},
+            }
+            _write_json(out / INDEX_NAME, index)
+            written.append(out / INDEX_NAME)
+        # config.json last: a directory with a config.json holds a complete checkpoint.
+        _write_json(out / CONFIG_NAME, config)
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        for p in written:
+            p.unlink(missing_ok=True)
+        raise
+    return [out / CONFIG_NAME, *written]
+
+
+# -------------------------------------------------------------------------------------------------
+# Import
+# -------------------------------------------------------------------------------------------------
+
+
+def _open_weights(ckpt: Path) -> tuple[dict[str, SafetensorsReader], list[SafetensorsReader]]:
+    """({tensor name: reader of the file holding it}, all readers) of a checkpoint directory."""
+    index_file, single = ckpt / INDEX_NAME, ckpt / WEIGHTS_NAME
+    if index_file.is_file():
+        try:
+            index = json.loads(index_file.read_text())
+            weight_map = index["weight_map"]
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(
+                f"{index_file} is not a valid index (needs a 'weight_map' object): {e}"
+            ) from e
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
+            raise CheckpointError(f"{index_file}: weight_map must map tensor names to file names.")
+        shard_files = sorted(set(weight_map.values()))
+        missing = [f for f in shard_files if not (ckpt / f).is_file()]
+        if missing:
+            raise CheckpointError(f"{index_file} names shard files that do not exist in {ckpt}: {missing}.")
+        readers: dict[str, SafetensorsReader] = {}
+        try:
+            for f in shard_files:
+                readers[f] = SafetensorsReader(ckpt / f)
+            absent = [f"{n} (in {f})" for n, f in weight_map.items() if n not in readers[f]]
+            if absent:
+                raise CheckpointError(f"{index_file} lists tensors its shard files do not contain: {absent}.")
+        except BaseException:
+            for r in readers.values():
+                r.close()
+            raise
+        return {n: readers[f] for n, f in weight_map.items()}, list(readers.values())
+    if single.is_file():
+        reader = SafetensorsReader(single)
+        return {n: reader for n in reader}, [reader]
+    others = sorted(p.name for p in ckpt.glob("*.bin")) + sorted(p.name for p in ckpt.glob("*.pt*"))
+    hint = (
+        f" It holds {others}: jaxzero reads only safetensors; re-save with transformers' "
+        "`save_pretrained(dir)` (safetensors is its default format)."
+        if others
+        else ""
+    )
+    raise CheckpointError(f"{ckpt} has neither {WEIGHTS_NAME} nor {INDEX_NAME}.{hint}")
+
+
+def _read_params(cfg: ModelConfig, ckpt: Path) -> ModelParams:
+    """float32 NumPy ModelParams of `cfg`'s shape from the safetensors of `ckpt`, unit by unit."""
+    units = hf_units(cfg)
+    where, readers = _open_weights(ckpt)
+    try:
+        prefix = BASE_PREFIX[cfg.family]
+        ignored = IGNORED[cfg.family]
+        if cfg.family == "llama" and cfg.tie_embeddings:
+            ignored = re.compile(ignored.pattern + r"|^lm_head\.weight$")
+        # Resolve every name and check every shape and dtype from the headers before reading any data.
+        found: dict[str, str] = {}  # canonical name -> name in the checkpoint
+        missing, mismatched = [], []
+        for unit in units:
+            for t in unit.tensors:
+                candidates = [t.hf_name]
+                if t.hf_name.startswith(prefix):
+                    candidates.append(t.hf_name[len(prefix) :])
+                name = next((c for c in candidates if c in where), None)
+                if name is None:
+                    missing.append(t.hf_name)
+                    continue
+                found[t.hf_name] = name
+                info = where[name].tensors[name]
+                if info.shape != t.hf_shape:
+                    mismatched.append(
+                        f"{name}: checkpoint {list(info.shape)}, config needs {list(t.hf_shape)}"
+                    )
+                elif info.dtype not in _FLOAT_CODES:
+                    mismatched.append(
+                        f"{name}: dtype {info.dtype} is not one of {list(_FLOAT_CODES)} (quantized weights?)"
+                    )
+        used = set(found.values())
+        unexpected = sorted(n for n in where if n not in used and not ignored.match(n))
+        if missing or mismatched or unexpected:
+            parts = []
+            if missing:
+                parts.append(f"missing tensors ({len(missing)}): {missing}")
+            if unexpected:
+                parts.append(f"unexpected tensors ({len(unexpected)}): {unexpected}")
+            if mismatched:
+                parts.append(f"shape/dtype mismatches ({len(mismatched)}): {mismatched}")
+            raise CheckpointError(
+                f"{ckpt}: the weights do not match its config ({cfg.family}, {cfg.num_layers} layers, hidden "
+                f"{cfg.hidden_size}, tie_embeddings={cfg.tie_embeddings}):\n  " + "\n  ".join(parts)
+            )
+
+        trees: list[dict[str, Any]] = []
+        for unit in units:
+            tree: dict[str, Any] = {}
+            for t in unit.tensors:
+                name = found[t.hf_name]
+                stored = where[name][name]  # a memory-mapped view: read as it is converted
+                # Always a fresh, writable float32 array that owns its memory, never a view of the file.
+                set_path(
+                    tree, t.path, np.array(stored.T if t.transpose else stored, dtype=np.float32, order="C")
+                )
+            trees.append(tree)
+    finally:
+        for r in readers:
+            r.close()
+    return ModelParams(embed=trees[0], blocks=tuple(trees[1:-1]), head=trees[-1])
+
+
+def import_hf(path: str | os.PathLike[str]) -> tuple[ModelConfig, ModelParams]:
+    """(ModelConfig, float32 NumPy ModelParams) of the HF checkpoint directory `path`.
+
+    `path` holds config.json and either model.safetensors or model.safetensors.index.json with its
+    shards (transformers' `save_pretrained` layout, or `export_hf`'s). Tensors may be stored in any
+    floating dtype; they are converted to float32 and Llama's (out, in) projections transposed to
+    jaxzero's (in, out). Names with or without the base prefix ("model." / "transformer.") are accepted.
+    Missing, unexpected or mis-shaped tensors raise CheckpointError listing all of them; known buffers
+    (rotary inv_freq, GPT-2's attention-mask `attn.bias`) and the duplicate head of a tied model are
+    skipped.
+    """
+    ckpt = Path(path)
+    if not ckpt.is_dir():
+        raise FileNotFoundError(f"HF checkpoint directory {str(ckpt)!r} does not exist.")
+    cfg = model_config_from_hf(ckpt)
+    return cfg, _read_params(cfg, ckpt)
+
+
+# Fields that determine the parameter shapes (and, for gpt2, max_seq_len the wpe table); and fields
+# that change the function the weights compute without changing any shape.
+_SHAPE_FIELDS = ("family", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads")
+_NUMERIC_FIELDS = ("norm_eps",)
+
+
+def load_hf_into(
+    cfg: ModelConfig, path: str | os.PathLike[str], *, check_numerics: bool = True
+) -> ModelParams:
+    """float32 NumPy ModelParams for a run configured by `cfg`, from the HF checkpoint directory `path`.
+
+    Checks that the checkpoint's config matches `cfg` in every shape field (family, vocab_size,
+    hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size, tie_embeddings for Llama and
+    max_seq_len for GPT-2, whose position table has that many rows) and, unless `check_numerics=False`,
+    in the fields that change what the weights compute (norm_eps, and rope_theta for Llama; pass False
+    to fine-tune with e.g. a raised rope_theta on purpose). Every mismatching field is named in one
+    ConfigError. Training knobs (compute_dtype, attention_impl, init_std, Llama's max_seq_len) are the
+    run's own and are not compared.
+    """
+    ckpt = Path(path)
+    hf = model_config_from_hf(ckpt)
+    names = list(_SHAPE_FIELDS) + ["intermediate_size"]
+    if cfg.family == "llama" and hf.family == "llama":
+        names.append("tie_embeddings")
+    if cfg.family == "gpt2":
+        names.append("max_seq_len")
+    if check_numerics:
+        names += list(_NUMERIC_FIELDS)
+        if cfg.family == "llama":
+            names.append("rope_theta")
+    differ = [n for n in names if getattr(cfg, n) != getattr(hf, n)]
+    if differ:
+        bad = [
+            f"model.{n}: run config has {getattr(cfg, n)!r}, checkpoint has {getattr(hf, n)!r}"
+            for n in differ
+        ]
+        overrides = " ".join(f"--model.{n}={getattr(hf, n)}" for n in differ)
+        raise ConfigError(
+            f"the HF checkpoint {ckpt} does not match the model config {cfg.name!r}:\n  "
+            + "\n  ".join(bad)
+            + f"\nUse a config of the checkpoint's shape (model_config_from_hf, or {overrides})."
+        )
+    # `cfg` now equals the checkpoint's config in every field that shapes the tensors.
+    return _read_params(cfg, ckpt)

@@ -1,0 +1,171 @@
+"""The Hugging Face tensor map: each jaxzero parameter's HF name, shape and layout.
+
+Name and layout map (see the docstrings of `jaxzero.models.llama` and `jaxzero.models.gpt2`): jaxzero's
+parameter dicts already use HF's module names, so a tensor's HF name is its unit prefix plus its dict
+path, with "kernel"/"scale"/"embedding" renamed to "weight". Llama kernels are stored (in, out) in
+jaxzero and (out, in) by torch's `nn.Linear`, so they are transposed; GPT-2's `Conv1D` already stores
+(in, out), so GPT-2 is a pure rename.
+
+Also here: the base-model prefixes a checkpoint may leave out, the buffers it may hold besides the
+parameters, and helpers that walk the nested dicts of one unit of `ModelParams`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from jaxzero.config import ModelConfig
+from jaxzero.models import ModelParams, build_model
+
+# The prefix of the base model's modules inside `*ForCausalLM` (transformers' `base_model_prefix`).
+# Checkpoints saved from the headless base class (`LlamaModel`, `GPT2Model`; e.g. the original
+# openai-community/gpt2 files) lack it, and transformers accepts both, so import does too.
+BASE_PREFIX = {"llama": "model.", "gpt2": "transformer."}
+
+# Tensors some writers saved that are buffers or duplicates, not parameters: RoPE inverse frequencies
+# (old Llama checkpoints), GPT-2's causal-mask buffers `attn.bias`/`attn.masked_bias` (not the
+# parameter `attn.c_attn.bias`), and the output head of a tied model (transformers re-ties it to the
+# input embedding on load, so that copy is never used; we do the same).
+IGNORED = {
+    "llama": re.compile(r"^(model\.)?layers\.\d+\.self_attn\.rotary_emb\.inv_freq$"),
+    "gpt2": re.compile(r"^(transformer\.)?h\.\d+\.attn\.(bias|masked_bias)$|^lm_head\.weight$"),
+}
+
+
+@dataclass(frozen=True)
+class HFTensor:
+    """One parameter: its HF name (with the base prefix), where it lives in its jaxzero unit, its
+    jaxzero shape, and whether HF stores it transposed (torch Linear's (out, in))."""
+
+    hf_name: str
+    path: tuple[str, ...]
+    shape: tuple[int, ...]
+    transpose: bool = False
+
+    @property
+    def hf_shape(self) -> tuple[int, ...]:
+        return self.shape[::-1] if self.transpose else self.shape
+
+
+@dataclass(frozen=True)
+class HFUnit:
+    """One unit of `ModelParams` ("embed", "block i", "head") and its tensors, in HF save order."""
+
+    label: str
+    tensors: tuple[HFTensor, ...]
+
+
+def _llama_units(cfg: ModelConfig) -> list[HFUnit]:
+    d, f, v, hd = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
+    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    units = [HFUnit("embed", (HFTensor("model.embed_tokens.weight", ("embed_tokens", "embedding"), (v, d)),))]
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        units.append(
+            HFUnit(
+                f"block {i}",
+                (
+                    HFTensor(p + "input_layernorm.weight", ("input_layernorm", "scale"), (d,)),
+                    HFTensor(p + "self_attn.q_proj.weight", ("self_attn", "q_proj", "kernel"), (d, q), True),
+                    HFTensor(p + "self_attn.k_proj.weight", ("self_attn", "k_proj", "kernel"), (d, kv), True),
+                    HFTensor(p + "self_attn.v_proj.weight", ("self_attn", "v_proj", "kernel"), (d, kv), True),
+                    HFTensor(p + "self_attn.o_proj.weight", ("self_attn", "o_proj", "kernel"), (q, d), True),
+                    HFTensor(
+                        p + "post_attention_layernorm.weight", ("post_attention_layernorm", "scale"), (d,)
+                    ),
+                    HFTensor(p + "mlp.gate_proj.weight", ("mlp", "gate_proj", "kernel"), (d, f), True),
+                    HFTensor(p + "mlp.up_proj.weight", ("mlp", "up_proj", "kernel"), (d, f), True),
+                    HFTensor(p + "mlp.down_proj.weight", ("mlp", "down_proj", "kernel"), (f, d), True),
+                ),
+            )
+        )
+    head = [HFTensor("model.norm.weight", ("norm", "scale"), (d,))]
+    if not cfg.tie_embeddings:
+        head.append(HFTensor("lm_head.weight", ("lm_head", "kernel"), (d, v), True))
+    units.append(HFUnit("head", tuple(head)))
+    return units
+
+
+def _gpt2_units(cfg: ModelConfig) -> list[HFUnit]:
+    d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    units = [
+        HFUnit(
+            "embed",
+            (
+                HFTensor("transformer.wte.weight", ("wte", "embedding"), (v, d)),
+                HFTensor("transformer.wpe.weight", ("wpe", "embedding"), (cfg.max_seq_len, d)),
+            ),
+        )
+    ]
+    for i in range(cfg.num_layers):
+        p = f"transformer.h.{i}."
+        units.append(
+            HFUnit(
+                f"block {i}",
+                (
+                    HFTensor(p + "ln_1.weight", ("ln_1", "scale"), (d,)),
+                    HFTensor(p + "ln_1.bias", ("ln_1", "bias"), (d,)),
+                    HFTensor(p + "attn.c_attn.weight", ("attn", "c_attn", "kernel"), (d, 3 * d)),
+                    HFTensor(p + "attn.c_attn.bias", ("attn", "c_attn", "bias"), (3 * d,)),
+                    HFTensor(p + "attn.c_proj.weight", ("attn", "c_proj", "kernel"), (d, d)),
+                    HFTensor(p + "attn.c_proj.bias", ("attn", "c_proj", "bias"), (d,)),
+                    HFTensor(p + "ln_2.weight", ("ln_2", "scale"), (d,)),
+                    HFTensor(p + "ln_2.bias", ("ln_2", "bias"), (d,)),
+                    HFTensor(p + "mlp.c_fc.weight", ("mlp", "c_fc", "kernel"), (d, f)),
+                    HFTensor(p + "mlp.c_fc.bias", ("mlp", "c_fc", "bias"), (f,)),
+                    HFTensor(p + "mlp.c_proj.weight", ("mlp", "c_proj", "kernel"), (f, d)),
+                    HFTensor(p + "mlp.c_proj.bias", ("mlp", "c_proj", "bias"), (d,)),
+                ),
+            )
+        )
+    units.append(
+        HFUnit(
+            "head",
+            (
+                HFTensor("transformer.ln_f.weight", ("ln_f", "scale"), (d,)),
+                HFTensor("transformer.ln_f.bias", ("ln_f", "bias"), (d,)),
+            ),
+        )
+    )
+    return units
+
+
+def hf_units(cfg: ModelConfig) -> list[HFUnit]:
+    """embed, block 0 .. block L-1, head: the units of `ModelParams` in order, with their HF tensors."""
+    build_model(cfg)  # validates the shape (divisibility, even head_dim, gpt2 multi-head) first
+    return _llama_units(cfg) if cfg.family == "llama" else _gpt2_units(cfg)
+
+
+def hf_tensor_names(cfg: ModelConfig) -> list[str]:
+    """The HF names of every parameter of a `cfg`-shaped model, in save order (what `export_hf` writes)."""
+    return [t.hf_name for u in hf_units(cfg) for t in u.tensors]
+
+
+def unit_trees(params: ModelParams) -> Iterator[Any]:
+    yield params.embed
+    yield from params.blocks
+    yield params.head
+
+
+def leaf_paths(tree: Any, prefix: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
+    """(key path, leaf) of every leaf of a nested dict."""
+    if isinstance(tree, Mapping):
+        for k, v in tree.items():
+            yield from leaf_paths(v, (*prefix, str(k)))
+    else:
+        yield prefix, tree
+
+
+def get_path(tree: Any, path: tuple[str, ...]) -> Any:
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def set_path(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
+    for k in path[:-1]:
+        tree = tree.setdefault(k, {})
+    tree[path[-1]] = value
