@@ -13,11 +13,14 @@ from jaxzero.config import ConfigError, TrainConfig
 from jaxzero.data import build_data
 from jaxzero.models import ModelParams, build_model
 from jaxzero.overrides import apply_overrides, parse_args
-from jaxzero.trainer import StepMetrics, Trainer, TrainState, build_trainer
+from jaxzero.plan import OffloadPlan, resolve_plan
+from jaxzero.state import StepMetrics, Trainer, TrainState
+from jaxzero.trainer import build_trainer
 
 __all__ = [
     "ConfigError",
     "ModelParams",
+    "OffloadPlan",
     "StepMetrics",
     "TrainConfig",
     "TrainState",
@@ -27,4 +30,5 @@ __all__ = [
     "build_model",
     "build_trainer",
     "parse_args",
+    "resolve_plan",
 ]

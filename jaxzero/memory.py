@@ -1,8 +1,8 @@
 """Memory planning: will this run fit, and how large must XLA's pinned host pool be?
 
-Everything here is arithmetic on the config, so it runs before JAX starts a backend and before any
-array is allocated: a run that cannot fit fails at once with the numbers, never after minutes of
-initialisation. Byte counts per parameter, by where the state lives:
+Everything here is arithmetic on the config and its offload plan, so it runs before JAX starts a
+backend and before any array is allocated: a run that cannot fit fails at once with the numbers,
+never after minutes of initialisation. Byte counts per parameter, by where the state lives:
 
     state                          resident        offload.optimizer=cpu      + offload.params=cpu
     fp32 masters                   4  accelerator  4  host RAM                4  host RAM
@@ -20,22 +20,28 @@ into the next step: up to 2|4 more. The delayed update keeps two steps' gradient
 the compute weights.)
 An asynchronous checkpoint (`checkpoint.async_save`, the default) snapshots masters and optimizer
 state into host RAM while it writes: 4 + 8 more bytes per parameter of host memory during a save.
-Offloaded runs also get an allowance of 1.25x their pinned bytes, measured (see `plan_memory`).
+Offloaded runs also get an allowance of 1.25x their pinned bytes (`PINNED_ALLOWANCE`).
+
+Where each unit's arrays live comes from the offload plan (`jaxzero.plan`); this module only counts.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from fractions import Fraction
 
 from jaxzero.config import ConfigError, TrainConfig
 from jaxzero.models.sizes import unit_param_counts
-from jaxzero.offload.pipeline import first_units, speculative_units, two_pass_units
+from jaxzero.plan import OffloadPlan, Tier, UnitKind, UpdateMode, resolve_plan
 
 GiB = 2**30
 PINNED_POOL_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
 PINNED_POOL_DEFAULT_GB = 64  # XLA's GPU client default cap on pinned_host allocations
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "lion": 4, "sgd": 4}
+# Host RAM past the arrays' sum, as a multiple of the pinned bytes: XLA's pinned pool grows by
+# regions that double in size, and the runtime keeps buffers of its own (fitted in BENCHMARKS.md).
+PINNED_ALLOWANCE = Fraction(5, 4)
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,8 @@ class MemoryPlan:
     pinned: int  # the part of `host` inside the accelerator's pinned pool
     accelerator_state: int  # weights, masters, optimizer state and gradients kept on the accelerator
     activations: int  # saved block inputs plus one block's transient activations and the logits
+    two_pass_grads: int = 0  # the part of `pinned` that two-pass updates keep into the next step
+    spares: int = 0  # the part of `host` that speculative updates keep as spare state
 
     def describe(self) -> str:
         return (
@@ -54,10 +62,13 @@ class MemoryPlan:
         )
 
 
-def plan_memory(cfg: TrainConfig) -> MemoryPlan:
-    """Bytes each memory must hold for `cfg` (see the module docstring for the accounting)."""
-    m, d, off = cfg.model, cfg.data, cfg.offload
+def plan_memory(cfg: TrainConfig, offload: OffloadPlan | None = None) -> MemoryPlan:
+    """Bytes each memory must hold for `cfg` placed by `offload` (default: `resolve_plan(cfg)`); see
+    the module docstring for the accounting."""
+    offload = resolve_plan(cfg) if offload is None else offload
+    m, d = cfg.model, cfg.data
     n_embed, n_block, n_head = unit_param_counts(m)
+    params = {UnitKind.EMBED: n_embed, UnitKind.BLOCK: n_block, UnitKind.HEAD: n_head}
     n = n_embed + m.num_layers * n_block + n_head
     opt = OPTIMIZER_STATE_BYTES.get(cfg.optimizer.name, 8)
     if cfg.optimizer.name == "sgd" and cfg.optimizer.momentum == 0:
@@ -65,7 +76,7 @@ def plan_memory(cfg: TrainConfig) -> MemoryPlan:
     if cfg.optimizer.state_dtype == "bfloat16":
         opt //= 2
     compute = 2 if m.compute_dtype == "bfloat16" else 4
-    grad = compute if d.grad_accum == 1 else 4
+    grad = 2 if offload.grad_dtype == "bfloat16" else 4
 
     tokens = d.batch_size * d.seq_len  # per step, all micro-batches
     micro_tokens = tokens // d.grad_accum
@@ -77,36 +88,43 @@ def plan_memory(cfg: TrainConfig) -> MemoryPlan:
     activations = saved_inputs + block_transient + logits
 
     snapshot = n * (4 + opt) if cfg.checkpoint.enabled and cfg.checkpoint.async_save else 0
-    if off.optimizer == "none":
+    update = offload.host_update
+    if update is None:
         return MemoryPlan(
             host=snapshot, pinned=0, accelerator_state=n * (4 + opt + 4), activations=activations
         )
 
-    streamed_blocks = 0 if off.params == "none" else m.num_layers - off.resident_blocks
-    n_streamed = streamed_blocks * n_block
-    # offload.update=delayed keeps two copies of the compute weights (the pass reads one while the
-    # host writes the next), and two steps' gradients (the next pass's land while the host is still
-    # updating from the previous ones).
-    copies = 2 if off.update == "delayed" else 1
-    # Gradient bytes: blocks' in `grad`, the embedding's and head's always float32 sums. A two-pass
-    # update keeps a unit's gradients until its second pass, during the next step's backward pass,
-    # while that step's gradients arrive: those units' gradients twice.
-    grads = copies * (m.num_layers * n_block * grad + (n_embed + n_head) * 4)
-    embed2, blocks2, head2 = first_units(two_pass_units(cfg), m.num_layers)
-    grads += embed2 * n_embed * 4 + blocks2 * n_block * grad + head2 * n_head * 4
-    staging = (n - n_streamed) * compute  # new weights of accelerator-resident units, one DMA away
-    pinned = copies * n_streamed * compute + grads + staging
-    # Measured on the H200 box (BENCHMARKS.md, 3.37B model, six offload modes): peak RSS exceeded
-    # the sum of the arrays by 0.4-1.1x the pinned bytes (the pinned pool grows in large regions;
-    # runtime buffers), so the plan allows 1.25x the pinned bytes on top rather than promise memory
-    # that is not there.
-    allowance = pinned * 5 // 4
-    # Speculative updates keep a spare copy of a few units' host state (where they apply at all).
-    spares = speculative_units(cfg) * max(n_embed, n_block, n_head) * (4 + opt)
-    host = n * (4 + opt) + pinned + snapshot + allowance + spares
-    in_flight = 3 if streamed_blocks else 0  # the block computing, the one prefetched, a gradient leaving
-    accelerator = copies * (n - n_streamed) * compute + in_flight * n_block * max(compute, grad)
-    return MemoryPlan(host=host, pinned=pinned, accelerator_state=accelerator, activations=activations)
+    # The delayed update keeps two copies of the compute weights (the pass reads one while the host
+    # writes the next) and two steps' gradients (the next pass's land while the host still updates
+    # from the previous ones).
+    copies = 2 if update.mode is UpdateMode.DELAYED else 1
+    host = pinned = accelerator = two_pass = 0
+    for u in offload.units:
+        n_u = params[u.kind]
+        grad_u = grad if u.kind is UnitKind.BLOCK else 4  # embedding and head gradients: float32 sums
+        if u.weights is Tier.PINNED_HOST:  # streamed
+            pinned += copies * n_u * compute
+        else:  # on the accelerator, and its new weights staged in pinned memory, one DMA away
+            accelerator += copies * n_u * compute
+            pinned += n_u * compute
+        pinned += copies * n_u * grad_u
+        if u.position < update.two_pass.max_units:  # gradients kept until the second pass, a step on
+            two_pass += n_u * grad_u
+        host += n_u * (4 + opt)  # masters and optimizer state
+    pinned += two_pass
+    spares = update.speculative_units * max(params.values()) * (4 + opt)
+    host += pinned + snapshot + int(pinned * PINNED_ALLOWANCE) + spares
+    streamed = offload.streamed_blocks
+    in_flight = 3 if streamed else 0  # the block computing, the one prefetched, a gradient leaving
+    accelerator += in_flight * n_block * max(compute, grad)
+    return MemoryPlan(
+        host=host,
+        pinned=pinned,
+        accelerator_state=accelerator,
+        activations=activations,
+        two_pass_grads=two_pass,
+        spares=spares,
+    )
 
 
 def host_memory_available() -> int:
@@ -133,13 +151,13 @@ def check_host_fits(cfg: TrainConfig, plan: MemoryPlan, available: int | None = 
             + (
                 f", lower offload.speculative_units (now {cfg.offload.speculative_units}; each keeps a "
                 "spare copy of one unit's state)"
-                if cfg.offload.speculative_units
+                if plan.spares
                 else ""
             )
             + (
                 f", set offload.two_pass_units=0 or a small count (now {cfg.offload.two_pass_units}; "
                 "two-pass units keep their gradients in pinned memory into the next step)"
-                if two_pass_units(cfg)
+                if plan.two_pass_grads
                 else ""
             )
             + (
@@ -201,10 +219,10 @@ def pinned_pool_reservation(plan: MemoryPlan, platform: str) -> int:
     memory, with no pool).
 
     XLA's GPU client grows the pool on demand by regions that double in size, each page-locked as
-    it is created. A region created inside a training step stalls that step for seconds (a 9.2 s
-    step on the H200 box, BENCHMARKS.md); one allocation of what the run will hold creates the region
-    at start-up (a copy of that many bytes: seconds), and the steady state then allocates inside it.
-    The region is capped by the pool's size (`configure_pinned_pool`)."""
+    it is created, which stalls the step that creates it for seconds. One allocation of what the
+    run will hold creates the region at start-up instead (a copy of that many bytes: seconds), and
+    the steady state then allocates inside it. The region is capped by the pool's size
+    (`configure_pinned_pool`)."""
     return plan.pinned if platform == "gpu" else 0
 
 

@@ -1,15 +1,16 @@
 """Where every array lives: the device mesh, batch sharding and memory kinds, decided in one place.
 
 Batches are sharded over the `data` axis of all local devices; model state is replicated over it.
-Memory kinds (`device` for accelerator memory, `pinned_host` for host RAM the accelerator can DMA)
-are chosen here and nowhere else; models and the training loop never name them.
+Which tier holds each unit's arrays is the offload plan's decision (`jaxzero.plan`); this module turns
+tiers into shardings and memory kinds (`device` for accelerator memory, `pinned_host` for host RAM the
+accelerator can DMA, the CPU backend for host-resident state), here and nowhere else; models and the
+training loop never name them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import jax
 import numpy as np
@@ -17,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxzero.config import ConfigError
+from jaxzero.plan import OffloadPlan, Tier, UnitPlan
 
 DATA_AXIS = "data"
 DEVICE = "device"
@@ -48,9 +50,9 @@ def replicated(mesh: Mesh, memory_kind: str = DEVICE) -> NamedSharding:
     return NamedSharding(mesh, P(), memory_kind=memory_kind)
 
 
-def supports_memory_kind(device: jax.Device, kind: str) -> bool:
-    """Whether `device` exposes memory of `kind` (e.g. `pinned_host`)."""
-    return kind in {m.kind for m in device.addressable_memories()}
+def supports_memory_kind(device: jax.Device, memory_kind: str) -> bool:
+    """Whether `device` exposes memory of `memory_kind` (e.g. `pinned_host`)."""
+    return memory_kind in {m.kind for m in device.addressable_memories()}
 
 
 def put_train_batch(batch: np.ndarray, mesh: Mesh) -> jax.Array:
@@ -70,23 +72,22 @@ def put_eval_batch(batch: np.ndarray, mesh: Mesh) -> jax.Array:
 
 @dataclass(frozen=True)
 class OffloadPlacement:
-    """Where the offload engine keeps each part of the state (one accelerator).
+    """The shardings of the offload engine's arrays on one accelerator, for the tiers the offload
+    plan (`jaxzero.plan`) gives each unit.
 
-    - fp32 masters and optimizer state: host RAM, as arrays of the CPU backend (`host_device`). The
-      host optimizer computes on them in place at full CPU speed; they never cross the link, so they
-      need no pinned (DMA-able) memory and do not count against XLA's pinned host pool.
-    - compute-dtype weights of the embedding and head units, and of the first `resident_blocks`
-      blocks: accelerator memory (`device`).
-    - compute-dtype weights of the other blocks: the accelerator's `pinned_host` memory, from which
-      they are streamed to the accelerator one block at a time.
-    - gradients: the accelerator's `pinned_host` memory (DMA'd there as each block's backward ends,
-      then read by the host optimizer without a copy).
+    - fp32 masters and optimizer state (`Tier.HOST`): arrays of the CPU backend (`host`). The host
+      optimizer computes on them in place at full CPU speed; they never cross the link, so they need
+      no pinned (DMA-able) memory and do not count against XLA's pinned host pool.
+    - compute-dtype weights: accelerator memory (`device`, `Tier.DEVICE`: the embedding, the head,
+      resident blocks) or the accelerator's `pinned_host` memory (`pinned`, `Tier.PINNED_HOST`:
+      streamed blocks, copied to the accelerator one block at a time).
+    - gradients: `pinned`, DMA'd there as each block's backward ends, then read by the host
+      optimizer without a copy.
     """
 
     accelerator: jax.Device
     host_device: jax.Device
-    num_layers: int
-    resident_blocks: int
+    plan: OffloadPlan
 
     @property
     def device(self) -> SingleDeviceSharding:
@@ -100,30 +101,22 @@ class OffloadPlacement:
     def host(self) -> SingleDeviceSharding:
         return SingleDeviceSharding(self.host_device)
 
+    def tier(self, tier: Tier) -> SingleDeviceSharding:
+        """The sharding of an array kept in `tier`."""
+        return {Tier.DEVICE: self.device, Tier.PINNED_HOST: self.pinned, Tier.HOST: self.host}[tier]
+
+    def weights(self, unit: UnitPlan) -> SingleDeviceSharding:
+        """Where `unit`'s compute-dtype weights live."""
+        return self.tier(unit.weights)
+
     def is_streamed(self, block: int) -> bool:
-        return block >= self.resident_blocks
-
-    def weight_shardings(self, weights: Any) -> Any:
-        """Shardings for a compute-dtype `ModelParams` (arrays or ShapeDtypeStructs)."""
-        from jaxzero.models import ModelParams
-
-        on = lambda s, tree: jax.tree.map(lambda _: s, tree)  # noqa: E731
-        return ModelParams(
-            embed=on(self.device, weights.embed),
-            blocks=tuple(
-                on(self.pinned if self.is_streamed(i) else self.device, b)
-                for i, b in enumerate(weights.blocks)
-            ),
-            head=on(self.device, weights.head),
-        )
+        """Whether block `block`'s weights live in pinned host memory and are copied in per use."""
+        return self.plan.is_streamed(block)
 
 
-def offload_placement(mesh: Mesh, num_layers: int, params: str, resident_blocks: int) -> OffloadPlacement:
-    """The placement for `offload.params` in {none, cpu} on the single device of `mesh`.
-
-    `params=none` keeps every block's compute weights on the accelerator (ZeRO-Offload); `params=cpu`
-    streams all but the first `resident_blocks` (ZeRO-3 offload).
-    """
+def offload_placement(mesh: Mesh, plan: OffloadPlan) -> OffloadPlacement:
+    """The placement of `plan` on the single device of `mesh`, whose host is the CPU backend's first
+    device. Raises ConfigError for a mesh of several devices or a device without `pinned_host`."""
     if mesh.size != 1:
         raise ConfigError(
             f"host offload runs on one accelerator, but the data mesh has {mesh.size} devices "
@@ -138,6 +131,4 @@ def offload_placement(mesh: Mesh, num_layers: int, params: str, resident_blocks:
             "so weights and gradients cannot be kept in host memory. Use offload.params=none "
             "offload.optimizer=none on this platform."
         )
-    host_device = jax.devices("cpu")[0]
-    resident = num_layers if params == "none" else resident_blocks
-    return OffloadPlacement(accelerator, host_device, num_layers, resident)
+    return OffloadPlacement(accelerator, jax.devices("cpu")[0], plan)

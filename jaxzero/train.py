@@ -44,7 +44,8 @@ from jaxzero.metrics import (
 )
 from jaxzero.models.sizes import flops_per_token, param_count
 from jaxzero.overrides import apply_overrides, config_from_dict, parse_args
-from jaxzero.trainer import StepMetrics, build_trainer
+from jaxzero.state import StepMetrics
+from jaxzero.trainer import build_trainer
 
 EXIT_CONFIG, EXIT_TRAINING, EXIT_PREEMPTED = 2, 1, 3
 # Keys a resumed run may change; anything else would make the resumed run a different run.

@@ -1,14 +1,16 @@
-"""A `Trainer`: the model, its placed state and a train step, built once from a `TrainConfig`.
+"""`build_trainer`: a `Trainer` built once from a `TrainConfig`, and the resident trainer.
 
-This is the library API. Whether weights are resident or streamed from host memory is decided here,
-when the step function is built, never inside it:
+This is the library API. The config is resolved into an offload plan (`jaxzero.plan`), checked
+against host and accelerator memory (`jaxzero.memory`), and the plan picks the trainer: whether
+weights are resident or streamed from host memory is decided here, when the step function is built,
+never inside it:
 
     trainer = build_trainer(cfg)
     state = trainer.init(jax.random.key(cfg.seed))
     for batch in batches:                       # int32 numpy (grad_accum, micro_batch, seq_len + 1)
         state, metrics = trainer.step(state, trainer.put_batch(batch))
 
-The resident strategy (`offload.optimizer=none`) keeps everything in accelerator memory: fp32 masters,
+The resident trainer (`offload.optimizer=none`) keeps everything in accelerator memory: fp32 masters,
 optimizer state, and the bf16 casts made inside each block. It is the oracle the offload engine is
 tested against.
 """
@@ -16,14 +18,11 @@ tested against.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import Mesh
 
@@ -32,6 +31,7 @@ from jaxzero.config import TrainConfig, validate
 from jaxzero.loss_scale import all_finite, init_loss_scale, update_loss_scale
 from jaxzero.models import Model, ModelParams, build_model
 from jaxzero.objective import loss_fn
+from jaxzero.offload import build_offload_trainer
 from jaxzero.optim import (
     build_optimizer,
     global_norm,
@@ -39,67 +39,8 @@ from jaxzero.optim import (
     learning_rate_schedule,
     split_opt_state,
 )
-
-
-class TrainState(NamedTuple):
-    """Everything that changes during training (a pytree).
-
-    step:      int32 scalar, optimizer updates applied so far.
-    params:    float32 master weights.
-    opt_state: the optax state of `Trainer.optimizer` over `params` (float32).
-    loss_scale: float16 training's `LossScaleState`; None otherwise.
-    """
-
-    step: jax.Array
-    params: ModelParams
-    opt_state: Any
-    loss_scale: Any = None
-
-
-class StepMetrics(NamedTuple):
-    """Per-step float32 scalars, left on the device until the loop reads them."""
-
-    loss: jax.Array  # mean cross-entropy over the step's tokens
-    grad_norm: jax.Array  # global L2 norm of the averaged gradient, before clipping
-    lr: jax.Array  # learning rate used by this step's update
-    loss_scale: jax.Array | None = None  # float16: the scale this step used
-    skipped: jax.Array | None = None  # float16: bool, the step overflowed and its update was skipped
-
-
-@dataclass(frozen=True)
-class Trainer:
-    """A built training setup. All callables are pure functions of their arguments."""
-
-    config: TrainConfig
-    model: Model
-    mesh: Mesh
-    optimizer: optax.GradientTransformation  # the update (the offload engine applies it per unit)
-    init: Callable[[jax.Array], TrainState]  # PRNG key -> state in its final placement
-    init_from_params: Callable[[ModelParams], Any]  # float32 host (NumPy) masters -> fresh state, placed
-    step: Callable[[TrainState, jax.Array], tuple[TrainState, StepMetrics]]  # donates the state
-    eval_loss: Callable[[TrainState, jax.Array], jax.Array]  # (state, int32 (B, S+1)) -> float32
-    put_batch: Callable[[np.ndarray], jax.Array]  # host (A, mb, S+1) -> sharded device array
-    put_eval_batch: Callable[[np.ndarray], jax.Array]  # host (B, S+1) -> sharded device array
-    strategy: str  # a short description of where state lives, for logs
-    # Checkpointing: what is saved ({"step", "params", "opt_state"}, the optimizer state one per unit
-    # whatever the trainer), its abstract placed form (the restore target), and how a state is
-    # rebuilt from it. `layout` names the trainer that saved, for the record.
-    layout: str
-    saved_state: Callable[[Any], dict[str, Any]]
-    abstract_saved_state: Callable[[], dict[str, Any]]
-    from_saved_state: Callable[[dict[str, Any]], Any]
-    # Where the time of the steps since the last call went, per step: (wall seconds, steps) ->
-    # {"gpu_compute_s", "h2d_s", "d2h_s", "host_update_s", "wait_weights_s", "gpu_idle_s",
-    # "host_idle_s", "speculated", "rolled_back", "two_pass_units"} (speculative unit updates kept
-    # and redone, and units updated in two passes, per step).
-    # Only the offload engine measures it (`jaxzero.offload.timeline`); None elsewhere.
-    timings: Callable[[float, int], dict[str, float]] | None = None
-
-
-def abstract_placed(shapes: Any, shardings: Any) -> Any:
-    """ShapeDtypeStructs of `shapes` carrying `shardings` (a tree of the same structure): a restore
-    target that puts every array back in its intended memory."""
-    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+from jaxzero.plan import OffloadPlan, resolve_plan
+from jaxzero.state import StepMetrics, Trainer, TrainState, abstract_placed
 
 
 def averaged_grads(
@@ -137,33 +78,35 @@ def averaged_grads(
 
 
 def build_trainer(cfg: TrainConfig, mesh: Mesh | None = None) -> Trainer:
-    """Validate `cfg` against the mesh and memory, and build the trainer its offload settings ask for.
+    """Validate `cfg` against the mesh and memory, and build the trainer its offload plan asks for.
 
     Nothing is allocated or compiled here; `trainer.init` and the first `trainer.step` do that. A run
     that cannot fit in host or accelerator memory fails here with the numbers (`jaxzero.memory`).
     """
-    plan = memory.plan_memory(cfg)
-    if plan.host:
-        memory.check_host_fits(cfg, plan)
-    if cfg.offload.optimizer == "cpu":
-        memory.configure_pinned_pool(plan)  # before the first backend call, if this is it
+    plan = resolve_plan(cfg)
+    need = memory.plan_memory(cfg, plan)
+    if need.host:
+        memory.check_host_fits(cfg, need)
+    if plan.host_update is not None:
+        memory.configure_pinned_pool(need)  # before the first backend call, if this is it
     mesh = mesh if mesh is not None else placement.make_mesh()
     validate(cfg, num_devices=mesh.size)
-    warning = memory.check_accelerator_fits(cfg, plan, memory.accelerator_capacity(mesh.devices.flat[0]))
+    device = mesh.devices.flat[0]
+    warning = memory.check_accelerator_fits(cfg, need, memory.accelerator_capacity(device))
     if warning:
         print(f"jaxzero: {warning}", file=sys.stderr)
-    if cfg.offload.optimizer == "cpu":
-        from jaxzero.offload import build_offload_trainer
-
-        device = mesh.devices.flat[0]
-        return build_offload_trainer(
-            cfg, mesh, pinned_reserve=memory.pinned_pool_reservation(plan, device.platform)
-        )
-    return build_resident_trainer(cfg, mesh)
+    if plan.host_update is not None:
+        reserve = memory.pinned_pool_reservation(need, device.platform)
+        return build_offload_trainer(cfg, mesh, plan=plan, pinned_reserve=reserve)
+    return build_resident_trainer(cfg, mesh, plan)
 
 
-def build_resident_trainer(cfg: TrainConfig, mesh: Mesh) -> Trainer:
-    """Everything in accelerator memory, replicated over `data`; one jitted step per optimizer update."""
+def build_resident_trainer(cfg: TrainConfig, mesh: Mesh, plan: OffloadPlan | None = None) -> Trainer:
+    """Everything in accelerator memory, replicated over `data`; one jitted step per optimizer update.
+    `plan` (default `resolve_plan(cfg)`) must keep every unit's state on the accelerator."""
+    plan = resolve_plan(cfg) if plan is None else plan
+    if plan.host_update is not None:
+        raise ValueError("build_resident_trainer needs a plan with accelerator-resident state")
     model = build_model(cfg.model)
     tx = build_optimizer(cfg.optimizer, cfg.steps)
     schedule = learning_rate_schedule(cfg.optimizer, cfg.steps)
@@ -236,6 +179,7 @@ def build_resident_trainer(cfg: TrainConfig, mesh: Mesh) -> Trainer:
     )
     return Trainer(
         config=cfg,
+        plan=plan,
         model=model,
         mesh=mesh,
         optimizer=tx,
@@ -245,7 +189,6 @@ def build_resident_trainer(cfg: TrainConfig, mesh: Mesh) -> Trainer:
         eval_loss=eval_loss,
         put_batch=partial(placement.put_train_batch, mesh=mesh),
         put_eval_batch=partial(placement.put_eval_batch, mesh=mesh),
-        strategy=f"resident: params, grads and optimizer state in accelerator memory, {mesh.size} device(s)",
         layout="resident",
         saved_state=lambda state: to_saved(state),
         abstract_saved_state=lambda: to_saved(abstract_placed(shapes, state_sharding)),

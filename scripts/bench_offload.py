@@ -22,6 +22,8 @@ metrics accounting (6 x matmul params + attention, no recompute). The link bound
 
 from __future__ import annotations
 
+# JAX and jaxzero are imported inside the case functions: the parent process only starts one child
+# process per case and must not start a backend (or claim the GPU) itself.
 import argparse
 import json
 import os
@@ -87,22 +89,29 @@ def run_grad_case(case: str, args) -> dict:
 
     from jaxzero import placement
     from jaxzero.config import TrainConfig
-    from jaxzero.models import build_model
+    from jaxzero.models import ModelParams, build_model
     from jaxzero.models.sizes import flops_per_token, param_count, unit_param_counts
     from jaxzero.offload.streaming import StreamedModel
     from jaxzero.overrides import apply_overrides
+    from jaxzero.plan import resolve_plan
     from jaxzero.trainer import averaged_grads
 
-    cfg = apply_overrides(TrainConfig(), {"model.name": args.model, "data.seq_len": str(args.seq)})
+    params_mode = "cpu" if case.startswith("stream") else "none"
+    over = {"model.name": args.model, "data.seq_len": str(args.seq), "data.grad_accum": "1"}
+    cfg = apply_overrides(TrainConfig(), {**over, "offload.optimizer": "cpu", "offload.params": params_mode})
     model = build_model(cfg.model)
     n = param_count(cfg.model)
     mesh = placement.make_mesh(jax.devices()[:1])
-    params_mode = "cpu" if case.startswith("stream") else "none"
-    where = placement.offload_placement(mesh, cfg.model.num_layers, params_mode, 0)
+    plan = resolve_plan(cfg)
+    where = placement.offload_placement(mesh, plan)
     # bf16 weights created on the accelerator, then placed (benchmark setup, not the trainer's path).
     init = jax.jit(lambda k: jax.tree.map(lambda x: x.astype(jnp.bfloat16), model.init(k)))
-    weights = init(jax.random.key(0))
-    weights = jax.device_put(weights, where.weight_shardings(weights))
+    units = init(jax.random.key(0))
+    units = [
+        jax.device_put(w, where.weights(u))
+        for u, w in zip(plan.units, [units.embed, *units.blocks, units.head])
+    ]
+    weights = ModelParams(units[0], tuple(units[1:-1]), units[-1])
     out = {"case": case, "params": n, "device": jax.devices()[0].device_kind}
     n_embed, n_block, n_head = unit_param_counts(cfg.model)
     link = _h2d_bandwidth()
@@ -114,8 +123,10 @@ def run_grad_case(case: str, args) -> dict:
             run = partial(jax.jit(partial(averaged_grads, model)), weights, window)
         else:
             prefetch = 2 if case == "stream-p2" else 1
-            seed = jax.device_put(np.float32(1.0), where.device)  # no loss scale
-            run = partial(StreamedModel(model, where, 1, prefetch=prefetch).grads, weights, window, seed)
+            loss_scale = jax.device_put(np.float32(1.0), where.device)  # none
+            run = partial(
+                StreamedModel(model, where, 1, prefetch=prefetch).grads, weights, window, loss_scale
+            )
         try:
             t = _median_time(run, args.reps)
         except Exception as e:  # noqa: BLE001 - report and go on with the next size
@@ -248,19 +259,21 @@ def run_host_case(case: str, args) -> dict:
     from jaxzero.models import build_model
     from jaxzero.offload.host_optimizer import HostOptimizer, HostUnit, UnitUpdate
     from jaxzero.overrides import apply_overrides
+    from jaxzero.plan import resolve_plan
 
-    cfg = apply_overrides(TrainConfig(), {"model.name": args.model, "optimizer.warmup_steps": "0"})
+    over = {"model.name": args.model, "optimizer.warmup_steps": "0", "data.grad_accum": "1"}
+    cfg = apply_overrides(TrainConfig(), {**over, "offload.optimizer": "cpu", "offload.params": "cpu"})
     model = build_model(cfg.model)
     mesh = placement.make_mesh(jax.devices()[:1])
-    where = placement.offload_placement(mesh, cfg.model.num_layers, "cpu", 0)
+    where = placement.offload_placement(mesh, resolve_plan(cfg))
     shape = jax.eval_shape(model.init, jax.random.key(0))
     init_block = jax.jit(model.init_block, out_shardings=where.host)
-    L = cfg.model.num_layers
+    num_layers = cfg.model.num_layers
     grads = jax.device_put(
         jax.tree.map(lambda s: np.full(s.shape, 1e-3, jnp.bfloat16), shape.blocks[0]), where.pinned
     )
     per_block = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shape.blocks[0]))
-    n = L * per_block
+    n = num_layers * per_block
     out = {"case": case, "params": n, "device": jax.devices()[0].device_kind, "cpus": os.cpu_count()}
     variants = [("fused", "float32", True), ("fused", "bfloat16", True), ("optax", "float32", False)]
     pool = ThreadPoolExecutor(16)
@@ -276,23 +289,27 @@ def run_host_case(case: str, args) -> dict:
         return units, min(ts[1:]), ts
 
     def measure(name: str, state_dtype: str, fused: bool) -> None:
-        ocfg = apply_overrides(cfg, {"optimizer.state_dtype": state_dtype}).optimizer
-        host = HostOptimizer(ocfg, 100, shape, jnp.bfloat16, where, 1, fused=fused)
+        vcfg = apply_overrides(
+            cfg, {"optimizer.state_dtype": state_dtype, "offload.fused_update": str(fused)}
+        )
+        plan = resolve_plan(vcfg)
+        host = HostOptimizer(vcfg.optimizer, 100, shape, plan, where, 1)
+        init_state = jax.jit(host.tx.blocks.init, out_shardings=where.host)
         units = []
-        for i in range(L):
+        for i in range(num_layers):
             m = init_block(jax.random.key(i))
-            units.append(HostUnit(m, host.init_unit("blocks", m), None))
+            units.append(HostUnit(m, init_state(m), None))
         gmul = host.grad_multiplier(np.float32(0.5), np.float32(1.0))
 
         def full(i, u):  # one pass, the new weights into the previous ones' pinned buffers
-            return host.update_unit(UnitUpdate("blocks", i, u, g_host, gmul), i, recycle=u.weights)
+            return host.update_unit(UnitUpdate(plan.blocks[i], u, g_host, gmul), i, recycle=u.weights)
 
         def weights(i, u):  # a two-pass update's first pass
-            new = host.update_weights(UnitUpdate("blocks", i, u, g_host, gmul), i, recycle=u.weights)
+            new = host.update_weights(UnitUpdate(plan.blocks[i], u, g_host, gmul), i, recycle=u.weights)
             return u._replace(weights=new)
 
         def state(i, u):  # and its second
-            return host.commit(UnitUpdate("blocks", i, u, g_host, gmul), i, u.weights)
+            return host.commit(UnitUpdate(plan.blocks[i], u, g_host, gmul), i, u.weights)
 
         key = f"{name}_{state_dtype}"
         passes = [("", full)]

@@ -29,6 +29,7 @@ from jaxzero.models import build_model
 from jaxzero.offload import host_kernels
 from jaxzero.offload.host_optimizer import HostOptimizer, HostUnit, UnitUpdate
 from jaxzero.overrides import apply_overrides
+from jaxzero.plan import resolve_plan
 
 OPTIMIZERS = {
     "adamw": {"optimizer.name": "adamw", "optimizer.weight_decay": "0.1"},
@@ -45,17 +46,28 @@ def rel(a, b) -> float:
 
 
 def run(over: dict, fused: bool, grad_dtype, steps: int = 3, two_pass: bool = False):
+    accum = 1 if grad_dtype == jnp.bfloat16 else 2
     cfg = apply_overrides(
         TrainConfig(),
-        {"model.name": "llama-tiny", "model.num_layers": "2", "optimizer.warmup_steps": "1", **over},
+        {
+            "model.name": "llama-tiny",
+            "model.num_layers": "2",
+            "optimizer.warmup_steps": "1",
+            "offload.optimizer": "cpu",
+            "offload.params": "cpu",
+            "offload.fused_update": str(fused),
+            "data.grad_accum": str(accum),
+            **over,
+        },
     )
     model = build_model(cfg.model)
     mesh = placement.make_mesh(jax.devices()[:1])
-    where = placement.offload_placement(mesh, cfg.model.num_layers, "cpu", 0)
+    plan = resolve_plan(cfg)
+    where = placement.offload_placement(mesh, plan)
     shape = jax.eval_shape(model.init, jax.random.key(0))
-    accum = 1 if grad_dtype == jnp.bfloat16 else 2
-    host = HostOptimizer(cfg.optimizer, 10, shape, jnp.bfloat16, where, accum, fused=fused)
+    host = HostOptimizer(cfg.optimizer, 10, shape, plan, where, accum)
     assert host.fused == fused
+    block = plan.blocks[0]
     masters = jax.device_put(model.init(jax.random.key(0)), where.host)
     unit = HostUnit(masters.blocks[0], host.init(masters).blocks[0], None)
     rng = np.random.default_rng(0)
@@ -64,10 +76,10 @@ def run(over: dict, fused: bool, grad_dtype, steps: int = 3, two_pass: bool = Fa
         # Clipping active on odd steps (norm 3 > max 1), the loss scale 2 and grad_accum folded in.
         gmul = host.grad_multiplier(np.float32(3.0 if k % 2 else 0.5), np.float32(2.0))
         if two_pass:  # the weights first, then masters and state, as the pipeline does
-            u = UnitUpdate("blocks", 0, unit, g, gmul)
+            u = UnitUpdate(block, unit, g, gmul)
             unit = host.commit(u, 1, host.update_weights(u, 0, recycle=unit.weights))
         else:
-            unit = host.update_unit(UnitUpdate("blocks", 0, unit, g, gmul), 0, recycle=unit.weights)
+            unit = host.update_unit(UnitUpdate(block, unit, g, gmul), 0, recycle=unit.weights)
     return jax.device_get((unit.params, unit.opt_state, unit.weights))
 
 

@@ -9,6 +9,7 @@ from jaxzero import memory, placement
 from jaxzero.config import ConfigError, TrainConfig
 from jaxzero.models.sizes import param_count, unit_param_counts
 from jaxzero.overrides import apply_overrides
+from jaxzero.plan import resolve_plan
 
 GiB = 2**30
 
@@ -140,7 +141,7 @@ def test_platform_without_pinned_host_is_refused(monkeypatch):
     monkeypatch.setattr(placement, "supports_memory_kind", lambda device, kind: False)
     mesh = placement.make_mesh(jax.devices()[:1])
     with pytest.raises(ConfigError, match="has no pinned_host memory .* Use offload.params=none"):
-        placement.offload_placement(mesh, 4, "cpu", 0)
+        placement.offload_placement(mesh, resolve_plan(cfg(offload__optimizer="cpu", offload__params="cpu")))
 
 
 def test_bf16_moments_cut_host_state_from_12_to_8_bytes_per_parameter():
@@ -149,15 +150,3 @@ def test_bf16_moments_cut_host_state_from_12_to_8_bytes_per_parameter():
     full = memory.plan_memory(cfg(**over))
     half = memory.plan_memory(cfg(**over, optimizer__state_dtype="bfloat16"))
     assert full.host - half.host == 4 * n  # masters 4 + moments 8 -> masters 4 + moments 4
-
-
-def test_two_pass_units_counted_by_the_plan_are_the_pipelines():
-    """The plan counts gradients kept for the units `first_units` names; the pipeline makes a unit
-    two-pass when its forward position (embedding 0, block i at 1 + i, head L + 1) is below the count."""
-    from jaxzero.offload.pipeline import first_units
-
-    L = 4
-    for k in range(-1, L + 4):
-        two_pass = [p for p in range(L + 2) if p < k]
-        blocks = sum(1 <= p <= L for p in two_pass)
-        assert first_units(k, L) == (int(0 in two_pass), blocks, int(L + 1 in two_pass))

@@ -10,10 +10,6 @@ to every key, so its exact gradient is zero and what it receives is rounding noi
 division by sqrt(v) turns into full-size, run-specific steps. Both trainers do that; neither is wrong.
 """
 
-import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
-
 import jax
 import numpy as np
 import pytest
@@ -167,7 +163,7 @@ def test_gradients_land_in_pinned_host():
     from jaxzero.offload.streaming import StreamedModel
 
     state = trainer.init(jax.random.key(0))
-    where = placement.offload_placement(trainer.mesh, 3, "cpu", 0)
+    where = placement.offload_placement(trainer.mesh, trainer.plan)
     streamed = StreamedModel(trainer.model, where, grad_accum=1)
     batch = build_data(cfg.data, 256, 0).train_iter().__next__()[:1]
     seed = jax.device_put(np.float32(1.0), where.device)  # no loss scale
@@ -289,36 +285,6 @@ def test_two_pass_updates_train_bitwise_like_one_pass(mode, dtype, over):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_adaptive_two_pass_count_follows_the_host_slack():
-    """The adaptive count: that many fewer units for each second pass still running when the next
-    norm arrives; with none running, one more only if the slack since the last second pass ended
-    would fit another (1.5x their mean interval); within [0, the maximum]."""
-    from jaxzero.offload.pipeline import UpdatePipeline
-    from jaxzero.offload.timeline import StepClock
-
-    class Host:  # what the pipeline's constructor reads of the host optimizer
-        fused = True
-
-    p = UpdatePipeline(
-        Host(), 3, needs_norm=True, skip_nonfinite=False, delayed=False, speculative_units=0,
-        two_pass_units=5, adaptive_two_pass=True, clock=StepClock.off(),
-    )  # fmt: skip
-    assert p._two_pass_count(0, now=0.0) == 5  # the first step: the maximum
-    p._second_passes_running = 2  # two of step 0's second passes still running at step 1's norm
-    assert p._two_pass_count(1, now=1.0) == 3
-    assert p._two_pass_count(1, now=9.0) == 3  # decided once per step
-    p._second_passes_running = 0
-    p._second_pass_ends[1] = [1.1, 1.2, 1.3]  # step 1's three second passes, 0.1 s apart
-    assert p._two_pass_count(2, now=1.349) == 3  # 0.049 s of slack: no room for a fourth
-    p._second_pass_ends[2] = [2.1, 2.2, 2.3]
-    assert p._two_pass_count(3, now=2.451) == 4  # 0.151 s >= 1.5 x 0.1 s: room for one more
-    p._second_pass_ends[3] = [3.2]  # one second pass: nothing to measure an interval by
-    assert [p._two_pass_count(s, now=float(s)) for s in (4, 5, 6)] == [5, 5, 5]  # capped
-    p._second_passes_running = 9
-    assert p._two_pass_count(7, now=7.0) == 0
-    assert set(p._second_pass_ends) <= {5, 6, 7}  # old steps' records are dropped
-
-
 def test_pinned_pool_reservation_runs_before_the_first_pinned_array(monkeypatch):
     """The start-up growth of the pinned pool (a GPU-only measure, `memory.pinned_pool_reservation`)
     runs once, ahead of the state's pinned arrays, and leaves nothing allocated behind."""
@@ -351,40 +317,19 @@ def test_pinned_pool_reservation_runs_before_the_first_pinned_array(monkeypatch)
     jax.block_until_ready(restored)
 
 
-def test_the_shared_norm_is_read_on_the_host_once(monkeypatch):
-    """Every unit task waits for the same norm; one of them takes the NumPy view of its pinned buffer
-    (XLA's plugin does not count views of one buffer from several threads safely), the rest get the
-    same value."""
-    from jaxzero.offload import pipeline
-
-    reads = []
-
-    def slow_view(x):
-        reads.append(threading.get_ident())
-        time.sleep(0.05)  # the norm landing while every task waits for it
-        return np.asarray(x)
-
-    monkeypatch.setattr(pipeline, "host_view", slow_view)
-    where = placement.offload_placement(placement.make_mesh(jax.devices()[:1]), 1, "cpu", 0)
-    norm = pipeline.HostScalar(jax.device_put(np.float32(7.5), where.pinned))
-    with ThreadPoolExecutor(16) as pool:
-        values = list(pool.map(lambda _: norm.get(), range(32)))
-    assert len(reads) == 1 and values == [np.float32(7.5)] * 32
-
-
 def test_each_step_reads_its_norm_on_the_host_once(monkeypatch):
     """The unit tasks share one read of the step's norm (`HostScalar`), however many units wait."""
-    from jaxzero.offload import pipeline
+    from jaxzero.offload import host_memory
 
     scalar_reads = []
-    real_view = pipeline.host_view
+    real_view = host_memory.host_view
 
     def counting_view(x):
         if np.ndim(x) == 0:
             scalar_reads.append(x)
         return real_view(x)
 
-    monkeypatch.setattr(pipeline, "host_view", counting_view)
+    monkeypatch.setattr(host_memory, "host_view", counting_view)
     cfg = tiny("llama", "float32", **MODES["zero3-offload"])  # clipping on: every unit needs the norm
     run(cfg)
     assert len(scalar_reads) == STEPS  # one per step, not one per unit (5 units here)

@@ -1,19 +1,18 @@
 """Fused optimizer updates in host RAM: one pass over memory per parameter.
 
 XLA:CPU compiles an optax update into several loop fusions (new first moment, new second moment, new
-parameter, compute-dtype copy), each a full pass over memory: ~42 bytes per parameter for AdamW, at
-~2 G params/s on the 16-core GPU host (measured, BENCHMARKS.md). The update is memory-bound, so the
-kernels here read each parameter, gradient and moment once and write each result once (28 bytes per
-parameter for AdamW with float32 moments, 20 with bfloat16 moments), as `torch.optim.AdamW(fused=True)`
-does. They are compiled by numba (a wheel; no compiler at install time) and run on chunks of ~1M
-parameters from a pool of threads, without the GIL.
+parameter, compute-dtype copy), each a full pass over memory: ~42 bytes per parameter for AdamW. The
+update is memory-bound, so the kernels here read each parameter, gradient and moment once and write
+each result once (28 bytes per parameter for AdamW with float32 moments, 20 with bfloat16 moments), as
+`torch.optim.AdamW(fused=True)` does (speeds: BENCHMARKS.md). They are compiled by numba (a wheel; no
+compiler at install time) and run on chunks of ~1M parameters from a pool of threads, without the GIL.
 
 They reproduce optax's arithmetic in float32 and in optax's order of operations, for the optimizers
 `jaxzero.optim.build_optimizer` builds (AdamW/Adam, Lion, SGD with or without momentum; moments in
-float32 or bfloat16). They are tested against optax's own update (tests/test_host_kernels.py). Any
-other transformation keeps running as optax on XLA:CPU.
+float32 or bfloat16; `jaxzero.plan.FUSED_OPTIMIZERS`). They are tested against optax's own update
+(tests/test_host_kernels.py). Any other transformation keeps running as optax on XLA:CPU.
 
-Each kernel comes in four passes over the same arithmetic (`PASSES`): the whole update in place,
+Each kernel comes in four passes over the same arithmetic (`Pass`): the whole update in place,
 the whole update into other buffers (speculation), and the two halves of a two-pass update, which
 writes the new compute-dtype weights first and masters and moments later, bit for bit the one-pass
 result (`jaxzero.offload.pipeline`).
@@ -30,6 +29,7 @@ XLA's convert does.
 from __future__ import annotations
 
 import ctypes
+import enum
 import hashlib
 import importlib.util
 import os
@@ -47,6 +47,7 @@ import numba
 import numpy as np
 
 from jaxzero.config import OptimizerConfig
+from jaxzero.plan import FUSED_OPTIMIZERS
 
 CHUNK = 1 << 22  # parameters per kernel call: few calls (each holds the GIL briefly), still balanced
 
@@ -125,13 +126,16 @@ _NARROW = """
 TILE = 1 << 16  # elements widened into scratch at a time: 4 x 256 KiB, in L2
 SCRATCH = 4 * TILE  # gradient, up to two moments, new parameters (the weights pass)
 
-# What one kernel call reads and writes (all flat, one chunk):
-#   full     reads p, moments, g; writes p, moments (in place) and w, the compute-dtype weights
-#   out      reads pi, moments_i, g; writes p, moments, w (other buffers: a speculative update)
-#   weights  reads p, moments, g; writes only w (the first pass of a two-pass update)
-#   state    reads p, moments, g; writes p, moments in place (its second pass: the same arithmetic,
-#            so the same bits as the `weights` pass and as `full`)
-PASSES = ("full", "out", "weights", "state")
+
+class Pass(enum.StrEnum):
+    """What one kernel call reads and writes (all flat, one chunk). Every pass runs the same
+    arithmetic, so `WEIGHTS` then `STATE` give the bits of `FULL`."""
+
+    FULL = "full"  # reads p, moments, g; writes p, moments (in place) and w, the compute-dtype weights
+    OUT = "out"  # reads pi, moments_i, g; writes p, moments, w (other buffers: a speculative update)
+    WEIGHTS = "weights"  # reads p, moments, g; writes only w (the first pass of a two-pass update)
+    STATE = "state"  # reads p, moments, g; writes p, moments in place (a two-pass update's second)
+
 
 _kernels: dict[tuple, Callable[..., None]] = {}
 _compile_lock = threading.Lock()
@@ -146,7 +150,7 @@ def _scratch() -> np.ndarray:
     return buf
 
 
-def _kernel(name: str, g16: bool, m16: bool, w16: bool, pass_: str) -> Callable[..., None]:
+def _kernel(name: str, g16: bool, m16: bool, w16: bool, pass_: Pass) -> Callable[..., None]:
     """The compiled kernel for one combination; its arguments are `_source`'s."""
     key = (name, g16, m16, w16, pass_)
     with _compile_lock:
@@ -155,19 +159,18 @@ def _kernel(name: str, g16: bool, m16: bool, w16: bool, pass_: str) -> Callable[
     return _kernels[key]
 
 
-def _source(name: str, g16: bool, m16: bool, w16: bool, pass_: str) -> str:
+def _source(name: str, g16: bool, m16: bool, w16: bool, pass_: Pass) -> str:
     """Kernel source: `kernel(<arrays>, scratch, gmul, *scalars, neg_lr, wd)` where <arrays> is
     `p, *moments, g, w` (`full`, `weights`), `p, *moments, g` (`state`) or `pi, p, mi, m, ..., g, w`
     (`out`: parameters and moments read from `pi`, `{x}i`, written to `p`, `{x}`; a speculative
     update leaves its inputs untouched). In place they are one array, one pointer, which is what lets
     LLVM vectorise without alias checks. Moments pass through float32 scratch when they are bf16
     (widened) or read from other buffers (copied)."""
-    assert pass_ in PASSES, pass_
     moments, scalars, body = _RULES[name]
-    out_of_place = pass_ == "out"
+    out_of_place = pass_ is Pass.OUT
     i = "i" if out_of_place else ""  # suffix of the arrays read
     arrays = "".join(f"{x}{i}, " * out_of_place + f"{x}, " for x in ("p", *moments)) + "g"
-    arrays += ", w" * (pass_ != "state")
+    arrays += ", w" * (pass_ is not Pass.STATE)
     rest = f"gmul, {''.join(x + ', ' for x in scalars)}neg_lr, wd"
     jit = "@numba.njit(nogil=True, error_model='numpy', cache=True)"
     # `tile` updates n <= TILE elements with flat loops (LLVM vectorises those); `kernel` walks the
@@ -182,21 +185,21 @@ def _source(name: str, g16: bool, m16: bool, w16: bool, pass_: str) -> str:
         else:
             src.append((_WIDEN if m16 else _COPY_IN).format(x=x, k=k, src=f"{x}{i}"))
     body = body.replace("pj = p[j]", f"pj = p{i}[j]")
-    if pass_ == "weights":  # new parameters into scratch; moments not stored
+    if pass_ is Pass.WEIGHTS:  # new parameters into scratch; moments not stored
         k = len(moments) + 1
         src.append(f"    pnu = scratch[{k} * n : ({k} + 1) * n]\n    pn = pnu.view(np.float32)")
         stores = tuple(f"{x}f[j] =" for x in moments)
         body = "\n".join(ln for ln in body.split("\n") if not ln.strip().startswith(stores))
         body = body.replace("p[j] = ", "pn[j] = ")
     src.append("    for j in range(n):" + body)
-    if pass_ != "weights":
+    if pass_ is not Pass.WEIGHTS:
         for x in moments:
             if m16:
                 src.append(_NARROW.format(bits=f"{x}u", out=x))
             elif not direct:
                 src.append(f"    for j in range(n):\n        {x}[j] = {x}f[j]")
-    new_p = "pn" if pass_ == "weights" else "p"
-    if pass_ != "state":
+    new_p = "pn" if pass_ is Pass.WEIGHTS else "p"
+    if pass_ is not Pass.STATE:
         if w16:
             src.append(f"    pu = {new_p}.view(np.uint32)" + _NARROW.format(bits="pu", out="w"))
         else:
@@ -252,18 +255,18 @@ def warm_up(
     grad_dtype: np.dtype,
     moment_dtype: np.dtype,
     weight_dtype: np.dtype,
-    passes: Sequence[str] = ("full", "weights", "state"),
+    passes: Sequence[Pass] = (Pass.FULL, Pass.WEIGHTS, Pass.STATE),
 ) -> None:
     """Compile (or load from the cache) the kernels `rule` will use, one per pass, on tiny arrays.
-    (The `out` pass of speculative updates, off by default, compiles on first use.)"""
+    (The `OUT` pass of speculative updates, off by default, compiles on first use.)"""
     n = 8
     g = np.zeros(n, bits_dtype(grad_dtype))
     g.flags.writeable = False  # gradients are read through read-only views: a distinct numba type
     for pass_ in passes:
         p = np.zeros(n, np.float32)
         moments = [np.zeros(n, bits_dtype(moment_dtype)) for _ in rule.moments()]
-        w = None if pass_ == "state" else np.zeros(n, bits_dtype(weight_dtype))
-        out = (np.zeros_like(p), *map(np.zeros_like, moments)) if pass_ == "out" else None
+        w = None if pass_ is Pass.STATE else np.zeros(n, bits_dtype(weight_dtype))
+        out = (np.zeros_like(p), *map(np.zeros_like, moments)) if pass_ is Pass.OUT else None
         rule.kernel(0, 0.0, 1.0, pass_)(p, *moments, g, w, 0.0, out=out)
 
 
@@ -306,16 +309,11 @@ class FusedRule:
     momentum: float
 
     @staticmethod
-    def of(
-        cfg: OptimizerConfig, compute_dtype: jnp.dtype, grad_dtypes: Sequence[jnp.dtype]
-    ) -> FusedRule | None:
-        """The rule for `cfg`, or None where the fused kernels do not cover it (that update then runs
-        as optax on XLA:CPU): weights and gradients must be float32 or bfloat16."""
-        ok = {np.dtype(jnp.float32), np.dtype(jnp.bfloat16)}
-        if np.dtype(compute_dtype) not in ok or any(np.dtype(d) not in ok for d in grad_dtypes):
-            return None
-        if cfg.name not in ("adamw", "adam", "lion", "sgd"):
-            return None
+    def of(cfg: OptimizerConfig) -> FusedRule:
+        """The rule for `cfg`, one of the optimizers the kernels implement (`FUSED_OPTIMIZERS`; the
+        offload plan decides whether they run at all)."""
+        if cfg.name not in FUSED_OPTIMIZERS:
+            raise ValueError(f"the fused host kernels implement {FUSED_OPTIMIZERS}, not {cfg.name!r}")
         return FusedRule(cfg.name, cfg.b1, cfg.b2, cfg.eps, cfg.weight_decay, cfg.momentum)
 
     def moments(self) -> tuple[str, ...]:
@@ -326,14 +324,14 @@ class FusedRule:
             return ("mu",)
         return ("trace",) if self.momentum else ()
 
-    def kernel(self, count: int, lr: float, gmul: float, pass_: str = "full") -> Callable[..., None]:
-        """A function (p, *moments, g, w, decay, out=None) -> None running one pass (`PASSES`) of
+    def kernel(self, count: int, lr: float, gmul: float, pass_: Pass = Pass.FULL) -> Callable[..., None]:
+        """A function (p, *moments, g, w, decay, out=None) -> None running one pass (`Pass`) of
         update number `count` (0-based: updates already applied) over one chunk, at learning rate
         `lr`; gradients are multiplied by `gmul` (averaging, loss scale and clipping in one factor).
         Arrays are flat: p float32; moments float32 or bf16 bits (uint16); g likewise; w the compute
-        dtype (bf16 bits or float32), None for the `state` pass; `out` = (p, *moments) to write
-        into, for the `out` pass."""
-        assert pass_ in PASSES, pass_
+        dtype (bf16 bits or float32), None for the `STATE` pass; `out` = (p, *moments) to write
+        into, for the `OUT` pass."""
+        pass_ = Pass(pass_)
         f32 = np.float32
         gmul, neg_lr = f32(gmul), -f32(lr)
         if self.name in ("adamw", "adam"):
@@ -352,10 +350,10 @@ class FusedRule:
             m16 = bool(moments) and moments[0].dtype == np.uint16
             w16 = w is not None and w.dtype == np.uint16
             k = _kernel(name, g.dtype == np.uint16, m16, w16, pass_)
-            if pass_ == "out":
+            if pass_ is Pass.OUT:
                 arrays = [a for pair in zip((p, *moments), out) for a in pair] + [g, w]
             else:
-                arrays = [p, *moments, g] + [w] * (pass_ != "state")
+                arrays = [p, *moments, g] + [w] * (pass_ is not Pass.STATE)
             k(*arrays, _scratch(), gmul, *scalars, neg_lr, f32(wd))
 
         return run

@@ -18,15 +18,14 @@ updated in the order the next forward pass needs them (`jaxzero.offload.pipeline
 Optimizer state is one optax state per unit, kept in `ModelParams` layout (embed, blocks, head); the
 fused kernels keep that state bit-compatible with optax's, so checkpoints do not care which ran.
 
-Writing the weights into `pinned_host` directly avoids a copy per step (NumPy -> `pinned_host`, 4
-bytes of memory traffic per parameter, ~9 GB/s per thread) and the CPU backend's slow cross-client
-path; the optax path still places its result with one `device_put` per leaf (`place`).
+Writing the weights into `pinned_host` directly avoids a copy per step (NumPy -> `pinned_host`) and
+the CPU backend's slow cross-client path; the optax path still places its result with one
+`device_put` per leaf (`host_memory.place`).
 """
 
 from __future__ import annotations
 
 import itertools
-import os
 import queue
 import threading
 from collections.abc import Callable
@@ -41,8 +40,12 @@ import optax
 
 from jaxzero.config import OptimizerConfig
 from jaxzero.models import ModelParams
+from jaxzero.offload import host_kernels as hk
+from jaxzero.offload.host_kernels import Pass
+from jaxzero.offload.host_memory import PinnedStaging, host_view, place, release
 from jaxzero.optim import build_optimizer, learning_rate_schedule, weight_decay_mask
 from jaxzero.placement import OffloadPlacement
+from jaxzero.plan import OffloadPlan, Tier, UnitPlan
 
 
 class HostUnit(NamedTuple):
@@ -61,14 +64,13 @@ class HostUnit(NamedTuple):
 class UnitUpdate(NamedTuple):
     """One unit's update, as every pass of `HostOptimizer` takes it.
 
-    kind:  "embed", "blocks" or "head"; `block` is the block index (None for embed and head).
+    plan:  which unit it is (kind, block index, position) and where its arrays live.
     unit:  its masters and optax state (consumed: updated in place) and old weights.
     grads: the unit's gradient sums as host-readable arrays (NumPy views of `pinned_host`).
     gmul:  `HostOptimizer.grad_multiplier`'s factor (averaging, loss scale and clipping in one).
     """
 
-    kind: str
-    block: int | None
+    plan: UnitPlan
     unit: HostUnit
     grads: Any
     gmul: np.float32
@@ -103,38 +105,16 @@ class PriorityPool:
                 fut.set_exception(e)
 
 
-class _Staging:
-    """Reusable compute-dtype buffers in `pinned_host`, by shape and dtype. The fused kernels write a
-    unit's new weights straight into pinned memory: streamed blocks keep them there (their buffers
-    are recycled step to step), weights that live on the accelerator are one DMA away from such a
-    staging buffer, which then comes back here."""
-
-    def __init__(self, pinned):
-        self._pinned = pinned
-        self._free: dict[tuple[tuple[int, ...], np.dtype], list[jax.Array]] = {}
-        self._lock = threading.Lock()
-
-    def take(self, shape: tuple[int, ...], dtype: np.dtype) -> jax.Array:
-        with self._lock:
-            free = self._free.get((tuple(shape), np.dtype(dtype)))
-            if free:
-                return free.pop()
-        # A new buffer: a copy of zeros, once per buffer (later steps reuse it).
-        return jax.block_until_ready(jax.device_put(np.zeros(shape, dtype), self._pinned))
-
-    def give(self, arrays: list[jax.Array]) -> None:
-        with self._lock:
-            for a in arrays:
-                self._free.setdefault((a.shape, np.dtype(a.dtype)), []).append(a)
-
-
 class HostOptimizer:
     """The configured optimizer applied on the host, one unit at a time.
 
-    masters:   float32 `ModelParams` on `placement.host_device`.
+    masters:   float32 `ModelParams` on `placement.host` (the CPU backend).
     opt_state: `ModelParams`-shaped tuple of per-unit optax states, on the host device.
     grads:     per unit, gradient *sums* over `grad_accum` micro-batches of `scale * loss`, in
-               `pinned_host` (compute dtype or float32); the update divides by both.
+               `pinned_host` (`plan.grad_dtype` for blocks, float32 for embedding and head); the
+               update divides by both.
+    weights:   the compute-dtype weights it writes, where `placement.weights` puts each unit.
+    Whether the fused kernels or optax on XLA:CPU run, and on how many threads, is the plan's.
     """
 
     def __init__(
@@ -142,15 +122,17 @@ class HostOptimizer:
         cfg: OptimizerConfig,
         total_steps: int,
         masters_shape: ModelParams,
-        compute_dtype: jnp.dtype,
+        plan: OffloadPlan,
         placement: OffloadPlacement,
         grad_accum: int,
-        *,
-        fused: bool = True,
-        threads: int | None = None,
     ):
+        update = plan.host_update
+        if update is None:
+            raise ValueError(
+                "the plan keeps every unit's state on the accelerator: nothing to update on the host"
+            )
         self.placement = placement
-        self.compute_dtype = jnp.dtype(compute_dtype)
+        self.compute_dtype = jnp.dtype(plan.compute_dtype)
         self.grad_accum = grad_accum
         self.max_norm = cfg.grad_clip
         self.schedule = learning_rate_schedule(cfg, total_steps)
@@ -165,25 +147,18 @@ class HostOptimizer:
             blocks=build_optimizer(cfg, total_steps, clip=False, mask=mask.blocks[0]),  # blocks share one
             head=build_optimizer(cfg, total_steps, clip=False, mask=mask.head),
         )
-        # Gradients of one micro-batch leave in the compute dtype, sums of several in float32.
-        grad_dtype = self.compute_dtype if grad_accum == 1 else jnp.float32
-        self.rule = None
-        if fused:
-            from jaxzero.offload import host_kernels as hk
-
-            self.rule = hk.FusedRule.of(cfg, self.compute_dtype, [grad_dtype, jnp.float32])
-        self.threads = threads or os.cpu_count() or 1
+        self.rule = hk.FusedRule.of(cfg) if update.fused else None
+        self.threads = update.threads
         self.pool = PriorityPool(self.threads, "jaxzero-host-update")
         self._io = ThreadPoolExecutor(self.threads, thread_name_prefix="jaxzero-writeback")
-        self._staging = _Staging(placement.pinned)
+        self._staging = PinnedStaging(placement.pinned)
+        self.warmed_up: list[Future] = []
         if self.rule is not None:  # compile (or load) the kernels while the model initialises
-            from jaxzero.offload import host_kernels as hk
-
             moment = jnp.dtype(cfg.state_dtype)
-            # Block gradients arrive in `grad_dtype`, embedding and head gradients in float32.
+            # Block gradients arrive in `plan.grad_dtype`, embedding and head gradients in float32.
+            grad_dtypes = dict.fromkeys([np.dtype(jnp.dtype(plan.grad_dtype)), np.dtype(jnp.float32)])
             self.warmed_up = [
-                self._io.submit(hk.warm_up, self.rule, g, moment, self.compute_dtype)
-                for g in dict.fromkeys([np.dtype(grad_dtype), np.dtype(jnp.float32)])
+                self._io.submit(hk.warm_up, self.rule, g, moment, self.compute_dtype) for g in grad_dtypes
             ]
         host = placement.host
 
@@ -229,28 +204,19 @@ class HostOptimizer:
             head=self._init.head(masters.head),
         )
 
-    def init_unit(self, kind: str, masters: Any) -> Any:
-        """One unit's optimizer state for its float32 masters (`kind`: embed, blocks or head), on the
-        host device."""
-        return getattr(self._init, kind)(masters)
-
     def compute_weights(self, masters: ModelParams) -> ModelParams:
-        """The compute-dtype weights of `masters`, placed per `placement` (used at init and restore)."""
+        """The compute-dtype weights of `masters`, each unit placed per `placement.weights` (used at
+        init and restore)."""
+        units = self.placement.plan.units
         futures = ModelParams(
-            embed=self._io.submit(place, self._cast(masters.embed), self.placement.device),
+            embed=self._io.submit(place, self._cast(masters.embed), self.placement.weights(units[0])),
             blocks=tuple(
-                self._io.submit(place, self._cast(b), self.target(i)) for i, b in enumerate(masters.blocks)
+                self._io.submit(place, self._cast(b), self.placement.weights(u))
+                for u, b in zip(self.placement.plan.blocks, masters.blocks)
             ),
-            head=self._io.submit(place, self._cast(masters.head), self.placement.device),
+            head=self._io.submit(place, self._cast(masters.head), self.placement.weights(units[-1])),
         )
         return jax.tree.map(lambda f: f.result(), futures, is_leaf=lambda x: isinstance(x, Future))
-
-    def target(self, block: int | None):
-        """Where a unit's compute weights live: `pinned_host` for streamed blocks, else the device.
-        `block` is the block index, None for the embedding and the head."""
-        if block is not None and self.placement.is_streamed(block):
-            return self.placement.pinned
-        return self.placement.device
 
     # -- the update ----------------------------------------------------------------------------------
 
@@ -274,13 +240,13 @@ class HostOptimizer:
         priority: orders this work among the other units' on the host pool (lowest first).
         recycle:  compute-dtype weights no longer read by anyone (the caller hands them over): their
                   `pinned_host` buffers receive the new weights; accelerator ones are freed first.
-        Returns the updated unit with its new weights placed per `placement`.
+        Returns the updated unit with its new weights placed per `placement.weights`.
         """
         if self.rule is None:
             release(recycle)
             return self._optax_update(u, priority)
         count = _count(u.unit.opt_state)  # host sync (a scalar already on the host)
-        weights = self._fused(u, count, priority, "full", recycle=recycle)
+        weights = self._fused(u, count, priority, Pass.FULL, recycle=recycle)
         return HostUnit(u.unit.params, _advance(u.unit.opt_state, count), weights)
 
     def update_weights(self, u: UnitUpdate, priority: Any, recycle: Any = None) -> Any:
@@ -289,31 +255,28 @@ class HostOptimizer:
         weights written: 16 of the 28 bytes per parameter of a whole AdamW update). `commit` with the
         same `u` applies the update itself later. Arguments as `update_unit`."""
         count = _count(u.unit.opt_state)
-        return self._fused(u, count, priority, "weights", recycle=recycle)
+        return self._fused(u, count, priority, Pass.WEIGHTS, recycle=recycle)
 
     def commit(self, u: UnitUpdate, priority: Any, weights: Any) -> HostUnit:
         """The second pass of a two-pass update: masters and state updated in place with the same
         arithmetic as `update_weights(u, ...)` (so the same bits as `update_unit`); `weights` are
         its result."""
         count = _count(u.unit.opt_state)
-        self._fused(u, count, priority, "state")
+        self._fused(u, count, priority, Pass.STATE)
         return HostUnit(u.unit.params, _advance(u.unit.opt_state, count), weights)
 
     def _optax_update(self, u: UnitUpdate, priority: Any) -> HostUnit:
-        update = getattr(self._update, u.kind)
+        update = getattr(self._update, u.plan.kind.value)
         g = jax.device_put(u.grads, self.placement.host)  # NumPy views -> CPU backend
         gm = jax.device_put(np.float32(u.gmul), self.placement.host)
         # Ordered with the other units' work; the XLA:CPU call itself uses XLA's own threads.
         run = lambda: jax.block_until_ready(update(u.unit.params, u.unit.opt_state, g, gm))  # noqa: E731
         params, opt_state, weights = self.pool.submit(priority, run).result()  # host sync
-        return HostUnit(params, opt_state, place(weights, self.target(u.block)))
+        return HostUnit(params, opt_state, place(weights, self.placement.weights(u.plan)))
 
-    def _fused(self, u: UnitUpdate, count: int, priority: Any, pass_: str, into=None, recycle=None) -> Any:
-        """One pass (`host_kernels.PASSES`) of the fused kernels over every leaf of `unit`, chunked
-        onto the pool. `into` = (params, opt_state) for the `out` pass. Returns the new weights,
-        placed (None for the `state` pass)."""
-        from jaxzero.offload import host_kernels as hk
-
+    def _fused(self, u: UnitUpdate, count: int, priority: Any, pass_: Pass, into=None, recycle=None) -> Any:
+        """One pass of the fused kernels over every leaf of `u.unit`, chunked onto the pool. `into` =
+        (params, opt_state) for the `OUT` pass. Returns the new weights, placed (None for `STATE`)."""
         rule = self.rule
         p_leaves, treedef = jax.tree.flatten(u.unit.params)
         g_leaves = treedef.flatten_up_to(u.grads)
@@ -324,15 +287,14 @@ class HostOptimizer:
         m_leaves = moments(u.unit.opt_state)
         if into is not None:
             out_p, out_m = treedef.flatten_up_to(into[0]), moments(into[1])
-        decay = treedef.flatten_up_to(getattr(self._decay, u.kind))
+        decay = treedef.flatten_up_to(getattr(self._decay, u.plan.kind.value))
         # The rate on the host device: a NumPy scalar would go to the default device, the accelerator,
         # and reading it back would wait behind the whole queued backward pass.
         lr = host_view(self._lr(jax.device_put(np.int32(count), self.placement.host)))  # host sync
         kernel = rule.kernel(count, float(lr), u.gmul, pass_)
-        target = self.target(u.block)
-        streamed = target.memory_kind == "pinned_host"
+        streamed = u.plan.weights is Tier.PINNED_HOST
         dst = None
-        if pass_ != "state":
+        if pass_ is not Pass.STATE:
             if streamed and recycle is not None:
                 dst = treedef.flatten_up_to(recycle)  # the old weights' pinned buffers, written in place
             else:
@@ -357,7 +319,7 @@ class HostOptimizer:
         if streamed:
             return weights
         # Accelerator weights: one DMA from the pinned staging buffers (a host sync: they are reused).
-        weights = jax.block_until_ready(jax.device_put(weights, target))
+        weights = jax.block_until_ready(jax.device_put(weights, self.placement.weights(u.plan)))
         self._staging.give(dst)
         return weights
 
@@ -373,7 +335,7 @@ class HostOptimizer:
         were: the update this unit gets if the gradient turns out not to need clipping. The caller
         keeps whichever it needs."""
         count = _count(u.unit.opt_state)
-        weights = self._fused(u, count, priority, "out", into, recycle)
+        weights = self._fused(u, count, priority, Pass.OUT, into, recycle)
         return HostUnit(into[0], _advance(into[1], count), weights)
 
     def lr(self, step: jax.Array) -> jax.Array:
@@ -397,30 +359,3 @@ def _advance(opt_state: Any, count: int) -> Any:
     """`opt_state` with its step counts at `count` + 1 (new scalars; saturating, as optax's)."""
     new_count = np.int32(min(count + 1, np.iinfo(np.int32).max))
     return jax.tree.map(lambda x: jax.device_put(new_count, x.sharding) if _is_count(x) else x, opt_state)
-
-
-def release(tree: Any) -> None:
-    """Release buffers now rather than when Python drops the last reference (their memory is reused).
-    Deletion waits for pending reads."""
-    for x in jax.tree.leaves(tree):
-        x.delete()
-
-
-def place(unit_host: Any, target) -> Any:
-    """Copy a pytree of host arrays (CPU backend or NumPy) to `target`: a NumPy view (no copy), then
-    one `device_put` per leaf, never the CPU client's slow cross-client path. Waits until the copies
-    are done (a host sync). The result never shares memory with the source, so the source may be
-    reused or updated in place."""
-    views = jax.tree.map(host_view, unit_host)
-    if next(iter(target.device_set)).platform == "cpu":
-        # The CPU backend may adopt a suitably aligned NumPy buffer instead of copying it; the result
-        # must own its memory (the source is a master updated in place, or a reused buffer).
-        views = jax.tree.map(lambda v: np.array(v, copy=True), views)
-    return jax.block_until_ready(jax.device_put(views, target))
-
-
-def host_view(x: jax.Array | np.ndarray) -> np.ndarray:
-    """A read-only NumPy view of an array that lives in host memory (`pinned_host` or the CPU
-    backend): no copy. Waits for the array to be ready (a host sync)."""
-    with jax.transfer_guard_device_to_host("allow"):  # reading host memory in place is not a transfer
-        return np.asarray(x)

@@ -134,16 +134,17 @@ class StreamedModel:
             )
             return jnp.mean(losses)
 
-        def head_grad(head_w, embed_w, x, batch, seed):
-            """-> loss, dL_a/dx_a per micro-batch (seed 1 each, as the resident trainer), float32 head
-            (and tied-embedding) gradient sums over micro-batches."""
+        def head_grad(head_w, embed_w, x, batch, loss_scale):
+            """-> loss, d(loss_scale * L_a)/dx_a per micro-batch (each micro-batch's mean loss
+            differentiated on its own, as the resident trainer does), float32 head (and
+            tied-embedding) gradient sums over micro-batches."""
 
             def one(xa, wa):
                 def f(hw, ew, xa):
                     return cross_entropy(m.head(hw, ew, xa), wa[:, 1:])
 
                 loss, vjp = jax.vjp(f, head_w, embed_w, xa)
-                g_head, g_embed, dx = vjp(seed)  # 1, or the float16 loss scale
+                g_head, g_embed, dx = vjp(loss_scale)  # the cotangent of the loss: 1, or float16's scale
                 return (loss, _f32(g_head), _f32(g_embed) if self.tied else None), dx
 
             zeros = (
@@ -177,8 +178,8 @@ class StreamedModel:
                 g = jax.tree.map(jnp.add, g, g_from_head)
             return g, _sq_norm(g)
 
-        def global_norm(sq_norms, seed):  # of the mean gradient of the loss: the sums / (A * seed)
-            return jnp.sqrt(sum(sq_norms[1:], sq_norms[0])) / (jnp.float32(grad_accum) * seed)
+        def global_norm(sq_norms, loss_scale):  # of the mean gradient: the sums / (A * loss_scale)
+            return jnp.sqrt(sum(sq_norms[1:], sq_norms[0])) / (jnp.float32(grad_accum) * loss_scale)
 
         self._embed = jax.jit(embed)
         self._block_fwd = jax.jit(block_fwd)
@@ -199,41 +200,42 @@ class StreamedModel:
         return self._head_loss(resolve(weights.head), embed_w, x, batch)
 
     def grads(
-        self, weights: ModelParams, batch: jax.Array, seed: jax.Array, clock: StepClock | None = None
+        self, weights: ModelParams, batch: jax.Array, loss_scale: jax.Array, clock: StepClock | None = None
     ) -> tuple[jax.Array, ModelParams, jax.Array]:
         """Loss, gradients and their global norm over int32 (A, mb, S+1); gradients land in `pinned_host`.
 
         Block gradients are summed over the A micro-batches (compute dtype if A == 1, float32 if A > 1);
-        embed and head gradients are float32 sums. `seed` (float32 scalar on the accelerator) multiplies
-        the loss: 1, or float16's loss scale. Divide by A * seed for the mean gradient (the host
-        optimizer does). The norm (float32 scalar on the accelerator) is the L2 norm of the mean
-        gradient, computed on the accelerator from each unit's gradient before it leaves.
+        embed and head gradients are float32 sums. `loss_scale` (float32 scalar on the accelerator)
+        multiplies the loss: 1, or float16's loss scale. Divide by A * loss_scale for the mean
+        gradient (the host optimizer does). The norm (float32 scalar on the accelerator) is the L2
+        norm of the mean gradient, computed on the accelerator from each unit's gradient before it
+        leaves.
 
         Units of `weights` may be `Future`s of their weights (`stream_blocks`): each is waited for only
         when the pass reaches it. `clock`, if given, records when each copy and computation finished.
         """
         clock = clock or StepClock.off()
-        L = self.num_layers
-        order = [*range(L), *reversed(range(L))]
+        num_layers = self.num_layers
+        order = [*range(num_layers), *reversed(range(num_layers))]
         fetched = stream_blocks(weights.blocks, order, self.placement, self.prefetch, on_copy=clock.copied)
         with clock.waiting():
             embed_w = resolve(weights.embed)
         x = clock.computed(self._embed(embed_w, batch))
         saved: list[jax.Array | None] = []
-        for _ in range(L):
+        for _ in range(num_layers):
             with clock.waiting():
                 w = next(fetched)
             saved.append(x)  # the block input is all the backward pass keeps
             x = clock.computed(self._block_fwd(w, x))
         with clock.waiting():
             head_w = resolve(weights.head)
-        loss, dx, g_head, g_embed_head, sq_head = self._head_grad(head_w, embed_w, x, batch, seed)
+        loss, dx, g_head, g_embed_head, sq_head = self._head_grad(head_w, embed_w, x, batch, loss_scale)
         clock.computed(loss)
         del x
         to_host = self.placement.pinned
-        block_grads: list[Any] = [None] * L
+        block_grads: list[Any] = [None] * num_layers
         sq = [sq_head]
-        for i in reversed(range(L)):
+        for i in reversed(range(num_layers)):
             w = next(fetched)
             dx, g, sq_i = self._block_bwd(w, saved[i], dx)
             clock.computed(sq_i)
@@ -247,4 +249,4 @@ class StreamedModel:
             blocks=tuple(block_grads),
             head=clock.sent(jax.device_put(g_head, to_host)),
         )
-        return loss, grads, self._global_norm([*sq, sq_embed], seed)
+        return loss, grads, self._global_norm([*sq, sq_embed], loss_scale)

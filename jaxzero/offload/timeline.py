@@ -5,13 +5,13 @@ accelerator computation (one per unit and direction) and each accelerator-to-hos
 note when it finished. Copies on one engine and kernels on one stream run in issue order, so each
 item's busy time is its finish minus the later of its issue and the previous item's finish. With
 the host update's own intervals and the time the dispatching thread sat waiting for updated
-weights, a step's breakdown is:
+weights, a window of steps gives the times of `jaxzero.state.BREAKDOWN_TIMES`:
 
-    gpu_compute   accelerator computations, summed (from their completion times)
-    h2d / d2h     busy time of the weight copies in / the gradient copies out (they overlap compute)
-    host_update   wall time during which at least one unit was being updated on the host
-    wait_weights  time the next forward pass was held back waiting for the host update
-    gpu_idle / host_idle   the step's wall time minus gpu_compute / host_update
+    gpu_compute_s   accelerator computations, summed (from their completion times)
+    h2d_s / d2h_s   busy time of the weight copies in / the gradient copies out (they overlap compute)
+    host_update_s   wall time during which at least one unit was being updated on the host
+    wait_weights_s  time the next forward pass was held back waiting for the host update
+    gpu_idle_s / host_idle_s   the window's wall time minus gpu_compute_s / host_update_s
 
 The times are host-observed completion times (a thread wakes when the work is done), so they
 are slightly late, by roughly the thread wake-up latency (tens of microseconds per item).
@@ -28,7 +28,7 @@ from typing import Any
 
 import jax
 
-KINDS = ("h2d", "compute", "d2h")
+STREAMS = ("h2d", "compute", "d2h")  # what the watchers follow: copies in, computations, copies out
 
 
 class _Watcher:
@@ -87,7 +87,7 @@ class StepClock:
 
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
-        self._watch = {k: _Watcher(k) for k in KINDS} if enabled else {}
+        self._watch = {k: _Watcher(k) for k in STREAMS} if enabled else {}
         self._updates: list[tuple[float, float]] = []
         self._lock = threading.Lock()
         self._wait = 0.0
@@ -124,7 +124,8 @@ class StepClock:
                 self._updates.append((start, end))
 
     def summary(self, wall: float) -> dict[str, float]:
-        """The breakdown of everything finished since the last call, over `wall` seconds of steps."""
+        """The times of everything finished since the last call, over `wall` seconds of steps, keyed
+        as `jaxzero.state.BREAKDOWN_TIMES` (seconds in all, not per step)."""
         events = {k: w.take() for k, w in self._watch.items()}
         with self._lock:
             updates, self._updates = self._updates, []
@@ -132,14 +133,14 @@ class StepClock:
         start = time.perf_counter() - wall  # work begun before the window counts from its start
         clip = lambda xs: [(max(a, start), b) for a, b in xs if b > start]  # noqa: E731
         out = {
-            "gpu_compute": busy(clip(events.get("compute", []))),
-            "h2d": busy(clip(events.get("h2d", []))),
-            "d2h": busy(clip(events.get("d2h", []))),
-            "host_update": union(clip(updates)),
-            "wait_weights": wait,
+            "gpu_compute_s": busy(clip(events.get("compute", []))),
+            "h2d_s": busy(clip(events.get("h2d", []))),
+            "d2h_s": busy(clip(events.get("d2h", []))),
+            "host_update_s": union(clip(updates)),
+            "wait_weights_s": wait,
         }
-        out["gpu_idle"] = max(0.0, wall - out["gpu_compute"])
-        out["host_idle"] = max(0.0, wall - out["host_update"])
+        out["gpu_idle_s"] = max(0.0, wall - out["gpu_compute_s"])
+        out["host_idle_s"] = max(0.0, wall - out["host_update_s"])
         return out
 
 

@@ -12,29 +12,36 @@ from jaxzero import placement
 from jaxzero.config import TrainConfig
 from jaxzero.models import build_model
 from jaxzero.offload import host_kernels
-from jaxzero.offload.host_optimizer import HostOptimizer, HostUnit, UnitUpdate, host_view
+from jaxzero.offload.host_memory import host_view
+from jaxzero.offload.host_optimizer import HostOptimizer, HostUnit, UnitUpdate
 from jaxzero.overrides import apply_overrides
+from jaxzero.plan import resolve_plan
 
-cfg = apply_overrides(TrainConfig(), {"model.name": "llama-tiny", "model.num_layers": "1"})
+over = {
+    "model.name": "llama-tiny",
+    "model.num_layers": "1",
+    "offload.optimizer": "cpu",
+    "offload.params": "cpu",
+}
+cfg = apply_overrides(TrainConfig(), over)
 model = build_model(cfg.model)
-where = placement.offload_placement(placement.make_mesh(jax.devices()[:1]), 1, "cpu", 0)
-host = HostOptimizer(cfg.optimizer, 10, jax.eval_shape(model.init, jax.random.key(0)), jnp.bfloat16, where, 1)
+plan = resolve_plan(cfg)
+where = placement.offload_placement(placement.make_mesh(jax.devices()[:1]), plan)
+host = HostOptimizer(cfg.optimizer, 10, jax.eval_shape(model.init, jax.random.key(0)), plan, where, 1)
 for f in host.warmed_up:
     f.result()
 compiled = {k: list(d.signatures) for k, d in host_kernels._kernels.items()}
 masters = jax.device_put(model.init(jax.random.key(0)), where.host)
 state = host.init(masters)
-for kind, block, dtype in (
-    ("embed", None, jnp.float32),
-    ("blocks", 0, jnp.bfloat16),
-    ("head", None, jnp.float32),
+for unit_plan, params, opt, dtype in (
+    (plan.units[0], masters.embed, state.embed, jnp.float32),
+    (plan.blocks[0], masters.blocks[0], state.blocks[0], jnp.bfloat16),
+    (plan.units[-1], masters.head, state.head, jnp.float32),
 ):
-    params = masters.blocks[0] if kind == "blocks" else getattr(masters, kind)
-    opt = state.blocks[0] if kind == "blocks" else getattr(state, kind)
     g = jax.device_put(jax.tree.map(lambda x, d=dtype: np.full(x.shape, 1e-3, d), params), where.pinned)
     g = jax.tree.map(host_view, g)
-    unit = host.update_unit(UnitUpdate(kind, block, HostUnit(params, opt, None), g, np.float32(1.0)), 0)
-    u = UnitUpdate(kind, block, unit, g, np.float32(1.0))
+    unit = host.update_unit(UnitUpdate(unit_plan, HostUnit(params, opt, None), g, np.float32(1.0)), 0)
+    u = UnitUpdate(unit_plan, unit, g, np.float32(1.0))
     host.commit(u, 1, host.update_weights(u, 0, recycle=unit.weights))
 after = {k: list(d.signatures) for k, d in host_kernels._kernels.items()}
 new = {k: v for k, v in after.items() if compiled.get(k) != v}

@@ -1,0 +1,209 @@
+"""The offload trainer: a `Trainer` whose masters and optimizer state live in host RAM.
+
+`build_offload_trainer` returns a `Trainer` with the same contract as the resident one; the state it
+carries is an `OffloadState`. A step is
+
+    loss, grads, norm = streamed.grads(read, batch, loss_scale)  # accelerator; grads land in pinned_host
+    submitted = pipeline.submit(units, read, grads, norm, ...)   # host; one background update per unit
+
+and returns as soon as the accelerator work is issued. The next step's forward pass waits for each
+unit's update only when it reaches that unit (`jaxzero.offload.pipeline`).
+
+Where each unit's arrays live and how the host update runs is the offload plan's (`jaxzero.plan`);
+its shardings are `jaxzero.placement.OffloadPlacement`'s.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxzero import placement as placement_lib
+from jaxzero.config import TrainConfig
+from jaxzero.loss_scale import init_loss_scale, update_loss_scale
+from jaxzero.models import ModelParams, build_model, init_keys
+from jaxzero.offload.host_memory import reserve_pinned
+from jaxzero.offload.host_optimizer import HostOptimizer
+from jaxzero.offload.pipeline import UpdatePipeline
+from jaxzero.offload.state import OffloadState, weights_of
+from jaxzero.offload.streaming import StreamedModel
+from jaxzero.offload.timeline import StepClock
+from jaxzero.optim import build_optimizer
+from jaxzero.plan import OffloadPlan, UpdateMode, resolve_plan
+from jaxzero.state import StepMetrics, Trainer, abstract_placed
+
+
+def build_offload_trainer(
+    cfg: TrainConfig, mesh: Mesh, *, plan: OffloadPlan | None = None, pinned_reserve: int = 0
+) -> Trainer:
+    """A `Trainer` for a plan whose units' state lives in host RAM (`offload.optimizer=cpu`, with
+    `offload.params` none or cpu), on `mesh`'s one device. `plan` defaults to `resolve_plan(cfg)`.
+
+    `pinned_reserve`: bytes to allocate and free in the accelerator's pinned pool before the state's
+    first pinned array, so that the pool grows at start-up, not inside a step
+    (`jaxzero.memory.pinned_pool_reservation`)."""
+    plan = resolve_plan(cfg) if plan is None else plan
+    update = plan.host_update
+    if update is None:
+        raise ValueError(
+            "build_offload_trainer needs a plan with host-resident state (offload.optimizer=cpu)"
+        )
+    model = build_model(cfg.model)
+    where = placement_lib.offload_placement(mesh, plan)
+    masters_shape = jax.eval_shape(model.init, jax.random.key(0))
+    host = HostOptimizer(cfg.optimizer, cfg.steps, masters_shape, plan, where, cfg.data.grad_accum)
+    streamed = StreamedModel(model, where, cfg.data.grad_accum, prefetch=plan.prefetch)
+    fp16 = cfg.model.compute_dtype == "float16"
+    clock = StepClock()
+    pipeline = UpdatePipeline(host, plan, clock)
+    # Masters are created unit by unit on the host: one compiled block init serves every block, and
+    # the transient memory is one unit, not a second copy of the model.
+    keys = jax.jit(partial(init_keys, num_layers=cfg.model.num_layers), out_shardings=where.host)
+    init_unit = ModelParams(
+        *(jax.jit(f, out_shardings=where.host) for f in (model.init_embed, model.init_block, model.init_head))
+    )
+    increment = jax.jit(lambda step: step + 1)
+    one = jax.device_put(np.float32(1.0), where.device)
+    new_loss_scale = jax.jit(partial(init_loss_scale, cfg.fp16), out_shardings=where.device)
+    # float16: whether the step overflowed is known on the accelerator (the norm is computed there),
+    # so the step count and loss scale advance there too, with no host sync.
+    advance_fp16 = jax.jit(
+        lambda step, ls, norm: (
+            step + jnp.isfinite(norm).astype(step.dtype),
+            update_loss_scale(ls, ~jnp.isfinite(norm), cfg.fp16),
+            ~jnp.isfinite(norm),
+        )
+    )
+
+    def reserve_pool() -> None:  # before the first state's pinned arrays: the pool grows once
+        nonlocal pinned_reserve
+        if pinned_reserve:
+            reserve_pinned(pinned_reserve, where.pinned)
+            pinned_reserve = 0
+
+    def fresh(masters: ModelParams) -> OffloadState:
+        reserve_pool()
+        on = where.device if fp16 else where.host
+        step = jax.device_put(np.zeros((), np.int32), on)
+        scale = new_loss_scale() if fp16 else None
+        return OffloadState.of(step, masters, host.init(masters), host.compute_weights(masters), scale)
+
+    def init(key: jax.Array) -> OffloadState:
+        # Created on the host directly: the key moves to the CPU backend, never the state to the GPU.
+        k_embed, k_blocks, k_head = keys(jax.device_put(key, where.host))
+        masters = ModelParams(
+            init_unit.embed(k_embed), tuple(init_unit.blocks(k) for k in k_blocks), init_unit.head(k_head)
+        )
+        return fresh(masters)
+
+    def init_from_params(params: ModelParams) -> OffloadState:
+        return fresh(jax.device_put(params, where.host))  # NumPy masters -> host device (CPU backend)
+
+    # The strategies are chosen here, once: float16 or not, overlapped or delayed.
+    if fp16:
+
+        def loss_scale_of(state: OffloadState) -> jax.Array:
+            return state.loss_scale.scale
+
+        def advance(state: OffloadState, loss, norm, lr) -> tuple[Any, Any, StepMetrics]:
+            next_step, next_ls, skipped = advance_fp16(state.step, state.loss_scale, norm)
+            return next_step, next_ls, StepMetrics(loss, norm, lr, state.loss_scale.scale, skipped)
+
+    else:
+
+        def loss_scale_of(state: OffloadState) -> jax.Array:
+            return one  # no loss scale: the gradients are those of the loss itself
+
+        def advance(state: OffloadState, loss, norm, lr) -> tuple[Any, Any, StepMetrics]:
+            return increment(state.step), None, StepMetrics(loss, norm, lr)
+
+    if update.mode is UpdateMode.DELAYED:  # the next pass reads the weights before this update
+
+        def next_read(state: OffloadState, submitted) -> ModelParams:
+            return jax.tree.map(weights_of, state.units)
+
+    else:  # the next pass reads the new weights, waiting for each unit's
+
+        def next_read(state: OffloadState, submitted) -> ModelParams:
+            return submitted.weights
+
+    def step(state: OffloadState, batch: jax.Array) -> tuple[OffloadState, StepMetrics]:
+        loss_scale = loss_scale_of(state)
+        loss, grads, norm = streamed.grads(state.read, batch, loss_scale, clock)
+        submitted = pipeline.submit(state.units, state.read, grads, norm, loss_scale)
+        next_step, next_ls, metrics = advance(state, loss, norm, host.lr(state.step))
+        return OffloadState(next_step, submitted.units, next_read(state, submitted), next_ls), metrics
+
+    def saved_state(state: OffloadState) -> dict[str, Any]:
+        """Waits for the pending host updates (a host sync). Everything saved lives on the host."""
+        units = state.resolved()
+        saved = {
+            "step": jax.device_put(state.step, where.host),
+            "params": units.params,
+            "opt_state": units.opt_state,
+        }
+        if state.loss_scale is not None:
+            saved["loss_scale"] = jax.device_put(state.loss_scale, where.host)
+        return saved
+
+    def abstract_saved_state() -> dict[str, Any]:
+        shapes = {
+            "step": jax.ShapeDtypeStruct((), np.int32),
+            "params": masters_shape,
+            "opt_state": jax.eval_shape(host.init, masters_shape),
+        }
+        if fp16:
+            shapes["loss_scale"] = jax.eval_shape(partial(init_loss_scale, cfg.fp16))
+        return abstract_placed(shapes, jax.tree.map(lambda _: where.host, shapes))
+
+    def from_saved_state(saved: dict[str, Any]) -> OffloadState:
+        reserve_pool()
+        params = saved["params"]
+        weights = host.compute_weights(params)
+        step, scale = saved["step"], saved.get("loss_scale")
+        if fp16:  # the step count and loss scale advance on the accelerator
+            step, scale = jax.device_put((step, scale), where.device)
+        return OffloadState.of(step, params, saved["opt_state"], weights, scale)
+
+    def eval_loss(state: OffloadState, window: jax.Array) -> jax.Array:
+        # The newest weights, each waited for when the pass reaches it.
+        return streamed.loss(jax.tree.map(weights_of, state.units), window[None])
+
+    def timings(wall: float, steps: int) -> dict[str, float]:
+        """Per-step breakdown (`jaxzero.state.BREAKDOWN`) of what finished since the last call."""
+        n = max(steps, 1)
+        times = {k: v / n for k, v in clock.summary(wall).items()}
+        counts = pipeline.take_counts()
+        return {
+            **times,
+            "speculated": counts.speculated / n,
+            "rolled_back": counts.rolled_back / n,
+            "two_pass_units": counts.two_passed / n,
+        }
+
+    def put_batch(batch):  # whole batch on the one accelerator
+        return jax.device_put(batch, where.device)
+
+    return Trainer(
+        config=cfg,
+        plan=plan,
+        model=model,
+        mesh=mesh,
+        optimizer=build_optimizer(cfg.optimizer, cfg.steps),
+        init=init,
+        init_from_params=init_from_params,
+        step=step,
+        eval_loss=eval_loss,
+        put_batch=put_batch,
+        put_eval_batch=put_batch,
+        layout="offload",
+        saved_state=saved_state,
+        abstract_saved_state=abstract_saved_state,
+        from_saved_state=from_saved_state,
+        timings=timings,
+    )

@@ -1,0 +1,199 @@
+"""The offload plan: every offload setting resolved once, before anything is allocated.
+
+Config keys say what the user asked for (`offload.two_pass_units=-1`, `offload.fused_update=true`,
+...); the plan says what this run will do (two-pass updates for up to 30 units, adaptively; the fused
+host kernels; blocks 0-1 resident, 2-27 streamed). The memory check (`jaxzero.memory`), the placement
+(`jaxzero.placement`), the offload engine and the run's log all read the plan, and nothing downstream
+reads `cfg.offload` or interprets a sentinel again.
+
+A model is a sequence of units in forward order: the embedding (position 0), block i (position
+1 + i), the head (position L + 1). For each unit the plan says where its compute-dtype weights and
+its fp32 masters and optimizer state live (`Tier`); the host update's policy (`HostUpdate`) says how
+units whose state lives in host RAM are updated.
+
+    plan = resolve_plan(cfg)
+    plan.mode                      # "resident" | "ZeRO-Offload" | "ZeRO-3 offload"
+    plan.units[1 + i].weights      # Tier.DEVICE or Tier.PINNED_HOST for block i
+    plan.host_update.two_pass      # TwoPass(max_units=30, adaptive=True)
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import dataclass
+
+from jaxzero.config import TrainConfig
+
+# Optimizers the fused host kernels implement (`jaxzero.offload.host_kernels`); others run as optax
+# on XLA:CPU. The kernels compute in float32 and read and write float32 or bfloat16 arrays.
+FUSED_OPTIMIZERS = ("adamw", "adam", "lion", "sgd")
+FUSED_COMPUTE_DTYPES = ("float32", "bfloat16")
+
+
+class Tier(enum.Enum):
+    """A memory that holds part of the training state."""
+
+    DEVICE = "device"  # accelerator memory
+    PINNED_HOST = "pinned_host"  # host RAM the accelerator copies from and to (XLA's pinned pool)
+    HOST = "host"  # host RAM, as arrays of JAX's CPU backend (the host update computes there)
+
+
+class UnitKind(enum.Enum):
+    """The three kinds of unit of `ModelParams`; the value is its field name there."""
+
+    EMBED = "embed"
+    BLOCK = "blocks"
+    HEAD = "head"
+
+
+class UpdateMode(enum.Enum):
+    """How the host update of step t meets the accelerator's work of step t+1."""
+
+    # Exact: each unit is updated once its gradients landed (and the global norm is known, when
+    # clipping or float16 needs it), in forward order; the next forward pass waits per unit.
+    OVERLAPPED = "overlapped"
+    # ZeRO-Offload's DPU: step t+1's forward and backward read the weights from before update t, so
+    # update t overlaps all of step t+1; gradients are one update stale.
+    DELAYED = "delayed"
+
+
+@dataclass(frozen=True)
+class UnitPlan:
+    """One unit: what it is, where it is in the forward pass, and where its arrays live."""
+
+    kind: UnitKind
+    block: int | None  # the block index; None for the embedding and the head
+    position: int  # in the forward pass: embedding 0, block i at 1 + i, head last
+    weights: Tier  # compute-dtype weights
+    state: Tier  # fp32 masters and optimizer state
+
+
+@dataclass(frozen=True)
+class TwoPass:
+    """Two-pass host updates (with clipping): the first `max_units` units in forward order may have
+    their compute weights written first and masters and moments a step later (same bits)."""
+
+    max_units: int  # 0: off
+    adaptive: bool  # the count per step follows the host's slack, up to `max_units`
+
+
+@dataclass(frozen=True)
+class HostUpdate:
+    """How units whose state lives in host RAM are updated."""
+
+    mode: UpdateMode
+    fused: bool  # the fused host kernels (else the optax transformation on XLA:CPU)
+    waits_for_norm: bool  # clipping or float16: no unit updates before the global norm is known
+    skips_nonfinite: bool  # float16: a non-finite norm means overflow, and the step changes nothing
+    speculative_units: int  # units updated during the backward pass as if unclipped (0: off)
+    two_pass: TwoPass
+    threads: int  # threads of the host update's pool
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    """Where every unit's arrays live and how host-resident units are updated; see the module
+    docstring. `host_update` is None when every unit's state lives on the accelerator."""
+
+    units: tuple[UnitPlan, ...]  # in forward order
+    host_update: HostUpdate | None
+    compute_dtype: str  # model.compute_dtype
+    grad_dtype: str  # block gradients leave the accelerator in this dtype (embed/head: float32)
+    prefetch: int  # streamed blocks copied ahead of the one computing
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.units) - 2
+
+    @property
+    def blocks(self) -> tuple[UnitPlan, ...]:
+        return self.units[1:-1]
+
+    def is_streamed(self, block: int) -> bool:
+        """Whether block `block`'s weights live in pinned host memory and stream in per use."""
+        return self.units[1 + block].weights is Tier.PINNED_HOST
+
+    @property
+    def streamed_blocks(self) -> int:
+        return sum(u.weights is Tier.PINNED_HOST for u in self.blocks)
+
+    @property
+    def mode(self) -> str:
+        """DeepSpeed's name for the placement: resident, ZeRO-Offload or ZeRO-3 offload."""
+        if self.host_update is None:
+            return "resident"
+        return "ZeRO-3 offload" if self.streamed_blocks else "ZeRO-Offload"
+
+    def describe(self, optimizer: str, devices: str) -> str:
+        """One line for the run's log: where state lives and how it is updated. `optimizer` is the
+        optimizer's name, `devices` what the accelerator state lives on."""
+        h = self.host_update
+        if h is None:
+            return f"resident: params, grads and optimizer state in accelerator memory, {devices}"
+        how = ["fused kernels" if h.fused else "optax on XLA:CPU", h.mode.value]
+        if h.two_pass.max_units:
+            up_to = "adaptive, up to" if h.two_pass.adaptive else "for"
+            how.append(f"two-pass updates {up_to} {h.two_pass.max_units} units")
+        if h.speculative_units:
+            how.append(f"speculative updates for {h.speculative_units} units")
+        return (
+            f"{self.mode}: fp32 masters and {optimizer} state in host RAM, updated on the CPU "
+            f"({', '.join(how)}); {self.streamed_blocks}/{self.num_layers} blocks streamed from pinned "
+            f"host memory, the rest of the {self.compute_dtype} weights on {devices}"
+        )
+
+
+def resolve_plan(cfg: TrainConfig) -> OffloadPlan:
+    """The plan of a validated `cfg` (pure: reads the config and the host's core count)."""
+    o, m = cfg.offload, cfg.model
+    num_layers = m.num_layers
+    on_host = o.optimizer == "cpu"
+    resident_blocks = num_layers if o.params == "none" else o.resident_blocks
+    state = Tier.HOST if on_host else Tier.DEVICE
+
+    def unit(kind: UnitKind, block: int | None, position: int) -> UnitPlan:
+        streamed = on_host and block is not None and block >= resident_blocks
+        return UnitPlan(kind, block, position, Tier.PINNED_HOST if streamed else Tier.DEVICE, state)
+
+    units = (
+        unit(UnitKind.EMBED, None, 0),
+        *(unit(UnitKind.BLOCK, i, 1 + i) for i in range(num_layers)),
+        unit(UnitKind.HEAD, None, num_layers + 1),
+    )
+    # One micro-batch: block gradients leave in the compute dtype (exact); several: float32 sums.
+    grad_dtype = m.compute_dtype if cfg.data.grad_accum == 1 else "float32"
+    return OffloadPlan(
+        units=units,
+        host_update=_host_update(cfg, len(units)) if on_host else None,
+        compute_dtype=m.compute_dtype,
+        grad_dtype=grad_dtype,
+        prefetch=1,
+    )
+
+
+def _host_update(cfg: TrainConfig, num_units: int) -> HostUpdate:
+    o = cfg.offload
+    fp16 = cfg.model.compute_dtype == "float16"
+    fused = (
+        o.fused_update
+        and cfg.optimizer.name in FUSED_OPTIMIZERS
+        and cfg.model.compute_dtype in FUSED_COMPUTE_DTYPES
+    )
+    mode = UpdateMode(o.update)
+    clipped = cfg.optimizer.grad_clip > 0
+    # Speculation and two-pass updates move fused-kernel work out of the wait for the norm; they apply
+    # only where units wait for it to clip (float16's wait skips overflowing steps, and its update is
+    # optax's) and off the delayed update, whose host work is off the critical path anyway.
+    moves_work = clipped and fused and mode is UpdateMode.OVERLAPPED
+    two_pass = o.two_pass_units  # config: -1 adaptive (up to every unit), 0 off, K at most K units
+    max_units = (num_units if two_pass < 0 else min(two_pass, num_units)) if moves_work else 0
+    return HostUpdate(
+        mode=mode,
+        fused=fused,
+        waits_for_norm=clipped or fp16,
+        skips_nonfinite=fp16,
+        speculative_units=o.speculative_units if moves_work else 0,
+        two_pass=TwoPass(max_units=max_units, adaptive=two_pass < 0 and max_units > 0),
+        threads=o.host_threads or os.cpu_count() or 1,
+    )

@@ -1,0 +1,65 @@
+"""Host memory helpers of the offload engine: views, copies that own their memory, staging, scalars."""
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import jax
+import numpy as np
+
+from jaxzero import placement
+from jaxzero.config import TrainConfig
+from jaxzero.offload import host_kernels, host_memory
+from jaxzero.overrides import apply_overrides
+from jaxzero.plan import resolve_plan
+
+
+def where() -> placement.OffloadPlacement:
+    cfg = apply_overrides(TrainConfig(), {"offload.optimizer": "cpu", "offload.params": "cpu"})
+    return placement.offload_placement(placement.make_mesh(jax.devices()[:1]), resolve_plan(cfg))
+
+
+def test_the_shared_norm_is_read_on_the_host_once(monkeypatch):
+    """Every unit task waits for the same norm; one of them takes the NumPy view of its pinned buffer
+    (XLA's plugin does not count views of one buffer from several threads safely), the rest get the
+    same value."""
+    reads = []
+
+    def slow_view(x):
+        reads.append(threading.get_ident())
+        time.sleep(0.05)  # the norm landing while every task waits for it
+        return np.asarray(x)
+
+    monkeypatch.setattr(host_memory, "host_view", slow_view)
+    norm = host_memory.HostScalar(jax.device_put(np.float32(7.5), where().pinned))
+    with ThreadPoolExecutor(16) as pool:
+        values = list(pool.map(lambda _: norm.get(), range(32)))
+    assert len(reads) == 1 and values == [np.float32(7.5)] * 32
+
+
+def test_place_copies_never_share_memory_with_the_source():
+    """`place` copies host arrays to a target; the host update later writes the source in place
+    (masters, reused buffers), which must not change the copy. On the CPU backend the target is host
+    memory too, where a copy could otherwise adopt the source's buffer."""
+    src = jax.device_put(np.arange(1024, dtype=np.float32), where().host)
+    out = host_memory.place({"w": src}, where().device)
+    host_kernels.writable_view(src)[:] = 0.0  # an in-place update of the source, as the kernels do
+    assert out["w"].sharding.memory_kind == "device"
+    np.testing.assert_array_equal(np.asarray(out["w"]), np.arange(1024, dtype=np.float32))
+
+
+def test_pinned_staging_reuses_given_back_buffers():
+    staging = host_memory.PinnedStaging(where().pinned)
+    a = staging.take((4, 8), np.float32)
+    assert a.sharding.memory_kind == "pinned_host" and a.shape == (4, 8)
+    staging.give([a])
+    assert staging.take((4, 8), np.float32) is a  # the same buffer back
+    b = staging.take((4, 8), np.float32)  # none left: a new one
+    assert b is not a
+    assert staging.take((8, 4), np.float32).shape == (8, 4)  # another shape: its own buffers
+
+
+def test_reserving_the_pinned_pool_leaves_nothing_allocated():
+    nbytes = 3 << 20
+    host_memory.reserve_pinned(nbytes, where().pinned)
+    assert not [a for a in jax.live_arrays() if a.nbytes == nbytes]
