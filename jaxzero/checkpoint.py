@@ -3,8 +3,9 @@ belongs.
 
 A checkpoint is one step directory under `<run_dir>/checkpoints/` holding two items:
 
-    state  {"step", "params", "opt_state"}: int32 step, float32 masters, optimizer state one optax
-           state per unit (embedding, each block, head), whichever trainer saved it
+    state  {"step", "params", "opt_state"}, and float16's "loss_scale": int32 step, float32 masters,
+           optimizer state one optax state per unit (embedding, each block, head), whichever
+           trainer saved it
     meta   JSON: the data iterator's position, the resolved config, the trainer's layout, the step
 
 The compute-dtype weights of the offload engine are not saved: they are a cast of the masters and
@@ -13,9 +14,9 @@ and renames it when complete; a save killed half-way leaves no step directory be
 blocked only while the state is snapshotted into host memory: the arrays it keeps updating in place
 (donated masters and optimizer state) must not change under the writer.
 
-Restores always target the abstract state *with its placement* (`Trainer.abstract_state`): Orbax
-does not record memory kinds, and a restore without a target would put host-resident state into
-accelerator memory.
+Restores always target the abstract state *with its placement* (`Trainer.abstract_saved_state`):
+Orbax does not record memory kinds, and a restore without a target would put host-resident state
+into accelerator memory.
 """
 
 from __future__ import annotations

@@ -110,14 +110,15 @@ class OffloadConfig:
     # host update of step t overlaps step t+1 completely).
     update: Literal["overlapped", "delayed"] = "overlapped"
     # With clipping: update this many units speculatively during the backward pass (exact: kept only
-    # if the norm shows no clipping applies). Costs a spare copy of their host state. Off by default:
-    # on the H200 box it did not pay (BENCHMARKS.md).
+    # if the norm shows no clipping applies, else recomputed). Costs a spare copy of their host state.
+    # 0: off (the default).
     speculative_units: int = 0
     # With clipping: update this many units (in forward order) in two passes: the compute-dtype
     # weights as soon as the norm is known (the next forward pass waits only for those), the masters
     # and optimizer state during the next backward pass, when the host is otherwise idle. The same
     # bits as one pass; more host memory traffic in all, less of it before the next forward pass.
-    # -1: adaptive (as many as the host finishes within the next backward pass); 0: off.
+    # -1: adaptive (as many as the host finishes within the next backward pass); 0: off. Where it
+    # applies, and what -1 means for a model, is resolved once by `jaxzero.plan`.
     two_pass_units: int = -1
     # The fused host kernels where they cover the optimizer; false: the optax update on XLA:CPU.
     fused_update: bool = True

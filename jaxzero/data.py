@@ -456,8 +456,8 @@ def _num_windows(num_tokens: int, seq_len: int) -> int:
 def _gather_windows(tokens: np.ndarray, window_ids: np.ndarray, seq_len: int) -> np.ndarray:
     """Window ``tokens[i*seq_len : i*seq_len + seq_len + 1]`` per id ``i``: ``(len(ids), seq_len + 1)`` int32.
 
-    One contiguous slice copy per window: on a memmap that is a sequential read per window, measured ~2x
-    faster than a single 2-D fancy-index gather (512 x 1025 tokens: 0.85 ms vs 1.6 ms).
+    One contiguous slice copy per window: on a memmap that is a sequential read per window, faster than
+    a single 2-D fancy-index gather.
     """
     out = np.empty((len(window_ids), seq_len + 1), dtype=np.int32)
     for row, window in enumerate(window_ids.tolist()):

@@ -76,12 +76,10 @@ def check_shape(config: ModelConfig, family: str) -> None:
 # ---------------------------------------------------------------------------------------------------
 
 
-# Initialization cost, measured for llama-7b (226 tensors) with jax 0.11 on one H200: each tensor is one
-# threefry instance, and XLA:GPU unrolls threefry's 20 rounds per instance, so `jax.jit(init)` compiles in
-# ~90 s; with `jax.config.update("jax_threefry_gpu_kernel_lowering", True)` (set by the program, not
-# here: it is process-wide) it compiles in ~11 s and gives bit-identical values. Drawing one flat vector
-# per block and slicing it compiles slower still on GPU, and on XLA:CPU, which runs independent ops
-# concurrently, keeps every draw's temporaries live at once, so tensors are drawn one by one.
+# Tensors are drawn one by one, each from its own key: one flat draw per block, sliced, compiles slower
+# on GPU and on XLA:CPU keeps every draw's temporaries live at once. XLA:GPU unrolls every threefry draw
+# unless `jax_threefry_gpu_kernel_lowering` is on (same values, far shorter compiles of a large init);
+# that flag is process-wide, so the program sets it (`jaxzero.train.main`), not this library.
 
 
 def init_block_module(block: Any, config: ModelConfig, key: jax.Array) -> dict[str, Any]:
