@@ -21,6 +21,8 @@ from typing import Any, TextIO
 
 import jax
 
+from jaxzero.state import BREAKDOWN_COUNTS, BREAKDOWN_TIMES
+
 # Dense bf16 tensor-core peaks in TFLOP/s by device kind substring (vendor datasheets, SXM parts).
 PEAK_BF16_TFLOPS = {
     "H200": 989.0,
@@ -140,23 +142,9 @@ def format_record(rec: dict[str, Any]) -> str:
             parts.append(f"{label} {f.format(v)}")
     line = " | ".join(parts)
     if rec.get("step_s") is not None:  # the offload engine's breakdown, per step
-        times = [
-            ("gpu_compute_s", "GPU compute"),
-            ("h2d_s", "H2D"),
-            ("d2h_s", "D2H"),
-            ("host_update_s", "host update"),
-            ("wait_weights_s", "GPU waits for host"),
-            ("gpu_idle_s", "GPU idle"),
-            ("host_idle_s", "host idle"),
-        ]
-        counts = [
-            ("speculated", "speculative updates kept"),
-            ("rolled_back", "redone"),
-            ("two_pass_units", "two-pass units"),
-        ]
         line += f"\n    step {rec['step_s']:.3f}s: " + " | ".join(
-            [f"{label} {rec[key]:.3f}" for key, label in times if rec.get(key) is not None]
-            + [f"{label} {rec[key]:.1f}" for key, label in counts if rec.get(key)]
+            [f"{k.label} {rec[k.key]:.3f}" for k in BREAKDOWN_TIMES if rec.get(k.key) is not None]
+            + [f"{k.label} {rec[k.key]:.1f}" for k in BREAKDOWN_COUNTS if rec.get(k.key)]
         )
     return line
 

@@ -2,18 +2,16 @@
 
 With no arguments it trains the tiny Llama on the built-in byte-level corpus on whatever JAX backend is
 present. The run directory receives the resolved `config.json`, `metrics.jsonl` (one JSON object per
-logged step: step, loss, lr, grad_norm, tokens_per_s, tflops, mfu, gpu_peak_gib, host_rss_gib,
-val_loss on validation steps, and for offloaded runs the per-step breakdown step_s, gpu_compute_s,
-h2d_s, d2h_s, host_update_s, wait_weights_s, gpu_idle_s, host_idle_s, speculated, rolled_back,
-two_pass_units) and Orbax checkpoints under `checkpoints/`.
+logged step; its fields are listed in the README, the offload engine's per-step breakdown in
+`jaxzero.state.BREAKDOWN`) and Orbax checkpoints under `checkpoints/`.
 
 Pointed at a run directory that holds a checkpoint, it resumes from the newest complete one with the
 config saved there; `--steps`, `--logging.*`, `--checkpoint.*` and `--offload.*` (resume a resident
 run offloaded, or the reverse) may be changed on resume.
 SIGTERM saves a checkpoint at the next step boundary and exits with status 3.
 
-The loop reads top to bottom: config -> data -> trainer -> state (init or restore) -> steps (log,
-validate, checkpoint).
+The loop reads top to bottom: config -> data -> trainer -> state (init or restore) -> for each step:
+step, log (every `logging.log_every` steps), save, preempt.
 """
 
 from __future__ import annotations
@@ -27,13 +25,16 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import Any, TextIO
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from jaxzero.checkpoint import Checkpointer, make_meta, saved_steps
 from jaxzero.config import ConfigError, TrainConfig, validate
-from jaxzero.data import DataState, build_data
+from jaxzero.data import BatchIterator, Data, DataState, build_data
+from jaxzero.interop import load_hf_into
 from jaxzero.metrics import (
     MetricsLog,
     ProgressBar,
@@ -43,15 +44,13 @@ from jaxzero.metrics import (
     peak_tflops,
 )
 from jaxzero.models.sizes import flops_per_token, param_count
-from jaxzero.overrides import apply_overrides, config_from_dict, parse_args
-from jaxzero.state import StepMetrics
+from jaxzero.overrides import all_keys, apply_overrides, config_from_dict, parse_args
+from jaxzero.state import BREAKDOWN, StepMetrics, Trainer
 from jaxzero.trainer import build_trainer
 
 EXIT_CONFIG, EXIT_TRAINING, EXIT_PREEMPTED = 2, 1, 3
 # Keys a resumed run may change; anything else would make the resumed run a different run.
 RESUMABLE_CHANGES = ("steps", "logging.", "checkpoint.", "offload.")
-# Fault injection for the crash tests: SIGKILL this process right after the save of this step starts.
-KILL_AFTER_SAVE_ENV = "JAXZERO_TEST_KILL_AFTER_SAVE_STEP"
 
 
 class TrainingError(RuntimeError):
@@ -109,7 +108,7 @@ def _get(cfg: TrainConfig, key: str):
     return obj
 
 
-def evaluate(trainer, state, batches: list[np.ndarray]) -> float:
+def evaluate(trainer: Trainer, state: Any, batches: list[np.ndarray]) -> float:
     """Mean validation loss over fixed batches. Host sync."""
     losses = [trainer.eval_loss(state, trainer.put_eval_batch(b)) for b in batches]
     return float(np.mean(jax.device_get(losses)))  # host sync
@@ -134,12 +133,138 @@ def preemption_requested(step: int) -> bool:
     """
     if not jax.distributed.is_initialized():
         return False
-    from jax.experimental import multihost_utils
-
     return multihost_utils.reached_preemption_sync_point(step)
 
 
-def train(cfg: TrainConfig, console=sys.stdout) -> Path:
+def checkpoint_due(cfg: TrainConfig, step: int) -> bool:
+    """Whether `step` saves a checkpoint: the last step, and every `checkpoint.every` steps."""
+    every = cfg.checkpoint.every
+    return step == cfg.steps or bool(every and step % every == 0)
+
+
+def start(
+    cfg: TrainConfig, trainer: Trainer, data: Data, ckpt: Checkpointer | None, console: TextIO
+) -> tuple[Any, int, BatchIterator]:
+    """(state, first step, batches) of the run: restored from `ckpt`'s newest readable checkpoint when
+    resuming (`ckpt` given), else initialised from the Hugging Face checkpoint `model.init_from` or
+    from `seed`. The state is created in its final placement."""
+    restored = ckpt.restore_latest(trainer.abstract_saved_state(), trainer.layout, cfg) if ckpt else None
+    if restored is not None:
+        truncate_metrics(Path(cfg.run_dir) / "metrics.jsonl", restored.step)
+        print(f"jaxzero: resumed from {ckpt.directory / str(restored.step)}", file=console)
+        batches = data.train_iter(DataState.from_dict(restored.meta["data_state"]))
+        return trainer.from_saved_state(restored.state), restored.step + 1, batches
+    if cfg.model.init_from:
+        state = trainer.init_from_params(load_hf_into(cfg.model, cfg.model.init_from))
+        print(f"jaxzero: initialised from the Hugging Face checkpoint {cfg.model.init_from}", file=console)
+        return state, 1, data.train_iter()
+    return trainer.init(jax.random.key(cfg.seed)), 1, data.train_iter()
+
+
+class LogWindow:
+    """The steps since the last log line. Their metrics stay on the device until a line is due (the
+    first step, every `logging.log_every` steps, validation steps and the last step); then one host
+    sync reads them all and one record goes to `metrics.jsonl` and the console."""
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        trainer: Trainer,
+        first: int,
+        val_batches: list[np.ndarray],
+        run_dir: Path,
+        console: TextIO,
+        t_start: float,
+    ):
+        self.cfg, self.trainer, self.first, self.val_batches = cfg, trainer, first, val_batches
+        self.t_start = t_start  # before init or restore: the first record's compile_s counts from here
+        self.file = MetricsLog(run_dir / "metrics.jsonl", console)
+        self.throughput = Throughput(
+            cfg.data.batch_size * cfg.data.seq_len,
+            flops_per_token(cfg.model, cfg.data.seq_len),
+            peak_tflops(trainer.mesh.devices.flat[0], cfg.logging.peak_tflops),
+        )
+        self.pending: list[tuple[int, StepMetrics]] = []
+        self.t_window = time.perf_counter()  # start of the steps the next record covers
+        self.skipped_steps = 0  # float16: steps whose update was skipped for overflow, in this process
+
+    def add(self, step: int, metrics: StepMetrics) -> None:
+        self.pending.append((step, metrics))
+        self.throughput.add_step()
+
+    def _is_eval(self, step: int) -> bool:
+        every = self.cfg.logging.eval_every
+        return step == self.cfg.steps or (every > 0 and step % every == 0)
+
+    def due(self, step: int) -> bool:
+        return step == self.first or step % self.cfg.logging.log_every == 0 or self._is_eval(step)
+
+    def write(self, step: int, state: Any) -> None:
+        """Read the window's metrics (a host sync), validate if due, and write the record. Raises
+        TrainingError for a non-finite loss, or float16 overflowing at the minimum loss scale."""
+        values = jax.device_get([m for _, m in self.pending])  # host sync: scalars only
+        later = step > self.first
+        rates = self.throughput.read() if later else {"tokens_per_s": None, "tflops": None, "mfu": None}
+        last = values[-1]
+        record = {
+            "step": step,
+            "loss": float(last.loss),
+            "lr": float(last.lr),
+            "grad_norm": float(last.grad_norm),
+            **rates,
+            "gpu_peak_gib": accelerator_peak_gib(list(self.trainer.mesh.devices.flat)),
+            "host_rss_gib": host_rss_gib(),
+        }
+        if step == self.first:
+            record["compile_s"] = time.perf_counter() - self.t_start  # init or restore, compile, first step
+        now = time.perf_counter()
+        if self.trainer.timings is not None:  # offload: where the steps' time went
+            breakdown = self.trainer.timings(now - self.t_window, len(self.pending))
+            if later:
+                record["step_s"] = (now - self.t_window) / len(self.pending)
+                record.update({k.key: breakdown[k.key] for k in BREAKDOWN})
+        self.t_window = now
+        if last.loss_scale is not None:  # float16: overflowing steps are skipped, not failures
+            self._float16(record, values)
+        bad = [(s, v) for (s, _), v in zip(self.pending, values) if not math.isfinite(float(v.loss))]
+        if self._is_eval(step) and not bad:
+            record["val_loss"] = evaluate(self.trainer, state, self.val_batches)
+        self.file.write(record)
+        if bad:  # the last good checkpoint stays; nothing non-finite is saved
+            raise TrainingError(
+                f"loss became {float(bad[0][1].loss)} at step {bad[0][0]} "
+                f"(grad_norm {float(bad[0][1].grad_norm):.4g}). "
+                f"Training stopped; metrics so far are in {self.file.path}. Try a lower "
+                f"optimizer.lr (now {self.cfg.optimizer.lr}), more optimizer.warmup_steps, or "
+                "model.compute_dtype=float32."
+            )
+        self.pending.clear()
+        self.throughput.restart()
+
+    def _float16(self, record: dict[str, Any], values: list[StepMetrics]) -> None:
+        """Count the window's skipped steps into `record`; stop (as DeepSpeed does) if one overflowed
+        with the loss scale already at its minimum."""
+        min_scale = self.cfg.fp16.min_loss_scale
+        self.skipped_steps += sum(bool(v.skipped) for v in values)
+        record.update(loss_scale=float(values[-1].loss_scale), skipped_steps=self.skipped_steps)
+        at_min = [
+            s
+            for (s, _), v in zip(self.pending, values)
+            if bool(v.skipped) and float(v.loss_scale) <= min_scale
+        ]
+        if at_min:
+            self.file.write(record)
+            raise TrainingError(
+                f"float16 gradients overflowed at step {at_min[0]} with the loss scale already at "
+                f"fp16.min_loss_scale={min_scale} (DeepSpeed stops here too). Try "
+                "model.compute_dtype=bfloat16, a lower optimizer.lr, or a lower fp16.min_loss_scale."
+            )
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def train(cfg: TrainConfig, console: TextIO = sys.stdout) -> Path:
     """Run training as configured; returns the run directory. Raises ConfigError / TrainingError /
     Preempted."""
     data = build_data(cfg.data, cfg.model.vocab_size, cfg.seed)  # checks files before anything is allocated
@@ -148,136 +273,43 @@ def train(cfg: TrainConfig, console=sys.stdout) -> Path:
     cfg = dataclasses.replace(cfg, run_dir=str(run_dir))
     (run_dir / "config.json").write_text(cfg.to_json() + "\n")
     ckpt = Checkpointer(run_dir, cfg.checkpoint) if cfg.checkpoint.enabled or resuming else None
-
-    tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
-    throughput = Throughput(
-        tokens_per_step,
-        flops_per_token(cfg.model, cfg.data.seq_len),
-        peak_tflops(trainer.mesh.devices.flat[0], cfg.logging.peak_tflops),
-    )
-    devices = list(trainer.mesh.devices.flat)
     print(
         f"jaxzero: {cfg.model.name} ({param_count(cfg.model) / 1e6:.2f}M params), {data.describe()}\n"
-        f"jaxzero: {trainer.strategy}; {jax.default_backend()} x{len(devices)}; run_dir {run_dir}",
+        f"jaxzero: {trainer.strategy}; {jax.default_backend()} x{trainer.mesh.size}; run_dir {run_dir}",
         file=console,
     )
-    val_batches = data.val_batches(cfg.logging.eval_batches)
-
     t_start = time.perf_counter()
-    restored = ckpt.restore_latest(trainer.abstract_saved_state(), trainer.layout, cfg) if resuming else None
-    if restored is not None:
-        state = trainer.from_saved_state(restored.state)
-        first = restored.step + 1
-        batches = data.train_iter(DataState.from_dict(restored.meta["data_state"]))
-        truncate_metrics(run_dir / "metrics.jsonl", restored.step)
-        print(f"jaxzero: resumed from {ckpt.directory / str(restored.step)}", file=console)
-    elif cfg.model.init_from:
-        from jaxzero.interop import load_hf_into
-
-        state = trainer.init_from_params(load_hf_into(cfg.model, cfg.model.init_from))
-        first = 1
-        batches = data.train_iter()
-        print(f"jaxzero: initialised from the Hugging Face checkpoint {cfg.model.init_from}", file=console)
-    else:
-        state = trainer.init(jax.random.key(cfg.seed))
-        first = 1
-        batches = data.train_iter()
-    log = MetricsLog(run_dir / "metrics.jsonl", console)
+    state, first, batches = start(cfg, trainer, data, ckpt if resuming else None, console)
+    val_batches = data.val_batches(cfg.logging.eval_batches)
+    log = LogWindow(cfg, trainer, first, val_batches, run_dir, console, t_start)
     bar = ProgressBar(cfg.steps, cfg.logging.progress)
-    kill_after = int(os.environ.get(KILL_AFTER_SAVE_ENV, "0"))
-
-    def save(step: int) -> None:
-        saved = trainer.saved_state(state)
-        ckpt.save(step, saved, make_meta(step, batches.state.to_dict(), cfg, trainer.layout, saved))
-        if step == kill_after:
-            os.kill(os.getpid(), 9)  # fault injection: die while the asynchronous write is in flight
-
-    pending: list[tuple[int, StepMetrics]] = []
-    t_window = time.perf_counter()  # start of the steps the next log line covers
-    skipped_steps = 0  # float16: steps whose update was skipped for overflow, in this process
-    for step in range(first, cfg.steps + 1):
-        state, metrics = trainer.step(state, trainer.put_batch(next(batches)))
-        pending.append((step, metrics))
-        throughput.add_step()
-        is_eval = cfg.logging.eval_every > 0 and step % cfg.logging.eval_every == 0
-        if step == first or step % cfg.logging.log_every == 0 or step == cfg.steps or is_eval:
-            values = jax.device_get([m for _, m in pending])  # host sync: scalars only, every log_every steps
-            rates = throughput.read() if step > first else {"tokens_per_s": None, "tflops": None, "mfu": None}
-            last = values[-1]
-            record = {
-                "step": step,
-                "loss": float(last.loss),
-                "lr": float(last.lr),
-                "grad_norm": float(last.grad_norm),
-                **rates,
-                "gpu_peak_gib": accelerator_peak_gib(devices),
-                "host_rss_gib": host_rss_gib(),
-            }
-            if step == first:
-                record["compile_s"] = time.perf_counter() - t_start  # init or restore + compile + first step
-            now = time.perf_counter()
-            if trainer.timings is not None:  # offload: where the steps' time went (jaxzero.offload.timeline)
-                breakdown = trainer.timings(now - t_window, len(pending))
-                if step > first:
-                    record["step_s"] = (now - t_window) / len(pending)
-                    record.update(breakdown)
-            t_window = now
-            if last.loss_scale is not None:  # float16: overflowing steps are skipped, not failures
-                skipped_steps += sum(bool(v.skipped) for v in values)
-                record.update(loss_scale=float(last.loss_scale), skipped_steps=skipped_steps)
-                at_min = [
-                    s
-                    for (s, _), v in zip(pending, values)
-                    if bool(v.skipped) and float(v.loss_scale) <= cfg.fp16.min_loss_scale
-                ]
-                if at_min:
-                    log.write(record)
-                    raise TrainingError(
-                        f"float16 gradients overflowed at step {at_min[0]} with the loss scale already at "
-                        f"fp16.min_loss_scale={cfg.fp16.min_loss_scale} (DeepSpeed stops here too). Try "
-                        "model.compute_dtype=bfloat16, a lower optimizer.lr, or a lower fp16.min_loss_scale."
+    try:
+        for step in range(first, cfg.steps + 1):
+            state, metrics = trainer.step(state, trainer.put_batch(next(batches)))
+            log.add(step, metrics)
+            if log.due(step):
+                bar.clear()
+                log.write(step, state)  # raises TrainingError on a non-finite loss
+            preempted = preemption_requested(step)
+            if ckpt is not None and cfg.checkpoint.enabled and (preempted or checkpoint_due(cfg, step)):
+                saved = trainer.saved_state(state)
+                ckpt.save(step, saved, make_meta(step, batches.state.to_dict(), cfg, trainer.layout, saved))
+            if preempted:
+                bar.clear()
+                if ckpt is None or not cfg.checkpoint.enabled:
+                    raise Preempted(
+                        f"SIGTERM at step {step}; checkpoint.enabled=false, so nothing was saved."
                     )
-            bad = [(s, v) for (s, _), v in zip(pending, values) if not math.isfinite(float(v.loss))]
-            if (is_eval or step == cfg.steps) and not bad:
-                record["val_loss"] = evaluate(trainer, state, val_batches)
-            bar.clear()
-            log.write(record)
-            if bad:
-                log.close()
-                if ckpt is not None:
-                    ckpt.close()  # the last good checkpoint stays; nothing non-finite is saved
-                raise TrainingError(
-                    f"loss became {float(bad[0][1].loss)} at step {bad[0][0]} "
-                    f"(grad_norm {float(bad[0][1].grad_norm):.4g}). "
-                    f"Training stopped; metrics so far are in {run_dir / 'metrics.jsonl'}. Try a lower "
-                    f"optimizer.lr (now {cfg.optimizer.lr}), more optimizer.warmup_steps, or "
-                    "model.compute_dtype=float32."
+                raise Preempted(
+                    f"SIGTERM: saved a checkpoint at step {step} in {ckpt.directory}; rerun with "
+                    f"--run_dir={run_dir} to resume."
                 )
-            pending.clear()
-            throughput.restart()
-        preempted = preemption_requested(step)
-        every = cfg.checkpoint.every
-        if (
-            ckpt is not None
-            and cfg.checkpoint.enabled
-            and (preempted or step == cfg.steps or (every and step % every == 0))
-        ):
-            save(step)
-        if preempted:
-            bar.clear()
-            log.close()
-            if ckpt is None or not cfg.checkpoint.enabled:
-                raise Preempted(f"SIGTERM at step {step}; checkpoint.enabled=false, so nothing was saved.")
-            ckpt.close()  # host sync: the checkpoint is committed before the process exits
-            raise Preempted(
-                f"SIGTERM: saved a checkpoint at step {step} in {ckpt.directory}; rerun with "
-                f"--run_dir={run_dir} to resume."
-            )
-        bar.update(step)
-    bar.close()
-    log.close()
-    if ckpt is not None:
-        ckpt.close()  # host sync: wait for the last asynchronous save
+            bar.update(step)
+        bar.close()
+    finally:
+        log.close()
+        if ckpt is not None:
+            ckpt.close()  # host sync: the last asynchronous save is committed before we return
     return run_dir
 
 
@@ -299,8 +331,6 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
-        from jaxzero.overrides import all_keys
-
         print("Keys:", " ".join(all_keys()))
         return 0
     # Random init of a large model compiles in seconds instead of minutes with the threefry kernel
@@ -318,7 +348,12 @@ def main(argv: list[str] | None = None) -> int:
         else:
             cfg = parse_args(argv)
         start_distributed()
-        train(cfg)
+        try:
+            train(cfg)
+        finally:
+            # Before interpreter exit, which would tear the coordination service down while the
+            # accelerator client still watches it (a GRPC error on stderr at the end of every run).
+            jax.distributed.shutdown()
     except ConfigError as e:
         print(f"jaxzero: config error: {e}", file=sys.stderr)
         return EXIT_CONFIG

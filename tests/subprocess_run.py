@@ -16,7 +16,15 @@ def user_env(**extra: str) -> dict[str, str]:
 
 def run_module(module: str, *args: str, cwd: Path, env_extra: dict | None = None, wait: bool = True):
     """`python -m module args` in `cwd`: a CompletedProcess, or with `wait=False` a running Popen."""
-    cmd = [sys.executable, "-m", module, *args]
+    return _run([sys.executable, "-m", module, *args], cwd, env_extra, wait)
+
+
+def run_program(name: str, *args: str, cwd: Path, env_extra: dict | None = None, wait: bool = True):
+    """`python tests/programs/NAME args` in `cwd`, as `run_module` runs a module."""
+    return _run([sys.executable, str(REPO / "tests" / "programs" / name), *args], cwd, env_extra, wait)
+
+
+def _run(cmd: list[str], cwd: Path, env_extra: dict | None, wait: bool):
     env = user_env(**(env_extra or {}))
     if not wait:
         return subprocess.Popen(

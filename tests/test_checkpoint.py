@@ -9,13 +9,12 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from subprocess_run import run_module
+from subprocess_run import run_module, run_program
 
 from jaxzero import placement
 from jaxzero.checkpoint import Checkpointer, CheckpointError, make_meta
 from jaxzero.config import TrainConfig
 from jaxzero.overrides import apply_overrides
-from jaxzero.train import KILL_AFTER_SAVE_ENV
 from jaxzero.trainer import build_trainer
 
 RUN = [
@@ -53,7 +52,7 @@ def test_sigkill_mid_save_then_resume_is_bitwise(tmp_path, mode):
     full = cli(*args, "--run_dir=full", cwd=tmp_path)
     assert full.returncode == 0, full.stderr[-3000:]
     # Killed by SIGKILL right after the save of step 8 starts: the write may or may not be committed.
-    killed = cli(*args, "--run_dir=killed", cwd=tmp_path, env_extra={KILL_AFTER_SAVE_ENV: "8"})
+    killed = run_program("kill_after_save.py", "8", *args, "--run_dir=killed", cwd=tmp_path)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     resumed = cli("--run_dir=killed", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
