@@ -20,8 +20,9 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxzero.checkpoint import CHECKPOINT_DIR, CheckpointError, read_meta, saved_steps
-from jaxzero.config import ConfigError, TrainConfig
+from jaxzero.checkpoint import CHECKPOINT_DIR, read_meta, saved_steps
+from jaxzero.config import CheckpointError, ConfigError, TrainConfig
+from jaxzero.interop import export_hf
 from jaxzero.models import ModelParams, build_model
 from jaxzero.overrides import config_from_dict
 
@@ -84,8 +85,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg, params, step = load_masters(args.run_dir, args.step)
         if args.format == "hf":
-            from jaxzero.interop import export_hf
-
             files = export_hf(
                 params, cfg.model, args.out, dtype=args.dtype, max_shard_bytes=int(args.max_shard_gb * 2**30)
             )

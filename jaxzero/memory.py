@@ -139,25 +139,25 @@ def host_memory_available() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def check_host_fits(cfg: TrainConfig, plan: MemoryPlan, available: int | None = None) -> None:
+def check_host_fits(cfg: TrainConfig, need: MemoryPlan, available: int | None = None) -> None:
     """Raise ConfigError if the host state will not fit in host RAM. Nothing has been allocated yet."""
     available = host_memory_available() if available is None else available
-    if plan.host > available:
+    if need.host > available:
         raise ConfigError(
             f"{cfg.model.name} with offload.optimizer={cfg.offload.optimizer}, offload.params="
-            f"{cfg.offload.params} needs {plan.host / GiB:.1f} GiB of host RAM ({plan.describe()}), but "
+            f"{cfg.offload.params} needs {need.host / GiB:.1f} GiB of host RAM ({need.describe()}), but "
             f"{available / GiB:.1f} GiB is available. Free memory, choose a smaller model, or use an "
             "optimizer with less state (optimizer.name=lion or sgd keep 4 bytes per parameter, AdamW 8)"
             + (
                 f", lower offload.speculative_units (now {cfg.offload.speculative_units}; each keeps a "
                 "spare copy of one unit's state)"
-                if plan.spares
+                if need.spares
                 else ""
             )
             + (
                 f", set offload.two_pass_units=0 or a small count (now {cfg.offload.two_pass_units}; "
                 "two-pass units keep their gradients in pinned memory into the next step)"
-                if plan.two_pass_grads
+                if need.two_pass_grads
                 else ""
             )
             + (
@@ -168,20 +168,20 @@ def check_host_fits(cfg: TrainConfig, plan: MemoryPlan, available: int | None = 
         )
 
 
-def configure_pinned_pool(plan: MemoryPlan) -> int | None:
-    """Size XLA's pinned host pool for `plan` before the GPU backend starts; return the cap in GB.
+def configure_pinned_pool(need: MemoryPlan) -> int | None:
+    """Size XLA's pinned host pool for `need` before the GPU backend starts; return the cap in GB.
 
     XLA's GPU client caps `pinned_host` allocations at `XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB` (64 GB by
     default) and fails with RESOURCE_EXHAUSTED past it, mid-run. Below the cap the pool grows on
     demand by regions that double in size, so it can come to hold nearly twice what the run uses.
     When JAX has not started and the user has not set the variable, it is set here to this run's
-    pool: the plan's pinned bytes plus 25% and 2 GB (within the allowance `plan_memory` holds for
-    it), so that host RAM holds what the plan says. A user-set cap is kept if it is at least the
-    run's minimum (10% and 2 GB over the plan); a smaller one, or a running backend whose default
+    pool: the need's pinned bytes plus 25% and 2 GB (within the allowance `plan_memory` holds for
+    it), so that host RAM holds what the need says. A user-set cap is kept if it is at least the
+    run's minimum (10% and 2 GB over the need); a smaller one, or a running backend whose default
     cap is too small, is an error that says what to set. (XLA reads the variable in GiB, so each cap
     holds about 7% more than the GB figures here.)
     """
-    need_gb = -(-plan.pinned * 11 // (10 * 10**9)) + 2  # 10% headroom plus 2 GB, integer GB
+    need_gb = -(-need.pinned * 11 // (10 * 10**9)) + 2  # 10% headroom plus 2 GB, integer GB
     current = os.environ.get(PINNED_POOL_ENV)
     if current is not None:
         if float(current) < need_gb:
@@ -193,7 +193,7 @@ def configure_pinned_pool(plan: MemoryPlan) -> int | None:
                 )
             raise ConfigError(
                 f"{PINNED_POOL_ENV}={current} is below the {need_gb} GB of pinned host memory this run needs "
-                f"({plan.describe()}). Set {PINNED_POOL_ENV}={need_gb} or unset it."
+                f"({need.describe()}). Set {PINNED_POOL_ENV}={need_gb} or unset it."
             )
         return int(float(current))
     if _backends_started():
@@ -205,7 +205,7 @@ def configure_pinned_pool(plan: MemoryPlan) -> int | None:
             f"{PINNED_POOL_ENV}={need_gb} in the environment before JAX starts (e.g. before the first "
             "jax.devices() call)."
         )
-    pool_gb = max(need_gb, -(-plan.pinned * 5 // (4 * 10**9)) + 2)
+    pool_gb = max(need_gb, -(-need.pinned * 5 // (4 * 10**9)) + 2)
     os.environ[PINNED_POOL_ENV] = _pool_set_here[PINNED_POOL_ENV] = str(pool_gb)
     return pool_gb
 
@@ -213,9 +213,9 @@ def configure_pinned_pool(plan: MemoryPlan) -> int | None:
 _pool_set_here: dict[str, str] = {}  # what `configure_pinned_pool` set in this process's environment
 
 
-def pinned_pool_reservation(plan: MemoryPlan, platform: str) -> int:
+def pinned_pool_reservation(need: MemoryPlan, platform: str) -> int:
     """Bytes an offloaded run allocates (and frees) in XLA's pinned host pool as it initialises: the
-    plan's pinned bytes on a GPU; 0 elsewhere (the CPU backend's `pinned_host` memory is plain host
+    need's pinned bytes on a GPU; 0 elsewhere (the CPU backend's `pinned_host` memory is plain host
     memory, with no pool).
 
     XLA's GPU client grows the pool on demand by regions that double in size, each page-locked as
@@ -223,11 +223,13 @@ def pinned_pool_reservation(plan: MemoryPlan, platform: str) -> int:
     run will hold creates the region at start-up instead (a copy of that many bytes: seconds), and
     the steady state then allocates inside it. The region is capped by the pool's size
     (`configure_pinned_pool`)."""
-    return plan.pinned if platform == "gpu" else 0
+    return need.pinned if platform == "gpu" else 0
 
 
 def _backends_started() -> bool:
+    """Whether JAX has started its backends (after which XLA's pinned pool cap is fixed)."""
     try:
+        # Imported here: a private module, so that its move costs this fallback, not jaxzero's import.
         from jax._src import xla_bridge
 
         return bool(xla_bridge.backends_are_initialized())
@@ -244,7 +246,7 @@ def accelerator_capacity(device) -> int | None:
     return stats.get("bytes_limit") if stats else None
 
 
-def check_accelerator_fits(cfg: TrainConfig, plan: MemoryPlan, capacity: int | None) -> str | None:
+def check_accelerator_fits(cfg: TrainConfig, need: MemoryPlan, capacity: int | None) -> str | None:
     """Raise ConfigError if the state the accelerator must hold exceeds `capacity` bytes; return a
     warning if state plus estimated activations does (the estimate is rough, so that only warns)."""
     if capacity is None:
@@ -257,16 +259,16 @@ def check_accelerator_fits(cfg: TrainConfig, plan: MemoryPlan, capacity: int | N
         hint = "lower offload.resident_blocks"
     else:
         hint = "lower data.batch_size or data.seq_len, or raise data.grad_accum"
-    if plan.accelerator_state > capacity:
+    if need.accelerator_state > capacity:
         raise ConfigError(
             f"{cfg.model.name} with offload.optimizer={cfg.offload.optimizer}, "
-            f"offload.params={cfg.offload.params} needs {plan.accelerator_state / GiB:.1f} GiB of "
-            f"accelerator memory for its state alone ({plan.describe()}), but the device has "
+            f"offload.params={cfg.offload.params} needs {need.accelerator_state / GiB:.1f} GiB of "
+            f"accelerator memory for its state alone ({need.describe()}), but the device has "
             f"{capacity / GiB:.1f} GiB: {hint}."
         )
-    if plan.accelerator_state + plan.activations > capacity:
+    if need.accelerator_state + need.activations > capacity:
         return (
-            f"warning: estimated accelerator use {(plan.accelerator_state + plan.activations) / GiB:.1f} GiB "
+            f"warning: estimated accelerator use {(need.accelerator_state + need.activations) / GiB:.1f} GiB "
             f"exceeds the device's {capacity / GiB:.1f} GiB; if it runs out of memory: {hint}."
         )
     return None

@@ -39,9 +39,9 @@ def peak_tflops(device: jax.Device, override: float = 0.0) -> float | None:
     """The accelerator's dense bf16 peak, `override` if > 0, else looked up; None if unknown."""
     if override > 0:
         return override
-    kind = getattr(device, "device_kind", "")
+    device_kind = getattr(device, "device_kind", "")
     for key, value in PEAK_BF16_TFLOPS.items():
-        if key.lower() in kind.lower():
+        if key.lower() in device_kind.lower():
             return value
     return None
 

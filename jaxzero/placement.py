@@ -125,9 +125,10 @@ def offload_placement(mesh: Mesh, plan: OffloadPlan) -> OffloadPlacement:
         )
     accelerator = mesh.devices.flat[0]
     if not supports_memory_kind(accelerator, PINNED_HOST):
-        kinds = sorted(m.kind for m in accelerator.addressable_memories())
+        memory_kinds = sorted(m.kind for m in accelerator.addressable_memories())
         raise ConfigError(
-            f"device {accelerator} ({accelerator.platform}) has no pinned_host memory (it has {kinds}), "
+            f"device {accelerator} ({accelerator.platform}) has no pinned_host memory (it has "
+            f"{memory_kinds}), "
             "so weights and gradients cannot be kept in host memory. Use offload.params=none "
             "offload.optimizer=none on this platform."
         )

@@ -3,11 +3,11 @@
 Config keys say what the user asked for (`offload.two_pass_units=-1`, `offload.fused_update=true`,
 ...); the plan says what this run will do (two-pass updates for up to 30 units, adaptively; the fused
 host kernels; blocks 0-1 resident, 2-27 streamed). The memory check (`jaxzero.memory`), the placement
-(`jaxzero.placement`), the offload engine and the run's log all read the plan, and nothing downstream
-reads `cfg.offload` or interprets a sentinel again.
+(`jaxzero.placement`), the offload engine and the run's log all read the plan; nothing downstream
+interprets an offload setting or a sentinel again (error messages still quote the user's settings).
 
 A model is a sequence of units in forward order: the embedding (position 0), block i (position
-1 + i), the head (position L + 1). For each unit the plan says where its compute-dtype weights and
+1 + i), the head (position num_layers + 1). For each unit the plan says where its compute-dtype weights and
 its fp32 masters and optimizer state live (`Tier`); the host update's policy (`HostUpdate`) says how
 units whose state lives in host RAM are updated.
 
@@ -90,6 +90,16 @@ class HostUpdate:
     two_pass: TwoPass
     threads: int  # threads of the host update's pool
 
+    def __post_init__(self) -> None:
+        # Speculation and two passes are fused-kernel work moved out of the wait for the norm.
+        moves_work = self.waits_for_norm and self.fused and self.mode is UpdateMode.OVERLAPPED
+        if (self.speculative_units or self.two_pass.max_units) and not moves_work:
+            raise ValueError(
+                f"speculative ({self.speculative_units}) and two-pass ({self.two_pass.max_units}) updates "
+                "need units that wait for the norm, the fused kernels and the overlapped update: "
+                f"got waits_for_norm={self.waits_for_norm}, fused={self.fused}, mode={self.mode.value}."
+            )
+
 
 @dataclass(frozen=True)
 class OffloadPlan:
@@ -145,7 +155,8 @@ class OffloadPlan:
 
 
 def resolve_plan(cfg: TrainConfig) -> OffloadPlan:
-    """The plan of a validated `cfg` (pure: reads the config and the host's core count)."""
+    """The plan of `cfg`, whose fields each hold a valid value (`validate` checks the combinations;
+    this reads the config and the host's core count, nothing else)."""
     o, m = cfg.offload, cfg.model
     num_layers = m.num_layers
     on_host = o.optimizer == "cpu"

@@ -150,10 +150,11 @@ def start(
     from `seed`. The state is created in its final placement."""
     restored = ckpt.restore_latest(trainer.abstract_saved_state(), trainer.layout, cfg) if ckpt else None
     if restored is not None:
+        state = trainer.from_saved_state(restored.state)
+        batches = data.train_iter(DataState.from_dict(restored.meta["data_state"]))
         truncate_metrics(Path(cfg.run_dir) / "metrics.jsonl", restored.step)
         print(f"jaxzero: resumed from {ckpt.directory / str(restored.step)}", file=console)
-        batches = data.train_iter(DataState.from_dict(restored.meta["data_state"]))
-        return trainer.from_saved_state(restored.state), restored.step + 1, batches
+        return state, restored.step + 1, batches
     if cfg.model.init_from:
         state = trainer.init_from_params(load_hf_into(cfg.model, cfg.model.init_from))
         print(f"jaxzero: initialised from the Hugging Face checkpoint {cfg.model.init_from}", file=console)
@@ -174,9 +175,11 @@ class LogWindow:
         val_batches: list[np.ndarray],
         run_dir: Path,
         console: TextIO,
+        bar: ProgressBar,
         t_start: float,
     ):
         self.cfg, self.trainer, self.first, self.val_batches = cfg, trainer, first, val_batches
+        self.bar = bar  # cleared before each record, so the line is not printed over it
         self.t_start = t_start  # before init or restore: the first record's compile_s counts from here
         self.file = MetricsLog(run_dir / "metrics.jsonl", console)
         self.throughput = Throughput(
@@ -229,6 +232,7 @@ class LogWindow:
         bad = [(s, v) for (s, _), v in zip(self.pending, values) if not math.isfinite(float(v.loss))]
         if self._is_eval(step) and not bad:
             record["val_loss"] = evaluate(self.trainer, state, self.val_batches)
+        self.bar.clear()
         self.file.write(record)
         if bad:  # the last good checkpoint stays; nothing non-finite is saved
             raise TrainingError(
@@ -278,17 +282,16 @@ def train(cfg: TrainConfig, console: TextIO = sys.stdout) -> Path:
         f"jaxzero: {trainer.strategy}; {jax.default_backend()} x{trainer.mesh.size}; run_dir {run_dir}",
         file=console,
     )
+    val_batches = data.val_batches(cfg.logging.eval_batches)
     t_start = time.perf_counter()
     state, first, batches = start(cfg, trainer, data, ckpt if resuming else None, console)
-    val_batches = data.val_batches(cfg.logging.eval_batches)
-    log = LogWindow(cfg, trainer, first, val_batches, run_dir, console, t_start)
     bar = ProgressBar(cfg.steps, cfg.logging.progress)
+    log = LogWindow(cfg, trainer, first, val_batches, run_dir, console, bar, t_start)
     try:
         for step in range(first, cfg.steps + 1):
             state, metrics = trainer.step(state, trainer.put_batch(next(batches)))
             log.add(step, metrics)
             if log.due(step):
-                bar.clear()
                 log.write(step, state)  # raises TrainingError on a non-finite loss
             preempted = preemption_requested(step)
             if ckpt is not None and cfg.checkpoint.enabled and (preempted or checkpoint_due(cfg, step)):
@@ -305,26 +308,51 @@ def train(cfg: TrainConfig, console: TextIO = sys.stdout) -> Path:
                     f"--run_dir={run_dir} to resume."
                 )
             bar.update(step)
-        bar.close()
-    finally:
+    except TrainingError:
         log.close()
         if ckpt is not None:
-            ckpt.close()  # host sync: the last asynchronous save is committed before we return
+            ckpt.close()  # host sync: the last good checkpoint is committed; nothing non-finite is saved
+        raise
+    except Preempted:
+        log.close()
+        if ckpt is not None and cfg.checkpoint.enabled:
+            ckpt.close()  # host sync: the checkpoint is committed before the process exits
+        raise
+    bar.close()
+    log.close()
+    if ckpt is not None:
+        ckpt.close()  # host sync: wait for the last asynchronous save
     return run_dir
 
 
-def start_distributed() -> None:
+def start_distributed() -> bool:
     """Start JAX's distributed runtime (one local process unless a cluster is configured), before any
-    backend: it carries the SIGTERM preemption notifier that `preemption_requested` reads."""
+    backend: it carries the SIGTERM preemption notifier that `preemption_requested` reads. Returns
+    whether this call started it (False if it was running already or cannot start any more)."""
     if jax.distributed.is_initialized():
-        return
-    if os.environ.get("JAX_COORDINATOR_ADDRESS"):
-        jax.distributed.initialize()
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=1, process_id=0)
+        return False
+    try:
+        if os.environ.get("JAX_COORDINATOR_ADDRESS"):
+            jax.distributed.initialize()
+            return True
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=1, process_id=0)
+    except RuntimeError as e:  # e.g. JAX's backends already started in this process
+        print(f"jaxzero: warning: SIGTERM will not be caught (jax.distributed: {e})", file=sys.stderr)
+        return False
+    return True
+
+
+def stop_distributed() -> None:
+    """Shut down the distributed runtime `start_distributed` started, before the interpreter exits:
+    torn down at exit, the coordination service can go before the accelerator client that watches it
+    (a GRPC error on stderr). The run's outcome is decided by now, so a failure here only warns."""
+    try:
+        jax.distributed.shutdown()
+    except Exception as e:  # noqa: BLE001 - whatever the runtime raises, the exit status stands
+        print(f"jaxzero: warning: jax.distributed did not shut down cleanly: {e}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -336,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     # Random init of a large model compiles in seconds instead of minutes with the threefry kernel
     # (identical values); process-wide, so it is set here by the program, not by the library.
     jax.config.update("jax_threefry_gpu_kernel_lowering", True)
+    started = False
     try:
         run_dir = next((a.split("=", 1)[1] for a in argv if a.startswith("--run_dir=")), "")
         if run_dir and has_checkpoint(Path(run_dir)):
@@ -347,13 +376,8 @@ def main(argv: list[str] | None = None) -> int:
             cfg = resume_config(Path(run_dir), overrides)
         else:
             cfg = parse_args(argv)
-        start_distributed()
-        try:
-            train(cfg)
-        finally:
-            # Before interpreter exit, which would tear the coordination service down while the
-            # accelerator client still watches it (a GRPC error on stderr at the end of every run).
-            jax.distributed.shutdown()
+        started = start_distributed()
+        train(cfg)
     except ConfigError as e:
         print(f"jaxzero: config error: {e}", file=sys.stderr)
         return EXIT_CONFIG
@@ -363,6 +387,9 @@ def main(argv: list[str] | None = None) -> int:
     except Preempted as e:
         print(f"jaxzero: preempted: {e}", file=sys.stderr)
         return EXIT_PREEMPTED
+    finally:
+        if started:  # after the outcome is printed
+            stop_distributed()
     return 0
 
 

@@ -30,6 +30,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 GRAD_CASES = ["resident-jit", "resident-units", "stream-p1", "stream-p2"]
@@ -248,8 +249,6 @@ def run_host_case(case: str, args) -> dict:
     `HostOptimizer.update_unit` from 16 concurrent unit threads (as the pipeline runs it), with the
     fused kernels (float32 and bfloat16 moments) and with optax on XLA:CPU; then torch's fused CPU
     AdamW on the same number of parameters, in the same process, for reference."""
-    from concurrent.futures import ThreadPoolExecutor
-
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -293,7 +292,7 @@ def run_host_case(case: str, args) -> dict:
             cfg, {"optimizer.state_dtype": state_dtype, "offload.fused_update": str(fused)}
         )
         plan = resolve_plan(vcfg)
-        host = HostOptimizer(vcfg.optimizer, 100, shape, plan, where, 1)
+        host = HostOptimizer(vcfg.optimizer, 100, shape, placement.offload_placement(mesh, plan), 1)
         init_state = jax.jit(host.tx.blocks.init, out_shardings=where.host)
         units = []
         for i in range(num_layers):

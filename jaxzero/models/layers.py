@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax.core import unfreeze
+from jax.extend.backend import get_backend
 
 from jaxzero.config import ConfigError, ModelConfig, validate_model
 
@@ -259,8 +260,6 @@ def _cuda_backend() -> tuple[bool, tuple[int, int] | None]:
     """(default backend is CUDA, compute capability of device 0 or None)."""
     if jax.default_backend() != "gpu":
         return False, None
-    from jax.extend.backend import get_backend
-
     # ROCm also reports the "gpu" backend; cuDNN exists only on CUDA (the check JAX's own cuDNN
     # attention uses).
     if "cuda" not in get_backend().platform_version.lower():

@@ -8,7 +8,7 @@ streams the compute weights block by block.
     host_optimizer.py  the optimizer on the host (fused kernels or optax on XLA:CPU)
     host_kernels.py    the fused single-pass optimizer kernels (numba)
     host_memory.py     views of host memory, copies, pinned staging, the pinned pool
-    state.py           OffloadState: a future per unit
+    futures.py         OffloadState: a future per unit, and helpers for futures
     timeline.py        where a step's time goes, measured while it runs
 
 Which unit lives where, and which host-update strategies apply, is the offload plan's
@@ -16,6 +16,6 @@ Which unit lives where, and which host-update strategies apply, is the offload p
 """
 
 from jaxzero.offload.engine import build_offload_trainer
-from jaxzero.offload.state import OffloadState
+from jaxzero.offload.futures import OffloadState
 
 __all__ = ["OffloadState", "build_offload_trainer"]

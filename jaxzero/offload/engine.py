@@ -27,10 +27,10 @@ from jaxzero import placement as placement_lib
 from jaxzero.config import TrainConfig
 from jaxzero.loss_scale import init_loss_scale, update_loss_scale
 from jaxzero.models import ModelParams, build_model, init_keys
+from jaxzero.offload.futures import OffloadState, weights_of
 from jaxzero.offload.host_memory import reserve_pinned
 from jaxzero.offload.host_optimizer import HostOptimizer
 from jaxzero.offload.pipeline import UpdatePipeline
-from jaxzero.offload.state import OffloadState, weights_of
 from jaxzero.offload.streaming import StreamedModel
 from jaxzero.offload.timeline import StepClock
 from jaxzero.optim import build_optimizer
@@ -56,9 +56,9 @@ def build_offload_trainer(
     model = build_model(cfg.model)
     where = placement_lib.offload_placement(mesh, plan)
     masters_shape = jax.eval_shape(model.init, jax.random.key(0))
-    host = HostOptimizer(cfg.optimizer, cfg.steps, masters_shape, plan, where, cfg.data.grad_accum)
+    host = HostOptimizer(cfg.optimizer, cfg.steps, masters_shape, where, cfg.data.grad_accum)
     streamed = StreamedModel(model, where, cfg.data.grad_accum, prefetch=plan.prefetch)
-    fp16 = cfg.model.compute_dtype == "float16"
+    fp16 = plan.compute_dtype == "float16"  # dynamic loss scaling
     clock = StepClock()
     pipeline = UpdatePipeline(host, plan, clock)
     # Masters are created unit by unit on the host: one compiled block init serves every block, and

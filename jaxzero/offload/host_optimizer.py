@@ -45,7 +45,7 @@ from jaxzero.offload.host_kernels import Pass
 from jaxzero.offload.host_memory import PinnedStaging, host_view, place, release
 from jaxzero.optim import build_optimizer, learning_rate_schedule, weight_decay_mask
 from jaxzero.placement import OffloadPlacement
-from jaxzero.plan import OffloadPlan, Tier, UnitPlan
+from jaxzero.plan import Tier, UnitPlan
 
 
 class HostUnit(NamedTuple):
@@ -64,14 +64,14 @@ class HostUnit(NamedTuple):
 class UnitUpdate(NamedTuple):
     """One unit's update, as every pass of `HostOptimizer` takes it.
 
-    plan:  which unit it is (kind, block index, position) and where its arrays live.
-    unit:  its masters and optax state (consumed: updated in place) and old weights.
-    grads: the unit's gradient sums as host-readable arrays (NumPy views of `pinned_host`).
-    gmul:  `HostOptimizer.grad_multiplier`'s factor (averaging, loss scale and clipping in one).
+    unit:   which unit it is (kind, block index, position) and where its arrays live.
+    arrays: its masters and optax state (consumed: updated in place) and old weights.
+    grads:  the unit's gradient sums as host-readable arrays (NumPy views of `pinned_host`).
+    gmul:   `HostOptimizer.grad_multiplier`'s factor (averaging, loss scale and clipping in one).
     """
 
-    plan: UnitPlan
-    unit: HostUnit
+    unit: UnitPlan
+    arrays: HostUnit
     grads: Any
     gmul: np.float32
 
@@ -114,7 +114,8 @@ class HostOptimizer:
                `pinned_host` (`plan.grad_dtype` for blocks, float32 for embedding and head); the
                update divides by both.
     weights:   the compute-dtype weights it writes, where `placement.weights` puts each unit.
-    Whether the fused kernels or optax on XLA:CPU run, and on how many threads, is the plan's.
+    Whether the fused kernels or optax on XLA:CPU run, and on how many threads, is the offload
+    plan's (`placement.plan.host_update`).
     """
 
     def __init__(
@@ -122,10 +123,10 @@ class HostOptimizer:
         cfg: OptimizerConfig,
         total_steps: int,
         masters_shape: ModelParams,
-        plan: OffloadPlan,
         placement: OffloadPlacement,
         grad_accum: int,
     ):
+        plan = placement.plan
         update = plan.host_update
         if update is None:
             raise ValueError(
@@ -245,54 +246,54 @@ class HostOptimizer:
         if self.rule is None:
             release(recycle)
             return self._optax_update(u, priority)
-        count = _count(u.unit.opt_state)  # host sync (a scalar already on the host)
+        count = _count(u.arrays.opt_state)  # host sync (a scalar already on the host)
         weights = self._fused(u, count, priority, Pass.FULL, recycle=recycle)
-        return HostUnit(u.unit.params, _advance(u.unit.opt_state, count), weights)
+        return HostUnit(u.arrays.params, _advance(u.arrays.opt_state, count), weights)
 
     def update_weights(self, u: UnitUpdate, priority: Any, recycle: Any = None) -> Any:
         """The first pass of a two-pass update (fused kernels only): the unit's new compute-dtype
         weights, placed, reading but not writing its masters and state (p, m, v, g read; only the
         weights written: 16 of the 28 bytes per parameter of a whole AdamW update). `commit` with the
         same `u` applies the update itself later. Arguments as `update_unit`."""
-        count = _count(u.unit.opt_state)
+        count = _count(u.arrays.opt_state)
         return self._fused(u, count, priority, Pass.WEIGHTS, recycle=recycle)
 
     def commit(self, u: UnitUpdate, priority: Any, weights: Any) -> HostUnit:
         """The second pass of a two-pass update: masters and state updated in place with the same
         arithmetic as `update_weights(u, ...)` (so the same bits as `update_unit`); `weights` are
         its result."""
-        count = _count(u.unit.opt_state)
+        count = _count(u.arrays.opt_state)
         self._fused(u, count, priority, Pass.STATE)
-        return HostUnit(u.unit.params, _advance(u.unit.opt_state, count), weights)
+        return HostUnit(u.arrays.params, _advance(u.arrays.opt_state, count), weights)
 
     def _optax_update(self, u: UnitUpdate, priority: Any) -> HostUnit:
-        update = getattr(self._update, u.plan.kind.value)
+        update = getattr(self._update, u.unit.kind.value)
         g = jax.device_put(u.grads, self.placement.host)  # NumPy views -> CPU backend
         gm = jax.device_put(np.float32(u.gmul), self.placement.host)
         # Ordered with the other units' work; the XLA:CPU call itself uses XLA's own threads.
-        run = lambda: jax.block_until_ready(update(u.unit.params, u.unit.opt_state, g, gm))  # noqa: E731
+        run = lambda: jax.block_until_ready(update(u.arrays.params, u.arrays.opt_state, g, gm))  # noqa: E731
         params, opt_state, weights = self.pool.submit(priority, run).result()  # host sync
-        return HostUnit(params, opt_state, place(weights, self.placement.weights(u.plan)))
+        return HostUnit(params, opt_state, place(weights, self.placement.weights(u.unit)))
 
     def _fused(self, u: UnitUpdate, count: int, priority: Any, pass_: Pass, into=None, recycle=None) -> Any:
-        """One pass of the fused kernels over every leaf of `u.unit`, chunked onto the pool. `into` =
+        """One pass of the fused kernels over every leaf of `u.arrays`, chunked onto the pool. `into` =
         (params, opt_state) for the `OUT` pass. Returns the new weights, placed (None for `STATE`)."""
         rule = self.rule
-        p_leaves, treedef = jax.tree.flatten(u.unit.params)
+        p_leaves, treedef = jax.tree.flatten(u.arrays.params)
         g_leaves = treedef.flatten_up_to(u.grads)
 
         def moments(opt_state):
             return [treedef.flatten_up_to(optax.tree_utils.tree_get(opt_state, n)) for n in rule.moments()]
 
-        m_leaves = moments(u.unit.opt_state)
+        m_leaves = moments(u.arrays.opt_state)
         if into is not None:
             out_p, out_m = treedef.flatten_up_to(into[0]), moments(into[1])
-        decay = treedef.flatten_up_to(getattr(self._decay, u.plan.kind.value))
+        decay = treedef.flatten_up_to(getattr(self._decay, u.unit.kind.value))
         # The rate on the host device: a NumPy scalar would go to the default device, the accelerator,
         # and reading it back would wait behind the whole queued backward pass.
         lr = host_view(self._lr(jax.device_put(np.int32(count), self.placement.host)))  # host sync
         kernel = rule.kernel(count, float(lr), u.gmul, pass_)
-        streamed = u.plan.weights is Tier.PINNED_HOST
+        streamed = u.unit.weights is Tier.PINNED_HOST
         dst = None
         if pass_ is not Pass.STATE:
             if streamed and recycle is not None:
@@ -319,7 +320,7 @@ class HostOptimizer:
         if streamed:
             return weights
         # Accelerator weights: one DMA from the pinned staging buffers (a host sync: they are reused).
-        weights = jax.block_until_ready(jax.device_put(weights, self.placement.weights(u.plan)))
+        weights = jax.block_until_ready(jax.device_put(weights, self.placement.weights(u.unit)))
         self._staging.give(dst)
         return weights
 
@@ -334,7 +335,7 @@ class HostOptimizer:
         """`update_unit` into `into` (from `spare`), leaving the unit's masters and state as they
         were: the update this unit gets if the gradient turns out not to need clipping. The caller
         keeps whichever it needs."""
-        count = _count(u.unit.opt_state)
+        count = _count(u.arrays.opt_state)
         weights = self._fused(u, count, priority, Pass.OUT, into, recycle)
         return HostUnit(into[0], _advance(into[1], count), weights)
 

@@ -201,18 +201,18 @@ class UpdatePipeline:
 
     def _run(self, job: UnitJob) -> HostUnit:
         policy, slot = self.policy, job.slot
-        unit = job.previous.result()  # the unit's previous update (in the overlapped mode it is done)
+        arrays = job.previous.result()  # the previous update (in the overlapped mode it is done)
         g = jax.tree.map(host_view, job.grads)  # host sync: waits for this unit's gradients to land
         # The weights the pass read are done with once its gradients landed. Overlapped, the new
         # weights are written into their buffers. Delayed, the unit's newest weights are read by the
         # next pass (they stay); older ones are recycled.
         read = job.read.result()
-        stale = read is not unit.weights
+        stale = read is not arrays.weights
         recycle = read if stale or policy.mode is not UpdateMode.DELAYED else None
         spec = None
         if policy.speculative_units:
             start = time.perf_counter()
-            spec = self._speculate(job, unit, g, recycle)
+            spec = self._speculate(job, arrays, g, recycle)
             if spec is not None:
                 self.clock.updated(start, time.perf_counter())
                 recycle = spec.weights
@@ -221,7 +221,7 @@ class UpdatePipeline:
             if (not policy.skips_nonfinite or np.isfinite(norm)) and self.host.unclipped(norm):
                 # Exactly the update the unit would get now: keep it; the old state is the next spare.
                 with self._lock:
-                    self._spares[job.unit.kind].append((unit.params, unit.opt_state))
+                    self._spares[job.unit.kind].append((arrays.params, arrays.opt_state))
                 self._count(speculated=1)
                 job.weights.set_result(spec.weights)
                 return spec
@@ -231,9 +231,9 @@ class UpdatePipeline:
         if policy.skips_nonfinite and not np.isfinite(norm):
             if stale:
                 release(read)
-            job.weights.set_result(unit.weights)
-            return unit  # float16 overflow: this step changes nothing
-        update = UnitUpdate(job.unit, unit, g, self.host.grad_multiplier(norm, _scale(job.shared.scale)))
+            job.weights.set_result(arrays.weights)
+            return arrays  # float16 overflow: this step changes nothing
+        update = UnitUpdate(job.unit, arrays, g, self.host.grad_multiplier(norm, _scale(job.shared.scale)))
         start = time.perf_counter()
         if spec is None and slot.position < self.two_pass.units(slot.step, start):
             return self._two_passes(job, update, recycle, start)
@@ -261,7 +261,7 @@ class UpdatePipeline:
         self.clock.updated(start, time.perf_counter())
         return new
 
-    def _speculate(self, job: UnitJob, unit: HostUnit, g: Any, recycle: Any) -> HostUnit | None:
+    def _speculate(self, job: UnitJob, arrays: HostUnit, g: Any, recycle: Any) -> HostUnit | None:
         """While the backward pass still runs, update this unit as if no clipping will apply, into
         spare buffers (the unit itself untouched; its new weights into `recycle`'s buffers). None if
         this unit does not speculate."""
@@ -276,9 +276,9 @@ class UpdatePipeline:
         if evict is not None:
             release(evict)
         if spare is None:
-            spare = self.host.spare(unit)  # rarely: afterwards the replaced state becomes the spare
+            spare = self.host.spare(arrays)  # rarely: afterwards the replaced state becomes the spare
         gmul = self.host.grad_multiplier(None, _scale(job.shared.scale))
-        update = UnitUpdate(job.unit, unit, g, gmul)
+        update = UnitUpdate(job.unit, arrays, g, gmul)
         return self.host.speculate(update, job.slot.update_priority, spare, recycle=recycle)
 
 

@@ -27,7 +27,8 @@ class TwoPassCounter:
 
     The pipeline calls `begin` when a unit's two-pass update starts and `end` when it is over (with
     the time its second pass ended, or None if it failed), and `units` once the norm of a step is
-    known, from every unit task of that step; the first call decides the step's count.
+    known, from each unit task that gets that far (not those that kept a speculative update or
+    skipped a float16 overflow); the first call decides the step's count.
     """
 
     def __init__(self, policy: TwoPass):
@@ -64,11 +65,6 @@ class TwoPassCounter:
             if at is not None:
                 self._ends.setdefault(step, []).append(at)
             self._running -= 1
-
-    def recorded_steps(self) -> set[int]:
-        """Steps whose counts or second-pass ends are still kept (at most the last few)."""
-        with self._lock:
-            return set(self._count_of) | set(self._ends)
 
     def _room(self, step: int, now: float) -> int:
         """1 if one more second pass, as long as `step`'s took on average, would have ended by `now`,

@@ -27,7 +27,7 @@ cfg = apply_overrides(TrainConfig(), over)
 model = build_model(cfg.model)
 plan = resolve_plan(cfg)
 where = placement.offload_placement(placement.make_mesh(jax.devices()[:1]), plan)
-host = HostOptimizer(cfg.optimizer, 10, jax.eval_shape(model.init, jax.random.key(0)), plan, where, 1)
+host = HostOptimizer(cfg.optimizer, 10, jax.eval_shape(model.init, jax.random.key(0)), where, 1)
 for f in host.warmed_up:
     f.result()
 compiled = {k: list(d.signatures) for k, d in host_kernels._kernels.items()}
