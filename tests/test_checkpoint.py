@@ -12,8 +12,8 @@ import pytest
 from subprocess_run import run_module, run_program
 
 from jaxzero import placement
-from jaxzero.checkpoint import Checkpointer, CheckpointError, make_meta
-from jaxzero.config import TrainConfig
+from jaxzero.checkpoint import Checkpointer, make_meta
+from jaxzero.config import CheckpointError, TrainConfig
 from jaxzero.overrides import apply_overrides
 from jaxzero.trainer import build_trainer
 
@@ -46,6 +46,7 @@ def final_params(run_dir: Path, step: int) -> list[np.ndarray]:
     return [np.asarray(x) for x in jax.tree.leaves(tree["params"])]
 
 
+@pytest.mark.slow  # the CLI in subprocesses
 @pytest.mark.parametrize("mode", list(MODES))
 def test_sigkill_mid_save_then_resume_is_bitwise(tmp_path, mode):
     args = [*RUN, *MODES[mode]]
@@ -64,6 +65,7 @@ def test_sigkill_mid_save_then_resume_is_bitwise(tmp_path, mode):
         np.testing.assert_array_equal(x, y)
 
 
+@pytest.mark.slow  # the CLI in subprocesses
 def test_sigterm_saves_at_a_step_boundary_and_exits_3(tmp_path):
     proc = cli(*RUN, "--steps=100000", "--checkpoint.every=0", "--run_dir=pre", cwd=tmp_path, wait=False)
     metrics = tmp_path / "pre" / "metrics.jsonl"
@@ -81,6 +83,7 @@ def test_sigterm_saves_at_a_step_boundary_and_exits_3(tmp_path):
     assert max(losses(tmp_path / "pre")) == saved[0] + 2
 
 
+@pytest.mark.slow  # the CLI in subprocesses
 def test_corrupt_latest_checkpoint_falls_back_to_previous(tmp_path):
     run = cli(*RUN, "--run_dir=c", cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -94,6 +97,7 @@ def test_corrupt_latest_checkpoint_falls_back_to_previous(tmp_path):
     assert "resumed from" in again.stdout and again.stdout.count("checkpoints/8") >= 1
 
 
+@pytest.mark.slow  # the CLI in subprocesses
 def test_resume_refuses_a_different_run(tmp_path):
     run = cli(*RUN, "--steps=4", "--run_dir=r", cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]

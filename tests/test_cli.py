@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 from subprocess_run import REPO, run_module, user_env
 
+pytestmark = pytest.mark.slow  # end to end: `python -m jaxzero.train` in subprocesses
+
 TINY = [
     "--steps=30",
     "--logging.log_every=5",

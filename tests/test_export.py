@@ -14,6 +14,8 @@ from subprocess_run import run_module
 from jaxzero.export import load_masters
 from jaxzero.models import build_model, forward
 
+pytestmark = pytest.mark.slow  # trains through the CLI, then exports
+
 RUN = [
     "--steps=6",
     "--logging.log_every=3",

@@ -5,7 +5,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from subprocess_run import user_env
+
+pytestmark = pytest.mark.slow  # two processes joined through jax.distributed
 
 PROGRAM = Path(__file__).parent / "programs" / "multiprocess_checkpoint.py"
 

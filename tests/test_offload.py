@@ -174,6 +174,13 @@ def test_gradients_land_in_pinned_host():
     assert {x.dtype for x in jax.tree.leaves(grads.blocks)} == {np.dtype(jax.numpy.bfloat16)}
 
 
+def test_timings_report_every_breakdown_key():
+    from jaxzero.state import BREAKDOWN
+
+    trainer, *_ = run(tiny("llama", "float32", steps="1", **MODES["zero3-offload"]))
+    assert list(trainer.timings(1.0, 1)) == [k.key for k in BREAKDOWN]
+
+
 def test_offload_needs_one_device():
     cfg = tiny("llama", "float32", **MODES["zero-offload"], **{"data.batch_size": "8"})
     with pytest.raises(ConfigError, match="host offload runs on one accelerator, but the data mesh has 4"):

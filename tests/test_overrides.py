@@ -1,0 +1,96 @@
+"""Building a config: presets, `--section.key=value` overrides, types and names, before validation."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from jaxzero.config import ConfigError, TrainConfig
+from jaxzero.overrides import all_keys, config_from_dict, parse_args
+
+
+def test_defaults_are_valid_and_keys_listed():
+    cfg = parse_args([])
+    assert cfg == TrainConfig()
+    for key in ("steps", "seed", "run_dir", "offload.params", "offload.optimizer", "model.name"):
+        assert key in all_keys()
+
+
+def test_cli_overrides_are_typed():
+    cfg = parse_args(
+        [
+            "--steps=7",
+            "--seed=3",
+            "--run_dir=/tmp/x",
+            "--optimizer.lr=1e-4",
+            "--logging.progress=false",
+            "--offload.optimizer=cpu",
+            "--offload.params=cpu",
+        ]
+    )
+    assert (cfg.steps, cfg.seed, cfg.run_dir) == (7, 3, "/tmp/x")
+    assert cfg.optimizer.lr == 1e-4 and cfg.logging.progress is False
+    assert (cfg.offload.params, cfg.offload.optimizer) == ("cpu", "cpu")
+
+
+def test_model_name_selects_size_then_fields_override():
+    cfg = parse_args(["--model.num_layers=2", "--model.name=gpt2-tiny"])
+    assert cfg.model.family == "gpt2" and cfg.model.num_layers == 2 and cfg.model.name == "gpt2-tiny"
+
+
+def test_preset_then_cli(tmp_path):
+    preset = tmp_path / "p.toml"
+    preset.write_text('steps = 11\n[model]\nname = "gpt2-tiny"\nnum_layers = 3\n[data]\nseq_len = 64\n')
+    cfg = parse_args([f"--config={preset}", "--data.seq_len=32"])
+    assert cfg.steps == 11 and cfg.model.family == "gpt2" and cfg.model.num_layers == 3
+    assert cfg.data.seq_len == 32
+
+
+def test_config_json_round_trip():
+    cfg = parse_args(["--model.name=gpt2-tiny", "--steps=5", "--offload.optimizer=cpu"])
+    assert config_from_dict(json.loads(cfg.to_json())) == cfg
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--stepz=3"], "unknown config key 'stepz'. Valid keys: steps, seed"),
+        (["--model.hidden=3"], "unknown config key 'model.hidden'. Valid keys: model.name"),
+        (["--nosuch.key=1"], "unknown config key 'nosuch.key'"),
+        (["--steps=ten"], "steps='ten' is not an integer"),
+        (["--optimizer.lr=fast"], "optimizer.lr='fast' is not a number"),
+        (["--logging.progress=maybe"], "is not a boolean; use true or false"),
+        (["--offload.params=gpu"], "offload.params='gpu' is not one of ['none', 'cpu']"),
+        (["--model.name=llama-9000b"], "unknown model.name 'llama-9000b'. Valid names:"),
+        (["steps=3"], "cannot parse argument 'steps=3'"),
+        (["--config=/nonexistent.toml"], "config file '/nonexistent.toml' does not exist"),
+    ],
+)
+def test_parse_error_messages(args, message):
+    """Unknown keys, wrong types and unknown names are refused with the valid choices."""
+    with pytest.raises(ConfigError) as e:
+        parse_args(args)
+    assert message in str(e.value)
+
+
+def test_bad_toml(tmp_path):
+    p = tmp_path / "bad.toml"
+    p.write_text("steps = = 3")
+    with pytest.raises(ConfigError, match="is not valid TOML"):
+        parse_args([f"--config={p}"])
+
+
+def test_unknown_key_in_preset(tmp_path):
+    p = tmp_path / "p.toml"
+    p.write_text("[optimizer]\nlearning_rate = 0.1\n")
+    with pytest.raises(
+        ConfigError, match="unknown config key 'optimizer.learning_rate'. Valid keys: optimizer.name"
+    ):
+        parse_args([f"--config={p}"])
+
+
+@pytest.mark.parametrize("preset", sorted((Path(__file__).parents[1] / "configs").glob("*.toml")), ids=str)
+def test_every_preset_parses_and_says_what_to_expect(preset):
+    parse_args([f"--config={preset}"])
+    header = preset.read_text().split("\n\n")[0]
+    assert "python -m jaxzero.train --config=configs/" in header and "Expect" in header
