@@ -8,7 +8,8 @@ logged step; its fields are listed in the README, the offload engine's per-step 
 Pointed at a run directory that holds a checkpoint, it resumes from the newest complete one with the
 config saved there; `--steps`, `--logging.*`, `--checkpoint.*` and `--offload.*` (resume a resident
 run offloaded, or the reverse) may be changed on resume.
-SIGTERM saves a checkpoint at the next step boundary and exits with status 3.
+SIGTERM saves a checkpoint at the next step boundary and exits with status 3 (with several processes,
+joined through `jax.distributed`, every process at the same step).
 
 The loop reads top to bottom: config -> data -> trainer -> state (init or restore) -> for each step:
 step, log (every `logging.log_every` steps), save, preempt.
@@ -21,8 +22,9 @@ import datetime
 import json
 import math
 import os
-import socket
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, TextIO
@@ -125,15 +127,16 @@ def truncate_metrics(path: Path, last_step: int) -> None:
     tmp.replace(path)
 
 
-def preemption_requested(step: int) -> bool:
-    """Whether a SIGTERM asks this process (and, with several, all of them at this same step) to stop.
+_SIGTERM = threading.Event()  # set by the handler `main` installs for a one-process run
 
-    JAX's preemption sync point needs the distributed runtime; without it there is no notifier and
-    the answer is always no.
-    """
-    if not jax.distributed.is_initialized():
-        return False
-    return multihost_utils.reached_preemption_sync_point(step)
+
+def preemption_requested(step: int) -> bool:
+    """Whether a SIGTERM asks this run to stop after `step`. With several processes (jax.distributed
+    running) JAX's preemption sync point answers, so that every process stops at the same step; one
+    process reads the flag its own SIGTERM handler sets (without a handler, never)."""
+    if jax.distributed.is_initialized():
+        return multihost_utils.reached_preemption_sync_point(step)
+    return _SIGTERM.is_set()
 
 
 def checkpoint_due(cfg: TrainConfig, step: int) -> bool:
@@ -326,29 +329,19 @@ def train(cfg: TrainConfig, console: TextIO = sys.stdout) -> Path:
 
 
 def start_distributed() -> bool:
-    """Start JAX's distributed runtime (one local process unless a cluster is configured), before any
-    backend: it carries the SIGTERM preemption notifier that `preemption_requested` reads. Returns
-    whether this call started it (False if it was running already or cannot start any more)."""
-    if jax.distributed.is_initialized():
+    """Join a multi-process run through JAX's distributed runtime when one is configured
+    (`JAX_COORDINATOR_ADDRESS`, with JAX's process count and id variables), before any backend starts.
+    Returns whether this call started it. One process needs no runtime, and starts none: its
+    coordination service would outlive nothing but print a GRPC error at exit."""
+    if jax.distributed.is_initialized() or not os.environ.get("JAX_COORDINATOR_ADDRESS"):
         return False
-    try:
-        if os.environ.get("JAX_COORDINATOR_ADDRESS"):
-            jax.distributed.initialize()
-            return True
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=1, process_id=0)
-    except RuntimeError as e:  # e.g. JAX's backends already started in this process
-        print(f"jaxzero: warning: SIGTERM will not be caught (jax.distributed: {e})", file=sys.stderr)
-        return False
+    jax.distributed.initialize()
     return True
 
 
 def stop_distributed() -> None:
-    """Shut down the distributed runtime `start_distributed` started, before the interpreter exits:
-    torn down at exit, the coordination service can go before the accelerator client that watches it
-    (a GRPC error on stderr). The run's outcome is decided by now, so a failure here only warns."""
+    """Shut down the distributed runtime `start_distributed` started, before the interpreter exits.
+    The run's outcome is decided by now, so a failure here only warns."""
     try:
         jax.distributed.shutdown()
     except Exception as e:  # noqa: BLE001 - whatever the runtime raises, the exit status stands
@@ -364,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     # Random init of a large model compiles in seconds instead of minutes with the threefry kernel
     # (identical values); process-wide, so it is set here by the program, not by the library.
     jax.config.update("jax_threefry_gpu_kernel_lowering", True)
-    started = False
+    started, previous_sigterm = False, None
     try:
         run_dir = next((a.split("=", 1)[1] for a in argv if a.startswith("--run_dir=")), "")
         if run_dir and has_checkpoint(Path(run_dir)):
@@ -377,6 +370,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             cfg = parse_args(argv)
         started = start_distributed()
+        if not jax.distributed.is_initialized():  # one process: SIGTERM sets a flag read per step
+            _SIGTERM.clear()
+            previous_sigterm = signal.signal(signal.SIGTERM, lambda signum, frame: _SIGTERM.set())
+            previous_sigterm = signal.SIG_DFL if previous_sigterm is None else previous_sigterm
         train(cfg)
     except ConfigError as e:
         print(f"jaxzero: config error: {e}", file=sys.stderr)
@@ -387,8 +384,10 @@ def main(argv: list[str] | None = None) -> int:
     except Preempted as e:
         print(f"jaxzero: preempted: {e}", file=sys.stderr)
         return EXIT_PREEMPTED
-    finally:
-        if started:  # after the outcome is printed
+    finally:  # after the outcome is printed
+        if previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, previous_sigterm)
+        if started:
             stop_distributed()
     return 0
 
