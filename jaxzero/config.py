@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -28,20 +29,21 @@ class CheckpointError(ConfigError):
 class ModelConfig:
     """Transformer shape and numerics. Masters are always float32; `compute_dtype` is the matmul dtype."""
 
-    name: str = "llama-tiny"
-    family: Literal["llama", "gpt2"] = "llama"
-    vocab_size: int = 256
-    hidden_size: int = 128
-    num_layers: int = 4
-    num_heads: int = 4
+    name: str = "llama-tiny"  # a named size (sets every other model.* key) or hf:DIR, a HF checkpoint
+    family: Literal["llama", "gpt2"] = "llama"  # the architecture
+    vocab_size: int = 256  # rows of the token embedding; every token id must be below it
+    hidden_size: int = 128  # width of the residual stream
+    num_layers: int = 4  # transformer blocks
+    num_heads: int = 4  # attention (query) heads
     num_kv_heads: int = 2  # grouped-query attention; == num_heads is plain multi-head attention
     intermediate_size: int = 384  # MLP width (SwiGLU for llama, GELU for gpt2)
-    max_seq_len: int = 1024
-    tie_embeddings: bool = False  # gpt2 is always tied
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    init_std: float = 0.02
-    compute_dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"  # float16: dynamic loss scaling
+    max_seq_len: int = 1024  # longest sequence (gpt2: rows of the position table)
+    tie_embeddings: bool = False  # the output head reuses the token embedding (gpt2 always does)
+    rope_theta: float = 10000.0  # rotary embedding base (llama)
+    norm_eps: float = 1e-5  # epsilon of RMSNorm / LayerNorm
+    init_std: float = 0.02  # standard deviation of the random init of matrices
+    # matmul and activation dtype (masters are float32); float16 adds dynamic loss scaling
+    compute_dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
     attention_impl: Literal["auto", "xla", "cudnn"] = "auto"  # auto: cuDNN on GPU when it applies, else XLA
     init_from: str = ""  # a Hugging Face safetensors directory to start from (set by model.name=hf:DIR)
 
@@ -58,30 +60,37 @@ class DataConfig:
     `grad_accum` micro-batches; each sequence is `seq_len` inputs plus one shifted target.
     """
 
+    # builtin: bytes of Python's standard library; tokens: nanoGPT .bin files; synthetic: random ids
     source: Literal["builtin", "tokens", "synthetic"] = "builtin"
     path: str = ""  # source=tokens: directory holding train.bin (and optionally val.bin)
-    token_dtype: Literal["uint16", "uint32"] = "uint16"
-    seq_len: int = 128
-    batch_size: int = 16
-    grad_accum: int = 1
+    token_dtype: Literal["uint16", "uint32"] = "uint16"  # source=tokens: the dtype the .bin files hold
+    seq_len: int = 128  # tokens per sequence (each sequence also reads one shifted target)
+    batch_size: int = 16  # sequences per optimizer step, over all devices and micro-batches
+    grad_accum: int = 1  # micro-batches per step (gradients summed before the update)
     val_fraction: float = 0.05  # held-out tail when there is no val.bin
+    # Check every token id against model.vocab_size before training (a vectorised pass over the files);
+    # false: check a sample of ~4M tokens spread over each file.
+    check_tokens: bool = True
 
 
 @dataclass(frozen=True)
 class OptimizerConfig:
     """AdamW with warmup then decay, weight decay masked off norms/biases/embeddings, global-norm clipping."""
 
-    name: Literal["adamw", "adam", "lion", "sgd"] = "adamw"
-    lr: float = 3e-3
-    warmup_steps: int = 20
-    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    name: Literal["adamw", "adam", "lion", "sgd"] = "adamw"  # the update rule (optax's)
+    lr: float = 3e-3  # peak learning rate, reached after warmup_steps
+    warmup_steps: int = 20  # linear warmup from 0
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"  # decay after warmup
     min_lr_ratio: float = 0.1  # final lr = lr * min_lr_ratio
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
-    momentum: float = 0.9  # sgd only
-    weight_decay: float = 0.1
-    decay_norms_biases_embeddings: bool = False
+    # Steps the schedule spans, warmup included (it holds its final rate after them); 0: the run's
+    # steps. A resumed run that extends `steps` keeps the length it started with unless this is set.
+    decay_steps: int = 0
+    b1: float = 0.9  # first-moment decay (adam, adamw, lion)
+    b2: float = 0.95  # second-moment decay (adam, adamw; lion's update interpolation)
+    eps: float = 1e-8  # added to the second moment's root (adam, adamw)
+    momentum: float = 0.9  # sgd only; 0: plain sgd
+    weight_decay: float = 0.1  # decoupled decay of matrices (adamw, lion, sgd)
+    decay_norms_biases_embeddings: bool = False  # also decay norms, biases and embeddings
     grad_clip: float = 1.0  # global-norm clip; 0 disables
     state_dtype: Literal["float32", "bfloat16"] = "float32"  # storage of moments (bf16: half the bytes)
 
@@ -94,15 +103,15 @@ class FP16Config:
     loss_scale_window: int = 1000  # stable steps before the scale doubles
     hysteresis: int = 2  # overflows tolerated before the scale halves
     consecutive_hysteresis: bool = False  # refill the tolerance on every stable step
-    min_loss_scale: float = 1.0
+    min_loss_scale: float = 1.0  # the scale never drops below this; overflowing at it stops the run
 
 
 @dataclass(frozen=True)
 class OffloadConfig:
     """Where state lives, in DeepSpeed's vocabulary: `none` keeps it on the accelerator, `cpu` in host RAM."""
 
-    params: Literal["none", "cpu"] = "none"
-    optimizer: Literal["none", "cpu"] = "none"
+    params: Literal["none", "cpu"] = "none"  # compute weights: on the accelerator, or streamed from host RAM
+    optimizer: Literal["none", "cpu"] = "none"  # fp32 masters and optimizer state: accelerator or host RAM
     resident_blocks: int = 0  # with params=cpu: keep the first K blocks on the accelerator, stream the rest
     # How the host update meets the accelerator: "overlapped" (exact: each unit updates once the
     # gradient norm is known, in the order the next forward pass needs them, which waits per unit) or
@@ -132,10 +141,12 @@ class CheckpointConfig:
     """Orbax checkpoints in `<run_dir>/checkpoints`: every `every` steps (0: only at the end and on
     preemption), keeping the newest `keep` plus every `keep_every`-th step (0: none)."""
 
-    enabled: bool = True
-    every: int = 0
-    keep: int = 3
-    keep_every: int = 0
+    enabled: bool = True  # save checkpoints (at the end, every `every` steps, and on SIGTERM)
+    every: int = 0  # steps between checkpoints; 0: only at the end and on preemption
+    keep: int = 3  # newest checkpoints kept
+    keep_every: int = 0  # also keep every keep_every-th step's; 0: none
+    # Verify each checkpoint's files against checksums written at save before restoring from it.
+    verify: bool = True
     async_save: bool = True  # snapshot to host RAM, write in the background; false: block, no copy
 
 
@@ -143,9 +154,9 @@ class CheckpointConfig:
 class LoggingConfig:
     """How often scalars are read back from the device (a host sync) and validation runs."""
 
-    log_every: int = 10
+    log_every: int = 10  # steps between records in metrics.jsonl (one host sync each)
     eval_every: int = 100  # 0 disables periodic validation; a final validation always runs
-    eval_batches: int = 4
+    eval_batches: int = 4  # batches of the validation loss
     progress: bool = True  # a one-line progress bar on stderr
     peak_tflops: float = 0.0  # accelerator peak for MFU; 0 = look up from the device kind
 
@@ -154,9 +165,9 @@ class LoggingConfig:
 class TrainConfig:
     """The whole run. `steps`, `seed` and `run_dir` are the run concern and live at the top level."""
 
-    steps: int = 300
-    seed: int = 0
-    run_dir: str = ""  # empty: runs/<model.name>-<UTC timestamp>
+    steps: int = 300  # optimizer steps to run (on resume: the step to run to)
+    seed: int = 0  # seeds parameter init and data order
+    run_dir: str = ""  # output directory; empty: runs/<model.name>-<UTC timestamp>
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -164,6 +175,11 @@ class TrainConfig:
     fp16: FP16Config = field(default_factory=FP16Config)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    @property
+    def schedule_steps(self) -> int:
+        """Steps the learning-rate schedule spans: `optimizer.decay_steps`, else `steps`."""
+        return self.optimizer.decay_steps or self.steps
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -234,6 +250,12 @@ def validate(cfg: TrainConfig, num_devices: int | None = None) -> None:
             raise ConfigError(msg)
 
     need(cfg.steps >= 1, f"steps={cfg.steps} must be >= 1.")
+    for section in (cfg.model, d, o, cfg.fp16, cfg.logging):  # no setting is meaningful at inf or nan
+        for f in dataclasses.fields(section):
+            value = getattr(section, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                name = next(k for k, v in SECTIONS.items() if isinstance(section, v))
+                raise ConfigError(f"{name}.{f.name}={value} must be a finite number.")
     validate_model(m)
     need(d.seq_len >= 2, f"data.seq_len={d.seq_len} must be >= 2.")
     need(
@@ -247,6 +269,9 @@ def validate(cfg: TrainConfig, num_devices: int | None = None) -> None:
         f"data.batch_size={d.batch_size} must be a positive multiple of data.grad_accum={d.grad_accum}.",
     )
     need(0.0 <= d.val_fraction < 0.5, f"data.val_fraction={d.val_fraction} must be in [0, 0.5).")
+    need(m.rope_theta > 0, f"model.rope_theta={m.rope_theta} must be > 0.")
+    need(m.norm_eps > 0, f"model.norm_eps={m.norm_eps} must be > 0.")
+    need(m.init_std > 0, f"model.init_std={m.init_std} must be > 0.")
     if d.source == "tokens":
         need(
             d.path != "",
@@ -262,6 +287,9 @@ def validate(cfg: TrainConfig, num_devices: int | None = None) -> None:
         )
     need(o.lr > 0, f"optimizer.lr={o.lr} must be > 0.")
     need(0 <= o.warmup_steps, f"optimizer.warmup_steps={o.warmup_steps} must be >= 0.")
+    need(o.decay_steps >= 0, f"optimizer.decay_steps={o.decay_steps} must be >= 0 (0: the run's steps).")
+    need(o.eps > 0, f"optimizer.eps={o.eps} must be > 0 (it keeps Adam's division finite).")
+    need(0.0 <= o.momentum < 1.0, f"optimizer.momentum={o.momentum} must be in [0, 1).")
     need(0.0 <= o.min_lr_ratio <= 1.0, f"optimizer.min_lr_ratio={o.min_lr_ratio} must be in [0, 1].")
     need(0.0 <= o.b1 < 1.0 and 0.0 <= o.b2 < 1.0, f"optimizer.b1={o.b1}, b2={o.b2} must be in [0, 1).")
     need(o.weight_decay >= 0, f"optimizer.weight_decay={o.weight_decay} must be >= 0.")
@@ -311,6 +339,7 @@ def validate(cfg: TrainConfig, num_devices: int | None = None) -> None:
     need(lg.log_every >= 1, f"logging.log_every={lg.log_every} must be >= 1.")
     need(lg.eval_every >= 0, f"logging.eval_every={lg.eval_every} must be >= 0.")
     need(lg.eval_batches >= 1, f"logging.eval_batches={lg.eval_batches} must be >= 1.")
+    need(lg.peak_tflops >= 0, f"logging.peak_tflops={lg.peak_tflops} must be >= 0 (0: from the device).")
     ck = cfg.checkpoint
     need(
         ck.every >= 0 and ck.keep >= 1 and ck.keep_every >= 0,

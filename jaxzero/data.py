@@ -83,8 +83,11 @@ BUILTIN_SEPARATOR = b"\x00"
 _BUILTIN_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"})
 
 _TOKEN_DTYPES: dict[str, np.dtype] = {"uint16": np.dtype(np.uint16), "uint32": np.dtype(np.uint32)}
-# The vocab check reads at most this many tokens per file, in evenly spaced chunks (head, middle,
-# tail...), so a 10 GB file is checked in milliseconds while still catching a wrong dtype or tokenizer.
+# The full vocab check (`data.check_tokens`, the default) takes the max of every id in chunks of this
+# many tokens (a vectorised pass over the memmap: seconds for a 10 GB file). The sampled check reads
+# at most _VOCAB_CHECK_TOKENS per file in _VOCAB_CHECK_CHUNKS evenly spaced chunks (head, middle,
+# tail...): milliseconds, and it still catches a wrong dtype or tokenizer.
+_FULL_CHECK_CHUNK = 1 << 26
 _VOCAB_CHECK_TOKENS = 4 * 1024 * 1024
 _VOCAB_CHECK_CHUNKS = 4
 
@@ -286,11 +289,13 @@ def _check_token_file_size(path: Path, token_dtype: str) -> int:
     return size // itemsize
 
 
-def _check_token_ids(tokens: np.ndarray, vocab_size: int, path: Path, token_dtype: str) -> None:
-    """Raise if a sampled token id is ``>= vocab_size``; reads at most `_VOCAB_CHECK_TOKENS` tokens."""
+def _check_token_ids(tokens: np.ndarray, vocab_size: int, path: Path, token_dtype: str, full: bool) -> None:
+    """Raise if a token id is ``>= vocab_size``: over every token (`full`), else over a bounded sample of
+    at most `_VOCAB_CHECK_TOKENS` tokens."""
     n = len(tokens)
-    if n <= _VOCAB_CHECK_TOKENS:
-        chunk, offsets = n, [0]
+    if full or n <= _VOCAB_CHECK_TOKENS:
+        chunk = min(n, _FULL_CHECK_CHUNK) if full else n
+        offsets = list(range(0, n, chunk))
     else:
         chunk = _VOCAB_CHECK_TOKENS // _VOCAB_CHECK_CHUNKS
         offsets = [int(o) for o in np.linspace(0, n - chunk, _VOCAB_CHECK_CHUNKS)]
@@ -311,7 +316,7 @@ def _check_token_ids(tokens: np.ndarray, vocab_size: int, path: Path, token_dtyp
             )
             raise DataError(
                 f"{str(path)!r}: token id {int(tokens[first])} at position {first:,} is >= "
-                f"model.vocab_size={vocab_size} (largest id in that sample: {top}). Set model.vocab_size "
+                f"model.vocab_size={vocab_size} (largest id in that chunk: {top}). Set model.vocab_size "
                 f"to at least {top + 1} (the tokenizer's vocab, e.g. 50304 for GPT-2 BPE){dtype_hint}."
             )
 
@@ -328,13 +333,15 @@ def load_token_files(
     seq_len: int,
     val_fraction: float,
     vocab_size: int,
+    check_all: bool = True,
 ) -> TokenSplits:
     """Memmap nanoGPT token files ``path/train.bin`` and, if present, ``path/val.bin``.
 
     Everything cheap is checked before any token is read: the directory and files exist, byte sizes are
     multiples of the dtype size, and each split holds at least one window of ``seq_len + 1`` tokens. Then
-    a bounded sample of each file is checked against `vocab_size`. Without ``val.bin`` the last
-    `val_fraction` of ``train.bin`` is validation. Returned arrays are memmap views (never loaded whole).
+    every token id (`check_all`), or a bounded sample of each file, is checked against `vocab_size`.
+    Without ``val.bin`` the last `val_fraction` of ``train.bin`` is validation. Returned arrays are
+    memmap views (never loaded whole).
     """
     if token_dtype not in _TOKEN_DTYPES:
         raise DataError(f"data.token_dtype={token_dtype!r} is not one of {list(_TOKEN_DTYPES)}.")
@@ -389,10 +396,10 @@ def load_token_files(
         )
 
     train_file = _open_token_file(train_path, token_dtype)
-    _check_token_ids(train_file, vocab_size, train_path, token_dtype)
+    _check_token_ids(train_file, vocab_size, train_path, token_dtype, check_all)
     if has_val_file:
         val = _open_token_file(val_path, token_dtype)
-        _check_token_ids(val, vocab_size, val_path, token_dtype)
+        _check_token_ids(val, vocab_size, val_path, token_dtype, check_all)
         train = train_file[:]
         origin = f"{str(directory)!r} train.bin + val.bin ({token_dtype})"
     else:
@@ -776,7 +783,7 @@ def _check_data_config(cfg: DataConfig, vocab_size: int) -> None:
 def build_data(cfg: DataConfig, vocab_size: int, seed: int) -> Data:
     """The data pipeline for `cfg`, checked before any large file is read.
 
-    vocab_size: the model's vocabulary. Token files are checked against it (on a bounded sample);
+    vocab_size: the model's vocabulary. Token files are checked against it (every id, or a sample);
                 builtin bytes need it to be >= 256; synthetic tokens are drawn from it.
     seed:       sets the per-epoch shuffle (and the synthetic stream); validation ignores it.
     """
@@ -795,6 +802,7 @@ def build_data(cfg: DataConfig, vocab_size: int, seed: int) -> Data:
             seq_len=cfg.seq_len,
             val_fraction=cfg.val_fraction,
             vocab_size=vocab_size,
+            check_all=cfg.check_tokens,
         )
     # Validation is wanted when a val.bin exists (then splits.val is non-empty) or a tail was asked for;
     # only data.val_fraction=0 without val.bin means "no validation".

@@ -27,12 +27,15 @@ Where each unit's arrays live comes from the offload plan (`jaxzero.plan`); this
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Any
 
 from jaxzero.config import ConfigError, TrainConfig
-from jaxzero.models.sizes import unit_param_counts
+from jaxzero.models.sizes import NAMED_SIZES, param_count, unit_param_counts
 from jaxzero.plan import OffloadPlan, Tier, UnitKind, UpdateMode, resolve_plan
 
 GiB = 2**30
@@ -139,14 +142,41 @@ def host_memory_available() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def largest_fitting(cfg: TrainConfig, fits: Callable[[MemoryPlan], bool]) -> str | None:
+    """The largest named model size that `fits` with `cfg`'s other settings, or None."""
+    best = None
+    for name, model in sorted(NAMED_SIZES.items(), key=lambda kv: param_count(kv[1])):
+        other = dataclasses.replace(
+            cfg, model=dataclasses.replace(model, compute_dtype=cfg.model.compute_dtype)
+        )
+        if fits(plan_memory(other)):
+            best = name
+    return best
+
+
+def _far_from(cfg: TrainConfig, need: int, available: int, fits: Callable[[MemoryPlan], bool]) -> str:
+    """For a need far past what is available, what would fit: settings alone cannot close the gap."""
+    if need <= 2 * available:
+        return ""
+    best = largest_fitting(cfg, fits)
+    fitting = (
+        f"the largest named model that fits with these settings is {best} "
+        f"({param_count(NAMED_SIZES[best]) / 1e9:.2f}B parameters)"
+        if best
+        else "no named model fits with these settings"
+    )
+    return f" The gap is {need / max(available, 1):.0f}x, more than any setting below closes: {fitting}."
+
+
 def check_host_fits(cfg: TrainConfig, need: MemoryPlan, available: int | None = None) -> None:
     """Raise ConfigError if the host state will not fit in host RAM. Nothing has been allocated yet."""
     available = host_memory_available() if available is None else available
     if need.host > available:
+        far = _far_from(cfg, need.host, available, lambda p: p.host <= available)
         raise ConfigError(
             f"{cfg.model.name} with offload.optimizer={cfg.offload.optimizer}, offload.params="
             f"{cfg.offload.params} needs {need.host / GiB:.1f} GiB of host RAM ({need.describe()}), but "
-            f"{available / GiB:.1f} GiB is available. Free memory, choose a smaller model, or use an "
+            f"{available / GiB:.1f} GiB is available.{far} Free memory, choose a smaller model, or use an "
             "optimizer with less state (optimizer.name=lion or sgd keep 4 bytes per parameter, AdamW 8)"
             + (
                 f", lower offload.speculative_units (now {cfg.offload.speculative_units}; each keeps a "
@@ -260,15 +290,44 @@ def check_accelerator_fits(cfg: TrainConfig, need: MemoryPlan, capacity: int | N
     else:
         hint = "lower data.batch_size or data.seq_len, or raise data.grad_accum"
     if need.accelerator_state > capacity:
+        far = _far_from(cfg, need.accelerator_state, capacity, lambda p: p.accelerator_state <= capacity)
         raise ConfigError(
             f"{cfg.model.name} with offload.optimizer={cfg.offload.optimizer}, "
             f"offload.params={cfg.offload.params} needs {need.accelerator_state / GiB:.1f} GiB of "
             f"accelerator memory for its state alone ({need.describe()}), but the device has "
-            f"{capacity / GiB:.1f} GiB: {hint}."
+            f"{capacity / GiB:.1f} GiB.{far} Otherwise: {hint}."
         )
     if need.accelerator_state + need.activations > capacity:
         return (
             f"warning: estimated accelerator use {(need.accelerator_state + need.activations) / GiB:.1f} GiB "
             f"exceeds the device's {capacity / GiB:.1f} GiB; if it runs out of memory: {hint}."
+        )
+    return None
+
+
+def check_fits(cfg: TrainConfig, need: MemoryPlan, device: Any) -> str | None:
+    """Raise ConfigError if `need` does not fit this machine, with the numbers and what to change;
+    return a warning if only the activation estimate does not. On a CPU backend the "accelerator" is
+    host RAM too, so the host's and the device's bytes must fit together."""
+    if device.platform != "cpu":
+        if need.host:
+            check_host_fits(cfg, need)
+        return check_accelerator_fits(cfg, need, accelerator_capacity(device))
+    available = host_memory_available()
+    total = need.host + need.accelerator_state
+    if total > available:
+        far = _far_from(cfg, total, available, lambda p: p.host + p.accelerator_state <= available)
+        raise ConfigError(
+            f"{cfg.model.name} with offload.optimizer={cfg.offload.optimizer}, offload.params="
+            f"{cfg.offload.params} needs {total / GiB:.1f} GiB of RAM on this CPU-only machine (host state "
+            f"and the CPU device's: {need.describe()}), but {available / GiB:.1f} GiB is available.{far} "
+            "Otherwise: choose a smaller model, an optimizer with less state (optimizer.name=lion or sgd), "
+            "optimizer.state_dtype=bfloat16, or checkpoint.async_save=false (no snapshot copy)."
+        )
+    if total + need.activations > available:
+        return (
+            f"warning: estimated use {(total + need.activations) / GiB:.1f} GiB exceeds the "
+            f"{available / GiB:.1f} GiB available; if it runs out of memory, lower data.batch_size or "
+            "data.seq_len, or raise data.grad_accum."
         )
     return None

@@ -3,7 +3,7 @@
 The same transformation runs on the accelerator (resident training) and on the host (offloaded
 optimizer): placement is decided elsewhere, this module only says *what* the update is.
 
-    tx = build_optimizer(cfg.optimizer, total_steps=cfg.steps)
+    tx = build_optimizer(cfg.optimizer, total_steps=cfg.schedule_steps)
     lr = learning_rate_schedule(cfg.optimizer, total_steps)(step)
 """
 

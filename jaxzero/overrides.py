@@ -14,6 +14,8 @@ values are type-checked against the field annotations, and `parse_args` ends wit
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import re
 import tomllib
 import types
 import typing
@@ -149,8 +151,9 @@ def load_preset(path: str | Path) -> dict[str, Any]:
     return dict(sorted(flat.items(), key=lambda kv: kv[0] != "model.name"))
 
 
-def parse_args(argv: list[str]) -> TrainConfig:
-    """Build a validated TrainConfig from `[--config=PATH] [--section.key=value ...]`."""
+def split_args(argv: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(preset overrides, command-line overrides) of `[--config=PATH] [--section.key=value ...]`, as
+    dotted keys; nothing applied yet. Raises ConfigError for an argument of another form."""
     preset: dict[str, Any] = {}
     cli: dict[str, Any] = {}
     for arg in argv:
@@ -164,10 +167,22 @@ def parse_args(argv: list[str]) -> TrainConfig:
             preset = load_preset(value)
         else:
             cli[key] = value
-    cfg = apply_overrides(TrainConfig(), preset)
-    if "model.name" in cli:  # a CLI size replaces the preset's whole model section, then its keys apply
+    return preset, cli
+
+
+def layer(base: TrainConfig, preset: dict[str, Any], cli: dict[str, Any]) -> TrainConfig:
+    """`base` with a preset's overrides, then the command line's, applied (unvalidated). A CLI
+    `model.name` replaces the preset's whole model section before the CLI's other model keys apply."""
+    cfg = apply_overrides(base, preset)
+    cli = dict(cli)
+    if "model.name" in cli:
         cfg = apply_overrides(cfg, {"model.name": cli.pop("model.name")})
-    cfg = apply_overrides(cfg, cli)
+    return apply_overrides(cfg, cli)
+
+
+def parse_args(argv: list[str]) -> TrainConfig:
+    """Build a validated TrainConfig from `[--config=PATH] [--section.key=value ...]`."""
+    cfg = layer(TrainConfig(), *split_args(argv))
     validate(cfg)
     return cfg
 
@@ -179,3 +194,54 @@ def config_from_dict(d: dict[str, Any]) -> TrainConfig:
     rest = {k: v for k, v in flat.items() if not k.startswith("model.")}
     cfg = dataclasses.replace(TrainConfig(), model=ModelConfig(**{k[6:]: v for k, v in model_keys.items()}))
     return apply_overrides(cfg, rest)
+
+
+# ---------------------------------------------------------------------------------------------------
+# --help: every key with its type or choices, default and meaning, from the dataclasses themselves.
+# ---------------------------------------------------------------------------------------------------
+
+_FIELD_LINE = re.compile(r"^    (\w+): [^=]+= .*?(?:  # (.*))?$")
+
+
+def field_meanings(cls: type) -> dict[str, str]:
+    """{field: its meaning}: the comment beside the field in `jaxzero/config.py`, else the comment lines
+    right above it."""
+    meanings: dict[str, str] = {}
+    above: list[str] = []
+    for line in inspect.getsource(cls).splitlines():
+        stripped = line.strip()
+        if line.startswith("    #"):
+            above.append(stripped.lstrip("# "))
+            continue
+        m = _FIELD_LINE.match(line)
+        if m:
+            meanings[m.group(1)] = m.group(2) or " ".join(above)
+        above = []
+    return meanings
+
+
+def _type_text(typ: Any) -> str:
+    if get_origin(typ) is Literal:
+        return " | ".join(str(c) for c in get_args(typ))
+    return typ.__name__
+
+
+def help_text() -> str:
+    """The `--help` listing: every key, grouped by section, with its type or choices, its default and
+    its meaning."""
+    groups: list[tuple[str, type, Any]] = [("", TrainConfig, TrainConfig())]
+    groups += [(f"{sec}.", cls, cls()) for sec, cls in SECTIONS.items()]
+    lines = []
+    for prefix, cls, defaults in groups:
+        hints, meanings = typing.get_type_hints(cls), field_meanings(cls)
+        title = prefix[:-1] if prefix else "run"
+        lines.append(f"\n[{title}] {(cls.__doc__ or '').splitlines()[0]}")
+        for f in dataclasses.fields(cls):
+            if cls is TrainConfig and f.name in SECTIONS:  # the sections, listed below
+                continue
+            default = getattr(defaults, f.name)
+            lines.append(
+                f"  --{prefix}{f.name}  ({_type_text(hints[f.name])}, default {default!r})\n"
+                f"      {meanings.get(f.name, '')}"
+            )
+    return "\n".join(lines)

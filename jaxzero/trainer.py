@@ -85,14 +85,12 @@ def build_trainer(cfg: TrainConfig, mesh: Mesh | None = None) -> Trainer:
     """
     plan = resolve_plan(cfg)
     need = memory.plan_memory(cfg, plan)
-    if need.host:
-        memory.check_host_fits(cfg, need)
     if plan.host_update is not None:
         memory.configure_pinned_pool(need)  # before the first backend call, if this is it
     mesh = mesh if mesh is not None else placement.make_mesh()
     validate(cfg, num_devices=mesh.size)
     device = mesh.devices.flat[0]
-    warning = memory.check_accelerator_fits(cfg, need, memory.accelerator_capacity(device))
+    warning = memory.check_fits(cfg, need, device)
     if warning:
         print(f"jaxzero: {warning}", file=sys.stderr)
     if plan.host_update is not None:
@@ -108,8 +106,8 @@ def build_resident_trainer(cfg: TrainConfig, mesh: Mesh, plan: OffloadPlan | Non
     if plan.host_update is not None:
         raise ValueError("build_resident_trainer needs a plan with accelerator-resident state")
     model = build_model(cfg.model)
-    tx = build_optimizer(cfg.optimizer, cfg.steps)
-    schedule = learning_rate_schedule(cfg.optimizer, cfg.steps)
+    tx = build_optimizer(cfg.optimizer, cfg.schedule_steps)
+    schedule = learning_rate_schedule(cfg.optimizer, cfg.schedule_steps)
 
     fp16 = cfg.model.compute_dtype == "float16"
 

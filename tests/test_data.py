@@ -415,15 +415,26 @@ def test_token_id_not_below_vocab(tmp_path: Path) -> None:
 
 
 def test_vocab_check_is_bounded_but_samples_the_tail(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With data.check_tokens=false the check reads a bounded sample, the tail included."""
     monkeypatch.setattr(data_mod, "_VOCAB_CHECK_TOKENS", 400)  # 4 chunks of 100 over 10,000 tokens
     tokens = np.zeros(10_000, dtype=np.int64)
     tokens[-1] = 999
     write_tokens(tmp_path / "train.bin", tokens, "uint16")
     with pytest.raises(DataError, match=r"token id 999 at position 9,999"):
-        build_data(_cfg(tmp_path, token_dtype="uint16"), 500, seed=0)
+        build_data(_cfg(tmp_path, token_dtype="uint16", check_tokens=False), 500, seed=0)
     tokens[-1], tokens[5_000] = 0, 999  # between sampled chunks: not read, by design
     write_tokens(tmp_path / "train.bin", tokens, "uint16")
-    build_data(_cfg(tmp_path, token_dtype="uint16"), 500, seed=0)
+    build_data(_cfg(tmp_path, token_dtype="uint16", check_tokens=False), 500, seed=0)
+
+
+def test_vocab_check_reads_every_token_by_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(data_mod, "_VOCAB_CHECK_TOKENS", 400)
+    monkeypatch.setattr(data_mod, "_FULL_CHECK_CHUNK", 1_000)  # several chunks over 10,000 tokens
+    tokens = np.zeros(10_000, dtype=np.int64)
+    tokens[5_000] = 999  # where the sample does not look
+    write_tokens(tmp_path / "train.bin", tokens, "uint16")
+    with pytest.raises(DataError, match=r"token id 999 at position 5,000"):
+        build_data(_cfg(tmp_path, token_dtype="uint16"), 500, seed=0)
 
 
 def test_wrong_dtype_shows_as_huge_ids(tmp_path: Path) -> None:

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from jaxzero.config import ConfigError, TrainConfig
-from jaxzero.overrides import all_keys, config_from_dict, parse_args
+from jaxzero.config import SECTIONS, ConfigError, TrainConfig
+from jaxzero.overrides import all_keys, config_from_dict, field_meanings, help_text, parse_args
 
 
 def test_defaults_are_valid_and_keys_listed():
@@ -94,3 +94,13 @@ def test_every_preset_parses_and_says_what_to_expect(preset):
     parse_args([f"--config={preset}"])
     header = preset.read_text().split("\n\n")[0]
     assert "python -m jaxzero.train --config=configs/" in header and "Expect" in header
+
+
+def test_help_lists_every_key_with_its_type_default_and_meaning():
+    text = help_text()
+    for key in all_keys():
+        section, _, name = key.rpartition(".")
+        assert f"--{key}  (" in text, key
+        cls = SECTIONS[section] if section else TrainConfig
+        assert field_meanings(cls).get(name), f"{key} has no comment in jaxzero/config.py to explain it"
+    assert "--offload.params  (none | cpu, default 'none')" in text

@@ -56,7 +56,7 @@ def build_offload_trainer(
     model = build_model(cfg.model)
     where = placement_lib.offload_placement(mesh, plan)
     masters_shape = jax.eval_shape(model.init, jax.random.key(0))
-    host = HostOptimizer(cfg.optimizer, cfg.steps, masters_shape, where, cfg.data.grad_accum)
+    host = HostOptimizer(cfg.optimizer, cfg.schedule_steps, masters_shape, where, cfg.data.grad_accum)
     streamed = StreamedModel(model, where, cfg.data.grad_accum, prefetch=plan.prefetch)
     fp16 = plan.compute_dtype == "float16"  # dynamic loss scaling
     clock = StepClock()
@@ -194,7 +194,7 @@ def build_offload_trainer(
         plan=plan,
         model=model,
         mesh=mesh,
-        optimizer=build_optimizer(cfg.optimizer, cfg.steps),
+        optimizer=build_optimizer(cfg.optimizer, cfg.schedule_steps),
         init=init,
         init_from_params=init_from_params,
         step=step,
