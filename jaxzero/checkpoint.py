@@ -17,14 +17,25 @@ blocked only while the state is snapshotted into host memory: the arrays it keep
 Restores always target the abstract state *with its placement* (`Trainer.abstract_saved_state`):
 Orbax does not record memory kinds, and a restore without a target would put host-resident state
 into accelerator memory.
+
+Integrity: as a save commits, the CRC-32 of every file of its items (in 64 MiB pieces) goes to
+`<step>/checksums.json`; a restore checks them first (`checkpoint.verify`). A checkpoint whose files
+changed, whose metadata cannot be read, or whose data-loader state is invalid is set aside to
+`checkpoints-unreadable/` and the previous one is used; one whose shapes do not match the run is an
+error. A save that fails (disk full, permission denied) raises `CheckpointWriteError` as soon as it is
+known, and what it left half-written is removed.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import shutil
 import sys
+import threading
+import zlib
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +48,18 @@ import orbax.checkpoint as ocp
 from jaxzero.config import CheckpointConfig, CheckpointError, TrainConfig
 
 CHECKPOINT_DIR = "checkpoints"
+UNREADABLE_DIR = f"{CHECKPOINT_DIR}-unreadable"  # checkpoints that failed to restore, set aside
+CHECKSUMS_FILE = "checksums.json"
+CHECKSUM_PIECE = 64 << 20  # bytes per CRC-32: pieces of one file are summed in parallel
+TMP_MARKER = ".orbax-checkpoint-tmp"  # in the names of Orbax's half-written step directories
+
+
+class CheckpointMismatch(CheckpointError):
+    """A readable checkpoint of another run (other shapes): an error, not a reason to fall back."""
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written; the message names the step, the directory and the cause."""
 
 
 @dataclass(frozen=True)
@@ -68,43 +91,90 @@ class Checkpointer:
     """Saves and restores training state under `<run_dir>/checkpoints` with an Orbax CheckpointManager.
 
     Keeps the newest `keep` checkpoints, plus every `keep_every`-th step if set. `save` returns once
-    the state is snapshotted; `wait` blocks until pending writes are committed.
+    the state is snapshotted; `check` raises what a background write has failed with since; `close`
+    waits for pending writes. Every write failure is a `CheckpointWriteError`.
     """
 
     def __init__(self, run_dir: str | Path, cfg: CheckpointConfig):
         self.directory = Path(run_dir).absolute() / CHECKPOINT_DIR
         self.cfg = cfg
+        self._pool = ThreadPoolExecutor(
+            max(1, min(16, os.cpu_count() or 1)), thread_name_prefix="jaxzero-ckpt"
+        )
+        self._lock = threading.Lock()
+        self._unsummed: list[int] = []  # committed steps whose checksums are not written yet
         options = ocp.CheckpointManagerOptions(
             max_to_keep=cfg.keep,
             keep_period=cfg.keep_every or None,
             enable_async_checkpointing=cfg.async_save,
             create=True,
             cleanup_tmp_directories=True,  # remove what a killed save left half-written
+            # Checksums once a save is committed (Orbax calls back only for asynchronous saves).
+            async_options=(
+                ocp.AsyncOptions(post_finalization_callback=self._write_checksums) if cfg.async_save else None
+            ),
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options)
-        self._pool = ThreadPoolExecutor(
-            max(1, min(16, os.cpu_count() or 1)), thread_name_prefix="jaxzero-ckpt"
-        )
+        self.last_saved: int | None = None  # the newest step whose save was issued
 
     # -- saving --------------------------------------------------------------------------------------
 
     def save(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> None:
-        """Save `state` ({"step", "params", "opt_state"}) and JSON `meta` as checkpoint `step`."""
-        arrays = _snapshot(state, self._pool) if self.cfg.async_save else state
-        self.manager.save(
-            step,
-            args=ocp.args.Composite(state=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta)),
-            force=True,
-        )
+        """Save `state` ({"step", "params", "opt_state"}) and JSON `meta` as checkpoint `step`. Raises
+        `CheckpointWriteError` before writing anything if the disk lacks the room for it."""
+        ensure_room(self.directory, state_bytes(state), f"checkpoint {step}")
+        with self._failure(step):
+            arrays = _snapshot(state, self._pool) if self.cfg.async_save else state
+            with self._lock:
+                self._unsummed.append(step)
+            self.manager.save(
+                step,
+                args=ocp.args.Composite(state=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta)),
+                force=True,
+            )
+            if not self.cfg.async_save:  # committed already: no finalization callback comes
+                self._write_checksums()
+        self.last_saved = step
+
+    def check(self) -> None:
+        """Raise `CheckpointWriteError` if a background write failed since the last call (cheap)."""
+        with self._failure(self.last_saved):
+            self.manager.check_for_errors()
+            if self.last_saved is not None and not self.manager.is_saving_in_progress():
+                self.manager.wait_until_finished()  # at once: raises what a finished save failed with
 
     def wait(self) -> None:
         """Block until every pending save is committed to disk."""
-        self.manager.wait_until_finished()
+        with self._failure(self.last_saved):
+            self.manager.wait_until_finished()
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
-        self._pool.shutdown()
+        """Wait for pending saves, then release the manager and threads (also after a failure)."""
+        try:
+            self.wait()
+        finally:
+            self.manager.close()
+            self._pool.shutdown()
+
+    def _failure(self, step: int | None):
+        return _WriteFailure(self, step)
+
+    def _remove_partial_saves(self) -> None:
+        """Remove the half-written step directories a failed save left (ours; never a committed one)."""
+        for p in self.directory.glob(f"*{TMP_MARKER}*"):
+            shutil.rmtree(p, ignore_errors=True)
+
+    def _write_checksums(self) -> None:
+        """Write `checksums.json` for the saves whose items are written. Orbax calls this when an
+        asynchronous save's items are final but before it renames the step's temporary directory, so
+        the checksums become part of the same atomic commit; a blocking save calls it afterwards."""
+        with self._lock:
+            steps, self._unsummed = self._unsummed, []
+        for step in steps:
+            pending = sorted(self.directory.glob(f"{step}{TMP_MARKER}*"))
+            step_dir = pending[0] if pending else self.directory / str(step)
+            if step_dir.is_dir():
+                write_checksums(step_dir, self._pool)
 
     # -- restoring -----------------------------------------------------------------------------------
 
@@ -118,19 +188,25 @@ class Checkpointer:
         return read_meta(self.directory, step)
 
     def restore_latest(
-        self, abstract_state: dict[str, Any], layout: str, run: TrainConfig
+        self,
+        abstract_state: dict[str, Any],
+        layout: str,
+        run: TrainConfig,
+        check_meta: Callable[[dict[str, Any]], Any] = lambda meta: None,
     ) -> Restored | None:
         """The newest checkpoint that restores cleanly onto `abstract_state`, or None if there is none.
 
-        A checkpoint that fails to restore (corrupted or partial files) is reported and skipped in
-        favour of the previous one; a checkpoint whose shapes do not match is an error, not skipped.
+        A checkpoint that cannot be used as saved (changed or missing files, unreadable metadata, or
+        metadata `check_meta` raises on) is reported, set aside to `checkpoints-unreadable/` and
+        skipped in favour of the previous one; one whose shapes do not match is an error.
         """
         steps = self.steps()
         unreadable: list[int] = []
         for step in reversed(steps):
             try:
                 restored = self.restore(step, abstract_state, layout, run)
-            except CheckpointError:
+                check_meta(restored.meta)
+            except CheckpointMismatch:
                 raise
             except Exception as e:  # noqa: BLE001 - Orbax/tensorstore raise many types for bad files
                 print(
@@ -140,23 +216,36 @@ class Checkpointer:
                 )
                 unreadable.append(step)
                 continue
-            for bad in unreadable:  # set aside, not deleted, so the resumed run can save those steps anew
-                target = self.directory.with_name(f"{CHECKPOINT_DIR}-unreadable") / str(bad)
-                target.parent.mkdir(exist_ok=True)
-                shutil.move(self.directory / str(bad), target)
-                print(f"jaxzero: moved unreadable checkpoint {bad} to {target}", file=sys.stderr)
-            self.manager.reload()
+            self._set_aside(unreadable)
             return restored
+        self._set_aside(unreadable)
         if steps:
             raise CheckpointError(
-                f"no checkpoint in {self.directory} could be restored (steps {steps}); see the messages "
-                "above."
+                f"no checkpoint in {self.directory} could be restored (steps {steps}, now in "
+                f"{self.directory.with_name(UNREADABLE_DIR)}); see the messages above. Start a new "
+                "--run_dir, or move a checkpoint you trust back."
             )
         return None
 
+    def _set_aside(self, steps: list[int]) -> None:
+        """Move checkpoints to `checkpoints-unreadable/` (not deleted: the run saves those steps anew)."""
+        for bad in steps:
+            target = self.directory.with_name(UNREADABLE_DIR) / str(bad)
+            if target.exists():
+                stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S-%f")
+                target = target.with_name(f"{bad}-{stamp}")
+            target.parent.mkdir(exist_ok=True)
+            shutil.move(self.directory / str(bad), target)
+            print(f"jaxzero: moved unreadable checkpoint {bad} to {target}", file=sys.stderr)
+        if steps:
+            self.manager.reload()
+
     def restore(self, step: int, abstract_state: dict[str, Any], layout: str, run: TrainConfig) -> Restored:
-        """Restore checkpoint `step` onto `abstract_state` (ShapeDtypeStructs carrying shardings)."""
+        """Restore checkpoint `step` onto `abstract_state` (ShapeDtypeStructs carrying shardings), after
+        checking its files against their checksums (`checkpoint.verify`)."""
         meta = self.read_meta(step)
+        if self.cfg.verify:
+            verify_checksums(self.directory / str(step), self._pool)
         if meta.get("layout") != layout:  # allowed: the saved optimizer state is per unit either way
             print(
                 f"jaxzero: checkpoint {step} was saved by the {meta.get('layout')} trainer; resuming under "
@@ -171,6 +260,138 @@ class Checkpointer:
             ),
         )
         return Restored(step=step, state=dict(restored["state"]), meta=dict(restored["meta"]))
+
+
+class _WriteFailure:
+    """Turns any error of a save into a `CheckpointWriteError` naming the step and the cause, after
+    removing what the failed save left half-written."""
+
+    def __init__(self, ckpt: Checkpointer, step: int | None):
+        self.ckpt, self.step = ckpt, step
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, error, tb) -> bool:
+        if error is None or isinstance(error, CheckpointWriteError | KeyboardInterrupt):
+            return False
+        self.ckpt._remove_partial_saves()
+        what = f"checkpoint {self.step}" if self.step is not None else "a checkpoint"
+        raise CheckpointWriteError(
+            f"could not write {what} to {self.ckpt.directory}: {describe_write_error(error)}. "
+            "Nothing half-written is left; the checkpoints listed there are complete. Fix the cause and "
+            "rerun the same command to resume from the newest of them."
+        ) from error
+
+
+def state_bytes(tree: Any) -> int:
+    """Bytes of the arrays (or ShapeDtypeStructs) of a saved state: about the size of its checkpoint."""
+    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def ensure_room(directory: Path, nbytes: int, what: str) -> None:
+    """Raise `CheckpointWriteError` if the file system holding `directory` (or its nearest existing
+    parent) has less than `nbytes` free: a checkpoint that cannot fit is refused before any write."""
+    existing = directory
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    free = shutil.disk_usage(existing).free
+    if free < nbytes:
+        raise CheckpointWriteError(
+            f"not enough free space for {what} in {directory}: it needs about {_size(nbytes)}, and "
+            f"{_size(free)} is free. Free space there (older checkpoints are deleted only after a new one "
+            "is written), or set checkpoint.keep lower or checkpoint.enabled=false."
+        )
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def describe_write_error(error: BaseException) -> str:
+    """The cause of a failed write in a few words: the OS error if one is in the chain (the Orbax and
+    TensorStore errors around it can run to pages), else the first line of the error."""
+    seen, chain = set(), []
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    for e in chain:
+        if isinstance(e, OSError) and e.errno:
+            return f"{os.strerror(e.errno)} (errno {e.errno})"
+    text = " ".join(str(e) for e in chain)
+    for errno_name, message in (
+        ("ENOSPC", "No space left on device"),
+        ("EACCES", "Permission denied"),
+        ("EROFS", "Read-only file system"),
+        ("EDQUOT", "Disk quota exceeded"),
+    ):
+        if message.lower() in text.lower():
+            return f"{message} ({errno_name})"
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return f"{type(error).__name__}: {first[:300]}"
+
+
+# -- checksums ---------------------------------------------------------------------------------------
+
+
+def _files(step_dir: Path) -> list[Path]:
+    """The files of a step's items (`state/`, `meta/`): Orbax rewrites its own bookkeeping files at
+    the step's top level as it commits, so those are not summed."""
+    return sorted(p for p in step_dir.rglob("*") if p.is_file() and p.parent != step_dir)
+
+
+def _piece_crc(path: Path, offset: int) -> int:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return zlib.crc32(f.read(CHECKSUM_PIECE))
+
+
+def file_checksums(step_dir: Path, pool: ThreadPoolExecutor) -> dict[str, list[int]]:
+    """{file path relative to `step_dir`: [size, CRC-32 of each 64 MiB piece...]}, pieces in parallel."""
+    files = _files(step_dir)
+    jobs = {
+        (p, off): pool.submit(_piece_crc, p, off)
+        for p in files
+        for off in range(0, max(p.stat().st_size, 1), CHECKSUM_PIECE)
+    }
+    out: dict[str, list[int]] = {}
+    for p in files:
+        crcs = [f.result() for (q, _), f in jobs.items() if q == p]
+        out[str(p.relative_to(step_dir))] = [p.stat().st_size, *crcs]
+    return out
+
+
+def write_checksums(step_dir: Path, pool: ThreadPoolExecutor) -> None:
+    """Write `checksums.json` for the files of a committed checkpoint, atomically."""
+    tmp = step_dir / f".{CHECKSUMS_FILE}.tmp"
+    tmp.write_text(json.dumps(file_checksums(step_dir, pool)))
+    os.replace(tmp, step_dir / CHECKSUMS_FILE)
+
+
+def verify_checksums(step_dir: Path, pool: ThreadPoolExecutor) -> None:
+    """Raise CheckpointError if a file of `step_dir` is missing or changed since its checksum was
+    written. A checkpoint without `checksums.json` (saved by an older jaxzero, or by a process that
+    stopped right after the save committed) is restored unverified, with a note."""
+    path = step_dir / CHECKSUMS_FILE
+    if not path.exists():
+        print(
+            f"jaxzero: checkpoint {step_dir} has no {CHECKSUMS_FILE}; restoring it unverified.",
+            file=sys.stderr,
+        )
+        return
+    try:
+        expected = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path} is unreadable: {e}") from e
+    actual = file_checksums(step_dir, pool)
+    bad = sorted(k for k in expected if actual.get(k) != expected[k])
+    if bad:
+        raise CheckpointError(
+            f"the bytes of {len(bad)} file(s) of checkpoint {step_dir} changed since it was saved "
+            f"(checksum mismatch or missing): {', '.join(bad[:4])}"
+        )
 
 
 def check_shapes(where: Path, meta: dict[str, Any], abstract_state: dict[str, Any], run: TrainConfig) -> None:
@@ -190,7 +411,7 @@ def check_shapes(where: Path, meta: dict[str, Any], abstract_state: dict[str, An
     ]
     arrays = [f"{k}: {tuple(saved[k])} saved, {tuple(expected[k])} expected" for k in wrong[:3]]
     arrays += [f"{k}: not in the checkpoint" for k in missing[:3]]
-    raise CheckpointError(
+    raise CheckpointMismatch(
         f"checkpoint {where} does not match this run's model ({'; '.join(arrays)}). It was saved with "
         f"{', '.join(fields) or 'another optimizer or layout'}. Resume with the config it was saved with, "
         "or start a new run_dir."

@@ -101,27 +101,29 @@ def _fmt(v: Any) -> Any:
 
 
 class MetricsLog:
-    """Appends one JSON object per logged step to `metrics.jsonl`, flushed as it goes, and echoes it."""
+    """Appends one JSON object per logged step to `metrics.jsonl`, flushed as it goes, and echoes it.
+    `device` names the accelerator's platform in the console's breakdown (GPU, TPU, CPU)."""
 
-    def __init__(self, path: Path, console: TextIO | None = sys.stdout):
+    def __init__(self, path: Path, console: TextIO | None = sys.stdout, device: str = "GPU"):
         self.path = path
         self._file = open(path, "a", buffering=1)  # line-buffered: every record reaches disk at once
         self._console = console
+        self._device = device
 
     def write(self, record: dict[str, Any]) -> None:
         rec = {k: _fmt(v) for k, v in record.items()}
         self._file.write(json.dumps(rec) + "\n")
         self._file.flush()
         if self._console is not None:
-            self._console.write(format_record(rec) + "\n")
+            self._console.write(format_record(rec, self._device) + "\n")
             self._console.flush()
 
     def close(self) -> None:
         self._file.close()
 
 
-def format_record(rec: dict[str, Any]) -> str:
-    """A compact console line for one metrics record."""
+def format_record(rec: dict[str, Any], device: str = "GPU") -> str:
+    """A compact console line for one metrics record; `device` names the accelerator in the breakdown."""
     parts = [f"step {rec['step']}"]
     names = [
         ("loss", "loss", "{:.4f}"),
@@ -143,7 +145,11 @@ def format_record(rec: dict[str, Any]) -> str:
     line = " | ".join(parts)
     if rec.get("step_s") is not None:  # the offload engine's breakdown, per step
         line += f"\n    step {rec['step_s']:.3f}s: " + " | ".join(
-            [f"{k.label} {rec[k.key]:.3f}" for k in BREAKDOWN_TIMES if rec.get(k.key) is not None]
+            [
+                f"{k.label.format(device=device)} {rec[k.key]:.3f}"
+                for k in BREAKDOWN_TIMES
+                if rec.get(k.key) is not None
+            ]
             + [f"{k.label} {rec[k.key]:.1f}" for k in BREAKDOWN_COUNTS if rec.get(k.key)]
         )
     return line

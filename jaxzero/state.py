@@ -49,7 +49,8 @@ class StepMetrics(NamedTuple):
 
 
 class BreakdownKey(NamedTuple):
-    """One entry of the per-step breakdown: its `metrics.jsonl` key and its console label."""
+    """One entry of the per-step breakdown: its `metrics.jsonl` key and its console label, where
+    `{device}` stands for the accelerator's platform (GPU, TPU, CPU)."""
 
     key: str
     label: str
@@ -58,12 +59,12 @@ class BreakdownKey(NamedTuple):
 # Where an offloaded step's time went, per step (seconds; `jaxzero.offload.timeline` says how each is
 # measured), in the order `metrics.jsonl` and the console show them.
 BREAKDOWN_TIMES = (
-    BreakdownKey("gpu_compute_s", "GPU compute"),  # accelerator computations, summed
+    BreakdownKey("gpu_compute_s", "{device} compute"),  # accelerator computations, summed
     BreakdownKey("h2d_s", "H2D"),  # busy time of the weight copies to the accelerator
     BreakdownKey("d2h_s", "D2H"),  # busy time of the gradient copies to the host
     BreakdownKey("host_update_s", "host update"),  # wall time with a unit being updated on the host
-    BreakdownKey("wait_weights_s", "GPU waits for host"),  # the next pass held back for updated weights
-    BreakdownKey("gpu_idle_s", "GPU idle"),  # wall time minus GPU compute
+    BreakdownKey("wait_weights_s", "{device} waits for host"),  # the next pass held back for new weights
+    BreakdownKey("gpu_idle_s", "{device} idle"),  # wall time minus accelerator compute
     BreakdownKey("host_idle_s", "host idle"),  # wall time minus host update
 )
 # Host-update events, per step.

@@ -1,31 +1,36 @@
 """`python -m jaxzero.train [--config=PATH] [--section.key=value ...]`: train a model.
 
 With no arguments it trains the tiny Llama on the built-in byte-level corpus on whatever JAX backend is
-present. The run directory receives the resolved `config.json`, `metrics.jsonl` (one JSON object per
-logged step; its fields are listed in the README, the offload engine's per-step breakdown in
-`jaxzero.state.BREAKDOWN`) and Orbax checkpoints under `checkpoints/`.
+present. `--help` lists every key with its type, default and meaning.
 
-Pointed at a run directory that holds a checkpoint, it resumes from the newest complete one with the
-config saved there; `--steps`, `--logging.*`, `--checkpoint.*` and `--offload.*` (resume a resident
-run offloaded, or the reverse) may be changed on resume.
-SIGTERM saves a checkpoint at the next step boundary and exits with status 3 (with several processes,
-joined through `jax.distributed`, every process at the same step).
+The run directory (`run_dir`, relative to the working directory; printed absolute) receives the
+resolved `config.json`, `metrics.jsonl` (one JSON object per logged step; its fields are listed in the
+README, the offload engine's per-step breakdown in `jaxzero.state.BREAKDOWN`), Orbax checkpoints under
+`checkpoints/` and, when the run completes, `summary.json`. What happens to a directory that already
+exists is `jaxzero.run_dir`'s rule: a run with checkpoints resumes from the newest good one (only
+`steps`, `logging.*`, `checkpoint.*`, `offload.*`, `optimizer.decay_steps` and `data.check_tokens` may
+change), a run that stopped before its first checkpoint starts over, and anything else is refused.
 
-The loop reads top to bottom: config -> data -> trainer -> state (init or restore) -> for each step:
-step, log (every `logging.log_every` steps), save, preempt.
+SIGTERM, or a first Ctrl-C, saves a checkpoint at the next step boundary and exits with status 3 (130
+for Ctrl-C; with several processes, joined through `jax.distributed`, every process stops at the same
+step). A second Ctrl-C stops at once. Exit status 1: training failed (a non-finite loss, a checkpoint
+that cannot be written); 2: the config or the input is wrong. Every error is one line on stderr.
+
+The loop reads top to bottom: config -> run directory -> data -> trainer -> state (init or restore) ->
+for each step: step, log (every `logging.log_every` steps), save, stop.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import json
 import math
 import os
 import signal
 import sys
-import threading
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -33,7 +38,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxzero.checkpoint import Checkpointer, make_meta, saved_steps
+from jaxzero import run_dir as run_dir_lib
+from jaxzero.checkpoint import Checkpointer, CheckpointWriteError, ensure_room, make_meta, state_bytes
 from jaxzero.config import ConfigError, TrainConfig, validate
 from jaxzero.data import BatchIterator, Data, DataState, build_data
 from jaxzero.interop import load_hf_into
@@ -46,13 +52,12 @@ from jaxzero.metrics import (
     peak_tflops,
 )
 from jaxzero.models.sizes import flops_per_token, param_count
-from jaxzero.overrides import all_keys, apply_overrides, config_from_dict, parse_args
+from jaxzero.overrides import help_text, layer, split_args
+from jaxzero.run_dir import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, RunKind
 from jaxzero.state import BREAKDOWN, StepMetrics, Trainer
 from jaxzero.trainer import build_trainer
 
-EXIT_CONFIG, EXIT_TRAINING, EXIT_PREEMPTED = 2, 1, 3
-# Keys a resumed run may change; anything else would make the resumed run a different run.
-RESUMABLE_CHANGES = ("steps", "logging.", "checkpoint.", "offload.")
+EXIT_TRAINING, EXIT_CONFIG, EXIT_PREEMPTED, EXIT_INTERRUPTED = 1, 2, 3, 130
 
 
 class TrainingError(RuntimeError):
@@ -60,54 +65,11 @@ class TrainingError(RuntimeError):
 
 
 class Preempted(RuntimeError):
-    """SIGTERM arrived; a checkpoint was saved at `step`."""
+    """SIGTERM or Ctrl-C arrived and the run stopped at a step boundary; `exit_code` is the status."""
 
-
-def has_checkpoint(run_dir: Path) -> bool:
-    return bool(saved_steps(run_dir))
-
-
-def resolve_run_dir(cfg: TrainConfig) -> tuple[Path, bool]:
-    """(run directory, whether it resumes a checkpointed run). A run without checkpoints is never
-    overwritten."""
-    if cfg.run_dir:
-        run_dir = Path(cfg.run_dir)
-    else:
-        stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
-        run_dir = Path("runs") / f"{cfg.model.name}-{stamp}"
-    if has_checkpoint(run_dir):
-        return run_dir, True
-    if (run_dir / "metrics.jsonl").exists() or (run_dir / "config.json").exists():
-        raise ConfigError(
-            f"run_dir {str(run_dir)!r} already holds a run (config.json / metrics.jsonl) with no checkpoint "
-            "to resume from; pass a new --run_dir=PATH (or delete the old run) so its results are not "
-            "overwritten."
-        )
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return run_dir, False
-
-
-def resume_config(run_dir: Path, overrides: dict[str, str]) -> TrainConfig:
-    """The saved config of a run being resumed, with the allowed `overrides` applied."""
-    saved = config_from_dict(json.loads((run_dir / "config.json").read_text()))
-    changed = {k: v for k, v in overrides.items() if k != "run_dir"}
-    cfg = apply_overrides(saved, changed)
-    different = [k for k in changed if not k.startswith(RESUMABLE_CHANGES) and _get(cfg, k) != _get(saved, k)]
-    if different:
-        raise ConfigError(
-            f"run_dir {str(run_dir)!r} holds a checkpointed run; resuming it cannot change "
-            f"{', '.join(f'{k} ({_get(saved, k)!r} -> {_get(cfg, k)!r})' for k in different)}. Only steps, "
-            "logging.*, checkpoint.* and offload.* may change; start a new --run_dir for a different run."
-        )
-    validate(cfg)
-    return cfg
-
-
-def _get(cfg: TrainConfig, key: str):
-    obj = cfg
-    for part in key.split("."):
-        obj = getattr(obj, part)
-    return obj
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 def evaluate(trainer: Trainer, state: Any, batches: list[np.ndarray]) -> float:
@@ -116,27 +78,63 @@ def evaluate(trainer: Trainer, state: Any, batches: list[np.ndarray]) -> float:
     return float(np.mean(jax.device_get(losses)))  # host sync
 
 
-def truncate_metrics(path: Path, last_step: int) -> None:
-    """Drop records past `last_step`: the resumed run recomputes them (identically), so the file keeps
-    one record per step. Rewritten atomically."""
-    if not path.exists():
-        return
-    keep = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= last_step]
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(ln + "\n" for ln in keep))
-    tmp.replace(path)
+# -- stopping at a step boundary -------------------------------------------------------------------
 
 
-_SIGTERM = threading.Event()  # set by the handler `main` installs for a one-process run
+class _StopRequest:
+    """SIGTERM or a first Ctrl-C, set by the handlers `install_stop_handlers` installs and read at the
+    next step boundary. A second Ctrl-C exits at once."""
+
+    reason: str | None = None
+
+    def on_sigterm(self, signum: int, frame: Any) -> None:
+        self.reason = self.reason or "SIGTERM"
+
+    def on_sigint(self, signum: int, frame: Any) -> None:
+        if self.reason is not None:
+            # At once means now, from wherever the main thread is, not after the saves and host
+            # updates in flight: committed checkpoints are complete, and a half-written save is
+            # removed when the run is resumed.
+            print(
+                "\njaxzero: interrupted: stopped at once (a second Ctrl-C); the checkpoints already "
+                "committed are complete.",
+                file=sys.stderr,
+                flush=True,
+            )
+            os._exit(EXIT_INTERRUPTED)
+        self.reason = "Ctrl-C"
+        print(
+            "\njaxzero: Ctrl-C: stopping after this step with a checkpoint (Ctrl-C again: at once).",
+            file=sys.stderr,
+        )
 
 
-def preemption_requested(step: int) -> bool:
-    """Whether a SIGTERM asks this run to stop after `step`. With several processes (jax.distributed
-    running) JAX's preemption sync point answers, so that every process stops at the same step; one
-    process reads the flag its own SIGTERM handler sets (without a handler, never)."""
+_STOP = _StopRequest()
+
+
+def install_stop_handlers() -> Callable[[], None]:
+    """Catch SIGTERM and Ctrl-C for a one-process run; returns the function that puts the previous
+    handlers back."""
+    _STOP.reason = None
+    previous = {
+        signal.SIGTERM: signal.signal(signal.SIGTERM, _STOP.on_sigterm),
+        signal.SIGINT: signal.signal(signal.SIGINT, _STOP.on_sigint),
+    }
+
+    def restore() -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+
+    return restore
+
+
+def stop_requested(step: int) -> str | None:
+    """Why this run should stop after `step` ("SIGTERM", "Ctrl-C"), or None. With several processes
+    (jax.distributed running) JAX's preemption sync point answers, so that every process stops at the
+    same step; one process reads its own handlers' flag (without handlers, never)."""
     if jax.distributed.is_initialized():
-        return multihost_utils.reached_preemption_sync_point(step)
-    return _SIGTERM.is_set()
+        return "SIGTERM" if multihost_utils.reached_preemption_sync_point(step) else None
+    return _STOP.reason
 
 
 def checkpoint_due(cfg: TrainConfig, step: int) -> bool:
@@ -145,24 +143,79 @@ def checkpoint_due(cfg: TrainConfig, step: int) -> bool:
     return step == cfg.steps or bool(every and step % every == 0)
 
 
+# -- start, log, finish -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Start:
+    """Where the loop starts: the state (in its final placement), the first step to run, the batches,
+    and the checkpoint step restored (None for a fresh start)."""
+
+    state: Any
+    first: int
+    batches: BatchIterator
+    restored_step: int | None
+
+
 def start(
     cfg: TrainConfig, trainer: Trainer, data: Data, ckpt: Checkpointer | None, console: TextIO
-) -> tuple[Any, int, BatchIterator]:
-    """(state, first step, batches) of the run: restored from `ckpt`'s newest readable checkpoint when
-    resuming (`ckpt` given), else initialised from the Hugging Face checkpoint `model.init_from` or
-    from `seed`. The state is created in its final placement."""
-    restored = ckpt.restore_latest(trainer.abstract_saved_state(), trainer.layout, cfg) if ckpt else None
+) -> Start:
+    """Restore from `ckpt`'s newest good checkpoint when resuming (`ckpt` given), else initialise from
+    the Hugging Face checkpoint `model.init_from` or from `seed`."""
+    restored = None
+    if ckpt is not None:
+        check_meta = lambda meta: DataState.from_dict(meta["data_state"])  # noqa: E731 - its loader state
+        restored = ckpt.restore_latest(trainer.abstract_saved_state(), trainer.layout, cfg, check_meta)
     if restored is not None:
         state = trainer.from_saved_state(restored.state)
         batches = data.train_iter(DataState.from_dict(restored.meta["data_state"]))
-        truncate_metrics(Path(cfg.run_dir) / "metrics.jsonl", restored.step)
+        run_dir_lib.truncate_metrics(Path(cfg.run_dir) / METRICS_FILE, restored.step)
         print(f"jaxzero: resumed from {ckpt.directory / str(restored.step)}", file=console)
-        return state, restored.step + 1, batches
+        return Start(state, restored.step + 1, batches, restored.step)
     if cfg.model.init_from:
         state = trainer.init_from_params(load_hf_into(cfg.model, cfg.model.init_from))
         print(f"jaxzero: initialised from the Hugging Face checkpoint {cfg.model.init_from}", file=console)
-        return state, 1, data.train_iter()
-    return trainer.init(jax.random.key(cfg.seed)), 1, data.train_iter()
+        return Start(state, 1, data.train_iter(), None)
+    return Start(trainer.init(jax.random.key(cfg.seed)), 1, data.train_iter(), None)
+
+
+def nonfinite_cause(
+    cfg: TrainConfig, step: int, values: StepMetrics, start: Start, grad_norms: list[float]
+) -> str:
+    """What most likely made the loss of `step` non-finite, from the facts at hand, and what to do.
+
+    The loss of step k is computed with the weights after k - 1 updates, so the first step a process
+    runs has seen no update of its own: its weights come from the init or the restored checkpoint."""
+    lr, norm = float(values.lr), float(values.grad_norm)
+    if step == start.first and start.restored_step is not None:
+        return (
+            f"it is the first step after restoring checkpoint {start.restored_step}, before any update: "
+            f"the checkpoint's state or the data at this point is bad. Resume from an earlier checkpoint "
+            f"(move {cfg.run_dir}/checkpoints/{start.restored_step} aside) or start a new --run_dir."
+        )
+    if step == start.first:
+        data = (
+            " (data.check_tokens=false: only a sample of the token ids was checked against "
+            "model.vocab_size; the full check may find the bad id)"
+            if cfg.data.source == "tokens" and not cfg.data.check_tokens
+            else ""
+        )
+        return (
+            f"no update had changed the freshly initialised weights yet, so the learning rate is not the "
+            f"cause: look at the data{data} and the model's numerics (model.compute_dtype="
+            f"{cfg.model.compute_dtype}; float32 rules out overflow)."
+        )
+    growth = (
+        f"; the gradient norm was {', '.join(f'{g:.3g}' for g in grad_norms[-3:])} before"
+        if grad_norms
+        else ""
+    )
+    return (
+        f"the loss diverged after {step - 1} updates at lr {lr:.3g} (gradient norm {norm:.4g}{growth}). "
+        f"Try a lower optimizer.lr (now {cfg.optimizer.lr}), more optimizer.warmup_steps (now "
+        f"{cfg.optimizer.warmup_steps}), clipping (optimizer.grad_clip, now {cfg.optimizer.grad_clip}), or "
+        "model.compute_dtype=float32."
+    )
 
 
 class LogWindow:
@@ -174,17 +227,20 @@ class LogWindow:
         self,
         cfg: TrainConfig,
         trainer: Trainer,
-        first: int,
+        start: Start,
         val_batches: list[np.ndarray],
-        run_dir: Path,
         console: TextIO,
         bar: ProgressBar,
         t_start: float,
     ):
-        self.cfg, self.trainer, self.first, self.val_batches = cfg, trainer, first, val_batches
+        self.cfg, self.trainer, self.start, self.val_batches = cfg, trainer, start, val_batches
+        self.first = start.first
         self.bar = bar  # cleared before each record, so the line is not printed over it
         self.t_start = t_start  # before init or restore: the first record's compile_s counts from here
-        self.file = MetricsLog(run_dir / "metrics.jsonl", console)
+        device = trainer.mesh.devices.flat[0].platform.upper()  # the breakdown names the real device
+        self.file = MetricsLog(Path(cfg.run_dir) / METRICS_FILE, console, device=device)
+        self.last: dict[str, Any] = {}  # the newest record
+        self.grad_norms: list[float] = []  # finite gradient norms of the steps read so far (the last few)
         self.throughput = Throughput(
             cfg.data.batch_size * cfg.data.seq_len,
             flops_per_token(cfg.model, cfg.data.seq_len),
@@ -233,18 +289,20 @@ class LogWindow:
         if last.loss_scale is not None:  # float16: overflowing steps are skipped, not failures
             self._float16(record, values)
         bad = [(s, v) for (s, _), v in zip(self.pending, values) if not math.isfinite(float(v.loss))]
-        if self._is_eval(step) and not bad:
+        if self._is_eval(step) and not bad and len(self.val_batches):  # none: data.val_fraction=0
             record["val_loss"] = evaluate(self.trainer, state, self.val_batches)
         self.bar.clear()
         self.file.write(record)
+        self.last = record
         if bad:  # the last good checkpoint stays; nothing non-finite is saved
+            s, v = bad[0]
+            norms = self.grad_norms + [float(w.grad_norm) for (t, _), w in zip(self.pending, values) if t < s]
             raise TrainingError(
-                f"loss became {float(bad[0][1].loss)} at step {bad[0][0]} "
-                f"(grad_norm {float(bad[0][1].grad_norm):.4g}). "
-                f"Training stopped; metrics so far are in {self.file.path}. Try a lower "
-                f"optimizer.lr (now {self.cfg.optimizer.lr}), more optimizer.warmup_steps, or "
-                "model.compute_dtype=float32."
+                f"loss became {float(v.loss)} at step {s}; training stopped (metrics so far in "
+                f"{self.file.path}, the last good checkpoint kept). Likely cause: "
+                + nonfinite_cause(self.cfg, s, v, self.start, [g for g in norms if math.isfinite(g)])
             )
+        self.grad_norms = (self.grad_norms + [float(v.grad_norm) for v in values])[-8:]
         self.pending.clear()
         self.throughput.restart()
 
@@ -272,60 +330,168 @@ class LogWindow:
 
 
 def train(cfg: TrainConfig, console: TextIO = sys.stdout) -> Path:
-    """Run training as configured; returns the run directory. Raises ConfigError / TrainingError /
-    Preempted."""
+    """Run training as configured; returns the (absolute) run directory. Raises ConfigError,
+    TrainingError, CheckpointWriteError or Preempted.
+
+    Nothing is written until the config is validated, the run directory inspected, the data checked,
+    the memory planned and the state initialised or restored; `config.json` is then written atomically."""
+    path = run_dir_lib.locate(cfg.run_dir, cfg.model.name)
+    run = run_dir_lib.inspect_run_dir(path)  # refuses a foreign or a finished directory before anything
+    notes = []
+    if run.kind is RunKind.RESUME:
+        resumed = run_dir_lib.check_resume(cfg, run.saved, path)  # the guard, whatever set the keys
+        if resumed.optimizer.decay_steps != cfg.optimizer.decay_steps:
+            notes.append(
+                f"jaxzero: steps {run.saved.steps} -> {cfg.steps}: the learning-rate schedule keeps the "
+                f"{resumed.optimizer.decay_steps} steps it started with and holds lr x min_lr_ratio after "
+                "them; pass --optimizer.decay_steps=N to give it N steps instead."
+            )
+        cfg = resumed
+    cfg = dataclasses.replace(cfg, run_dir=str(path))
+    validate(cfg)
     data = build_data(cfg.data, cfg.model.vocab_size, cfg.seed)  # checks files before anything is allocated
-    run_dir, resuming = resolve_run_dir(cfg)
     trainer = build_trainer(cfg)  # checks the mesh and memory; allocates and compiles nothing
-    cfg = dataclasses.replace(cfg, run_dir=str(run_dir))
-    (run_dir / "config.json").write_text(cfg.to_json() + "\n")
-    ckpt = Checkpointer(run_dir, cfg.checkpoint) if cfg.checkpoint.enabled or resuming else None
+    what = {
+        RunKind.NEW: "a new run",
+        RunKind.RESUME: "resuming",
+        RunKind.RESTART: "starting over (the run there stopped before its first checkpoint)",
+    }[run.kind]
     print(
         f"jaxzero: {cfg.model.name} ({param_count(cfg.model) / 1e6:.2f}M params), {data.describe()}\n"
-        f"jaxzero: {trainer.strategy}; {jax.default_backend()} x{trainer.mesh.size}; run_dir {run_dir}",
+        f"jaxzero: {trainer.strategy}; {jax.default_backend()} x{trainer.mesh.size}\n"
+        f"jaxzero: run_dir {path}: {what}",
         file=console,
     )
+    for note in notes:
+        print(note, file=console)
+    if cfg.checkpoint.enabled:  # a first checkpoint that cannot fit is refused before any training
+        ensure_room(path, state_bytes(trainer.abstract_saved_state()), "a checkpoint of this run")
     val_batches = data.val_batches(cfg.logging.eval_batches)
     t_start = time.perf_counter()
-    state, first, batches = start(cfg, trainer, data, ckpt if resuming else None, console)
-    bar = ProgressBar(cfg.steps, cfg.logging.progress)
-    log = LogWindow(cfg, trainer, first, val_batches, run_dir, console, bar, t_start)
+    ckpt = Checkpointer(path, cfg.checkpoint) if run.kind is RunKind.RESUME else None
     try:
-        for step in range(first, cfg.steps + 1):
+        begin = start(cfg, trainer, data, ckpt, console)
+    except BaseException:
+        _close_quietly(ckpt)
+        raise
+    if begin.first > cfg.steps:
+        _close_quietly(ckpt)
+        print(
+            f"jaxzero: nothing to do: the run is at step {begin.first - 1} and steps={cfg.steps}; pass "
+            f"--steps=N (N > {begin.first - 1}) to train further.",
+            file=console,
+        )
+        return path
+    if run.kind is RunKind.RESTART:
+        kept = run_dir_lib.set_aside_attempt(path)
+        print(
+            f"jaxzero: the stopped attempt's config.json and metrics.jsonl are kept in {kept}", file=console
+        )
+    path.mkdir(parents=True, exist_ok=True)
+    run_dir_lib.write_atomic(path / CONFIG_FILE, cfg.to_json() + "\n")
+    if ckpt is None and cfg.checkpoint.enabled:
+        ckpt = Checkpointer(path, cfg.checkpoint)
+    bar = ProgressBar(cfg.steps, cfg.logging.progress)
+    log = LogWindow(cfg, trainer, begin, val_batches, console, bar, t_start)
+    state, batches = begin.state, begin.batches
+    try:
+        for step in range(begin.first, cfg.steps + 1):
             state, metrics = trainer.step(state, trainer.put_batch(next(batches)))
             log.add(step, metrics)
             if log.due(step):
                 log.write(step, state)  # raises TrainingError on a non-finite loss
-            preempted = preemption_requested(step)
-            if ckpt is not None and cfg.checkpoint.enabled and (preempted or checkpoint_due(cfg, step)):
+            if ckpt is not None:
+                ckpt.check()  # a background save that failed stops the run now, not at the next save
+            stop = stop_requested(step)
+            if ckpt is not None and cfg.checkpoint.enabled and (stop or checkpoint_due(cfg, step)):
                 saved = trainer.saved_state(state)
                 ckpt.save(step, saved, make_meta(step, batches.state.to_dict(), cfg, trainer.layout, saved))
-            if preempted:
+            if stop:
                 bar.clear()
-                if ckpt is None or not cfg.checkpoint.enabled:
-                    raise Preempted(
-                        f"SIGTERM at step {step}; checkpoint.enabled=false, so nothing was saved."
-                    )
-                raise Preempted(
-                    f"SIGTERM: saved a checkpoint at step {step} in {ckpt.directory}; rerun with "
-                    f"--run_dir={run_dir} to resume."
-                )
+                raise Preempted(_stopped_message(stop, step, ckpt, cfg), _exit_code(stop))
             bar.update(step)
-    except TrainingError:
+    except (TrainingError, CheckpointWriteError):
         log.close()
-        if ckpt is not None:
-            ckpt.close()  # host sync: the last good checkpoint is committed; nothing non-finite is saved
+        _close_quietly(ckpt)  # the last good checkpoint is committed; nothing non-finite is saved
         raise
     except Preempted:
         log.close()
-        if ckpt is not None and cfg.checkpoint.enabled:
+        if ckpt is not None:
             ckpt.close()  # host sync: the checkpoint is committed before the process exits
         raise
     bar.close()
     log.close()
     if ckpt is not None:
         ckpt.close()  # host sync: wait for the last asynchronous save
-    return run_dir
+    finish(cfg, log.last, ckpt, time.perf_counter() - t_start, console)
+    return path
+
+
+def _stopped_message(reason: str, step: int, ckpt: Checkpointer | None, cfg: TrainConfig) -> str:
+    if ckpt is None or not cfg.checkpoint.enabled:
+        return f"{reason} at step {step}; checkpoint.enabled=false, so nothing was saved."
+    return (
+        f"{reason}: saved a checkpoint at step {step} in {ckpt.directory}; rerun with "
+        f"--run_dir={cfg.run_dir} to resume."
+    )
+
+
+def _exit_code(reason: str) -> int:
+    return EXIT_INTERRUPTED if reason == "Ctrl-C" else EXIT_PREEMPTED
+
+
+def _close_quietly(ckpt: Checkpointer | None) -> None:
+    """Close `ckpt` on the way out of a failure: a save that failed too is reported, not raised, so
+    that the failure that stopped the run stays the one the user reads."""
+    if ckpt is None:
+        return
+    try:
+        ckpt.close()
+    except CheckpointWriteError as e:
+        print(f"jaxzero: also: {e}", file=sys.stderr)
+
+
+def finish(
+    cfg: TrainConfig, last: dict[str, Any], ckpt: Checkpointer | None, wall: float, console: TextIO
+) -> None:
+    """Print the run's summary and write it to `summary.json` (which marks the run complete)."""
+    checkpoint = None
+    if ckpt is not None and ckpt.last_saved is not None:
+        checkpoint = str(ckpt.directory / str(ckpt.last_saved))
+    summary = {
+        "status": "complete",
+        "steps": cfg.steps,
+        "loss": last.get("loss"),
+        "val_loss": last.get("val_loss"),
+        "wall_s": round(wall, 3),
+        "checkpoint": checkpoint,
+    }
+    run_dir_lib.write_atomic(Path(cfg.run_dir) / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
+    losses = ", ".join(f"{k} {last[k]:.4f}" for k in ("loss", "val_loss") if last.get(k) is not None)
+    print(f"jaxzero: done: step {cfg.steps} in {wall:.0f} s; {losses}", file=console)
+    if checkpoint:
+        print(
+            f"jaxzero: checkpoint {checkpoint}\n"
+            f"jaxzero: train further: python -m jaxzero.train --run_dir={cfg.run_dir} --steps=N\n"
+            f"jaxzero: export: python -m jaxzero.export --run_dir={cfg.run_dir} --out=DIR",
+            file=console,
+        )
+
+
+def configure(argv: list[str]) -> TrainConfig:
+    """The config `argv` asks for. For a run directory holding a checkpointed run, the preset's and the
+    command line's keys apply on top of the run's saved config (`train` then refuses any that would
+    make it a different run); otherwise on top of the defaults."""
+    preset, cli = split_args(argv)
+    requested_dir = cli.get("run_dir", preset.get("run_dir", ""))
+    base = TrainConfig()
+    if requested_dir:
+        run = run_dir_lib.inspect_run_dir(run_dir_lib.locate(requested_dir, ""))
+        if run.kind is RunKind.RESUME:
+            base = run.saved
+    cfg = layer(base, preset, cli)
+    validate(cfg)
+    return dataclasses.replace(cfg, run_dir=str(run_dir_lib.locate(cfg.run_dir, cfg.model.name)))
 
 
 def start_distributed() -> bool:
@@ -351,45 +517,66 @@ def stop_distributed() -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
-        print(__doc__)
-        print("Keys:", " ".join(all_keys()))
+        print(__doc__ + help_text())
         return 0
     # Random init of a large model compiles in seconds instead of minutes with the threefry kernel
     # (identical values); process-wide, so it is set here by the program, not by the library.
     jax.config.update("jax_threefry_gpu_kernel_lowering", True)
-    started, previous_sigterm = False, None
+    started, restore_handlers, cfg = False, None, None
     try:
-        run_dir = next((a.split("=", 1)[1] for a in argv if a.startswith("--run_dir=")), "")
-        if run_dir and has_checkpoint(Path(run_dir)):
-            overrides = dict(a[2:].split("=", 1) for a in argv if a.startswith("--") and "=" in a)
-            if "config" in overrides:
-                raise ConfigError(
-                    "--config cannot be combined with resuming a run; the run's own config is used."
-                )
-            cfg = resume_config(Path(run_dir), overrides)
-        else:
-            cfg = parse_args(argv)
+        cfg = configure(argv)
         started = start_distributed()
-        if not jax.distributed.is_initialized():  # one process: SIGTERM sets a flag read per step
-            _SIGTERM.clear()
-            previous_sigterm = signal.signal(signal.SIGTERM, lambda signum, frame: _SIGTERM.set())
-            previous_sigterm = signal.SIG_DFL if previous_sigterm is None else previous_sigterm
+        if not jax.distributed.is_initialized():  # one process: SIGTERM and Ctrl-C set a flag per step
+            restore_handlers = install_stop_handlers()
         train(cfg)
     except ConfigError as e:
-        print(f"jaxzero: config error: {e}", file=sys.stderr)
-        return EXIT_CONFIG
+        return _fail("config error", e, EXIT_CONFIG)
     except TrainingError as e:
-        print(f"jaxzero: training stopped: {e}", file=sys.stderr)
-        return EXIT_TRAINING
+        return _fail("training stopped", e, EXIT_TRAINING)
+    except CheckpointWriteError as e:
+        return _fail("checkpoint error", e, EXIT_TRAINING)
     except Preempted as e:
-        print(f"jaxzero: preempted: {e}", file=sys.stderr)
-        return EXIT_PREEMPTED
+        return _fail("preempted" if e.exit_code == EXIT_PREEMPTED else "interrupted", e, e.exit_code)
+    except KeyboardInterrupt:  # Ctrl-C without jaxzero's handlers (several processes)
+        return _fail("interrupted", "stopped at once (Ctrl-C)", EXIT_INTERRUPTED)
+    except Exception as e:  # noqa: BLE001 - the environment (memory, devices, files): one line, no trace
+        return _fail("error", _environment_error(e, cfg), EXIT_TRAINING)
     finally:  # after the outcome is printed
-        if previous_sigterm is not None:
-            signal.signal(signal.SIGTERM, previous_sigterm)
+        if restore_handlers is not None:
+            restore_handlers()
         if started:
             stop_distributed()
     return 0
+
+
+def _fail(what: str, error: BaseException | str, code: int) -> int:
+    print(f"jaxzero: {what}: {error}", file=sys.stderr)
+    return code
+
+
+def _environment_error(error: Exception, cfg: TrainConfig | None) -> str:
+    """One line for an error that input or the environment can cause (out of memory, a file that
+    cannot be written, a device error); its traceback goes to `error.log` in the run directory."""
+    text = (str(error).strip().splitlines() or [""])[0][:400]
+    hint = ""
+    if "RESOURCE_EXHAUSTED" in str(error) or "Out of memory" in str(error) or isinstance(error, MemoryError):
+        hint = (
+            " The accelerator or host ran out of memory: lower data.batch_size or data.seq_len, raise "
+            "data.grad_accum, or offload (offload.optimizer=cpu, offload.params=cpu)."
+        )
+    trace = "".join(traceback.format_exception(error))
+    where = " (set JAXZERO_TRACEBACK=1 for the traceback)"
+    run_dir = Path(cfg.run_dir) if cfg is not None and cfg.run_dir else None
+    if os.environ.get("JAXZERO_TRACEBACK"):
+        print(trace, file=sys.stderr)
+        where = ""
+    elif run_dir is not None and run_dir.is_dir():
+        try:
+            run_dir_lib.write_atomic(run_dir / run_dir_lib.ERROR_FILE, trace)
+            where = f" (traceback in {run_dir / run_dir_lib.ERROR_FILE})"
+        except OSError:
+            pass
+    return f"{type(error).__name__}: {text}{where}.{hint}"
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Checkpoints: exact resume after SIGKILL (also mid-save), preemption, corruption and mismatches."""
 
 import json
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -12,7 +13,7 @@ import pytest
 from subprocess_run import run_module, run_program
 
 from jaxzero import placement
-from jaxzero.checkpoint import Checkpointer, make_meta
+from jaxzero.checkpoint import Checkpointer, CheckpointWriteError, make_meta
 from jaxzero.config import CheckpointError, TrainConfig
 from jaxzero.overrides import apply_overrides
 from jaxzero.trainer import build_trainer
@@ -209,4 +210,103 @@ def test_keep_last_n_and_every_k(tmp_path):
         )
     ckpt.wait()
     assert ckpt.steps() == [4, 8, 9]  # the newest two, and every 4th
+    ckpt.close()
+
+
+META = {"epoch": 0, "cursor": 0, "num_windows": 1}
+
+
+def two_checkpoints(tmp_path, **over):
+    """A trainer, and checkpoints 1 and 2 of its state (distinct masters) under `tmp_path`."""
+    cfg = tiny(**over)
+    trainer = build_trainer(cfg, placement.make_mesh(jax.devices()[:1]))
+    state = trainer.init(jax.random.key(0))
+    ckpt = Checkpointer(tmp_path, cfg.checkpoint)
+    for step in (1, 2):
+        saved = trainer.saved_state(state)
+        ckpt.save(step, saved, make_meta(step, META, cfg, trainer.layout, saved))
+        state, _ = run_steps(trainer, state, step, step, cfg)
+    ckpt.wait()
+    return cfg, trainer, ckpt
+
+
+def flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(data)
+
+
+@pytest.mark.parametrize("async_save", ["true", "false"])
+def test_changed_bytes_are_caught_and_the_previous_checkpoint_used(tmp_path, async_save):
+    cfg, trainer, ckpt = two_checkpoints(tmp_path, **{"checkpoint.async_save": async_save})
+    assert (ckpt.directory / "2" / "checksums.json").is_file()  # written with the commit
+    biggest = max(
+        (ckpt.directory / "2" / "state").rglob("*"), key=lambda p: p.stat().st_size if p.is_file() else 0
+    )
+    flip_a_byte(biggest)
+    restored = ckpt.restore_latest(trainer.abstract_saved_state(), trainer.layout, cfg)
+    assert restored.step == 1
+    assert ckpt.steps() == [1] and (tmp_path / "checkpoints-unreadable" / "2").is_dir()  # set aside
+    ckpt.close()
+
+
+def test_every_part_of_a_checkpoint_falls_back_the_same_way(tmp_path, capsys):
+    cfg, trainer, ckpt = two_checkpoints(tmp_path)
+    (ckpt.directory / "2" / "meta" / "metadata").unlink()  # the metadata gone
+    restored = ckpt.restore_latest(trainer.abstract_saved_state(), trainer.layout, cfg)
+    assert restored.step == 1 and "unreadable metadata" in capsys.readouterr().err
+
+    # A data-loader state the data cannot take: the checkpoint is set aside too.
+    def bad_loader(meta):
+        raise ValueError("data_state.cursor=-1 must be >= 0")
+
+    with pytest.raises(CheckpointError, match=r"no checkpoint .* could be restored \(steps \[1\]"):
+        ckpt.restore_latest(trainer.abstract_saved_state(), trainer.layout, cfg, check_meta=bad_loader)
+    assert sorted(p.name for p in (tmp_path / "checkpoints-unreadable").iterdir()) == ["1", "2"]
+    ckpt.close()
+
+
+def test_a_save_that_fails_is_one_error_and_leaves_nothing_half_written(tmp_path, monkeypatch):
+    cfg, trainer, ckpt = two_checkpoints(tmp_path)
+    saved = trainer.saved_state(trainer.init(jax.random.key(0)))
+
+    def disk_full(step, *args, **kwargs):  # as Orbax fails: a half-written step, a long error
+        (ckpt.directory / f"{step}.orbax-checkpoint-tmp").mkdir()
+        raise ValueError(
+            'RESOURCE_EXHAUSTED: Error writing "params" in OCDBT database: Failed to write 4681728 bytes '
+            "to file 4: No space left on device [os_error_code='28']"
+        )
+
+    monkeypatch.setattr(ckpt.manager, "save", disk_full)
+    with pytest.raises(
+        CheckpointWriteError, match=r"could not write checkpoint 3 to .*No space left on device"
+    ):
+        ckpt.save(3, saved, make_meta(3, META, cfg, trainer.layout, saved))
+    assert sorted(p.name for p in ckpt.directory.iterdir()) == ["1", "2"]  # the half-written one removed
+    monkeypatch.undo()
+    assert ckpt.restore_latest(trainer.abstract_saved_state(), trainer.layout, cfg).step == 2
+    ckpt.close()
+
+
+def test_a_background_save_that_failed_is_reported_at_the_next_check(tmp_path, monkeypatch):
+    cfg, trainer, ckpt = two_checkpoints(tmp_path)
+    ckpt.check()  # nothing failed
+    failure = OSError(13, "Permission denied")
+    monkeypatch.setattr(ckpt.manager, "wait_until_finished", lambda: (_ for _ in ()).throw(failure))
+    with pytest.raises(CheckpointWriteError, match=r"checkpoint 2 .*Permission denied \(errno 13\)"):
+        ckpt.check()
+    monkeypatch.undo()
+    ckpt.close()
+
+
+def test_a_checkpoint_that_cannot_fit_is_refused_before_writing(tmp_path, monkeypatch):
+    cfg, trainer, ckpt = two_checkpoints(tmp_path)
+    saved = trainer.saved_state(trainer.init(jax.random.key(0)))
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9, 1000))
+    with pytest.raises(
+        CheckpointWriteError, match=r"not enough free space for checkpoint 3 .* 0\.0 MiB is free"
+    ):
+        ckpt.save(3, saved, make_meta(3, META, cfg, trainer.layout, saved))
+    monkeypatch.undo()
+    assert ckpt.steps() == [1, 2]
     ckpt.close()

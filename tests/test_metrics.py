@@ -59,12 +59,13 @@ def test_the_console_shows_the_breakdown_with_its_labels():
     record.update({k.key: 0.5 for k in BREAKDOWN_TIMES})
     record.update({k.key: 0.0 for k in BREAKDOWN_COUNTS})
     record["two_pass_units"] = 27.0
-    line = format_record(record)
+    line = format_record(record, device="TPU")
     head, breakdown = line.split("\n")
     assert head == "step 10 | loss 3.0000"
-    assert breakdown.startswith("    step 1.250s: GPU compute 0.500 | H2D 0.500")
+    assert breakdown.startswith("    step 1.250s: TPU compute 0.500 | H2D 0.500")
+    assert "TPU waits for host 0.500 | TPU idle 0.500" in breakdown and "GPU" not in breakdown
     for k in BREAKDOWN_TIMES:
-        assert f"{k.label} 0.500" in breakdown
+        assert f"{k.label.format(device='TPU')} 0.500" in breakdown
     assert "two-pass units 27.0" in breakdown and "redone" not in breakdown  # counts only when nonzero
     assert "\n" not in format_record({"step": 1, "loss": 3.0})  # no breakdown: one line
     assert len({k.key for k in BREAKDOWN}) == len(BREAKDOWN)

@@ -1,0 +1,191 @@
+"""The run directory: the one the user names is the one used, and nothing in it is lost.
+
+A run's identity is its directory, not a path stored inside it: a moved or copied run resumes where it
+now is. A jaxzero run directory holds
+
+    config.json        the resolved config (written atomically, once the run has validated and started)
+    metrics.jsonl      one record per logged step
+    summary.json       written when the run completes
+    checkpoints/       Orbax checkpoints (`jaxzero.checkpoint`)
+    previous-attempts/ files of attempts that stopped before their first checkpoint, kept aside
+
+`inspect_run_dir` says what a directory is before anything is written: new (absent or empty), a run to
+resume (it has checkpoints), a run to start over (it stopped before its first checkpoint), or refused
+(a finished run without checkpoints, or a directory that is not a jaxzero run: never written into).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import enum
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from jaxzero.checkpoint import CHECKPOINT_DIR, UNREADABLE_DIR, saved_steps
+from jaxzero.config import ConfigError, TrainConfig
+from jaxzero.overrides import all_keys, config_from_dict
+
+CONFIG_FILE = "config.json"
+METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.json"
+ERROR_FILE = "error.log"  # the traceback of an error the run stopped with
+ATTEMPTS_DIR = "previous-attempts"
+# Files and directories a run creates; a directory holding anything else is not (only) a jaxzero run.
+RUN_FILES = (
+    CONFIG_FILE,
+    METRICS_FILE,
+    SUMMARY_FILE,
+    ERROR_FILE,
+    ATTEMPTS_DIR,
+    CHECKPOINT_DIR,
+    UNREADABLE_DIR,
+)
+# Keys a resumed run may change: they change how it runs or reports, not what it computes.
+RESUMABLE = (
+    "steps",
+    "run_dir",
+    "logging.",
+    "checkpoint.",
+    "offload.",
+    "optimizer.decay_steps",
+    "data.check_tokens",
+)
+
+
+class RunKind(enum.Enum):
+    NEW = "new"  # absent or empty: a new run
+    RESUME = "resume"  # a jaxzero run with checkpoints
+    RESTART = "restart"  # a jaxzero run that stopped before its first checkpoint: start over
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """What a run directory holds, read before anything is written to it."""
+
+    path: Path  # absolute
+    kind: RunKind
+    saved: TrainConfig | None  # the config.json of an existing run
+
+
+def locate(run_dir: str, model_name: str) -> Path:
+    """The absolute run directory: `run_dir` against the working directory, or a new
+    `runs/<model_name>-<UTC time>` there."""
+    if not run_dir:
+        stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
+        run_dir = os.path.join("runs", f"{model_name}-{stamp}")
+    return Path(os.path.abspath(os.path.expanduser(run_dir)))  # normalised: no ".." left
+
+
+def read_saved_config(path: Path) -> TrainConfig | None:
+    """The run config in `path/config.json`, or None if there is none or it is not a jaxzero config."""
+    try:
+        d = json.loads((path / CONFIG_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    sections = {k for k in TrainConfig.__dataclass_fields__}
+    if not isinstance(d, dict) or not set(d) <= sections or not {"steps", "model", "offload"} <= set(d):
+        return None
+    try:
+        return config_from_dict(d)
+    except (ConfigError, TypeError, ValueError):
+        return None
+
+
+def inspect_run_dir(path: Path) -> RunDir:
+    """What `path` is (see the module docstring). Raises ConfigError for a directory that must not be
+    written into, saying why and what to do."""
+    if not path.exists():
+        return RunDir(path, RunKind.NEW, None)
+    if not path.is_dir():
+        raise ConfigError(f"run_dir {str(path)!r} is a file; pass a directory (new or a jaxzero run).")
+    # Hidden temporary files of `write_atomic` (a process killed mid-write) are ours too.
+    entries = sorted(p.name for p in path.iterdir() if not (p.name.startswith(".") and ".tmp-" in p.name))
+    saved = read_saved_config(path)
+    foreign = [e for e in entries if e not in RUN_FILES]
+    if saved is None and not foreign and not saved_steps(path):  # empty, or what stopped attempts left
+        leftovers = (path / METRICS_FILE).exists() or (path / ERROR_FILE).exists()
+        return RunDir(path, RunKind.RESTART if leftovers else RunKind.NEW, None)
+    if saved is None or foreign:
+        what = f"it holds {', '.join(entries[:8])}{', ...' if len(entries) > 8 else ''}"
+        raise ConfigError(
+            f"run_dir {str(path)!r} is not a jaxzero run ({what}"
+            + (f"; not made by jaxzero: {', '.join(foreign[:8])}" if foreign else "; no jaxzero config.json")
+            + "). jaxzero writes only into a new or empty directory or one of its own runs: pass another "
+            "--run_dir."
+        )
+    if saved_steps(path):
+        return RunDir(path, RunKind.RESUME, saved)
+    if (path / SUMMARY_FILE).exists():
+        raise ConfigError(
+            f"run_dir {str(path)!r} already holds a run, finished without checkpoints "
+            "(checkpoint.enabled=false), so there is nothing to resume, and its results are not "
+            "overwritten: pass a new --run_dir."
+        )
+    return RunDir(path, RunKind.RESTART, saved)
+
+
+def _get(cfg: TrainConfig, key: str) -> Any:
+    obj: Any = cfg
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def check_resume(cfg: TrainConfig, saved: TrainConfig, path: Path) -> TrainConfig:
+    """`cfg` for resuming the run saved as `saved` in `path`, or ConfigError naming every setting that
+    would make it a different run (whatever set it: command line, preset or library call).
+
+    A resume that changes `steps` keeps the learning-rate schedule the run started with (its length
+    stays `saved.schedule_steps`) unless `optimizer.decay_steps` says otherwise."""
+    different = [k for k in all_keys() if not k.startswith(RESUMABLE) and _get(cfg, k) != _get(saved, k)]
+    if different:
+        changes = ", ".join(f"{k} ({_get(saved, k)!r} -> {_get(cfg, k)!r})" for k in different)
+        raise ConfigError(
+            f"run_dir {str(path)!r} holds a checkpointed run; resuming it cannot change {changes}. Only "
+            "steps, logging.*, checkpoint.*, offload.*, optimizer.decay_steps and data.check_tokens may "
+            "change; start a new --run_dir for a different run."
+        )
+    if cfg.optimizer.decay_steps == 0 and cfg.steps != saved.schedule_steps:
+        optimizer = dataclasses.replace(cfg.optimizer, decay_steps=saved.schedule_steps)
+        cfg = dataclasses.replace(cfg, optimizer=optimizer)
+    return cfg
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file renamed over it: readers see the old file or
+    the new one, never a partial one."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def set_aside_attempt(path: Path) -> Path:
+    """Move the files of an attempt that stopped before its first checkpoint (config.json,
+    metrics.jsonl, error.log; an empty checkpoints/ is removed) into `previous-attempts/<UTC time>/`;
+    returns that folder."""
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S-%f")
+    target = path / ATTEMPTS_DIR / stamp
+    target.mkdir(parents=True)
+    for name in (CONFIG_FILE, METRICS_FILE, ERROR_FILE):
+        if (path / name).exists():
+            os.replace(path / name, target / name)
+    checkpoints = path / CHECKPOINT_DIR
+    if checkpoints.is_dir() and not any(checkpoints.iterdir()):
+        checkpoints.rmdir()  # empty: made by the stopped attempt's checkpointer
+    return target
+
+
+def truncate_metrics(path: Path, last_step: int) -> None:
+    """Drop records past `last_step`: the resumed run recomputes them (identically), so the file keeps
+    one record per step. Rewritten atomically."""
+    if not path.exists():
+        return
+    keep = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= last_step]
+    write_atomic(path, "".join(ln + "\n" for ln in keep))

@@ -1,0 +1,124 @@
+"""The run directory: what a directory is before anything is written, the resume guard, atomic files."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from jaxzero import run_dir as rd
+from jaxzero.config import ConfigError, TrainConfig
+from jaxzero.overrides import apply_overrides
+from jaxzero.run_dir import RunKind
+
+
+def jaxzero_run(path: Path, checkpoint: bool = True, summary: bool = False, **over) -> TrainConfig:
+    """A directory laid out as a jaxzero run (config.json, metrics.jsonl, maybe a checkpoint step)."""
+    cfg = apply_overrides(TrainConfig(), {"steps": "10", **over})
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(cfg.to_json())
+    (path / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    if checkpoint:
+        (path / "checkpoints" / "5" / "state").mkdir(parents=True)
+    if summary:
+        (path / "summary.json").write_text("{}")
+    return cfg
+
+
+def test_a_relative_run_dir_is_the_working_directorys(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert rd.locate("runs/x", "m") == tmp_path / "runs" / "x"
+    default = rd.locate("", "llama-tiny")
+    assert default.parent == tmp_path / "runs" and default.name.startswith("llama-tiny-")
+
+
+def test_what_a_directory_is(tmp_path):
+    assert rd.inspect_run_dir(tmp_path / "absent").kind is RunKind.NEW
+    (tmp_path / "empty").mkdir()
+    assert rd.inspect_run_dir(tmp_path / "empty").kind is RunKind.NEW
+    saved = jaxzero_run(tmp_path / "resume")
+    run = rd.inspect_run_dir(tmp_path / "resume")
+    assert run.kind is RunKind.RESUME and run.saved == saved
+    jaxzero_run(tmp_path / "stopped", checkpoint=False)
+    assert rd.inspect_run_dir(tmp_path / "stopped").kind is RunKind.RESTART
+
+
+@pytest.mark.parametrize(
+    "layout, message",
+    [
+        ("file", "is a file"),
+        ("foreign", "is not a jaxzero run"),
+        ("foreign-config", "is not a jaxzero run"),
+        ("extra-file", "not made by jaxzero: notes.txt"),
+        ("finished", "already holds a run, finished without checkpoints"),
+    ],
+)
+def test_directories_jaxzero_never_writes_into(tmp_path, layout, message):
+    path = tmp_path / "d"
+    if layout == "file":
+        path.write_text("x")
+    elif layout == "foreign":
+        (path / "checkpoints" / "100").mkdir(parents=True)
+        (path / "data.csv").write_text("a,b\n")
+    elif layout == "foreign-config":  # a Hugging Face config.json and a checkpoints/100: not ours
+        (path / "checkpoints" / "100").mkdir(parents=True)
+        (path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    elif layout == "extra-file":
+        jaxzero_run(path)
+        (path / "notes.txt").write_text("mine")
+    else:
+        jaxzero_run(path, checkpoint=False, summary=True)
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    with pytest.raises(ConfigError, match=message):
+        rd.inspect_run_dir(path)
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == before  # nothing written
+
+
+def test_the_resume_guard_names_every_changed_setting(tmp_path):
+    saved = jaxzero_run(tmp_path / "r")
+    other = apply_overrides(saved, {"optimizer.lr": "1e-5", "data.batch_size": "4", "steps": "20"})
+    with pytest.raises(ConfigError, match=r"cannot change data.batch_size \(16 -> 4\), optimizer.lr"):
+        rd.check_resume(other, saved, tmp_path / "r")
+    allowed = apply_overrides(
+        saved, {"steps": "20", "logging.log_every": "1", "offload.optimizer": "cpu", "run_dir": "/elsewhere"}
+    )
+    assert rd.check_resume(allowed, saved, tmp_path / "r").offload.optimizer == "cpu"
+
+
+def test_a_resume_that_extends_steps_keeps_the_schedule(tmp_path):
+    saved = jaxzero_run(tmp_path / "r")  # steps=10, decay_steps=0: the schedule spans 10 steps
+    longer = rd.check_resume(apply_overrides(saved, {"steps": "30"}), saved, tmp_path / "r")
+    assert longer.steps == 30 and longer.optimizer.decay_steps == 10 and longer.schedule_steps == 10
+    stretched = apply_overrides(saved, {"steps": "30", "optimizer.decay_steps": "30"})
+    assert rd.check_resume(stretched, saved, tmp_path / "r").schedule_steps == 30
+    same = rd.check_resume(saved, saved, tmp_path / "r")
+    assert same.optimizer.decay_steps == 0
+
+
+def test_a_stopped_attempt_is_set_aside_not_deleted(tmp_path):
+    path = tmp_path / "r"
+    jaxzero_run(path, checkpoint=False)
+    (path / "checkpoints").mkdir()
+    kept = rd.set_aside_attempt(path)
+    assert kept.parent == path / "previous-attempts"
+    assert (kept / "metrics.jsonl").read_text() == '{"step": 1, "loss": 5.0}\n' and (
+        kept / "config.json"
+    ).exists()
+    assert sorted(p.name for p in path.iterdir()) == ["previous-attempts"]
+    assert rd.inspect_run_dir(path).kind is RunKind.NEW
+
+
+def test_atomic_writes_leave_the_old_file_or_the_new(tmp_path, monkeypatch):
+    f = tmp_path / "config.json"
+    rd.write_atomic(f, "old")
+    monkeypatch.setattr(os, "replace", lambda a, b: (_ for _ in ()).throw(OSError(28, "No space left")))
+    with pytest.raises(OSError):
+        rd.write_atomic(f, "new")
+    assert f.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["config.json"]
+
+
+def test_metrics_past_the_restored_step_are_dropped(tmp_path):
+    f = tmp_path / "metrics.jsonl"
+    f.write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 5, 10, 15)))
+    rd.truncate_metrics(f, 10)
+    assert [json.loads(ln)["step"] for ln in f.read_text().splitlines()] == [1, 5, 10]

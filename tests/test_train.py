@@ -1,0 +1,77 @@
+"""The training program's pieces in-process: configuring a resume, the summary, the causes it names."""
+
+import io
+import json
+import warnings
+
+import jax.numpy as jnp
+import pytest
+
+from jaxzero import train as train_lib
+from jaxzero.config import ConfigError, TrainConfig
+from jaxzero.overrides import apply_overrides
+from jaxzero.state import StepMetrics
+
+TINY = {
+    "steps": "3",
+    "data.seq_len": "16",
+    "data.batch_size": "4",
+    "model.num_layers": "1",
+    "logging.log_every": "1",
+    "logging.progress": "false",
+}
+
+
+def tiny(tmp_path, **over) -> TrainConfig:
+    return apply_overrides(TrainConfig(), {**TINY, "run_dir": str(tmp_path / "r"), **over})
+
+
+def test_a_run_ends_with_its_summary_and_a_finished_run_has_nothing_to_do(tmp_path):
+    console = io.StringIO()
+    path = train_lib.train(tiny(tmp_path), console)
+    summary = json.loads((path / "summary.json").read_text())
+    assert summary["status"] == "complete" and summary["steps"] == 3
+    assert summary["checkpoint"] == str(path / "checkpoints" / "3")
+    out = console.getvalue()
+    assert f"run_dir {path}: a new run" in out and "jaxzero: done: step 3" in out
+    assert "python -m jaxzero.export --run_dir=" in out
+    again = io.StringIO()
+    train_lib.train(train_lib.configure([f"--run_dir={path}"]), again)
+    assert "nothing to do: the run is at step 3 and steps=3" in again.getvalue()
+
+
+def test_configure_resumes_from_the_saved_config_and_refuses_malformed_arguments(tmp_path):
+    path = train_lib.train(tiny(tmp_path, **{"optimizer.lr": "1e-3"}), io.StringIO())
+    cfg = train_lib.configure([f"--run_dir={path}", "--steps=5"])
+    assert cfg.optimizer.lr == 1e-3 and cfg.steps == 5 and cfg.model.num_layers == 1  # the saved run's
+    with pytest.raises(ConfigError, match="cannot parse argument '--steps'"):
+        train_lib.configure([f"--run_dir={path}", "--steps", "10"])
+
+
+def test_no_validation_split_means_no_val_loss_and_no_warning(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # NumPy's mean of nothing would warn
+        path = train_lib.train(tiny(tmp_path, **{"data.val_fraction": "0"}), io.StringIO())
+    records = [json.loads(ln) for ln in (path / "metrics.jsonl").read_text().splitlines()]
+    assert all("val_loss" not in r for r in records)
+
+
+def metrics(lr: float, norm: float) -> StepMetrics:
+    return StepMetrics(jnp.float32(float("nan")), jnp.float32(norm), jnp.float32(lr))
+
+
+def test_a_non_finite_loss_is_blamed_on_what_the_facts_point_to(tmp_path):
+    cfg = tiny(tmp_path, **{"data.source": "tokens", "data.path": "d", "data.check_tokens": "false"})
+    fresh = train_lib.Start(None, 1, None, None)
+    first = train_lib.nonfinite_cause(cfg, 1, metrics(0.0, float("nan")), fresh, [])
+    assert "no update had changed the freshly initialised weights" in first
+    assert "data.check_tokens=false" in first  # the unchecked data is the suspect, not lr
+    resumed = train_lib.Start(None, 41, None, 40)
+    after_restore = train_lib.nonfinite_cause(cfg, 41, metrics(1e-3, float("nan")), resumed, [])
+    assert (
+        "first step after restoring checkpoint 40" in after_restore
+        and "checkpoints/40 aside" in after_restore
+    )
+    diverged = train_lib.nonfinite_cause(cfg, 47, metrics(3e-3, 1e6), fresh, [2.0, 80.0, 9e4])
+    assert "diverged after 46 updates at lr 0.003" in diverged and "80, 9e+04" in diverged
+    assert "Try a lower optimizer.lr (now 0.003)" in diverged
