@@ -46,6 +46,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxzero.config import CheckpointConfig, CheckpointError, TrainConfig
+from jaxzero.models import ModelParams
 
 CHECKPOINT_DIR = "checkpoints"
 UNREADABLE_DIR = f"{CHECKPOINT_DIR}-unreadable"  # checkpoints that failed to restore, set aside
@@ -451,3 +452,21 @@ def read_meta(directory: str | Path, step: int) -> dict[str, Any]:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"checkpoint {Path(directory) / str(step)} has unreadable metadata: {e}") from e
+
+
+def export_orbax(params: ModelParams, out: str | Path, dtype: str) -> Path:
+    """Save `params` cast to `dtype` as an Orbax checkpoint at `out`, casting one unit at a time."""
+    out = Path(out).absolute()
+    if out.exists():
+        raise FileExistsError(f"{out} exists; choose a new --out directory.")
+    np_dtype = np.dtype(jax.numpy.dtype(dtype))
+    cast = lambda tree: jax.tree.map(lambda x: np.asarray(x).astype(np_dtype), tree)  # noqa: E731
+    blocks = list(params.blocks)
+    for i in range(len(blocks)):  # replace each float32 block as it is cast: one copy of the model
+        blocks[i] = cast(blocks[i])
+    tree = ModelParams(cast(params.embed), tuple(blocks), cast(params.head))
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(out, tree)
+    checkpointer.wait_until_finished()  # host sync: committed before the process exits
+    checkpointer.close()
+    return out

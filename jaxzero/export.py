@@ -20,7 +20,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxzero.checkpoint import CHECKPOINT_DIR, read_meta, saved_steps
+from jaxzero.checkpoint import CHECKPOINT_DIR, export_orbax, read_meta, saved_steps
 from jaxzero.config import CheckpointError, ConfigError, TrainConfig
 from jaxzero.interop import export_hf
 from jaxzero.models import ModelParams, build_model
@@ -49,24 +49,6 @@ def load_masters(run_dir: str | Path, step: int | None = None) -> tuple[TrainCon
     if isinstance(p, dict):  # restored without the NamedTuple type
         p = ModelParams(p["embed"], tuple(p["blocks"]), p["head"])
     return cfg, p, step
-
-
-def export_orbax(params: ModelParams, out: str | Path, dtype: str) -> Path:
-    """Save `params` cast to `dtype` as an Orbax checkpoint at `out`, casting one unit at a time."""
-    out = Path(out).absolute()
-    if out.exists():
-        raise FileExistsError(f"{out} exists; choose a new --out directory.")
-    np_dtype = np.dtype(jax.numpy.dtype(dtype))
-    cast = lambda tree: jax.tree.map(lambda x: np.asarray(x).astype(np_dtype), tree)  # noqa: E731
-    blocks = list(params.blocks)
-    for i in range(len(blocks)):  # replace each float32 block as it is cast: one copy of the model
-        blocks[i] = cast(blocks[i])
-    tree = ModelParams(cast(params.embed), tuple(blocks), cast(params.head))
-    checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(out, tree)
-    checkpointer.wait_until_finished()  # host sync: committed before the process exits
-    checkpointer.close()
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:

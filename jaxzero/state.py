@@ -5,12 +5,22 @@ of the per-step breakdown that the offload engine measures.
     state = trainer.init(jax.random.key(cfg.seed))
     for batch in batches:                        # int32 numpy (grad_accum, micro_batch, seq_len + 1)
         state, metrics = trainer.step(state, trainer.put_batch(batch))
+    trainer.evaluate(state, val_batches)         # float, mean loss over (B, seq_len + 1) batches
+    trainer.save(state, "runs/x", step=100)      # Orbax checkpoint under runs/x/checkpoints/100
+    state, step, data_state = trainer.restore("runs/x")
+    trainer.export(state, "export/x")            # Hugging Face safetensors
+
+Ownership: `step` consumes the state it is given, in every mode (its accelerator buffers are donated,
+or its host arrays are updated in place); keep only the state it returns. Reading a consumed state
+raises an error.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
@@ -18,7 +28,10 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from jaxzero.config import TrainConfig
+from jaxzero.checkpoint import Checkpointer, export_orbax, make_meta
+from jaxzero.config import CheckpointError, TrainConfig
+from jaxzero.data import DataState
+from jaxzero.interop import export_hf
 from jaxzero.models import Model, ModelParams
 from jaxzero.plan import OffloadPlan
 
@@ -104,6 +117,57 @@ class Trainer:
     # dict keyed by `BREAKDOWN`'s keys. Only the offload engine measures it; None elsewhere.
     timings: Callable[[float, int], dict[str, float]] | None = None
 
+    def evaluate(self, state: Any, batches: Sequence[np.ndarray]) -> float:
+        """Mean loss of `state` over validation batches, each int32 (B, seq_len + 1), B a multiple of
+        the mesh's devices. A host sync. The state is not consumed."""
+        losses = [self.eval_loss(state, self.put_eval_batch(b)) for b in batches]
+        return float(np.mean(jax.device_get(losses)))  # host sync
+
+    def save(self, state: Any, directory: str | Path, step: int, data_state: DataState | None = None) -> Path:
+        """Save `state` as checkpoint `step` under `directory/checkpoints/` (Orbax, blocking, checksummed;
+        the format `python -m jaxzero.train` resumes from). `data_state` is the batch iterator's position
+        (`batches.state`), if any. Returns the checkpoint's directory. The state is not consumed."""
+        ckpt = Checkpointer(directory, dataclasses.replace(self.config.checkpoint, async_save=False))
+        try:
+            saved = self.saved_state(state)
+            position = {} if data_state is None else data_state.to_dict()
+            ckpt.save(step, saved, make_meta(step, position, self.config, self.layout, saved))
+        finally:
+            ckpt.close()
+        return ckpt.directory / str(step)
+
+    def restore(self, directory: str | Path, step: int | None = None) -> tuple[Any, int, DataState | None]:
+        """(state, step, data_state) of checkpoint `step` (default: the newest good one) under
+        `directory/checkpoints/`, the state in this trainer's placement; data_state is None where none
+        was saved. Raises CheckpointError if there is none or it belongs to another model."""
+        ckpt = Checkpointer(directory, self.config.checkpoint)
+        try:
+            abstract = self.abstract_saved_state()
+            if step is None:
+                restored = ckpt.restore_latest(abstract, self.layout, self.config)
+            else:
+                restored = ckpt.restore(step, abstract, self.layout, self.config)
+        finally:
+            ckpt.close()
+        if restored is None:
+            raise CheckpointError(f"{ckpt.directory} holds no checkpoint to restore.")
+        position = restored.meta.get("data_state") or None
+        data_state = None if position is None else DataState.from_dict(position)
+        return self.from_saved_state(restored.state), restored.step, data_state
+
+    def export(self, state: Any, out_dir: str | Path, format: str = "hf", dtype: str = "bfloat16") -> Path:
+        """Write the state's weights for inference: `format="hf"` a transformers checkpoint
+        (`config.json` + safetensors), `"orbax"` the parameters alone; `dtype` bfloat16, float32 or
+        float16 (hf). Returns `out_dir`. The state is not consumed."""
+        masters = jax.device_get(state.params)  # float32, one host copy
+        if format == "hf":
+            export_hf(masters, self.config.model, out_dir, dtype=dtype)
+        elif format == "orbax":
+            export_orbax(masters, out_dir, dtype)
+        else:
+            raise ValueError(f"format={format!r} is not one of 'hf', 'orbax'.")
+        return Path(out_dir)
+
     @property
     def strategy(self) -> str:
         """A one-line description of where state lives and how it is updated, for logs."""
@@ -118,3 +182,46 @@ def abstract_placed(shapes: Any, shardings: Any) -> Any:
     """ShapeDtypeStructs of `shapes` carrying `shardings` (a tree of the same structure): a restore
     target that puts every array back in its intended memory."""
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+
+
+def check_batch(batch: Any, shape: tuple[int | None, ...], vocab_size: int, what: str) -> np.ndarray:
+    """`batch` as int32 NumPy, or ValueError saying what it should be: `shape` (None: any length), an
+    integer dtype, ids in [0, vocab_size)."""
+    array = np.asarray(batch)
+    want = "(" + ", ".join("N" if d is None else str(d) for d in shape) + ")"
+    if array.ndim != len(shape) or any(d is not None and a != d for a, d in zip(array.shape, shape)):
+        raise ValueError(
+            f"a {what} batch must be int32 {want} for this config; got {array.dtype} {array.shape}. "
+            "Batches of build_data(...).train_iter() have the right shape; reshape yours to match."
+        )
+    if not np.issubdtype(array.dtype, np.integer):
+        raise ValueError(
+            f"a {what} batch holds token ids, an integer dtype; got {array.dtype} {array.shape}."
+        )
+    low, high = (int(array.min()), int(array.max())) if array.size else (0, 0)
+    if low < 0 or high >= vocab_size:
+        raise ValueError(
+            f"a {what} batch holds token ids in [{low}, {high}], outside [0, model.vocab_size={vocab_size})."
+        )
+    return array.astype(np.int32, copy=False)
+
+
+def with_checked_batches(trainer: Trainer) -> Trainer:
+    """`trainer` whose `put_batch` and `put_eval_batch` check shape, dtype and token ids first."""
+    d, vocab = trainer.config.data, trainer.config.model.vocab_size
+    train_shape = (d.grad_accum, d.batch_size // d.grad_accum, d.seq_len + 1)
+    put_batch, put_eval_batch = trainer.put_batch, trainer.put_eval_batch
+
+    def checked_batch(batch: Any) -> jax.Array:
+        return put_batch(check_batch(batch, train_shape, vocab, "training"))
+
+    def checked_eval_batch(batch: Any) -> jax.Array:
+        array = check_batch(batch, (None, d.seq_len + 1), vocab, "validation")
+        if array.shape[0] % trainer.mesh.size:
+            raise ValueError(
+                f"a validation batch of {array.shape[0]} rows cannot be split over the mesh's "
+                f"{trainer.mesh.size} devices; use a multiple of {trainer.mesh.size} rows."
+            )
+        return put_eval_batch(array)
+
+    return dataclasses.replace(trainer, put_batch=checked_batch, put_eval_batch=checked_eval_batch)

@@ -72,12 +72,6 @@ class Preempted(RuntimeError):
         self.exit_code = exit_code
 
 
-def evaluate(trainer: Trainer, state: Any, batches: list[np.ndarray]) -> float:
-    """Mean validation loss over fixed batches. Host sync."""
-    losses = [trainer.eval_loss(state, trainer.put_eval_batch(b)) for b in batches]
-    return float(np.mean(jax.device_get(losses)))  # host sync
-
-
 # -- stopping at a step boundary -------------------------------------------------------------------
 
 
@@ -290,7 +284,7 @@ class LogWindow:
             self._float16(record, values)
         bad = [(s, v) for (s, _), v in zip(self.pending, values) if not math.isfinite(float(v.loss))]
         if self._is_eval(step) and not bad and len(self.val_batches):  # none: data.val_fraction=0
-            record["val_loss"] = evaluate(self.trainer, state, self.val_batches)
+            record["val_loss"] = self.trainer.evaluate(state, self.val_batches)  # a host sync
         self.bar.clear()
         self.file.write(record)
         self.last = record

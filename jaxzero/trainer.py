@@ -39,8 +39,9 @@ from jaxzero.optim import (
     learning_rate_schedule,
     split_opt_state,
 )
+from jaxzero.overrides import apply_overrides
 from jaxzero.plan import OffloadPlan, resolve_plan
-from jaxzero.state import StepMetrics, Trainer, TrainState, abstract_placed
+from jaxzero.state import StepMetrics, Trainer, TrainState, abstract_placed, with_checked_batches
 
 
 def averaged_grads(
@@ -77,12 +78,19 @@ def averaged_grads(
     return jax.tree.map(lambda x: x / batch.shape[0], (loss, grads))
 
 
-def build_trainer(cfg: TrainConfig, mesh: Mesh | None = None) -> Trainer:
+def build_trainer(cfg: TrainConfig | None = None, mesh: Mesh | None = None, **overrides: Any) -> Trainer:
     """Validate `cfg` against the mesh and memory, and build the trainer its offload plan asks for.
 
-    Nothing is allocated or compiled here; `trainer.init` and the first `trainer.step` do that. A run
-    that cannot fit in host or accelerator memory fails here with the numbers (`jaxzero.memory`).
+    `cfg` defaults to the built-in default run; keyword `overrides` change single keys, with `__` for
+    the dot: `build_trainer(model__name="gpt2-tiny", offload__optimizer="cpu")`. Nothing is allocated
+    or compiled here; `trainer.init` and the first `trainer.step` do that. A run that cannot fit in
+    host or accelerator memory fails here with the numbers (`jaxzero.memory`). The trainer's
+    `put_batch` and `put_eval_batch` check a batch's shape, dtype and token ids.
     """
+    cfg = TrainConfig() if cfg is None else cfg
+    if overrides:
+        cfg = apply_overrides(cfg, {k.replace("__", "."): v for k, v in overrides.items()})
+    validate(cfg)
     plan = resolve_plan(cfg)
     need = memory.plan_memory(cfg, plan)
     if plan.host_update is not None:
@@ -95,8 +103,8 @@ def build_trainer(cfg: TrainConfig, mesh: Mesh | None = None) -> Trainer:
         print(f"jaxzero: {warning}", file=sys.stderr)
     if plan.host_update is not None:
         reserve = memory.pinned_pool_reservation(need, device.platform)
-        return build_offload_trainer(cfg, mesh, plan=plan, pinned_reserve=reserve)
-    return build_resident_trainer(cfg, mesh, plan)
+        return with_checked_batches(build_offload_trainer(cfg, mesh, plan=plan, pinned_reserve=reserve))
+    return with_checked_batches(build_resident_trainer(cfg, mesh, plan))
 
 
 def build_resident_trainer(cfg: TrainConfig, mesh: Mesh, plan: OffloadPlan | None = None) -> Trainer:

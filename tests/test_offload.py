@@ -158,14 +158,14 @@ def test_placement_is_asserted(mode):
 
 
 def test_gradients_land_in_pinned_host():
-    cfg = tiny("llama", "bfloat16", **MODES["zero3-offload"])
+    cfg = tiny("llama", "bfloat16", **MODES["zero3-offload"], **{"data.grad_accum": "1"})
     trainer = build_trainer(cfg, placement.make_mesh(jax.devices()[:1]))
     from jaxzero.offload.streaming import StreamedModel
 
     state = trainer.init(jax.random.key(0))
     where = placement.offload_placement(trainer.mesh, trainer.plan)
     streamed = StreamedModel(trainer.model, where, grad_accum=1)
-    batch = build_data(cfg.data, 256, 0).train_iter().__next__()[:1]
+    batch = build_data(cfg.data, 256, 0).train_iter().__next__()  # (1, 8, 33): one micro-batch
     seed = jax.device_put(np.float32(1.0), where.device)  # no loss scale
     with jax.transfer_guard("disallow"):
         loss, grads, norm = streamed.grads(state.weights, trainer.put_batch(batch), seed)

@@ -137,7 +137,9 @@ def build_offload_trainer(
         loss, grads, norm = streamed.grads(state.read, batch, loss_scale, clock)
         submitted = pipeline.submit(state.units, state.read, grads, norm, loss_scale)
         next_step, next_ls, metrics = advance(state, loss, norm, host.lr(state.step))
-        return OffloadState(next_step, submitted.units, next_read(state, submitted), next_ls), metrics
+        new_state = OffloadState(next_step, submitted.units, next_read(state, submitted), next_ls)
+        state.consumed = True  # as the resident step's donation does: the old state is gone
+        return new_state, metrics
 
     def saved_state(state: OffloadState) -> dict[str, Any]:
         """Waits for the pending host updates (a host sync). Everything saved lives on the host."""

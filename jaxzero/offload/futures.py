@@ -66,6 +66,7 @@ class OffloadState:
 
     def __init__(self, step: jax.Array, units: ModelParams, read: ModelParams, loss_scale: Any = None):
         self.step, self.units, self.read, self.loss_scale = step, units, read, loss_scale
+        self.consumed = False  # set by the step that took this state: its host arrays change in place
 
     @classmethod
     def of(cls, step, params, opt_state, weights, loss_scale=None) -> OffloadState:
@@ -80,7 +81,12 @@ class OffloadState:
 
     def resolved(self) -> HostUnit:
         """Waits for every unit (a host sync); their params, opt_state and weights, each in
-        `ModelParams` layout."""
+        `ModelParams` layout. Raises RuntimeError for a state a step has consumed."""
+        if self.consumed:
+            raise RuntimeError(
+                "this training state was consumed by trainer.step (the host update writes its masters and "
+                "optimizer state in place): use the state that step returned."
+            )
         units = jax.tree.map(lambda f: f.result(), self.units, is_leaf=_is_future)
         return HostUnit(*(jax.tree.map(lambda u, k=k: u[k], units, is_leaf=_is_unit) for k in range(3)))
 
