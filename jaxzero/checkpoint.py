@@ -53,6 +53,7 @@ UNREADABLE_DIR = f"{CHECKPOINT_DIR}-unreadable"  # checkpoints that failed to re
 CHECKSUMS_FILE = "checksums.json"
 CHECKSUM_PIECE = 64 << 20  # bytes per CRC-32: pieces of one file are summed in parallel
 TMP_MARKER = ".orbax-checkpoint-tmp"  # in the names of Orbax's half-written step directories
+ORBAX_METADATA = "_CHECKPOINT_METADATA"  # in every directory Orbax's checkpointers commit
 
 
 class CheckpointMismatch(CheckpointError):
@@ -126,6 +127,8 @@ class Checkpointer:
         ensure_room(self.directory, state_bytes(state), f"checkpoint {step}")
         with self._failure(step):
             arrays = _snapshot(state, self._pool) if self.cfg.async_save else state
+        self.wait()  # Orbax waits for the previous save anyway; waiting here names it if it failed
+        with self._failure(step):
             with self._lock:
                 self._unsummed.append(step)
             self.manager.save(
@@ -166,16 +169,18 @@ class Checkpointer:
             shutil.rmtree(p, ignore_errors=True)
 
     def _write_checksums(self) -> None:
-        """Write `checksums.json` for the saves whose items are written. Orbax calls this when an
-        asynchronous save's items are final but before it renames the step's temporary directory, so
-        the checksums become part of the same atomic commit; a blocking save calls it afterwards."""
+        """Write `checksums.json` for the oldest save not summed yet. Orbax calls this once per
+        asynchronous save, in order, when the save's items are final but before it renames the step's
+        temporary directory, so the checksums become part of the same atomic commit; a blocking save
+        calls it right after committing."""
         with self._lock:
-            steps, self._unsummed = self._unsummed, []
-        for step in steps:
-            pending = sorted(self.directory.glob(f"{step}{TMP_MARKER}*"))
-            step_dir = pending[0] if pending else self.directory / str(step)
-            if step_dir.is_dir():
-                write_checksums(step_dir, self._pool)
+            if not self._unsummed:
+                return
+            step = self._unsummed.pop(0)
+        pending = sorted(self.directory.glob(f"{step}{TMP_MARKER}*"))
+        step_dir = pending[0] if pending else self.directory / str(step)
+        if step_dir.is_dir():
+            write_checksums(step_dir, self._pool)
 
     # -- restoring -----------------------------------------------------------------------------------
 
@@ -280,8 +285,8 @@ class _WriteFailure:
         what = f"checkpoint {self.step}" if self.step is not None else "a checkpoint"
         raise CheckpointWriteError(
             f"could not write {what} to {self.ckpt.directory}: {describe_write_error(error)}. "
-            "Nothing half-written is left; the checkpoints listed there are complete. Fix the cause and "
-            "rerun the same command to resume from the newest of them."
+            "Nothing half-written is left; the checkpoints listed there are complete, and a run resumes "
+            "from the newest of them once the cause is fixed."
         ) from error
 
 
@@ -300,8 +305,8 @@ def ensure_room(directory: Path, nbytes: int, what: str) -> None:
     if free < nbytes:
         raise CheckpointWriteError(
             f"not enough free space for {what} in {directory}: it needs about {_size(nbytes)}, and "
-            f"{_size(free)} is free. Free space there (older checkpoints are deleted only after a new one "
-            "is written), or set checkpoint.keep lower or checkpoint.enabled=false."
+            f"{_size(free)} is free. Free space there (the run's older checkpoints are deleted only after a "
+            "new one is written, so delete any you do not need yourself), or set checkpoint.enabled=false."
         )
 
 
@@ -454,11 +459,20 @@ def read_meta(directory: str | Path, step: int) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {Path(directory) / str(step)} has unreadable metadata: {e}") from e
 
 
-def export_orbax(params: ModelParams, out: str | Path, dtype: str) -> Path:
-    """Save `params` cast to `dtype` as an Orbax checkpoint at `out`, casting one unit at a time."""
+def export_orbax(params: ModelParams, out: str | Path, dtype: str, *, overwrite: bool = False) -> Path:
+    """Save `params` cast to `dtype` as an Orbax checkpoint at `out`, casting one unit at a time.
+    `overwrite` replaces an existing Orbax checkpoint there; any other existing path is an error."""
     out = Path(out).absolute()
     if out.exists():
-        raise FileExistsError(f"{out} exists; choose a new --out directory.")
+        if not overwrite:
+            raise FileExistsError(
+                f"{out} exists; choose a new directory, or pass overwrite=True (--overwrite) to replace it."
+            )
+        if not (out / ORBAX_METADATA).is_file():
+            raise FileExistsError(
+                f"{out} is not an Orbax checkpoint (no {ORBAX_METADATA}), so it is not replaced; choose "
+                "a new directory."
+            )
     np_dtype = np.dtype(jax.numpy.dtype(dtype))
     cast = lambda tree: jax.tree.map(lambda x: np.asarray(x).astype(np_dtype), tree)  # noqa: E731
     blocks = list(params.blocks)
@@ -466,7 +480,7 @@ def export_orbax(params: ModelParams, out: str | Path, dtype: str) -> Path:
         blocks[i] = cast(blocks[i])
     tree = ModelParams(cast(params.embed), tuple(blocks), cast(params.head))
     checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(out, tree)
+    checkpointer.save(out, tree, force=overwrite)
     checkpointer.wait_until_finished()  # host sync: committed before the process exits
     checkpointer.close()
     return out

@@ -45,6 +45,10 @@ OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "lion": 4, "sgd": 4}
 # Host RAM past the arrays' sum, as a multiple of the pinned bytes: XLA's pinned pool grows by
 # regions that double in size, and the runtime keeps buffers of its own (fitted in BENCHMARKS.md).
 PINNED_ALLOWANCE = Fraction(5, 4)
+# On a CPU backend, where one RAM holds everything: an asynchronous save holds the writer's buffers
+# besides the snapshot, and XLA:CPU keeps buffers of its own beside the state.
+CPU_SNAPSHOT_ALLOWANCE = Fraction(3, 2)
+CPU_STATE_ALLOWANCE = Fraction(5, 4)
 
 
 @dataclass(frozen=True)
@@ -314,13 +318,18 @@ def check_fits(cfg: TrainConfig, need: MemoryPlan, device: Any) -> str | None:
             check_host_fits(cfg, need)
         return check_accelerator_fits(cfg, need, accelerator_capacity(device))
     available = host_memory_available()
-    total = need.host + need.accelerator_state
+
+    def ram(p: MemoryPlan) -> int:
+        return int(p.host * CPU_SNAPSHOT_ALLOWANCE + p.accelerator_state * CPU_STATE_ALLOWANCE)
+
+    total = ram(need)
     if total > available:
-        far = _far_from(cfg, total, available, lambda p: p.host + p.accelerator_state <= available)
+        far = _far_from(cfg, total, available, lambda p: ram(p) <= available)
         raise ConfigError(
             f"{cfg.model.name} with offload.optimizer={cfg.offload.optimizer}, offload.params="
-            f"{cfg.offload.params} needs {total / GiB:.1f} GiB of RAM on this CPU-only machine (host state "
-            f"and the CPU device's: {need.describe()}), but {available / GiB:.1f} GiB is available.{far} "
+            f"{cfg.offload.params} needs about {total / GiB:.1f} GiB of RAM on this CPU-only machine (host "
+            f"and device state, {need.describe()}, with XLA's and the checkpoint writer's buffers), but "
+            f"{available / GiB:.1f} GiB is available.{far} "
             "Otherwise: choose a smaller model, an optimizer with less state (optimizer.name=lion or sgd), "
             "optimizer.state_dtype=bfloat16, or checkpoint.async_save=false (no snapshot copy)."
         )

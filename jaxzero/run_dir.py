@@ -21,6 +21,7 @@ import datetime
 import enum
 import json
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -96,9 +97,10 @@ def read_saved_config(path: Path) -> TrainConfig | None:
 
 
 def inspect_run_dir(path: Path) -> RunDir:
-    """What `path` is (see the module docstring). Raises ConfigError for a directory that must not be
-    written into, saying why and what to do."""
+    """What `path` is (see the module docstring). Raises ConfigError for a directory that must not or
+    cannot be written into, saying why and what to do."""
     if not path.exists():
+        _check_creatable(path)
         return RunDir(path, RunKind.NEW, None)
     if not path.is_dir():
         raise ConfigError(f"run_dir {str(path)!r} is a file; pass a directory (new or a jaxzero run).")
@@ -106,9 +108,14 @@ def inspect_run_dir(path: Path) -> RunDir:
     entries = sorted(p.name for p in path.iterdir() if not (p.name.startswith(".") and ".tmp-" in p.name))
     saved = read_saved_config(path)
     foreign = [e for e in entries if e not in RUN_FILES]
-    if saved is None and not foreign and not saved_steps(path):  # empty, or what stopped attempts left
-        leftovers = (path / METRICS_FILE).exists() or (path / ERROR_FILE).exists()
-        return RunDir(path, RunKind.RESTART if leftovers else RunKind.NEW, None)
+    if saved is None:
+        # Without a jaxzero config.json, only what jaxzero's own stopped attempts leave is ours: an
+        # empty checkpoints/, previous-attempts/, checkpoints-unreadable/, error.log.
+        checkpoints = path / CHECKPOINT_DIR
+        ours = set(entries) <= {ATTEMPTS_DIR, UNREADABLE_DIR, ERROR_FILE, CHECKPOINT_DIR}
+        if ours and (not checkpoints.is_dir() or not any(checkpoints.iterdir())):
+            return RunDir(path, RunKind.RESTART if (path / ERROR_FILE).exists() else RunKind.NEW, None)
+        foreign = foreign or [e for e in entries if e in (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE)]
     if saved is None or foreign:
         what = f"it holds {', '.join(entries[:8])}{', ...' if len(entries) > 8 else ''}"
         raise ConfigError(
@@ -120,12 +127,47 @@ def inspect_run_dir(path: Path) -> RunDir:
     if saved_steps(path):
         return RunDir(path, RunKind.RESUME, saved)
     if (path / SUMMARY_FILE).exists():
+        if (path / UNREADABLE_DIR).is_dir() and any((path / UNREADABLE_DIR).iterdir()):
+            raise ConfigError(
+                f"run_dir {str(path)!r} holds a finished run whose checkpoints could not be read and were "
+                f"set aside to {path / UNREADABLE_DIR}: move one you trust back into checkpoints/ to "
+                "resume from it, or pass a new --run_dir."
+            )
         raise ConfigError(
             f"run_dir {str(path)!r} already holds a run, finished without checkpoints "
             "(checkpoint.enabled=false), so there is nothing to resume, and its results are not "
             "overwritten: pass a new --run_dir."
         )
     return RunDir(path, RunKind.RESTART, saved)
+
+
+def _check_creatable(path: Path) -> None:
+    """Raise ConfigError if `path` could not be created: a parent is a file, or the nearest existing
+    one refuses a new directory (tried with an empty one, removed at once)."""
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(f"run_dir {str(path)!r} cannot be created: {str(parent)!r} is a file.")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".jaxzero-probe-", dir=parent))
+    except OSError as e:
+        raise ConfigError(
+            f"run_dir {str(path)!r} cannot be created in {str(parent)!r}: {e.strerror}. Pass a --run_dir "
+            "in a directory you can write to."
+        ) from e
+
+
+def resolve_paths(cfg: TrainConfig) -> TrainConfig:
+    """`cfg` with its input paths (`data.path`, `model.init_from`) absolute, resolved against the
+    working directory, so that the saved config finds them from wherever the run is resumed."""
+    data = cfg.data
+    if data.path:
+        data = dataclasses.replace(data, path=os.path.abspath(os.path.expanduser(data.path)))
+    model = cfg.model
+    if model.init_from:
+        model = dataclasses.replace(model, init_from=os.path.abspath(os.path.expanduser(model.init_from)))
+    return dataclasses.replace(cfg, data=data, model=model)
 
 
 def _get(cfg: TrainConfig, key: str) -> Any:
@@ -141,6 +183,7 @@ def check_resume(cfg: TrainConfig, saved: TrainConfig, path: Path) -> TrainConfi
 
     A resume that changes `steps` keeps the learning-rate schedule the run started with (its length
     stays `saved.schedule_steps`) unless `optimizer.decay_steps` says otherwise."""
+    cfg, saved = resolve_paths(cfg), resolve_paths(saved)  # a relative path means the same place
     different = [k for k in all_keys() if not k.startswith(RESUMABLE) and _get(cfg, k) != _get(saved, k)]
     if different:
         changes = ", ".join(f"{k} ({_get(saved, k)!r} -> {_get(cfg, k)!r})" for k in different)
@@ -149,7 +192,7 @@ def check_resume(cfg: TrainConfig, saved: TrainConfig, path: Path) -> TrainConfi
             "steps, logging.*, checkpoint.*, offload.*, optimizer.decay_steps and data.check_tokens may "
             "change; start a new --run_dir for a different run."
         )
-    if cfg.optimizer.decay_steps == 0 and cfg.steps != saved.schedule_steps:
+    if cfg.optimizer.decay_steps == 0 and cfg.steps != saved.schedule_steps:  # keep the length
         optimizer = dataclasses.replace(cfg.optimizer, decay_steps=saved.schedule_steps)
         cfg = dataclasses.replace(cfg, optimizer=optimizer)
     return cfg

@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -70,6 +72,71 @@ class Preempted(RuntimeError):
     def __init__(self, message: str, exit_code: int):
         super().__init__(message)
         self.exit_code = exit_code
+
+
+# -- errors of background threads ---------------------------------------------------------------------
+
+
+class BackgroundErrorLog:
+    """While installed, errors that background threads and callbacks report on their own (Orbax's
+    writer threads and TensorStore's callbacks after a failed save, which `Checkpointer` reports as
+    one line) go to `<run_dir>/error.log` instead of flooding stderr. Process-wide hooks: the program
+    installs them, never the library."""
+
+    LOGGERS = ("absl", "asyncio", "orbax")
+
+    def __init__(self, run_dir: Path):
+        self.path = run_dir / run_dir_lib.ERROR_FILE
+        self.saved: dict[str, Any] = {}
+
+    def write(self, text: str) -> None:
+        try:
+            with open(self.path, "a") as f:
+                f.write(text.rstrip() + "\n")
+        except OSError:  # no run directory yet, or no room: stderr after all
+            print(text, file=sys.__stderr__)
+
+    def install(self) -> None:
+        handler = _LogToFile(self)
+        self.saved = {
+            "excepthook": threading.excepthook,
+            "unraisablehook": sys.unraisablehook,
+            "loggers": [(logging.getLogger(n), logging.getLogger(n).propagate) for n in self.LOGGERS],
+            "handler": handler,
+        }
+        threading.excepthook = lambda a: self.write(
+            f"in thread {a.thread.name if a.thread else '?'}:\n"
+            + "".join(traceback.format_exception(a.exc_type, a.exc_value, a.exc_traceback))
+        )
+        sys.unraisablehook = lambda u: self.write(
+            f"{u.err_msg or 'exception ignored'} in {u.object!r}:\n"
+            + "".join(traceback.format_exception(u.exc_type, u.exc_value, u.exc_traceback))
+        )
+        for logger, _ in self.saved["loggers"]:
+            logger.addHandler(handler)
+            logger.propagate = False  # not also to the root logger's stderr handler
+
+    def uninstall(self) -> None:
+        if not self.saved:
+            return
+        threading.excepthook = self.saved["excepthook"]
+        sys.unraisablehook = self.saved["unraisablehook"]
+        for logger, propagate in self.saved["loggers"]:
+            logger.removeHandler(self.saved["handler"])
+            logger.propagate = propagate
+        self.saved = {}
+
+
+class _LogToFile(logging.Handler):
+    """Records of ERROR and above to the run's error log; lower ones dropped (they went nowhere visible
+    before: the root logger shows WARNING and above, and these are the libraries' own chatter)."""
+
+    def __init__(self, log: BackgroundErrorLog):
+        super().__init__(level=logging.ERROR)
+        self.log = log
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.log.write(self.format(record))
 
 
 # -- stopping at a step boundary -------------------------------------------------------------------
@@ -199,16 +266,13 @@ def nonfinite_cause(
             f"cause: look at the data{data} and the model's numerics (model.compute_dtype="
             f"{cfg.model.compute_dtype}; float32 rules out overflow)."
         )
-    growth = (
-        f"; the gradient norm was {', '.join(f'{g:.3g}' for g in grad_norms[-3:])} before"
-        if grad_norms
-        else ""
-    )
+    growth = f"; recent gradient norms {', '.join(f'{g:.3g}' for g in grad_norms[-3:])}" if grad_norms else ""
+    float32 = "" if cfg.model.compute_dtype == "float32" else ", or model.compute_dtype=float32"
     return (
         f"the loss diverged after {step - 1} updates at lr {lr:.3g} (gradient norm {norm:.4g}{growth}). "
         f"Try a lower optimizer.lr (now {cfg.optimizer.lr}), more optimizer.warmup_steps (now "
-        f"{cfg.optimizer.warmup_steps}), clipping (optimizer.grad_clip, now {cfg.optimizer.grad_clip}), or "
-        "model.compute_dtype=float32."
+        f"{cfg.optimizer.warmup_steps}), clipping (optimizer.grad_clip, now {cfg.optimizer.grad_clip})"
+        f"{float32}."
     )
 
 
@@ -292,8 +356,8 @@ class LogWindow:
             s, v = bad[0]
             norms = self.grad_norms + [float(w.grad_norm) for (t, _), w in zip(self.pending, values) if t < s]
             raise TrainingError(
-                f"loss became {float(v.loss)} at step {s}; training stopped (metrics so far in "
-                f"{self.file.path}, the last good checkpoint kept). Likely cause: "
+                f"loss became {float(v.loss)} at step {s} (metrics so far in {self.file.path}, the last "
+                "good checkpoint kept). Likely cause: "
                 + nonfinite_cause(self.cfg, s, v, self.start, [g for g in norms if math.isfinite(g)])
             )
         self.grad_norms = (self.grad_norms + [float(v.grad_norm) for v in values])[-8:]
@@ -332,6 +396,7 @@ def train(cfg: TrainConfig, console: TextIO = sys.stdout) -> Path:
     path = run_dir_lib.locate(cfg.run_dir, cfg.model.name)
     run = run_dir_lib.inspect_run_dir(path)  # refuses a foreign or a finished directory before anything
     notes = []
+    cfg = run_dir_lib.resolve_paths(cfg)
     if run.kind is RunKind.RESUME:
         resumed = run_dir_lib.check_resume(cfg, run.saved, path)  # the guard, whatever set the keys
         if resumed.optimizer.decay_steps != cfg.optimizer.decay_steps:
@@ -339,6 +404,12 @@ def train(cfg: TrainConfig, console: TextIO = sys.stdout) -> Path:
                 f"jaxzero: steps {run.saved.steps} -> {cfg.steps}: the learning-rate schedule keeps the "
                 f"{resumed.optimizer.decay_steps} steps it started with and holds lr x min_lr_ratio after "
                 "them; pass --optimizer.decay_steps=N to give it N steps instead."
+            )
+        elif resumed.schedule_steps != run.saved.schedule_steps:
+            notes.append(
+                f"jaxzero: the learning-rate schedule changes length from {run.saved.schedule_steps} to "
+                f"{resumed.schedule_steps} steps (optimizer.decay_steps): the learning rate of the next "
+                "steps follows the new schedule, not the old one."
             )
         cfg = resumed
     cfg = dataclasses.replace(cfg, run_dir=str(path))
@@ -516,9 +587,11 @@ def main(argv: list[str] | None = None) -> int:
     # Random init of a large model compiles in seconds instead of minutes with the threefry kernel
     # (identical values); process-wide, so it is set here by the program, not by the library.
     jax.config.update("jax_threefry_gpu_kernel_lowering", True)
-    started, restore_handlers, cfg = False, None, None
+    started, restore_handlers, cfg, background = False, None, None, None
     try:
         cfg = configure(argv)
+        background = BackgroundErrorLog(Path(cfg.run_dir))
+        background.install()
         started = start_distributed()
         if not jax.distributed.is_initialized():  # one process: SIGTERM and Ctrl-C set a flag per step
             restore_handlers = install_stop_handlers()
@@ -528,7 +601,9 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingError as e:
         return _fail("training stopped", e, EXIT_TRAINING)
     except CheckpointWriteError as e:
-        return _fail("checkpoint error", e, EXIT_TRAINING)
+        log = Path(cfg.run_dir) / run_dir_lib.ERROR_FILE if cfg is not None else None
+        details = f" (the writers' own errors: {log})" if log is not None and log.exists() else ""
+        return _fail("checkpoint error", f"{e}{details}", EXIT_TRAINING)
     except Preempted as e:
         return _fail("preempted" if e.exit_code == EXIT_PREEMPTED else "interrupted", e, e.exit_code)
     except KeyboardInterrupt:  # Ctrl-C without jaxzero's handlers (several processes)
@@ -536,6 +611,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - the environment (memory, devices, files): one line, no trace
         return _fail("error", _environment_error(e, cfg), EXIT_TRAINING)
     finally:  # after the outcome is printed
+        if background is not None:
+            background.uninstall()
         if restore_handlers is not None:
             restore_handlers()
         if started:

@@ -250,6 +250,24 @@ def test_changed_bytes_are_caught_and_the_previous_checkpoint_used(tmp_path, asy
     ckpt.close()
 
 
+def test_saves_in_quick_succession_each_get_their_checksums(tmp_path):
+    """Asynchronous saves issued back to back, before the previous ones are committed: every
+    checkpoint still carries its own checksums.json, and each restores."""
+    cfg = tiny(**{"checkpoint.keep": "10"})
+    trainer = build_trainer(cfg, placement.make_mesh(jax.devices()[:1]))
+    saved = trainer.saved_state(trainer.init(jax.random.key(0)))
+    ckpt = Checkpointer(tmp_path, cfg.checkpoint)
+    for step in range(1, 9):
+        ckpt.save(step, saved, make_meta(step, META, cfg, trainer.layout, saved))
+    ckpt.wait()
+    assert ckpt.steps() == list(range(1, 9))
+    missing = [s for s in ckpt.steps() if not (ckpt.directory / str(s) / "checksums.json").is_file()]
+    assert missing == []
+    for step in ckpt.steps():
+        assert ckpt.restore(step, trainer.abstract_saved_state(), trainer.layout, cfg).step == step
+    ckpt.close()
+
+
 def test_every_part_of_a_checkpoint_falls_back_the_same_way(tmp_path, capsys):
     cfg, trainer, ckpt = two_checkpoints(tmp_path)
     (ckpt.directory / "2" / "meta" / "metadata").unlink()  # the metadata gone

@@ -129,6 +129,23 @@ def test_a_full_disk_stops_the_run_with_one_line_and_the_rerun_resumes(tmp_path)
     assert [r["step"] for r in records(tmp_path / "r")] == list(range(1, 9))
 
 
+def test_a_save_that_fails_in_the_background_is_one_line_naming_it(tmp_path):
+    """ENOSPC inside Orbax's background commit of checkpoint 4: one line on stderr naming checkpoint 4
+    and the cause, the writers' tracebacks in error.log, checkpoint 2 intact, the rerun resumes."""
+    args = [*RUN, "--steps=8", "--checkpoint.every=2", "--run_dir=r"]
+    proc = run_program("write_fails_in_background.py", *args, cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert "checkpoint error: could not write checkpoint 4 to" in lines[0]
+    assert "No space left on device (errno 28)" in lines[0] and "error.log" in lines[0]
+    assert "OSError: [Errno 28]" in (tmp_path / "r" / "error.log").read_text()
+    assert sorted(p.name for p in (tmp_path / "r" / "checkpoints").iterdir()) == ["2"]
+    rerun = cli(*args, cwd=tmp_path)
+    assert rerun.returncode == 0 and "resumed from" in rerun.stdout, rerun.stderr[-2000:]
+    assert [r["step"] for r in records(tmp_path / "r")] == list(range(1, 9))
+
+
 @pytest.mark.parametrize("presses", [1, 2])
 def test_ctrl_c_saves_like_sigterm_and_a_second_stops_at_once(tmp_path, presses):
     proc = cli(*RUN, "--steps=100000", "--run_dir=r", cwd=tmp_path, wait=False)

@@ -90,7 +90,13 @@ def test_the_directions_of_the_layers():
     assert graph()["jaxzero.config"] == set(), "config is a leaf"
     forbidden = {
         "jaxzero.models": {"jaxzero.plan", "jaxzero.placement", "jaxzero.memory", "jaxzero.offload"},
-        "jaxzero.offload": {"jaxzero.checkpoint", "jaxzero.metrics", "jaxzero.train", "jaxzero.overrides"},
+        "jaxzero.offload": {
+            "jaxzero.checkpoint",
+            "jaxzero.run_dir",
+            "jaxzero.metrics",
+            "jaxzero.train",
+            "jaxzero.overrides",
+        },
         "jaxzero.plan": {"jaxzero.offload", "jaxzero.placement", "jaxzero.memory", "jaxzero.trainer"},
     }
     for layer, names in forbidden.items():

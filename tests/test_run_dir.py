@@ -50,6 +50,9 @@ def test_what_a_directory_is(tmp_path):
         ("foreign", "is not a jaxzero run"),
         ("foreign-config", "is not a jaxzero run"),
         ("extra-file", "not made by jaxzero: notes.txt"),
+        ("a-config-of-its-own", "not made by jaxzero: config.json"),  # a user's own config.json
+        ("loose-metrics", "not made by jaxzero: metrics.jsonl"),
+        ("junk-in-checkpoints", r"it holds checkpoints; no jaxzero config.json"),
         ("finished", "already holds a run, finished without checkpoints"),
     ],
 )
@@ -66,12 +69,48 @@ def test_directories_jaxzero_never_writes_into(tmp_path, layout, message):
     elif layout == "extra-file":
         jaxzero_run(path)
         (path / "notes.txt").write_text("mine")
+    elif layout == "a-config-of-its-own":
+        path.mkdir()
+        (path / "config.json").write_text('{"a": 1}')
+    elif layout == "loose-metrics":
+        path.mkdir()
+        (path / "metrics.jsonl").write_text('{"step": 1}\n')
+    elif layout == "junk-in-checkpoints":
+        (path / "checkpoints" / "junk").mkdir(parents=True)
     else:
         jaxzero_run(path, checkpoint=False, summary=True)
     before = sorted(str(p) for p in tmp_path.rglob("*"))
     with pytest.raises(ConfigError, match=message):
         rd.inspect_run_dir(path)
     assert sorted(str(p) for p in tmp_path.rglob("*")) == before  # nothing written
+
+
+def test_a_run_dir_that_cannot_be_created_is_refused_before_anything(tmp_path):
+    (tmp_path / "a-file").write_text("mine")
+    with pytest.raises(ConfigError, match=r"cannot be created: .*a-file' is a file"):
+        rd.inspect_run_dir(tmp_path / "a-file" / "run")
+    if os.geteuid() != 0:  # root may write anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        with pytest.raises(ConfigError, match="cannot be created in .*locked'.*Permission denied"):
+            rd.inspect_run_dir(locked / "run")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"] + (["locked"] if os.geteuid() else [])
+
+
+def test_input_paths_are_saved_absolute_and_compared_resolved(tmp_path, monkeypatch):
+    """A run started with a relative data.path finds its data from any working directory; the guard
+    compares where paths point, not how they were spelled."""
+    monkeypatch.chdir(tmp_path)
+    cfg = rd.resolve_paths(apply_overrides(TrainConfig(), {"data.source": "tokens", "data.path": "data"}))
+    assert cfg.data.path == str(tmp_path / "data")
+    saved = jaxzero_run(tmp_path / "r", **{"data.source": "tokens", "data.path": str(tmp_path / "data")})
+    same = apply_overrides(saved, {"data.path": "./data/"})
+    assert rd.check_resume(same, saved, tmp_path / "r").data.path == str(tmp_path / "data")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")  # the same spelling now names another directory
+    with pytest.raises(ConfigError, match=r"cannot change data.path"):
+        rd.check_resume(same, saved, tmp_path / "r")
+    assert rd.check_resume(saved, saved, tmp_path / "r") is not None  # the saved absolute path holds
 
 
 def test_the_resume_guard_names_every_changed_setting(tmp_path):

@@ -48,6 +48,22 @@ def test_configure_resumes_from_the_saved_config_and_refuses_malformed_arguments
         train_lib.configure([f"--run_dir={path}", "--steps", "10"])
 
 
+def test_a_resume_says_what_the_schedule_does(tmp_path):
+    path = train_lib.train(tiny(tmp_path, **{"optimizer.warmup_steps": "0"}), io.StringIO())  # 3-step decay
+    kept = io.StringIO()
+    train_lib.train(train_lib.configure([f"--run_dir={path}", "--steps=4"]), kept)
+    assert "steps 3 -> 4: the learning-rate schedule keeps the 3 steps it started with" in kept.getvalue()
+    lrs = [json.loads(ln)["lr"] for ln in (path / "metrics.jsonl").read_text().splitlines()]
+    assert lrs[3] == pytest.approx(3e-3 * 0.1)  # held at the old schedule's end (lr x min_lr_ratio)
+    changed = io.StringIO()
+    train_lib.train(
+        train_lib.configure([f"--run_dir={path}", "--steps=6", "--optimizer.decay_steps=6"]), changed
+    )
+    assert "the learning-rate schedule changes length from 3 to 6 steps" in changed.getvalue()
+    lrs = [json.loads(ln)["lr"] for ln in (path / "metrics.jsonl").read_text().splitlines()]
+    assert lrs[4] > 3e-3 * 0.1  # step 5 of a 6-step cosine is above its floor
+
+
 def test_no_validation_split_means_no_val_loss_and_no_warning(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # NumPy's mean of nothing would warn
@@ -73,5 +89,8 @@ def test_a_non_finite_loss_is_blamed_on_what_the_facts_point_to(tmp_path):
         and "checkpoints/40 aside" in after_restore
     )
     diverged = train_lib.nonfinite_cause(cfg, 47, metrics(3e-3, 1e6), fresh, [2.0, 80.0, 9e4])
-    assert "diverged after 46 updates at lr 0.003" in diverged and "80, 9e+04" in diverged
+    assert (
+        "diverged after 46 updates at lr 0.003" in diverged
+        and "recent gradient norms 2, 80, 9e+04" in diverged
+    )
     assert "Try a lower optimizer.lr (now 0.003)" in diverged
