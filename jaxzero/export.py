@@ -1,5 +1,5 @@
 """`python -m jaxzero.export --run_dir=DIR --out=DIR [--format=hf|orbax] [--dtype=bfloat16|float32]
-[--step=N]`: a consolidated inference checkpoint from a training run's checkpoint.
+[--step=N] [--overwrite]`: a consolidated inference checkpoint from a training run's checkpoint.
 
 `hf` writes Hugging Face safetensors plus `config.json` for `LlamaForCausalLM` / `GPT2LMHeadModel`
 (sharded with an index file past `--max_shard_gb`); `orbax` writes the parameters alone as an Orbax
@@ -60,22 +60,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run_dir", required=True, help="a training run directory with checkpoints/")
     ap.add_argument("--out", required=True, help="a new directory for the export")
     ap.add_argument("--format", choices=("hf", "orbax"), default="hf")
-    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    ap.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default="bfloat16")
     ap.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
     ap.add_argument("--max_shard_gb", type=float, default=5.0, help="hf: shard files past this size")
+    ap.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an earlier export in --out (hf: its config.json and weights; orbax: the checkpoint)",
+    )
     args = ap.parse_args(argv)
     try:
         cfg, params, step = load_masters(args.run_dir, args.step)
         if args.format == "hf":
             files = export_hf(
-                params, cfg.model, args.out, dtype=args.dtype, max_shard_bytes=int(args.max_shard_gb * 2**30)
+                params,
+                cfg.model,
+                args.out,
+                dtype=args.dtype,
+                max_shard_bytes=int(args.max_shard_gb * 2**30),
+                overwrite=args.overwrite,
             )
             print(
                 f"jaxzero: exported step {step} of {args.run_dir} as Hugging Face {args.dtype}: "
                 f"{', '.join(str(f) for f in files)}"
             )
         else:
-            out = export_orbax(params, args.out, args.dtype)
+            out = export_orbax(params, args.out, args.dtype, overwrite=args.overwrite)
             print(f"jaxzero: exported step {step} of {args.run_dir} as Orbax {args.dtype}: {out}")
     except (ConfigError, FileExistsError) as e:
         print(f"jaxzero: export error: {e}", file=sys.stderr)

@@ -28,7 +28,8 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from jaxzero.checkpoint import Checkpointer, export_orbax, make_meta
+from jaxzero import run_dir as run_dir_lib
+from jaxzero.checkpoint import CHECKPOINT_DIR, Checkpointer, export_orbax, make_meta, saved_steps
 from jaxzero.config import CheckpointError, TrainConfig
 from jaxzero.data import DataState
 from jaxzero.interop import export_hf
@@ -118,16 +119,32 @@ class Trainer:
     timings: Callable[[float, int], dict[str, float]] | None = None
 
     def evaluate(self, state: Any, batches: Sequence[np.ndarray]) -> float:
-        """Mean loss of `state` over validation batches, each int32 (B, seq_len + 1), B a multiple of
-        the mesh's devices. A host sync. The state is not consumed."""
+        """Mean loss of `state` over validation batches, each int32 (B, seq_len + 1) with B a multiple
+        of the mesh's devices (`build_data(...).val_batches(n)` yields them). A host sync; the state
+        is not consumed."""
+        ensure_live(state)
         losses = [self.eval_loss(state, self.put_eval_batch(b)) for b in batches]
         return float(np.mean(jax.device_get(losses)))  # host sync
 
     def save(self, state: Any, directory: str | Path, step: int, data_state: DataState | None = None) -> Path:
-        """Save `state` as checkpoint `step` under `directory/checkpoints/` (Orbax, blocking, checksummed;
-        the format `python -m jaxzero.train` resumes from). `data_state` is the batch iterator's position
-        (`batches.state`), if any. Returns the checkpoint's directory. The state is not consumed."""
-        ckpt = Checkpointer(directory, dataclasses.replace(self.config.checkpoint, async_save=False))
+        """Save `state` as checkpoint `step` of the run directory `directory` (Orbax, blocking,
+        checksummed), writing its `config.json` if it has none: `python -m jaxzero.train
+        --run_dir=DIRECTORY` resumes from it. `data_state` is the batch iterator's position
+        (`batches.state`), if any. Returns the checkpoint's directory; the state is not consumed.
+        Raises ConfigError for a directory that is not a jaxzero run or holds another run's, and
+        ValueError for a step saved already."""
+        ensure_live(state)
+        path = run_dir_lib.locate(str(directory), self.config.model.name)
+        run = run_dir_lib.inspect_run_dir(path)
+        if run.saved is not None:
+            run_dir_lib.check_resume(self.config, run.saved, path)  # the same run, or refused
+        if step in saved_steps(path):
+            raise ValueError(f"{path / CHECKPOINT_DIR / str(step)} exists already: save under another step.")
+        path.mkdir(parents=True, exist_ok=True)
+        if run.saved is None:
+            config = dataclasses.replace(run_dir_lib.resolve_paths(self.config), run_dir=str(path))
+            run_dir_lib.write_atomic(path / run_dir_lib.CONFIG_FILE, config.to_json() + "\n")
+        ckpt = Checkpointer(path, dataclasses.replace(self.config.checkpoint, async_save=False))
         try:
             saved = self.saved_state(state)
             position = {} if data_state is None else data_state.to_dict()
@@ -137,10 +154,16 @@ class Trainer:
         return ckpt.directory / str(step)
 
     def restore(self, directory: str | Path, step: int | None = None) -> tuple[Any, int, DataState | None]:
-        """(state, step, data_state) of checkpoint `step` (default: the newest good one) under
-        `directory/checkpoints/`, the state in this trainer's placement; data_state is None where none
-        was saved. Raises CheckpointError if there is none or it belongs to another model."""
-        ckpt = Checkpointer(directory, self.config.checkpoint)
+        """(state, step, data_state) of checkpoint `step` (default: the newest good one) of the run
+        directory `directory`, the state in this trainer's placement; data_state is None where none
+        was saved. Raises CheckpointError if there is no such checkpoint or it holds another model."""
+        path = Path(directory)
+        steps = saved_steps(path)
+        if not steps or (step is not None and step not in steps):
+            have = f"it has checkpoints {steps}" if steps else "it has none"
+            want = f"checkpoint {step}" if step is not None else "checkpoint"
+            raise CheckpointError(f"no {want} to restore in {path.absolute() / CHECKPOINT_DIR}: {have}.")
+        ckpt = Checkpointer(path, self.config.checkpoint)
         try:
             abstract = self.abstract_saved_state()
             if step is None:
@@ -149,23 +172,30 @@ class Trainer:
                 restored = ckpt.restore(step, abstract, self.layout, self.config)
         finally:
             ckpt.close()
-        if restored is None:
-            raise CheckpointError(f"{ckpt.directory} holds no checkpoint to restore.")
         position = restored.meta.get("data_state") or None
         data_state = None if position is None else DataState.from_dict(position)
         return self.from_saved_state(restored.state), restored.step, data_state
 
-    def export(self, state: Any, out_dir: str | Path, format: str = "hf", dtype: str = "bfloat16") -> Path:
+    def export(
+        self,
+        state: Any,
+        out_dir: str | Path,
+        format: str = "hf",
+        dtype: str = "bfloat16",
+        overwrite: bool = False,
+    ) -> Path:
         """Write the state's weights for inference: `format="hf"` a transformers checkpoint
         (`config.json` + safetensors), `"orbax"` the parameters alone; `dtype` bfloat16, float32 or
-        float16 (hf). Returns `out_dir`. The state is not consumed."""
+        float16. `overwrite` replaces an earlier export in `out_dir` (else FileExistsError). Returns
+        `out_dir`. The state is not consumed."""
+        ensure_live(state)
+        if format not in ("hf", "orbax"):
+            raise ValueError(f"format={format!r} is not one of 'hf', 'orbax'.")
         masters = jax.device_get(state.params)  # float32, one host copy
         if format == "hf":
-            export_hf(masters, self.config.model, out_dir, dtype=dtype)
-        elif format == "orbax":
-            export_orbax(masters, out_dir, dtype)
+            export_hf(masters, self.config.model, out_dir, dtype=dtype, overwrite=overwrite)
         else:
-            raise ValueError(f"format={format!r} is not one of 'hf', 'orbax'.")
+            export_orbax(masters, out_dir, dtype, overwrite=overwrite)
         return Path(out_dir)
 
     @property
@@ -184,15 +214,27 @@ def abstract_placed(shapes: Any, shardings: Any) -> Any:
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
 
 
-def check_batch(batch: Any, shape: tuple[int | None, ...], vocab_size: int, what: str) -> np.ndarray:
+def ensure_live(state: Any) -> None:
+    """Raise RuntimeError, saying what to do, for a state a step has consumed (its accelerator buffers
+    donated, or its host arrays updated in place by the offload engine)."""
+    leaves = [] if getattr(state, "consumed", False) else jax.tree.leaves(getattr(state, "step", None))
+    if getattr(state, "consumed", False) or any(getattr(x, "is_deleted", lambda: False)() for x in leaves):
+        raise RuntimeError(
+            "this training state was consumed by trainer.step: use the state that step returned."
+        )
+
+
+def check_batch(
+    batch: Any, shape: tuple[int | None, ...], vocab_size: int, what: str, source: str
+) -> np.ndarray:
     """`batch` as int32 NumPy, or ValueError saying what it should be: `shape` (None: any length), an
-    integer dtype, ids in [0, vocab_size)."""
+    integer dtype, ids in [0, vocab_size). `source` names what yields such batches."""
     array = np.asarray(batch)
     want = "(" + ", ".join("N" if d is None else str(d) for d in shape) + ")"
     if array.ndim != len(shape) or any(d is not None and a != d for a, d in zip(array.shape, shape)):
         raise ValueError(
             f"a {what} batch must be int32 {want} for this config; got {array.dtype} {array.shape}. "
-            "Batches of build_data(...).train_iter() have the right shape; reshape yours to match."
+            f"{source} yields such batches."
         )
     if not np.issubdtype(array.dtype, np.integer):
         raise ValueError(
@@ -206,17 +248,24 @@ def check_batch(batch: Any, shape: tuple[int | None, ...], vocab_size: int, what
     return array.astype(np.int32, copy=False)
 
 
-def with_checked_batches(trainer: Trainer) -> Trainer:
-    """`trainer` whose `put_batch` and `put_eval_batch` check shape, dtype and token ids first."""
+def with_checks(trainer: Trainer) -> Trainer:
+    """`trainer` whose `put_batch` and `put_eval_batch` check shape, dtype and token ids first, and
+    whose `step` refuses a consumed state with a message (not an error about deleted buffers)."""
     d, vocab = trainer.config.data, trainer.config.model.vocab_size
     train_shape = (d.grad_accum, d.batch_size // d.grad_accum, d.seq_len + 1)
-    put_batch, put_eval_batch = trainer.put_batch, trainer.put_eval_batch
+    put_batch, put_eval_batch, step = trainer.put_batch, trainer.put_eval_batch, trainer.step
 
     def checked_batch(batch: Any) -> jax.Array:
-        return put_batch(check_batch(batch, train_shape, vocab, "training"))
+        return put_batch(check_batch(batch, train_shape, vocab, "training", "build_data(...).train_iter()"))
+
+    def checked_step(state: Any, batch: jax.Array) -> tuple[Any, StepMetrics]:
+        ensure_live(state)
+        return step(state, batch)
 
     def checked_eval_batch(batch: Any) -> jax.Array:
-        array = check_batch(batch, (None, d.seq_len + 1), vocab, "validation")
+        array = check_batch(
+            batch, (None, d.seq_len + 1), vocab, "validation", "build_data(...).val_batches(n)"
+        )
         if array.shape[0] % trainer.mesh.size:
             raise ValueError(
                 f"a validation batch of {array.shape[0]} rows cannot be split over the mesh's "
@@ -224,4 +273,6 @@ def with_checked_batches(trainer: Trainer) -> Trainer:
             )
         return put_eval_batch(array)
 
-    return dataclasses.replace(trainer, put_batch=checked_batch, put_eval_batch=checked_eval_batch)
+    return dataclasses.replace(
+        trainer, put_batch=checked_batch, put_eval_batch=checked_eval_batch, step=checked_step
+    )

@@ -41,7 +41,7 @@ from jaxzero.optim import (
 )
 from jaxzero.overrides import apply_overrides
 from jaxzero.plan import OffloadPlan, resolve_plan
-from jaxzero.state import StepMetrics, Trainer, TrainState, abstract_placed, with_checked_batches
+from jaxzero.state import StepMetrics, Trainer, TrainState, abstract_placed, with_checks
 
 
 def averaged_grads(
@@ -103,8 +103,8 @@ def build_trainer(cfg: TrainConfig | None = None, mesh: Mesh | None = None, **ov
         print(f"jaxzero: {warning}", file=sys.stderr)
     if plan.host_update is not None:
         reserve = memory.pinned_pool_reservation(need, device.platform)
-        return with_checked_batches(build_offload_trainer(cfg, mesh, plan=plan, pinned_reserve=reserve))
-    return with_checked_batches(build_resident_trainer(cfg, mesh, plan))
+        return with_checks(build_offload_trainer(cfg, mesh, plan=plan, pinned_reserve=reserve))
+    return with_checks(build_resident_trainer(cfg, mesh, plan))
 
 
 def build_resident_trainer(cfg: TrainConfig, mesh: Mesh, plan: OffloadPlan | None = None) -> Trainer:

@@ -131,7 +131,7 @@ def export_hf(
     if existing and not overwrite:
         raise FileExistsError(
             f"{out} already holds a checkpoint ({', '.join(p.name for p in existing)}); "
-            "pass overwrite=True to replace it or choose another directory."
+            "pass overwrite=True (--overwrite) to replace it, or choose another directory."
         )
     out.mkdir(parents=True, exist_ok=True)
     for p in existing:
