@@ -14,8 +14,10 @@ values are type-checked against the field annotations, and `parse_args` ends wit
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import inspect
 import re
+import sys
 import tomllib
 import types
 import typing
@@ -77,7 +79,9 @@ def _coerce(key: str, raw: Any, typ: Any) -> Any:
 
 
 def _unknown_key(key: str, valid: list[str]) -> ConfigError:
-    return ConfigError(f"unknown config key {key!r}. Valid keys: {', '.join(valid)}.")
+    close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.6)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    return ConfigError(f"unknown config key {key!r}.{hint} Valid keys: {', '.join(valid)}.")
 
 
 def all_keys() -> list[str]:
@@ -135,8 +139,30 @@ def _flatten_toml(tree: dict[str, Any], path: str = "") -> dict[str, Any]:
     return out
 
 
+def check_overrides(overrides: dict[str, Any], source: str) -> None:
+    """Raise ConfigError, naming `source`, for an unknown key or a value of the wrong type, before
+    anything is applied (ranges are checked on the whole config later)."""
+    for key, raw in overrides.items():
+        sec, _, name = key.partition(".")
+        try:
+            if key in TOP_LEVEL_KEYS:
+                _coerce(key, raw, _field_types(TrainConfig)[key])
+            elif sec not in SECTIONS or name not in _field_types(SECTIONS[sec]):
+                raise _unknown_key(
+                    key,
+                    all_keys()
+                    if sec not in SECTIONS
+                    else [f"{sec}.{k}" for k in _field_types(SECTIONS[sec])],
+                )
+            else:
+                _coerce(key, raw, _field_types(SECTIONS[sec])[name])
+        except ConfigError as e:
+            raise ConfigError(f"in {source}: {e}") from e
+
+
 def load_preset(path: str | Path) -> dict[str, Any]:
-    """Read a TOML preset into dotted overrides. Missing files and bad TOML raise ConfigError."""
+    """Read a TOML preset into dotted overrides. Missing files, bad TOML, unknown keys and values of the
+    wrong type raise ConfigError naming the file."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(
@@ -147,15 +173,18 @@ def load_preset(path: str | Path) -> dict[str, Any]:
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from e
     flat = _flatten_toml(tree)
+    check_overrides(flat, f"config file {str(p)!r}")
     # `model.name` first, so that a preset may name a size and then adjust it.
     return dict(sorted(flat.items(), key=lambda kv: kv[0] != "model.name"))
 
 
 def split_args(argv: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(preset overrides, command-line overrides) of `[--config=PATH] [--section.key=value ...]`, as
-    dotted keys; nothing applied yet. Raises ConfigError for an argument of another form."""
+    dotted keys; nothing applied yet; of a key given twice the last wins (with a note on stderr).
+    Raises ConfigError for an argument of another form."""
     preset: dict[str, Any] = {}
     cli: dict[str, Any] = {}
+    seen: dict[str, str] = {}
     for arg in argv:
         if not arg.startswith("--") or "=" not in arg:
             raise ConfigError(
@@ -163,6 +192,12 @@ def split_args(argv: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
                 f"(e.g. --steps=100 --offload.params=cpu) and presets as --config=PATH."
             )
         key, _, value = arg[2:].partition("=")
+        if key in seen:  # the last wins, as scripts that append overrides expect, but not silently
+            print(
+                f"jaxzero: --{key} is given twice ({seen[key]!r}, then {value!r}): using {value!r}.",
+                file=sys.stderr,
+            )
+        seen[key] = value
         if key == "config":
             preset = load_preset(value)
         else:
@@ -235,7 +270,8 @@ def help_text() -> str:
     for prefix, cls, defaults in groups:
         hints, meanings = typing.get_type_hints(cls), field_meanings(cls)
         title = prefix[:-1] if prefix else "run"
-        lines.append(f"\n[{title}] {(cls.__doc__ or '').splitlines()[0]}")
+        summary = " ".join((cls.__doc__ or "").split("\n\n")[0].split())  # the first paragraph
+        lines.append(f"\n[{title}] {summary}")
         for f in dataclasses.fields(cls):
             if cls is TrainConfig and f.name in SECTIONS:  # the sections, listed below
                 continue

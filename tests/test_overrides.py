@@ -54,8 +54,12 @@ def test_config_json_round_trip():
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--stepz=3"], "unknown config key 'stepz'. Valid keys: steps, seed"),
-        (["--model.hidden=3"], "unknown config key 'model.hidden'. Valid keys: model.name"),
+        (["--stepz=3"], "unknown config key 'stepz'. Did you mean 'steps'? Valid keys: steps, seed"),
+        (["--optimiser.lr=3"], "unknown config key 'optimiser.lr'. Did you mean 'optimizer.lr'?"),
+        (
+            ["--model.hidden=3"],
+            "unknown config key 'model.hidden'. Did you mean 'model.hidden_size'? Valid keys: model.name",
+        ),
         (["--nosuch.key=1"], "unknown config key 'nosuch.key'"),
         (["--steps=ten"], "steps='ten' is not an integer"),
         (["--optimizer.lr=fast"], "optimizer.lr='fast' is not a number"),
@@ -73,6 +77,11 @@ def test_parse_error_messages(args, message):
     assert message in str(e.value)
 
 
+def test_a_key_given_twice_takes_the_last_value_and_says_so(capsys):
+    assert parse_args(["--steps=10", "--steps=20"]).steps == 20
+    assert "--steps is given twice ('10', then '20'): using '20'." in capsys.readouterr().err
+
+
 def test_bad_toml(tmp_path):
     p = tmp_path / "bad.toml"
     p.write_text("steps = = 3")
@@ -80,12 +89,17 @@ def test_bad_toml(tmp_path):
         parse_args([f"--config={p}"])
 
 
-def test_unknown_key_in_preset(tmp_path):
+def test_a_preset_error_names_the_file(tmp_path):
     p = tmp_path / "p.toml"
     p.write_text("[optimizer]\nlearning_rate = 0.1\n")
-    with pytest.raises(
-        ConfigError, match="unknown config key 'optimizer.learning_rate'. Valid keys: optimizer.name"
-    ):
+    with pytest.raises(ConfigError) as e:
+        parse_args([f"--config={p}"])
+    assert str(e.value).startswith(
+        f"in config file {str(p)!r}: unknown config key 'optimizer.learning_rate'."
+    )
+    assert "Valid keys: optimizer.name" in str(e.value)
+    p.write_text("steps = 'ten'\n")
+    with pytest.raises(ConfigError, match=r"in config file .*p.toml': steps='ten' is not an integer"):
         parse_args([f"--config={p}"])
 
 
@@ -104,3 +118,8 @@ def test_help_lists_every_key_with_its_type_default_and_meaning():
         cls = SECTIONS[section] if section else TrainConfig
         assert field_meanings(cls).get(name), f"{key} has no comment in jaxzero/config.py to explain it"
     assert "--offload.params  (none | cpu, default 'none')" in text
+    # a section's description is its docstring's whole first paragraph, not its first line
+    assert (
+        "[checkpoint] Orbax checkpoints in `<run_dir>/checkpoints`: every `every` steps (0: only at the end "
+        "and on preemption)" in text
+    )
