@@ -1,17 +1,21 @@
-"""How long a checkpoint blocks training, and how fast it is written, for host-resident offload state.
+"""How long a checkpoint blocks training, how fast it is written, and what its checksums cost, for
+host-resident offload state.
 
-    python scripts/bench_checkpoint.py --model=llama-3.4b-bench --dir=/tmp/ckpt
+    python scripts/bench_checkpoint.py --model=llama-1b --dir=/tmp/ckpt
 
 Builds the ZeRO-3 offload trainer (masters and AdamW state in host RAM), takes one step, then saves
-twice through `jaxzero.checkpoint.Checkpointer` (async): "blocked" is the time `save` holds the
-training loop (the host snapshot), "write" the time until the checkpoint is committed; throughput
-counts the bytes of masters + optimizer state. A blocking save (checkpoint.async_save=false) is
-timed too. Prints one JSON line per save and a table.
+through `jaxzero.checkpoint.Checkpointer`, alternating saves with and without `checksums.json` (the
+checksum pass runs inside Orbax's commit, so "committed" includes it): "blocked" is the time `save`
+holds the training loop (the host snapshot), "committed" the time until the checkpoint is final;
+throughput counts the bytes of masters + optimizer state. A blocking save
+(checkpoint.async_save=false) is timed too. Then restores the last checkpoint alternately with and
+without `checkpoint.verify`. Prints one JSON line per measurement and a table.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import time
@@ -25,9 +29,16 @@ from jaxzero.overrides import apply_overrides
 from jaxzero.trainer import build_trainer
 
 
+class WithoutChecksums(Checkpointer):
+    """The same saves without their checksum pass, for the side-by-side cost."""
+
+    def _write_checksums(self) -> None:
+        pass
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="llama-3.4b-bench")
+    ap.add_argument("--model", default="llama-1b")
     ap.add_argument("--dir", default="/tmp/jaxzero-bench-ckpt")
     ap.add_argument("--seq", type=int, default=2048)
     args = ap.parse_args()
@@ -50,10 +61,11 @@ def main() -> None:
     saved = trainer.saved_state(state)
     nbytes = sum(x.nbytes for x in jax.tree.leaves(saved))
     rows = []
-    for i, async_save in enumerate((True, True, False)):
+    variants = [(True, True), (True, False), (True, True), (True, False), (False, True)]
+    for i, (async_save, checksums) in enumerate(variants):
         shutil.rmtree(args.dir, ignore_errors=True)
-        ck_cfg = apply_overrides(cfg, {"checkpoint.async_save": str(async_save)}).checkpoint
-        ckpt = Checkpointer(args.dir, ck_cfg)
+        ck_cfg = dataclasses.replace(cfg.checkpoint, async_save=async_save)
+        ckpt = (Checkpointer if checksums else WithoutChecksums)(args.dir, ck_cfg)
         meta = make_meta(i + 1, {"epoch": 0, "cursor": 0, "num_windows": 1}, cfg, trainer.layout, saved)
         t = time.perf_counter()
         ckpt.save(i + 1, saved, meta)
@@ -61,12 +73,33 @@ def main() -> None:
         ckpt.wait()  # host sync: until committed
         total = time.perf_counter() - t
         ckpt.close()
+        has = (ckpt.directory / str(i + 1) / "checksums.json").is_file()
+        assert has == checksums, (has, checksums)
         row = {
-            "async": async_save,
+            "what": f"{'async' if async_save else 'blocking'} save{'' if checksums else ', no checksums'}",
             "state_GB": nbytes / 1e9,
             "blocked_s": blocked,
-            "committed_s": total,
-            "write_GBps": nbytes / 1e9 / total,
+            "done_s": total,
+            "GBps": nbytes / 1e9 / total,
+        }
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    last = len(variants)  # a checksummed checkpoint: restore it with and without verification
+    abstract = trainer.abstract_saved_state()
+    for verify in (False, True, False, True):
+        ckpt = Checkpointer(args.dir, dataclasses.replace(cfg.checkpoint, verify=verify))
+        t = time.perf_counter()
+        restored = ckpt.restore(last, abstract, trainer.layout, cfg)
+        jax.block_until_ready(restored.state)
+        total = time.perf_counter() - t
+        ckpt.close()
+        del restored
+        row = {
+            "what": f"restore{', verified' if verify else ', unverified'}",
+            "state_GB": nbytes / 1e9,
+            "blocked_s": total,
+            "done_s": total,
+            "GBps": nbytes / 1e9 / total,
         }
         print(json.dumps(row), flush=True)
         rows.append(row)
@@ -75,10 +108,9 @@ def main() -> None:
         f"\n{args.model}: {nbytes / 1e9:.1f} GB of masters + optimizer state, "
         f"device {jax.devices()[0].device_kind}"
     )
-    print(f"{'save':10} {'blocked s':>10} {'committed s':>12} {'GB/s':>6}")
+    print(f"{'what':28} {'blocked s':>10} {'done s':>8} {'GB/s':>6}")
     for r in rows:
-        kind = "async" if r["async"] else "blocking"
-        print(f"{kind:10} {r['blocked_s']:10.2f} {r['committed_s']:12.2f} {r['write_GBps']:6.2f}")
+        print(f"{r['what']:28} {r['blocked_s']:10.2f} {r['done_s']:8.2f} {r['GBps']:6.2f}")
 
 
 if __name__ == "__main__":
