@@ -7,7 +7,8 @@ Three sources (`DataConfig.source`), all reduced to the same shape of problem:
 * ``tokens``: nanoGPT-format files ``DIR/train.bin`` and optionally ``DIR/val.bin``: flat arrays of
   ``uint16`` or ``uint32`` token ids, read through ``np.memmap`` so a file is never loaded whole.
   Write them with `write_tokens`.
-* ``synthetic``: uniform random tokens, a pure function of (seed, step), for benchmarks.
+* ``synthetic``: uniform random tokens, each sequence a pure function of (seed, step, row), for
+  benchmarks.
 
 Batching (``builtin`` and ``tokens``). The train split is cut into windows of ``seq_len + 1``
 consecutive tokens at stride ``seq_len`` (window ``i`` is ``tokens[i*seq_len : i*seq_len + seq_len + 1]``,
@@ -25,16 +26,23 @@ O(1) batches (it recomputes one permutation, it replays nothing).
 Validation. `Data.val_batches(n)` returns the same ``n`` micro-batches of fixed windows on every call,
 independent of the seed, so validation losses compare across steps and across runs.
 
+Several processes. Every batch above is the *global* batch, the same whatever the process count. A
+`DataShard(index, count)` makes process ``index`` of ``count`` read only its rows of it: rows
+``[index * m // count, (index + 1) * m // count)`` of every micro-batch of ``m`` rows (and of every
+validation batch), and only those windows' tokens are read. Concatenating the processes' batches along
+the row axis gives the one-process batch; the `DataState` is the same in every process.
+
 Usage::
 
     data = build_data(cfg.data, vocab_size=cfg.model.vocab_size, seed=cfg.seed)
+    # several processes: build_data(..., shard=DataShard(jax.process_index(), jax.process_count()))
     log(data.describe())
     it = data.train_iter(saved_state)          # or None for a fresh run
     for step in range(steps):
-        batch = next(it)                       # (grad_accum, micro, seq_len + 1) int32
+        batch = next(it)                       # (grad_accum, micro / count, seq_len + 1) int32
         ...
         checkpoint["data"] = it.state.to_dict()
-    val = data.val_batches(cfg.logging.eval_batches)   # (n, micro, seq_len + 1) int32
+    val = data.val_batches(cfg.logging.eval_batches)   # (n, micro / count, seq_len + 1) int32
 """
 
 from __future__ import annotations
@@ -61,6 +69,7 @@ __all__ = [
     "BatchIterator",
     "Data",
     "DataError",
+    "DataShard",
     "DataState",
     "SyntheticData",
     "TokenSplits",
@@ -156,8 +165,53 @@ class DataState:
         return cls(epoch=d["epoch"], cursor=d["cursor"], num_windows=d["num_windows"])
 
 
+@dataclass(frozen=True)
+class DataShard:
+    """The part of every global batch one process reads: process `index` of `count`.
+
+    Of each micro-batch of ``m`` rows (and each validation batch) the process reads rows
+    ``[index * m // count, (index + 1) * m // count)``, in order: the rows its devices hold of the
+    batch sharded over the data axis, which JAX's `make_array_from_process_local_data` expects. The
+    default, ``DataShard(0, 1)``, is the whole batch. A multi-process run uses
+    ``DataShard(jax.process_index(), jax.process_count())``.
+    """
+
+    index: int = 0
+    count: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("index", "count"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool):
+                raise DataError(f"DataShard.{name}={v!r} must be an integer.")
+        if self.count < 1 or not 0 <= self.index < self.count:
+            raise DataError(
+                f"DataShard(index={self.index}, count={self.count}) needs count >= 1 and "
+                "0 <= index < count (the process index and the process count)."
+            )
+
+    def rows(self, micro_batch_size: int) -> slice:
+        """This process's rows of a micro-batch of `micro_batch_size` rows. Raises DataError when
+        they cannot be split evenly over `count` processes."""
+        if micro_batch_size % self.count:
+            fits = -(-micro_batch_size // self.count) * self.count  # the next multiple up
+            raise DataError(
+                f"a micro-batch of data.batch_size / data.grad_accum = {micro_batch_size} sequences "
+                f"cannot be split evenly over {self.count} processes (each reads its own rows of every "
+                f"micro-batch). Make data.batch_size / data.grad_accum a multiple of {self.count}, e.g. "
+                f"{fits} sequences per micro-batch (data.batch_size = {fits} x data.grad_accum)."
+            )
+        size = micro_batch_size // self.count
+        return slice(self.index * size, (self.index + 1) * size)
+
+    def describe(self) -> str:
+        """'' for the whole batch, else which part of it this process reads, for logs."""
+        return "" if self.count == 1 else f", process {self.index} of {self.count} reads its rows"
+
+
 class BatchIterator(Iterator[np.ndarray]):
-    """An endless iterator of training batches ``(grad_accum, micro_batch, seq_len + 1)`` int32."""
+    """An endless iterator of training batches ``(grad_accum, rows, seq_len + 1)`` int32, where `rows`
+    is the micro-batch (``batch_size // grad_accum``) or, with a `DataShard`, this process's rows of it."""
 
     @property
     @abstractmethod
@@ -487,7 +541,10 @@ def _epoch_permutation(seed: int, epoch: int, num_windows: int) -> np.ndarray:
 class WindowIterator(BatchIterator):
     """Shuffled training batches of windows of a 1-D token array; see the module docstring for the order.
 
-    Host cost per batch: one int64 permutation slice and ``batch_size`` contiguous slice copies. Memory:
+    rows: the rows of each micro-batch this process reads (`DataShard.rows`); the stream position
+          advances by the whole global batch, so the state is the same in every process.
+
+    Host cost per batch: one int64 permutation slice and one contiguous slice copy per row read. Memory:
     one or two epoch permutations of ``8 * num_windows`` bytes (70 MB for 9B tokens at seq_len 1024).
     """
 
@@ -500,8 +557,10 @@ class WindowIterator(BatchIterator):
         grad_accum: int,
         seed: int,
         state: DataState,
+        rows: slice = slice(None),
     ) -> None:
         self._tokens = tokens
+        self._rows = rows
         self._seq_len = seq_len
         self._batch_size = batch_size
         self._grad_accum = grad_accum
@@ -541,23 +600,38 @@ class WindowIterator(BatchIterator):
             cursor += take
             if cursor == self._num_windows:
                 epoch, cursor = epoch + 1, 0
-        batch = _gather_windows(self._tokens, window_ids, self._seq_len)
+        # The global batch's window ids, then only this process's rows of each micro-batch are read.
+        mine = window_ids.reshape(self._grad_accum, -1)[:, self._rows]
+        batch = _gather_windows(self._tokens, mine.reshape(-1), self._seq_len)
         self._epoch, self._cursor = epoch, cursor
-        return batch.reshape(self._grad_accum, self._batch_size // self._grad_accum, self._seq_len + 1)
+        return batch.reshape(self._grad_accum, -1, self._seq_len + 1)
 
 
 class SyntheticIterator(BatchIterator):
-    """Uniform random batches, each a pure function of (seed, step); the state's cursor is the step."""
+    """Uniform random batches; the state's cursor is the step. Each sequence is a pure function of
+    (seed, step, its row in the global batch), so a process draws only its own rows (`rows`, as in
+    `WindowIterator`) and the global batch does not depend on the process count or `grad_accum`."""
 
     def __init__(
-        self, *, vocab_size: int, seq_len: int, batch_size: int, grad_accum: int, seed: int, state: DataState
+        self,
+        *,
+        vocab_size: int,
+        seq_len: int,
+        batch_size: int,
+        grad_accum: int,
+        seed: int,
+        state: DataState,
+        rows: slice = slice(None),
     ) -> None:
         if state.num_windows != 0 or state.epoch != 0:
             raise DataError(
                 f"the saved data state {state.to_dict()} is from a file-backed source, not "
                 "data.source=synthetic; resume with the original data.source or start a fresh run_dir."
             )
-        self._shape = (grad_accum, batch_size // grad_accum, seq_len + 1)
+        micro = batch_size // grad_accum
+        # Row numbers in the global batch, micro-batch after micro-batch: (grad_accum, rows read).
+        self._row_ids = np.arange(batch_size).reshape(grad_accum, micro)[:, rows]
+        self._seq_len = seq_len
         self._vocab_size = vocab_size
         self._seed = seed
         self._step = state.cursor
@@ -567,8 +641,11 @@ class SyntheticIterator(BatchIterator):
         return DataState(epoch=0, cursor=self._step, num_windows=0)
 
     def __next__(self) -> np.ndarray:
-        seq = np.random.SeedSequence([_TAG_SYNTHETIC_TRAIN, _seed_entropy(self._seed), self._step])
-        batch = np.random.default_rng(seq).integers(0, self._vocab_size, size=self._shape, dtype=np.int32)
+        entropy = [_TAG_SYNTHETIC_TRAIN, _seed_entropy(self._seed), self._step]
+        batch = np.empty((*self._row_ids.shape, self._seq_len + 1), dtype=np.int32)
+        for index, row in np.ndenumerate(self._row_ids):
+            rng = np.random.default_rng(np.random.SeedSequence([*entropy, int(row)]))
+            batch[index] = rng.integers(0, self._vocab_size, size=self._seq_len + 1, dtype=np.int32)
         self._step += 1
         return batch
 
@@ -586,30 +663,46 @@ class Data(ABC):
     batch_size:       global sequences per optimizer step.
     grad_accum:       micro-batches per step.
     micro_batch_size: ``batch_size // grad_accum``; also the batch size of validation batches.
+    shard:            which part of every global batch this process reads (`DataShard`; default all).
+    rows:             this process's rows of every micro-batch and validation batch, `shard.rows(...)`.
     """
 
     source: str
 
-    def __init__(self, *, vocab_size: int, seq_len: int, batch_size: int, grad_accum: int, seed: int) -> None:
+    def __init__(
+        self,
+        *,
+        vocab_size: int,
+        seq_len: int,
+        batch_size: int,
+        grad_accum: int,
+        seed: int,
+        shard: DataShard = DataShard(),
+    ) -> None:
         self.vocab_size = vocab_size
         self.seq_len = seq_len
         self.batch_size = batch_size
         self.grad_accum = grad_accum
         self.micro_batch_size = batch_size // grad_accum
         self.seed = seed
+        self.shard = shard
+        self.rows = shard.rows(self.micro_batch_size)  # raises DataError if they cannot split evenly
 
     @property
     def batch_shape(self) -> tuple[int, int, int]:
-        """Shape of every training batch: ``(grad_accum, micro_batch_size, seq_len + 1)``."""
-        return (self.grad_accum, self.micro_batch_size, self.seq_len + 1)
+        """Shape of every training batch this process gets: ``(grad_accum, rows, seq_len + 1)``, with
+        ``rows = micro_batch_size // shard.count``."""
+        return (self.grad_accum, self.rows.stop - self.rows.start, self.seq_len + 1)
 
     @abstractmethod
     def train_iter(self, state: DataState | None = None) -> BatchIterator:
-        """An endless iterator of int32 batches `batch_shape`, from `state` (None: the start)."""
+        """An endless iterator of int32 batches `batch_shape`, this process's rows of the global
+        batches from `state` (None: the start). The state is the same in every process."""
 
     @abstractmethod
     def val_batches(self, n: int) -> np.ndarray:
-        """The first `n` validation batches, int32 ``(n', micro_batch_size, seq_len + 1)``.
+        """The first `n` validation batches, int32 ``(n', rows, seq_len + 1)``: this process's rows of
+        each (``rows = micro_batch_size // shard.count``).
 
         The same windows on every call and for every seed; ``n' = min(n, max_val_batches)``.
         """
@@ -626,7 +719,7 @@ class Data(ABC):
     def _layout(self) -> str:
         return (
             f"seq_len {self.seq_len}, batch {self.batch_size} = {self.grad_accum} x "
-            f"{self.micro_batch_size}, seed {self.seed}"
+            f"{self.micro_batch_size}{self.shard.describe()}, seed {self.seed}"
         )
 
 
@@ -643,6 +736,7 @@ class WindowData(Data):
         grad_accum: int,
         seed: int,
         val_requested: bool,
+        shard: DataShard = DataShard(),
     ) -> None:
         super().__init__(
             vocab_size=splits.vocab_size,
@@ -650,6 +744,7 @@ class WindowData(Data):
             batch_size=batch_size,
             grad_accum=grad_accum,
             seed=seed,
+            shard=shard,
         )
         self.source = source
         self.splits = splits
@@ -691,6 +786,7 @@ class WindowData(Data):
             grad_accum=self.grad_accum,
             seed=self.seed,
             state=state,
+            rows=self.rows,
         )
 
     def val_batches(self, n: int) -> np.ndarray:
@@ -699,8 +795,9 @@ class WindowData(Data):
         count = min(n, self.max_val_batches) * self.micro_batch_size
         # Python ints: k * stride can exceed int64 for huge splits; count is small (eval batches).
         ids = np.array([(k * self._val_stride) % self.num_val_windows for k in range(count)], dtype=np.int64)
-        windows = _gather_windows(self.splits.val, ids, self.seq_len)
-        return windows.reshape(-1, self.micro_batch_size, self.seq_len + 1)
+        mine = ids.reshape(-1, self.micro_batch_size)[:, self.rows]  # only this process's windows are read
+        windows = _gather_windows(self.splits.val, mine.reshape(-1), self.seq_len)
+        return windows.reshape(-1, self.rows.stop - self.rows.start, self.seq_len + 1)
 
     def describe(self) -> str:
         s = self.splits
@@ -734,20 +831,21 @@ class SyntheticData(Data):
             grad_accum=self.grad_accum,
             seed=self.seed,
             state=state,
+            rows=self.rows,
         )
 
     def val_batches(self, n: int) -> np.ndarray:
         if n < 0:
             raise DataError(f"val_batches(n={n}) needs n >= 0.")
-        shape = (self.micro_batch_size, self.seq_len + 1)
-        # Seed-independent and one stream per batch index, so val_batches(2) is a prefix of val_batches(4).
-        batches = [
-            np.random.default_rng(np.random.SeedSequence([_TAG_SYNTHETIC_VAL, i])).integers(
-                0, self.vocab_size, size=shape, dtype=np.int32
-            )
-            for i in range(n)
-        ]
-        return np.stack(batches) if batches else np.empty((0, *shape), dtype=np.int32)
+        rows = range(self.micro_batch_size)[self.rows]
+        out = np.empty((n, len(rows), self.seq_len + 1), dtype=np.int32)
+        # Seed-independent and one stream per (batch, row), so val_batches(2) is a prefix of
+        # val_batches(4) and a process draws only its own rows.
+        for i in range(n):
+            for j, row in enumerate(rows):
+                rng = np.random.default_rng(np.random.SeedSequence([_TAG_SYNTHETIC_VAL, i, row]))
+                out[i, j] = rng.integers(0, self.vocab_size, size=self.seq_len + 1, dtype=np.int32)
+        return out
 
     def describe(self) -> str:
         return f"data: synthetic uniform random tokens, vocab {self.vocab_size}, unbounded | {self._layout()}"
@@ -780,16 +878,19 @@ def _check_data_config(cfg: DataConfig, vocab_size: int) -> None:
         )
 
 
-def build_data(cfg: DataConfig, vocab_size: int, seed: int) -> Data:
+def build_data(cfg: DataConfig, vocab_size: int, seed: int, shard: DataShard = DataShard()) -> Data:
     """The data pipeline for `cfg`, checked before any large file is read.
 
     vocab_size: the model's vocabulary. Token files are checked against it (every id, or a sample);
                 builtin bytes need it to be >= 256; synthetic tokens are drawn from it.
     seed:       sets the per-epoch shuffle (and the synthetic stream); validation ignores it.
+    shard:      the part of every global batch this process reads (default: all of it); a micro-batch
+                that cannot be split evenly over `shard.count` processes is a DataError (a ConfigError).
     """
     _check_data_config(cfg, vocab_size)
+    shard.rows(cfg.batch_size // cfg.grad_accum)  # refused before any file is read
     common: dict[str, Any] = dict(
-        seq_len=cfg.seq_len, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum, seed=seed
+        seq_len=cfg.seq_len, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum, seed=seed, shard=shard
     )
     if cfg.source == "synthetic":
         return SyntheticData(vocab_size=vocab_size, **common)

@@ -18,6 +18,7 @@ from jaxzero.data import (
     BUILTIN_MAX_BYTES,
     BUILTIN_SEPARATOR,
     DataError,
+    DataShard,
     DataState,
     build_data,
     load_builtin_corpus,
@@ -330,6 +331,88 @@ def test_synthetic_shapes_range_determinism_and_resume() -> None:
     assert val.shape == (3, 4, 17)
     np.testing.assert_array_equal(val, build_data(cfg, 50, seed=6).val_batches(3))
     np.testing.assert_array_equal(val[:1], data.val_batches(1))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Several processes: each reads its rows of the global batch
+# ---------------------------------------------------------------------------------------------------
+
+
+def _sharded(cfg: DataConfig, vocab: int, seed: int, count: int) -> list[data_mod.Data]:
+    return [build_data(cfg, vocab, seed, shard=DataShard(i, count)) for i in range(count)]
+
+
+def _assert_shards_make_the_batches(cfg: DataConfig, vocab: int, count: int, steps: int = 5) -> None:
+    """The processes' batches, concatenated along the rows, are the one-process batches, from the start
+    and after a resume mid-stream, for training and validation; every process holds the same state."""
+    whole = build_data(cfg, vocab, seed=3)
+    parts = _sharded(cfg, vocab, 3, count)
+    rows = cfg.batch_size // cfg.grad_accum // count
+    assert all(p.batch_shape == (cfg.grad_accum, rows, cfg.seq_len + 1) for p in parts)
+    it, iters = whole.train_iter(), [p.train_iter() for p in parts]
+    for _ in range(steps):
+        reference, batches = next(it), [next(i) for i in iters]
+        assert all(b.shape == parts[0].batch_shape for b in batches)
+        np.testing.assert_array_equal(np.concatenate(batches, axis=1), reference)
+        assert {i.state for i in iters} == {it.state}  # the same resume state in every process
+    # Resume every process from the saved position: the next global batches continue as one process's.
+    saved = _through_json(it.state)
+    after = _take(whole.train_iter(saved), 3)
+    resumed = [_take(p.train_iter(saved), 3) for p in parts]
+    for step in range(3):
+        np.testing.assert_array_equal(np.concatenate([r[step] for r in resumed], axis=1), after[step])
+    val = whole.val_batches(3)
+    np.testing.assert_array_equal(np.concatenate([p.val_batches(3) for p in parts], axis=1), val)
+
+
+@pytest.mark.parametrize("count", [2, 4])
+def test_process_shards_of_token_batches_make_the_global_batch(tmp_path: Path, count: int) -> None:
+    # 30 windows per epoch and 8 per batch: the resumed batches cross epoch boundaries.
+    d = _arange_dir(tmp_path, 30 * 8 + 1, n_val=20 * 8 + 1)
+    _assert_shards_make_the_batches(_cfg(d, batch_size=8, grad_accum=2), BIG_VOCAB, count)
+
+
+def test_process_shards_of_builtin_batches_make_the_global_batch() -> None:
+    cfg = DataConfig(source="builtin", seq_len=16, batch_size=8, grad_accum=2)
+    _assert_shards_make_the_batches(cfg, 256, 2, steps=2)
+
+
+@pytest.mark.parametrize("count", [2, 4])
+def test_process_shards_of_synthetic_batches_make_the_global_batch(count: int) -> None:
+    cfg = _cfg(source="synthetic", seq_len=16, batch_size=8, grad_accum=2)
+    _assert_shards_make_the_batches(cfg, 50, count)
+
+
+def test_a_process_reads_only_its_own_windows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    d = _arange_dir(tmp_path, 30 * 8 + 1, n_val=20 * 8 + 1)
+    cfg = _cfg(d, batch_size=8, grad_accum=2)
+    ids = next(build_data(cfg, BIG_VOCAB, seed=0).train_iter())[:, :, 0] // 8  # (2, 4) window ids
+    read: list[int] = []
+    gather = data_mod._gather_windows
+    monkeypatch.setattr(
+        data_mod, "_gather_windows", lambda t, w, s: read.extend(w.tolist()) or gather(t, w, s)
+    )
+    data = build_data(cfg, BIG_VOCAB, seed=0, shard=DataShard(1, 2))
+    next(data.train_iter())
+    assert read == ids[:, 2:].reshape(-1).tolist()  # rows 2:4 of each micro-batch, nothing else
+    read.clear()
+    assert data.val_batches(2).shape == (2, 2, 9) and len(read) == 4
+
+
+def test_grad_accum_only_reshapes_the_synthetic_global_batch() -> None:
+    flat = next(build_data(_cfg(source="synthetic", batch_size=8), 50, seed=1).train_iter())
+    accum = next(build_data(_cfg(source="synthetic", batch_size=8, grad_accum=4), 50, seed=1).train_iter())
+    np.testing.assert_array_equal(flat.reshape(8, 9), accum.reshape(8, 9))
+
+
+def test_a_micro_batch_that_does_not_split_over_the_processes_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"= 6 sequences cannot be split evenly over 4 processes.*e\.g\. 8"):
+        build_data(_cfg(source="synthetic", batch_size=12, grad_accum=2), 50, 0, shard=DataShard(0, 4))
+    with pytest.raises(DataError, match=r"0 <= index < count"):
+        DataShard(2, 2)
+    with pytest.raises(DataError, match=r"must be an integer"):
+        DataShard(0, 2.0)  # type: ignore[arg-type]
+    assert "process 1 of 2" in build_data(_cfg(source="synthetic"), 50, 0, shard=DataShard(1, 2)).describe()
 
 
 # ---------------------------------------------------------------------------------------------------
