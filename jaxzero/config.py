@@ -137,6 +137,20 @@ class OffloadConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """How the run spreads over every device of every process: one `data` mesh axis, with DeepSpeed's
+    ZeRO stages saying what is sharded over it (the rest is replicated)."""
+
+    # 0: nothing sharded (data parallel); 1: optimizer state; 2: also gradients; 3: also parameters
+    # (resident: FSDP). -1: auto, the least replication each mode allows (3 with offload.params=cpu,
+    # 2 with offload.optimizer=cpu, 0 otherwise). With one device every stage is the same run.
+    zero_stage: int = -1
+    # Seconds a process waits for the others (joining, checkpoints, a step's collectives) before it
+    # fails with an error, so one dead process never leaves the rest hanging.
+    timeout_s: int = 300
+
+
+@dataclass(frozen=True)
 class CheckpointConfig:
     """Orbax checkpoints in `<run_dir>/checkpoints`: every `every` steps (0: only at the end and on
     preemption), keeping the newest `keep` plus every `keep_every`-th step (0: none)."""
@@ -172,6 +186,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     fp16: FP16Config = field(default_factory=FP16Config)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -194,6 +209,7 @@ SECTIONS: dict[str, type] = {
     "data": DataConfig,
     "optimizer": OptimizerConfig,
     "offload": OffloadConfig,
+    "parallel": ParallelConfig,
     "fp16": FP16Config,
     "checkpoint": CheckpointConfig,
     "logging": LoggingConfig,
@@ -323,6 +339,22 @@ def validate(cfg: TrainConfig, num_devices: int | None = None) -> None:
         raise ConfigError(
             "offload.params=cpu needs offload.optimizer=cpu: streamed weights are updated "
             "from host-resident fp32 masters (DeepSpeed's ZeRO-3 offload pairs them too)."
+        )
+    par = cfg.parallel
+    need(
+        -1 <= par.zero_stage <= 3,
+        f"parallel.zero_stage={par.zero_stage} must be 0, 1, 2 or 3 (-1: auto).",
+    )
+    need(par.timeout_s >= 1, f"parallel.timeout_s={par.timeout_s} must be >= 1.")
+    if cfg.offload.params == "cpu" and par.zero_stage in (0, 1, 2):
+        raise ConfigError(
+            f"offload.params=cpu needs parallel.zero_stage=3 (got {par.zero_stage}): streamed weights "
+            "are kept as one shard per device, as DeepSpeed's offload_param needs ZeRO stage 3."
+        )
+    if cfg.offload.optimizer == "cpu" and par.zero_stage == 0:
+        raise ConfigError(
+            "offload.optimizer=cpu needs parallel.zero_stage >= 1 (got 0): host-resident optimizer "
+            "state is kept as one shard per device, as DeepSpeed's offload_optimizer needs stage 1, 2 or 3."
         )
     f16 = cfg.fp16
     need(

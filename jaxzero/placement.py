@@ -1,6 +1,12 @@
-"""Where every array lives: the device mesh, batch sharding and memory kinds, decided in one place.
+"""Where every array lives: the device mesh, ZeRO sharding, batch sharding and memory kinds, decided
+in one place.
 
-Batches are sharded over the `data` axis of all local devices; model state is replicated over it.
+One mesh axis, `data`, spans every device of every process. Batches are split over it by rows. What
+else is split over it is the ZeRO stage's (`OffloadPlan.zero_stage`): an array that is sharded keeps
+one slice of its first axis on each device (`shard_spec`), DeepSpeed's partition without the
+flattening, so that a checkpoint keeps every array's own shape and restores on any device count.
+An array whose first axis does not divide by the device count is replicated instead.
+
 Which tier holds each unit's arrays is the offload plan's decision (`jaxzero.plan`); this module turns
 tiers into shardings and memory kinds (`device` for accelerator memory, `pinned_host` for host RAM the
 accelerator can DMA, the CPU backend for host-resident state), here and nowhere else; models and the
@@ -11,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import numpy as np
@@ -21,18 +28,58 @@ from jaxzero.config import ConfigError
 from jaxzero.plan import OffloadPlan, Tier, UnitPlan
 
 DATA_AXIS = "data"
+HOST_AXIS = "processes"
 DEVICE = "device"
 PINNED_HOST = "pinned_host"
 
 
 def make_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A 1-D mesh named `data` over `devices` (default: all local devices).
+    """A 1-D mesh named `data` over `devices` (default: every device of every process), ordered by
+    process, so that each process's devices hold one contiguous block of every sharded axis (its
+    host state is that block). Raises ConfigError if processes hold different device counts.
 
     Axis types are Auto (not JAX 0.10's Explicit default of `jax.make_mesh`) so that jitted code
     relies on sharding propagation from the in/out shardings given here.
     """
-    devices = list(devices) if devices is not None else jax.local_devices()
+    devices = sorted(devices if devices is not None else jax.devices(), key=lambda d: (d.process_index, d.id))
+    per_process: dict[int, int] = {}
+    for d in devices:
+        per_process[d.process_index] = per_process.get(d.process_index, 0) + 1
+    if len(set(per_process.values())) > 1:
+        raise ConfigError(
+            f"every process must drive the same number of devices; got {per_process} devices per "
+            "process. Give each process the same number of GPUs (CUDA_VISIBLE_DEVICES)."
+        )
     return Mesh(np.array(devices), (DATA_AXIS,))
+
+
+def shard_spec(shape: Sequence[int], num_devices: int) -> P:
+    """ZeRO's partition of one array of global `shape` over `num_devices`: its first axis split over
+    `data` when it divides evenly, else the whole array on every device (scalars included)."""
+    if num_devices > 1 and len(shape) > 0 and shape[0] % num_devices == 0:
+        return P(DATA_AXIS)
+    return P()
+
+
+def zero_shardings(mesh: Mesh, shapes: Any, sharded: bool, memory_kind: str = DEVICE) -> Any:
+    """A tree of shardings for a tree of arrays (or `ShapeDtypeStruct`s) of these global shapes:
+    each leaf split by `shard_spec` if `sharded`, else replicated, in `memory_kind`."""
+
+    def one(x: Any) -> NamedSharding:
+        spec = shard_spec(np.shape(x), mesh.size) if sharded else P()
+        return NamedSharding(mesh, spec, memory_kind=memory_kind)
+
+    return jax.tree.map(one, shapes)
+
+
+def host_mesh(mesh: Mesh) -> Mesh:
+    """One CPU-backend device per process of `mesh` (its first local one), on the axis `processes`:
+    where a checkpoint sees host-resident state, each process holding its own block."""
+    cpus: dict[int, jax.Device] = {}
+    for d in sorted(jax.devices("cpu"), key=lambda d: (d.process_index, d.id)):
+        cpus.setdefault(d.process_index, d)
+    processes = sorted({d.process_index for d in mesh.devices.flat})
+    return Mesh(np.array([cpus[p] for p in processes]), (HOST_AXIS,))
 
 
 def train_batch_sharding(mesh: Mesh) -> NamedSharding:
@@ -72,57 +119,153 @@ def put_eval_batch(batch: np.ndarray, mesh: Mesh) -> jax.Array:
 
 @dataclass(frozen=True)
 class OffloadPlacement:
-    """The shardings of the offload engine's arrays on one accelerator, for the tiers the offload
-    plan (`jaxzero.plan`) gives each unit.
+    """The shardings of the offload engine's arrays over the data mesh, for the tiers the offload
+    plan (`jaxzero.plan`) gives each unit. Shapes are global; `shard_spec` splits them.
 
-    - fp32 masters and optimizer state (`Tier.HOST`): arrays of the CPU backend (`host`). The host
-      optimizer computes on them in place at full CPU speed; they never cross the link, so they need
-      no pinned (DMA-able) memory and do not count against XLA's pinned host pool.
-    - compute-dtype weights: accelerator memory (`device`, `Tier.DEVICE`: the embedding, the head,
-      resident blocks) or the accelerator's `pinned_host` memory (`pinned`, `Tier.PINNED_HOST`:
-      streamed blocks, copied to the accelerator one block at a time).
-    - gradients: `pinned`, DMA'd there as each block's backward ends, then read by the host
-      optimizer without a copy.
+    - fp32 masters and optimizer state (`Tier.HOST`): arrays of this process's CPU backend (`host`),
+      holding the process's block of each array (`local_rows`): its devices' shards, one after the
+      other (ZeRO stage >= 1), or the whole array. The host optimizer computes on them in place; they
+      never cross the link, so they need no pinned (DMA-able) memory. A checkpoint sees them as one
+      global array over `host_mesh` (`saved`).
+    - gradients: `pinned_host` of each device, one shard per device, DMA'd there as each block's
+      backward ends (reduce-scattered first), then read by the host optimizer without a copy.
+    - compute-dtype weights: written by the host as one shard per device (`written`): into
+      `pinned_host` for streamed blocks (`Tier.PINNED_HOST`), which each device copies in per use and
+      all-gathers; for units on the accelerator (`Tier.DEVICE`) copied there, and all-gathered once
+      per update unless ZeRO stage 3 keeps them sharded (`weights`).
     """
 
-    accelerator: jax.Device
+    mesh: Mesh
     host_device: jax.Device
     plan: OffloadPlan
 
     @property
-    def device(self) -> SingleDeviceSharding:
-        return SingleDeviceSharding(self.accelerator, memory_kind=DEVICE)
+    def num_devices(self) -> int:
+        return self.mesh.size
 
     @property
-    def pinned(self) -> SingleDeviceSharding:
-        return SingleDeviceSharding(self.accelerator, memory_kind=PINNED_HOST)
+    def host_mesh(self) -> Mesh:
+        return host_mesh(self.mesh)
+
+    @property
+    def num_processes(self) -> int:
+        return self.host_mesh.size
+
+    @property
+    def device(self) -> NamedSharding:
+        """Replicated accelerator memory (scalars: the step, the loss scale)."""
+        return NamedSharding(self.mesh, P(), memory_kind=DEVICE)
+
+    @property
+    def pinned(self) -> NamedSharding:
+        """Replicated `pinned_host` memory (scalars read by the host: the norm, the loss scale)."""
+        return NamedSharding(self.mesh, P(), memory_kind=PINNED_HOST)
+
+    @property
+    def pool(self) -> NamedSharding:
+        """`pinned_host` split over every device: a flat byte array in each device's pinned pool."""
+        return NamedSharding(self.mesh, P(DATA_AXIS), memory_kind=PINNED_HOST)
 
     @property
     def host(self) -> SingleDeviceSharding:
+        """This process's host arrays (the CPU backend)."""
         return SingleDeviceSharding(self.host_device)
 
-    def tier(self, tier: Tier) -> SingleDeviceSharding:
-        """The sharding of an array kept in `tier`."""
-        return {Tier.DEVICE: self.device, Tier.PINNED_HOST: self.pinned, Tier.HOST: self.host}[tier]
+    # -- per array ---------------------------------------------------------------------------------
 
-    def weights(self, unit: UnitPlan) -> SingleDeviceSharding:
-        """Where `unit`'s compute-dtype weights live."""
-        return self.tier(unit.weights)
+    def is_sharded(self, shape: Sequence[int]) -> bool:
+        """Whether a state array of global `shape` is split over the devices (else every device and
+        every process holds all of it)."""
+        return self.plan.shards_state and shard_spec(shape, self.num_devices) != P()
+
+    def local_rows(self, shape: Sequence[int]) -> slice:
+        """The rows (first axis) of an array of global `shape` that this process's host state holds."""
+        if not self.is_sharded(shape):
+            return slice(None)
+        rows = shape[0] // self.num_processes
+        position = [d.process_index for d in self.host_mesh.devices.flat].index(jax.process_index())
+        return slice(position * rows, (position + 1) * rows)
+
+    def local_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
+        """The shape of this process's block of an array of global `shape`."""
+        rows = self.local_rows(shape)
+        if rows == slice(None):
+            return tuple(shape)
+        return (rows.stop - rows.start, *shape[1:])
+
+    def pieces(self, shape: Sequence[int]) -> list[slice]:
+        """The rows, within this process's block, of each of its devices' shards of a sharded array
+        of global `shape` (in the mesh's device order); one slice of all rows if it is replicated."""
+        if not self.is_sharded(shape):
+            return [slice(None)]
+        rows = shape[0] // self.num_devices
+        local = len(self.local_devices)
+        return [slice(j * rows, (j + 1) * rows) for j in range(local)]
+
+    @property
+    def local_devices(self) -> list[jax.Device]:
+        """This process's devices of the mesh, in mesh order."""
+        return [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
+
+    # -- per tree ----------------------------------------------------------------------------------
+
+    def grads(self, shapes: Any) -> Any:
+        """Where gradients land: `pinned_host`, one shard per device (ZeRO stage >= 1 with offload)."""
+        return zero_shardings(self.mesh, shapes, self.plan.shards_state, PINNED_HOST)
+
+    def grads_on_device(self, shapes: Any) -> Any:
+        """Gradients as the backward pass leaves them on the accelerator, before their copy out."""
+        return zero_shardings(self.mesh, shapes, self.plan.shards_state, DEVICE)
+
+    def written(self, unit: UnitPlan, shapes: Any) -> Any:
+        """Where the host writes `unit`'s new compute-dtype weights: one shard per device, in the
+        unit's weights tier (`pinned_host` for streamed blocks, accelerator memory otherwise)."""
+        kind = PINNED_HOST if unit.weights is Tier.PINNED_HOST else DEVICE
+        return zero_shardings(self.mesh, shapes, self.plan.shards_state, kind)
+
+    def staging(self, shapes: Any) -> Any:
+        """`pinned_host` buffers the host writes accelerator-resident weights into, one DMA away."""
+        return zero_shardings(self.mesh, shapes, self.plan.shards_state, PINNED_HOST)
+
+    def weights(self, unit: UnitPlan, shapes: Any) -> Any:
+        """Where `unit`'s compute-dtype weights live between updates: as `written`, except that
+        accelerator-resident weights are whole on every device below ZeRO stage 3."""
+        if unit.weights is Tier.DEVICE and not self.plan.shards_weights:
+            return zero_shardings(self.mesh, shapes, False, DEVICE)
+        return self.written(unit, shapes)
+
+    def compute(self, shapes: Any) -> Any:
+        """Accelerator copies of streamed weights (as `written`, in `device` memory): each device
+        copies in its own shard; the computation all-gathers them."""
+        return zero_shardings(self.mesh, shapes, self.plan.shards_state, DEVICE)
+
+    def replicated_weights(self, shapes: Any) -> Any:
+        """Whole weights on every device: what a block's computation gathers its shards into."""
+        return zero_shardings(self.mesh, shapes, False, DEVICE)
+
+    def saved(self, shapes: Any) -> Any:
+        """How a checkpoint sees host state of these global shapes: one block per process, over
+        `host_mesh` (sharded arrays), or whole in every process."""
+        mesh = self.host_mesh
+
+        def one(x: Any) -> NamedSharding:
+            return NamedSharding(mesh, P(HOST_AXIS) if self.is_sharded(np.shape(x)) else P())
+
+        return jax.tree.map(one, shapes)
 
     def is_streamed(self, block: int) -> bool:
         """Whether block `block`'s weights live in pinned host memory and are copied in per use."""
         return self.plan.is_streamed(block)
 
 
+def batch_rows_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
+    """Activations (A, mb, ...) of `ndim` dimensions: micro-batch rows split over `data`."""
+    return NamedSharding(mesh, P(None, DATA_AXIS, *([None] * (ndim - 2))))
+
+
 def offload_placement(mesh: Mesh, plan: OffloadPlan) -> OffloadPlacement:
-    """The placement of `plan` on the single device of `mesh`, whose host is the CPU backend's first
-    device. Raises ConfigError for a mesh of several devices or a device without `pinned_host`."""
-    if mesh.size != 1:
-        raise ConfigError(
-            f"host offload runs on one accelerator, but the data mesh has {mesh.size} devices "
-            f"({[str(d) for d in mesh.devices.flat]}). Run with one visible device "
-            "(e.g. CUDA_VISIBLE_DEVICES=0), or use offload.params=none offload.optimizer=none."
-        )
+    """The placement of `plan` on `mesh`, whose hosts are each process's CPU backend. Raises
+    ConfigError for a device without `pinned_host` memory."""
     accelerator = mesh.devices.flat[0]
     if not supports_memory_kind(accelerator, PINNED_HOST):
         memory_kinds = sorted(m.kind for m in accelerator.addressable_memories())
@@ -132,4 +275,4 @@ def offload_placement(mesh: Mesh, plan: OffloadPlan) -> OffloadPlacement:
             "so weights and gradients cannot be kept in host memory. Use offload.params=none "
             "offload.optimizer=none on this platform."
         )
-    return OffloadPlacement(accelerator, jax.devices("cpu")[0], plan)
+    return OffloadPlacement(mesh, jax.local_devices(backend="cpu")[0], plan)

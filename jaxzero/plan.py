@@ -111,6 +111,25 @@ class OffloadPlan:
     compute_dtype: str  # model.compute_dtype
     grad_dtype: str  # block gradients leave the accelerator in this dtype (embed/head: float32)
     prefetch: int  # streamed blocks copied ahead of the one computing
+    # DeepSpeed's ZeRO stage over the data mesh (`parallel.zero_stage`, auto resolved): what is
+    # sharded over the devices: 1 optimizer state, 2 also gradients, 3 also compute weights.
+    zero_stage: int = 0
+
+    @property
+    def shards_state(self) -> bool:
+        """Masters and optimizer state kept as one shard per device (ZeRO stage >= 1)."""
+        return self.zero_stage >= 1
+
+    @property
+    def shards_grads(self) -> bool:
+        """Gradients reduce-scattered to one shard per device (stage >= 2; always with host state:
+        offloaded gradients leave each device as its shard, so stage 1 runs as stage 2 there)."""
+        return self.zero_stage >= 2 or (self.host_update is not None and self.zero_stage >= 1)
+
+    @property
+    def shards_weights(self) -> bool:
+        """Compute weights kept as one shard per device and all-gathered per use (stage 3)."""
+        return self.zero_stage >= 3
 
     @property
     def num_layers(self) -> int:
@@ -180,7 +199,16 @@ def resolve_plan(cfg: TrainConfig) -> OffloadPlan:
         compute_dtype=m.compute_dtype,
         grad_dtype=grad_dtype,
         prefetch=1,
+        zero_stage=_zero_stage(cfg),
     )
+
+
+def _zero_stage(cfg: TrainConfig) -> int:
+    """`parallel.zero_stage`, with -1 (auto) as the least replication the offload mode allows."""
+    stage = cfg.parallel.zero_stage
+    if stage >= 0:
+        return stage
+    return 3 if cfg.offload.params == "cpu" else 2 if cfg.offload.optimizer == "cpu" else 0
 
 
 def _host_update(cfg: TrainConfig, num_units: int) -> HostUpdate:

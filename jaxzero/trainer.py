@@ -108,8 +108,10 @@ def build_trainer(cfg: TrainConfig | None = None, mesh: Mesh | None = None, **ov
 
 
 def build_resident_trainer(cfg: TrainConfig, mesh: Mesh, plan: OffloadPlan | None = None) -> Trainer:
-    """Everything in accelerator memory, replicated over `data`; one jitted step per optimizer update.
-    `plan` (default `resolve_plan(cfg)`) must keep every unit's state on the accelerator."""
+    """Everything in accelerator memory; one jitted step per optimizer update. The ZeRO stage of
+    `plan` (default `resolve_plan(cfg)`, which must keep every unit's state on the accelerator) says
+    what is split over the `data` mesh axis: 0 nothing (data parallel), 1 the optimizer state, 2
+    also the gradients (reduce-scattered), 3 also the parameters (FSDP: all-gathered per use)."""
     plan = resolve_plan(cfg) if plan is None else plan
     if plan.host_update is not None:
         raise ValueError("build_resident_trainer needs a plan with accelerator-resident state")
@@ -127,7 +129,13 @@ def build_resident_trainer(cfg: TrainConfig, mesh: Mesh, plan: OffloadPlan | Non
         return fresh(model.init(key))
 
     shapes = jax.eval_shape(init_state, jax.random.key(0))
-    state_sharding = jax.tree.map(lambda _: placement.replicated(mesh), shapes)
+    state_sharding = TrainState(
+        step=placement.replicated(mesh),
+        params=placement.zero_shardings(mesh, shapes.params, plan.shards_weights),
+        opt_state=placement.zero_shardings(mesh, shapes.opt_state, plan.shards_state),
+        loss_scale=jax.tree.map(lambda _: placement.replicated(mesh), shapes.loss_scale),
+    )
+    grad_sharding = placement.zero_shardings(mesh, shapes.params, plan.shards_grads)
     batch_sharding = placement.train_batch_sharding(mesh)
     # Checkpoints hold the optimizer state per unit (the offload engine's layout), so a run saved by
     # either trainer resumes under the other.
@@ -147,8 +155,12 @@ def build_resident_trainer(cfg: TrainConfig, mesh: Mesh, plan: OffloadPlan | Non
 
     start_from = jax.jit(fresh, out_shardings=state_sharding)
 
+    def split(grads: ModelParams) -> ModelParams:  # stage >= 2: a reduce-scatter, not an all-reduce
+        return jax.lax.with_sharding_constraint(grads, grad_sharding)
+
     def train_step(state: TrainState, batch: jax.Array) -> tuple[TrainState, StepMetrics]:
         loss, grads = averaged_grads(model, state.params, batch)
+        grads = split(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = StepMetrics(loss, global_norm(grads), jnp.asarray(schedule(state.step), jnp.float32))
@@ -158,7 +170,7 @@ def build_resident_trainer(cfg: TrainConfig, mesh: Mesh, plan: OffloadPlan | Non
         """float16: a scaled loss; a step that overflows keeps params, optimizer state and step count."""
         ls = state.loss_scale
         loss, grads = averaged_grads(model, state.params, batch, ls.scale)
-        grads = jax.tree.map(lambda g: g / ls.scale, grads)
+        grads = jax.tree.map(lambda g: g / ls.scale, split(grads))
         ok = all_finite(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)

@@ -72,7 +72,10 @@ def run(over: dict, fused: bool, grad_dtype, steps: int = 3, two_pass: bool = Fa
     unit = HostUnit(masters.blocks[0], host.init(masters).blocks[0], None)
     rng = np.random.default_rng(0)
     for k in range(steps):
-        g = jax.tree.map(lambda x: (rng.standard_normal(x.shape) * 0.1).astype(grad_dtype), masters.blocks[0])
+        # One piece per leaf: the whole array (one device; see `UnitUpdate.grads`).
+        g = jax.tree.map(
+            lambda x: [(rng.standard_normal(x.shape) * 0.1).astype(grad_dtype)], masters.blocks[0]
+        )
         # Clipping active on odd steps (norm 3 > max 1), the loss scale 2 and grad_accum folded in.
         gmul = host.grad_multiplier(np.float32(3.0 if k % 2 else 0.5), np.float32(2.0))
         if two_pass:  # the weights first, then masters and state, as the pipeline does

@@ -42,24 +42,38 @@ def test_place_copies_never_share_memory_with_the_source():
     (masters, reused buffers), which must not change the copy. On the CPU backend the target is host
     memory too, where a copy could otherwise adopt the source's buffer."""
     src = jax.device_put(np.arange(1024, dtype=np.float32), where().host)
-    out = host_memory.place({"w": src}, where().device)
+    out = host_memory.place({"w": src}, {"w": where().device}, {"w": src})
     host_kernels.writable_view(src)[:] = 0.0  # an in-place update of the source, as the kernels do
     assert out["w"].sharding.memory_kind == "device"
     np.testing.assert_array_equal(np.asarray(out["w"]), np.arange(1024, dtype=np.float32))
 
 
 def test_pinned_staging_reuses_given_back_buffers():
-    staging = host_memory.PinnedStaging(where().pinned)
-    a = staging.take((4, 8), np.float32)
+    staging, pinned = host_memory.PinnedStaging(), where().pinned
+    a = staging.take((4, 8), np.float32, pinned)
     assert a.sharding.memory_kind == "pinned_host" and a.shape == (4, 8)
     staging.give([a])
-    assert staging.take((4, 8), np.float32) is a  # the same buffer back
-    b = staging.take((4, 8), np.float32)  # none left: a new one
+    assert staging.take((4, 8), np.float32, pinned) is a  # the same buffer back
+    b = staging.take((4, 8), np.float32, pinned)  # none left: a new one
     assert b is not a
-    assert staging.take((8, 4), np.float32).shape == (8, 4)  # another shape: its own buffers
+    assert staging.take((8, 4), np.float32, pinned).shape == (8, 4)  # another shape: its own buffers
+
+
+def test_a_global_array_is_made_from_this_process_block_one_shard_per_device():
+    """Sharded: each of the 4 devices gets its own rows of the block; replicated: all of it."""
+    mesh = placement.make_mesh(jax.devices())
+    block = np.arange(8 * 3, dtype=np.float32).reshape(8, 3)
+    split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"), memory_kind="pinned_host")
+    x = host_memory.global_from_local(block, split, (8, 3))
+    assert [s.data.shape for s in x.addressable_shards] == [(2, 3)] * 4
+    np.testing.assert_array_equal(np.concatenate(host_memory.local_views(x)), block)
+    whole = placement.replicated(mesh, "pinned_host")
+    y = host_memory.global_from_local(block, whole, (8, 3))
+    assert len(host_memory.local_shards(y)) == 4 and len(host_memory.local_views(y)) == 1
+    np.testing.assert_array_equal(host_memory.local_views(y)[0], block)
 
 
 def test_reserving_the_pinned_pool_leaves_nothing_allocated():
     nbytes = 3 << 20
-    host_memory.reserve_pinned(nbytes, where().pinned)
+    host_memory.reserve_pinned(nbytes, where().pool)
     assert not [a for a in jax.live_arrays() if a.nbytes == nbytes]

@@ -3,11 +3,12 @@
 import jax
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from jaxzero import placement
 from jaxzero.config import ConfigError, TrainConfig
 from jaxzero.overrides import apply_overrides
-from jaxzero.plan import Tier, resolve_plan
+from jaxzero.plan import resolve_plan
 
 
 def plan_of(**over):
@@ -15,7 +16,7 @@ def plan_of(**over):
     return resolve_plan(cfg)
 
 
-def test_mesh_is_one_data_axis_over_every_local_device():
+def test_mesh_is_one_data_axis_over_every_device():
     mesh = placement.make_mesh()
     assert mesh.axis_names == (placement.DATA_AXIS,) and mesh.size == len(jax.local_devices()) == 4
 
@@ -35,12 +36,40 @@ def test_batches_are_split_by_rows_over_the_data_axis():
 def test_the_plans_tiers_become_shardings():
     plan = plan_of(**{"offload.resident_blocks": "1", "model.num_layers": "3"})
     where = placement.offload_placement(placement.make_mesh(jax.devices()[:1]), plan)
-    assert where.tier(Tier.DEVICE).memory_kind == "device"
-    assert where.tier(Tier.PINNED_HOST).memory_kind == "pinned_host"
-    assert where.tier(Tier.HOST).device_set == {jax.devices("cpu")[0]}  # the CPU backend
-    kinds = [where.weights(u).memory_kind for u in plan.units]
+    assert where.device.memory_kind == "device" and where.pinned.memory_kind == "pinned_host"
+    assert where.host.device_set == {jax.devices("cpu")[0]}  # the CPU backend
+    shape = {"w": jax.ShapeDtypeStruct((8, 4), np.float32)}
+    kinds = [where.weights(u, shape)["w"].memory_kind for u in plan.units]
     assert kinds == ["device", "device", "pinned_host", "pinned_host", "device"]  # embed, 3 blocks, head
     assert [where.is_streamed(i) for i in range(3)] == [False, True, True]
+
+
+def test_zero_shards_split_the_first_axis_when_it_divides_else_replicate():
+    assert placement.shard_spec((8, 3), 4) == P("data")
+    assert placement.shard_spec((6, 8), 4) == P()  # 6 rows do not split over 4 devices
+    assert placement.shard_spec((), 4) == P() and placement.shard_spec((8, 3), 1) == P()
+    mesh = placement.make_mesh()
+    tree = {"a": np.zeros((8, 3)), "b": np.zeros((6,))}
+    split = placement.zero_shardings(mesh, tree, sharded=True, memory_kind="pinned_host")
+    assert split["a"].spec == P("data") and split["b"].spec == P()
+    assert split["a"].memory_kind == "pinned_host"
+    assert placement.zero_shardings(mesh, tree, sharded=False)["a"].spec == P()
+
+
+def test_offloaded_host_state_of_one_process_is_every_row_in_pieces_per_device():
+    where = placement.offload_placement(placement.make_mesh(), plan_of())  # ZeRO-3, 4 devices
+    assert where.plan.zero_stage == 3 and where.num_processes == 1
+    assert where.host_mesh.devices.flat[0] == jax.devices("cpu")[0]
+    assert where.local_rows((8, 3)) == slice(0, 8) and where.local_shape((8, 3)) == (8, 3)
+    assert where.pieces((8, 3)) == [slice(0, 2), slice(2, 4), slice(4, 6), slice(6, 8)]
+    assert where.pieces((6, 3)) == [slice(None)] and where.local_shape((6, 3)) == (6, 3)
+    stage2 = placement.offload_placement(
+        placement.make_mesh(), plan_of(**{"offload.params": "none", "parallel.zero_stage": "2"})
+    )
+    shape = {"w": np.zeros((8, 3))}
+    unit = stage2.plan.units[0]
+    assert stage2.written(unit, shape)["w"].spec == P("data")  # the host writes one shard per device
+    assert stage2.weights(unit, shape)["w"].spec == P()  # whole on every device below stage 3
 
 
 def test_platform_without_pinned_host_is_refused(monkeypatch):

@@ -28,7 +28,7 @@ from jaxzero.config import TrainConfig
 from jaxzero.loss_scale import init_loss_scale, update_loss_scale
 from jaxzero.models import ModelParams, build_model, init_keys
 from jaxzero.offload.futures import OffloadState, weights_of
-from jaxzero.offload.host_memory import reserve_pinned
+from jaxzero.offload.host_memory import global_from_local, reserve_pinned
 from jaxzero.offload.host_optimizer import HostOptimizer
 from jaxzero.offload.pipeline import UpdatePipeline
 from jaxzero.offload.streaming import StreamedModel
@@ -42,7 +42,9 @@ def build_offload_trainer(
     cfg: TrainConfig, mesh: Mesh, *, plan: OffloadPlan | None = None, pinned_reserve: int = 0
 ) -> Trainer:
     """A `Trainer` for a plan whose units' state lives in host RAM (`offload.optimizer=cpu`, with
-    `offload.params` none or cpu), on `mesh`'s one device. `plan` defaults to `resolve_plan(cfg)`.
+    `offload.params` none or cpu), over every device of `mesh` (ZeRO sharding: each process keeps and
+    updates its devices' shards of the masters and optimizer state). `plan` defaults to
+    `resolve_plan(cfg)`.
 
     `pinned_reserve`: bytes to allocate and free in the accelerator's pinned pool before the state's
     first pinned array, so that the pool grows at start-up, not inside a step
@@ -64,11 +66,22 @@ def build_offload_trainer(
     # Masters are created unit by unit on the host: one compiled block init serves every block, and
     # the transient memory is one unit, not a second copy of the model.
     keys = jax.jit(partial(init_keys, num_layers=cfg.model.num_layers), out_shardings=where.host)
+
+    def local_block(tree: Any) -> Any:  # this process's rows of each array (`local_rows`)
+        return jax.tree.map(lambda x: x[where.local_rows(x.shape)], tree)
+
     init_unit = ModelParams(
-        *(jax.jit(f, out_shardings=where.host) for f in (model.init_embed, model.init_block, model.init_head))
+        *(
+            jax.jit(lambda k, f=f: local_block(f(k)), out_shardings=where.host)
+            for f in (model.init_embed, model.init_block, model.init_head)
+        )
     )
     increment = jax.jit(lambda step: step + 1)
-    one = jax.device_put(np.float32(1.0), where.device)
+
+    def put(value: Any, sharding: Any) -> jax.Array:  # the same NumPy value in every process
+        return global_from_local(np.asarray(value), sharding, np.shape(value))
+
+    one = put(np.float32(1.0), where.device)
     new_loss_scale = jax.jit(partial(init_loss_scale, cfg.fp16), out_shardings=where.device)
     # float16: whether the step overflowed is known on the accelerator (the norm is computed there),
     # so the step count and loss scale advance there too, with no host sync.
@@ -83,13 +96,12 @@ def build_offload_trainer(
     def reserve_pool() -> None:  # before the first state's pinned arrays: the pool grows once
         nonlocal pinned_reserve
         if pinned_reserve:
-            reserve_pinned(pinned_reserve, where.pinned)
+            reserve_pinned(pinned_reserve, where.pool)
             pinned_reserve = 0
 
     def fresh(masters: ModelParams) -> OffloadState:
         reserve_pool()
-        on = where.device if fp16 else where.host
-        step = jax.device_put(np.zeros((), np.int32), on)
+        step = put(np.zeros((), np.int32), where.device) if fp16 else jax.device_put(np.int32(0), where.host)
         scale = new_loss_scale() if fp16 else None
         return OffloadState.of(step, masters, host.init(masters), host.compute_weights(masters), scale)
 
@@ -102,7 +114,9 @@ def build_offload_trainer(
         return fresh(masters)
 
     def init_from_params(params: ModelParams) -> OffloadState:
-        return fresh(jax.device_put(params, where.host))  # NumPy masters -> host device (CPU backend)
+        # NumPy (or fully addressable) float32 masters -> this process's block on the CPU backend
+        local = jax.tree.map(lambda x: np.array(np.asarray(x)[where.local_rows(np.shape(x))]), params)
+        return fresh(jax.device_put(local, where.host))
 
     # The strategies are chosen here, once: float16 or not, overlapped or delayed.
     if fp16:
@@ -141,19 +155,7 @@ def build_offload_trainer(
         state.consumed = True  # as the resident step's donation does: the old state is gone
         return new_state, metrics
 
-    def saved_state(state: OffloadState) -> dict[str, Any]:
-        """Waits for the pending host updates (a host sync). Everything saved lives on the host."""
-        units = state.resolved()
-        saved = {
-            "step": jax.device_put(state.step, where.host),
-            "params": units.params,
-            "opt_state": units.opt_state,
-        }
-        if state.loss_scale is not None:
-            saved["loss_scale"] = jax.device_put(state.loss_scale, where.host)
-        return saved
-
-    def abstract_saved_state() -> dict[str, Any]:
+    def saved_shapes() -> dict[str, Any]:
         shapes = {
             "step": jax.ShapeDtypeStruct((), np.int32),
             "params": masters_shape,
@@ -161,16 +163,40 @@ def build_offload_trainer(
         }
         if fp16:
             shapes["loss_scale"] = jax.eval_shape(partial(init_loss_scale, cfg.fp16))
-        return abstract_placed(shapes, jax.tree.map(lambda _: where.host, shapes))
+        return shapes
+
+    def saved_state(state: OffloadState) -> dict[str, Any]:
+        """Waits for the pending host updates (a host sync). Everything saved lives on the host: each
+        process's blocks, seen as global arrays over the processes (`OffloadPlacement.saved`)."""
+        units = state.resolved()
+        local = {"step": _on_host(state.step), "params": units.params, "opt_state": units.opt_state}
+        if state.loss_scale is not None:
+            local["loss_scale"] = jax.tree.map(_on_host, state.loss_scale)
+        shapes = saved_shapes()
+        return jax.tree.map(
+            lambda x, t, s: jax.make_array_from_single_device_arrays(s.shape, t, [x]),
+            local,
+            where.saved(shapes),
+            shapes,
+        )
+
+    def _on_host(x: jax.Array) -> jax.Array:  # a replicated scalar -> this process's host copy
+        return jax.device_put(np.asarray(x.addressable_data(0)), where.host)
+
+    def abstract_saved_state() -> dict[str, Any]:
+        shapes = saved_shapes()
+        return abstract_placed(shapes, where.saved(shapes))
 
     def from_saved_state(saved: dict[str, Any]) -> OffloadState:
         reserve_pool()
-        params = saved["params"]
+        local = jax.tree.map(lambda x: x.addressable_data(0), saved)  # this process's blocks
+        params = local["params"]
         weights = host.compute_weights(params)
-        step, scale = saved["step"], saved.get("loss_scale")
+        step, scale = local["step"], local.get("loss_scale")
         if fp16:  # the step count and loss scale advance on the accelerator
-            step, scale = jax.device_put((step, scale), where.device)
-        return OffloadState.of(step, params, saved["opt_state"], weights, scale)
+            step = put(np.asarray(step), where.device)
+            scale = jax.tree.map(lambda x: put(np.asarray(x), where.device), scale)
+        return OffloadState.of(step, params, local["opt_state"], weights, scale)
 
     def eval_loss(state: OffloadState, window: jax.Array) -> jax.Array:
         # The newest weights, each waited for when the pass reaches it.
@@ -188,9 +214,6 @@ def build_offload_trainer(
             "two_pass_units": counts.two_passed / n,
         }
 
-    def put_batch(batch):  # whole batch on the one accelerator
-        return jax.device_put(batch, where.device)
-
     return Trainer(
         config=cfg,
         plan=plan,
@@ -201,8 +224,8 @@ def build_offload_trainer(
         init_from_params=init_from_params,
         step=step,
         eval_loss=eval_loss,
-        put_batch=put_batch,
-        put_eval_batch=put_batch,
+        put_batch=partial(placement_lib.put_train_batch, mesh=mesh),
+        put_eval_batch=partial(placement_lib.put_eval_batch, mesh=mesh),
         layout="offload",
         saved_state=saved_state,
         abstract_saved_state=abstract_saved_state,

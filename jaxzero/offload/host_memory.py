@@ -20,9 +20,70 @@ import numpy as np
 
 def host_view(x: jax.Array | np.ndarray) -> np.ndarray:
     """A read-only NumPy view of an array that lives in host memory (`pinned_host` or the CPU
-    backend): no copy. Waits for the array to be ready (a host sync)."""
+    backend): no copy; of a replicated array over several devices, this process's first copy.
+    Waits for the array to be ready (a host sync)."""
+    if isinstance(x, jax.Array) and len(x.sharding.device_set) > 1:
+        if not x.is_fully_replicated:
+            raise ValueError(f"host_view of a sharded array ({x.sharding}): read its shards (local_views)")
+        x = x.addressable_data(0)
     with jax.transfer_guard_device_to_host("allow"):  # reading host memory in place is not a transfer
         return np.asarray(x)
+
+
+def local_shards(x: jax.Array) -> list[jax.Array]:
+    """This process's shards of `x` (single-device arrays sharing its buffers), in the order of its
+    mesh's devices."""
+    order = {d: k for k, d in enumerate(_mesh_devices(x.sharding))}
+    return [s.data for s in sorted(x.addressable_shards, key=lambda s: order[s.device])]
+
+
+def local_views(x: jax.Array) -> list[np.ndarray]:
+    """Read-only NumPy views of this process's pieces of `x` in host memory (no copy; a host sync):
+    one per local shard of a sharded array, in mesh order, or the first copy of a replicated one."""
+    shards = local_shards(x)
+    if x.is_fully_replicated:
+        shards = shards[:1]
+    with jax.transfer_guard_device_to_host("allow"):
+        return [np.asarray(s) for s in shards]
+
+
+def _mesh_devices(sharding: jax.sharding.Sharding) -> list[jax.Device]:
+    mesh = getattr(sharding, "mesh", None)
+    return list(mesh.devices.flat) if mesh is not None else sorted(sharding.device_set, key=lambda d: d.id)
+
+
+def global_from_local(
+    local: jax.Array | np.ndarray, sharding: jax.sharding.Sharding, shape: tuple
+) -> jax.Array:
+    """A global array of `shape` and `sharding` from this process's block of it (`local`, a NumPy or
+    host array holding the rows of this process's devices, one after the other, or all rows of a
+    replicated array): one copy per local device, of its own rows. Waits for the copies (host sync)."""
+    view = local if isinstance(local, np.ndarray) else host_view(local)
+    on_cpu = next(iter(sharding.device_set)).platform == "cpu"
+    index_map = sharding.addressable_devices_indices_map(tuple(shape))
+    offset = min((idx[0].start or 0) for idx in index_map.values()) if len(shape) else 0
+    arrays = []
+    for device, idx in index_map.items():
+        piece = view
+        if len(shape) and idx[0] != slice(None):
+            piece = view[(idx[0].start or 0) - offset : idx[0].stop - offset]
+        if on_cpu:  # the CPU backend may adopt a NumPy buffer instead of copying it: give it its own
+            piece = np.array(piece, copy=True)
+        target = jax.sharding.SingleDeviceSharding(device, memory_kind=sharding.memory_kind)
+        arrays.append(jax.device_put(piece, target))
+    return jax.block_until_ready(jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays))
+
+
+def zeros(shape: tuple, dtype: np.dtype, sharding: jax.sharding.Sharding) -> jax.Array:
+    """A global array of zeros, each device's shard made where it lives (a host sync)."""
+    arrays = [
+        jax.device_put(  # explicit per device: the transfer guard allows it
+            np.zeros([len(range(*i.indices(n))) for i, n in zip(idx, shape)], dtype),
+            jax.sharding.SingleDeviceSharding(device, memory_kind=sharding.memory_kind),
+        )
+        for device, idx in sharding.addressable_devices_indices_map(tuple(shape)).items()
+    ]
+    return jax.block_until_ready(jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays))
 
 
 def release(tree: Any) -> None:
@@ -32,16 +93,13 @@ def release(tree: Any) -> None:
         x.delete()
 
 
-def place(unit_host: Any, target: jax.sharding.Sharding) -> Any:
-    """Copy a pytree of host arrays (CPU backend or NumPy) to `target`: a NumPy view (no copy), then
-    one `device_put` per leaf. Waits until the copies are done (a host sync). The result never
-    shares memory with the source, so the source may be reused or updated in place."""
-    views = jax.tree.map(host_view, unit_host)
-    if next(iter(target.device_set)).platform == "cpu":
-        # The CPU backend may adopt a suitably aligned NumPy buffer instead of copying it; the result
-        # must own its memory (the source is a master updated in place, or a reused buffer).
-        views = jax.tree.map(lambda v: np.array(v, copy=True), views)
-    return jax.block_until_ready(jax.device_put(views, target))
+def place(unit_host: Any, targets: Any, shapes: Any) -> Any:
+    """Copy a pytree of this process's host blocks (CPU backend or NumPy; see `global_from_local`) to
+    global arrays of `shapes` (a tree of arrays or `ShapeDtypeStruct`s) placed by `targets` (a tree of
+    shardings): one `device_put` per local device and leaf. Waits until the copies are done (a host
+    sync). The result never shares memory with the source, so the source may be reused or updated
+    in place."""
+    return jax.tree.map(lambda x, t, s: global_from_local(x, t, np.shape(s)), unit_host, targets, shapes)
 
 
 class PinnedStaging:
@@ -49,25 +107,24 @@ class PinnedStaging:
     unit's new weights straight into pinned memory; weights that live on the accelerator are one DMA
     away from such a staging buffer, which then comes back here."""
 
-    def __init__(self, pinned: jax.sharding.Sharding):
-        self._pinned = pinned
-        self._free: dict[tuple[tuple[int, ...], np.dtype], list[jax.Array]] = {}
+    def __init__(self) -> None:
+        self._free: dict[tuple[Any, ...], list[jax.Array]] = {}
         self._lock = threading.Lock()
 
-    def take(self, shape: tuple[int, ...], dtype: np.dtype) -> jax.Array:
-        """A `pinned_host` buffer of `shape` and `dtype`, reused if one was given back."""
+    def take(self, shape: tuple[int, ...], dtype: np.dtype, sharding: jax.sharding.Sharding) -> jax.Array:
+        """A `pinned_host` array of global `shape` and `dtype` placed by `sharding`, reused if one
+        was given back."""
         with self._lock:
-            free = self._free.get((tuple(shape), np.dtype(dtype)))
+            free = self._free.get((tuple(shape), np.dtype(dtype), sharding))
             if free:
                 return free.pop()
-        # A new buffer: a copy of zeros, once per buffer (later steps reuse it).
-        return jax.block_until_ready(jax.device_put(np.zeros(shape, dtype), self._pinned))
+        return zeros(shape, np.dtype(dtype), sharding)  # once per buffer: later steps reuse it
 
     def give(self, arrays: list[jax.Array]) -> None:
         """Return buffers for reuse; nothing may read them any more."""
         with self._lock:
             for a in arrays:
-                self._free.setdefault((a.shape, np.dtype(a.dtype)), []).append(a)
+                self._free.setdefault((a.shape, np.dtype(a.dtype), a.sharding), []).append(a)
 
 
 class HostScalar:
@@ -90,13 +147,14 @@ class HostScalar:
 
 
 def reserve_pinned(nbytes: int, pinned: jax.sharding.Sharding) -> None:
-    """Allocate and free `nbytes` in the accelerator's pinned pool, so that the pool grows now, at
-    start-up, not inside a step (`jaxzero.memory.pinned_pool_reservation`). Raises RuntimeError with
-    what to check if the memory cannot be had."""
+    """Allocate and free `nbytes` in each device's pinned pool, so that the pool grows now, at
+    start-up, not inside a step (`jaxzero.memory.pinned_pool_reservation`). `pinned`: a
+    `pinned_host` sharding whose first axis splits over every device. Raises RuntimeError with what
+    to check if the memory cannot be had."""
     try:
-        # A copy of zero pages into the pool (seconds; no host RAM besides the pool's own).
-        reserved = jax.device_put(np.zeros(nbytes, np.uint8), pinned)
-        jax.block_until_ready(reserved).delete()  # host sync
+        # Zero pages copied into the pool (seconds; no host RAM besides the pool's own).
+        reserved = zeros((nbytes * len(pinned.device_set),), np.uint8, pinned)
+        reserved.delete()
     except RuntimeError as e:  # XLA's allocation errors are RuntimeErrors
         raise RuntimeError(
             f"could not allocate the {nbytes / 2**30:.1f} GiB of pinned (page-locked) host memory this "

@@ -42,18 +42,19 @@ from jaxzero.config import OptimizerConfig
 from jaxzero.models import ModelParams
 from jaxzero.offload import host_kernels as hk
 from jaxzero.offload.host_kernels import Pass
-from jaxzero.offload.host_memory import PinnedStaging, host_view, place, release
+from jaxzero.offload.host_memory import PinnedStaging, host_view, local_shards, place, release
 from jaxzero.optim import build_optimizer, learning_rate_schedule, weight_decay_mask
 from jaxzero.placement import OffloadPlacement
-from jaxzero.plan import Tier, UnitPlan
+from jaxzero.plan import Tier, UnitKind, UnitPlan
 
 
 class HostUnit(NamedTuple):
     """One unit (embedding, a block or the head) of the offload engine's state.
 
-    params:    float32 masters, CPU backend.
-    opt_state: the unit's optax state, CPU backend.
-    weights:   compute-dtype weights, accelerator memory or its `pinned_host` memory.
+    params:    float32 masters, CPU backend: this process's block of each (`OffloadPlacement.local_rows`).
+    opt_state: the unit's optax state, CPU backend, in the same blocks.
+    weights:   compute-dtype weights, global arrays over the mesh in accelerator memory or its
+               `pinned_host` memory (`OffloadPlacement.weights`).
     """
 
     params: Any
@@ -66,7 +67,8 @@ class UnitUpdate(NamedTuple):
 
     unit:   which unit it is (kind, block index, position) and where its arrays live.
     arrays: its masters and optax state (consumed: updated in place) and old weights.
-    grads:  the unit's gradient sums as host-readable arrays (NumPy views of `pinned_host`).
+    grads:  the unit's gradient sums as host-readable arrays: per leaf, a list of NumPy views of
+            `pinned_host`, one per piece of the process's block (`OffloadPlacement.pieces`).
     gmul:   `HostOptimizer.grad_multiplier`'s factor (averaging, loss scale and clipping in one).
     """
 
@@ -108,7 +110,8 @@ class PriorityPool:
 class HostOptimizer:
     """The configured optimizer applied on the host, one unit at a time.
 
-    masters:   float32 `ModelParams` on `placement.host` (the CPU backend).
+    masters:   float32 `ModelParams` on `placement.host` (the CPU backend), this process's block of
+               each array (`masters_shape` holds the global shapes).
     opt_state: `ModelParams`-shaped tuple of per-unit optax states, on the host device.
     grads:     per unit, gradient *sums* over `grad_accum` micro-batches of `scale * loss`, in
                `pinned_host` (`plan.grad_dtype` for blocks, float32 for embedding and head); the
@@ -133,6 +136,7 @@ class HostOptimizer:
                 "the plan keeps every unit's state on the accelerator: nothing to update on the host"
             )
         self.placement = placement
+        self.masters_shape = masters_shape
         self.compute_dtype = jnp.dtype(plan.compute_dtype)
         self.grad_accum = grad_accum
         self.max_norm = cfg.grad_clip
@@ -152,7 +156,7 @@ class HostOptimizer:
         self.threads = update.threads
         self.pool = PriorityPool(self.threads, "jaxzero-host-update")
         self._io = ThreadPoolExecutor(self.threads, thread_name_prefix="jaxzero-writeback")
-        self._staging = PinnedStaging(placement.pinned)
+        self._staging = PinnedStaging()
         self.warmed_up: list[Future] = []
         if self.rule is not None:  # compile (or load) the kernels while the model initialises
             moment = jnp.dtype(cfg.state_dtype)
@@ -189,6 +193,29 @@ class HostOptimizer:
         )
         self._zeros_like = jax.jit(lambda t: jax.tree.map(jnp.zeros_like, t), out_shardings=host)
         self._lr = jax.jit(lambda step: jnp.asarray(self.schedule(step), jnp.float32))
+        # Accelerator weights whole on every device (below ZeRO stage 3): the host writes one shard
+        # per device, and one all-gather per update makes them whole.
+        self._gather = {
+            kind: jax.jit(lambda w: w, out_shardings=placement.weights(unit, self.shapes_of(unit)))
+            for kind, unit in ((u.kind, u) for u in (plan.units[0], plan.units[1], plan.units[-1]))
+        }
+
+    def shapes_of(self, unit: UnitPlan) -> Any:
+        """The global shapes (`ShapeDtypeStruct`s of the float32 masters) of `unit`'s arrays."""
+        s = self.masters_shape
+        return {UnitKind.EMBED: s.embed, UnitKind.BLOCK: s.blocks[unit.block or 0], UnitKind.HEAD: s.head}[
+            unit.kind
+        ]
+
+    def _finish(self, unit: UnitPlan, written: Any) -> Any:
+        """Weights as the host wrote them (one shard per device) -> where they live between updates."""
+        if (
+            unit.weights is Tier.DEVICE
+            and not self.placement.plan.shards_weights
+            and self.placement.num_devices > 1
+        ):
+            return jax.block_until_ready(self._gather[unit.kind](written))
+        return written
 
     @property
     def fused(self) -> bool:
@@ -209,13 +236,17 @@ class HostOptimizer:
         """The compute-dtype weights of `masters`, each unit placed per `placement.weights` (used at
         init and restore)."""
         units = self.placement.plan.units
+
+        def put(unit: UnitPlan, local: Any) -> Any:
+            shapes = self.shapes_of(unit)
+            return self._finish(unit, place(self._cast(local), self.placement.written(unit, shapes), shapes))
+
         futures = ModelParams(
-            embed=self._io.submit(place, self._cast(masters.embed), self.placement.weights(units[0])),
+            embed=self._io.submit(put, units[0], masters.embed),
             blocks=tuple(
-                self._io.submit(place, self._cast(b), self.placement.weights(u))
-                for u, b in zip(self.placement.plan.blocks, masters.blocks)
+                self._io.submit(put, u, b) for u, b in zip(self.placement.plan.blocks, masters.blocks)
             ),
-            head=self._io.submit(place, self._cast(masters.head), self.placement.weights(units[-1])),
+            head=self._io.submit(put, units[-1], masters.head),
         )
         return jax.tree.map(lambda f: f.result(), futures, is_leaf=lambda x: isinstance(x, Future))
 
@@ -268,18 +299,24 @@ class HostOptimizer:
 
     def _optax_update(self, u: UnitUpdate, priority: Any) -> HostUnit:
         update = getattr(self._update, u.unit.kind.value)
-        g = jax.device_put(u.grads, self.placement.host)  # NumPy views -> CPU backend
+        # NumPy views of the process's pieces -> its block on the CPU backend
+        local = jax.tree.map(lambda v: np.concatenate(v) if len(v) > 1 else v[0], u.grads, is_leaf=_is_pieces)
+        g = jax.device_put(local, self.placement.host)
         gm = jax.device_put(np.float32(u.gmul), self.placement.host)
         # Ordered with the other units' work; the XLA:CPU call itself uses XLA's own threads.
         run = lambda: jax.block_until_ready(update(u.arrays.params, u.arrays.opt_state, g, gm))  # noqa: E731
         params, opt_state, weights = self.pool.submit(priority, run).result()  # host sync
-        return HostUnit(params, opt_state, place(weights, self.placement.weights(u.unit)))
+        shapes = self.shapes_of(u.unit)
+        written = place(weights, self.placement.written(u.unit, shapes), shapes)
+        return HostUnit(params, opt_state, self._finish(u.unit, written))
 
     def _fused(self, u: UnitUpdate, count: int, priority: Any, pass_: Pass, into=None, recycle=None) -> Any:
         """One pass of the fused kernels over every leaf of `u.arrays`, chunked onto the pool. `into` =
         (params, opt_state) for the `OUT` pass. Returns the new weights, placed (None for `STATE`)."""
         rule = self.rule
         p_leaves, treedef = jax.tree.flatten(u.arrays.params)
+        shapes = self.shapes_of(u.unit)
+        shape_leaves = [np.shape(x) for x in treedef.flatten_up_to(shapes)]
         g_leaves = treedef.flatten_up_to(u.grads)
 
         def moments(opt_state):
@@ -300,29 +337,46 @@ class HostOptimizer:
                 dst = treedef.flatten_up_to(recycle)  # the old weights' pinned buffers, written in place
             else:
                 release(recycle)  # accelerator weights (freed before the new ones arrive), or none
-                dst = [self._staging.take(p.shape, self.compute_dtype) for p in p_leaves]
-        work = []
+                staging = treedef.flatten_up_to(self.placement.staging(shapes))
+                dst = [self._staging.take(sh, self.compute_dtype, t) for sh, t in zip(shape_leaves, staging)]
+        work, copies = [], []
         for k, p in enumerate(p_leaves):
-            views = [hk.writable_view(p)] + [hk.writable_view(m[k]) for m in m_leaves]
-            views += [hk.readable_view(g_leaves[k]), None if dst is None else hk.writable_view(dst[k])]
-            outs = None
+            # The process's block of this array, piece by piece: one piece per local device's shard
+            # (gradient and weights shards), or one piece of all rows for a replicated array.
+            pieces = self.placement.pieces(shape_leaves[k])
+            row = int(np.prod(shape_leaves[k][1:], dtype=np.int64)) if shape_leaves[k] else 1
+            full = [hk.writable_view(p)] + [hk.writable_view(m[k]) for m in m_leaves]
+            full_out = None
             if into is not None:
-                outs = [hk.writable_view(out_p[k])] + [hk.writable_view(m[k]) for m in out_m]
-            for s in hk.chunks(p.size):
-                args = [None if v is None else v[s] for v in views]
-                out = None if outs is None else [o[s] for o in outs]
-                work.append(self.pool.submit(priority, partial(kernel, out=out), *args, decay[k]))
+                full_out = [hk.writable_view(out_p[k])] + [hk.writable_view(m[k]) for m in out_m]
+            out_shards = None if dst is None else [hk.writable_view(x) for x in local_shards(dst[k])]
+            if out_shards is not None and len(out_shards) > len(pieces):  # replicated: one copy written
+                copies.append((out_shards[0], out_shards[1:]))
+            for j, rows in enumerate(pieces):
+                lo, hi = (0, full[0].size) if rows == slice(None) else (rows.start * row, rows.stop * row)
+                views = [v[lo:hi] for v in full]
+                views += [hk.readable_view(g_leaves[k][j]), None if out_shards is None else out_shards[j]]
+                outs = None if full_out is None else [o[lo:hi] for o in full_out]
+                for s in hk.chunks(hi - lo):
+                    args = [None if v is None else v[s] for v in views]
+                    out = None if outs is None else [o[s] for o in outs]
+                    work.append(self.pool.submit(priority, partial(kernel, out=out), *args, decay[k]))
         for f in work:
             f.result()  # host sync: this pass over the unit is done
+        for first, others in copies:  # every device's copy of a replicated array gets the same bits
+            for other in others:
+                np.copyto(other, first)
         if dst is None:
             return None
         weights = jax.tree.unflatten(treedef, dst)
         if streamed:
             return weights
-        # Accelerator weights: one DMA from the pinned staging buffers (a host sync: they are reused).
-        weights = jax.block_until_ready(jax.device_put(weights, self.placement.weights(u.unit)))
+        # Accelerator weights: one DMA per device from the pinned staging buffers (a host sync: they
+        # are reused), then whole on every device unless ZeRO stage 3 keeps them sharded.
+        on_device = jax.device_put(weights, self.placement.written(u.unit, shapes))
+        weights = jax.block_until_ready(on_device)
         self._staging.give(dst)
-        return weights
+        return self._finish(u.unit, weights)
 
     # -- speculative updates -------------------------------------------------------------------------
 
@@ -342,6 +396,10 @@ class HostOptimizer:
     def lr(self, step: jax.Array) -> jax.Array:
         """The learning rate of update number `step` (int32 scalar, on the device it lives on)."""
         return self._lr(step)
+
+
+def _is_pieces(x: Any) -> bool:
+    return isinstance(x, list)
 
 
 def _count(opt_state: Any) -> int:

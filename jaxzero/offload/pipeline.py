@@ -55,7 +55,7 @@ import jax
 import numpy as np
 
 from jaxzero.models import ModelParams
-from jaxzero.offload.host_memory import HostScalar, host_view, release
+from jaxzero.offload.host_memory import HostScalar, local_views, release
 from jaxzero.offload.host_optimizer import HostOptimizer, HostUnit, UnitUpdate
 from jaxzero.offload.timeline import StepClock
 from jaxzero.offload.two_pass import TwoPassCounter
@@ -202,7 +202,7 @@ class UpdatePipeline:
     def _run(self, job: UnitJob) -> HostUnit:
         policy, slot = self.policy, job.slot
         arrays = job.previous.result()  # the previous update (in the overlapped mode it is done)
-        g = jax.tree.map(host_view, job.grads)  # host sync: waits for this unit's gradients to land
+        g = jax.tree.map(local_views, job.grads)  # host sync: waits for this unit's gradients to land
         # The weights the pass read are done with once its gradients landed. Overlapped, the new
         # weights are written into their buffers. Delayed, the unit's newest weights are read by the
         # next pass (they stay); older ones are recycled.

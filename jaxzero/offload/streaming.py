@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jaxzero.models import Model, ModelParams
 from jaxzero.objective import cross_entropy
 from jaxzero.offload.timeline import StepClock
-from jaxzero.placement import OffloadPlacement
+from jaxzero.placement import OffloadPlacement, batch_rows_sharding
 
 
 def _f32(tree: Any) -> Any:
@@ -69,6 +69,7 @@ def stream_blocks(
     blocks: Sequence[Any],
     order: Sequence[int],
     placement: OffloadPlacement,
+    target: Any,
     depth: int,
     on_copy: Callable[[Any], Any] | None = None,
 ) -> Iterator[Any]:
@@ -78,8 +79,9 @@ def stream_blocks(
     A block may be a `Future` of its weights (still being updated on the host): it is waited for
     when its copy is issued, not before.
 
-    Each copy is an asynchronous `device_put` from `pinned_host` to `device` memory (passed to
-    `on_copy` as it is issued); the previous copy is released (and its accelerator memory freed) once
+    Each copy is an asynchronous `device_put` from `pinned_host` to `target` (a tree of shardings in
+    `device` memory: each device copies in its own shard), passed to `on_copy` as it is issued; the
+    previous copy is released (and its accelerator memory freed) once
     the consumer moves on.
     """
     inflight: deque[Any] = deque()
@@ -92,7 +94,7 @@ def stream_blocks(
         if last is not None and last[0] == i:
             w = last[1]
         elif placement.is_streamed(i):
-            w = jax.device_put(resolve(blocks[i]), placement.device)  # async host -> accelerator DMA
+            w = jax.device_put(resolve(blocks[i]), target)  # async host -> accelerator DMA
             if on_copy is not None:
                 on_copy(w)
         else:
@@ -112,7 +114,10 @@ class StreamedModel:
     """Loss and gradients of a model whose blocks are fetched per use. Built once; holds compiled units.
 
     Weights are a compute-dtype `ModelParams` placed by `placement` (embed/head on the accelerator,
-    blocks on the accelerator or in `pinned_host`). Batches are int32 (A, mb, S+1) on the accelerator.
+    blocks on the accelerator or in `pinned_host`), whole or one shard per device; each computation
+    all-gathers the weights it uses, and gradients leave it reduce-scattered to one shard per device
+    (`OffloadPlacement.grads`). Batches are int32 (A, mb, S+1) on the accelerator, rows split over the
+    mesh; activations stay split the same way.
     """
 
     def __init__(self, model: Model, placement: OffloadPlacement, grad_accum: int, prefetch: int = 1):
@@ -121,14 +126,33 @@ class StreamedModel:
         self.tied = model.config.tie_embeddings or model.config.family == "gpt2"
         self.accum = grad_accum
         m = model
+        shapes = jax.eval_shape(model.init, jax.random.key(0))  # global shapes
+        by_unit = lambda f: ModelParams(f(shapes.embed), f(shapes.blocks[0]), f(shapes.head))  # noqa: E731
+        whole = by_unit(placement.replicated_weights)
+        grad_on_device = by_unit(placement.grads_on_device)
+        self._to_host = by_unit(placement.grads)  # gradients' pinned_host shardings
+        self._copy_in = placement.compute(shapes.blocks[0])  # a streamed block's accelerator copy
+        mesh = placement.mesh
+
+        def gather(w, target):  # the weights whole on every device (an all-gather of their shards)
+            return jax.lax.with_sharding_constraint(w, target)
+
+        def rows(x):  # activations: micro-batch rows split over the devices
+            return jax.lax.with_sharding_constraint(x, batch_rows_sharding(mesh, x.ndim))
+
+        def scatter(g, target):  # gradient sums: one shard per device (a reduce-scatter)
+            return jax.lax.with_sharding_constraint(g, target)
 
         def embed(embed_w, batch):  # (A, mb, S+1) -> (A, mb, S, D)
-            return jax.lax.map(lambda w: m.embed(embed_w, w[:, :-1]), batch)
+            embed_w = gather(embed_w, whole.embed)
+            return rows(jax.lax.map(lambda w: m.embed(embed_w, w[:, :-1]), batch))
 
         def block_fwd(w, x):  # (A, mb, S, D) -> same
-            return jax.lax.map(lambda xa: m.block(w, xa), x)
+            w = gather(w, whole.blocks)
+            return rows(jax.lax.map(lambda xa: m.block(w, xa), x))
 
         def head_loss(head_w, embed_w, x, window):  # scalar: mean over micro-batches of their means
+            head_w, embed_w = gather(head_w, whole.head), gather(embed_w, whole.embed)
             losses = jax.lax.map(
                 lambda a: cross_entropy(m.head(head_w, embed_w, a[0]), a[1][:, 1:]), (x, window)
             )
@@ -138,6 +162,7 @@ class StreamedModel:
             """-> loss, d(loss_scale * L_a)/dx_a per micro-batch (each micro-batch's mean loss
             differentiated on its own, as the resident trainer does), float32 head (and
             tied-embedding) gradient sums over micro-batches."""
+            head_w, embed_w = gather(head_w, whole.head), gather(embed_w, whole.embed)
 
             def one(xa, wa):
                 def f(hw, ew, xa):
@@ -153,10 +178,14 @@ class StreamedModel:
                 _f32(jax.tree.map(jnp.zeros_like, embed_w)) if self.tied else None,
             )
             (loss, g_head, g_embed), dx = _accumulate(one, (x, batch), zeros)
-            return loss / x.shape[0], dx, g_head, g_embed, _sq_norm(g_head)
+            g_head = scatter(g_head, grad_on_device.head)
+            if g_embed is not None:
+                g_embed = scatter(g_embed, grad_on_device.embed)
+            return loss / x.shape[0], rows(dx), g_head, g_embed, _sq_norm(g_head)
 
         def block_bwd(w, x, dy):
             """Recompute block(w, x_a) and backpropagate dy_a for each micro-batch -> (dx, dw)."""
+            w = gather(w, whole.blocks)
 
             def one(xa, dya):
                 _, vjp = jax.vjp(m.block, w, xa)
@@ -164,16 +193,21 @@ class StreamedModel:
 
             if x.shape[0] == 1:  # exact in the compute dtype; see the module docstring
                 g, dx = one(x[0], dy[0])
-                return dx[None], g, _sq_norm(g)
+                g = scatter(g, grad_on_device.blocks)
+                return rows(dx[None]), g, _sq_norm(g)
             g, dx = _accumulate(one, (x, dy), _f32(jax.tree.map(jnp.zeros_like, w)))
-            return dx, g, _sq_norm(g)
+            g = scatter(g, grad_on_device.blocks)
+            return rows(dx), g, _sq_norm(g)
 
         def embed_grad(embed_w, batch, dx, g_from_head):
+            embed_w = gather(embed_w, whole.embed)
+
             def one(wa, dxa):
                 _, vjp = jax.vjp(lambda ew: m.embed(ew, wa[:, :-1]), embed_w)
                 return vjp(dxa)[0], None
 
             g, _ = _accumulate(one, (batch, dx), _f32(jax.tree.map(jnp.zeros_like, embed_w)))
+            g = scatter(g, grad_on_device.embed)
             if g_from_head is not None:
                 g = jax.tree.map(jnp.add, g, g_from_head)
             return g, _sq_norm(g)
@@ -195,7 +229,10 @@ class StreamedModel:
         Units of `weights` may be `Future`s (see `stream_blocks`)."""
         embed_w = resolve(weights.embed)
         x = self._embed(embed_w, batch)
-        for w in stream_blocks(weights.blocks, range(self.num_layers), self.placement, self.prefetch):
+        blocks = stream_blocks(
+            weights.blocks, range(self.num_layers), self.placement, self._copy_in, self.prefetch
+        )
+        for w in blocks:
             x = self._block_fwd(w, x)
         return self._head_loss(resolve(weights.head), embed_w, x, batch)
 
@@ -217,7 +254,9 @@ class StreamedModel:
         clock = clock or StepClock.off()
         num_layers = self.num_layers
         order = [*range(num_layers), *reversed(range(num_layers))]
-        fetched = stream_blocks(weights.blocks, order, self.placement, self.prefetch, on_copy=clock.copied)
+        fetched = stream_blocks(
+            weights.blocks, order, self.placement, self._copy_in, self.prefetch, on_copy=clock.copied
+        )
         with clock.waiting():
             embed_w = resolve(weights.embed)
         x = clock.computed(self._embed(embed_w, batch))
@@ -232,7 +271,7 @@ class StreamedModel:
         loss, dx, g_head, g_embed_head, sq_head = self._head_grad(head_w, embed_w, x, batch, loss_scale)
         clock.computed(loss)
         del x
-        to_host = self.placement.pinned
+        to_host = self._to_host
         block_grads: list[Any] = [None] * num_layers
         sq = [sq_head]
         for i in reversed(range(num_layers)):
@@ -241,12 +280,12 @@ class StreamedModel:
             clock.computed(sq_i)
             sq.append(sq_i)
             saved[i] = None
-            block_grads[i] = clock.sent(jax.device_put(g, to_host))  # async DMA, overlaps block i-1
+            block_grads[i] = clock.sent(jax.device_put(g, to_host.blocks))  # async DMA, overlaps block i-1
         g_embed, sq_embed = self._embed_grad(embed_w, batch, dx, g_embed_head)
         clock.computed(sq_embed)
         grads = ModelParams(
-            embed=clock.sent(jax.device_put(g_embed, to_host)),
+            embed=clock.sent(jax.device_put(g_embed, to_host.embed)),
             blocks=tuple(block_grads),
-            head=clock.sent(jax.device_put(g_head, to_host)),
+            head=clock.sent(jax.device_put(g_head, to_host.head)),
         )
         return loss, grads, self._global_norm([*sq, sq_embed], loss_scale)

@@ -12,7 +12,7 @@ from jaxzero import placement
 from jaxzero.config import TrainConfig
 from jaxzero.models import build_model
 from jaxzero.offload import host_kernels
-from jaxzero.offload.host_memory import host_view
+from jaxzero.offload.host_memory import local_views
 from jaxzero.offload.host_optimizer import HostOptimizer, HostUnit, UnitUpdate
 from jaxzero.overrides import apply_overrides
 from jaxzero.plan import resolve_plan
@@ -39,7 +39,7 @@ for unit_plan, params, opt, dtype in (
     (plan.units[-1], masters.head, state.head, jnp.float32),
 ):
     g = jax.device_put(jax.tree.map(lambda x, d=dtype: np.full(x.shape, 1e-3, d), params), where.pinned)
-    g = jax.tree.map(host_view, g)
+    g = jax.tree.map(local_views, g)
     unit = host.update_unit(UnitUpdate(unit_plan, HostUnit(params, opt, None), g, np.float32(1.0)), 0)
     u = UnitUpdate(unit_plan, unit, g, np.float32(1.0))
     host.commit(u, 1, host.update_weights(u, 0, recycle=unit.weights))
