@@ -16,13 +16,19 @@ for Ctrl-C; with several processes, joined through `jax.distributed`, every proc
 step). A second Ctrl-C stops at once. Exit status 1: training failed (a non-finite loss, a checkpoint
 that cannot be written); 2: the config or the input is wrong. Every error is one line on stderr.
 
-The loop reads top to bottom: config -> run directory -> data -> trainer -> state (init or restore) ->
+Several processes (`python -m jaxzero.launch`, SLURM's srun, mpirun, or JAX's variables: see
+`jaxzero.distributed`) join before anything else and train one model on one global batch, each reading
+its rows of it. Process 0 writes `config.json`, `metrics.jsonl` and `summary.json` and prints the
+progress; every process writes its part of the checkpoints and prints its own errors.
+
+The loop reads top to bottom: config -> run directory -> trainer -> data -> state (init or restore) ->
 for each step: step, log (every `logging.log_every` steps), save, stop.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import logging
 import math
@@ -40,10 +46,11 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from jaxzero import distributed
 from jaxzero import run_dir as run_dir_lib
 from jaxzero.checkpoint import Checkpointer, CheckpointWriteError, ensure_room, make_meta, state_bytes
 from jaxzero.config import ConfigError, TrainConfig, validate
-from jaxzero.data import BatchIterator, Data, DataState, build_data
+from jaxzero.data import BatchIterator, Data, DataShard, DataState, build_data
 from jaxzero.interop import load_hf_into
 from jaxzero.metrics import (
     MetricsLog,
@@ -219,10 +226,16 @@ class Start:
 
 
 def start(
-    cfg: TrainConfig, trainer: Trainer, data: Data, ckpt: Checkpointer | None, console: TextIO
+    cfg: TrainConfig,
+    trainer: Trainer,
+    data: Data,
+    ckpt: Checkpointer | None,
+    console: TextIO,
+    main_process: bool = True,
 ) -> Start:
     """Restore from `ckpt`'s newest good checkpoint when resuming (`ckpt` given), else initialise from
-    the Hugging Face checkpoint `model.init_from` or from `seed`."""
+    the Hugging Face checkpoint `model.init_from` or from `seed`. The main process (process 0) drops
+    the metrics records past the restored step."""
     restored = None
     if ckpt is not None:
         check_meta = lambda meta: DataState.from_dict(meta["data_state"])  # noqa: E731 - its loader state
@@ -230,7 +243,8 @@ def start(
     if restored is not None:
         state = trainer.from_saved_state(restored.state)
         batches = data.train_iter(DataState.from_dict(restored.meta["data_state"]))
-        run_dir_lib.truncate_metrics(Path(cfg.run_dir) / METRICS_FILE, restored.step)
+        if main_process:
+            run_dir_lib.truncate_metrics(Path(cfg.run_dir) / METRICS_FILE, restored.step)
         print(f"jaxzero: resumed from {ckpt.directory / str(restored.step)}", file=console)
         return Start(state, restored.step + 1, batches, restored.step)
     if cfg.model.init_from:
@@ -290,13 +304,16 @@ class LogWindow:
         console: TextIO,
         bar: ProgressBar,
         t_start: float,
+        main_process: bool = True,
     ):
         self.cfg, self.trainer, self.start, self.val_batches = cfg, trainer, start, val_batches
         self.first = start.first
         self.bar = bar  # cleared before each record, so the line is not printed over it
         self.t_start = t_start  # before init or restore: the first record's compile_s counts from here
         device = trainer.mesh.devices.flat[0].platform.upper()  # the breakdown names the real device
-        self.file = MetricsLog(Path(cfg.run_dir) / METRICS_FILE, console, device=device)
+        # Every process reads the metrics (and validates: collectives); the main process writes them.
+        self.path = Path(cfg.run_dir) / METRICS_FILE
+        self.file = MetricsLog(self.path if main_process else Path(os.devnull), console, device=device)
         self.last: dict[str, Any] = {}  # the newest record
         self.grad_norms: list[float] = []  # finite gradient norms of the steps read so far (the last few)
         self.throughput = Throughput(
@@ -332,7 +349,7 @@ class LogWindow:
             "lr": float(last.lr),
             "grad_norm": float(last.grad_norm),
             **rates,
-            "gpu_peak_gib": accelerator_peak_gib(list(self.trainer.mesh.devices.flat)),
+            "gpu_peak_gib": accelerator_peak_gib(list(self.trainer.mesh.local_devices)),  # this process's
             "host_rss_gib": host_rss_gib(),
         }
         if step == self.first:
@@ -356,7 +373,7 @@ class LogWindow:
             s, v = bad[0]
             norms = self.grad_norms + [float(w.grad_norm) for (t, _), w in zip(self.pending, values) if t < s]
             raise TrainingError(
-                f"loss became {float(v.loss)} at step {s} (metrics so far in {self.file.path}, the last "
+                f"loss became {float(v.loss)} at step {s} (metrics so far in {self.path}, the last "
                 "good checkpoint kept). Likely cause: "
                 + nonfinite_cause(self.cfg, s, v, self.start, [g for g in norms if math.isfinite(g)])
             )
@@ -414,8 +431,13 @@ def train(cfg: TrainConfig, console: TextIO = sys.stdout) -> Path:
         cfg = resumed
     cfg = dataclasses.replace(cfg, run_dir=str(path))
     validate(cfg)
-    data = build_data(cfg.data, cfg.model.vocab_size, cfg.seed)  # checks files before anything is allocated
     trainer = build_trainer(cfg)  # checks the mesh and memory; allocates and compiles nothing
+    # Every process has looked at the run directory before process 0 writes anything into it.
+    distributed.barrier("run directory inspected", cfg.parallel.timeout_s)
+    main_process = jax.process_index() == 0  # writes the run's files; every process checkpoints
+    # This process's rows of every global batch: the rows its devices hold of the data axis.
+    shard = DataShard(jax.process_index(), jax.process_count())
+    data = build_data(cfg.data, cfg.model.vocab_size, cfg.seed, shard)  # checks files before allocating
     what = {
         RunKind.NEW: "a new run",
         RunKind.RESUME: "resuming",
@@ -435,7 +457,7 @@ def train(cfg: TrainConfig, console: TextIO = sys.stdout) -> Path:
     t_start = time.perf_counter()
     ckpt = Checkpointer(path, cfg.checkpoint) if run.kind is RunKind.RESUME else None
     try:
-        begin = start(cfg, trainer, data, ckpt, console)
+        begin = start(cfg, trainer, data, ckpt, console, main_process)
     except BaseException:
         _close_quietly(ckpt)
         raise
@@ -447,17 +469,18 @@ def train(cfg: TrainConfig, console: TextIO = sys.stdout) -> Path:
             file=console,
         )
         return path
-    if run.kind is RunKind.RESTART:
+    if run.kind is RunKind.RESTART and main_process:
         kept = run_dir_lib.set_aside_attempt(path)
         print(
             f"jaxzero: the stopped attempt's config.json and metrics.jsonl are kept in {kept}", file=console
         )
     path.mkdir(parents=True, exist_ok=True)
-    run_dir_lib.write_atomic(path / CONFIG_FILE, cfg.to_json() + "\n")
+    if main_process:
+        run_dir_lib.write_atomic(path / CONFIG_FILE, cfg.to_json() + "\n")
     if ckpt is None and cfg.checkpoint.enabled:
         ckpt = Checkpointer(path, cfg.checkpoint)
-    bar = ProgressBar(cfg.steps, cfg.logging.progress)
-    log = LogWindow(cfg, trainer, begin, val_batches, console, bar, t_start)
+    bar = ProgressBar(cfg.steps, cfg.logging.progress and main_process)
+    log = LogWindow(cfg, trainer, begin, val_batches, console, bar, t_start, main_process)
     state, batches = begin.state, begin.batches
     try:
         for step in range(begin.first, cfg.steps + 1):
@@ -488,7 +511,8 @@ def train(cfg: TrainConfig, console: TextIO = sys.stdout) -> Path:
     log.close()
     if ckpt is not None:
         ckpt.close()  # host sync: wait for the last asynchronous save
-    finish(cfg, log.last, ckpt, time.perf_counter() - t_start, console)
+    if main_process:
+        finish(cfg, log.last, ckpt, time.perf_counter() - t_start, console)
     return path
 
 
@@ -559,26 +583,6 @@ def configure(argv: list[str]) -> TrainConfig:
     return dataclasses.replace(cfg, run_dir=str(run_dir_lib.locate(cfg.run_dir, cfg.model.name)))
 
 
-def start_distributed() -> bool:
-    """Join a multi-process run through JAX's distributed runtime when one is configured
-    (`JAX_COORDINATOR_ADDRESS`, with JAX's process count and id variables), before any backend starts.
-    Returns whether this call started it. One process needs no runtime, and starts none: its
-    coordination service would outlive nothing but print a GRPC error at exit."""
-    if jax.distributed.is_initialized() or not os.environ.get("JAX_COORDINATOR_ADDRESS"):
-        return False
-    jax.distributed.initialize()
-    return True
-
-
-def stop_distributed() -> None:
-    """Shut down the distributed runtime `start_distributed` started, before the interpreter exits.
-    The run's outcome is decided by now, so a failure here only warns."""
-    try:
-        jax.distributed.shutdown()
-    except Exception as e:  # noqa: BLE001 - whatever the runtime raises, the exit status stands
-        print(f"jaxzero: warning: jax.distributed did not shut down cleanly: {e}", file=sys.stderr)
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
@@ -587,15 +591,20 @@ def main(argv: list[str] | None = None) -> int:
     # Random init of a large model compiles in seconds instead of minutes with the threefry kernel
     # (identical values); process-wide, so it is set here by the program, not by the library.
     jax.config.update("jax_threefry_gpu_kernel_lowering", True)
-    started, restore_handlers, cfg, background = False, None, None, None
+    processes, restore_handlers, cfg, background = None, None, None, None
     try:
         cfg = configure(argv)
+        # Several processes join before any backend starts; one process starts nothing.
+        processes = distributed.start(cfg.parallel.timeout_s)
+        if processes is not None:  # the default run_dir is named after each process's start time
+            run_dir = distributed.agree("run_dir", cfg.run_dir, cfg.parallel.timeout_s)
+            cfg = dataclasses.replace(cfg, run_dir=run_dir)
         background = BackgroundErrorLog(Path(cfg.run_dir))
         background.install()
-        started = start_distributed()
         if not jax.distributed.is_initialized():  # one process: SIGTERM and Ctrl-C set a flag per step
             restore_handlers = install_stop_handlers()
-        train(cfg)
+        # Process 0 prints the run's progress and metrics; every process prints its errors (stderr).
+        train(cfg, sys.stdout if processes is None or processes.index == 0 else _Discard())
     except ConfigError as e:
         return _fail("config error", e, EXIT_CONFIG)
     except TrainingError as e:
@@ -609,15 +618,22 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C without jaxzero's handlers (several processes)
         return _fail("interrupted", "stopped at once (Ctrl-C)", EXIT_INTERRUPTED)
     except Exception as e:  # noqa: BLE001 - the environment (memory, devices, files): one line, no trace
-        return _fail("error", _environment_error(e, cfg), EXIT_TRAINING)
+        return _fail("error", _environment_error(e, cfg, processes), EXIT_TRAINING)
     finally:  # after the outcome is printed
         if background is not None:
             background.uninstall()
         if restore_handlers is not None:
             restore_handlers()
-        if started:
-            stop_distributed()
+        if processes is not None:
+            distributed.stop()
     return 0
+
+
+class _Discard(io.TextIOBase):
+    """A console that prints nothing: the progress of processes other than 0."""
+
+    def write(self, text: str) -> int:
+        return len(text)
 
 
 def _fail(what: str, error: BaseException | str, code: int) -> int:
@@ -625,9 +641,12 @@ def _fail(what: str, error: BaseException | str, code: int) -> int:
     return code
 
 
-def _environment_error(error: Exception, cfg: TrainConfig | None) -> str:
+def _environment_error(
+    error: Exception, cfg: TrainConfig | None, processes: distributed.Processes | None = None
+) -> str:
     """One line for an error that input or the environment can cause (out of memory, a file that
-    cannot be written, a device error); its traceback goes to `error.log` in the run directory."""
+    cannot be written, a device error); its traceback goes to `error.log` in the run directory (with
+    several processes, appended there under the process's id)."""
     text = (str(error).strip().splitlines() or [""])[0][:400]
     hint = ""
     if "RESOURCE_EXHAUSTED" in str(error) or "Out of memory" in str(error) or isinstance(error, MemoryError):
@@ -643,7 +662,11 @@ def _environment_error(error: Exception, cfg: TrainConfig | None) -> str:
         where = ""
     elif run_dir is not None and run_dir.is_dir():
         try:
-            run_dir_lib.write_atomic(run_dir / run_dir_lib.ERROR_FILE, trace)
+            if processes is None:
+                run_dir_lib.write_atomic(run_dir / run_dir_lib.ERROR_FILE, trace)
+            else:  # one file for every process: each appends its own
+                with open(run_dir / run_dir_lib.ERROR_FILE, "a") as f:
+                    f.write(f"process {processes.index} of {processes.count}:\n{trace}\n")
             where = f" (traceback in {run_dir / run_dir_lib.ERROR_FILE})"
         except OSError:
             pass
