@@ -102,5 +102,5 @@ def test_the_directions_of_the_layers():
     for layer, names in forbidden.items():
         wrong = {n for n in depends(layer) if any(n == f or n.startswith(f + ".") for f in names)}
         assert not wrong, f"{layer} imports {sorted(wrong)}"
-    importers = {m for m, ns in graph().items() if {"jaxzero.train", "jaxzero.export"} & ns}
+    importers = {m for m, ns in graph().items() if {"jaxzero.train", "jaxzero.export", "jaxzero.launch"} & ns}
     assert importers == set(), f"programs are imported by {importers}"

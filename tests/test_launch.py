@@ -1,0 +1,198 @@
+"""Tests for `python -m jaxzero.launch`: its command line, how it shares GPUs, and, in subprocesses
+(slow), two CPU processes that train as one process does (through a preemption and a resume), and a
+process that dies, which stops the others with a message naming it."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from subprocess_run import REPO, run_module, user_env
+
+from jaxzero import launch
+from jaxzero.launch import LaunchArgs, UsageError, child_env, parse_args, split_gpus, visible_gpus
+
+TINY = [
+    "--model.num_layers=2",
+    "--data.seq_len=32",
+    "--data.batch_size=8",
+    "--steps=6",
+    "--logging.log_every=1",
+    # float32: a batch split over 1, 4 or 2 x 2 devices then gives the same losses to print precision
+    "--model.compute_dtype=float32",
+]
+
+
+# -- the command line and the GPUs (fast) -----------------------------------------------------------
+
+
+def test_options_end_at_the_separator_or_the_first_program_argument() -> None:
+    assert parse_args(["--nproc=2", "--", "--steps=3"]) == LaunchArgs(nproc=2, args=["--steps=3"])
+    assert parse_args(["--nproc", "4", "--cpu_devices_per_proc=2", "--steps=3", "--nproc=9"]) == LaunchArgs(
+        nproc=4, cpu_devices_per_proc=2, args=["--steps=3", "--nproc=9"]
+    )
+    a = parse_args(["--nproc=2", "--grace_s=2.5", "--log_dir=logs", "--script=x.py", "--", "--nproc=1"])
+    assert (a.grace_s, a.log_dir, a.script, a.args) == (2.5, "logs", "x.py", ["--nproc=1"])
+    for argv, message in [
+        (["--steps=3"], "--nproc=N is required"),
+        (["--nproc=0"], r"--nproc=0 must be >= 1"),
+        (["--nproc=two"], r"--nproc='two' must be a number"),
+        (["--nproc"], r"--nproc needs a value"),
+    ]:
+        with pytest.raises(UsageError, match=message):
+            parse_args(argv)
+
+
+def test_each_process_gets_its_share_of_the_gpus() -> None:
+    assert split_gpus([str(i) for i in range(8)], 4) == ["0,1", "2,3", "4,5", "6,7"]
+    assert split_gpus(["3", "5"], 2) == ["3", "5"]  # the visible ones, not the first ones
+    with pytest.raises(
+        UsageError, match=r"--nproc=3 processes cannot share 8 visible GPU\(s\).*--nproc=1 or 2 or 4 or 8"
+    ):
+        split_gpus([str(i) for i in range(8)], 3)
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "2, 3,GPU-ab"}) == ["2", "3", "GPU-ab"]
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == []  # none visible: nothing to split
+    listing = "GPU 0: NVIDIA H200 (UUID: GPU-1)\nGPU 1: NVIDIA H200 (UUID: GPU-2)\n"
+    assert visible_gpus({}, nvidia_smi=lambda: listing) == ["0", "1"]
+    assert visible_gpus({}, nvidia_smi=lambda: None) == []  # no nvidia-smi: the processes see what JAX finds
+
+
+def test_a_process_environment() -> None:
+    base = {"XLA_FLAGS": "--xla_foo=1 --xla_force_host_platform_device_count=8", "KEEP": "x"}
+    env = child_env(base, rank=1, nproc=2, port=4321, gpus="2,3", cpu_devices=0)
+    assert {k: env[k] for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")} == {
+        "JAX_COORDINATOR_ADDRESS": "127.0.0.1:4321",
+        "JAX_NUM_PROCESSES": "2",
+        "JAX_PROCESS_ID": "1",
+    }
+    assert (
+        env["CUDA_VISIBLE_DEVICES"] == "2,3" and env["KEEP"] == "x" and env["XLA_FLAGS"] == base["XLA_FLAGS"]
+    )
+    cpu = child_env(base, rank=0, nproc=2, port=4321, gpus=None, cpu_devices=2)
+    assert cpu["XLA_FLAGS"] == "--xla_foo=1  --xla_force_host_platform_device_count=2"
+    assert cpu["JAX_PLATFORMS"] == "cpu" and "CUDA_VISIBLE_DEVICES" not in cpu
+
+
+def test_how_a_process_ended_is_named() -> None:
+    assert launch.describe_exit(-signal.SIGKILL) == "was killed by SIGKILL"
+    assert launch.describe_exit(2) == "exited with status 2 (config error)"
+    assert launch.exit_status(-signal.SIGKILL) == 137 and launch.exit_status(3) == 3
+
+
+# -- processes (slow) ------------------------------------------------------------------------------
+
+
+def _launch(*args: str, cwd: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "jaxzero.launch", *args],
+        cwd=cwd,
+        env=user_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_two_processes_train_as_one_through_a_preemption_and_a_resume(tmp_path: Path) -> None:
+    """Two processes of two CPU devices each train the batches one process trains on four devices
+    (or one): the same losses, also after SIGTERM to the launcher stopped both at one step with a
+    checkpoint and the launcher resumed them. Only process 0 writes the run's files and prints."""
+    launched = ["--nproc=2", "--cpu_devices_per_proc=2", "--", *TINY, "--run_dir=two"]
+    first = _launch(*launched, cwd=tmp_path)
+    assert first.stdout is not None
+    output = []
+    for line in first.stdout:  # both processes have joined once process 0 names the run directory
+        output.append(line)
+        if line.startswith("[0] jaxzero: run_dir ") and line.rstrip().endswith(": a new run"):
+            first.send_signal(signal.SIGTERM)
+    first.wait(timeout=300)
+    text = "".join(output)
+    assert first.returncode == 3, text[-3000:]
+    assert "[0] jaxzero: preempted: SIGTERM: saved a checkpoint at step" in text, text[-3000:]
+    assert "[1] jaxzero: preempted: SIGTERM: saved a checkpoint at step" in text, text[-3000:]
+    assert (
+        "jaxzero.launch: stopped: rank 0 exited with status 3 (preempted), rank 1 exited with status 3"
+        in text
+    )
+    stopped_at = len(_records(tmp_path / "two"))
+    assert 1 <= stopped_at < 6
+
+    second = _launch(*launched, cwd=tmp_path)
+    out, _ = second.communicate(timeout=300)
+    assert second.returncode == 0, out[-3000:]
+    assert "[0] jaxzero: resumed from" in out and "[0] jaxzero: done: step 6" in out
+    assert not [
+        ln for ln in out.splitlines() if ln.startswith("[1] step") or ln.startswith("[1] jaxzero: done")
+    ]
+    assert sorted(p.name for p in (tmp_path / "two").iterdir()) == [
+        "checkpoints",
+        "config.json",
+        "metrics.jsonl",
+        "summary.json",
+    ]
+
+    four = run_module(
+        "jaxzero.train",
+        *TINY,
+        "--run_dir=four",
+        cwd=tmp_path,
+        env_extra={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
+    )
+    one = run_module("jaxzero.train", *TINY, "--run_dir=one", cwd=tmp_path)
+    assert four.returncode == 0 and one.returncode == 0, (four.stderr + one.stderr)[-3000:]
+    two = _records(tmp_path / "two")
+    assert [r["step"] for r in two] == list(range(1, 7))  # one record per step, written by process 0
+    for name in ("four", "one"):
+        reference = _records(tmp_path / name)
+        for key in ("loss", "grad_norm"):
+            assert [r[key] for r in two] == pytest.approx([r[key] for r in reference], rel=1e-5), (name, key)
+        assert two[-1]["val_loss"] == pytest.approx(reference[-1]["val_loss"], rel=1e-5), name
+
+
+@pytest.mark.slow
+def test_a_killed_process_stops_the_launch_naming_its_rank(tmp_path: Path) -> None:
+    program = REPO / "tests" / "programs" / "dies_after_joining.py"
+    launched = _launch("--nproc=2", "--grace_s=5", f"--script={program}", "--", "300", cwd=tmp_path)
+    out, _ = launched.communicate(timeout=300)
+    assert launched.returncode == 128 + signal.SIGKILL, out[-3000:]
+    assert "jaxzero.launch: rank 1 (pid " in out and ") was killed by SIGKILL; stopping the other 1" in out
+    assert (
+        "jaxzero.launch: failed: rank 1 was killed by SIGKILL; then rank 0 was killed by SIGKILL when stopped"
+        in out
+    )
+    assert "[0] process 0: passed" not in out
+
+
+@pytest.mark.slow
+def test_without_the_launcher_the_survivor_stops_within_the_timeout(tmp_path: Path) -> None:
+    """No launcher to stop it: the survivor's own runtime notices its peer is gone within
+    parallel.timeout_s (5 s here) and stops with an error naming the task."""
+    program = REPO / "tests" / "programs" / "dies_after_joining.py"
+    port = launch.free_port()
+    processes = [
+        subprocess.Popen(
+            [sys.executable, str(program), "5"],
+            cwd=tmp_path,
+            env=user_env(
+                JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    (survivor, _), _ = [p.communicate(timeout=300) for p in processes]
+    assert processes[1].returncode == -signal.SIGKILL
+    assert processes[0].returncode != 0, survivor[-3000:]
+    assert "process 0: joined" in survivor and "Task 1 heartbeat timeout" in survivor, survivor[-3000:]
+    assert "passed a barrier" not in survivor
