@@ -22,6 +22,11 @@ An asynchronous checkpoint (`checkpoint.async_save`, the default) snapshots mast
 state into host RAM while it writes: 4 + 8 more bytes per parameter of host memory during a save.
 Offloaded runs also get an allowance of 1.25x their pinned bytes (`PINNED_ALLOWANCE`).
 
+Over a mesh of D devices in P processes (`devices`, `processes`), the figures are per process (host
+RAM, pinned) and per device (accelerator): what the ZeRO stage shards divides by D on the
+accelerator and by P on the host; activations divide by D. (An array whose first axis does not
+divide by D is whole everywhere; such arrays are small, and are counted as if split.)
+
 Where each unit's arrays live comes from the offload plan (`jaxzero.plan`); this module only counts.
 """
 
@@ -61,6 +66,8 @@ class MemoryPlan:
     activations: int  # saved block inputs plus one block's transient activations and the logits
     two_pass_grads: int = 0  # the part of `pinned` that two-pass updates keep into the next step
     spares: int = 0  # the part of `host` that speculative updates keep as spare state
+    devices: int = 1  # the mesh this plan is for: `host` and `pinned` are per process, the rest per device
+    processes: int = 1
 
     def describe(self) -> str:
         return (
@@ -69,10 +76,21 @@ class MemoryPlan:
         )
 
 
-def plan_memory(cfg: TrainConfig, offload: OffloadPlan | None = None) -> MemoryPlan:
-    """Bytes each memory must hold for `cfg` placed by `offload` (default: `resolve_plan(cfg)`); see
-    the module docstring for the accounting."""
+def plan_memory(
+    cfg: TrainConfig, offload: OffloadPlan | None = None, devices: int = 1, processes: int = 1
+) -> MemoryPlan:
+    """Bytes each memory must hold for `cfg` placed by `offload` (default: `resolve_plan(cfg)`) over
+    `devices` devices in `processes` processes: host figures per process, accelerator figures per
+    device; see the module docstring for the accounting."""
     offload = resolve_plan(cfg) if offload is None else offload
+    D, P = devices, processes  # noqa: N806
+
+    def per_device(nbytes: int, sharded: bool) -> int:
+        return nbytes // D if sharded else nbytes
+
+    def per_process(nbytes: int, sharded: bool) -> int:
+        return nbytes // P if sharded else nbytes
+
     m, d = cfg.model, cfg.data
     n_embed, n_block, n_head = unit_param_counts(m)
     params = {UnitKind.EMBED: n_embed, UnitKind.BLOCK: n_block, UnitKind.HEAD: n_head}
@@ -85,7 +103,7 @@ def plan_memory(cfg: TrainConfig, offload: OffloadPlan | None = None) -> MemoryP
     compute = 2 if m.compute_dtype == "bfloat16" else 4
     grad = 2 if offload.grad_dtype == "bfloat16" else 4
 
-    tokens = d.batch_size * d.seq_len  # per step, all micro-batches
+    tokens = d.batch_size * d.seq_len // D  # per step and device, all micro-batches
     micro_tokens = tokens // d.grad_accum
     saved_inputs = m.num_layers * tokens * m.hidden_size * compute
     # One block's live intermediates for one micro-batch (q/k/v/attn out, MLP up/gate/act, their
@@ -95,10 +113,16 @@ def plan_memory(cfg: TrainConfig, offload: OffloadPlan | None = None) -> MemoryP
     activations = saved_inputs + block_transient + logits
 
     snapshot = n * (4 + opt) if cfg.checkpoint.enabled and cfg.checkpoint.async_save else 0
+    snapshot = per_process(snapshot, offload.shards_state)
     update = offload.host_update
     if update is None:
+        state = (
+            per_device(n * 4, offload.shards_weights)
+            + per_device(n * opt, offload.shards_state)
+            + per_device(n * 4, offload.shards_grads)
+        )
         return MemoryPlan(
-            host=snapshot, pinned=0, accelerator_state=n * (4 + opt + 4), activations=activations
+            host=snapshot, pinned=0, accelerator_state=state, activations=activations, devices=D, processes=P
         )
 
     # The delayed update keeps two copies of the compute weights (the pass reads one while the host
@@ -109,17 +133,18 @@ def plan_memory(cfg: TrainConfig, offload: OffloadPlan | None = None) -> MemoryP
     for u in offload.units:
         n_u = params[u.kind]
         grad_u = grad if u.kind is UnitKind.BLOCK else 4  # embedding and head gradients: float32 sums
+        # One shard per device of everything the host keeps or writes: 1/P of it in each process.
         if u.weights is Tier.PINNED_HOST:  # streamed
-            pinned += copies * n_u * compute
+            pinned += per_process(copies * n_u * compute, True)
         else:  # on the accelerator, and its new weights staged in pinned memory, one DMA away
-            accelerator += copies * n_u * compute
-            pinned += n_u * compute
-        pinned += copies * n_u * grad_u
+            accelerator += per_device(copies * n_u * compute, offload.shards_weights)
+            pinned += per_process(n_u * compute, True)
+        pinned += per_process(copies * n_u * grad_u, True)
         if u.position < update.two_pass.max_units:  # gradients kept until the second pass, a step on
-            two_pass += n_u * grad_u
-        host += n_u * (4 + opt)  # masters and optimizer state
+            two_pass += per_process(n_u * grad_u, True)
+        host += per_process(n_u * (4 + opt), True)  # masters and optimizer state
     pinned += two_pass
-    spares = update.speculative_units * max(params.values()) * (4 + opt)
+    spares = per_process(update.speculative_units * max(params.values()) * (4 + opt), True)
     host += pinned + snapshot + int(pinned * PINNED_ALLOWANCE) + spares
     streamed = offload.streamed_blocks
     in_flight = 3 if streamed else 0  # the block computing, the one prefetched, a gradient leaving
@@ -131,6 +156,8 @@ def plan_memory(cfg: TrainConfig, offload: OffloadPlan | None = None) -> MemoryP
         activations=activations,
         two_pass_grads=two_pass,
         spares=spares,
+        devices=D,
+        processes=P,
     )
 
 
@@ -146,23 +173,28 @@ def host_memory_available() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def largest_fitting(cfg: TrainConfig, fits: Callable[[MemoryPlan], bool]) -> str | None:
-    """The largest named model size that `fits` with `cfg`'s other settings, or None."""
+def largest_fitting(
+    cfg: TrainConfig, fits: Callable[[MemoryPlan], bool], devices: int = 1, processes: int = 1
+) -> str | None:
+    """The largest named model size that `fits` with `cfg`'s other settings (on `devices` devices in
+    `processes` processes), or None."""
     best = None
     for name, model in sorted(NAMED_SIZES.items(), key=lambda kv: param_count(kv[1])):
         other = dataclasses.replace(
             cfg, model=dataclasses.replace(model, compute_dtype=cfg.model.compute_dtype)
         )
-        if fits(plan_memory(other)):
+        if fits(plan_memory(other, devices=devices, processes=processes)):
             best = name
     return best
 
 
-def _far_from(cfg: TrainConfig, need: int, available: int, fits: Callable[[MemoryPlan], bool]) -> str:
+def _far_from(
+    cfg: TrainConfig, plan: MemoryPlan, need: int, available: int, fits: Callable[[MemoryPlan], bool]
+) -> str:
     """For a need far past what is available, what would fit: settings alone cannot close the gap."""
     if need <= 2 * available:
         return ""
-    best = largest_fitting(cfg, fits)
+    best = largest_fitting(cfg, fits, plan.devices, plan.processes)
     fitting = (
         f"the largest named model that fits with these settings is {best} "
         f"({param_count(NAMED_SIZES[best]) / 1e9:.2f}B parameters)"
@@ -176,7 +208,7 @@ def check_host_fits(cfg: TrainConfig, need: MemoryPlan, available: int | None = 
     """Raise ConfigError if the host state will not fit in host RAM. Nothing has been allocated yet."""
     available = host_memory_available() if available is None else available
     if need.host > available:
-        far = _far_from(cfg, need.host, available, lambda p: p.host <= available)
+        far = _far_from(cfg, need, need.host, available, lambda p: p.host <= available)
         raise ConfigError(
             f"{cfg.model.name} with offload.optimizer={cfg.offload.optimizer}, offload.params="
             f"{cfg.offload.params} needs {need.host / GiB:.1f} GiB of host RAM ({need.describe()}), but "
@@ -294,7 +326,9 @@ def check_accelerator_fits(cfg: TrainConfig, need: MemoryPlan, capacity: int | N
     else:
         hint = "lower data.batch_size or data.seq_len, or raise data.grad_accum"
     if need.accelerator_state > capacity:
-        far = _far_from(cfg, need.accelerator_state, capacity, lambda p: p.accelerator_state <= capacity)
+        far = _far_from(
+            cfg, need, need.accelerator_state, capacity, lambda p: p.accelerator_state <= capacity
+        )
         raise ConfigError(
             f"{cfg.model.name} with offload.optimizer={cfg.offload.optimizer}, "
             f"offload.params={cfg.offload.params} needs {need.accelerator_state / GiB:.1f} GiB of "
@@ -319,12 +353,13 @@ def check_fits(cfg: TrainConfig, need: MemoryPlan, device: Any) -> str | None:
         return check_accelerator_fits(cfg, need, accelerator_capacity(device))
     available = host_memory_available()
 
-    def ram(p: MemoryPlan) -> int:
-        return int(p.host * CPU_SNAPSHOT_ALLOWANCE + p.accelerator_state * CPU_STATE_ALLOWANCE)
+    def ram(p: MemoryPlan) -> int:  # this process's devices are its RAM too
+        local = p.devices // p.processes
+        return int(p.host * CPU_SNAPSHOT_ALLOWANCE + local * p.accelerator_state * CPU_STATE_ALLOWANCE)
 
     total = ram(need)
     if total > available:
-        far = _far_from(cfg, total, available, lambda p: ram(p) <= available)
+        far = _far_from(cfg, need, total, available, lambda p: ram(p) <= available)
         raise ConfigError(
             f"{cfg.model.name} with offload.optimizer={cfg.offload.optimizer}, offload.params="
             f"{cfg.offload.params} needs about {total / GiB:.1f} GiB of RAM on this CPU-only machine (host "
@@ -333,7 +368,7 @@ def check_fits(cfg: TrainConfig, need: MemoryPlan, device: Any) -> str | None:
             "Otherwise: choose a smaller model, an optimizer with less state (optimizer.name=lion or sgd), "
             "optimizer.state_dtype=bfloat16, or checkpoint.async_save=false (no snapshot copy)."
         )
-    if total + need.activations > available:
+    if total + need.activations * need.devices // need.processes > available:
         return (
             f"warning: estimated use {(total + need.activations) / GiB:.1f} GiB exceeds the "
             f"{available / GiB:.1f} GiB available; if it runs out of memory, lower data.batch_size or "

@@ -92,11 +92,12 @@ def build_trainer(cfg: TrainConfig | None = None, mesh: Mesh | None = None, **ov
         cfg = apply_overrides(cfg, {k.replace("__", "."): v for k, v in overrides.items()})
     validate(cfg)
     plan = resolve_plan(cfg)
-    need = memory.plan_memory(cfg, plan)
-    if plan.host_update is not None:
-        memory.configure_pinned_pool(need)  # before the first backend call, if this is it
+    if plan.host_update is not None:  # before the first backend call, if this is it; one process's
+        memory.configure_pinned_pool(memory.plan_memory(cfg, plan))  # whole need bounds its share
     mesh = mesh if mesh is not None else placement.make_mesh()
     validate(cfg, num_devices=mesh.size)
+    processes = len({d.process_index for d in mesh.devices.flat})
+    need = memory.plan_memory(cfg, plan, devices=mesh.size, processes=processes)
     device = mesh.devices.flat[0]
     warning = memory.check_fits(cfg, need, device)
     if warning:

@@ -109,7 +109,7 @@ def run_grad_case(case: str, args) -> dict:
     init = jax.jit(lambda k: jax.tree.map(lambda x: x.astype(jnp.bfloat16), model.init(k)))
     units = init(jax.random.key(0))
     units = [
-        jax.device_put(w, where.weights(u))
+        jax.device_put(w, where.weights(u, w))
         for u, w in zip(plan.units, [units.embed, *units.blocks, units.head])
     ]
     weights = ModelParams(units[0], tuple(units[1:-1]), units[-1])
@@ -143,8 +143,8 @@ def run_grad_case(case: str, args) -> dict:
             streamed_bytes = cfg.model.num_layers * n_block * 2
             r["link_bound_s"] = 2 * streamed_bytes / (link * 1e9)
             r["of_link_bound"] = r["link_bound_s"] / t
-        stats = jax.devices()[0].memory_stats() or {}
-        r["gpu_peak_gib"] = stats.get("peak_bytes_in_use", 0) / 2**30
+        peak = max((d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in jax.local_devices())
+        r["gpu_peak_gib"] = peak / 2**30
         out[f"T{tokens}"] = r
         print(json.dumps({case: {f"T{tokens}": r}}), flush=True)
     return out
@@ -155,7 +155,7 @@ def run_step_case(case: str, args) -> dict:
     import numpy as np
 
     from jaxzero.config import TrainConfig
-    from jaxzero.data import build_data
+    from jaxzero.data import DataShard, build_data
     from jaxzero.metrics import host_rss_gib
     from jaxzero.models.sizes import flops_per_token, param_count
     from jaxzero.overrides import apply_overrides
@@ -197,7 +197,9 @@ def run_step_case(case: str, args) -> dict:
     }
     cfg = apply_overrides(TrainConfig(), over)
     trainer = build_trainer(cfg)
-    data = build_data(cfg.data, cfg.model.vocab_size, cfg.seed)
+    data = build_data(
+        cfg.data, cfg.model.vocab_size, cfg.seed, DataShard(jax.process_index(), jax.process_count())
+    )
     batches = data.train_iter()
     t0 = time.perf_counter()
     state = trainer.init(jax.random.key(0))
@@ -221,7 +223,7 @@ def run_step_case(case: str, args) -> dict:
         breakdown = trainer.timings(time.perf_counter() - t_timed, args.steps)
     n = param_count(cfg.model)
     tokens = args.batch * args.seq
-    stats = jax.devices()[0].memory_stats() or {}
+    peak = max((d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in jax.local_devices())
     out = {
         "case": case,
         "params": n,
@@ -234,8 +236,9 @@ def run_step_case(case: str, args) -> dict:
         "tokens_per_s": tokens / step_s,
         "tflops_8N": 8 * n * tokens / step_s / 1e12,
         "model_tflops": flops_per_token(cfg.model, args.seq) * tokens / step_s / 1e12,
-        "gpu_peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30,
+        "gpu_peak_gib": peak / 2**30,
         "host_rss_gib": host_rss_gib(),
+        "devices": jax.device_count(),
         "losses": losses,
         "grad_norms": norms,
         "breakdown": breakdown,
@@ -276,7 +279,7 @@ def run_host_case(case: str, args) -> dict:
     out = {"case": case, "params": n, "device": jax.devices()[0].device_kind, "cpus": os.cpu_count()}
     variants = [("fused", "float32", True), ("fused", "bfloat16", True), ("optax", "float32", False)]
     pool = ThreadPoolExecutor(16)
-    g_host = jax.tree.map(np.asarray, grads)  # NumPy views of pinned_host, as the pipeline reads them
+    g_host = jax.tree.map(lambda g: [np.asarray(g)], grads)  # pinned_host views, as the pipeline reads them
 
     def timed(fn, units, reps=4):
         """Best of reps 2..: `fn` on every unit from 16 threads (unit i at priority i); new units."""
@@ -360,6 +363,12 @@ def main() -> None:
         import jax
 
         jax.config.update("jax_threefry_gpu_kernel_lowering", True)  # as `python -m jaxzero.train` does
+        if os.environ.get("JAX_COORDINATOR_ADDRESS"):  # one of several processes (bench_mesh.py)
+            jax.distributed.initialize(
+                os.environ["JAX_COORDINATOR_ADDRESS"],
+                int(os.environ["JAX_NUM_PROCESSES"]),
+                int(os.environ["JAX_PROCESS_ID"]),
+            )
         runner = {
             **dict.fromkeys(GRAD_CASES, run_grad_case),
             **dict.fromkeys(STEP_CASES, run_step_case),

@@ -142,3 +142,22 @@ def test_bf16_moments_cut_host_state_from_12_to_8_bytes_per_parameter():
     full = memory.plan_memory(cfg(**over))
     half = memory.plan_memory(cfg(**over, optimizer__state_dtype="bfloat16"))
     assert full.host - half.host == 4 * n  # masters 4 + moments 8 -> masters 4 + moments 4
+
+
+def test_zero_stages_divide_the_plan_per_device_and_per_process():
+    """Resident: stage 3 splits every state byte over the devices, stage 0 none. Offloaded: each of
+    2 processes holds half the host state; each device half the activations."""
+    base = {"model.name": "llama-1b", "data.batch_size": "8", "checkpoint.async_save": "false"}
+
+    def plan(devices, processes, **over):
+        cfg = apply_overrides(TrainConfig(), {**base, **over})
+        return memory.plan_memory(cfg, devices=devices, processes=processes)
+
+    whole = plan(1, 1).accelerator_state
+    assert plan(4, 1, **{"parallel.zero_stage": "0"}).accelerator_state == whole
+    assert plan(4, 1, **{"parallel.zero_stage": "3"}).accelerator_state == pytest.approx(whole / 4, rel=1e-6)
+    offload = {"offload.optimizer": "cpu", "offload.params": "cpu"}
+    one, two = plan(1, 1, **offload), plan(2, 2, **offload)
+    assert two.host == pytest.approx(one.host / 2, rel=1e-6)
+    assert two.pinned == pytest.approx(one.pinned / 2, rel=1e-6)
+    assert two.activations < one.activations

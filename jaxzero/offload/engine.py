@@ -46,7 +46,7 @@ def build_offload_trainer(
     updates its devices' shards of the masters and optimizer state). `plan` defaults to
     `resolve_plan(cfg)`.
 
-    `pinned_reserve`: bytes to allocate and free in the accelerator's pinned pool before the state's
+    `pinned_reserve`: bytes (this process's) to allocate and free in the pinned pool before the state's
     first pinned array, so that the pool grows at start-up, not inside a step
     (`jaxzero.memory.pinned_pool_reservation`)."""
     plan = resolve_plan(cfg) if plan is None else plan
@@ -96,7 +96,7 @@ def build_offload_trainer(
     def reserve_pool() -> None:  # before the first state's pinned arrays: the pool grows once
         nonlocal pinned_reserve
         if pinned_reserve:
-            reserve_pinned(pinned_reserve, where.pool)
+            reserve_pinned(pinned_reserve // len(where.local_devices), where.pool)  # per device
             pinned_reserve = 0
 
     def fresh(masters: ModelParams) -> OffloadState:

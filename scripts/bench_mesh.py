@@ -1,0 +1,140 @@
+"""Benchmark the offload engine over several GPUs: one GPU, all GPUs from one process, one process per GPU.
+
+Each variant runs whole optimizer steps through `build_trainer` (via `bench_offload.py`'s step case, in
+fresh processes) at the same tokens per GPU per step, so the global batch grows with the GPU count. The
+parent prints one table: seconds per step (the slowest process), job throughput, its ratio to one GPU,
+TFLOP/s (8N) for the job and per GPU, peak GPU memory and host RSS per process.
+
+    python scripts/bench_mesh.py --case=zero3-offload --model=llama-3.4b-bench --batch_per_gpu=8 --seq=2048
+    python scripts/bench_mesh.py --variants=1gpu,2gpu-2proc --set optimizer.state_dtype=bfloat16
+
+Variants: `1gpu` (CUDA_VISIBLE_DEVICES=0), `Ngpu-1proc` (one process over N GPUs), `Ngpu-Nproc` (one
+process per GPU, joined through jax.distributed on localhost).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_variant(name: str, args) -> dict:
+    gpus, procs = name.split("-")[0], name.split("-")[1] if "-" in name else "1proc"
+    n_gpu, n_proc = int(gpus.removesuffix("gpu")), int(procs.removesuffix("proc"))
+    batch = args.batch_per_gpu * n_gpu
+    base = [
+        sys.executable,
+        os.path.join(HERE, "bench_offload.py"),
+        f"--case={args.case}",
+        f"--model={args.model}",
+        f"--batch={batch}",
+        f"--seq={args.seq}",
+        f"--steps={args.steps}",
+        f"--warmup={args.warmup}",
+        *[f"--set={kv}" for kv in args.set],
+    ]
+    port = _free_port()
+    children = []
+    for pid in range(n_proc):
+        env = dict(os.environ)
+        per = n_gpu // n_proc
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in range(pid * per, (pid + 1) * per))
+        if n_proc > 1:
+            env.update(
+                JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                JAX_NUM_PROCESSES=str(n_proc),
+                JAX_PROCESS_ID=str(pid),
+            )
+        children.append(
+            subprocess.Popen(base, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
+    results, t = [], time.perf_counter()
+    for pid, child in enumerate(children):
+        out, err = child.communicate()
+        with open(os.path.join(args.out, f"mesh_{name}_p{pid}.log"), "w") as f:
+            f.write(out + "\n--- stderr ---\n" + err)
+        lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+        if child.returncode or not lines:
+            return {"variant": name, "error": f"process {pid} rc={child.returncode}: {err[-1200:]}"}
+        results.append(json.loads(lines[-1][7:]))
+    print(f"{name}: done in {time.perf_counter() - t:.0f}s", flush=True)
+    slowest = max(r["step_s"] for r in results)
+    tokens = batch * args.seq
+    n = results[0]["params"]
+    return {
+        "variant": name,
+        "gpus": n_gpu,
+        "processes": n_proc,
+        "params": n,
+        "device": results[0]["device"],
+        "step_s": slowest,
+        "tokens_per_s": tokens / slowest,
+        "tflops_8N": 8 * n * tokens / slowest / 1e12,
+        "gpu_peak_gib": max(r["gpu_peak_gib"] for r in results),
+        "host_rss_gib": [r["host_rss_gib"] for r in results],
+        "losses": results[0]["losses"],
+        "breakdown": results[0].get("breakdown", {}),
+        "per_process_step_s": [r["step_s"] for r in results],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variants", default="1gpu,2gpu-1proc,2gpu-2proc")
+    ap.add_argument("--case", default="zero3-offload", help="a step case of bench_offload.py")
+    ap.add_argument("--model", default="llama-3.4b-bench")
+    ap.add_argument("--batch_per_gpu", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    results = [run_variant(v, args) for v in args.variants.split(",")]
+    with open(os.path.join(args.out, "bench_mesh.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    ok = [r for r in results if "error" not in r]
+    for r in results:
+        if "error" in r:
+            print(f"{r['variant']}: FAILED {r['error']}")
+    if not ok:
+        return
+    one = next((r for r in ok if r["gpus"] == 1), None)
+    print(
+        f"\n{args.case}, model {args.model} ({ok[0]['params'] / 1e9:.2f}B), {args.batch_per_gpu}x{args.seq} "
+        f"tokens per GPU per step, {ok[0]['device']}"
+    )
+    print(
+        f"{'variant':12} {'s/step':>7} {'tok/s':>8} {'vs 1 GPU':>8} {'TF/s 8N':>8} {'per GPU':>8} "
+        f"{'GPU GiB':>8} {'RSS GiB per process':>20}"
+    )
+    for r in ok:
+        ratio = f"{r['tokens_per_s'] / one['tokens_per_s']:.2f}x" if one else "-"
+        rss = ", ".join(f"{x:.1f}" for x in r["host_rss_gib"])
+        print(
+            f"{r['variant']:12} {r['step_s']:7.3f} {r['tokens_per_s']:8.0f} {ratio:>8} {r['tflops_8N']:8.1f} "
+            f"{r['tflops_8N'] / r['gpus']:8.1f} {r['gpu_peak_gib']:8.1f} {rss:>20}"
+        )
+    for r in ok:
+        if r["breakdown"]:
+            print(
+                f"{r['variant']:12} process 0 per step: "
+                + " | ".join(f"{k.removesuffix('_s')} {v:.3f}" for k, v in r["breakdown"].items())
+            )
+
+
+if __name__ == "__main__":
+    main()
