@@ -21,7 +21,8 @@ error at exit.
 Bounded failure: JAX is given ``parallel.timeout_s`` for joining (``initialization_timeout``), for
 declaring a silent peer dead (``heartbeat_timeout_seconds``: every other process then stops with an
 error naming the task) and for the exit barrier (``shutdown_timeout_seconds``), each where the
-installed JAX accepts it. A process that dies therefore never leaves the others waiting for ever.
+installed JAX accepts it. A process that dies therefore never leaves the others waiting for ever;
+one that fails on its own exits at once (`stop`), so that a launcher sees it and stops the others.
 """
 
 from __future__ import annotations
@@ -187,9 +188,16 @@ def start(
     return processes
 
 
-def stop() -> None:
-    """Shut down the runtime `start` started, before the interpreter exits. The run's outcome is
-    decided by now, so a failure here only warns."""
+def stop(failed_with: int | None = None) -> None:
+    """Leave the runtime `start` started. `failed_with` None: the processes stop together (done, or
+    preempted at one step), so JAX's clean shutdown, whose exit barrier waits for the others; a failure
+    there only warns. Else this process failed alone: it exits at once with that status (output
+    flushed), since the exit barrier would hold it for `parallel.timeout_s` waiting for processes that
+    are not stopping; the launcher, or JAX's heartbeat check, then stops the others."""
+    if failed_with is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(failed_with)
     try:
         jax.distributed.shutdown()
     except Exception as e:  # noqa: BLE001 - whatever the runtime raises, the exit status stands

@@ -591,7 +591,7 @@ def main(argv: list[str] | None = None) -> int:
     # Random init of a large model compiles in seconds instead of minutes with the threefry kernel
     # (identical values); process-wide, so it is set here by the program, not by the library.
     jax.config.update("jax_threefry_gpu_kernel_lowering", True)
-    processes, restore_handlers, cfg, background = None, None, None, None
+    processes, restore_handlers, cfg, background, code = None, None, None, None, 0
     try:
         cfg = configure(argv)
         # Several processes join before any backend starts; one process starts nothing.
@@ -606,27 +606,27 @@ def main(argv: list[str] | None = None) -> int:
         # Process 0 prints the run's progress and metrics; every process prints its errors (stderr).
         train(cfg, sys.stdout if processes is None or processes.index == 0 else _Discard())
     except ConfigError as e:
-        return _fail("config error", e, EXIT_CONFIG)
+        code = _fail("config error", e, EXIT_CONFIG)
     except TrainingError as e:
-        return _fail("training stopped", e, EXIT_TRAINING)
+        code = _fail("training stopped", e, EXIT_TRAINING)
     except CheckpointWriteError as e:
         log = Path(cfg.run_dir) / run_dir_lib.ERROR_FILE if cfg is not None else None
         details = f" (the writers' own errors: {log})" if log is not None and log.exists() else ""
-        return _fail("checkpoint error", f"{e}{details}", EXIT_TRAINING)
+        code = _fail("checkpoint error", f"{e}{details}", EXIT_TRAINING)
     except Preempted as e:
-        return _fail("preempted" if e.exit_code == EXIT_PREEMPTED else "interrupted", e, e.exit_code)
+        code = _fail("preempted" if e.exit_code == EXIT_PREEMPTED else "interrupted", e, e.exit_code)
     except KeyboardInterrupt:  # Ctrl-C without jaxzero's handlers (several processes)
-        return _fail("interrupted", "stopped at once (Ctrl-C)", EXIT_INTERRUPTED)
+        code = _fail("interrupted", "stopped at once (Ctrl-C)", EXIT_INTERRUPTED)
     except Exception as e:  # noqa: BLE001 - the environment (memory, devices, files): one line, no trace
-        return _fail("error", _environment_error(e, cfg, processes), EXIT_TRAINING)
+        code = _fail("error", _environment_error(e, cfg, processes), EXIT_TRAINING)
     finally:  # after the outcome is printed
         if background is not None:
             background.uninstall()
         if restore_handlers is not None:
             restore_handlers()
-        if processes is not None:
-            distributed.stop()
-    return 0
+    if processes is not None:  # stops together (done, preempted, Ctrl-C) leave together; a failure at once
+        distributed.stop(None if code in (0, EXIT_PREEMPTED, EXIT_INTERRUPTED) else code)
+    return code
 
 
 class _Discard(io.TextIOBase):
