@@ -12,7 +12,7 @@ Options (before TRAIN_ARGS; `--` ends them):
                             --xla_force_host_platform_device_count=K): several processes without GPUs.
   --log_dir=DIR             also write each rank's output to DIR/rank<r>.log.
   --grace_s=S               seconds the others get to stop after one fails before they are killed
-                            (default 30).
+                            (default 10: after a failure the others cannot checkpoint).
   --script=PATH             run `python PATH TRAIN_ARGS` instead of `python -m jaxzero.train`.
 
 GPUs. With G GPUs visible (CUDA_VISIBLE_DEVICES, else `nvidia-smi -L`), process i sees GPUs
@@ -71,7 +71,7 @@ class LaunchArgs:
     nproc: int
     cpu_devices_per_proc: int = 0  # 0: not a CPU run with fake devices
     log_dir: str = ""
-    grace_s: float = 30.0
+    grace_s: float = 10.0
     script: str = ""  # "": python -m jaxzero.train
     args: list[str] = field(default_factory=list)  # for the program
 
@@ -115,7 +115,7 @@ def parse_args(argv: Sequence[str]) -> LaunchArgs:
         nproc=int(number("nproc", int, 1, 0)),
         cpu_devices_per_proc=int(number("cpu_devices_per_proc", int, 1, 0)),
         log_dir=options.get("log_dir", ""),
-        grace_s=number("grace_s", float, 0, 30.0),
+        grace_s=number("grace_s", float, 0, 10.0),
         script=options.get("script", ""),
         args=rest,
     )
