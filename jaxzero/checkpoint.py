@@ -76,14 +76,23 @@ class Restored:
 def _snapshot(tree: Any, pool: ThreadPoolExecutor) -> Any:
     """Host copies of every leaf, so an asynchronous write never sees later in-place updates.
 
-    Host-resident leaves are copied in host memory; accelerator leaves are fetched to host. Leaves
-    are copied concurrently (NumPy copies release the GIL): one thread moves a fraction of the
-    host's memory bandwidth.
+    Host-resident leaves are copied in host memory, shard by shard (each process copies its own;
+    the copy keeps the leaf's sharding over the processes); accelerator leaves are fetched to host,
+    or, spanning other processes' devices, handed to Orbax, which copies them to host before `save`
+    returns. Leaves are copied concurrently (NumPy copies release the GIL): one thread moves a
+    fraction of the host's memory bandwidth.
     """
 
     def copy(x):
         with jax.transfer_guard_device_to_host("allow"):  # a deliberate copy for the checkpoint
-            return np.array(x, copy=True)
+            if not isinstance(x, jax.Array) or (x.is_fully_addressable and len(x.sharding.device_set) == 1):
+                return np.array(x, copy=True)
+            if next(iter(x.sharding.device_set)).platform != "cpu":
+                return x if not x.is_fully_addressable else np.array(x, copy=True)
+            shards = [
+                jax.device_put(np.array(s.data, copy=True), s.data.sharding) for s in x.addressable_shards
+            ]
+            return jax.make_array_from_single_device_arrays(x.shape, x.sharding, shards)
 
     leaves, treedef = jax.tree.flatten(tree)
     return jax.tree.unflatten(treedef, list(pool.map(copy, leaves)))

@@ -252,11 +252,16 @@ def with_checks(trainer: Trainer) -> Trainer:
     """`trainer` whose `put_batch` and `put_eval_batch` check shape, dtype and token ids first, and
     whose `step` refuses a consumed state with a message (not an error about deleted buffers)."""
     d, vocab = trainer.config.data, trainer.config.model.vocab_size
-    train_shape = (d.grad_accum, d.batch_size // d.grad_accum, d.seq_len + 1)
+    # Each process hands over its own rows of every micro-batch (`DataShard`).
+    processes = len({dev.process_index for dev in trainer.mesh.devices.flat})
+    train_shape = (d.grad_accum, d.batch_size // d.grad_accum // processes, d.seq_len + 1)
+    source = "build_data(...).train_iter()" + (
+        f" with DataShard(jax.process_index(), {processes})" if processes > 1 else ""
+    )
     put_batch, put_eval_batch, step = trainer.put_batch, trainer.put_eval_batch, trainer.step
 
     def checked_batch(batch: Any) -> jax.Array:
-        return put_batch(check_batch(batch, train_shape, vocab, "training", "build_data(...).train_iter()"))
+        return put_batch(check_batch(batch, train_shape, vocab, "training", source))
 
     def checked_step(state: Any, batch: jax.Array) -> tuple[Any, StepMetrics]:
         ensure_live(state)
@@ -266,10 +271,11 @@ def with_checks(trainer: Trainer) -> Trainer:
         array = check_batch(
             batch, (None, d.seq_len + 1), vocab, "validation", "build_data(...).val_batches(n)"
         )
-        if array.shape[0] % trainer.mesh.size:
+        local = trainer.mesh.size // processes  # this process's devices share its rows
+        if array.shape[0] % local:
             raise ValueError(
-                f"a validation batch of {array.shape[0]} rows cannot be split over the mesh's "
-                f"{trainer.mesh.size} devices; use a multiple of {trainer.mesh.size} rows."
+                f"a validation batch of {array.shape[0]} rows cannot be split over this process's "
+                f"{local} devices; use a multiple of {local} rows."
             )
         return put_eval_batch(array)
 
