@@ -266,7 +266,7 @@ def batch_rows_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
 def offload_placement(mesh: Mesh, plan: OffloadPlan) -> OffloadPlacement:
     """The placement of `plan` on `mesh`, whose hosts are each process's CPU backend. Raises
     ConfigError for a device without `pinned_host` memory."""
-    accelerator = mesh.devices.flat[0]
+    accelerator = mesh.local_devices[0]
     if not supports_memory_kind(accelerator, PINNED_HOST):
         memory_kinds = sorted(m.kind for m in accelerator.addressable_memories())
         raise ConfigError(

@@ -98,7 +98,7 @@ def build_trainer(cfg: TrainConfig | None = None, mesh: Mesh | None = None, **ov
     validate(cfg, num_devices=mesh.size)
     processes = len({d.process_index for d in mesh.devices.flat})
     need = memory.plan_memory(cfg, plan, devices=mesh.size, processes=processes)
-    device = mesh.devices.flat[0]
+    device = mesh.local_devices[0]  # memory stats exist only for this process's devices
     warning = memory.check_fits(cfg, need, device)
     if warning:
         print(f"jaxzero: {warning}", file=sys.stderr)
