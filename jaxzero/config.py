@@ -131,8 +131,9 @@ class OffloadConfig:
     two_pass_units: int = -1
     # The fused host kernels where they cover the optimizer; false: the optax update on XLA:CPU.
     fused_update: bool = True
-    # Threads of the host update's pool; 0: one per CPU core. Fewer leave cores to the thread that
-    # issues the accelerator's work and to the copy engines' driver threads.
+    # Threads of the host update's pool; 0: one per CPU core this process may run on (its affinity:
+    # `python -m jaxzero.launch` gives each process its own share). Fewer leave cores to the thread
+    # that issues the accelerator's work and to the copy engines' driver threads.
     host_threads: int = 0
 
 
@@ -320,7 +321,7 @@ def validate(cfg: TrainConfig, num_devices: int | None = None) -> None:
     )
     need(
         cfg.offload.host_threads >= 0,
-        f"offload.host_threads={cfg.offload.host_threads} must be >= 0 (0: one per CPU core).",
+        f"offload.host_threads={cfg.offload.host_threads} must be >= 0 (0: one per core it may use).",
     )
     need(
         cfg.offload.two_pass_units >= -1,

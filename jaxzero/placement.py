@@ -130,9 +130,11 @@ class OffloadPlacement:
     - gradients: `pinned_host` of each device, one shard per device, DMA'd there as each block's
       backward ends (reduce-scattered first), then read by the host optimizer without a copy.
     - compute-dtype weights: written by the host as one shard per device (`written`): into
-      `pinned_host` for streamed blocks (`Tier.PINNED_HOST`), which each device copies in per use and
-      all-gathers; for units on the accelerator (`Tier.DEVICE`) copied there, and all-gathered once
-      per update unless ZeRO stage 3 keeps them sharded (`weights`).
+      `pinned_host` for streamed blocks (`Tier.PINNED_HOST`), copied in per use; for units on the
+      accelerator (`Tier.DEVICE`) copied there once per update. They stay one shard per device at
+      every ZeRO stage, and each computation all-gathers what it uses: collectives are issued by the
+      thread that issues the computations, in the same order in every process (the host update's
+      threads run in no fixed order, so an all-gather issued there could deadlock two processes).
     """
 
     mesh: Mesh
@@ -228,10 +230,7 @@ class OffloadPlacement:
         return zero_shardings(self.mesh, shapes, self.plan.shards_state, PINNED_HOST)
 
     def weights(self, unit: UnitPlan, shapes: Any) -> Any:
-        """Where `unit`'s compute-dtype weights live between updates: as `written`, except that
-        accelerator-resident weights are whole on every device below ZeRO stage 3."""
-        if unit.weights is Tier.DEVICE and not self.plan.shards_weights:
-            return zero_shardings(self.mesh, shapes, False, DEVICE)
+        """Where `unit`'s compute-dtype weights live between updates: where the host wrote them."""
         return self.written(unit, shapes)
 
     def compute(self, shapes: Any) -> Any:

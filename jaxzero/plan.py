@@ -128,7 +128,8 @@ class OffloadPlan:
 
     @property
     def shards_weights(self) -> bool:
-        """Compute weights kept as one shard per device and all-gathered per use (stage 3)."""
+        """Weights kept as one shard per device and all-gathered per use: stage 3 (with host state,
+        compute weights are so at every stage; see `OffloadPlacement`)."""
         return self.zero_stage >= 3
 
     @property
@@ -211,6 +212,15 @@ def _zero_stage(cfg: TrainConfig) -> int:
     return 3 if cfg.offload.params == "cpu" else 2 if cfg.offload.optimizer == "cpu" else 0
 
 
+def available_cores() -> int:
+    """Cores this process may run on (its affinity: a launcher or scheduler may give each process of a
+    machine its own share), else every core."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def _host_update(cfg: TrainConfig, num_units: int) -> HostUpdate:
     o = cfg.offload
     fp16 = cfg.model.compute_dtype == "float16"
@@ -234,5 +244,5 @@ def _host_update(cfg: TrainConfig, num_units: int) -> HostUpdate:
         skips_nonfinite=fp16,
         speculative_units=o.speculative_units if moves_work else 0,
         two_pass=TwoPass(max_units=max_units, adaptive=two_pass < 0 and max_units > 0),
-        threads=o.host_threads or os.cpu_count() or 1,
+        threads=o.host_threads or available_cores(),
     )

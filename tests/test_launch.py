@@ -196,3 +196,57 @@ def test_without_the_launcher_the_survivor_stops_within_the_timeout(tmp_path: Pa
     assert processes[0].returncode != 0, survivor[-3000:]
     assert "process 0: joined" in survivor and "Task 1 heartbeat timeout" in survivor, survivor[-3000:]
     assert "passed a barrier" not in survivor
+
+
+def test_each_process_gets_its_own_equal_share_of_the_cores():
+    assert launch.split_cores([3, 0, 1, 2, 4], 2) == [[0, 1], [2, 3]]  # the remainder stays unused
+    assert launch.split_cores([0], 2) == [[], []]  # fewer cores than processes: no binding
+    assert launch.parse_args(["--nproc=2", "--bind_cores=false"]).bind_cores is False
+    assert launch.parse_args(["--nproc=2"]).bind_cores is True
+    with pytest.raises(launch.UsageError, match="bind_cores"):
+        launch.parse_args(["--nproc=2", "--bind_cores=maybe"])
+
+
+@pytest.mark.slow
+def test_zero3_offload_over_two_processes_survives_sigkill_and_restores_on_one_device(tmp_path: Path) -> None:
+    """ZeRO-3 offload over 2 processes x 2 CPU devices, each process holding half the host state:
+    both killed by SIGKILL just after the save of step 4 starts, relaunched, they finish the run on
+    the losses of one process on one device; the checkpoint then resumes on one process and one
+    device (N -> M) and stays on that run's losses."""
+    offload = [
+        *TINY,
+        "--offload.optimizer=cpu",
+        "--offload.params=cpu",
+        "--checkpoint.every=2",
+        "--optimizer.decay_steps=8",  # one schedule for every run, whatever its steps
+    ]
+    one_device = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    one = run_module(
+        "jaxzero.train", *offload, "--steps=8", "--run_dir=one", cwd=tmp_path, env_extra=one_device
+    )
+    assert one.returncode == 0, one.stderr[-3000:]
+
+    program = str(REPO / "tests" / "programs" / "kill_after_save.py")
+    killed = _launch(
+        "--nproc=2",
+        "--cpu_devices_per_proc=2",
+        f"--script={program}",
+        "--",
+        "4",
+        *offload,
+        "--run_dir=two",
+        cwd=tmp_path,
+    )
+    out, _ = killed.communicate(timeout=300)
+    assert killed.returncode == 128 + signal.SIGKILL, out[-3000:]
+    resumed = _launch("--nproc=2", "--cpu_devices_per_proc=2", "--", *offload, "--run_dir=two", cwd=tmp_path)
+    out, _ = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0 and "[0] jaxzero: resumed from" in out, out[-3000:]
+    on_one = run_module("jaxzero.train", "--run_dir=two", "--steps=8", cwd=tmp_path, env_extra=one_device)
+    assert on_one.returncode == 0 and "resumed from" in on_one.stdout, on_one.stderr[-3000:]
+
+    expected = {r["step"]: r["loss"] for r in _records(tmp_path / "one")}
+    got = {r["step"]: r["loss"] for r in _records(tmp_path / "two")}
+    assert sorted(got) == list(range(1, 9))
+    for step, loss in expected.items():
+        assert got[step] == pytest.approx(loss, rel=1e-5), step

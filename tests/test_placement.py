@@ -69,7 +69,7 @@ def test_offloaded_host_state_of_one_process_is_every_row_in_pieces_per_device()
     shape = {"w": np.zeros((8, 3))}
     unit = stage2.plan.units[0]
     assert stage2.written(unit, shape)["w"].spec == P("data")  # the host writes one shard per device
-    assert stage2.weights(unit, shape)["w"].spec == P()  # whole on every device below stage 3
+    assert stage2.weights(unit, shape)["w"].spec == P("data")  # kept so: gathered per use
 
 
 def test_platform_without_pinned_host_is_refused(monkeypatch):

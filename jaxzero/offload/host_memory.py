@@ -52,6 +52,30 @@ def _mesh_devices(sharding: jax.sharding.Sharding) -> list[jax.Device]:
     return list(mesh.devices.flat) if mesh is not None else sorted(sharding.device_set, key=lambda d: d.id)
 
 
+def copy_to(tree: Any, targets: Any) -> Any:
+    """Copy every array of `tree` to the same-layout sharding of `targets` (a sharding or a tree of
+    them: another memory kind of the same devices), one asynchronous copy per local shard.
+
+    Per shard, because `jax.device_put` of an array spanning several processes to another memory
+    kind runs a jitted program, which every process must then run in the same order as its other
+    programs; copies issued per shard involve no other process."""
+    if isinstance(targets, jax.sharding.Sharding):
+        targets = jax.tree.map(lambda _: targets, tree)
+
+    def one(x: jax.Array, target: jax.sharding.Sharding) -> jax.Array:
+        if len(x.sharding.device_set) == 1:
+            return jax.device_put(x, target)
+        shards = [
+            jax.device_put(
+                s.data, jax.sharding.SingleDeviceSharding(s.device, memory_kind=target.memory_kind)
+            )
+            for s in x.addressable_shards
+        ]
+        return jax.make_array_from_single_device_arrays(x.shape, target, shards)
+
+    return jax.tree.map(one, tree, targets)
+
+
 def global_from_local(
     local: jax.Array | np.ndarray, sharding: jax.sharding.Sharding, shape: tuple
 ) -> jax.Array:

@@ -42,7 +42,7 @@ from jaxzero.config import OptimizerConfig
 from jaxzero.models import ModelParams
 from jaxzero.offload import host_kernels as hk
 from jaxzero.offload.host_kernels import Pass
-from jaxzero.offload.host_memory import PinnedStaging, host_view, local_shards, place, release
+from jaxzero.offload.host_memory import PinnedStaging, copy_to, host_view, local_shards, place, release
 from jaxzero.optim import build_optimizer, learning_rate_schedule, weight_decay_mask
 from jaxzero.placement import OffloadPlacement
 from jaxzero.plan import Tier, UnitKind, UnitPlan
@@ -193,12 +193,6 @@ class HostOptimizer:
         )
         self._zeros_like = jax.jit(lambda t: jax.tree.map(jnp.zeros_like, t), out_shardings=host)
         self._lr = jax.jit(lambda step: jnp.asarray(self.schedule(step), jnp.float32))
-        # Accelerator weights whole on every device (below ZeRO stage 3): the host writes one shard
-        # per device, and one all-gather per update makes them whole.
-        self._gather = {
-            kind: jax.jit(lambda w: w, out_shardings=placement.weights(unit, self.shapes_of(unit)))
-            for kind, unit in ((u.kind, u) for u in (plan.units[0], plan.units[1], plan.units[-1]))
-        }
 
     def shapes_of(self, unit: UnitPlan) -> Any:
         """The global shapes (`ShapeDtypeStruct`s of the float32 masters) of `unit`'s arrays."""
@@ -206,16 +200,6 @@ class HostOptimizer:
         return {UnitKind.EMBED: s.embed, UnitKind.BLOCK: s.blocks[unit.block or 0], UnitKind.HEAD: s.head}[
             unit.kind
         ]
-
-    def _finish(self, unit: UnitPlan, written: Any) -> Any:
-        """Weights as the host wrote them (one shard per device) -> where they live between updates."""
-        if (
-            unit.weights is Tier.DEVICE
-            and not self.placement.plan.shards_weights
-            and self.placement.num_devices > 1
-        ):
-            return jax.block_until_ready(self._gather[unit.kind](written))
-        return written
 
     @property
     def fused(self) -> bool:
@@ -239,7 +223,7 @@ class HostOptimizer:
 
         def put(unit: UnitPlan, local: Any) -> Any:
             shapes = self.shapes_of(unit)
-            return self._finish(unit, place(self._cast(local), self.placement.written(unit, shapes), shapes))
+            return place(self._cast(local), self.placement.written(unit, shapes), shapes)
 
         futures = ModelParams(
             embed=self._io.submit(put, units[0], masters.embed),
@@ -307,8 +291,7 @@ class HostOptimizer:
         run = lambda: jax.block_until_ready(update(u.arrays.params, u.arrays.opt_state, g, gm))  # noqa: E731
         params, opt_state, weights = self.pool.submit(priority, run).result()  # host sync
         shapes = self.shapes_of(u.unit)
-        written = place(weights, self.placement.written(u.unit, shapes), shapes)
-        return HostUnit(params, opt_state, self._finish(u.unit, written))
+        return HostUnit(params, opt_state, place(weights, self.placement.written(u.unit, shapes), shapes))
 
     def _fused(self, u: UnitUpdate, count: int, priority: Any, pass_: Pass, into=None, recycle=None) -> Any:
         """One pass of the fused kernels over every leaf of `u.arrays`, chunked onto the pool. `into` =
@@ -373,10 +356,9 @@ class HostOptimizer:
             return weights
         # Accelerator weights: one DMA per device from the pinned staging buffers (a host sync: they
         # are reused), then whole on every device unless ZeRO stage 3 keeps them sharded.
-        on_device = jax.device_put(weights, self.placement.written(u.unit, shapes))
-        weights = jax.block_until_ready(on_device)
+        weights = jax.block_until_ready(copy_to(weights, self.placement.written(u.unit, shapes)))
         self._staging.give(dst)
-        return self._finish(u.unit, weights)
+        return weights
 
     # -- speculative updates -------------------------------------------------------------------------
 

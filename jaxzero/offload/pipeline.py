@@ -55,7 +55,7 @@ import jax
 import numpy as np
 
 from jaxzero.models import ModelParams
-from jaxzero.offload.host_memory import HostScalar, local_views, release
+from jaxzero.offload.host_memory import HostScalar, copy_to, local_views, release
 from jaxzero.offload.host_optimizer import HostOptimizer, HostUnit, UnitUpdate
 from jaxzero.offload.timeline import StepClock
 from jaxzero.offload.two_pass import TwoPassCounter
@@ -167,9 +167,9 @@ class UpdatePipeline:
         shared = _StepInputs(
             step=next(self._steps),
             # Copied to host memory asynchronously; the first task to need it reads it (`HostScalar`).
-            norm=HostScalar(jax.device_put(norm, pinned)),
+            norm=HostScalar(copy_to(norm, pinned)),
             # Only float16 has a loss scale; reading a copy of it would wait behind the gradients' copies.
-            scale=HostScalar(jax.device_put(scale, pinned)) if self.policy.skips_nonfinite else None,
+            scale=HostScalar(copy_to(scale, pinned)) if self.policy.skips_nonfinite else None,
             tickets=itertools.count(),
         )
         flat = lambda tree: [tree.embed, *tree.blocks, tree.head]  # noqa: E731 - in forward order

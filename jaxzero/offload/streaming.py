@@ -35,6 +35,7 @@ import jax.numpy as jnp
 
 from jaxzero.models import Model, ModelParams
 from jaxzero.objective import cross_entropy
+from jaxzero.offload.host_memory import copy_to
 from jaxzero.offload.timeline import StepClock
 from jaxzero.placement import OffloadPlacement, batch_rows_sharding
 
@@ -94,7 +95,7 @@ def stream_blocks(
         if last is not None and last[0] == i:
             w = last[1]
         elif placement.is_streamed(i):
-            w = jax.device_put(resolve(blocks[i]), target)  # async host -> accelerator DMA
+            w = copy_to(resolve(blocks[i]), target)  # async host -> accelerator DMA
             if on_copy is not None:
                 on_copy(w)
         else:
@@ -280,12 +281,12 @@ class StreamedModel:
             clock.computed(sq_i)
             sq.append(sq_i)
             saved[i] = None
-            block_grads[i] = clock.sent(jax.device_put(g, to_host.blocks))  # async DMA, overlaps block i-1
+            block_grads[i] = clock.sent(copy_to(g, to_host.blocks))  # async DMA, overlaps block i-1
         g_embed, sq_embed = self._embed_grad(embed_w, batch, dx, g_embed_head)
         clock.computed(sq_embed)
         grads = ModelParams(
-            embed=clock.sent(jax.device_put(g_embed, to_host.embed)),
+            embed=clock.sent(copy_to(g_embed, to_host.embed)),
             blocks=tuple(block_grads),
-            head=clock.sent(jax.device_put(g_head, to_host.head)),
+            head=clock.sent(copy_to(g_head, to_host.head)),
         )
         return loss, grads, self._global_norm([*sq, sq_embed], loss_scale)
