@@ -97,6 +97,10 @@ def _fmt(v: Any) -> Any:
         if math.isnan(v) or math.isinf(v):
             return None if math.isnan(v) else v
         return float(f"{v:.6g}")
+    if isinstance(v, list):
+        return [_fmt(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _fmt(x) for k, x in v.items()}
     return v
 
 

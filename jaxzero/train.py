@@ -319,7 +319,7 @@ class LogWindow:
         self.throughput = Throughput(
             cfg.data.batch_size * cfg.data.seq_len,
             flops_per_token(cfg.model, cfg.data.seq_len),
-            peak_tflops(trainer.mesh.devices.flat[0], cfg.logging.peak_tflops),
+            _job_peak(peak_tflops(trainer.mesh.devices.flat[0], cfg.logging.peak_tflops), trainer.mesh.size),
         )
         self.pending: list[tuple[int, StepMetrics]] = []
         self.t_window = time.perf_counter()  # start of the steps the next record covers
@@ -361,6 +361,8 @@ class LogWindow:
                 record["step_s"] = (now - self.t_window) / len(self.pending)
                 record.update({k.key: breakdown[k.key] for k in BREAKDOWN})
         self.t_window = now
+        if jax.process_count() > 1:
+            self._across_processes(record)
         if last.loss_scale is not None:  # float16: overflowing steps are skipped, not failures
             self._float16(record, values)
         bad = [(s, v) for (s, _), v in zip(self.pending, values) if not math.isfinite(float(v.loss))]
@@ -380,6 +382,25 @@ class LogWindow:
         self.grad_norms = (self.grad_norms + [float(v.grad_norm) for v in values])[-8:]
         self.pending.clear()
         self.throughput.restart()
+
+    def _across_processes(self, record: dict[str, Any]) -> None:
+        """Every process's figures into `record` (`per_process`: a list per key, by process index), and
+        the step time and breakdown of the slowest process as the record's own (`slowest_process`).
+        A collective (every process writes at the same steps) and a host sync."""
+        keys = [
+            k for k in ("step_s", *(b.key for b in BREAKDOWN), "host_rss_gib", "gpu_peak_gib") if k in record
+        ]
+        mine = np.array([np.nan if record[k] is None else record[k] for k in keys], np.float64)
+        every = np.asarray(multihost_utils.process_allgather(mine)).reshape(jax.process_count(), len(keys))
+        record["per_process"] = {
+            k: [None if math.isnan(v) else float(v) for v in every[:, j]] for j, k in enumerate(keys)
+        }
+        if "step_s" in keys:
+            slowest = int(np.nanargmax(every[:, keys.index("step_s")]))
+            record["slowest_process"] = slowest
+            for j, k in enumerate(keys):
+                if k not in ("host_rss_gib", "gpu_peak_gib"):
+                    record[k] = float(every[slowest, j])
 
     def _float16(self, record: dict[str, Any], values: list[StepMetrics]) -> None:
         """Count the window's skipped steps into `record`; stop (as DeepSpeed does) if one overflowed
@@ -634,6 +655,11 @@ class _Discard(io.TextIOBase):
 
     def write(self, text: str) -> int:
         return len(text)
+
+
+def _job_peak(per_device: float | None, devices: int) -> float | None:
+    """The whole job's peak TFLOP/s (MFU is the job's model FLOP/s over it), from one device's."""
+    return None if per_device is None else per_device * devices
 
 
 def _fail(what: str, error: BaseException | str, code: int) -> int:

@@ -8,6 +8,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -245,8 +246,56 @@ def test_zero3_offload_over_two_processes_survives_sigkill_and_restores_on_one_d
     on_one = run_module("jaxzero.train", "--run_dir=two", "--steps=8", cwd=tmp_path, env_extra=one_device)
     assert on_one.returncode == 0 and "resumed from" in on_one.stdout, on_one.stderr[-3000:]
 
+    multi = [r for r in _records(tmp_path / "two") if "per_process" in r]  # the 2-process records
+    assert multi and all(len(r["per_process"]["host_rss_gib"]) == 2 for r in multi)
+    timed = [r for r in multi if "step_s" in r]
+    assert timed and all(
+        r["step_s"] == pytest.approx(max(r["per_process"]["step_s"]), rel=1e-4) for r in timed
+    )
+    assert all(r["slowest_process"] in (0, 1) for r in timed)
     expected = {r["step"]: r["loss"] for r in _records(tmp_path / "one")}
     got = {r["step"]: r["loss"] for r in _records(tmp_path / "two")}
     assert sorted(got) == list(range(1, 9))
     for step, loss in expected.items():
         assert got[step] == pytest.approx(loss, rel=1e-5), step
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_process_stops_every_process_at_one_step_with_one_checkpoint(tmp_path: Path) -> None:
+    """SIGTERM reaches only process 1 (a scheduler preempting one task): both stop after the same
+    step through JAX's preemption sync point, each having written its part of one checkpoint, and a
+    rerun resumes from it."""
+    args = [
+        *TINY,
+        "--steps=100000",
+        "--checkpoint.every=0",
+        "--offload.optimizer=cpu",
+        "--offload.params=cpu",
+    ]
+    port = launch.free_port()
+    env = {
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+    }
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "jaxzero.train", *args, "--run_dir=run"],
+            cwd=tmp_path,
+            env=user_env(**env, JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        time.sleep(0.2)
+    processes[1].send_signal(signal.SIGTERM)
+    outs = [p.communicate(timeout=300)[0] for p in processes]
+    assert [p.returncode for p in processes] == [3, 3], outs[0][-2000:] + outs[1][-2000:]
+    saved = [int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit()]
+    assert len(saved) == 1, saved
+    for out in outs:
+        assert f"saved a checkpoint at step {saved[0]}" in out, out[-2000:]

@@ -135,3 +135,31 @@ def test_auto_stage_is_the_least_replication_each_mode_allows():
         for name, over in OFFLOAD.items()
     }
     assert stages == {"none": 0, "optimizer": 2, "params": 3}
+
+
+# The offload engine's other strategies, sharded over 4 devices against themselves on one device.
+STRATEGIES = {
+    "delayed": ({"offload.update": "delayed"}, "float32"),
+    "optax": ({"offload.fused_update": "false"}, "float32"),
+    "speculative": ({"offload.speculative_units": "2", "offload.two_pass_units": "0"}, "float32"),
+    "float16": ({"model.compute_dtype": "float16"}, "float16"),
+    # One micro-batch: block gradients leave in bfloat16, reduce-scattered in bfloat16.
+    "bf16-one-micro-batch": ({"model.compute_dtype": "bfloat16", "data.grad_accum": "1"}, "bfloat16"),
+}
+# (parameter relative, loss absolute): float32 as above; 16-bit compute as test_offload.py's bfloat16.
+STRATEGY_TOL = {"float32": (PARAM_TOL, LOSS_TOL), "float16": (2e-2, 2e-3), "bfloat16": (2e-2, 2e-3)}
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_offload_strategies_sharded_over_four_devices_match_one_device(strategy):
+    over, kind = STRATEGIES[strategy]
+    cfg = tiny("llama", **OFFLOAD["params"], **over)
+    _, ref_state, ref_losses, ref_norms, _ = run(cfg, devices=1)
+    _, state, losses, norms, _ = run(cfg, devices=4)
+    param_tol, loss_tol = STRATEGY_TOL[kind]
+    np.testing.assert_allclose(losses, ref_losses, atol=loss_tol, rtol=0)
+    np.testing.assert_allclose(norms, ref_norms, rtol=param_tol)
+    for a, b in zip(
+        jax.tree.leaves(jax.device_get(state.params)), jax.tree.leaves(jax.device_get(ref_state.params))
+    ):
+        assert rel(a, b) < param_tol
