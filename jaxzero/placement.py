@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import jax
@@ -145,7 +146,7 @@ class OffloadPlacement:
     def num_devices(self) -> int:
         return self.mesh.size
 
-    @property
+    @cached_property
     def host_mesh(self) -> Mesh:
         return host_mesh(self.mesh)
 
@@ -204,7 +205,7 @@ class OffloadPlacement:
         local = len(self.local_devices)
         return [slice(j * rows, (j + 1) * rows) for j in range(local)]
 
-    @property
+    @cached_property
     def local_devices(self) -> list[jax.Device]:
         """This process's devices of the mesh, in mesh order."""
         return [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]

@@ -203,9 +203,16 @@ class Trainer:
         """A one-line description of where state lives and how it is updated, for logs."""
         if self.plan.host_update is None:
             devices = f"{self.mesh.size} device(s)"
-        else:
+        elif self.mesh.size == 1:
             devices = str(self.mesh.devices.flat[0])
-        return self.plan.describe(self.config.optimizer.name, devices)
+        else:
+            devices = f"{self.mesh.size} devices"
+        line = self.plan.describe(self.config.optimizer.name, devices)
+        if self.mesh.size > 1:
+            processes = len({d.process_index for d in self.mesh.devices.flat})
+            stage = self.plan.zero_stage
+            line += f"; ZeRO stage {stage} over {self.mesh.size} devices in {processes} process(es)"
+        return line
 
 
 def abstract_placed(shapes: Any, shardings: Any) -> Any:

@@ -163,3 +163,10 @@ def test_offload_strategies_sharded_over_four_devices_match_one_device(strategy)
         jax.tree.leaves(jax.device_get(state.params)), jax.tree.leaves(jax.device_get(ref_state.params))
     ):
         assert rel(a, b) < param_tol
+
+
+def test_the_log_line_names_the_stage_and_the_mesh():
+    trainer = build_trainer(tiny("llama", **OFFLOAD["optimizer"]), placement.make_mesh(jax.devices()[:4]))
+    assert trainer.strategy.endswith("; ZeRO stage 2 over 4 devices in 1 process(es)")
+    one = build_trainer(tiny("llama"), placement.make_mesh(jax.devices()[:1]))
+    assert "ZeRO" not in one.strategy
