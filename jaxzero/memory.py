@@ -204,15 +204,20 @@ def _far_from(
     return f" The gap is {need / max(available, 1):.0f}x, more than any setting below closes: {fitting}."
 
 
-def check_host_fits(cfg: TrainConfig, need: MemoryPlan, available: int | None = None) -> None:
-    """Raise ConfigError if the host state will not fit in host RAM. Nothing has been allocated yet."""
-    available = host_memory_available() if available is None else available
+def check_host_fits(
+    cfg: TrainConfig, need: MemoryPlan, available: int | None = None, sharing: int = 1
+) -> None:
+    """Raise ConfigError if the host state will not fit in host RAM, of which this process may count
+    on 1/`sharing` (the processes of its run on this host each need as much). Nothing has been
+    allocated yet."""
+    available = (host_memory_available() if available is None else available) // sharing
     if need.host > available:
         far = _far_from(cfg, need, need.host, available, lambda p: p.host <= available)
         raise ConfigError(
             f"{cfg.model.name} with offload.optimizer={cfg.offload.optimizer}, offload.params="
             f"{cfg.offload.params} needs {need.host / GiB:.1f} GiB of host RAM ({need.describe()}), but "
-            f"{available / GiB:.1f} GiB is available.{far} Free memory, choose a smaller model, or use an "
+            f"{available / GiB:.1f} GiB is available{_shared(sharing)}.{far} Free memory, choose a smaller "
+            "model, run fewer processes per host, or use an "
             "optimizer with less state (optimizer.name=lion or sgd keep 4 bytes per parameter, AdamW 8)"
             + (
                 f", lower offload.speculative_units (now {cfg.offload.speculative_units}; each keeps a "
@@ -343,15 +348,20 @@ def check_accelerator_fits(cfg: TrainConfig, need: MemoryPlan, capacity: int | N
     return None
 
 
-def check_fits(cfg: TrainConfig, need: MemoryPlan, device: Any) -> str | None:
+def _shared(sharing: int) -> str:
+    return f" to each of the {sharing} processes on this host" if sharing > 1 else ""
+
+
+def check_fits(cfg: TrainConfig, need: MemoryPlan, device: Any, sharing: int = 1) -> str | None:
     """Raise ConfigError if `need` does not fit this machine, with the numbers and what to change;
-    return a warning if only the activation estimate does not. On a CPU backend the "accelerator" is
-    host RAM too, so the host's and the device's bytes must fit together."""
+    return a warning if only the activation estimate does not. `sharing`: the processes of this run
+    on this host, each needing as much host RAM. On a CPU backend the "accelerator" is host RAM too,
+    so the host's and the device's bytes must fit together."""
     if device.platform != "cpu":
         if need.host:
-            check_host_fits(cfg, need)
+            check_host_fits(cfg, need, sharing=sharing)
         return check_accelerator_fits(cfg, need, accelerator_capacity(device))
-    available = host_memory_available()
+    available = host_memory_available() // sharing
 
     def ram(p: MemoryPlan) -> int:  # this process's devices are its RAM too
         local = p.devices // p.processes
@@ -364,7 +374,7 @@ def check_fits(cfg: TrainConfig, need: MemoryPlan, device: Any) -> str | None:
             f"{cfg.model.name} with offload.optimizer={cfg.offload.optimizer}, offload.params="
             f"{cfg.offload.params} needs about {total / GiB:.1f} GiB of RAM on this CPU-only machine (host "
             f"and device state, {need.describe()}, with XLA's and the checkpoint writer's buffers), but "
-            f"{available / GiB:.1f} GiB is available.{far} "
+            f"{available / GiB:.1f} GiB is available{_shared(sharing)}.{far} "
             "Otherwise: choose a smaller model, an optimizer with less state (optimizer.name=lion or sgd), "
             "optimizer.state_dtype=bfloat16, or checkpoint.async_save=false (no snapshot copy)."
         )

@@ -15,6 +15,7 @@ training loop never name them.
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -22,6 +23,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
@@ -52,6 +54,17 @@ def make_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
             "process. Give each process the same number of GPUs (CUDA_VISIBLE_DEVICES)."
         )
     return Mesh(np.array(devices), (DATA_AXIS,))
+
+
+def processes_on_this_host(mesh: Mesh) -> int:
+    """How many processes of `mesh` run on this process's host (they share its RAM): 1 for one
+    process; otherwise every process's host name is gathered (a collective: every process of the
+    mesh must call this, from its main thread)."""
+    if len({d.process_index for d in mesh.devices.flat}) == 1:
+        return 1
+    name = np.frombuffer(socket.gethostname().encode().ljust(64, b"\0")[:64], np.uint8)
+    names = np.asarray(multihost_utils.process_allgather(name)).reshape(-1, 64)
+    return int(np.sum(np.all(names == name, axis=1)))
 
 
 def shard_spec(shape: Sequence[int], num_devices: int) -> P:

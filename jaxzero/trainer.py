@@ -99,7 +99,7 @@ def build_trainer(cfg: TrainConfig | None = None, mesh: Mesh | None = None, **ov
     processes = len({d.process_index for d in mesh.devices.flat})
     need = memory.plan_memory(cfg, plan, devices=mesh.size, processes=processes)
     device = mesh.local_devices[0]  # memory stats exist only for this process's devices
-    warning = memory.check_fits(cfg, need, device)
+    warning = memory.check_fits(cfg, need, device, sharing=placement.processes_on_this_host(mesh))
     if warning:
         print(f"jaxzero: {warning}", file=sys.stderr)
     if plan.host_update is not None:

@@ -161,3 +161,13 @@ def test_zero_stages_divide_the_plan_per_device_and_per_process():
     assert two.host == pytest.approx(one.host / 2, rel=1e-6)
     assert two.pinned == pytest.approx(one.pinned / 2, rel=1e-6)
     assert two.activations < one.activations
+
+
+def test_processes_on_one_host_share_its_ram():
+    """Two processes of a run on one host each need their plan's host bytes: each may count on half
+    of what is available."""
+    c = cfg(offload__optimizer="cpu", offload__params="cpu")
+    plan = memory.plan_memory(c)
+    memory.check_host_fits(c, plan, available=2 * plan.host + 2, sharing=2)
+    with pytest.raises(ConfigError, match="to each of the 2 processes on this host"):
+        memory.check_host_fits(c, plan, available=2 * plan.host - 2, sharing=2)
