@@ -44,6 +44,7 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from jaxzero.config import CheckpointConfig, CheckpointError, TrainConfig
 from jaxzero.models import ModelParams
@@ -138,8 +139,9 @@ class Checkpointer:
             arrays = _snapshot(state, self._pool) if self.cfg.async_save else state
         self.wait()  # Orbax waits for the previous save anyway; waiting here names it if it failed
         with self._failure(step):
-            with self._lock:
-                self._unsummed.append(step)
+            if jax.process_index() == 0:  # one process writes the checksums (Orbax calls back there only)
+                with self._lock:
+                    self._unsummed.append(step)
             self.manager.save(
                 step,
                 args=ocp.args.Composite(state=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta)),
@@ -243,17 +245,23 @@ class Checkpointer:
         return None
 
     def _set_aside(self, steps: list[int]) -> None:
-        """Move checkpoints to `checkpoints-unreadable/` (not deleted: the run saves those steps anew)."""
-        for bad in steps:
-            target = self.directory.with_name(UNREADABLE_DIR) / str(bad)
-            if target.exists():
-                stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S-%f")
-                target = target.with_name(f"{bad}-{stamp}")
-            target.parent.mkdir(exist_ok=True)
-            shutil.move(self.directory / str(bad), target)
-            print(f"jaxzero: moved unreadable checkpoint {bad} to {target}", file=sys.stderr)
-        if steps:
-            self.manager.reload()
+        """Move checkpoints to `checkpoints-unreadable/` (not deleted: the run saves those steps anew).
+        With several processes (each has found the same ones unreadable), process 0 moves them and
+        every process then forgets them (a barrier: all call this at the same point)."""
+        if not steps:
+            return
+        if jax.process_index() == 0:
+            for bad in steps:
+                target = self.directory.with_name(UNREADABLE_DIR) / str(bad)
+                if target.exists():
+                    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S-%f")
+                    target = target.with_name(f"{bad}-{stamp}")
+                target.parent.mkdir(exist_ok=True)
+                shutil.move(self.directory / str(bad), target)
+                print(f"jaxzero: moved unreadable checkpoint {bad} to {target}", file=sys.stderr)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices(f"jaxzero: checkpoints {steps} set aside")
+        self.manager.reload()
 
     def restore(self, step: int, abstract_state: dict[str, Any], layout: str, run: TrainConfig) -> Restored:
         """Restore checkpoint `step` onto `abstract_state` (ShapeDtypeStructs carrying shardings), after

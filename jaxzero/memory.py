@@ -137,7 +137,7 @@ def plan_memory(
         if u.weights is Tier.PINNED_HOST:  # streamed
             pinned += per_process(copies * n_u * compute, True)
         else:  # on the accelerator, and its new weights staged in pinned memory, one DMA away
-            accelerator += per_device(copies * n_u * compute, offload.shards_weights)
+            accelerator += per_device(copies * n_u * compute, True)  # one shard per device, any stage
             pinned += per_process(n_u * compute, True)
         pinned += per_process(copies * n_u * grad_u, True)
         if u.position < update.two_pass.max_units:  # gradients kept until the second pass, a step on
@@ -378,9 +378,10 @@ def check_fits(cfg: TrainConfig, need: MemoryPlan, device: Any, sharing: int = 1
             "Otherwise: choose a smaller model, an optimizer with less state (optimizer.name=lion or sgd), "
             "optimizer.state_dtype=bfloat16, or checkpoint.async_save=false (no snapshot copy)."
         )
-    if total + need.activations * need.devices // need.processes > available:
+    estimate = total + need.activations * need.devices // need.processes  # this process's devices
+    if estimate > available:
         return (
-            f"warning: estimated use {(total + need.activations) / GiB:.1f} GiB exceeds the "
+            f"warning: estimated use {estimate / GiB:.1f} GiB exceeds the "
             f"{available / GiB:.1f} GiB available; if it runs out of memory, lower data.batch_size or "
             "data.seq_len, or raise data.grad_accum."
         )

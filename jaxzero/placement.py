@@ -276,9 +276,24 @@ def batch_rows_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
     return NamedSharding(mesh, P(None, DATA_AXIS, *([None] * (ndim - 2))))
 
 
+def grouped_by_process(order: Sequence[int]) -> bool:
+    """Whether devices of these process indices (in mesh order) come one process after the other, in
+    process order, each process's devices contiguous."""
+    runs = [p for k, p in enumerate(order) if k == 0 or p != order[k - 1]]
+    return runs == sorted(set(order))
+
+
 def offload_placement(mesh: Mesh, plan: OffloadPlan) -> OffloadPlacement:
     """The placement of `plan` on `mesh`, whose hosts are each process's CPU backend. Raises
-    ConfigError for a device without `pinned_host` memory."""
+    ConfigError for a device without `pinned_host` memory, or a mesh whose devices are not grouped by
+    process (each process's host state is one block of rows: its devices must be contiguous)."""
+    order = [d.process_index for d in mesh.devices.flat]
+    if not grouped_by_process(order):
+        raise ConfigError(
+            f"the mesh's devices are not grouped by process in process order (processes {order}); "
+            "host-resident state keeps one block of rows per process. Build it with "
+            "jaxzero.placement.make_mesh(devices), which orders them."
+        )
     accelerator = mesh.local_devices[0]
     if not supports_memory_kind(accelerator, PINNED_HOST):
         memory_kinds = sorted(m.kind for m in accelerator.addressable_memories())

@@ -52,6 +52,7 @@ RESUMABLE = (
     "logging.",
     "checkpoint.",
     "offload.",
+    "parallel.",  # checkpoints restore at any stage and on any device count
     "optimizer.decay_steps",
     "data.check_tokens",
 )

@@ -119,9 +119,9 @@ class Trainer:
     timings: Callable[[float, int], dict[str, float]] | None = None
 
     def evaluate(self, state: Any, batches: Sequence[np.ndarray]) -> float:
-        """Mean loss of `state` over validation batches, each int32 (B, seq_len + 1) with B a multiple
-        of the mesh's devices (`build_data(...).val_batches(n)` yields them). A host sync; the state
-        is not consumed."""
+        """Mean loss of `state` over validation batches, each int32 (B, seq_len + 1): this process's
+        rows, B a multiple of its devices (`build_data(..., shard).val_batches(n)` yields them). A
+        host sync; the state is not consumed."""
         ensure_live(state)
         losses = [self.eval_loss(state, self.put_eval_batch(b)) for b in batches]
         return float(np.mean(jax.device_get(losses)))  # host sync
@@ -191,6 +191,12 @@ class Trainer:
         ensure_live(state)
         if format not in ("hf", "orbax"):
             raise ValueError(f"format={format!r} is not one of 'hf', 'orbax'.")
+        if len({d.process_index for d in self.mesh.devices.flat}) > 1:
+            raise ValueError(
+                "export runs in one process: each of this run's processes holds only part of the weights. "
+                "Save a checkpoint (trainer.save) and export it from one process: python -m jaxzero.export "
+                "--run_dir=DIR --out=OUT."
+            )
         masters = jax.device_get(state.params)  # float32, one host copy
         if format == "hf":
             export_hf(masters, self.config.model, out_dir, dtype=dtype, overwrite=overwrite)

@@ -92,12 +92,14 @@ def build_trainer(cfg: TrainConfig | None = None, mesh: Mesh | None = None, **ov
         cfg = apply_overrides(cfg, {k.replace("__", "."): v for k, v in overrides.items()})
     validate(cfg)
     plan = resolve_plan(cfg)
-    if plan.host_update is not None:  # before the first backend call, if this is it; one process's
-        memory.configure_pinned_pool(memory.plan_memory(cfg, plan))  # whole need bounds its share
+    if plan.host_update is not None and mesh is None:  # before the first backend call, if this is
+        memory.configure_pinned_pool(memory.plan_memory(cfg, plan))  # it: the whole need bounds a share
     mesh = mesh if mesh is not None else placement.make_mesh()
     validate(cfg, num_devices=mesh.size)
     processes = len({d.process_index for d in mesh.devices.flat})
     need = memory.plan_memory(cfg, plan, devices=mesh.size, processes=processes)
+    if plan.host_update is not None:  # this process's share (a no-op if the pool was sized above)
+        memory.configure_pinned_pool(need)
     device = mesh.local_devices[0]  # memory stats exist only for this process's devices
     warning = memory.check_fits(cfg, need, device, sharing=placement.processes_on_this_host(mesh))
     if warning:

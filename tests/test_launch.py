@@ -5,6 +5,7 @@ process that dies, which stops the others with a message naming it."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -303,3 +304,29 @@ def test_sigterm_to_one_process_stops_every_process_at_one_step_with_one_checkpo
     assert len(saved) == 1, saved
     for out in outs:
         assert f"saved a checkpoint at step {saved[0]}" in out, out[-2000:]
+
+
+@pytest.mark.slow
+def test_two_processes_set_a_damaged_checkpoint_aside_once(tmp_path: Path) -> None:
+    """2 processes: one whole checksums file per checkpoint (process 0 writes it); the newest
+    checkpoint damaged, a relaunch sets it aside once (process 0 moves it) and resumes from the one
+    before."""
+    args = [*TINY, "--steps=3", "--checkpoint.every=1", "--run_dir=run"]
+    first = _launch("--nproc=2", "--cpu_devices_per_proc=2", "--", *args, cwd=tmp_path)
+    out, _ = first.communicate(timeout=300)
+    assert first.returncode == 0, out[-3000:]
+    checkpoints = tmp_path / "run" / "checkpoints"
+    for step in ("1", "2", "3"):
+        json.loads((checkpoints / step / "checksums.json").read_text())  # whole, not interleaved
+    damaged = max(
+        (p for p in (checkpoints / "3" / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size
+    )
+    damaged.write_bytes(b"\0" * damaged.stat().st_size)
+    second = _launch(
+        "--nproc=2", "--cpu_devices_per_proc=2", "--", *args[:-1], "--steps=4", "--run_dir=run", cwd=tmp_path
+    )
+    out, _ = second.communicate(timeout=300)
+    assert second.returncode == 0, out[-3000:]
+    assert out.count("moved unreadable checkpoint 3") == 1, out[-3000:]
+    assert re.search(r"\[0\] jaxzero: resumed from \S+/checkpoints/2\b", out), out[-3000:]
+    assert (tmp_path / "run" / "checkpoints-unreadable" / "3").is_dir()

@@ -77,3 +77,9 @@ def test_platform_without_pinned_host_is_refused(monkeypatch):
     mesh = placement.make_mesh(jax.devices()[:1])
     with pytest.raises(ConfigError, match="has no pinned_host memory .* Use offload.params=none"):
         placement.offload_placement(mesh, plan_of())
+
+
+def test_host_state_needs_each_processs_devices_together_in_process_order():
+    assert placement.grouped_by_process([0, 0, 1, 1]) and placement.grouped_by_process([0, 0, 0])
+    assert not placement.grouped_by_process([1, 1, 0, 0])  # a reversed mesh
+    assert not placement.grouped_by_process([0, 1, 0, 1])  # interleaved

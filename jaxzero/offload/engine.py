@@ -96,7 +96,7 @@ def build_offload_trainer(
     def reserve_pool() -> None:  # before the first state's pinned arrays: the pool grows once
         nonlocal pinned_reserve
         if pinned_reserve:
-            reserve_pinned(pinned_reserve // len(where.local_devices), where.pool)  # per device
+            reserve_pinned(pinned_reserve, where.pool)
             pinned_reserve = 0
 
     def fresh(masters: ModelParams) -> OffloadState:

@@ -171,13 +171,15 @@ class HostScalar:
 
 
 def reserve_pinned(nbytes: int, pinned: jax.sharding.Sharding) -> None:
-    """Allocate and free `nbytes` in each device's pinned pool, so that the pool grows now, at
-    start-up, not inside a step (`jaxzero.memory.pinned_pool_reservation`). `pinned`: a
-    `pinned_host` sharding whose first axis splits over every device. Raises RuntimeError with what
-    to check if the memory cannot be had."""
+    """Allocate and free `nbytes` in this process's pinned pool (split over its devices), so that the
+    pool grows now, at start-up, not inside a step (`jaxzero.memory.pinned_pool_reservation`).
+    `pinned`: a `pinned_host` sharding whose first axis splits over every device. Raises
+    RuntimeError with what to check if the memory cannot be had."""
+    local = len(pinned.addressable_devices)
+    per_device = -(-nbytes // local)
     try:
         # Zero pages copied into the pool (seconds; no host RAM besides the pool's own).
-        reserved = zeros((nbytes * len(pinned.device_set),), np.uint8, pinned)
+        reserved = zeros((per_device * len(pinned.device_set),), np.uint8, pinned)
         reserved.delete()
     except RuntimeError as e:  # XLA's allocation errors are RuntimeErrors
         raise RuntimeError(

@@ -355,7 +355,7 @@ class HostOptimizer:
         if streamed:
             return weights
         # Accelerator weights: one DMA per device from the pinned staging buffers (a host sync: they
-        # are reused), then whole on every device unless ZeRO stage 3 keeps them sharded.
+        # are reused); they stay one shard per device (`OffloadPlacement.written`).
         weights = jax.block_until_ready(copy_to(weights, self.placement.written(u.unit, shapes)))
         self._staging.give(dst)
         return weights
