@@ -24,8 +24,8 @@ Offloaded runs also get an allowance of 1.25x their pinned bytes (`PINNED_ALLOWA
 
 Over a mesh of D devices in P processes (`devices`, `processes`), the figures are per process (host
 RAM, pinned) and per device (accelerator): what the ZeRO stage shards divides by D on the
-accelerator and by P on the host; activations divide by D. (An array whose first axis does not
-divide by D is whole everywhere; such arrays are small, and are counted as if split.)
+accelerator and by P on the host; activations divide by D. An array whose first axis does not
+divide by D is whole everywhere (`whole`), counted so.
 
 Where each unit's arrays live comes from the offload plan (`jaxzero.plan`); this module only counts.
 """
@@ -77,24 +77,40 @@ class MemoryPlan:
 
 
 def plan_memory(
-    cfg: TrainConfig, offload: OffloadPlan | None = None, devices: int = 1, processes: int = 1
+    cfg: TrainConfig,
+    offload: OffloadPlan | None = None,
+    devices: int = 1,
+    processes: int = 1,
+    whole: tuple[int, int, int] = (0, 0, 0),
 ) -> MemoryPlan:
     """Bytes each memory must hold for `cfg` placed by `offload` (default: `resolve_plan(cfg)`) over
     `devices` devices in `processes` processes: host figures per process, accelerator figures per
-    device; see the module docstring for the accounting."""
+    device; see the module docstring for the accounting. `whole`: parameters of the (embedding, one
+    block, head) that no stage splits, their arrays' first axes not dividing by `devices`
+    (`placement.whole_params`): every device and every process holds those whole, and each
+    process's pinned memory one copy per local device."""
     offload = resolve_plan(cfg) if offload is None else offload
     D, P = devices, processes  # noqa: N806
-
-    def per_device(nbytes: int, sharded: bool) -> int:
-        return nbytes // D if sharded else nbytes
-
-    def per_process(nbytes: int, sharded: bool) -> int:
-        return nbytes // P if sharded else nbytes
+    L = D // P  # noqa: N806 - devices per process
 
     m, d = cfg.model, cfg.data
     n_embed, n_block, n_head = unit_param_counts(m)
     params = {UnitKind.EMBED: n_embed, UnitKind.BLOCK: n_block, UnitKind.HEAD: n_head}
+    unsplit = dict(zip((UnitKind.EMBED, UnitKind.BLOCK, UnitKind.HEAD), whole))
     n = n_embed + m.num_layers * n_block + n_head
+    n_whole = whole[0] + m.num_layers * whole[1] + whole[2]
+
+    def per_device(count: int, whole_count: int, nbytes: int, sharded: bool) -> int:
+        """Bytes on one device of `count` elements (`whole_count` of them unsplittable) at `nbytes`."""
+        return ((count - whole_count) // D + whole_count) * nbytes if sharded else count * nbytes
+
+    def per_process(count: int, whole_count: int, nbytes: int, sharded: bool, copies: int = 1) -> int:
+        """Bytes in one process: its devices' shards, and the unsplittable part once (host state) or
+        once per local device (`copies=L`: pinned copies of each device's array)."""
+        if not sharded:
+            return count * nbytes
+        return ((count - whole_count) // P + whole_count * copies) * nbytes
+
     opt = OPTIMIZER_STATE_BYTES.get(cfg.optimizer.name, 8)
     if cfg.optimizer.name == "sgd" and cfg.optimizer.momentum == 0:
         opt = 0
@@ -112,14 +128,14 @@ def plan_memory(
     logits = 3 * micro_tokens * m.vocab_size * 4
     activations = saved_inputs + block_transient + logits
 
-    snapshot = n * (4 + opt) if cfg.checkpoint.enabled and cfg.checkpoint.async_save else 0
-    snapshot = per_process(snapshot, offload.shards_state)
+    saving = cfg.checkpoint.enabled and cfg.checkpoint.async_save
+    snapshot = per_process(n, n_whole, 4 + opt, offload.shards_state) if saving else 0
     update = offload.host_update
     if update is None:
         state = (
-            per_device(n * 4, offload.shards_weights)
-            + per_device(n * opt, offload.shards_state)
-            + per_device(n * 4, offload.shards_grads)
+            per_device(n, n_whole, 4, offload.shards_weights)
+            + per_device(n, n_whole, opt, offload.shards_state)
+            + per_device(n, n_whole, 4, offload.shards_grads)
         )
         return MemoryPlan(
             host=snapshot, pinned=0, accelerator_state=state, activations=activations, devices=D, processes=P
@@ -131,20 +147,21 @@ def plan_memory(
     copies = 2 if update.mode is UpdateMode.DELAYED else 1
     host = pinned = accelerator = two_pass = 0
     for u in offload.units:
-        n_u = params[u.kind]
+        n_u, w_u = params[u.kind], unsplit[u.kind]
         grad_u = grad if u.kind is UnitKind.BLOCK else 4  # embedding and head gradients: float32 sums
-        # One shard per device of everything the host keeps or writes: 1/P of it in each process.
+        # One shard per device of everything the host keeps or writes: 1/P of it in each process
+        # (of an unsplittable array, a whole copy per local device in pinned memory).
         if u.weights is Tier.PINNED_HOST:  # streamed
-            pinned += per_process(copies * n_u * compute, True)
+            pinned += copies * per_process(n_u, w_u, compute, True, copies=L)
         else:  # on the accelerator, and its new weights staged in pinned memory, one DMA away
-            accelerator += per_device(copies * n_u * compute, True)  # one shard per device, any stage
-            pinned += per_process(n_u * compute, True)
-        pinned += per_process(copies * n_u * grad_u, True)
+            accelerator += copies * per_device(n_u, w_u, compute, True)  # one shard per device, any stage
+            pinned += per_process(n_u, w_u, compute, True, copies=L)
+        pinned += copies * per_process(n_u, w_u, grad_u, True, copies=L)
         if u.position < update.two_pass.max_units:  # gradients kept until the second pass, a step on
-            two_pass += per_process(n_u * grad_u, True)
-        host += per_process(n_u * (4 + opt), True)  # masters and optimizer state
+            two_pass += per_process(n_u, w_u, grad_u, True, copies=L)
+        host += per_process(n_u, w_u, 4 + opt, True)  # masters and optimizer state
     pinned += two_pass
-    spares = per_process(update.speculative_units * max(params.values()) * (4 + opt), True)
+    spares = update.speculative_units * per_process(max(params.values()), max(whole), 4 + opt, True)
     host += pinned + snapshot + int(pinned * PINNED_ALLOWANCE) + spares
     streamed = offload.streamed_blocks
     in_flight = 3 if streamed else 0  # the block computing, the one prefetched, a gradient leaving

@@ -75,6 +75,19 @@ def shard_spec(shape: Sequence[int], num_devices: int) -> P:
     return P()
 
 
+def whole_params(shapes: Any, num_devices: int) -> tuple[int, int, int]:
+    """Parameters of the (embedding, one block, head) of `shapes` (a `ModelParams` of arrays or
+    `ShapeDtypeStruct`s) in arrays `shard_spec` keeps whole on `num_devices` devices."""
+
+    def count(tree: Any) -> int:
+        leaves = jax.tree.leaves(tree)
+        return sum(int(np.prod(np.shape(x))) for x in leaves if shard_spec(np.shape(x), num_devices) == P())
+
+    if num_devices == 1:
+        return (0, 0, 0)
+    return count(shapes.embed), count(shapes.blocks[0]), count(shapes.head)
+
+
 def zero_shardings(mesh: Mesh, shapes: Any, sharded: bool, memory_kind: str = DEVICE) -> Any:
     """A tree of shardings for a tree of arrays (or `ShapeDtypeStruct`s) of these global shapes:
     each leaf split by `shard_spec` if `sharded`, else replicated, in `memory_kind`."""

@@ -30,6 +30,7 @@ from jaxzero import memory, placement
 from jaxzero.config import TrainConfig, validate
 from jaxzero.loss_scale import all_finite, init_loss_scale, update_loss_scale
 from jaxzero.models import Model, ModelParams, build_model
+from jaxzero.models.sizes import param_count
 from jaxzero.objective import loss_fn
 from jaxzero.offload import build_offload_trainer
 from jaxzero.optim import (
@@ -97,7 +98,18 @@ def build_trainer(cfg: TrainConfig | None = None, mesh: Mesh | None = None, **ov
     mesh = mesh if mesh is not None else placement.make_mesh()
     validate(cfg, num_devices=mesh.size)
     processes = len({d.process_index for d in mesh.devices.flat})
-    need = memory.plan_memory(cfg, plan, devices=mesh.size, processes=processes)
+    shapes = jax.eval_shape(build_model(cfg.model).init, jax.random.key(0))
+    whole = placement.whole_params(shapes, mesh.size)
+    need = memory.plan_memory(cfg, plan, devices=mesh.size, processes=processes, whole=whole)
+    unsplit = whole[0] + cfg.model.num_layers * whole[1] + whole[2]
+    if mesh.size > 1 and (plan.zero_stage or plan.host_update) and unsplit > 0.1 * param_count(cfg.model):
+        print(
+            f"jaxzero: warning: on {mesh.size} devices {unsplit / param_count(cfg.model):.0%} of the "
+            "parameters are in arrays whose first axis does not divide by the device count, so every "
+            "device (and process) keeps them whole; a device count dividing model.hidden_size, "
+            "model.intermediate_size and model.vocab_size splits them.",
+            file=sys.stderr,
+        )
     if plan.host_update is not None:  # this process's share (a no-op if the pool was sized above)
         memory.configure_pinned_pool(need)
     device = mesh.local_devices[0]  # memory stats exist only for this process's devices

@@ -171,3 +171,19 @@ def test_processes_on_one_host_share_its_ram():
     memory.check_host_fits(c, plan, available=2 * plan.host + 2, sharing=2)
     with pytest.raises(ConfigError, match="to each of the 2 processes on this host"):
         memory.check_host_fits(c, plan, available=2 * plan.host - 2, sharing=2)
+
+
+def test_arrays_no_stage_can_split_are_counted_whole():
+    """llama-7b on 6 devices: no first axis (4096, 11008, 32000) divides by 6, so every array stays
+    whole on every device, and the plan counts it so; on 4 devices they all split."""
+    from jaxzero import placement
+    from jaxzero.models import build_model
+
+    c = cfg(parallel__zero_stage="3", checkpoint__async_save="false")
+    shapes = jax.eval_shape(build_model(c.model).init, jax.random.key(0))
+    assert placement.whole_params(shapes, 6) == unit_param_counts(c.model)
+    assert placement.whole_params(shapes, 4) == (0, 0, 0)
+    whole = memory.plan_memory(c, devices=6, processes=1, whole=placement.whole_params(shapes, 6))
+    assert whole.accelerator_state == memory.plan_memory(c).accelerator_state  # nothing split
+    split = memory.plan_memory(c, devices=4, processes=1, whole=placement.whole_params(shapes, 4))
+    assert split.accelerator_state == pytest.approx(whole.accelerator_state / 4, rel=1e-6)
