@@ -300,7 +300,8 @@ def validate(cfg: TrainConfig, num_devices: int | None = None) -> None:
         need(
             micro % num_devices == 0,
             f"the micro-batch data.batch_size/data.grad_accum = {d.batch_size}/{d.grad_accum} = {micro} "
-            f"must be divisible by the {num_devices} devices of the data axis.",
+            f"must be divisible by the {num_devices} devices of the data axis; e.g. data.batch_size="
+            f"{-(-micro // num_devices) * num_devices * d.grad_accum}.",
         )
     need(o.lr > 0, f"optimizer.lr={o.lr} must be > 0.")
     need(0 <= o.warmup_steps, f"optimizer.warmup_steps={o.warmup_steps} must be >= 0.")

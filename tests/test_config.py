@@ -41,5 +41,5 @@ def test_error_messages(args, message):
 def test_mesh_divisibility_checked_with_device_count():
     cfg = apply_overrides(TrainConfig(), {"data.batch_size": "6"})
     validate(cfg)
-    with pytest.raises(ConfigError, match="must be divisible by the 4 devices of the data axis"):
+    with pytest.raises(ConfigError, match="4 devices of the data axis; e.g. data.batch_size=8"):
         validate(cfg, num_devices=4)
