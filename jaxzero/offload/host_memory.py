@@ -12,10 +12,12 @@ cross-client path.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import SingleDeviceSharding
 
 
 def host_view(x: jax.Array | np.ndarray) -> np.ndarray:
@@ -52,6 +54,19 @@ def _mesh_devices(sharding: jax.sharding.Sharding) -> list[jax.Device]:
     return list(mesh.devices.flat) if mesh is not None else sorted(sharding.device_set, key=lambda d: d.id)
 
 
+def _assemble(
+    shape: tuple, sharding: jax.sharding.Sharding, piece: Callable[[jax.Device, tuple], Any]
+) -> jax.Array:
+    """A global array of `shape` placed by `sharding`: `piece(device, index)` (NumPy or a single-device
+    array) copied to each of this process's devices, in the sharding's memory kind. One explicit
+    `device_put` per device: no other process is involved, and the transfer guard allows it."""
+    arrays = [
+        jax.device_put(piece(device, idx), SingleDeviceSharding(device, memory_kind=sharding.memory_kind))
+        for device, idx in sharding.addressable_devices_indices_map(tuple(shape)).items()
+    ]
+    return jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays)
+
+
 def copy_to(tree: Any, targets: Any) -> Any:
     """Copy every array of `tree` to the same-layout sharding of `targets` (a sharding or a tree of
     them: another memory kind of the same devices), one asynchronous copy per local shard.
@@ -65,13 +80,8 @@ def copy_to(tree: Any, targets: Any) -> Any:
     def one(x: jax.Array, target: jax.sharding.Sharding) -> jax.Array:
         if len(x.sharding.device_set) == 1:
             return jax.device_put(x, target)
-        shards = [
-            jax.device_put(
-                s.data, jax.sharding.SingleDeviceSharding(s.device, memory_kind=target.memory_kind)
-            )
-            for s in x.addressable_shards
-        ]
-        return jax.make_array_from_single_device_arrays(x.shape, target, shards)
+        shards = {s.device: s.data for s in x.addressable_shards}
+        return _assemble(x.shape, target, lambda device, _: shards[device])
 
     return jax.tree.map(one, tree, targets)
 
@@ -86,28 +96,24 @@ def global_from_local(
     on_cpu = next(iter(sharding.device_set)).platform == "cpu"
     index_map = sharding.addressable_devices_indices_map(tuple(shape))
     offset = min((idx[0].start or 0) for idx in index_map.values()) if len(shape) else 0
-    arrays = []
-    for device, idx in index_map.items():
+
+    def rows(device: jax.Device, idx: tuple) -> np.ndarray:
         piece = view
         if len(shape) and idx[0] != slice(None):
             piece = view[(idx[0].start or 0) - offset : idx[0].stop - offset]
-        if on_cpu:  # the CPU backend may adopt a NumPy buffer instead of copying it: give it its own
-            piece = np.array(piece, copy=True)
-        target = jax.sharding.SingleDeviceSharding(device, memory_kind=sharding.memory_kind)
-        arrays.append(jax.device_put(piece, target))
-    return jax.block_until_ready(jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays))
+        # The CPU backend may adopt a NumPy buffer instead of copying it: give it its own.
+        return np.array(piece, copy=True) if on_cpu else piece
+
+    return jax.block_until_ready(_assemble(shape, sharding, rows))
 
 
 def zeros(shape: tuple, dtype: np.dtype, sharding: jax.sharding.Sharding) -> jax.Array:
     """A global array of zeros, each device's shard made where it lives (a host sync)."""
-    arrays = [
-        jax.device_put(  # explicit per device: the transfer guard allows it
-            np.zeros([len(range(*i.indices(n))) for i, n in zip(idx, shape)], dtype),
-            jax.sharding.SingleDeviceSharding(device, memory_kind=sharding.memory_kind),
-        )
-        for device, idx in sharding.addressable_devices_indices_map(tuple(shape)).items()
-    ]
-    return jax.block_until_ready(jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays))
+
+    def shard(device: jax.Device, idx: tuple) -> np.ndarray:
+        return np.zeros([len(range(*i.indices(n))) for i, n in zip(idx, shape)], dtype)
+
+    return jax.block_until_ready(_assemble(shape, sharding, shard))
 
 
 def release(tree: Any) -> None:
