@@ -56,11 +56,16 @@ def make_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
     return Mesh(np.array(devices), (DATA_AXIS,))
 
 
+def process_count(mesh: Mesh) -> int:
+    """How many processes drive the devices of `mesh`."""
+    return len({d.process_index for d in mesh.devices.flat})
+
+
 def processes_on_this_host(mesh: Mesh) -> int:
     """How many processes of `mesh` run on this process's host (they share its RAM): 1 for one
     process; otherwise every process's host name is gathered (a collective: every process of the
     mesh must call this, from its main thread)."""
-    if len({d.process_index for d in mesh.devices.flat}) == 1:
+    if process_count(mesh) == 1:
         return 1
     name = np.frombuffer(socket.gethostname().encode().ljust(64, b"\0")[:64], np.uint8)
     names = np.asarray(multihost_utils.process_allgather(name)).reshape(-1, 64)
@@ -215,13 +220,6 @@ class OffloadPlacement:
         position = [d.process_index for d in self.host_mesh.devices.flat].index(jax.process_index())
         return slice(position * rows, (position + 1) * rows)
 
-    def local_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
-        """The shape of this process's block of an array of global `shape`."""
-        rows = self.local_rows(shape)
-        if rows == slice(None):
-            return tuple(shape)
-        return (rows.stop - rows.start, *shape[1:])
-
     def pieces(self, shape: Sequence[int]) -> list[slice]:
         """The rows, within this process's block, of each of its devices' shards of a sharded array
         of global `shape` (in the mesh's device order); one slice of all rows if it is replicated."""
@@ -238,35 +236,19 @@ class OffloadPlacement:
 
     # -- per tree ----------------------------------------------------------------------------------
 
-    def grads(self, shapes: Any) -> Any:
-        """Where gradients land: `pinned_host`, one shard per device (ZeRO stage >= 1 with offload)."""
-        return zero_shardings(self.mesh, shapes, self.plan.shards_state, PINNED_HOST)
-
-    def grads_on_device(self, shapes: Any) -> Any:
-        """Gradients as the backward pass leaves them on the accelerator, before their copy out."""
-        return zero_shardings(self.mesh, shapes, self.plan.shards_state, DEVICE)
+    def split(self, shapes: Any, memory_kind: str) -> Any:
+        """One shard per device of each array of these global shapes (`shard_spec`), in
+        `memory_kind`: what the host reads and writes (gradients, weights, their staging in
+        `pinned_host`) and the accelerator copies in and out (in `device` memory)."""
+        return zero_shardings(self.mesh, shapes, self.plan.shards_state, memory_kind)
 
     def written(self, unit: UnitPlan, shapes: Any) -> Any:
-        """Where the host writes `unit`'s new compute-dtype weights: one shard per device, in the
-        unit's weights tier (`pinned_host` for streamed blocks, accelerator memory otherwise)."""
-        kind = PINNED_HOST if unit.weights is Tier.PINNED_HOST else DEVICE
-        return zero_shardings(self.mesh, shapes, self.plan.shards_state, kind)
+        """Where `unit`'s compute-dtype weights live: one shard per device, as the host writes them,
+        in the unit's weights tier (`pinned_host` for streamed blocks, accelerator memory otherwise)."""
+        return self.split(shapes, PINNED_HOST if unit.weights is Tier.PINNED_HOST else DEVICE)
 
-    def staging(self, shapes: Any) -> Any:
-        """`pinned_host` buffers the host writes accelerator-resident weights into, one DMA away."""
-        return zero_shardings(self.mesh, shapes, self.plan.shards_state, PINNED_HOST)
-
-    def weights(self, unit: UnitPlan, shapes: Any) -> Any:
-        """Where `unit`'s compute-dtype weights live between updates: where the host wrote them."""
-        return self.written(unit, shapes)
-
-    def compute(self, shapes: Any) -> Any:
-        """Accelerator copies of streamed weights (as `written`, in `device` memory): each device
-        copies in its own shard; the computation all-gathers them."""
-        return zero_shardings(self.mesh, shapes, self.plan.shards_state, DEVICE)
-
-    def replicated_weights(self, shapes: Any) -> Any:
-        """Whole weights on every device: what a block's computation gathers its shards into."""
+    def whole(self, shapes: Any) -> Any:
+        """Whole arrays on every device: what a computation all-gathers the weights' shards into."""
         return zero_shardings(self.mesh, shapes, False, DEVICE)
 
     def saved(self, shapes: Any) -> Any:

@@ -34,6 +34,7 @@ from jaxzero.config import CheckpointError, TrainConfig
 from jaxzero.data import DataState
 from jaxzero.interop import export_hf
 from jaxzero.models import Model, ModelParams
+from jaxzero.placement import process_count
 from jaxzero.plan import OffloadPlan
 
 
@@ -191,7 +192,7 @@ class Trainer:
         ensure_live(state)
         if format not in ("hf", "orbax"):
             raise ValueError(f"format={format!r} is not one of 'hf', 'orbax'.")
-        if len({d.process_index for d in self.mesh.devices.flat}) > 1:
+        if process_count(self.mesh) > 1:
             raise ValueError(
                 "export runs in one process: each of this run's processes holds only part of the weights. "
                 "Save a checkpoint (trainer.save) and export it from one process: python -m jaxzero.export "
@@ -215,7 +216,7 @@ class Trainer:
             devices = f"{self.mesh.size} devices"
         line = self.plan.describe(self.config.optimizer.name, devices)
         if self.mesh.size > 1:
-            processes = len({d.process_index for d in self.mesh.devices.flat})
+            processes = process_count(self.mesh)
             stage = self.plan.zero_stage
             line += f"; ZeRO stage {stage} over {self.mesh.size} devices in {processes} process(es)"
         return line
@@ -266,7 +267,7 @@ def with_checks(trainer: Trainer) -> Trainer:
     whose `step` refuses a consumed state with a message (not an error about deleted buffers)."""
     d, vocab = trainer.config.data, trainer.config.model.vocab_size
     # Each process hands over its own rows of every micro-batch (`DataShard`).
-    processes = len({dev.process_index for dev in trainer.mesh.devices.flat})
+    processes = process_count(trainer.mesh)
     train_shape = (d.grad_accum, d.batch_size // d.grad_accum // processes, d.seq_len + 1)
     source = "build_data(...).train_iter()" + (
         f" with DataShard(jax.process_index(), {processes})" if processes > 1 else ""

@@ -97,7 +97,7 @@ def build_trainer(cfg: TrainConfig | None = None, mesh: Mesh | None = None, **ov
         memory.configure_pinned_pool(memory.plan_memory(cfg, plan))  # it: the whole need bounds a share
     mesh = mesh if mesh is not None else placement.make_mesh()
     validate(cfg, num_devices=mesh.size)
-    processes = len({d.process_index for d in mesh.devices.flat})
+    processes = placement.process_count(mesh)
     shapes = jax.eval_shape(build_model(cfg.model).init, jax.random.key(0))
     whole = placement.whole_params(shapes, mesh.size)
     need = memory.plan_memory(cfg, plan, devices=mesh.size, processes=processes, whole=whole)

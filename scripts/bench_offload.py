@@ -109,7 +109,7 @@ def run_grad_case(case: str, args) -> dict:
     init = jax.jit(lambda k: jax.tree.map(lambda x: x.astype(jnp.bfloat16), model.init(k)))
     units = init(jax.random.key(0))
     units = [
-        jax.device_put(w, where.weights(u, w))
+        jax.device_put(w, where.written(u, w))
         for u, w in zip(plan.units, [units.embed, *units.blocks, units.head])
     ]
     weights = ModelParams(units[0], tuple(units[1:-1]), units[-1])

@@ -39,7 +39,7 @@ def test_the_plans_tiers_become_shardings():
     assert where.device.memory_kind == "device" and where.pinned.memory_kind == "pinned_host"
     assert where.host.device_set == {jax.devices("cpu")[0]}  # the CPU backend
     shape = {"w": jax.ShapeDtypeStruct((8, 4), np.float32)}
-    kinds = [where.weights(u, shape)["w"].memory_kind for u in plan.units]
+    kinds = [where.written(u, shape)["w"].memory_kind for u in plan.units]
     assert kinds == ["device", "device", "pinned_host", "pinned_host", "device"]  # embed, 3 blocks, head
     assert [where.is_streamed(i) for i in range(3)] == [False, True, True]
 
@@ -60,16 +60,16 @@ def test_offloaded_host_state_of_one_process_is_every_row_in_pieces_per_device()
     where = placement.offload_placement(placement.make_mesh(), plan_of())  # ZeRO-3, 4 devices
     assert where.plan.zero_stage == 3 and where.num_processes == 1
     assert where.host_mesh.devices.flat[0] == jax.devices("cpu")[0]
-    assert where.local_rows((8, 3)) == slice(0, 8) and where.local_shape((8, 3)) == (8, 3)
+    assert where.local_rows((8, 3)) == slice(0, 8)
     assert where.pieces((8, 3)) == [slice(0, 2), slice(2, 4), slice(4, 6), slice(6, 8)]
-    assert where.pieces((6, 3)) == [slice(None)] and where.local_shape((6, 3)) == (6, 3)
+    assert where.pieces((6, 3)) == [slice(None)] and where.local_rows((6, 3)) == slice(None)
     stage2 = placement.offload_placement(
         placement.make_mesh(), plan_of(**{"offload.params": "none", "parallel.zero_stage": "2"})
     )
     shape = {"w": np.zeros((8, 3))}
     unit = stage2.plan.units[0]
-    assert stage2.written(unit, shape)["w"].spec == P("data")  # the host writes one shard per device
-    assert stage2.weights(unit, shape)["w"].spec == P("data")  # kept so: gathered per use
+    assert stage2.written(unit, shape)["w"].spec == P("data")  # the host writes one shard per device,
+    assert stage2.whole(shape)["w"].spec == P()  # kept so; a computation gathers them whole
 
 
 def test_platform_without_pinned_host_is_refused(monkeypatch):

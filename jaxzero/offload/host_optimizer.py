@@ -44,7 +44,7 @@ from jaxzero.offload import host_kernels as hk
 from jaxzero.offload.host_kernels import Pass
 from jaxzero.offload.host_memory import PinnedStaging, copy_to, host_view, local_shards, place, release
 from jaxzero.optim import build_optimizer, learning_rate_schedule, weight_decay_mask
-from jaxzero.placement import OffloadPlacement
+from jaxzero.placement import PINNED_HOST, OffloadPlacement
 from jaxzero.plan import Tier, UnitKind, UnitPlan
 
 
@@ -54,7 +54,7 @@ class HostUnit(NamedTuple):
     params:    float32 masters, CPU backend: this process's block of each (`OffloadPlacement.local_rows`).
     opt_state: the unit's optax state, CPU backend, in the same blocks.
     weights:   compute-dtype weights, global arrays over the mesh in accelerator memory or its
-               `pinned_host` memory (`OffloadPlacement.weights`).
+               `pinned_host` memory (`OffloadPlacement.written`).
     """
 
     params: Any
@@ -116,7 +116,7 @@ class HostOptimizer:
     grads:     per unit, gradient *sums* over `grad_accum` micro-batches of `scale * loss`, in
                `pinned_host` (`plan.grad_dtype` for blocks, float32 for embedding and head); the
                update divides by both.
-    weights:   the compute-dtype weights it writes, where `placement.weights` puts each unit.
+    weights:   the compute-dtype weights it writes, where `placement.written` puts each unit.
     Whether the fused kernels or optax on XLA:CPU run, and on how many threads, is the offload
     plan's (`placement.plan.host_update`).
     """
@@ -217,7 +217,7 @@ class HostOptimizer:
         )
 
     def compute_weights(self, masters: ModelParams) -> ModelParams:
-        """The compute-dtype weights of `masters`, each unit placed per `placement.weights` (used at
+        """The compute-dtype weights of `masters`, each unit placed per `placement.written` (used at
         init and restore)."""
         units = self.placement.plan.units
 
@@ -256,7 +256,7 @@ class HostOptimizer:
         priority: orders this work among the other units' on the host pool (lowest first).
         recycle:  compute-dtype weights no longer read by anyone (the caller hands them over): their
                   `pinned_host` buffers receive the new weights; accelerator ones are freed first.
-        Returns the updated unit with its new weights placed per `placement.weights`.
+        Returns the updated unit with its new weights placed per `placement.written`.
         """
         if self.rule is None:
             release(recycle)
@@ -320,7 +320,7 @@ class HostOptimizer:
                 dst = treedef.flatten_up_to(recycle)  # the old weights' pinned buffers, written in place
             else:
                 release(recycle)  # accelerator weights (freed before the new ones arrive), or none
-                staging = treedef.flatten_up_to(self.placement.staging(shapes))
+                staging = treedef.flatten_up_to(self.placement.split(shapes, PINNED_HOST))
                 dst = [self._staging.take(sh, self.compute_dtype, t) for sh, t in zip(shape_leaves, staging)]
         work, copies = [], []
         for k, p in enumerate(p_leaves):

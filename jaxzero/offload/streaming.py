@@ -37,7 +37,7 @@ from jaxzero.models import Model, ModelParams
 from jaxzero.objective import cross_entropy
 from jaxzero.offload.host_memory import copy_to
 from jaxzero.offload.timeline import StepClock
-from jaxzero.placement import OffloadPlacement, batch_rows_sharding
+from jaxzero.placement import DEVICE, PINNED_HOST, OffloadPlacement, batch_rows_sharding
 
 
 def _f32(tree: Any) -> Any:
@@ -117,7 +117,7 @@ class StreamedModel:
     Weights are a compute-dtype `ModelParams` placed by `placement` (embed/head on the accelerator,
     blocks on the accelerator or in `pinned_host`), whole or one shard per device; each computation
     all-gathers the weights it uses, and gradients leave it reduce-scattered to one shard per device
-    (`OffloadPlacement.grads`). Batches are int32 (A, mb, S+1) on the accelerator, rows split over the
+    (`OffloadPlacement.split`). Batches are int32 (A, mb, S+1) on the accelerator, rows split over the
     mesh; activations stay split the same way.
     """
 
@@ -129,20 +129,17 @@ class StreamedModel:
         m = model
         shapes = jax.eval_shape(model.init, jax.random.key(0))  # global shapes
         by_unit = lambda f: ModelParams(f(shapes.embed), f(shapes.blocks[0]), f(shapes.head))  # noqa: E731
-        whole = by_unit(placement.replicated_weights)
-        grad_on_device = by_unit(placement.grads_on_device)
-        self._to_host = by_unit(placement.grads)  # gradients' pinned_host shardings
-        self._copy_in = placement.compute(shapes.blocks[0])  # a streamed block's accelerator copy
+        whole = by_unit(placement.whole)
+        grad_on_device = by_unit(lambda t: placement.split(t, DEVICE))  # as a backward pass leaves them
+        self._to_host = by_unit(lambda t: placement.split(t, PINNED_HOST))  # where gradients land
+        self._copy_in = placement.split(shapes.blocks[0], DEVICE)  # a streamed block's accelerator copy
         mesh = placement.mesh
-
-        def gather(w, target):  # the weights whole on every device (an all-gather of their shards)
-            return jax.lax.with_sharding_constraint(w, target)
+        # Constraining weights to whole arrays all-gathers their shards; constraining gradient sums
+        # to one shard per device reduce-scatters them.
+        gather = scatter = jax.lax.with_sharding_constraint
 
         def rows(x):  # activations: micro-batch rows split over the devices
             return jax.lax.with_sharding_constraint(x, batch_rows_sharding(mesh, x.ndim))
-
-        def scatter(g, target):  # gradient sums: one shard per device (a reduce-scatter)
-            return jax.lax.with_sharding_constraint(g, target)
 
         def embed(embed_w, batch):  # (A, mb, S+1) -> (A, mb, S, D)
             embed_w = gather(embed_w, whole.embed)
