@@ -61,6 +61,18 @@ def main() -> None:
     saved = trainer.saved_state(state)
     nbytes = sum(x.nbytes for x in jax.tree.leaves(saved))
     rows = []
+
+    def record(what: str, blocked: float, total: float) -> None:  # one row of the table, printed as it comes
+        row = {
+            "what": what,
+            "state_GB": nbytes / 1e9,
+            "blocked_s": blocked,
+            "done_s": total,
+            "GBps": nbytes / 1e9 / total,
+        }
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+
     variants = [(True, True), (True, False), (True, True), (True, False), (False, True)]
     for i, (async_save, checksums) in enumerate(variants):
         shutil.rmtree(args.dir, ignore_errors=True)
@@ -75,15 +87,11 @@ def main() -> None:
         ckpt.close()
         has = (ckpt.directory / str(i + 1) / "checksums.json").is_file()
         assert has == checksums, (has, checksums)
-        row = {
-            "what": f"{'async' if async_save else 'blocking'} save{'' if checksums else ', no checksums'}",
-            "state_GB": nbytes / 1e9,
-            "blocked_s": blocked,
-            "done_s": total,
-            "GBps": nbytes / 1e9 / total,
-        }
-        print(json.dumps(row), flush=True)
-        rows.append(row)
+        record(
+            f"{'async' if async_save else 'blocking'} save{'' if checksums else ', no checksums'}",
+            blocked,
+            total,
+        )
     last = len(variants)  # a checksummed checkpoint: restore it with and without verification
     abstract = trainer.abstract_saved_state()
     for verify in (False, True, False, True):
@@ -94,15 +102,7 @@ def main() -> None:
         total = time.perf_counter() - t
         ckpt.close()
         del restored
-        row = {
-            "what": f"restore{', verified' if verify else ', unverified'}",
-            "state_GB": nbytes / 1e9,
-            "blocked_s": total,
-            "done_s": total,
-            "GBps": nbytes / 1e9 / total,
-        }
-        print(json.dumps(row), flush=True)
-        rows.append(row)
+        record(f"restore{', verified' if verify else ', unverified'}", total, total)
     shutil.rmtree(args.dir, ignore_errors=True)
     print(
         f"\n{args.model}: {nbytes / 1e9:.1f} GB of masters + optimizer state, "
