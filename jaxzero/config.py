@@ -132,8 +132,8 @@ class OffloadConfig:
     # The fused host kernels where they cover the optimizer; false: the optax update on XLA:CPU.
     fused_update: bool = True
     # Threads of the host update's pool; 0: one per CPU core this process may run on (its affinity:
-    # `python -m jaxzero.launch` gives each process its own share). Fewer leave cores to the thread
-    # that issues the accelerator's work and to the copy engines' driver threads.
+    # `python -m jaxzero.launch` gives each process its own share) but one, which stays free for the
+    # thread that issues the accelerator's work and for the copy engines' driver threads.
     host_threads: int = 0
 
 
@@ -322,7 +322,7 @@ def validate(cfg: TrainConfig, num_devices: int | None = None) -> None:
     )
     need(
         cfg.offload.host_threads >= 0,
-        f"offload.host_threads={cfg.offload.host_threads} must be >= 0 (0: one per core it may use).",
+        f"offload.host_threads={cfg.offload.host_threads} must be >= 0 (0: a core each but one).",
     )
     need(
         cfg.offload.two_pass_units >= -1,

@@ -15,8 +15,8 @@ Options (before TRAIN_ARGS; `--` ends them):
                             (default 10: after a failure the others cannot checkpoint).
   --script=PATH             run `python PATH TRAIN_ARGS` instead of `python -m jaxzero.train`.
   --bind_cores=true|false   give each process its own equal share of the launcher's CPU cores
-                            (default true, Linux): each process's host update then runs one thread
-                            per core of its share, not one per core of the machine each.
+                            (default true, Linux): each process's host update then runs a thread
+                            per core of its share but one, not one per core of the machine each.
 
 GPUs. With G GPUs visible (CUDA_VISIBLE_DEVICES, else `nvidia-smi -L`), process i sees GPUs
 [i*G/N, (i+1)*G/N) through its own CUDA_VISIBLE_DEVICES; N must divide G. Without visible GPUs (or

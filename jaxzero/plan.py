@@ -244,5 +244,7 @@ def _host_update(cfg: TrainConfig, num_units: int) -> HostUpdate:
         skips_nonfinite=fp16,
         speculative_units=o.speculative_units if moves_work else 0,
         two_pass=TwoPass(max_units=max_units, adaptive=two_pass < 0 and max_units > 0),
-        threads=o.host_threads or available_cores(),
+        # One core stays free for the thread that issues the accelerator's work and the runtime's
+        # copy threads: with every core updating, dispatch lagged (BENCHMARKS.md, issue 13).
+        threads=o.host_threads or max(1, available_cores() - 1),
     )

@@ -9,7 +9,10 @@ TFLOP/s (8N) for the job and per GPU, peak GPU memory and host RSS per process.
     python scripts/bench_mesh.py --variants=1gpu,2gpu-2proc --set optimizer.state_dtype=bfloat16
 
 Variants: `1gpu` (CUDA_VISIBLE_DEVICES=0), `Ngpu-1proc` (one process over N GPUs), `Ngpu-Nproc` (one
-process per GPU, joined through jax.distributed on localhost).
+process per GPU, joined through jax.distributed on localhost, each on its own equal share of the cores
+as `python -m jaxzero.launch` gives them; `--bind_cores=false`: every process on every core). A variant
+may name its own step case after `@` and its own settings after `+` (`2gpu-2proc@zero3-1pass`,
+`1gpu+offload.host_threads=32`); the others run `--case` and `--set` alone.
 """
 
 from __future__ import annotations
@@ -17,10 +20,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
 import time
+from functools import partial
+
+from jaxzero.launch import split_cores
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -31,22 +38,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_variant(name: str, args) -> dict:
-    gpus, procs = name.split("-")[0], name.split("-")[1] if "-" in name else "1proc"
+def run_variant(name: str, args, index: int) -> dict:
+    variant, *extra = name.split("+")
+    setup, _, case = variant.partition("@")
+    gpus, procs = setup.split("-")[0], setup.split("-")[1] if "-" in setup else "1proc"
     n_gpu, n_proc = int(gpus.removesuffix("gpu")), int(procs.removesuffix("proc"))
     batch = args.batch_per_gpu * n_gpu
     base = [
         sys.executable,
         os.path.join(HERE, "bench_offload.py"),
-        f"--case={args.case}",
+        f"--case={case or args.case}",
         f"--model={args.model}",
         f"--batch={batch}",
         f"--seq={args.seq}",
         f"--steps={args.steps}",
         f"--warmup={args.warmup}",
-        *[f"--set={kv}" for kv in args.set],
+        *[f"--set={kv}" for kv in [*args.set, *extra]],
     ]
     port = _free_port()
+    bind = args.bind_cores == "true" and n_proc > 1 and sys.platform.startswith("linux")
+    cores = split_cores(os.sched_getaffinity(0), n_proc) if bind else [[]] * n_proc
     children = []
     for pid in range(n_proc):
         env = dict(os.environ)
@@ -59,12 +70,21 @@ def run_variant(name: str, args) -> dict:
                 JAX_PROCESS_ID=str(pid),
             )
         children.append(
-            subprocess.Popen(base, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            subprocess.Popen(
+                base,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                preexec_fn=partial(os.sched_setaffinity, 0, cores[pid]) if cores[pid] else None,
+            )
         )
     results, t = [], time.perf_counter()
+    # numbered, so repeats keep their own logs; letters, digits and ._- only, as the device tool wants
+    stem = f"{index}_" + re.sub(r"[^A-Za-z0-9._-]", "_", name)
     for pid, child in enumerate(children):
         out, err = child.communicate()
-        with open(os.path.join(args.out, f"mesh_{name}_p{pid}.log"), "w") as f:
+        with open(os.path.join(args.out, f"mesh_{stem}_p{pid}.log"), "w") as f:
             f.write(out + "\n--- stderr ---\n" + err)
         lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
         if child.returncode or not lines:
@@ -76,6 +96,7 @@ def run_variant(name: str, args) -> dict:
     n = results[0]["params"]
     return {
         "variant": name,
+        "cores_per_process": len(cores[0]) or os.cpu_count(),
         "gpus": n_gpu,
         "processes": n_proc,
         "params": n,
@@ -101,9 +122,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--bind_cores", default="true", choices=["true", "false"])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
-    results = [run_variant(v, args) for v in args.variants.split(",")]
+    results = [run_variant(v, args, i) for i, v in enumerate(args.variants.split(","))]
     with open(os.path.join(args.out, "bench_mesh.json"), "w") as f:
         json.dump(results, f, indent=1)
     ok = [r for r in results if "error" not in r]
