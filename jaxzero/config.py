@@ -113,6 +113,11 @@ class OffloadConfig:
     params: Literal["none", "cpu"] = "none"  # compute weights: on the accelerator, or streamed from host RAM
     optimizer: Literal["none", "cpu"] = "none"  # fp32 masters and optimizer state: accelerator or host RAM
     resident_blocks: int = 0  # with params=cpu: keep the first K blocks on the accelerator, stream the rest
+    # With optimizer=cpu: the first K units in forward order (embedding, block 0, 1, ...) keep their
+    # fp32 masters and optimizer state in accelerator memory and are updated there, so the next
+    # forward pass never waits for the host on them; their weights are on the accelerator too.
+    # 0: every unit's state in host RAM.
+    device_state_units: int = 0
     # How the host update meets the accelerator: "overlapped" (exact: each unit updates once the
     # gradient norm is known, in the order the next forward pass needs them, which waits per unit) or
     # "delayed" (ZeRO-Offload's DPU: the forward and backward run on weights one update old, so the
@@ -332,6 +337,23 @@ def validate(cfg: TrainConfig, num_devices: int | None = None) -> None:
         cfg.offload.resident_blocks <= m.num_layers,
         f"offload.resident_blocks={cfg.offload.resident_blocks} exceeds model.num_layers={m.num_layers}.",
     )
+    need(
+        0 <= cfg.offload.device_state_units < m.num_layers + 2,
+        f"offload.device_state_units={cfg.offload.device_state_units} must be in [0, {m.num_layers + 1}]: "
+        f"the model has {m.num_layers + 2} units (embedding, {m.num_layers} blocks, head), and with every "
+        "unit's state on the accelerator use offload.optimizer=none.",
+    )
+    if cfg.offload.device_state_units and cfg.offload.optimizer != "cpu":
+        raise ConfigError(
+            "offload.device_state_units only applies with offload.optimizer=cpu "
+            f"(got offload.optimizer={cfg.offload.optimizer}): without it every unit's state is on the "
+            "accelerator."
+        )
+    if cfg.offload.device_state_units and cfg.offload.update == "delayed":
+        raise ConfigError(
+            "offload.device_state_units needs offload.update=overlapped: units updated on the accelerator "
+            "cannot run one update behind (set offload.device_state_units=0 for the delayed update)."
+        )
     if cfg.offload.resident_blocks and cfg.offload.params != "cpu":
         raise ConfigError(
             "offload.resident_blocks only applies with offload.params=cpu "

@@ -17,7 +17,8 @@ never after minutes of initialisation. Byte counts per parameter, by where the s
 update writes the new weights of units that live on the accelerator into pinned staging buffers, one
 DMA away, and every unit may be in flight at once. Two-pass updates keep their units' gradients
 into the next step: up to 2|4 more. The delayed update keeps two steps' gradients and two copies of
-the compute weights.)
+the compute weights. Units whose state `offload.device_state_units` keeps on the accelerator count
+as resident ones there: masters, state, weights and their gradients, and nothing on the host.)
 An asynchronous checkpoint (`checkpoint.async_save`, the default) snapshots masters and optimizer
 state into host RAM while it writes: 4 + 8 more bytes per parameter of host memory during a save.
 Offloaded runs also get an allowance of 1.25x their pinned bytes (`PINNED_ALLOWANCE`).
@@ -149,6 +150,11 @@ def plan_memory(
     for u in offload.units:
         n_u, w_u = params[u.kind], unsplit[u.kind]
         grad_u = grad if u.kind is UnitKind.BLOCK else 4  # embedding and head gradients: float32 sums
+        if u.state is Tier.DEVICE:
+            # Updated on the accelerator: masters, state, weights and the gradient (kept until the
+            # norm is known), one shard per device; nothing of it in host RAM.
+            accelerator += per_device(n_u, w_u, 4 + opt + compute + grad_u, True)
+            continue
         # One shard per device of everything the host keeps or writes: 1/P of it in each process
         # (of an unsplittable array, a whole copy per local device in pinned memory).
         if u.weights is Tier.PINNED_HOST:  # streamed

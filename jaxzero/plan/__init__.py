@@ -140,6 +140,17 @@ class OffloadPlan:
     def blocks(self) -> tuple[UnitPlan, ...]:
         return self.units[1:-1]
 
+    @property
+    def host_units(self) -> tuple[UnitPlan, ...]:
+        """Units whose masters and optimizer state live in host RAM (updated on the CPU), in forward order."""
+        return tuple(u for u in self.units if u.state is Tier.HOST)
+
+    @property
+    def device_state_units(self) -> int:
+        """Units whose masters and optimizer state live on the accelerator (the first ones in forward
+        order when the host holds the others)."""
+        return sum(u.state is Tier.DEVICE for u in self.units)
+
     def is_streamed(self, block: int) -> bool:
         """Whether block `block`'s weights live in pinned host memory and stream in per use."""
         return self.units[1 + block].weights is Tier.PINNED_HOST
@@ -167,8 +178,15 @@ class OffloadPlan:
             how.append(f"two-pass updates {up_to} {h.two_pass.max_units} units")
         if h.speculative_units:
             how.append(f"speculative updates for {h.speculative_units} units")
+        on_device = self.device_state_units
+        where = (
+            f"of {len(self.units) - on_device}/{len(self.units)} units in host RAM, updated on the CPU "
+            f"(the first {on_device} on {devices}, updated there)"
+            if on_device
+            else "in host RAM, updated on the CPU"
+        )
         return (
-            f"{self.mode}: fp32 masters and {optimizer} state in host RAM, updated on the CPU "
+            f"{self.mode}: fp32 masters and {optimizer} state {where} "
             f"({', '.join(how)}); {self.streamed_blocks}/{self.num_layers} blocks streamed from pinned "
             f"host memory, the rest of the {self.compute_dtype} weights on {devices}"
         )
@@ -187,16 +205,20 @@ def resolve_plan(cfg: TrainConfig) -> OffloadPlan:
         streamed = on_host and block is not None and block >= resident_blocks
         return UnitPlan(kind, block, position, Tier.PINNED_HOST if streamed else Tier.DEVICE, state)
 
-    units = (
+    units = [
         unit(UnitKind.EMBED, None, 0),
         *(unit(UnitKind.BLOCK, i, 1 + i) for i in range(num_layers)),
         unit(UnitKind.HEAD, None, num_layers + 1),
-    )
+    ]
+    # The first `device_state_units` units keep masters and state on the accelerator, and so their
+    # weights too (they are updated there).
+    for k in range(o.device_state_units):
+        units[k] = UnitPlan(units[k].kind, units[k].block, k, Tier.DEVICE, Tier.DEVICE)
     # One micro-batch: block gradients leave in the compute dtype (exact); several: float32 sums.
     grad_dtype = m.compute_dtype if cfg.data.grad_accum == 1 else "float32"
     return OffloadPlan(
-        units=units,
-        host_update=_host_update(cfg, len(units)) if on_host else None,
+        units=tuple(units),
+        host_update=_host_update(cfg, len(units) - o.device_state_units) if on_host else None,
         compute_dtype=m.compute_dtype,
         grad_dtype=grad_dtype,
         prefetch=1,
