@@ -152,7 +152,10 @@ def run_steps(trainer, state, first: int, last: int, cfg: TrainConfig):
     return state, losses
 
 
-@pytest.mark.parametrize("saved_by, resumed_by", [("resident", "offload"), ("offload", "resident")])
+@pytest.mark.parametrize(
+    "saved_by, resumed_by",
+    [("resident", "offload"), ("offload", "resident"), ("mixed", "offload"), ("resident", "mixed")],
+)
 def test_changing_plans_resumes_under_the_other_trainer(tmp_path, saved_by, resumed_by):
     """Saved by one trainer after 3 steps, resumed by the other for 3 more: equal to 6 uninterrupted
     resident steps (float32 compute, the offload == resident tolerances of test_offload.py)."""
@@ -161,6 +164,8 @@ def test_changing_plans_resumes_under_the_other_trainer(tmp_path, saved_by, resu
     cfgs = {
         "resident": tiny(**{"model.compute_dtype": "float32"}),
         "offload": tiny(**{"model.compute_dtype": "float32", **offload}),
+        # the embedding and block 0 with their state on the accelerator, the rest on the host
+        "mixed": tiny(**{"model.compute_dtype": "float32", **offload, "offload.device_state_units": "2"}),
     }
     ref = build_trainer(cfgs["resident"], mesh)
     ref_state, ref_losses = run_steps(ref, ref.init(jax.random.key(0)), 1, 6, cfgs["resident"])

@@ -114,13 +114,20 @@ def run(cfg: TrainConfig, steps: int = 10):
     return trainer, state, trace
 
 
-@pytest.mark.parametrize("offload", [False, True], ids=["resident", "zero3-offload"])
-def test_overflowing_steps_are_skipped_and_training_goes_on(offload):
+OFFLOAD_MODES = {
+    "resident": {},
+    "zero3-offload": {"offload.optimizer": "cpu", "offload.params": "cpu"},
+    # units updated on the accelerator skip overflowing steps as the host's do
+    "zero3-mixed": {"offload.optimizer": "cpu", "offload.params": "cpu", "offload.device_state_units": "2"},
+}
+
+
+@pytest.mark.parametrize("mode", list(OFFLOAD_MODES))
+def test_overflowing_steps_are_skipped_and_training_goes_on(mode):
     """An initial scale of 2**40 makes the first float16 backward passes overflow (inf gradients):
     those steps change nothing but the scale, which evolves exactly by DeepSpeed's rules; once it is
     low enough, steps apply and the loss falls."""
-    over = {"offload.optimizer": "cpu", "offload.params": "cpu"} if offload else {}
-    cfg = fp16_cfg(**over)
+    cfg = fp16_cfg(**OFFLOAD_MODES[mode])
     _, _, trace = run(cfg, steps=40)
     oracle = DeepSpeedDynamicLossScaler(2.0**40, 4, 1.0, 2, False)
     schedule = learning_rate_schedule(cfg.optimizer, cfg.steps)
@@ -140,11 +147,12 @@ def test_overflowing_steps_are_skipped_and_training_goes_on(offload):
     assert trace[-1][0] < trace[first_ok][0] - 0.5, "training goes on and the loss falls"
 
 
-def test_offload_matches_resident_in_float16():
+@pytest.mark.parametrize("mode", ["zero3-offload", "zero3-mixed"])
+def test_offload_matches_resident_in_float16(mode):
     """Same skipped steps, same scales; losses and parameters within float16 tolerance (10 bits of
     mantissa: losses within 1e-2, parameters within 2e-2 relative)."""
     _, ref, ref_trace = run(fp16_cfg(), steps=30)
-    _, off, off_trace = run(fp16_cfg(**{"offload.optimizer": "cpu", "offload.params": "cpu"}), steps=30)
+    _, off, off_trace = run(fp16_cfg(**OFFLOAD_MODES[mode]), steps=30)
     assert [t[1:4] for t in off_trace] == [t[1:4] for t in ref_trace]
     np.testing.assert_allclose([t[0] for t in off_trace], [t[0] for t in ref_trace], atol=1e-2, rtol=0)
     for a, b in zip(jax.tree.leaves(jax.device_get(off.params)), jax.tree.leaves(jax.device_get(ref.params))):

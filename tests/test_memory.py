@@ -70,6 +70,23 @@ def test_plan_counts_bytes_per_parameter():
         memory.check_host_fits(cfg(offload__speculative_units="8"), spec, available=64 * GiB)
 
 
+def test_units_with_state_on_the_accelerator_move_their_bytes_there():
+    """The first K units' masters (4), AdamW state (8), bf16 weights (2) and gradients (blocks' bf16,
+    embedding's float32) count on the accelerator, and none of theirs on the host or pinned."""
+    e, b, h = unit_param_counts(cfg().model)
+    base = dict(offload__optimizer="cpu", offload__params="cpu", offload__two_pass_units="0")
+    host_only = memory.plan_memory(cfg(**base, checkpoint__enabled="false"))
+    mixed = memory.plan_memory(cfg(**base, offload__device_state_units="3", checkpoint__enabled="false"))
+    on_device = (4 + 8 + 2 + 4) * e + 2 * (4 + 8 + 2 + 2) * b  # the embedding and blocks 0-1
+    # They left the pinned memory (gradients and staged or streamed weights) and the host state...
+    assert host_only.pinned - mixed.pinned == (4 + 2) * e + 2 * (2 + 2) * b
+    assert host_only.host - mixed.host == (4 + 8) * (e + 2 * b) + int(
+        (host_only.pinned - mixed.pinned) * (1 + memory.PINNED_ALLOWANCE)
+    )
+    # ... for the accelerator (which no longer holds the embedding's bf16 weights as a host unit's).
+    assert mixed.accelerator_state - host_only.accelerator_state == on_device - 2 * e
+
+
 def test_host_too_small_is_refused_with_numbers():
     c = cfg(offload__optimizer="cpu", offload__params="cpu")
     plan = memory.plan_memory(c)

@@ -38,6 +38,20 @@ MODES = {
         "offload.fused_update": "false",
     },
 }
+# Units whose masters and state stay on the accelerator, updated there, beside host-updated ones.
+MIXED = {
+    # the embedding and block 0 on the accelerator; blocks 1-2 streamed, their state and the head's
+    # on the host
+    "zero3-mixed": {"offload.optimizer": "cpu", "offload.params": "cpu", "offload.device_state_units": "2"},
+    # every unit but the head on the accelerator
+    "zero-offload-mixed": {"offload.optimizer": "cpu", "offload.device_state_units": "4"},
+    "zero3-mixed-optax": {
+        "offload.optimizer": "cpu",
+        "offload.params": "cpu",
+        "offload.device_state_units": "1",
+        "offload.fused_update": "false",
+    },
+}
 # Relative error of final parameters and absolute error of per-step losses.
 TOLERANCE = {"float32": (2e-5, 1e-5), "bfloat16": (2e-2, 2e-3)}
 
@@ -108,17 +122,20 @@ def references():
 
 CASES = [(mode, family, "float32") for mode in MODES for family in ("llama", "gpt2")]
 CASES += [("zero3-offload", family, "bfloat16") for family in ("llama", "gpt2")]
+CASES += [(mode, family, "float32") for mode in MIXED for family in ("llama", "gpt2")]
+CASES += [("zero3-mixed", "llama", "bfloat16")]
 
 
 @pytest.mark.parametrize("mode, family, dtype", CASES)
 def test_offload_matches_resident(references, family, dtype, mode):
+    over = {**MODES, **MIXED}[mode]
     _, ref_state, ref_losses, ref_norms, ref_val = references(
-        family, dtype, MODES[mode].get("optimizer.state_dtype")
+        family, dtype, over.get("optimizer.state_dtype")
     )
-    _, state, losses, norms, val = run(tiny(family, dtype, **MODES[mode]), guard=True)
+    _, state, losses, norms, val = run(tiny(family, dtype, **over), guard=True)
     # Moments stored in bf16 round like bf16 compute does: float32 rounding differences between the two
     # programs occasionally flip a bf16 rounding, so that mode gets the bf16 tolerances.
-    bf16_state = MODES[mode].get("optimizer.state_dtype") == "bfloat16"
+    bf16_state = over.get("optimizer.state_dtype") == "bfloat16"
     param_tol, loss_tol = TOLERANCE["bfloat16" if bf16_state else dtype]
     assert ref_norms[0] > 0.5, "clipping must be active in the compared steps"
     np.testing.assert_allclose(losses, ref_losses, atol=loss_tol, rtol=0)
@@ -155,6 +172,27 @@ def test_placement_is_asserted(mode):
     for i, block in enumerate(state.weights.blocks):
         expected = "device" if i < resident else "pinned_host"
         assert kinds(block) == {(expected, "cpu")}, (i, kinds(block))
+
+
+@pytest.mark.parametrize("mode", list(MIXED))
+def test_units_with_state_on_the_accelerator_keep_it_there(mode):
+    cfg = tiny("llama", "bfloat16", steps="2", **MIXED[mode])
+    on_device = cfg.offload.device_state_units
+    trainer, state, *_ = run(cfg, guard=True)
+    host = jax.devices("cpu")[0]
+    units = [state.units.embed, *state.units.blocks, state.units.head]
+    for k, unit in enumerate(units):
+        u = unit.result()
+        where = kinds((u.params, u.opt_state))
+        if k < on_device:
+            assert where == {("device", "cpu")}, (k, where)
+            assert kinds(u.weights) == {("device", "cpu")}, k
+        else:
+            for x in jax.tree.leaves((u.params, u.opt_state)):
+                assert x.devices() == {host}, k
+    # A checkpoint sees every unit as host state, whatever the plan: its layout never depends on it.
+    saved = trainer.saved_state(state)
+    assert {x.sharding.mesh.devices.flat[0] for x in jax.tree.leaves(saved)} == {host}
 
 
 def test_gradients_land_in_pinned_host():

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from jaxzero import memory, placement, plan
-from jaxzero.config import TrainConfig
+from jaxzero.config import ConfigError, TrainConfig
 from jaxzero.data import build_data
 from jaxzero.models.sizes import unit_param_counts
-from jaxzero.overrides import apply_overrides
+from jaxzero.overrides import apply_overrides, parse_args
 from jaxzero.plan import Tier, TwoPass, UnitKind, UpdateMode, resolve_plan
 from jaxzero.trainer import build_trainer
 
@@ -50,6 +50,36 @@ def test_where_weights_and_state_live(over, streamed, mode):
     assert [u.weights is Tier.PINNED_HOST for u in p.blocks] == streamed
     assert p.units[0].weights is p.units[-1].weights is Tier.DEVICE  # embedding and head
     assert {u.state for u in p.units} == {Tier.HOST}
+
+
+def test_device_state_units_are_the_first_in_forward_order():
+    p = resolve_plan(cfg(**ZERO3, **{"offload.device_state_units": "2"}))
+    assert [u.state for u in p.units] == [Tier.DEVICE] * 2 + [Tier.HOST] * 4
+    assert p.units[1].weights is Tier.DEVICE  # block 0's weights stay with its state, not streamed
+    assert [p.is_streamed(i) for i in range(4)] == [False, True, True, True]
+    assert p.device_state_units == 2 and [u.position for u in p.host_units] == [2, 3, 4, 5]
+    assert p.host_update.two_pass.max_units == 4  # two passes are the host units' business
+    assert "the first 2 on" in p.describe("adamw", "1 x cpu")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--offload.optimizer=cpu", "--offload.device_state_units=6"], "must be in [0, 5]"),
+        (
+            ["--offload.device_state_units=1"],
+            "offload.device_state_units only applies with offload.optimizer=cpu",
+        ),
+        (
+            ["--offload.optimizer=cpu", "--offload.update=delayed", "--offload.device_state_units=1"],
+            "needs offload.update=overlapped",
+        ),
+    ],
+)
+def test_device_state_units_are_validated(args, message):
+    with pytest.raises(ConfigError) as e:
+        parse_args(["--model.num_layers=4", *args])
+    assert message in str(e.value)
 
 
 @pytest.mark.parametrize(

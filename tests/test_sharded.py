@@ -145,6 +145,12 @@ STRATEGIES = {
     "float16": ({"model.compute_dtype": "float16"}, "float16"),
     # One micro-batch: block gradients leave in bfloat16, reduce-scattered in bfloat16.
     "bf16-one-micro-batch": ({"model.compute_dtype": "bfloat16", "data.grad_accum": "1"}, "bfloat16"),
+    # The embedding and block 0 with their state on the accelerators, one shard per device.
+    "device-state-units": ({"offload.device_state_units": "2"}, "float32"),
+    "device-state-units-float16": (
+        {"offload.device_state_units": "2", "model.compute_dtype": "float16"},
+        "float16",
+    ),
 }
 # (parameter relative, loss absolute): float32 as above; 16-bit compute as test_offload.py's bfloat16.
 STRATEGY_TOL = {"float32": (PARAM_TOL, LOSS_TOL), "float16": (2e-2, 2e-3), "bfloat16": (2e-2, 2e-3)}

@@ -27,14 +27,15 @@ from jaxzero import placement as placement_lib
 from jaxzero.config import TrainConfig
 from jaxzero.loss_scale import init_loss_scale, update_loss_scale
 from jaxzero.models import ModelParams, build_model, init_keys
-from jaxzero.offload.futures import OffloadState, weights_of
+from jaxzero.offload.device_update import DeviceOptimizer, rows_on_host
+from jaxzero.offload.futures import OffloadState, done, weights_of
 from jaxzero.offload.host_memory import global_from_local, reserve_pinned
-from jaxzero.offload.host_optimizer import HostOptimizer
-from jaxzero.offload.pipeline import UpdatePipeline
+from jaxzero.offload.host_optimizer import HostOptimizer, HostUnit
+from jaxzero.offload.pipeline import Submitted, UpdatePipeline
 from jaxzero.offload.streaming import StreamedModel
 from jaxzero.offload.timeline import StepClock
 from jaxzero.optim import build_optimizer
-from jaxzero.plan import OffloadPlan, UpdateMode, resolve_plan
+from jaxzero.plan import OffloadPlan, Tier, UpdateMode, resolve_plan
 from jaxzero.state import StepMetrics, Trainer, abstract_placed
 
 
@@ -59,6 +60,9 @@ def build_offload_trainer(
     where = placement_lib.offload_placement(mesh, plan)
     masters_shape = jax.eval_shape(model.init, jax.random.key(0))
     host = HostOptimizer(cfg.optimizer, cfg.schedule_steps, masters_shape, where, cfg.data.grad_accum)
+    # Units whose masters and state the plan keeps on the accelerator are updated there.
+    on_device = [u for u in plan.units if u.state is Tier.DEVICE]
+    device = DeviceOptimizer(cfg.optimizer, cfg.schedule_steps, masters_shape, where, cfg.data.grad_accum)
     streamed = StreamedModel(model, where, cfg.data.grad_accum, prefetch=plan.prefetch)
     fp16 = plan.compute_dtype == "float16"  # dynamic loss scaling
     clock = StepClock()
@@ -99,11 +103,22 @@ def build_offload_trainer(
             reserve_pinned(pinned_reserve, where.pool)
             pinned_reserve = 0
 
-    def fresh(masters: ModelParams) -> OffloadState:
+    def start(masters: ModelParams, opt_state: ModelParams | None) -> ModelParams:
+        """Every unit as a `HostUnit`, from this process's host blocks of its masters and optimizer
+        state (None: fresh): host units stay where they are, units the plan keeps on the accelerator
+        are copied there."""
         reserve_pool()
+        opt_state = host.init(masters) if opt_state is None else opt_state
+        weights = host.compute_weights(masters)
+        units = [HostUnit(*u) for u in zip(*(_flat(t) for t in (masters, opt_state, weights)))]
+        for u in on_device:  # opt_state None: fresh (`host.init` leaves these units to the accelerator)
+            units[u.position] = device.start(u, units[u.position].params, units[u.position].opt_state)
+        return _unflat(units)
+
+    def fresh(masters: ModelParams) -> OffloadState:
         step = put(np.zeros((), np.int32), where.device) if fp16 else jax.device_put(np.int32(0), where.host)
         scale = new_loss_scale() if fp16 else None
-        return OffloadState.of(step, masters, host.init(masters), host.compute_weights(masters), scale)
+        return OffloadState.of_units(step, start(masters, None), scale)
 
     def init(key: jax.Array) -> OffloadState:
         # Created on the host directly: the key moves to the CPU backend, never the state to the GPU.
@@ -146,10 +161,20 @@ def build_offload_trainer(
         def next_read(state: OffloadState, submitted) -> ModelParams:
             return submitted.weights
 
+    def update_on_device(state: OffloadState, grads: ModelParams, norm, loss_scale) -> list[HostUnit | None]:
+        """Issue the update of each unit whose state is on the accelerator (no host sync)."""
+        units, g = _flat(state.units), _flat(grads)
+        updated: list[HostUnit | None] = [None] * len(units)
+        for u in on_device:
+            k = u.position
+            updated[k] = device.update(u, units[k].result(), g[k], norm, loss_scale)
+        return updated
+
     def step(state: OffloadState, batch: jax.Array) -> tuple[OffloadState, StepMetrics]:
         loss_scale = loss_scale_of(state)
         loss, grads, norm = streamed.grads(state.read, batch, loss_scale, clock)
-        submitted = pipeline.submit(state.units, state.read, grads, norm, loss_scale)
+        on_accelerator = update_on_device(state, grads, norm, loss_scale)
+        submitted = _merged(pipeline.submit(state.units, state.read, grads, norm, loss_scale), on_accelerator)
         next_step, next_ls, metrics = advance(state, loss, norm, host.lr(state.step))
         new_state = OffloadState(next_step, submitted.units, next_read(state, submitted), next_ls)
         state.consumed = True  # as the resident step's donation does: the old state is gone
@@ -159,7 +184,7 @@ def build_offload_trainer(
         shapes = {
             "step": jax.ShapeDtypeStruct((), np.int32),
             "params": masters_shape,
-            "opt_state": jax.eval_shape(host.init, masters_shape),
+            "opt_state": host.state_shapes(),
         }
         if fp16:
             shapes["loss_scale"] = jax.eval_shape(partial(init_loss_scale, cfg.fp16))
@@ -169,7 +194,10 @@ def build_offload_trainer(
         """Waits for the pending host updates (a host sync). Everything saved lives on the host: each
         process's blocks, seen as global arrays over the processes (`OffloadPlacement.saved`)."""
         units = state.resolved()
-        local = {"step": _on_host(state.step), "params": units.params, "opt_state": units.opt_state}
+        params, opt_state = units.params, units.opt_state
+        if on_device:  # this process's rows of the accelerator's units, in host RAM as the others
+            params, opt_state = (_units_on_host(tree, plan, where.host) for tree in (params, opt_state))
+        local = {"step": _on_host(state.step), "params": params, "opt_state": opt_state}
         if state.loss_scale is not None:
             local["loss_scale"] = jax.tree.map(_on_host, state.loss_scale)
         shapes = saved_shapes()
@@ -190,13 +218,11 @@ def build_offload_trainer(
     def from_saved_state(saved: dict[str, Any]) -> OffloadState:
         reserve_pool()
         local = jax.tree.map(lambda x: x.addressable_data(0), saved)  # this process's blocks
-        params = local["params"]
-        weights = host.compute_weights(params)
         step, scale = local["step"], local.get("loss_scale")
         if fp16:  # the step count and loss scale advance on the accelerator
             step = put(np.asarray(step), where.device)
             scale = jax.tree.map(lambda x: put(np.asarray(x), where.device), scale)
-        return OffloadState.of(step, params, local["opt_state"], weights, scale)
+        return OffloadState.of_units(step, start(local["params"], local["opt_state"]), scale)
 
     def eval_loss(state: OffloadState, window: jax.Array) -> jax.Array:
         # The newest weights, each waited for when the pass reaches it.
@@ -232,3 +258,27 @@ def build_offload_trainer(
         from_saved_state=from_saved_state,
         timings=timings,
     )
+
+
+def _flat(tree: ModelParams) -> list[Any]:
+    """A `ModelParams`' units in forward order (embedding, blocks, head): index = `UnitPlan.position`."""
+    return [tree.embed, *tree.blocks, tree.head]
+
+
+def _unflat(units: list[Any]) -> ModelParams:
+    return ModelParams(units[0], tuple(units[1:-1]), units[-1])
+
+
+def _merged(submitted: Submitted, on_accelerator: list[HostUnit | None]) -> Submitted:
+    """The host's Futures with the accelerator's updates in the places the host left empty."""
+    pairs = zip(_flat(submitted.units), _flat(submitted.weights), on_accelerator)
+    units, weights = zip(*((h, w) if d is None else (done(d), done(d.weights)) for h, w, d in pairs))
+    units, weights = list(units), list(weights)
+    return Submitted(_unflat(units), _unflat(weights))
+
+
+def _units_on_host(tree: ModelParams, plan: OffloadPlan, host: Any) -> ModelParams:
+    """`tree` with the arrays of the units whose state is on the accelerator copied to `host` as this
+    process's rows (`rows_on_host`; a host sync), the others as they are."""
+    on_host = lambda t: jax.tree.map(lambda x: rows_on_host(x, host), t)  # noqa: E731
+    return _unflat([on_host(t) if u.state is Tier.DEVICE else t for u, t in zip(plan.units, _flat(tree))])

@@ -79,6 +79,12 @@ class OffloadState:
         )
         return cls(step, units, jax.tree.map(weights_of, units, is_leaf=_is_future), loss_scale)
 
+    @classmethod
+    def of_units(cls, step, units: ModelParams, loss_scale=None) -> OffloadState:
+        """A state whose units are already updated: `units`, a `ModelParams` of `HostUnit`s."""
+        done_units = jax.tree.map(done, units, is_leaf=_is_unit)
+        return cls(step, done_units, jax.tree.map(weights_of, done_units, is_leaf=_is_future), loss_scale)
+
     def resolved(self) -> HostUnit:
         """Waits for every unit (a host sync); their params, opt_state and weights, each in
         `ModelParams` layout. Raises RuntimeError for a state a step has consumed."""

@@ -209,30 +209,38 @@ class HostOptimizer:
     # -- state ---------------------------------------------------------------------------------------
 
     def init(self, masters: ModelParams) -> ModelParams:
-        """Per-unit optimizer state for host-resident float32 masters, created on the host."""
-        return ModelParams(
-            embed=self._init.embed(masters.embed),
-            blocks=tuple(self._init.blocks(b) for b in masters.blocks),
-            head=self._init.head(masters.head),
+        """Per-unit optimizer state for host-resident float32 masters, created on the host (None for a
+        unit whose state the plan keeps on the accelerator)."""
+        fresh = ModelParams(self._init.embed, self._init.blocks, self._init.head)
+        return self._per_host_unit(lambda unit, m: getattr(fresh, unit.kind.value)(m), masters)
+
+    def state_shapes(self) -> ModelParams:
+        """Every unit's optimizer-state shapes (global `ShapeDtypeStruct`s), wherever it lives."""
+        i = self._init
+        return jax.eval_shape(
+            lambda m: ModelParams(i.embed(m.embed), tuple(i.blocks(b) for b in m.blocks), i.head(m.head)),
+            self.masters_shape,
         )
 
     def compute_weights(self, masters: ModelParams) -> ModelParams:
-        """The compute-dtype weights of `masters`, each unit placed per `placement.written` (used at
-        init and restore)."""
-        units = self.placement.plan.units
+        """The compute-dtype weights of `masters`, each host unit's placed per `placement.written`
+        (used at init and restore; None for units the accelerator updates)."""
 
-        def put(unit: UnitPlan, local: Any) -> Any:
+        def put(unit: UnitPlan, local: Any) -> Future:
             shapes = self.shapes_of(unit)
-            return place(self._cast(local), self.placement.written(unit, shapes), shapes)
+            return self._io.submit(
+                lambda: place(self._cast(local), self.placement.written(unit, shapes), shapes)
+            )
 
-        futures = ModelParams(
-            embed=self._io.submit(put, units[0], masters.embed),
-            blocks=tuple(
-                self._io.submit(put, u, b) for u, b in zip(self.placement.plan.blocks, masters.blocks)
-            ),
-            head=self._io.submit(put, units[-1], masters.head),
-        )
+        futures = self._per_host_unit(put, masters)
         return jax.tree.map(lambda f: f.result(), futures, is_leaf=lambda x: isinstance(x, Future))
+
+    def _per_host_unit(self, fn: Callable[[UnitPlan, Any], Any], tree: ModelParams) -> ModelParams:
+        """`fn(unit, tree's unit)` for each unit whose state lives in host RAM, None for the others."""
+        units = self.placement.plan.units
+        flat = [tree.embed, *tree.blocks, tree.head]
+        out = [fn(u, x) if u.state is Tier.HOST else None for u, x in zip(units, flat)]
+        return ModelParams(out[0], tuple(out[1:-1]), out[-1])
 
     # -- the update ----------------------------------------------------------------------------------
 

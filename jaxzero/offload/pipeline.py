@@ -59,7 +59,7 @@ from jaxzero.offload.host_memory import HostScalar, copy_to, local_views, releas
 from jaxzero.offload.host_optimizer import HostOptimizer, HostUnit, UnitUpdate
 from jaxzero.offload.timeline import StepClock
 from jaxzero.offload.two_pass import TwoPassCounter
-from jaxzero.plan import HostUpdate, OffloadPlan, UnitKind, UnitPlan, UpdateMode
+from jaxzero.plan import HostUpdate, OffloadPlan, Tier, UnitKind, UnitPlan, UpdateMode
 
 
 class Submitted(NamedTuple):
@@ -135,6 +135,9 @@ class UpdatePipeline:
         self.policy = policy
         self.clock = clock
         self.two_pass = TwoPassCounter(policy.two_pass)
+        # Units whose state is on the accelerator come first in forward order and are not the host's:
+        # the two-pass count starts at the first host unit.
+        self._first_host = plan.device_state_units
         # Buffers for speculative updates, by unit kind (blocks share one shape), at most
         # `policy.speculative_units` in all.
         self._spares: dict[UnitKind, list[tuple[Any, Any]]] = {kind: [] for kind in UnitKind}
@@ -154,7 +157,8 @@ class UpdatePipeline:
         norm: jax.Array,
         scale: jax.Array,
     ) -> Submitted:
-        """Start the update of every unit; returns its Futures at once.
+        """Start the update of every unit whose state lives in host RAM; returns its Futures at once
+        (None in place of the units the accelerator updates).
 
         units: the units' previous `Future[HostUnit]`s (their masters and state are consumed).
         read:  the weights the gradient pass read (futures, already resolved): handed to the update
@@ -173,12 +177,13 @@ class UpdatePipeline:
             tickets=itertools.count(),
         )
         flat = lambda tree: [tree.embed, *tree.blocks, tree.head]  # noqa: E731 - in forward order
-        jobs = [
-            UnitJob(u, prev, r, g, Future(), shared)
+        jobs: list[UnitJob | None] = [
+            UnitJob(u, prev, r, g, Future(), shared) if u.state is Tier.HOST else None
             for u, prev, r, g in zip(self.plan.units, flat(units), flat(read), flat(grads))
         ]
-        tasks = [self._tasks.submit(self._task, job) for job in jobs]
-        return Submitted(_as_params(tasks), _as_params([job.weights for job in jobs]))
+        tasks = [None if job is None else self._tasks.submit(self._task, job) for job in jobs]
+        weights = [None if job is None else job.weights for job in jobs]
+        return Submitted(_as_params(tasks), _as_params(weights))
 
     def take_counts(self) -> UpdateCounts:
         """Speculative updates kept and recomputed, and two-pass updates, since the last call."""
@@ -235,7 +240,7 @@ class UpdatePipeline:
             return arrays  # float16 overflow: this step changes nothing
         update = UnitUpdate(job.unit, arrays, g, self.host.grad_multiplier(norm, _scale(job.shared.scale)))
         start = time.perf_counter()
-        if spec is None and slot.position < self.two_pass.units(slot.step, start):
+        if spec is None and slot.position - self._first_host < self.two_pass.units(slot.step, start):
             return self._two_passes(job, update, recycle, start)
         new = self.host.update_unit(update, slot.update_priority, recycle)
         job.weights.set_result(new.weights)

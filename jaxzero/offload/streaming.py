@@ -38,6 +38,7 @@ from jaxzero.objective import cross_entropy
 from jaxzero.offload.host_memory import copy_to
 from jaxzero.offload.timeline import StepClock
 from jaxzero.placement import DEVICE, PINNED_HOST, OffloadPlacement, batch_rows_sharding
+from jaxzero.plan import Tier
 
 
 def _f32(tree: Any) -> Any:
@@ -132,6 +133,8 @@ class StreamedModel:
         whole = by_unit(placement.whole)
         grad_on_device = by_unit(lambda t: placement.split(t, DEVICE))  # as a backward pass leaves them
         self._to_host = by_unit(lambda t: placement.split(t, PINNED_HOST))  # where gradients land
+        # Units updated on the accelerator (`Tier.DEVICE` state) keep their gradients there.
+        self._stays = [u.state is Tier.DEVICE for u in placement.plan.units]
         self._copy_in = placement.split(shapes.blocks[0], DEVICE)  # a streamed block's accelerator copy
         mesh = placement.mesh
         # Constraining weights to whole arrays all-gathers their shards; constraining gradient sums
@@ -237,7 +240,8 @@ class StreamedModel:
     def grads(
         self, weights: ModelParams, batch: jax.Array, loss_scale: jax.Array, clock: StepClock | None = None
     ) -> tuple[jax.Array, ModelParams, jax.Array]:
-        """Loss, gradients and their global norm over int32 (A, mb, S+1); gradients land in `pinned_host`.
+        """Loss, gradients and their global norm over int32 (A, mb, S+1); gradients land in `pinned_host`
+        (those of units whose state is on the accelerator stay there, one shard per device).
 
         Block gradients are summed over the A micro-batches (compute dtype if A == 1, float32 if A > 1);
         embed and head gradients are float32 sums. `loss_scale` (float32 scalar on the accelerator)
@@ -269,7 +273,11 @@ class StreamedModel:
         loss, dx, g_head, g_embed_head, sq_head = self._head_grad(head_w, embed_w, x, batch, loss_scale)
         clock.computed(loss)
         del x
-        to_host = self._to_host
+        to_host, stays = self._to_host, self._stays
+
+        def leave(position: int, g: Any, target: Any) -> Any:  # async DMA to pinned_host, or stay
+            return g if stays[position] else clock.sent(copy_to(g, target))
+
         block_grads: list[Any] = [None] * num_layers
         sq = [sq_head]
         for i in reversed(range(num_layers)):
@@ -278,12 +286,12 @@ class StreamedModel:
             clock.computed(sq_i)
             sq.append(sq_i)
             saved[i] = None
-            block_grads[i] = clock.sent(copy_to(g, to_host.blocks))  # async DMA, overlaps block i-1
+            block_grads[i] = leave(1 + i, g, to_host.blocks)  # the DMA overlaps block i-1
         g_embed, sq_embed = self._embed_grad(embed_w, batch, dx, g_embed_head)
         clock.computed(sq_embed)
         grads = ModelParams(
-            embed=clock.sent(copy_to(g_embed, to_host.embed)),
+            embed=leave(0, g_embed, to_host.embed),
             blocks=tuple(block_grads),
-            head=clock.sent(copy_to(g_head, to_host.head)),
+            head=leave(num_layers + 1, g_head, to_host.head),
         )
         return loss, grads, self._global_norm([*sq, sq_embed], loss_scale)

@@ -1,0 +1,138 @@
+"""Units whose fp32 masters and optimizer state live on the accelerator, updated there.
+
+`offload.device_state_units` (or the planner) keeps the first units of the forward pass (embedding,
+block 0, 1, ...) entirely on the accelerator when it has room for them. Their update is one jitted
+optax step per unit, issued by the training step right after the gradient pass: the global norm is
+already on the accelerator, so nothing waits for the host, and the next forward pass starts on these
+units while the host still updates the others.
+
+The update is the host update's rule, so a unit gets the same result wherever its state lives: the
+gradient sums times one multiplier (1 / (grad_accum * loss scale), then optax's global-norm clipping
+rule), then the unit's optax transformation without clipping (`build_optimizer(..., clip=False)`).
+Under float16 a step whose norm is not finite keeps the unit as it was, as the host update skips it.
+
+Arrays are one shard per device (`OffloadPlacement.split`), as the host keeps its state: the masters
+and optimizer state in float32 (moments in `optimizer.state_dtype`), the weights in the compute dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxzero.config import OptimizerConfig
+from jaxzero.models import ModelParams
+from jaxzero.offload.host_memory import local_shards, place
+from jaxzero.offload.host_optimizer import HostUnit
+from jaxzero.optim import build_optimizer, weight_decay_mask
+from jaxzero.placement import DEVICE, OffloadPlacement
+from jaxzero.plan import Tier, UnitKind, UnitPlan
+
+
+class DeviceOptimizer:
+    """The configured optimizer applied on the accelerator to the units of `placement.plan` whose
+    state is `Tier.DEVICE`.
+
+    masters_shape: the model's float32 master shapes (`ShapeDtypeStruct`s, global).
+    grad_accum:    micro-batches per step: gradients arrive as sums over them.
+    """
+
+    def __init__(
+        self,
+        cfg: OptimizerConfig,
+        total_steps: int,
+        masters_shape: ModelParams,
+        placement: OffloadPlacement,
+        grad_accum: int,
+    ):
+        plan = placement.plan
+        self.placement = placement
+        self.masters_shape = masters_shape
+        compute = jnp.dtype(plan.compute_dtype)
+        skips_nonfinite = plan.host_update is not None and plan.host_update.skips_nonfinite
+        max_norm = np.float32(cfg.grad_clip)
+        mask = weight_decay_mask(masters_shape, cfg.decay_norms_biases_embeddings)
+        masks = {UnitKind.EMBED: mask.embed, UnitKind.BLOCK: mask.blocks[0], UnitKind.HEAD: mask.head}
+        self._shapes = {
+            UnitKind.EMBED: masters_shape.embed,
+            UnitKind.BLOCK: masters_shape.blocks[0],
+            UnitKind.HEAD: masters_shape.head,
+        }
+        self._update: dict[UnitKind, Any] = {}
+        self._init: dict[UnitKind, Any] = {}
+        self._cast: dict[UnitKind, Any] = {}
+        self.targets: dict[UnitKind, tuple[Any, Any, Any]] = {}  # masters, opt_state, weights shardings
+
+        for kind in {u.kind for u in plan.units if u.state is Tier.DEVICE}:
+            tx = build_optimizer(cfg, total_steps, clip=False, mask=masks[kind])
+            shapes = self._shapes[kind]
+            masters_at = placement.split(shapes, DEVICE)
+            state_at = placement.split(jax.eval_shape(tx.init, shapes), DEVICE)
+            weights_at = placement.split(shapes, DEVICE)
+            self.targets[kind] = (masters_at, state_at, weights_at)
+
+            def update(masters, opt_state, grads, norm, scale, tx=tx):
+                # The host's multiplier, in the same float32 operations (`HostOptimizer.grad_multiplier`).
+                gmul = jnp.float32(1.0) / jnp.float32(grad_accum) / scale
+                if max_norm > 0:
+                    gmul = jnp.where(norm < max_norm, gmul, gmul / norm * max_norm)
+                g = jax.tree.map(lambda x: x.astype(jnp.float32) * gmul, grads)
+                updates, new_state = tx.update(g, opt_state, masters)
+                new_masters = optax.apply_updates(masters, updates)
+                if skips_nonfinite:  # float16 overflow: this step changes nothing
+                    keep = jnp.isfinite(norm)
+                    new_masters, new_state = jax.tree.map(
+                        lambda a, b: jnp.where(keep, a, b), (new_masters, new_state), (masters, opt_state)
+                    )
+                weights = jax.tree.map(lambda p: p.astype(compute), new_masters)
+                return new_masters, new_state, weights
+
+            # Masters and state are updated in place (donated).
+            self._update[kind] = jax.jit(
+                update, donate_argnums=(0, 1), out_shardings=(masters_at, state_at, weights_at)
+            )
+            self._init[kind] = jax.jit(tx.init, out_shardings=state_at)
+            self._cast[kind] = jax.jit(
+                lambda p: jax.tree.map(lambda x: x.astype(compute), p), out_shardings=weights_at
+            )
+
+    def start(self, unit: UnitPlan, local_masters: Any, local_state: Any = None) -> HostUnit:
+        """The unit on the accelerator from this process's host blocks of its masters (and of its
+        optimizer state, from a checkpoint; None: a fresh state). A host sync (the copies)."""
+        masters_at, state_at, _ = self.targets[unit.kind]
+        shapes = self._shapes[unit.kind]
+        masters = place(local_masters, masters_at, shapes)
+        if local_state is None:
+            state = self._init[unit.kind](masters)
+        else:
+            state = place(local_state, state_at, jax.eval_shape(self._init[unit.kind], shapes))
+        return HostUnit(masters, state, self._cast[unit.kind](masters))
+
+    def update(
+        self, unit: UnitPlan, arrays: HostUnit, grads: Any, norm: jax.Array, scale: jax.Array
+    ) -> HostUnit:
+        """One optimizer step of `unit` (asynchronous: issued, not waited for).
+
+        arrays: its masters and optimizer state on the accelerator (consumed) and weights (dropped).
+        grads:  its gradient sums on the accelerator, one shard per device (compute dtype or float32).
+        norm:   the global norm of the mean gradient; scale: the loss scale (1 but under float16);
+                float32 scalars on the accelerator.
+        """
+        masters, state, weights = self._update[unit.kind](arrays.params, arrays.opt_state, grads, norm, scale)
+        return HostUnit(masters, state, weights)
+
+
+def rows_on_host(x: jax.Array, host: jax.sharding.Sharding) -> jax.Array:
+    """This process's rows of an accelerator array (its devices' shards one after the other, or the
+    whole of a replicated one) as one array on `host` (the CPU backend): how host state is kept, and
+    how a checkpoint sees it. Copies device to host (a host sync)."""
+    shards = local_shards(x)
+    if x.is_fully_replicated:
+        shards = shards[:1]
+    with jax.transfer_guard_device_to_host("allow"):
+        rows = [np.asarray(s) for s in shards]
+    return jax.device_put(np.concatenate(rows) if len(rows) > 1 else rows[0], host)
