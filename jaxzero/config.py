@@ -118,6 +118,11 @@ class OffloadConfig:
     # forward pass never waits for the host on them; their weights are on the accelerator too.
     # 0: every unit's state in host RAM.
     device_state_units: int = 0
+    # Where the backward pass's rematerialisation checkpoints (each block's input) wait between the
+    # forward and the backward pass: "none" in accelerator memory; "cpu" in pinned host memory,
+    # copied out as the forward pass makes them and back ahead of the backward pass that needs them
+    # (overlapped like the weights), when accelerator memory is what binds (long sequences).
+    activations: Literal["none", "cpu"] = "none"
     # How the host update meets the accelerator: "overlapped" (exact: each unit updates once the
     # gradient norm is known, in the order the next forward pass needs them, which waits per unit) or
     # "delayed" (ZeRO-Offload's DPU: the forward and backward run on weights one update old, so the
@@ -348,6 +353,12 @@ def validate(cfg: TrainConfig, num_devices: int | None = None) -> None:
             "offload.device_state_units only applies with offload.optimizer=cpu "
             f"(got offload.optimizer={cfg.offload.optimizer}): without it every unit's state is on the "
             "accelerator."
+        )
+    if cfg.offload.activations == "cpu" and cfg.offload.optimizer == "none":
+        raise ConfigError(
+            "offload.activations=cpu needs the offload engine (offload.optimizer=cpu, with "
+            "offload.device_state_units to keep some units' state on the accelerator): the resident "
+            "trainer keeps its activations in accelerator memory."
         )
     if cfg.offload.device_state_units and cfg.offload.update == "delayed":
         raise ConfigError(

@@ -17,8 +17,10 @@ never after minutes of initialisation. Byte counts per parameter, by where the s
 update writes the new weights of units that live on the accelerator into pinned staging buffers, one
 DMA away, and every unit may be in flight at once. Two-pass updates keep their units' gradients
 into the next step: up to 2|4 more. The delayed update keeps two steps' gradients and two copies of
-the compute weights. Units whose state `offload.device_state_units` keeps on the accelerator count
-as resident ones there: masters, state, weights and their gradients, and nothing on the host.)
+the compute weights. With `offload.activations=cpu` the blocks' saved inputs but the last's wait in
+pinned host memory, and the accelerator holds three of them at most. Units whose state
+`offload.device_state_units` keeps on the accelerator count as resident ones there: masters, state,
+weights and their gradients, and nothing on the host.)
 An asynchronous checkpoint (`checkpoint.async_save`, the default) snapshots masters and optimizer
 state into host RAM while it writes: 4 + 8 more bytes per parameter of host memory during a save.
 Offloaded runs also get an allowance of 1.25x their pinned bytes (`PINNED_ALLOWANCE`).
@@ -122,7 +124,12 @@ def plan_memory(
 
     tokens = d.batch_size * d.seq_len // D  # per step and device, all micro-batches
     micro_tokens = tokens // d.grad_accum
-    saved_inputs = m.num_layers * tokens * m.hidden_size * compute
+    block_input = tokens * m.hidden_size * compute
+    saved_inputs = m.num_layers * block_input
+    away = 0  # block inputs waiting in pinned host memory, this process's devices' (offload.activations)
+    if offload.offloads_activations:
+        # All but the last block's leave; at most one leaving and one coming back at a time.
+        away, saved_inputs = (m.num_layers - 1) * block_input * L, min(m.num_layers, 3) * block_input
     # One block's live intermediates for one micro-batch (q/k/v/attn out, MLP up/gate/act, their
     # gradients) and the float32 logits with their gradient.
     block_transient = micro_tokens * (8 * m.hidden_size + 4 * m.intermediate_size) * compute * 2
@@ -166,7 +173,7 @@ def plan_memory(
         if u.position < update.two_pass.max_units:  # gradients kept until the second pass, a step on
             two_pass += per_process(n_u, w_u, grad_u, True, copies=L)
         host += per_process(n_u, w_u, 4 + opt, True)  # masters and optimizer state
-    pinned += two_pass
+    pinned += two_pass + away
     spares = update.speculative_units * per_process(max(params.values()), max(whole), 4 + opt, True)
     host += pinned + snapshot + int(pinned * PINNED_ALLOWANCE) + spares
     streamed = offload.streamed_blocks

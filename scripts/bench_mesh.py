@@ -106,6 +106,9 @@ def run_variant(name: str, args, index: int) -> dict:
         "tflops_8N": 8 * n * tokens / slowest / 1e12,
         "gpu_peak_gib": max(r["gpu_peak_gib"] for r in results),
         "host_rss_gib": [r["host_rss_gib"] for r in results],
+        "plan_gpu_gib": results[0].get("plan_gpu_gib"),
+        "plan_host_gib": results[0].get("plan_host_gib"),
+        "plan": results[0].get("plan"),
         "losses": results[0]["losses"],
         "breakdown": results[0].get("breakdown", {}),
         "per_process_step_s": [r["step_s"] for r in results],
@@ -150,6 +153,15 @@ def main() -> None:
             f"{r['variant']:12} {r['step_s']:7.3f} {r['tokens_per_s']:8.0f} {ratio:>8} {r['tflops_8N']:8.1f} "
             f"{r['tflops_8N'] / r['gpus']:8.1f} {r['gpu_peak_gib']:8.1f} {rss:>20}"
         )
+    print("\nThe memory plan against the measurement (peak GPU memory per device; host RSS of process 0):")
+    for r in ok:
+        if r.get("plan_gpu_gib") is not None:
+            gpu, host = r["plan_gpu_gib"], r["plan_host_gib"]
+            print(
+                f"{r['variant']:12} GPU plan {gpu:6.1f} measured {r['gpu_peak_gib']:6.1f} GiB "
+                f"({r['gpu_peak_gib'] / gpu - 1:+.0%}) | host plan {host:6.1f} measured "
+                f"{r['host_rss_gib'][0]:6.1f} GiB ({r['host_rss_gib'][0] / host - 1:+.0%}) | {r['plan']}"
+            )
     for r in ok:
         if r["breakdown"]:
             print(

@@ -238,6 +238,9 @@ def run_step_case(case: str, args) -> dict:
         "model_tflops": flops_per_token(cfg.model, args.seq) * tokens / step_s / 1e12,
         "gpu_peak_gib": peak / 2**30,
         "host_rss_gib": host_rss_gib(),
+        # What the memory plan predicted for this run (the planner's and the memory check's figures):
+        # accelerator state + activations per device, host RAM per process.
+        **_predicted(trainer),
         "devices": jax.device_count(),
         "losses": losses,
         "grad_norms": norms,
@@ -245,6 +248,28 @@ def run_step_case(case: str, args) -> dict:
     }
     print(json.dumps(out), flush=True)
     return out
+
+
+def _predicted(trainer) -> dict:
+    import jax
+
+    from jaxzero import memory, placement
+    from jaxzero.models import build_model
+
+    mesh = trainer.mesh
+    shapes = jax.eval_shape(build_model(trainer.config.model).init, jax.random.key(0))
+    need = memory.plan_memory(
+        trainer.config,
+        trainer.plan,
+        devices=mesh.size,
+        processes=placement.process_count(mesh),
+        whole=placement.whole_params(shapes, mesh.size),
+    )
+    return {
+        "plan_gpu_gib": (need.accelerator_state + need.activations) / 2**30,
+        "plan_host_gib": need.host / 2**30,
+        "plan": trainer.plan.describe(trainer.config.optimizer.name, f"{mesh.size} devices"),
+    }
 
 
 def run_host_case(case: str, args) -> dict:

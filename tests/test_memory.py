@@ -87,6 +87,16 @@ def test_units_with_state_on_the_accelerator_move_their_bytes_there():
     assert mixed.accelerator_state - host_only.accelerator_state == on_device - 2 * e
 
 
+def test_block_inputs_in_pinned_host_leave_three_on_the_accelerator():
+    base = dict(offload__optimizer="cpu", offload__params="cpu", data__batch_size="4", data__seq_len="4096")
+    kept = memory.plan_memory(cfg(**base))
+    away = memory.plan_memory(cfg(**base, offload__activations="cpu"))
+    block_input = 4 * 4096 * cfg().model.hidden_size * 2  # tokens x hidden x bf16
+    assert kept.activations - away.activations == (32 - 3) * block_input
+    assert away.pinned - kept.pinned == 31 * block_input  # all but the last block's
+    assert away.host - kept.host == int(31 * block_input * (1 + memory.PINNED_ALLOWANCE))
+
+
 def test_host_too_small_is_refused_with_numbers():
     c = cfg(offload__optimizer="cpu", offload__params="cpu")
     plan = memory.plan_memory(c)

@@ -195,6 +195,38 @@ def test_units_with_state_on_the_accelerator_keep_it_there(mode):
     assert {x.sharding.mesh.devices.flat[0] for x in jax.tree.leaves(saved)} == {host}
 
 
+@pytest.mark.parametrize("device_state_units", ["0", "2"])
+def test_block_inputs_in_pinned_host_change_nothing_but_where_they_wait(monkeypatch, device_state_units):
+    """offload.activations=cpu: every block input but the last leaves for pinned_host in the forward
+    pass and comes back for the backward pass; the arithmetic is untouched, so the run is bitwise
+    the run that keeps them on the accelerator."""
+    from jaxzero.offload import streaming
+
+    over = {**MODES["zero3-offload"], "offload.device_state_units": device_state_units}
+    cfg = tiny("llama", "float32", **over)
+    _, ref_state, ref_losses, ref_norms, ref_val = run(cfg)
+    activation_shape = (cfg.data.grad_accum, cfg.data.batch_size // cfg.data.grad_accum, cfg.data.seq_len)
+    moves = []
+    real_copy_to = streaming.copy_to
+
+    def recording(tree, targets):
+        if getattr(tree, "shape", ())[:3] == activation_shape:
+            moves.append(targets.memory_kind)
+        return real_copy_to(tree, targets)
+
+    monkeypatch.setattr(streaming, "copy_to", recording)
+    _, state, losses, norms, val = run(tiny("llama", "float32", **over, **{"offload.activations": "cpu"}))
+    blocks = cfg.model.num_layers
+    assert moves == (["pinned_host"] * (blocks - 1) + ["device"] * (blocks - 1)) * cfg.steps
+    np.testing.assert_array_equal(losses, ref_losses)
+    np.testing.assert_array_equal(norms, ref_norms)
+    assert val == ref_val
+    for a, b in zip(
+        jax.tree.leaves(jax.device_get(state.params)), jax.tree.leaves(jax.device_get(ref_state.params))
+    ):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_gradients_land_in_pinned_host():
     cfg = tiny("llama", "bfloat16", **MODES["zero3-offload"], **{"data.grad_accum": "1"})
     trainer = build_trainer(cfg, placement.make_mesh(jax.devices()[:1]))

@@ -8,6 +8,10 @@ Compute-dtype weights of streamed blocks live in the accelerator's `pinned_host`
               backpropagate; block i's gradients leave for `pinned_host` at once; its input is freed
     embed     gradient of the embedding lookup (plus the tied head's share)
 
+With `offload.activations=cpu` the saved block inputs wait in `pinned_host` instead: each leaves by an
+asynchronous copy as soon as its block has been issued, and comes back one block ahead of the
+backward pass that recomputes from it, so accelerator memory holds two block inputs, not L.
+
 Each unit is its own small jitted function, compiled once: one compiled block forward and one block
 backward serve every layer, so compile time does not grow with depth. The Python loop only issues
 asynchronous work: a copy is issued `prefetch` accesses ahead of the compute that needs it, so it
@@ -136,6 +140,7 @@ class StreamedModel:
         # Units updated on the accelerator (`Tier.DEVICE` state) keep their gradients there.
         self._stays = [u.state is Tier.DEVICE for u in placement.plan.units]
         self._copy_in = placement.split(shapes.blocks[0], DEVICE)  # a streamed block's accelerator copy
+        self.offloads_activations = placement.plan.offloads_activations
         mesh = placement.mesh
         # Constraining weights to whole arrays all-gathers their shards; constraining gradient sums
         # to one shard per device reduce-scatters them.
@@ -263,11 +268,17 @@ class StreamedModel:
             embed_w = resolve(weights.embed)
         x = clock.computed(self._embed(embed_w, batch))
         saved: list[jax.Array | None] = []
-        for _ in range(num_layers):
+        rows = batch_rows_sharding(self.placement.mesh, x.ndim)
+        away = rows.with_memory_kind(PINNED_HOST) if self.offloads_activations else None
+        for i in range(num_layers):
             with clock.waiting():
                 w = next(fetched)
-            saved.append(x)  # the block input is all the backward pass keeps
-            x = clock.computed(self._block_fwd(w, x))
+            y = clock.computed(self._block_fwd(w, x))
+            # The block input is all the backward pass keeps: here, or in pinned_host (async DMA,
+            # issued after the block that reads it, so it overlaps that block). The last block's
+            # stays: the backward pass starts with it.
+            saved.append(x if away is None or i == num_layers - 1 else copy_to(x, away))
+            x = y
         with clock.waiting():
             head_w = resolve(weights.head)
         loss, dx, g_head, g_embed_head, sq_head = self._head_grad(head_w, embed_w, x, batch, loss_scale)
@@ -280,9 +291,17 @@ class StreamedModel:
 
         block_grads: list[Any] = [None] * num_layers
         sq = [sq_head]
+
+        def back(i: int) -> jax.Array:  # block i's input on the accelerator (async copy back, if away)
+            x = saved[i]
+            return x if x.sharding.memory_kind != PINNED_HOST else copy_to(x, rows)
+
+        x_next = back(num_layers - 1)
         for i in reversed(range(num_layers)):
             w = next(fetched)
-            dx, g, sq_i = self._block_bwd(w, saved[i], dx)
+            x_i, x_next = x_next, back(i - 1) if i > 0 else None  # one block ahead of its use
+            dx, g, sq_i = self._block_bwd(w, x_i, dx)
+            del x_i
             clock.computed(sq_i)
             sq.append(sq_i)
             saved[i] = None

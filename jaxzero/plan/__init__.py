@@ -111,6 +111,9 @@ class OffloadPlan:
     compute_dtype: str  # model.compute_dtype
     grad_dtype: str  # block gradients leave the accelerator in this dtype (embed/head: float32)
     prefetch: int  # streamed blocks copied ahead of the one computing
+    # Where each block's input waits for the backward pass: DEVICE, or PINNED_HOST (copied out during
+    # the forward pass and back one block ahead of the backward pass).
+    activations: Tier = Tier.DEVICE
     # DeepSpeed's ZeRO stage over the data mesh (`parallel.zero_stage`, auto resolved): what is
     # sharded over the devices: 1 optimizer state, 2 also gradients, 3 also compute weights.
     zero_stage: int = 0
@@ -151,6 +154,11 @@ class OffloadPlan:
         order when the host holds the others)."""
         return sum(u.state is Tier.DEVICE for u in self.units)
 
+    @property
+    def offloads_activations(self) -> bool:
+        """Whether block inputs wait for the backward pass in pinned host memory."""
+        return self.activations is Tier.PINNED_HOST
+
     def is_streamed(self, block: int) -> bool:
         """Whether block `block`'s weights live in pinned host memory and stream in per use."""
         return self.units[1 + block].weights is Tier.PINNED_HOST
@@ -185,10 +193,11 @@ class OffloadPlan:
             if on_device
             else "in host RAM, updated on the CPU"
         )
+        activations = "; block inputs wait in pinned host memory" if self.offloads_activations else ""
         return (
             f"{self.mode}: fp32 masters and {optimizer} state {where} "
             f"({', '.join(how)}); {self.streamed_blocks}/{self.num_layers} blocks streamed from pinned "
-            f"host memory, the rest of the {self.compute_dtype} weights on {devices}"
+            f"host memory, the rest of the {self.compute_dtype} weights on {devices}{activations}"
         )
 
 
@@ -222,6 +231,7 @@ def resolve_plan(cfg: TrainConfig) -> OffloadPlan:
         compute_dtype=m.compute_dtype,
         grad_dtype=grad_dtype,
         prefetch=1,
+        activations=Tier.PINNED_HOST if o.activations == "cpu" else Tier.DEVICE,
         zero_stage=_zero_stage(cfg),
     )
 
