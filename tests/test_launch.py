@@ -212,8 +212,13 @@ def test_each_process_gets_its_own_equal_share_of_the_cores():
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "mode",
-    [["--offload.optimizer=cpu", "--offload.params=cpu"], ["--parallel.zero_stage=3"]],
-    ids=["zero3-offload", "fsdp"],
+    [
+        ["--offload.optimizer=cpu", "--offload.params=cpu"],
+        ["--parallel.zero_stage=3"],
+        # the embedding and block 0 updated on the accelerators, one shard per device
+        ["--offload.optimizer=cpu", "--offload.params=cpu", "--offload.device_state_units=2"],
+    ],
+    ids=["zero3-offload", "fsdp", "zero3-offload-device-state"],
 )
 def test_zero3_over_two_processes_survives_sigkill_and_restores_on_one_device(tmp_path: Path, mode) -> None:
     """ZeRO-3 over 2 processes x 2 CPU devices (offloaded: each process holds half the host state;
