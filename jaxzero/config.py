@@ -108,10 +108,18 @@ class FP16Config:
 
 @dataclass(frozen=True)
 class OffloadConfig:
-    """Where state lives, in DeepSpeed's vocabulary: `none` keeps it on the accelerator, `cpu` in host RAM."""
+    """Where state lives, in DeepSpeed's vocabulary: `none` keeps it on the accelerator, `cpu` in host RAM,
+    `auto` lets the planner (`jaxzero.plan.planner`) choose for this model on this machine.
 
-    params: Literal["none", "cpu"] = "none"  # compute weights: on the accelerator, or streamed from host RAM
-    optimizer: Literal["none", "cpu"] = "none"  # fp32 masters and optimizer state: accelerator or host RAM
+    The planner decides only what is left to it: `params` and `optimizer` when `auto`, and with them
+    `resident_blocks`, `device_state_units` (when 0) and `two_pass_units` (when -1: it may turn it to 0
+    where that alone makes a placement fit). Explicit values keep their meaning; a run whose explicit
+    settings do not fit is refused by the memory check."""
+
+    # compute weights: on the accelerator (none), streamed from host RAM (cpu), or the planner's choice
+    params: Literal["auto", "none", "cpu"] = "auto"
+    # fp32 masters and optimizer state: accelerator (none), host RAM (cpu), or the planner's choice
+    optimizer: Literal["auto", "none", "cpu"] = "auto"
     resident_blocks: int = 0  # with params=cpu: keep the first K blocks on the accelerator, stream the rest
     # With optimizer=cpu: the first K units in forward order (embedding, block 0, 1, ...) keep their
     # fp32 masters and optimizer state in accelerator memory and are updated there, so the next
@@ -162,6 +170,21 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class MachineConfig:
+    """The machine the planner (`offload.params` / `offload.optimizer` = auto, `python -m jaxzero.plan`)
+    plans for; 0 means: detect it, or the default for the detected device kind (the plan's table says
+    which). Read by the planner only, so that a run can be planned for a card or a box you do not have."""
+
+    gpu_gib: float = 0.0  # accelerator memory per device to plan for, GiB
+    host_gib: float = 0.0  # host RAM available to the run, GiB
+    h2d_gbps: float = 0.0  # host-to-accelerator link, GB/s per direction per device
+    d2h_gbps: float = 0.0  # accelerator-to-host link, GB/s per direction per device
+    host_gbps: float = 0.0  # host memory bandwidth the host optimizer update reaches, GB/s
+    gpu_tflops: float = 0.0  # dense bf16 TFLOP/s one device reaches on the model's step (8N accounting)
+    cores: int = 0  # CPU cores of the host update (the figures above are for 16)
+
+
+@dataclass(frozen=True)
 class CheckpointConfig:
     """Orbax checkpoints in `<run_dir>/checkpoints`: every `every` steps (0: only at the end and on
     preemption), keeping the newest `keep` plus every `keep_every`-th step (0: none)."""
@@ -201,6 +224,7 @@ class TrainConfig:
     fp16: FP16Config = field(default_factory=FP16Config)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    machine: MachineConfig = field(default_factory=MachineConfig)
 
     @property
     def schedule_steps(self) -> int:
@@ -224,6 +248,7 @@ SECTIONS: dict[str, type] = {
     "fp16": FP16Config,
     "checkpoint": CheckpointConfig,
     "logging": LoggingConfig,
+    "machine": MachineConfig,
 }
 TOP_LEVEL_KEYS = ("steps", "seed", "run_dir")
 
@@ -348,7 +373,9 @@ def validate(cfg: TrainConfig, num_devices: int | None = None) -> None:
         f"the model has {m.num_layers + 2} units (embedding, {m.num_layers} blocks, head), and with every "
         "unit's state on the accelerator use offload.optimizer=none.",
     )
-    if cfg.offload.device_state_units and cfg.offload.optimizer != "cpu":
+    # The combination rules below bind explicit values only: the planner decides an `auto` key
+    # consistently with the others (e.g. offload.params=cpu makes an auto offload.optimizer cpu).
+    if cfg.offload.device_state_units and cfg.offload.optimizer == "none":
         raise ConfigError(
             "offload.device_state_units only applies with offload.optimizer=cpu "
             f"(got offload.optimizer={cfg.offload.optimizer}): without it every unit's state is on the "
@@ -365,12 +392,12 @@ def validate(cfg: TrainConfig, num_devices: int | None = None) -> None:
             "offload.device_state_units needs offload.update=overlapped: units updated on the accelerator "
             "cannot run one update behind (set offload.device_state_units=0 for the delayed update)."
         )
-    if cfg.offload.resident_blocks and cfg.offload.params != "cpu":
+    if cfg.offload.resident_blocks and cfg.offload.params == "none":
         raise ConfigError(
             "offload.resident_blocks only applies with offload.params=cpu "
             f"(got offload.params={cfg.offload.params})."
         )
-    if cfg.offload.params == "cpu" and cfg.offload.optimizer != "cpu":
+    if cfg.offload.params == "cpu" and cfg.offload.optimizer == "none":
         raise ConfigError(
             "offload.params=cpu needs offload.optimizer=cpu: streamed weights are updated "
             "from host-resident fp32 masters (DeepSpeed's ZeRO-3 offload pairs them too)."
@@ -413,3 +440,10 @@ def validate(cfg: TrainConfig, num_devices: int | None = None) -> None:
         f"checkpoint.every={ck.every} and checkpoint.keep_every={ck.keep_every} must be >= 0, "
         f"checkpoint.keep={ck.keep} >= 1.",
     )
+    for f in dataclasses.fields(cfg.machine):
+        value = getattr(cfg.machine, f.name)
+        need(
+            math.isfinite(value) and value >= 0,
+            f"machine.{f.name}={value} must be a finite number >= 0 (0: detect, or the default for the "
+            "detected device).",
+        )

@@ -154,6 +154,8 @@ def plan_memory(
     # from the previous ones).
     copies = 2 if update.mode is UpdateMode.DELAYED else 1
     host = pinned = accelerator = two_pass = 0
+    # Two-pass updates take the first host units in forward order (after those on the accelerator).
+    host_index = -1
     for u in offload.units:
         n_u, w_u = params[u.kind], unsplit[u.kind]
         grad_u = grad if u.kind is UnitKind.BLOCK else 4  # embedding and head gradients: float32 sums
@@ -162,6 +164,7 @@ def plan_memory(
             # norm is known), one shard per device; nothing of it in host RAM.
             accelerator += per_device(n_u, w_u, 4 + opt + compute + grad_u, True)
             continue
+        host_index += 1
         # One shard per device of everything the host keeps or writes: 1/P of it in each process
         # (of an unsplittable array, a whole copy per local device in pinned memory).
         if u.weights is Tier.PINNED_HOST:  # streamed
@@ -170,7 +173,7 @@ def plan_memory(
             accelerator += copies * per_device(n_u, w_u, compute, True)  # one shard per device, any stage
             pinned += per_process(n_u, w_u, compute, True, copies=L)
         pinned += copies * per_process(n_u, w_u, grad_u, True, copies=L)
-        if u.position < update.two_pass.max_units:  # gradients kept until the second pass, a step on
+        if host_index < update.two_pass.max_units:  # gradients kept until the second pass, a step on
             two_pass += per_process(n_u, w_u, grad_u, True, copies=L)
         host += per_process(n_u, w_u, 4 + opt, True)  # masters and optimizer state
     pinned += two_pass + away
@@ -269,6 +272,11 @@ def check_host_fits(
         )
 
 
+def pinned_pool_minimum_gb(need: MemoryPlan) -> int:
+    """The smallest pinned pool a run of `need` may have, in GB: its pinned bytes plus 10% and 2 GB."""
+    return -(-need.pinned * 11 // (10 * 10**9)) + 2
+
+
 def configure_pinned_pool(need: MemoryPlan) -> int | None:
     """Size XLA's pinned host pool for `need` before the GPU backend starts; return the cap in GB.
 
@@ -282,7 +290,7 @@ def configure_pinned_pool(need: MemoryPlan) -> int | None:
     cap is too small, is an error that says what to set. (XLA reads the variable in GiB, so each cap
     holds about 7% more than the GB figures here.)
     """
-    need_gb = -(-need.pinned * 11 // (10 * 10**9)) + 2  # 10% headroom plus 2 GB, integer GB
+    need_gb = pinned_pool_minimum_gb(need)
     current = os.environ.get(PINNED_POOL_ENV)
     if current is not None:
         if float(current) < need_gb:

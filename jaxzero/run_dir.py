@@ -53,6 +53,7 @@ RESUMABLE = (
     "checkpoint.",
     "offload.",
     "parallel.",  # checkpoints restore at any stage and on any device count
+    "machine.",  # what the planner plans for: a run may move to another machine
     "optimizer.decay_steps",
     "data.check_tokens",
 )

@@ -64,7 +64,7 @@ from jaxzero.models.sizes import flops_per_token, param_count
 from jaxzero.overrides import help_text, layer, split_args
 from jaxzero.run_dir import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, RunKind
 from jaxzero.state import BREAKDOWN, StepMetrics, Trainer
-from jaxzero.trainer import build_trainer
+from jaxzero.trainer import decide_and_build
 
 EXIT_TRAINING, EXIT_CONFIG, EXIT_PREEMPTED, EXIT_INTERRUPTED = 1, 2, 3, 130
 
@@ -452,7 +452,9 @@ def train(cfg: TrainConfig, console: TextIO = sys.stdout) -> Path:
         cfg = resumed
     cfg = dataclasses.replace(cfg, run_dir=str(path))
     validate(cfg)
-    trainer = build_trainer(cfg)  # checks the mesh and memory; allocates and compiles nothing
+    # Checks the mesh and memory, and decides the offload keys left on auto; allocates and compiles
+    # nothing. `cfg` stays as the user wrote it (config.json keeps "auto"); `trainer.config` is decided.
+    trainer, decision = decide_and_build(cfg)
     # Every process has looked at the run directory before process 0 writes anything into it.
     distributed.barrier("run directory inspected", cfg.parallel.timeout_s)
     main_process = jax.process_index() == 0  # writes the run's files; every process checkpoints
@@ -470,6 +472,8 @@ def train(cfg: TrainConfig, console: TextIO = sys.stdout) -> Path:
         f"jaxzero: run_dir {path}: {what}",
         file=console,
     )
+    if decision is not None:
+        print("\n".join(f"jaxzero: {line}" for line in decision.table().splitlines()), file=console)
     for note in notes:
         print(note, file=console)
     if cfg.checkpoint.enabled:  # a first checkpoint that cannot fit is refused before any training

@@ -1,9 +1,10 @@
 """`build_trainer`: a `Trainer` built once from a `TrainConfig`, and the resident trainer.
 
-This is the library API. The config is resolved into an offload plan (`jaxzero.plan`), checked
-against host and accelerator memory (`jaxzero.memory`), and the plan picks the trainer: whether
-weights are resident or streamed from host memory is decided here, when the step function is built,
-never inside it:
+This is the library API. Offload keys left on `auto` are decided for the mesh's devices by the
+planner (`jaxzero.plan.planner`); the config is then resolved into an offload plan
+(`jaxzero.plan`), checked against host and accelerator memory (`jaxzero.memory`), and the plan
+picks the trainer: whether weights are resident or streamed from host memory is decided here, when
+the step function is built, never inside it:
 
     trainer = build_trainer(cfg)
     state = trainer.init(jax.random.key(cfg.seed))
@@ -17,17 +18,20 @@ tested against.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from functools import partial
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from jaxzero import memory, placement
-from jaxzero.config import TrainConfig, validate
+from jaxzero.config import ConfigError, TrainConfig, validate
 from jaxzero.loss_scale import all_finite, init_loss_scale, update_loss_scale
 from jaxzero.models import Model, ModelParams, build_model
 from jaxzero.models.sizes import param_count
@@ -41,7 +45,8 @@ from jaxzero.optim import (
     split_opt_state,
 )
 from jaxzero.overrides import apply_overrides
-from jaxzero.plan import OffloadPlan, resolve_plan
+from jaxzero.plan import OffloadPlan, planner, resolve_plan
+from jaxzero.plan.planner import Decision
 from jaxzero.state import StepMetrics, Trainer, TrainState, abstract_placed, with_checks
 
 
@@ -83,23 +88,40 @@ def build_trainer(cfg: TrainConfig | None = None, mesh: Mesh | None = None, **ov
     """Validate `cfg` against the mesh and memory, and build the trainer its offload plan asks for.
 
     `cfg` defaults to the built-in default run; keyword `overrides` change single keys, with `__` for
-    the dot: `build_trainer(model__name="gpt2-tiny", offload__optimizer="cpu")`. Nothing is allocated
-    or compiled here; `trainer.init` and the first `trainer.step` do that. A run that cannot fit in
-    host or accelerator memory fails here with the numbers (`jaxzero.memory`). The trainer's
+    the dot: `build_trainer(model__name="gpt2-tiny", offload__optimizer="cpu")`. Offload keys left on
+    `auto` (the default) are decided here by the planner (`jaxzero.plan.planner`) for the mesh's
+    devices, and `trainer.config` is the decided config. Nothing is allocated or compiled here;
+    `trainer.init` and the first `trainer.step` do that. A run that cannot fit in host or accelerator
+    memory fails here with the numbers (`jaxzero.memory`, or the planner's refusal). The trainer's
     `put_batch` and `put_eval_batch` check a batch's shape, dtype and token ids.
     """
     cfg = TrainConfig() if cfg is None else cfg
     if overrides:
         cfg = apply_overrides(cfg, {k.replace("__", "."): v for k, v in overrides.items()})
+    return decide_and_build(cfg, mesh)[0]
+
+
+def decide_and_build(cfg: TrainConfig, mesh: Mesh | None = None) -> tuple[Trainer, Decision | None]:
+    """`build_trainer` of `cfg`, with the planner's decision for its `auto` offload keys (None when
+    `cfg` names its placement itself): `python -m jaxzero.train` prints the decision's table."""
     validate(cfg)
-    plan = resolve_plan(cfg)
-    if plan.host_update is not None and mesh is None:  # before the first backend call, if this is
-        memory.configure_pinned_pool(memory.plan_memory(cfg, plan))  # it: the whole need bounds a share
+    if mesh is None:  # before the first backend call, if this is it: XLA fixes its pinned pool then
+        _size_pinned_pool(cfg)
     mesh = mesh if mesh is not None else placement.make_mesh()
     validate(cfg, num_devices=mesh.size)
     processes = placement.process_count(mesh)
+    sharing = placement.processes_on_this_host(mesh)  # a collective: every process calls it, here
+    device = mesh.local_devices[0]  # memory stats exist only for this process's devices
     shapes = jax.eval_shape(build_model(cfg.model).init, jax.random.key(0))
     whole = placement.whole_params(shapes, mesh.size)
+    decision = None
+    if not planner.concrete(cfg):
+        machine = planner.detect_machine(
+            cfg, device, devices=mesh.size, processes=processes, local_processes=sharing
+        )
+        decision = planner.decide(cfg, _agreed(machine), whole)
+        cfg = decision.config
+    plan = resolve_plan(cfg)
     need = memory.plan_memory(cfg, plan, devices=mesh.size, processes=processes, whole=whole)
     unsplit = whole[0] + cfg.model.num_layers * whole[1] + whole[2]
     if mesh.size > 1 and (plan.zero_stage or plan.host_update) and unsplit > 0.1 * param_count(cfg.model):
@@ -112,14 +134,61 @@ def build_trainer(cfg: TrainConfig | None = None, mesh: Mesh | None = None, **ov
         )
     if plan.host_update is not None:  # this process's share (a no-op if the pool was sized above)
         memory.configure_pinned_pool(need)
-    device = mesh.local_devices[0]  # memory stats exist only for this process's devices
-    warning = memory.check_fits(cfg, need, device, sharing=placement.processes_on_this_host(mesh))
+    warning = memory.check_fits(cfg, need, device, sharing=sharing)
     if warning:
         print(f"jaxzero: {warning}", file=sys.stderr)
     if plan.host_update is not None:
         reserve = memory.pinned_pool_reservation(need, device.platform)
-        return with_checks(build_offload_trainer(cfg, mesh, plan=plan, pinned_reserve=reserve))
-    return with_checks(build_resident_trainer(cfg, mesh, plan))
+        trainer = build_offload_trainer(cfg, mesh, plan=plan, pinned_reserve=reserve)
+    else:
+        trainer = build_resident_trainer(cfg, mesh, plan)
+    return with_checks(trainer), decision
+
+
+def _agreed(machine: planner.Machine) -> planner.Machine:
+    """`machine` with each figure a process may see differently (free memory, cores) at its least
+    over the run's processes, per process: every process then decides the same placement. (A
+    collective with several processes: every process calls it.)"""
+    if machine.processes == 1:
+        return machine
+    mine = [
+        machine.gpu_bytes or 0,
+        machine.host_share,
+        machine.host_bw / machine.local_processes,
+        machine.cores,
+    ]
+    # float32 in MiB and MB/s: exact enough, and what the collective carries without x64
+    scale = np.array([2**20, 2**20, 10**6, 1], np.float64)
+    every = multihost_utils.process_allgather((np.array(mine) / scale).astype(np.float32))  # (P, 4)
+    gpu, share, bw, cores = np.asarray(every, np.float64).min(axis=0) * scale
+    return dataclasses.replace(
+        machine,
+        gpu_bytes=None if machine.gpu_bytes is None else int(gpu),
+        host_bytes=int(share) * machine.local_processes,
+        host_bw=bw * machine.local_processes,
+        cores=int(cores),
+    )
+
+
+def _size_pinned_pool(cfg: TrainConfig) -> None:
+    """Size XLA's pinned host pool before JAX starts (`memory.configure_pinned_pool`): for the
+    offload plan `cfg` names, its whole need (which bounds any process's share); for one the
+    planner will decide once it sees the devices, the largest pinned need among the placements it
+    may choose."""
+    if planner.concrete(cfg):
+        plan = resolve_plan(cfg)
+        if plan.host_update is not None:
+            memory.configure_pinned_pool(memory.plan_memory(cfg, plan))
+        return
+    largest = planner.largest_pinned_need(cfg)
+    if largest is None or not largest.pinned:
+        return
+    try:
+        memory.configure_pinned_pool(largest)
+    except ConfigError:
+        # A pool fixed already (by the user, or a running backend) may still hold the placement
+        # decided: the planner counts its cap, and the decided need is checked against it below.
+        pass
 
 
 def build_resident_trainer(cfg: TrainConfig, mesh: Mesh, plan: OffloadPlan | None = None) -> Trainer:

@@ -162,9 +162,11 @@ def run_step_case(case: str, args) -> dict:
     from jaxzero.trainer import build_trainer
 
     zero3 = {"offload.optimizer": "cpu", "offload.params": "cpu"}
+    # Every case names its placement: the planner (offload.*=auto, the default) would choose its own.
+    zero_offload = {"offload.optimizer": "cpu", "offload.params": "none"}
     offload = {
-        "resident": {},
-        "zero-offload": {"offload.optimizer": "cpu"},
+        "resident": {"offload.optimizer": "none", "offload.params": "none"},
+        "zero-offload": zero_offload,
         "zero3-offload": {"offload.optimizer": "cpu", "offload.params": "cpu"},
         "zero3-delayed": {"offload.optimizer": "cpu", "offload.params": "cpu", "offload.update": "delayed"},
         "zero3-optax": {"offload.optimizer": "cpu", "offload.params": "cpu", "offload.fused_update": "false"},
@@ -179,7 +181,7 @@ def run_step_case(case: str, args) -> dict:
         "zero3-2pass22": {**zero3, "offload.two_pass_units": "22"},
         "zero3-2pass25": {**zero3, "offload.two_pass_units": "25"},
         "zero3-2pass28": {**zero3, "offload.two_pass_units": "28"},
-        "zero-offload-1pass": {"offload.optimizer": "cpu", "offload.two_pass_units": "0"},
+        "zero-offload-1pass": {**zero_offload, "offload.two_pass_units": "0"},
         # Fewer host update threads than cores (offload.host_threads; default one per core).
         "zero3-t15": {**zero3, "offload.host_threads": "15"},
         "zero3-t14": {**zero3, "offload.host_threads": "14"},

@@ -45,9 +45,11 @@ def test_trains_and_writes_run_dir(first_run):
         and cfg["run_dir"] == str(run_dir.absolute())  # a relative run_dir, resolved where it was given
         and cfg["offload"]
         == {
-            "params": "none",
-            "optimizer": "none",
+            "params": "auto",  # as the user wrote it: the planner's decision is not saved over it
+            "optimizer": "auto",
             "resident_blocks": 0,
+            "device_state_units": 0,
+            "activations": "none",
             "update": "overlapped",
             "speculative_units": 0,
             "two_pass_units": -1,

@@ -21,8 +21,14 @@ from jaxzero.overrides import apply_overrides, parse_args
         (["--optimizer.lr=0"], "optimizer.lr=0.0 must be > 0"),
         (["--optimizer.b2=1.0"], "must be in [0, 1)"),
         (["--optimizer.grad_clip=-1"], "optimizer.grad_clip=-1.0 must be >= 0"),
-        (["--offload.params=cpu"], "offload.params=cpu needs offload.optimizer=cpu"),
-        (["--offload.resident_blocks=2"], "offload.resident_blocks only applies with offload.params=cpu"),
+        (
+            ["--offload.params=cpu", "--offload.optimizer=none"],
+            "offload.params=cpu needs offload.optimizer=cpu",
+        ),
+        (
+            ["--offload.params=none", "--offload.resident_blocks=2"],
+            "offload.resident_blocks only applies with offload.params=cpu",
+        ),
         (
             ["--offload.optimizer=cpu", "--offload.params=cpu", "--offload.resident_blocks=9"],
             "offload.resident_blocks=9 exceeds model.num_layers=4",

@@ -11,10 +11,12 @@ from jaxzero.models.sizes import param_count, unit_param_counts
 from jaxzero.overrides import apply_overrides
 
 GiB = 2**30
+RESIDENT = {"offload.optimizer": "none", "offload.params": "none"}
 
 
 def cfg(**over) -> TrainConfig:
-    base = {"model.name": "llama-7b", "data.seq_len": "2048", "data.batch_size": "8"}
+    """Explicit placements (resident unless `over` says otherwise): what `plan_memory` counts."""
+    base = {"model.name": "llama-7b", "data.seq_len": "2048", "data.batch_size": "8", **RESIDENT}
     return apply_overrides(TrainConfig(), {**base, **{k.replace("__", "."): v for k, v in over.items()}})
 
 
@@ -174,7 +176,7 @@ def test_bf16_moments_cut_host_state_from_12_to_8_bytes_per_parameter():
 def test_zero_stages_divide_the_plan_per_device_and_per_process():
     """Resident: stage 3 splits every state byte over the devices, stage 0 none. Offloaded: each of
     2 processes holds half the host state; each device half the activations."""
-    base = {"model.name": "llama-1b", "data.batch_size": "8", "checkpoint.async_save": "false"}
+    base = {"model.name": "llama-1b", "data.batch_size": "8", "checkpoint.async_save": "false", **RESIDENT}
 
     def plan(devices, processes, **over):
         cfg = apply_overrides(TrainConfig(), {**base, **over})

@@ -64,7 +64,7 @@ def test_config_json_round_trip():
         (["--steps=ten"], "steps='ten' is not an integer"),
         (["--optimizer.lr=fast"], "optimizer.lr='fast' is not a number"),
         (["--logging.progress=maybe"], "is not a boolean; use true or false"),
-        (["--offload.params=gpu"], "offload.params='gpu' is not one of ['none', 'cpu']"),
+        (["--offload.params=gpu"], "offload.params='gpu' is not one of ['auto', 'none', 'cpu']"),
         (["--model.name=llama-9000b"], "unknown model.name 'llama-9000b'. Valid names:"),
         (["steps=3"], "cannot parse argument 'steps=3'"),
         (["--config=/nonexistent.toml"], "config file '/nonexistent.toml' does not exist"),
@@ -117,7 +117,7 @@ def test_help_lists_every_key_with_its_type_default_and_meaning():
         assert f"--{key}  (" in text, key
         cls = SECTIONS[section] if section else TrainConfig
         assert field_meanings(cls).get(name), f"{key} has no comment in jaxzero/config.py to explain it"
-    assert "--offload.params  (none | cpu, default 'none')" in text
+    assert "--offload.params  (auto | none | cpu, default 'auto')" in text
     # a section's description is its docstring's whole first paragraph, not its first line
     assert (
         "[checkpoint] Orbax checkpoints in `<run_dir>/checkpoints`: every `every` steps (0: only at the end "

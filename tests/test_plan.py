@@ -18,7 +18,9 @@ ZERO3 = {"offload.optimizer": "cpu", "offload.params": "cpu"}
 
 
 def cfg(**over) -> TrainConfig:
-    return apply_overrides(TrainConfig(), {"model.num_layers": "4", **over})
+    """Explicit placements (resident unless `over` says otherwise): `resolve_plan` reads no `auto`."""
+    base = {"model.num_layers": "4", "offload.optimizer": "none", "offload.params": "none"}
+    return apply_overrides(TrainConfig(), {**base, **over})
 
 
 def test_resident_plan_keeps_everything_on_the_accelerator():
@@ -67,7 +69,7 @@ def test_device_state_units_are_the_first_in_forward_order():
     [
         (["--offload.optimizer=cpu", "--offload.device_state_units=6"], "must be in [0, 5]"),
         (
-            ["--offload.device_state_units=1"],
+            ["--offload.optimizer=none", "--offload.device_state_units=1"],
             "offload.device_state_units only applies with offload.optimizer=cpu",
         ),
         (

@@ -1,0 +1,274 @@
+"""The placement planner: what it chooses on machines described by their figures, what it refuses and
+with which advice, its cost model against the steps BENCHMARKS.md measured, the CLI, and the
+trainer it builds on this machine (CPU)."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from jaxzero import memory, placement
+from jaxzero.config import ConfigError, TrainConfig, validate
+from jaxzero.data import build_data
+from jaxzero.memory import GiB, plan_memory
+from jaxzero.overrides import apply_overrides
+from jaxzero.plan import Tier, planner, resolve_plan
+from jaxzero.plan.__main__ import main as plan_main
+from jaxzero.plan.planner import H200, Machine, concrete, decide, detect_machine, predict
+from jaxzero.trainer import build_trainer
+
+BENCH = {"model.name": "llama-3.4b-bench", "data.seq_len": "2048", "data.batch_size": "8"}
+RESIDENT = {"offload.optimizer": "none", "offload.params": "none"}
+ZERO_OFFLOAD = {"offload.optimizer": "cpu", "offload.params": "none"}
+ZERO3 = {"offload.optimizer": "cpu", "offload.params": "cpu"}
+
+
+def cfg(**over: str) -> TrainConfig:
+    return apply_overrides(TrainConfig(), {**BENCH, **over})
+
+
+def h200(gpu_gib: float, host_gib: float = 125) -> Machine:
+    """An H200 box's rates (the planner's measured defaults) with these memories."""
+    return Machine(int(gpu_gib * GiB), int(host_gib * GiB), H200.link, H200.link, H200.host_bw, H200.flops)
+
+
+def test_resident_when_everything_fits_the_gpu():
+    d = decide(cfg(), h200(139))
+    assert d.plan.mode == "resident" and d.config.offload.optimizer == d.config.offload.params == "none"
+    assert d.bottleneck == "GPU compute" and concrete(d.config) and not concrete(cfg())
+    assert "embed, blocks 0-27, head: weights GPU, state GPU (updated on GPU)" in d.table()
+
+
+def test_zero_offload_keeps_part_of_the_state_on_a_gpu_too_small_for_all_of_it():
+    """60 GiB: the resident step (50 GiB of state + 12 of activations) does not fit; the bf16 weights
+    and the state of the first units do, and they hide the host update of the rest."""
+    d = decide(cfg(), h200(60))
+    k = d.config.offload.device_state_units
+    assert d.plan.mode == "ZeRO-Offload" and 0 < k < 30 and d.plan.streamed_blocks == 0
+    assert [u.state for u in d.plan.units] == [Tier.DEVICE] * k + [Tier.HOST] * (30 - k)
+    assert d.memory.accelerator_state + d.memory.activations <= 60 * GiB
+    assert f"offload.device_state_units={k}" in d.decided
+    table = d.table()
+    assert f"embed, blocks 0-{k - 2}: weights GPU, state GPU (updated on GPU)" in table
+    assert f"blocks {k - 1}-27, head: weights GPU, state host RAM (updated on CPU)" in table
+    # More units on the GPU would not be faster: the step is the GPU's already.
+    assert d.step_s == pytest.approx(d.prediction.gpu_s) and d.bottleneck == "GPU compute"
+
+
+def test_zero3_streams_the_weights_when_they_do_not_fit():
+    d = decide(cfg(), h200(14))
+    assert d.plan.mode == "ZeRO-3 offload" and d.plan.streamed_blocks > 0
+    assert d.config.offload.params == d.config.offload.optimizer == "cpu"
+    assert "weights streamed from pinned host, state host RAM (updated on CPU)" in d.table()
+
+
+def test_two_pass_updates_are_turned_off_when_only_that_fits():
+    """Adaptive two-pass updates keep every unit's gradients pinned a step longer: 119 GiB of host RAM
+    for ZeRO-3 here, 104 GiB without."""
+    assert decide(cfg(), h200(14, 125)).config.offload.two_pass_units == -1
+    d = decide(cfg(), h200(14, 110))
+    assert d.config.offload.two_pass_units == 0 and "offload.two_pass_units=0" in d.decided
+    assert d.memory.host <= 110 * GiB and d.plan.host_update.two_pass.max_units == 0
+    # Asked for explicitly, adaptive two-pass updates stay: the explicit placement does not fit.
+    with pytest.raises(ConfigError, match="as configured"):
+        decide(cfg(**ZERO3), h200(14, 110))
+
+
+def test_block_inputs_move_to_pinned_memory_only_where_the_gpu_cannot_hold_them():
+    """A GPU sized between the full-offload step with block inputs kept and with them in pinned host
+    memory: only the latter fits, and the link then carries them both ways (the cost model's link
+    term). Where everything fits, they stay on the GPU."""
+    assert decide(cfg(), h200(139)).config.offload.activations == "none"
+    long = cfg(**{"data.seq_len": "16384", "model.max_seq_len": "16384", "data.batch_size": "1"})
+    streamed = apply_overrides(long, ZERO3)
+    away = apply_overrides(streamed, {"offload.activations": "cpu"})
+    on_gpu = [plan_memory(c, resolve_plan(c)) for c in (streamed, away)]
+    kept_gib, away_gib = ((n.accelerator_state + n.activations) / GiB for n in on_gpu)
+    assert away_gib < kept_gib - 1
+    d = decide(long, h200((kept_gib + away_gib) / 2, 250))
+    assert d.config.offload.activations == "cpu" and d.plan.offloads_activations
+    assert "offload.activations=cpu" in d.decided and "block inputs: wait" in d.table()
+    kept = dataclasses.replace(d.config, offload=dataclasses.replace(d.config.offload, activations="none"))
+    assert predict(d.config, d.plan, d.machine).link_s > predict(kept, resolve_plan(kept), d.machine).link_s
+    # An explicit placement is the user's: the planner leaves the inputs where they are (and warns).
+    explicit = decide(streamed, h200((kept_gib + away_gib) / 2, 250))
+    assert explicit.config.offload.activations == "none" and explicit.warning
+
+
+def test_explicit_settings_are_honoured():
+    explicit = cfg(**ZERO3, **{"offload.resident_blocks": "2"})
+    d = decide(explicit, h200(139))  # resident would fit and be faster: not the planner's to choose
+    assert d.config == explicit and d.decided == () and d.plan.streamed_blocks == 26
+    # offload.optimizer=cpu alone: all state in host RAM (no units' state on the GPU), params decided.
+    d = decide(cfg(**{"offload.optimizer": "cpu"}), h200(139))
+    assert d.plan.mode == "ZeRO-Offload" and d.plan.device_state_units == 0
+    assert d.decided == ("offload.params=none",)
+    # offload.params=cpu decides the optimizer's tier (it must be cpu) and the units on the GPU.
+    d = decide(cfg(**{"offload.params": "cpu"}), h200(139))
+    assert d.plan.mode == "ZeRO-3 offload" and d.config.offload.optimizer == "cpu"
+
+
+def test_auto_keys_pass_validation_and_machine_keys_are_checked():
+    validate(cfg(**{"offload.params": "cpu"}))  # the optimizer is the planner's: cpu
+    validate(cfg(**{"offload.resident_blocks": "3"}))  # params is the planner's: cpu
+    with pytest.raises(ConfigError, match="offload.params=cpu needs offload.optimizer=cpu"):
+        validate(cfg(**{"offload.params": "cpu", "offload.optimizer": "none"}))
+    with pytest.raises(ConfigError, match=r"machine.gpu_gib=-1.0 must be a finite number >= 0"):
+        validate(cfg(**{"machine.gpu_gib": "-1"}))
+
+
+def test_refusal_says_what_was_needed_and_what_would_fit():
+    with pytest.raises(ConfigError) as e:
+        decide(
+            cfg(**{"model.name": "llama-13b", "data.batch_size": "16", "checkpoint.async_save": "false"}),
+            h200(139),
+        )
+    text = str(e.value)
+    assert "llama-13b (13.02B parameters) at 16 x 2048 tokens per step does not fit" in text
+    assert "GiB of GPU memory per device" in text and "139.0 GiB available" in text
+    assert "of host RAM per process (125.0 GiB available)" in text
+    assert "To fit it, add more host RAM:" in text and "or a GPU with" in text
+    assert "With this model data.batch_size=15 fits" in text
+    assert "the largest named model that fits with these settings is llama-7b (6.74B parameters)" in text
+    assert "It fits with optimizer.state_dtype=bfloat16" in text
+    # A model whose state fits no batch size.
+    with pytest.raises(ConfigError, match="no data.batch_size fits, not even 1"):
+        decide(cfg(**{"model.name": "llama-30b"}), h200(139))
+
+
+def test_cost_model_matches_the_measured_steps():
+    """The model against BENCHMARKS.md's steps on one H200 (the defaults' box), within 20%: a fixed
+    tolerance, documented in `jaxzero.plan.planner`. Each case is (overrides, measured s/step)."""
+    machine = detect_machine(
+        cfg(**{"machine.gpu_gib": "139", "machine.host_gib": "125", "machine.cores": "16"})
+    )
+    assert (machine.h2d, machine.host_bw, machine.gpu_flops) == (H200.link, H200.host_bw, H200.flops)
+    big = {"data.batch_size": "16"}
+    bf16_7b = {"model.name": "llama-7b", "optimizer.state_dtype": "bfloat16", "offload.two_pass_units": "0"}
+    cases = [
+        (RESIDENT, 0.774),  # issue 2
+        (ZERO_OFFLOAD, 1.20),  # 1.15-1.25 s, issue 4's repeat runs
+        (ZERO3, 1.20),
+        ({**ZERO3, "offload.two_pass_units": "0"}, 1.34),  # one pass: 1.28-1.39 s
+        ({**ZERO3, "offload.update": "delayed"}, 0.84),  # 0.815-0.863 s
+        ({**ZERO3, "optimizer.grad_clip": "0"}, 1.029),  # issue 13, one GPU without clipping
+        ({**RESIDENT, **big}, 1.455),  # 32K tokens, measurements.md
+        ({**ZERO3, **big}, 1.762),
+        ({**ZERO_OFFLOAD, **big}, 1.723),
+        ({**ZERO3, **big, **bf16_7b}, 3.55),  # the 6.7B model, measurements.md
+        ({**ZERO3, **bf16_7b}, 2.769),  # at 16K tokens, issue 4 (the model's worst: -18%)
+        ({**RESIDENT, **big, "model.name": "llama-7b"}, 2.89),
+    ]
+    for over, measured in cases:
+        c = cfg(**over)
+        predicted = predict(c, resolve_plan(c), machine).step_s
+        assert abs(predicted / measured - 1) <= 0.20, (over, predicted, measured)
+
+
+def test_the_bottleneck_is_named():
+    machine = h200(139)
+    parts = {
+        name: predict(cfg(**over), resolve_plan(cfg(**over)), machine).bottleneck
+        for name, over in {
+            "resident": RESIDENT,
+            "zero3": ZERO3,
+            "one pass": {**ZERO3, "offload.two_pass_units": "0"},
+        }.items()
+    }
+    assert parts == {
+        "resident": "GPU compute",
+        "zero3": "host update",
+        "one pass": "host update before the forward",
+    }
+    slow_link = dataclasses.replace(machine, h2d=2e9, d2h=2e9)
+    assert predict(cfg(**ZERO3), resolve_plan(cfg(**ZERO3)), slow_link).bottleneck == "link"
+
+
+def test_the_pinned_pool_sized_before_jax_starts_holds_any_choice():
+    largest = planner.largest_pinned_need(cfg())
+    # ZeRO-3 offload with the block inputs in pinned memory: what pins the most
+    most = cfg(**ZERO3, **{"offload.activations": "cpu"})
+    assert largest is not None and largest.pinned == plan_memory(most).pinned
+    for gpu in (60, 14):
+        assert decide(cfg(), h200(gpu)).memory.pinned <= largest.pinned
+    assert planner.largest_pinned_need(cfg(**{"offload.optimizer": "none"})) is None
+
+
+def test_a_fixed_pinned_pool_is_a_limit():
+    """Once XLA's pool is fixed (a backend running), a placement that needs more pinned memory does not
+    fit: here adaptive two-pass updates (28 GB of pool) against a 20 GB cap."""
+    capped = dataclasses.replace(h200(14), pinned_limit_gb=20.0)
+    d = decide(cfg(), capped)
+    assert d.config.offload.two_pass_units == 0 and memory.pinned_pool_minimum_gb(d.memory) <= 20
+
+
+def test_plan_cli_prints_the_table_and_refuses_with_status_2(capsys, monkeypatch):
+    def no_backend():
+        raise AssertionError("the plan CLI started a backend although machine.gpu_gib was given")
+
+    monkeypatch.setattr(jax, "local_devices", no_backend)
+    box = ["--machine.gpu_gib=139", "--machine.host_gib=125", "--machine.cores=16"]
+    assert plan_main(["--model.name=llama-7b", "--data.batch_size=8", "--data.seq_len=2048", *box]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("plan for llama-7b: 6.74B parameters, 8 x 2048 = 16,384 tokens per step")
+    assert "placement: resident" in out and "GPU memory   139.0 GiB per device (machine.gpu_gib" in out
+    assert "predicted step:" in out and "bottleneck: GPU compute" in out
+    assert plan_main(["--model.name=llama-20b", "--data.batch_size=8", "--data.seq_len=2048", *box]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jaxzero: config error: llama-20b") and "the largest named model that fits" in err
+    assert plan_main(["--offload.params=gpu"]) == 2  # the arguments are train's, checked the same way
+
+
+def test_cpu_backend_plans_with_host_ram_as_the_device_memory():
+    machine = detect_machine(TrainConfig(), jax.devices()[0])
+    assert machine.gpu_bytes is None and machine.kind == "CPU" and machine.pinned_limit_gb is None
+    assert decide(TrainConfig(), machine).plan.mode == "resident"
+    small = dataclasses.replace(machine, host_bytes=1 * GiB)
+    with pytest.raises(ConfigError, match="of RAM on this CPU-only machine .* more RAM"):
+        decide(cfg(), small)
+
+
+def tiny(**over: str) -> TrainConfig:
+    return apply_overrides(
+        TrainConfig(), {"model.num_layers": "2", "data.seq_len": "32", "data.batch_size": "4", **over}
+    )
+
+
+def one_step(trainer) -> float:
+    c = trainer.config
+    state = trainer.init(jax.random.key(0))
+    state, m = trainer.step(
+        state, trainer.put_batch(next(build_data(c.data, c.model.vocab_size, 0).train_iter()))
+    )
+    return float(m.loss)
+
+
+def test_build_trainer_decides_the_defaults_and_trains():
+    trainer = build_trainer(tiny(), placement.make_mesh(jax.devices()[:1]))
+    assert (trainer.config.offload.optimizer, trainer.config.offload.params) == ("none", "none")
+    assert trainer.plan.mode == "resident" and np.isfinite(one_step(trainer))
+
+
+def test_build_trainer_offloads_for_a_small_gpu_and_trains():
+    """Planned for a GPU (machine.gpu_gib) too small for the resident state, the trainer built on this
+    CPU backend is an offloaded one, and it trains."""
+    resident = plan_memory(tiny(**RESIDENT))
+    streamed = plan_memory(tiny(**ZERO3))
+    gib = (
+        resident.accelerator_state + resident.activations + streamed.accelerator_state + streamed.activations
+    ) / 2
+    trainer = build_trainer(
+        tiny(**{"machine.gpu_gib": str(gib / GiB)}), placement.make_mesh(jax.devices()[:1])
+    )
+    assert trainer.plan.host_update is not None and concrete(trainer.config)
+    assert np.isfinite(one_step(trainer))
+
+
+def test_build_trainer_leaves_an_explicit_placement_to_the_memory_check(monkeypatch):
+    def no_planner(*args, **kwargs):
+        raise AssertionError("the planner ran for an explicit placement")
+
+    monkeypatch.setattr(planner, "decide", no_planner)
+    trainer = build_trainer(tiny(**ZERO3), placement.make_mesh(jax.devices()[:1]))
+    assert trainer.plan.mode == "ZeRO-3 offload"
