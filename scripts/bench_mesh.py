@@ -7,6 +7,8 @@ TFLOP/s (8N) for the job and per GPU, peak GPU memory and host RSS per process.
 
     python scripts/bench_mesh.py --case=zero3-offload --model=llama-3.4b-bench --batch_per_gpu=8 --seq=2048
     python scripts/bench_mesh.py --variants=1gpu,2gpu-2proc --set optimizer.state_dtype=bfloat16
+    python scripts/bench_mesh.py --variants=1gpu@resident,1gpu@auto --mem_fraction=0.3 \
+        --set machine.gpu_gib=40
 
 Variants: `1gpu` (CUDA_VISIBLE_DEVICES=0), `Ngpu-1proc` (one process over N GPUs), `Ngpu-Nproc` (one
 process per GPU, joined through jax.distributed on localhost, each on its own equal share of the cores
@@ -63,6 +65,8 @@ def run_variant(name: str, args, index: int) -> dict:
         env = dict(os.environ)
         per = n_gpu // n_proc
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in range(pid * per, (pid + 1) * per))
+        if args.mem_fraction:
+            env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(args.mem_fraction)
         if n_proc > 1:
             env.update(
                 JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
@@ -108,11 +112,17 @@ def run_variant(name: str, args, index: int) -> dict:
         "host_rss_gib": [r["host_rss_gib"] for r in results],
         "plan_gpu_gib": results[0].get("plan_gpu_gib"),
         "plan_host_gib": results[0].get("plan_host_gib"),
+        "plan_step_s": results[0].get("plan_step_s"),
         "plan": results[0].get("plan"),
         "losses": results[0]["losses"],
         "breakdown": results[0].get("breakdown", {}),
         "per_process_step_s": [r["step_s"] for r in results],
     }
+
+
+def _off(measured: float, planned: float) -> str:
+    """How far a measurement is from the plan's figure, as a signed percentage."""
+    return f"{measured / planned - 1:+.0%}" if planned else "no plan"
 
 
 def main() -> None:
@@ -126,6 +136,13 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--bind_cores", default="true", choices=["true", "false"])
+    ap.add_argument(
+        "--mem_fraction",
+        type=float,
+        default=0.0,
+        help="XLA_PYTHON_CLIENT_MEM_FRACTION for every process: a smaller card, with --set machine.gpu_gib "
+        "telling the planner the same size (0: XLA's default)",
+    )
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     results = [run_variant(v, args, i) for i, v in enumerate(args.variants.split(","))]
@@ -157,10 +174,12 @@ def main() -> None:
     for r in ok:
         if r.get("plan_gpu_gib") is not None:
             gpu, host = r["plan_gpu_gib"], r["plan_host_gib"]
+            step, rss = r["plan_step_s"], r["host_rss_gib"][0]
             print(
-                f"{r['variant']:12} GPU plan {gpu:6.1f} measured {r['gpu_peak_gib']:6.1f} GiB "
-                f"({r['gpu_peak_gib'] / gpu - 1:+.0%}) | host plan {host:6.1f} measured "
-                f"{r['host_rss_gib'][0]:6.1f} GiB ({r['host_rss_gib'][0] / host - 1:+.0%}) | {r['plan']}"
+                f"{r['variant']:12} step predicted {step:6.3f} measured {r['step_s']:6.3f} s "
+                f"({_off(r['step_s'], step)}) | GPU plan {gpu:6.1f} measured {r['gpu_peak_gib']:6.1f} GiB "
+                f"({_off(r['gpu_peak_gib'], gpu)}) | host plan {host:6.1f} measured {rss:6.1f} GiB "
+                f"({_off(rss, host)}) | {r['plan']}"
             )
     for r in ok:
         if r["breakdown"]:

@@ -52,6 +52,7 @@ STEP_CASES = [
     "zero-offload-1pass",
     "zero3-t15",
     "zero3-t14",
+    "auto",
 ]
 HOST_CASES = ["host-phases"]
 
@@ -166,6 +167,8 @@ def run_step_case(case: str, args) -> dict:
     zero_offload = {"offload.optimizer": "cpu", "offload.params": "none"}
     offload = {
         "resident": {"offload.optimizer": "none", "offload.params": "none"},
+        # The planner's choice for this machine (offload.*=auto; machine.* may describe a smaller card).
+        "auto": {},
         "zero-offload": zero_offload,
         "zero3-offload": {"offload.optimizer": "cpu", "offload.params": "cpu"},
         "zero3-delayed": {"offload.optimizer": "cpu", "offload.params": "cpu", "offload.update": "delayed"},
@@ -257,8 +260,16 @@ def _predicted(trainer) -> dict:
 
     from jaxzero import memory, placement
     from jaxzero.models import build_model
+    from jaxzero.plan import planner
 
     mesh = trainer.mesh
+    machine = planner.detect_machine(
+        trainer.config,
+        mesh.local_devices[0],
+        devices=mesh.size,
+        processes=placement.process_count(mesh),
+        local_processes=placement.processes_on_this_host(mesh),
+    )
     shapes = jax.eval_shape(build_model(trainer.config.model).init, jax.random.key(0))
     need = memory.plan_memory(
         trainer.config,
@@ -270,6 +281,8 @@ def _predicted(trainer) -> dict:
     return {
         "plan_gpu_gib": (need.accelerator_state + need.activations) / 2**30,
         "plan_host_gib": need.host / 2**30,
+        # The planner's cost model for the same placement on the machine it detects (or machine.*).
+        "plan_step_s": planner.predict(trainer.config, trainer.plan, machine).step_s,
         "plan": trainer.plan.describe(trainer.config.optimizer.name, f"{mesh.size} devices"),
     }
 
