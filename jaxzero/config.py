@@ -195,7 +195,9 @@ class CheckpointConfig:
     keep_every: int = 0  # also keep every keep_every-th step's; 0: none
     # Verify each checkpoint's files against checksums written at save before restoring from it.
     verify: bool = True
-    async_save: bool = True  # snapshot to host RAM, write in the background; false: block, no copy
+    # Snapshot to host RAM, write in the background; false: block, no copy. With offload.* on auto the
+    # planner turns it off where only that fits, and says so.
+    async_save: bool = True
 
 
 @dataclass(frozen=True)

@@ -480,7 +480,8 @@ def train(cfg: TrainConfig, console: TextIO = sys.stdout) -> Path:
         ensure_room(path, state_bytes(trainer.abstract_saved_state()), "a checkpoint of this run")
     val_batches = data.val_batches(cfg.logging.eval_batches)
     t_start = time.perf_counter()
-    ckpt = Checkpointer(path, cfg.checkpoint) if run.kind is RunKind.RESUME else None
+    # The trainer's checkpoint settings: the planner may have turned the snapshot off to fit.
+    ckpt = Checkpointer(path, trainer.config.checkpoint) if run.kind is RunKind.RESUME else None
     try:
         begin = start(cfg, trainer, data, ckpt, console, main_process)
     except BaseException:
@@ -503,7 +504,7 @@ def train(cfg: TrainConfig, console: TextIO = sys.stdout) -> Path:
     if main_process:
         run_dir_lib.write_atomic(path / CONFIG_FILE, cfg.to_json() + "\n")
     if ckpt is None and cfg.checkpoint.enabled:
-        ckpt = Checkpointer(path, cfg.checkpoint)
+        ckpt = Checkpointer(path, trainer.config.checkpoint)
     bar = ProgressBar(cfg.steps, cfg.logging.progress and main_process)
     log = LogWindow(cfg, trainer, begin, val_batches, console, bar, t_start, main_process)
     state, batches = begin.state, begin.batches

@@ -96,6 +96,19 @@ def test_block_inputs_move_to_pinned_memory_only_where_the_gpu_cannot_hold_them(
     assert explicit.config.offload.activations == "none" and explicit.warning
 
 
+def test_checkpoints_block_rather_than_refuse_when_only_that_fits():
+    """The asynchronous save's snapshot holds 12 bytes per parameter of host RAM (40 GiB here): where
+    nothing fits beside it, the planner makes saves blocking, says so, and the run keeps it."""
+    lean = decide(cfg(), h200(14, 80))
+    assert not lean.config.checkpoint.async_save and "checkpoint.async_save=false" in lean.decided
+    assert "checkpoints: written while training waits" in lean.table()
+    assert lean.memory.host <= 80 * GiB
+    assert decide(cfg(), h200(14, 125)).config.checkpoint.async_save  # room for it: kept
+    # An explicit placement is the user's: refused as configured, with the setting named.
+    with pytest.raises(ConfigError, match="checkpoint.async_save=false"):
+        decide(cfg(**ZERO3), h200(14, 80))
+
+
 def test_explicit_settings_are_honoured():
     explicit = cfg(**ZERO3, **{"offload.resident_blocks": "2"})
     d = decide(explicit, h200(139))  # resident would fit and be faster: not the planner's to choose

@@ -21,7 +21,9 @@ The candidates (only keys the user left open are decided; explicit ones are hono
 updates keep gradients in pinned memory a step longer. `offload.activations` left at none becomes cpu
 (block inputs wait in pinned host memory) for an offloaded placement that fits only so: the copies
 cost link time, (L - 1) block inputs each way per step, which the cost model's link term counts.
-K, R, the two-pass count and the activations' place are decided only while the mode is
+When nothing fits, and checkpoints are on and asynchronous, the search runs once more with blocking
+saves (`checkpoint.async_save=false`: no snapshot of the masters and moments in host RAM) before it
+refuses. K, R, the two-pass count and the activations' place are decided only while the mode is
 (`offload.params` or `offload.optimizer` auto, `resident_blocks` / `device_state_units` left at 0).
 
 Fit: the accelerator must hold its state plus the activation estimate per device; the host, the
@@ -639,6 +641,11 @@ class Decision:
             f"placement: {self.plan.mode} ({chosen})",
         ]
         lines += [f"  {label}: {text}" for label, text in _unit_runs(self.plan, accel)]
+        if cfg.checkpoint.enabled and not cfg.checkpoint.async_save:
+            lines.append(
+                "  checkpoints: written while training waits (checkpoint.async_save=false: no snapshot of "
+                "the state in host RAM)"
+            )
         if self.plan.offloads_activations:
             lines.append(
                 "  block inputs: wait for the backward pass in pinned host memory (all but the last)"
@@ -750,8 +757,13 @@ def decide(cfg: TrainConfig, machine: Machine, whole: tuple[int, int, int] = (0,
     what would fit (a batch size, a named model size, more host RAM or a larger GPU, settings)."""
     search = _Search(cfg, machine, whole)
     fitting = search.fitting()
+    refused = search
+    blocking = _blocking(search)
+    if not fitting and blocking is not None:
+        search = _Search(blocking, machine, whole)
+        fitting = search.fitting()
     if not fitting:
-        raise ConfigError(_refusal(search))
+        raise ConfigError(_refusal(refused))
     fastest = min(search.predict(e).step_s for e in fitting)
     as_fast = [e for e in fitting if search.predict(e).step_s <= fastest * (1 + PREFER_SIMPLER)]
     chosen = min(as_fast, key=lambda e: e.option.rank)
@@ -768,6 +780,8 @@ def decide(cfg: TrainConfig, machine: Machine, whole: tuple[int, int, int] = (0,
         for k in DECIDED_KEYS
         if getattr(given, k) == "auto" or getattr(given, k) != getattr(placed, k)
     )
+    if chosen.cfg.checkpoint.async_save != cfg.checkpoint.async_save:
+        decided += ("checkpoint.async_save=false",)
     return Decision(chosen.cfg, chosen.plan, chosen.need, search.predict(chosen), machine, decided, warning)
 
 
@@ -816,12 +830,27 @@ def _variant(cfg: TrainConfig, **sections: dict[str, object]) -> TrainConfig:
     )
 
 
+def _blocking(search: _Search) -> TrainConfig | None:
+    """The search's config with blocking checkpoint saves, where the planner may choose them: before
+    refusing, saves that make training wait keep no snapshot of the masters and moments in host RAM
+    (12 bytes per parameter for AdamW); a save then costs time once, not memory every step."""
+    cfg, ck = search.cfg, search.cfg.checkpoint
+    if not (search.strict and ck.enabled and ck.async_save):
+        return None
+    return dataclasses.replace(cfg, checkpoint=dataclasses.replace(ck, async_save=False))
+
+
 def _fits(cfg: TrainConfig, machine: Machine, whole: tuple[int, int, int] = (0, 0, 0)) -> bool:
+    """Whether `decide` would find a placement for `cfg` (blocking saves included, where it may)."""
     try:
         validate(cfg)
     except ConfigError:
         return False
-    return _Search(cfg, machine, whole).fits_somehow()
+    search = _Search(cfg, machine, whole)
+    blocking = _blocking(search)
+    return search.fits_somehow() or (
+        blocking is not None and _Search(blocking, machine, whole).fits_somehow()
+    )
 
 
 def _refusal(search: _Search) -> str:
