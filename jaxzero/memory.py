@@ -20,7 +20,8 @@ into the next step: up to 2|4 more. The delayed update keeps two steps' gradient
 the compute weights. With `offload.activations=cpu` the blocks' saved inputs but the last's wait in
 pinned host memory, and the accelerator holds three of them at most. Units whose state
 `offload.device_state_units` keeps on the accelerator count as resident ones there: masters, state,
-weights and their gradients, and nothing on the host.)
+weights and their gradients; on the host, with checkpoints on, their masters and state once more,
+since a save copies them to host RAM and a restore reads them there first.)
 An asynchronous checkpoint (`checkpoint.async_save`, the default) snapshots masters and optimizer
 state into host RAM while it writes: 4 + 8 more bytes per parameter of host memory during a save.
 Offloaded runs also get an allowance of 1.25x their pinned bytes (`PINNED_ALLOWANCE`).
@@ -163,6 +164,10 @@ def plan_memory(
             # Updated on the accelerator: masters, state, weights and the gradient (kept until the
             # norm is known), one shard per device; nothing of it in host RAM.
             accelerator += per_device(n_u, w_u, 4 + opt + compute + grad_u, True)
+            # A checkpoint save copies its masters and state to host RAM, and a restore reads them
+            # there first: the host holds them then.
+            if cfg.checkpoint.enabled:
+                host += per_process(n_u, w_u, 4 + opt, True)
             continue
         host_index += 1
         # One shard per device of everything the host keeps or writes: 1/P of it in each process

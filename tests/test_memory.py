@@ -87,6 +87,11 @@ def test_units_with_state_on_the_accelerator_move_their_bytes_there():
     )
     # ... for the accelerator (which no longer holds the embedding's bf16 weights as a host unit's).
     assert mixed.accelerator_state - host_only.accelerator_state == on_device - 2 * e
+    # With checkpoints, a save copies their masters and state to host RAM and a restore reads them
+    # there: the host holds them then (blocking saves: no snapshot of the rest).
+    saving = dict(**base, offload__device_state_units="3", checkpoint__async_save="false")
+    with_saves = memory.plan_memory(cfg(**saving))
+    assert with_saves.host - mixed.host == (4 + 8) * (e + 2 * b)
 
 
 def test_block_inputs_in_pinned_host_leave_three_on_the_accelerator():

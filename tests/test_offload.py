@@ -190,6 +190,11 @@ def test_units_with_state_on_the_accelerator_keep_it_there(mode):
         else:
             for x in jax.tree.leaves((u.params, u.opt_state)):
                 assert x.devices() == {host}, k
+    # A step frees the old weights of the units it updates on the accelerator (never two copies there).
+    old = [x for unit in units[:on_device] for x in jax.tree.leaves(unit.result().weights)]
+    state, _ = trainer.step(state, trainer.put_batch(next(build_data(cfg.data, 256, 0).train_iter())))
+    assert all(x.is_deleted() for x in old)
+    units = [state.units.embed, *state.units.blocks, state.units.head]
     # A checkpoint sees every unit as host state, whatever the plan: its layout never depends on it.
     saved = trainer.saved_state(state)
     assert {x.sharding.mesh.devices.flat[0] for x in jax.tree.leaves(saved)} == {host}

@@ -142,9 +142,11 @@ def test_refusal_says_what_was_needed_and_what_would_fit():
     assert "GiB of GPU memory per device" in text and "139.0 GiB available" in text
     assert "of host RAM per process (125.0 GiB available)" in text
     assert "To fit it, add more host RAM:" in text and "or a GPU with" in text
-    assert "With this model data.batch_size=15 fits" in text
+    # A save or restore copies the GPU-state units' masters and moments to host RAM: no batch fits.
+    assert "With this model no data.batch_size fits, not even 1" in text
     assert "the largest named model that fits with these settings is llama-7b (6.74B parameters)" in text
-    assert "It fits with optimizer.state_dtype=bfloat16" in text
+    with pytest.raises(ConfigError, match=r"It fits with optimizer.state_dtype=bfloat16"):
+        decide(cfg(**{"model.name": "llama-13b"}), h200(139))
     # A model whose state fits no batch size.
     with pytest.raises(ConfigError, match="no data.batch_size fits, not even 1"):
         decide(cfg(**{"model.name": "llama-30b"}), h200(139))

@@ -29,7 +29,7 @@ from jaxzero.loss_scale import init_loss_scale, update_loss_scale
 from jaxzero.models import ModelParams, build_model, init_keys
 from jaxzero.offload.device_update import DeviceOptimizer, rows_on_host
 from jaxzero.offload.futures import OffloadState, done, weights_of
-from jaxzero.offload.host_memory import global_from_local, reserve_pinned
+from jaxzero.offload.host_memory import global_from_local, release, reserve_pinned
 from jaxzero.offload.host_optimizer import HostOptimizer, HostUnit
 from jaxzero.offload.pipeline import Submitted, UpdatePipeline
 from jaxzero.offload.streaming import StreamedModel
@@ -167,7 +167,11 @@ def build_offload_trainer(
         updated: list[HostUnit | None] = [None] * len(units)
         for u in on_device:
             k = u.position
-            updated[k] = device.update(u, units[k].result(), g[k], norm, loss_scale)
+            old = units[k].result()
+            updated[k] = device.update(u, old, g[k], norm, loss_scale)
+            # The old weights go now (once the pass that read them is done), not when the caller
+            # drops the old state: the accelerator never holds two copies.
+            release(old.weights)
         return updated
 
     def step(state: OffloadState, batch: jax.Array) -> tuple[OffloadState, StepMetrics]:
