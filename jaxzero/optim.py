@@ -98,6 +98,29 @@ def build_optimizer(
     return opt
 
 
+def unit_optimizers(cfg: OptimizerConfig, total_steps: int, masters_shape: ModelParams) -> ModelParams:
+    """The transformation of each kind of unit, for updating one unit at a time: `ModelParams(embed,
+    blocks, head)` with one transformation for every block, each with its unit's weight-decay mask
+    and without clipping (the caller scales by the global norm: `scaled_update`)."""
+    mask = weight_decay_mask(masters_shape, cfg.decay_norms_biases_embeddings)
+    return ModelParams(
+        embed=build_optimizer(cfg, total_steps, clip=False, mask=mask.embed),
+        blocks=build_optimizer(cfg, total_steps, clip=False, mask=mask.blocks[0]),  # blocks share one
+        head=build_optimizer(cfg, total_steps, clip=False, mask=mask.head),
+    )
+
+
+def scaled_update(
+    tx: optax.GradientTransformation, masters: Any, opt_state: Any, grads: Any, gmul: jax.Array
+) -> tuple[Any, Any]:
+    """One unit's step of `tx` (from `unit_optimizers`): its gradient sums, upcast to float32, times
+    `gmul` (averaging, loss scale and clipping in one factor), applied to its float32 masters.
+    Returns the new masters and optimizer state."""
+    g = jax.tree.map(lambda x: x.astype(jnp.float32) * gmul, grads)
+    updates, opt_state = tx.update(g, opt_state, masters)
+    return optax.apply_updates(masters, updates), opt_state
+
+
 def scale_by_adam_stored_as(
     dtype: jnp.dtype, *, b1: float, b2: float, eps: float
 ) -> optax.GradientTransformation:

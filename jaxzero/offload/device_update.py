@@ -22,13 +22,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from jaxzero.config import OptimizerConfig
 from jaxzero.models import ModelParams
 from jaxzero.offload.host_memory import local_shards, place
 from jaxzero.offload.host_optimizer import HostUnit
-from jaxzero.optim import build_optimizer, weight_decay_mask
+from jaxzero.optim import scaled_update, unit_optimizers
 from jaxzero.placement import DEVICE, OffloadPlacement
 from jaxzero.plan import Tier, UnitKind, UnitPlan
 
@@ -55,8 +54,7 @@ class DeviceOptimizer:
         compute = jnp.dtype(plan.compute_dtype)
         skips_nonfinite = plan.host_update is not None and plan.host_update.skips_nonfinite
         max_norm = np.float32(cfg.grad_clip)
-        mask = weight_decay_mask(masters_shape, cfg.decay_norms_biases_embeddings)
-        masks = {UnitKind.EMBED: mask.embed, UnitKind.BLOCK: mask.blocks[0], UnitKind.HEAD: mask.head}
+        txs = unit_optimizers(cfg, total_steps, masters_shape)
         self._shapes = {
             UnitKind.EMBED: masters_shape.embed,
             UnitKind.BLOCK: masters_shape.blocks[0],
@@ -68,7 +66,7 @@ class DeviceOptimizer:
         self.targets: dict[UnitKind, tuple[Any, Any, Any]] = {}  # masters, opt_state, weights shardings
 
         for kind in {u.kind for u in plan.units if u.state is Tier.DEVICE}:
-            tx = build_optimizer(cfg, total_steps, clip=False, mask=masks[kind])
+            tx = getattr(txs, kind.value)
             shapes = self._shapes[kind]
             masters_at = placement.split(shapes, DEVICE)
             state_at = placement.split(jax.eval_shape(tx.init, shapes), DEVICE)
@@ -80,9 +78,7 @@ class DeviceOptimizer:
                 gmul = jnp.float32(1.0) / jnp.float32(grad_accum) / scale
                 if max_norm > 0:
                     gmul = jnp.where(norm < max_norm, gmul, gmul / norm * max_norm)
-                g = jax.tree.map(lambda x: x.astype(jnp.float32) * gmul, grads)
-                updates, new_state = tx.update(g, opt_state, masters)
-                new_masters = optax.apply_updates(masters, updates)
+                new_masters, new_state = scaled_update(tx, masters, opt_state, grads, gmul)
                 if skips_nonfinite:  # float16 overflow: this step changes nothing
                     keep = jnp.isfinite(norm)
                     new_masters, new_state = jax.tree.map(

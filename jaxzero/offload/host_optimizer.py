@@ -43,7 +43,7 @@ from jaxzero.models import ModelParams
 from jaxzero.offload import host_kernels as hk
 from jaxzero.offload.host_kernels import Pass
 from jaxzero.offload.host_memory import PinnedStaging, copy_to, host_view, local_shards, place, release
-from jaxzero.optim import build_optimizer, learning_rate_schedule, weight_decay_mask
+from jaxzero.optim import learning_rate_schedule, scaled_update, unit_optimizers, weight_decay_mask
 from jaxzero.placement import PINNED_HOST, OffloadPlacement
 from jaxzero.plan import Tier, UnitKind, UnitPlan
 
@@ -147,11 +147,7 @@ class HostOptimizer:
             blocks=jax.tree.map(lambda m: cfg.weight_decay if m else 0.0, mask.blocks[0]),
             head=jax.tree.map(lambda m: cfg.weight_decay if m else 0.0, mask.head),
         )
-        self.tx = ModelParams(
-            embed=build_optimizer(cfg, total_steps, clip=False, mask=mask.embed),
-            blocks=build_optimizer(cfg, total_steps, clip=False, mask=mask.blocks[0]),  # blocks share one
-            head=build_optimizer(cfg, total_steps, clip=False, mask=mask.head),
-        )
+        self.tx = unit_optimizers(cfg, total_steps, masters_shape)
         self.rule = hk.FusedRule.of(cfg) if update.fused else None
         self.threads = update.threads
         self.pool = PriorityPool(self.threads, "jaxzero-host-update")
@@ -169,9 +165,7 @@ class HostOptimizer:
 
         def make_update(tx: optax.GradientTransformation):
             def update(masters, opt_state, grads, gmul):
-                g = jax.tree.map(lambda x: x.astype(jnp.float32) * gmul, grads)
-                updates, opt_state = tx.update(g, opt_state, masters)
-                masters = optax.apply_updates(masters, updates)
+                masters, opt_state = scaled_update(tx, masters, opt_state, grads, gmul)
                 weights = jax.tree.map(lambda p: p.astype(self.compute_dtype), masters)
                 return masters, opt_state, weights
 
