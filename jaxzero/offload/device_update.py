@@ -25,7 +25,7 @@ import numpy as np
 
 from jaxzero.config import OptimizerConfig
 from jaxzero.models import ModelParams
-from jaxzero.offload.host_memory import local_shards, place
+from jaxzero.offload.host_memory import local_views, place
 from jaxzero.offload.host_optimizer import HostUnit
 from jaxzero.optim import scaled_update, unit_optimizers
 from jaxzero.placement import DEVICE, OffloadPlacement
@@ -126,9 +126,5 @@ def rows_on_host(x: jax.Array, host: jax.sharding.Sharding) -> jax.Array:
     """This process's rows of an accelerator array (its devices' shards one after the other, or the
     whole of a replicated one) as one array on `host` (the CPU backend): how host state is kept, and
     how a checkpoint sees it. Copies device to host (a host sync)."""
-    shards = local_shards(x)
-    if x.is_fully_replicated:
-        shards = shards[:1]
-    with jax.transfer_guard_device_to_host("allow"):
-        rows = [np.asarray(s) for s in shards]
+    rows = local_views(x)  # of an accelerator array: a copy each
     return jax.device_put(np.concatenate(rows) if len(rows) > 1 else rows[0], host)
