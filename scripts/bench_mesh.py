@@ -156,7 +156,8 @@ def main() -> None:
         return
     one = next((r for r in ok if r["gpus"] == 1), None)
     print(
-        f"\n--case={args.case} (a variant's @case replaces it), model {args.model} ({ok[0]['params'] / 1e9:.2f}B), {args.batch_per_gpu}x{args.seq} "
+        f"\n--case={args.case} (a variant's @case replaces it), model {args.model} "
+        f"({ok[0]['params'] / 1e9:.2f}B), {args.batch_per_gpu}x{args.seq} "
         f"tokens per GPU per step, {ok[0]['device']}"
     )
     print(
