@@ -335,3 +335,46 @@ def test_two_processes_set_a_damaged_checkpoint_aside_once(tmp_path: Path) -> No
     assert out.count("moved unreadable checkpoint 3") == 1, out[-3000:]
     assert re.search(r"\[0\] jaxzero: resumed from \S+/checkpoints/2\b", out), out[-3000:]
     assert (tmp_path / "run" / "checkpoints-unreadable" / "3").is_dir()
+
+
+@pytest.mark.slow
+def test_two_processes_with_blocking_saves_restore_every_checkpoint_and_resume(tmp_path: Path) -> None:
+    """Blocking saves (checkpoint.async_save=false) over 2 processes: several periodic saves and the
+    final one (not on the period) all commit, each with its checksums; every checkpoint restores to
+    its own step and data position, and a relaunch resumes from the last and saves past it (a step
+    saved twice, or one a process's Orbax manager counts as saved already, fails the run)."""
+    blocking = ["--checkpoint.async_save=false", "--checkpoint.every=2", "--checkpoint.keep=10"]
+    launched = ["--nproc=2", "--cpu_devices_per_proc=2", "--", *TINY, *blocking, "--run_dir=run"]
+    first = _launch(*launched, "--steps=5", cwd=tmp_path)
+    out, _ = first.communicate(timeout=300)
+    assert first.returncode == 0 and "[0] jaxzero: done: step 5" in out, out[-3000:]
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()) == [2, 4, 5]
+
+    import jax  # the checkpoints restore in this process too, on one device
+
+    from jaxzero import build_trainer, placement
+
+    trainer = build_trainer(
+        mesh=placement.make_mesh(jax.devices()[:1]),
+        model__num_layers=2,
+        model__compute_dtype="float32",
+        data__seq_len=32,
+        data__batch_size=8,
+    )
+    positions = []
+    for step in (2, 4, 5):
+        json.loads((checkpoints / str(step) / "checksums.json").read_text())  # written, whole
+        state, restored_step, data_state = trainer.restore(tmp_path / "run", step=step)
+        assert restored_step == step and int(jax.device_get(state.step)) == step
+        assert data_state is not None
+        positions.append((data_state.epoch, data_state.cursor))
+    assert positions == sorted(set(positions))  # each its own step's data position
+
+    second = _launch(*launched, "--steps=7", cwd=tmp_path)
+    out, _ = second.communicate(timeout=300)
+    assert second.returncode == 0, out[-3000:]
+    assert re.search(r"\[0\] jaxzero: resumed from \S+/checkpoints/5\b", out), out[-3000:]
+    assert "[0] jaxzero: done: step 7" in out and "StepAlreadyExists" not in out, out[-3000:]
+    assert sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()) == [2, 4, 5, 6, 7]
+    assert [r["step"] for r in _records(tmp_path / "run")] == list(range(1, 8))
