@@ -9,8 +9,8 @@ never after minutes of initialisation. Byte counts per parameter, by where the s
     optimizer state (AdamW)        8  accelerator  8  host RAM                8  host RAM
     compute-dtype weights          -  (cast per    2  accelerator             2  pinned host (streamed)
                                        block)
-    gradients (blocks)             4  accelerator  2|4 pinned host            2|4 pinned host
-    gradients (embed, head)        4  accelerator  4  pinned host             4  pinned host
+    gradients (blocks)             2|4 accelerator 2|4 pinned host            2|4 pinned host
+    gradients (embed, head)        2|4 accelerator 4  pinned host             4  pinned host
     weights staging                -               2  pinned host             2  pinned host (embed/head)
 
 (gradients leave in the compute dtype with one micro-batch, as float32 sums with several; the host
@@ -24,7 +24,11 @@ weights and their gradients; on the host, with checkpoints on, their masters and
 since a save copies them to host RAM and a restore reads them there first.)
 An asynchronous checkpoint (`checkpoint.async_save`, the default) snapshots masters and optimizer
 state into host RAM while it writes: 4 + 8 more bytes per parameter of host memory during a save.
-Offloaded runs also get an allowance of 1.25x their pinned bytes (`PINNED_ALLOWANCE`).
+The pinned bytes of an offloaded run live in XLA's pinned pool, which takes host RAM by regions of
+powers of two (`pinned_pool_bytes`). Activations are the saved block inputs and the larger of the
+head's and a block's backward transients (`transient_activations`); a resident run's gradients take
+the place of the block inputs as its backward pass frees them. A GPU process holds about
+`GPU_PROCESS_RSS` more of its own.
 
 Over a mesh of D devices in P processes (`devices`, `processes`), the figures are per process (host
 RAM, pinned) and per device (accelerator): what the ZeRO stage shards divides by D on the
@@ -41,9 +45,9 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any
+from typing import Any, NamedTuple
 
-from jaxzero.config import ConfigError, TrainConfig
+from jaxzero.config import ConfigError, ModelConfig, TrainConfig
 from jaxzero.models.sizes import NAMED_SIZES, param_count, unit_param_counts
 from jaxzero.plan import OffloadPlan, Tier, UnitKind, UpdateMode, resolve_plan
 
@@ -51,9 +55,16 @@ GiB = 2**30
 PINNED_POOL_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
 PINNED_POOL_DEFAULT_GB = 64  # XLA's GPU client default cap on pinned_host allocations
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "lion": 4, "sgd": 4}
-# Host RAM past the arrays' sum, as a multiple of the pinned bytes: XLA's pinned pool grows by
-# regions that double in size, and the runtime keeps buffers of its own (fitted in BENCHMARKS.md).
-PINNED_ALLOWANCE = Fraction(5, 4)
+# XLA's pinned pool is a BFC allocator that grows by regions of 2 MiB doubled until one holds the
+# request, each at most what its cap leaves; jaxzero's start-up reservation makes one such region.
+POOL_FIRST_REGION = 2 * 2**20
+# What a GPU process holds in host RAM besides its arrays and pools (the CUDA context, XLA, Python):
+# the RSS of resident runs, whose state is all on the GPU (BENCHMARKS.md, issue 14).
+GPU_PROCESS_RSS = 5 * GiB
+# The start-up reservation asks for this much more than the pinned arrays, so that the region it makes
+# holds them with the allocator's fragmentation; a region filled to the brim (99.4%: BENCHMARKS.md)
+# grew a second one.
+POOL_SLACK = Fraction(1, 50)
 # On a CPU backend, where one RAM holds everything: an asynchronous save holds the writer's buffers
 # besides the snapshot, and XLA:CPU keeps buffers of its own beside the state.
 CPU_SNAPSHOT_ALLOWANCE = Fraction(3, 2)
@@ -80,19 +91,42 @@ class MemoryPlan:
         )
 
 
+class Transient(NamedTuple):
+    """Bytes one device holds for one micro-batch while a unit's backward runs, past its inputs."""
+
+    block: int  # a block's rematerialised backward: recomputed intermediates and their gradients
+    head: int  # the head's float32 logits, their softmax and gradient
+
+
+def transient_activations(m: ModelConfig, micro_tokens: int) -> Transient:
+    """The transient terms of the activation estimate for `micro_tokens` tokens of one micro-batch on
+    one device, fitted to the temporaries XLA compiles for them on an H200 (within 6% for the
+    3.4B-20B Llamas; `scripts/bench_activations.py` prints both): a block's backward holds its q, k, v
+    and their gradients, two more of the width of the hidden state, and four of the MLP's; the
+    head's, the float32 logits and their gradient, and the gradient it returns."""
+    compute = 2 if m.compute_dtype == "bfloat16" else 4
+    kv = m.hidden_size * m.num_kv_heads // m.num_heads
+    widths = 2 * (m.hidden_size + 2 * kv) + 2 * m.hidden_size + 4 * m.intermediate_size
+    block = micro_tokens * widths * compute
+    head = micro_tokens * (2 * m.vocab_size * 4 + m.hidden_size * compute)
+    return Transient(block=block, head=head)
+
+
 def plan_memory(
     cfg: TrainConfig,
     offload: OffloadPlan | None = None,
     devices: int = 1,
     processes: int = 1,
     whole: tuple[int, int, int] = (0, 0, 0),
+    pool_cap: int | None = None,
 ) -> MemoryPlan:
     """Bytes each memory must hold for `cfg` placed by `offload` (default: `resolve_plan(cfg)`) over
     `devices` devices in `processes` processes: host figures per process, accelerator figures per
     device; see the module docstring for the accounting. `whole`: parameters of the (embedding, one
     block, head) that no stage splits, their arrays' first axes not dividing by `devices`
     (`placement.whole_params`): every device and every process holds those whole, and each
-    process's pinned memory one copy per local device."""
+    process's pinned memory one copy per local device. `pool_cap`: XLA's pinned pool cap in bytes
+    where it is fixed already (default: the one jaxzero sets for this plan when it starts JAX)."""
     offload = resolve_plan(cfg) if offload is None else offload
     D, P = devices, processes  # noqa: N806
     L = D // P  # noqa: N806 - devices per process
@@ -131,24 +165,34 @@ def plan_memory(
     if offload.offloads_activations:
         # All but the last block's leave; at most one leaving and one coming back at a time.
         away, saved_inputs = (m.num_layers - 1) * block_input * L, min(m.num_layers, 3) * block_input
-    # One block's live intermediates for one micro-batch (q/k/v/attn out, MLP up/gate/act, their
-    # gradients) and the float32 logits with their gradient.
-    block_transient = micro_tokens * (8 * m.hidden_size + 4 * m.intermediate_size) * compute * 2
-    logits = 3 * micro_tokens * m.vocab_size * 4
-    activations = saved_inputs + block_transient + logits
+    # The saved block inputs, and the larger of the two phases that run over them (the head's loss
+    # and gradient, then each block's backward); the phases never overlap.
+    transient = transient_activations(m, micro_tokens)
+    activations = saved_inputs + max(transient.block, transient.head)
 
     saving = cfg.checkpoint.enabled and cfg.checkpoint.async_save
     snapshot = per_process(n, n_whole, 4 + opt, offload.shards_state) if saving else 0
     update = offload.host_update
     if update is None:
-        state = (
-            per_device(n, n_whole, 4, offload.shards_weights)
-            + per_device(n, n_whole, opt, offload.shards_state)
-            + per_device(n, n_whole, 4, offload.shards_grads)
-        )
+        # One micro-batch's gradients stay in the compute dtype (XLA fuses their cast to float32 into
+        # the norm and the update) and appear as the backward pass frees the block inputs, so the
+        # peak holds the larger of the two; several micro-batches sum into float32 beside them.
+        grads = per_device(n, n_whole, compute if d.grad_accum == 1 else 4, offload.shards_grads)
+        state = per_device(n, n_whole, 4, offload.shards_weights)
+        state += per_device(n, n_whole, opt, offload.shards_state)
+        if d.grad_accum == 1:
+            activations = max(0, activations - grads)
         return MemoryPlan(
-            host=snapshot, pinned=0, accelerator_state=state, activations=activations, devices=D, processes=P
+            host=snapshot,
+            pinned=0,
+            accelerator_state=state + grads,
+            activations=activations,
+            devices=D,
+            processes=P,
         )
+    # The head's float32 gradient is on the accelerator while the head's phase runs, and leaves.
+    head_grad = per_device(n_head, unsplit[UnitKind.HEAD], 4, True)
+    activations = saved_inputs + max(transient.block, transient.head + head_grad)
 
     # The delayed update keeps two copies of the compute weights (the pass reads one while the host
     # writes the next) and two steps' gradients (the next pass's land while the host still updates
@@ -183,7 +227,7 @@ def plan_memory(
         host += per_process(n_u, w_u, 4 + opt, True)  # masters and optimizer state
     pinned += two_pass + away
     spares = update.speculative_units * per_process(max(params.values()), max(whole), 4 + opt, True)
-    host += pinned + snapshot + int(pinned * PINNED_ALLOWANCE) + spares
+    host += pinned_pool_bytes(pinned, L, pool_cap) + snapshot + spares
     streamed = offload.streamed_blocks
     in_flight = 3 if streamed else 0  # the block computing, the one prefetched, a gradient leaving
     accelerator += in_flight * n_block * max(compute, grad)
@@ -209,6 +253,18 @@ def host_memory_available() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def process_rss() -> int:
+    """Bytes this process holds in RAM now (VmRSS), or 0 if unknown."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def largest_fitting(
@@ -277,6 +333,35 @@ def check_host_fits(
         )
 
 
+def pinned_pool_cap_gb(pinned: int) -> int:
+    """The pool jaxzero gives a run of `pinned` bytes when it starts JAX: 25% and 2 GB more, in the
+    GB figure XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB takes (which XLA reads as GiB)."""
+    return -(-pinned * 5 // (4 * 10**9)) + 2
+
+
+def pinned_pool_bytes(pinned: int, local_devices: int = 1, cap: int | None = None) -> int:
+    """Host RAM that XLA's pinned pool takes once `pinned` bytes are reserved in it at start-up, split
+    over `local_devices` (`host_memory.reserve_pinned`): each device's share grows the pool by one
+    region, a power of two from `POOL_FIRST_REGION` up, clipped by what the cap leaves (`cap`, bytes:
+    by default the one `configure_pinned_pool` sets for this `pinned`). The run's pinned arrays then
+    live inside those regions."""
+    if not pinned:
+        return 0
+    cap = pinned_pool_cap_gb(pinned) * GiB if cap is None else cap
+    share = -(-pinned_pool_reservation_bytes(pinned) // local_devices)
+    region = POOL_FIRST_REGION
+    while region < share:
+        region *= 2
+    return min(local_devices * region, cap)
+
+
+def pinned_pool_cap() -> int | None:
+    """XLA's pinned pool cap in bytes where the environment fixes it (set by the user, or by
+    `configure_pinned_pool`), else None."""
+    value = os.environ.get(PINNED_POOL_ENV)
+    return int(float(value) * GiB) if value else None
+
+
 def pinned_pool_minimum_gb(need: MemoryPlan) -> int:
     """The smallest pinned pool a run of `need` may have, in GB: its pinned bytes plus 10% and 2 GB."""
     return -(-need.pinned * 11 // (10 * 10**9)) + 2
@@ -319,12 +404,17 @@ def configure_pinned_pool(need: MemoryPlan) -> int | None:
             f"{PINNED_POOL_ENV}={need_gb} in the environment before JAX starts (e.g. before the first "
             "jax.devices() call)."
         )
-    pool_gb = max(need_gb, -(-need.pinned * 5 // (4 * 10**9)) + 2)
+    pool_gb = max(need_gb, pinned_pool_cap_gb(need.pinned))
     os.environ[PINNED_POOL_ENV] = _pool_set_here[PINNED_POOL_ENV] = str(pool_gb)
     return pool_gb
 
 
 _pool_set_here: dict[str, str] = {}  # what `configure_pinned_pool` set in this process's environment
+
+
+def pinned_pool_reservation_bytes(pinned: int) -> int:
+    """What the start-up reservation asks of the pool for `pinned` bytes of arrays: `POOL_SLACK` more."""
+    return int(pinned * (1 + POOL_SLACK))
 
 
 def pinned_pool_reservation(need: MemoryPlan, platform: str) -> int:
@@ -336,8 +426,8 @@ def pinned_pool_reservation(need: MemoryPlan, platform: str) -> int:
     it is created, which stalls the step that creates it for seconds. One allocation of what the
     run will hold creates the region at start-up instead (a copy of that many bytes: seconds), and
     the steady state then allocates inside it. The region is capped by the pool's size
-    (`configure_pinned_pool`)."""
-    return need.pinned if platform == "gpu" else 0
+    (`configure_pinned_pool`), and made a little larger than the need (`POOL_SLACK`)."""
+    return pinned_pool_reservation_bytes(need.pinned) if platform == "gpu" else 0
 
 
 def _backends_started() -> bool:

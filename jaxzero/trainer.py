@@ -122,7 +122,9 @@ def decide_and_build(cfg: TrainConfig, mesh: Mesh | None = None) -> tuple[Traine
         decision = planner.decide(cfg, _agreed(machine), whole)
         cfg = decision.config
     plan = resolve_plan(cfg)
-    need = memory.plan_memory(cfg, plan, devices=mesh.size, processes=processes, whole=whole)
+    need = memory.plan_memory(
+        cfg, plan, devices=mesh.size, processes=processes, whole=whole, pool_cap=memory.pinned_pool_cap()
+    )
     unsplit = whole[0] + cfg.model.num_layers * whole[1] + whole[2]
     if mesh.size > 1 and (plan.zero_stage or plan.host_update) and unsplit > 0.1 * param_count(cfg.model):
         print(

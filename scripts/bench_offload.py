@@ -277,10 +277,13 @@ def _predicted(trainer) -> dict:
         devices=mesh.size,
         processes=placement.process_count(mesh),
         whole=placement.whole_params(shapes, mesh.size),
+        pool_cap=memory.pinned_pool_cap(),
     )
+    own = memory.GPU_PROCESS_RSS if mesh.local_devices[0].platform == "gpu" else 0
     return {
         "plan_gpu_gib": (need.accelerator_state + need.activations) / 2**30,
-        "plan_host_gib": need.host / 2**30,
+        # the process's RSS: its arrays and pools, and what a GPU process holds of its own
+        "plan_host_gib": (need.host + own) / 2**30,
         # The planner's cost model for the same placement on the machine it detects (or machine.*).
         "plan_step_s": planner.predict(trainer.config, trainer.plan, machine).step_s,
         "plan": trainer.plan.describe(trainer.config.optimizer.name, f"{mesh.size} devices"),

@@ -103,30 +103,43 @@ def build_offload_trainer(
             reserve_pinned(pinned_reserve, where.pool)
             pinned_reserve = 0
 
-    def start(masters: ModelParams, opt_state: ModelParams | None) -> ModelParams:
+    def start(
+        masters: ModelParams, opt_state: ModelParams | None, started: dict[int, HostUnit] | None = None
+    ) -> ModelParams:
         """Every unit as a `HostUnit`, from this process's host blocks of its masters and optimizer
         state (None: fresh): host units stay where they are, units the plan keeps on the accelerator
-        are copied there."""
+        are copied there, unless `started` has them there already (by position)."""
         reserve_pool()
         opt_state = host.init(masters) if opt_state is None else opt_state
         weights = host.compute_weights(masters)
         units = [HostUnit(*u) for u in zip(*(_flat(t) for t in (masters, opt_state, weights)))]
         for u in on_device:  # opt_state None: fresh (`host.init` leaves these units to the accelerator)
-            units[u.position] = device.start(u, units[u.position].params, units[u.position].opt_state)
+            if started and u.position in started:
+                units[u.position] = started[u.position]
+            else:
+                units[u.position] = device.start(u, units[u.position].params, units[u.position].opt_state)
         return _unflat(units)
 
-    def fresh(masters: ModelParams) -> OffloadState:
+    def fresh(masters: ModelParams, started: dict[int, HostUnit] | None = None) -> OffloadState:
         step = put(np.zeros((), np.int32), where.device) if fp16 else jax.device_put(np.int32(0), where.host)
         scale = new_loss_scale() if fp16 else None
-        return OffloadState.of_units(step, start(masters, None), scale)
+        return OffloadState.of_units(step, start(masters, None, started), scale)
 
     def init(key: jax.Array) -> OffloadState:
         # Created on the host directly: the key moves to the CPU backend, never the state to the GPU.
         k_embed, k_blocks, k_head = keys(jax.device_put(key, where.host))
-        masters = ModelParams(
-            init_unit.embed(k_embed), tuple(init_unit.blocks(k) for k in k_blocks), init_unit.head(k_head)
-        )
-        return fresh(masters)
+        made = [(init_unit.embed, k_embed), *((init_unit.blocks, k) for k in k_blocks)]
+        made.append((init_unit.head, k_head))
+        # A unit the accelerator keeps goes there as soon as it is made, so that host RAM never holds
+        # every unit's masters at once (the plan counts only the host units').
+        reserve_pool()  # before the first copy to the accelerator, which may stage in the pool
+        masters, started = [], {}
+        for u, (f, k) in zip(plan.units, made):
+            m = f(k)
+            if u.state is Tier.DEVICE:
+                started[u.position], m = device.start(u, m), None
+            masters.append(m)
+        return fresh(ModelParams(masters[0], tuple(masters[1:-1]), masters[-1]), started)
 
     def init_from_params(params: ModelParams) -> OffloadState:
         # NumPy (or fully addressable) float32 masters -> this process's block on the CPU backend

@@ -213,7 +213,10 @@ def detect_machine(
         gpu_bytes = int(pick("gpu_gib", mc.gpu_gib, GiB, capacity or 0, detected))
         if by_size:
             sources["gpu_gib"] += f"; {kind.kind} by its size"
-    host_bytes = int(pick("host_gib", mc.host_gib, GiB, memory.host_memory_available(), "detected"))
+    # Detected: what is free now, and what this host's processes of the run hold already (each about
+    # what this one does), since the need counts the whole process.
+    free = memory.host_memory_available() + local_processes * memory.process_rss()
+    host_bytes = int(pick("host_gib", mc.host_gib, GiB, free, "detected"))
     cores = int(pick("cores", mc.cores, 1, available_cores(), "detected"))
     # The defaults hold for the 16-core boxes they were measured on; fewer cores reach less.
     scaled = kind.host_bw * min(1.0, cores / MEASURED_CORES) ** 0.5
@@ -457,6 +460,12 @@ class _Search:
         k = o.device_state_units
         decide_k = o.optimizer == "auto" and not k and o.update == "overlapped"
         self.k_range = range(layers + 2) if decide_k else range(k, k + 1)
+        # XLA's pinned pool cap, which bounds the regions its pool grows by: fixed already, or the one
+        # the run will set (for the largest pinned need among its options, while they are open).
+        self.pool_cap = None if machine.pinned_limit_gb is None else int(machine.pinned_limit_gb * GiB)
+        largest = largest_pinned_need(cfg) if self.pool_cap is None and self.strict else None
+        if largest is not None and largest.pinned:
+            self.pool_cap = memory.pinned_pool_cap_gb(largest.pinned) * GiB
         r = o.resident_blocks
         self.r_range = range(layers) if o.params == "auto" and not r else range(r, r + 1)
         self.modes: list[tuple[str, str]] = []  # (offload.optimizer, offload.params)
@@ -479,7 +488,7 @@ class _Search:
             return None
         plan = resolve_plan(cfg)
         mc = self.machine
-        need = memory.plan_memory(cfg, plan, mc.devices, mc.processes, self.whole)
+        need = memory.plan_memory(cfg, plan, mc.devices, mc.processes, self.whole, self.pool_cap)
         local = mc.devices // mc.processes
         if mc.gpu_bytes is None:  # one RAM holds everything, counted as `memory.check_fits` does
             state = int(
@@ -490,7 +499,9 @@ class _Search:
             host_need = state + local * need.activations
             host_state_short = max(0, state - mc.host_share)
         else:
-            gpu_need, host_need = need.accelerator_state + need.activations, need.host
+            # the process's RSS: its arrays and pools, and what a GPU process holds of its own
+            gpu_need = need.accelerator_state + need.activations
+            host_need = need.host + memory.GPU_PROCESS_RSS
             gpu_short = max(0, gpu_need - mc.gpu_bytes)
             state_short = max(0, need.accelerator_state - mc.gpu_bytes)
             host_state_short = max(0, host_need - mc.host_share)
@@ -668,8 +679,9 @@ class Decision:
             if need.pinned:
                 lines.append(f"  pinned host     {_gib(need.pinned)} (part of host RAM; {pool})")
             lines.append(
-                f"  host RAM        {_gib(need.host)} of {_gib(mc.host_share)} (per process: masters and "
-                "optimizer state, pinned buffers with XLA's allowance, checkpoint snapshot)"
+                f"  host RAM        {_gib(need.host + memory.GPU_PROCESS_RSS)} of {_gib(mc.host_share)} (per "
+                "process: masters and optimizer state, XLA's pinned pool, checkpoint snapshot, and "
+                f"{_gib(memory.GPU_PROCESS_RSS)} for the process itself)"
             )
         else:
             local = mc.devices // mc.processes
