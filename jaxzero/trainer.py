@@ -105,7 +105,8 @@ def decide_and_build(cfg: TrainConfig, mesh: Mesh | None = None) -> tuple[Traine
     """`build_trainer` of `cfg`, with the planner's decision for its `auto` offload keys (None when
     `cfg` names its placement itself): `python -m jaxzero.train` prints the decision's table."""
     validate(cfg)
-    if mesh is None:  # before the first backend call, if this is it: XLA fixes its pinned pool then
+    if mesh is None:  # before the first backend call, if this is it: XLA fixes its pools then
+        memory.claim_accelerator_memory()
         _size_pinned_pool(cfg)
     mesh = mesh if mesh is not None else placement.make_mesh()
     validate(cfg, num_devices=mesh.size)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import sys
 
+from jaxzero import memory
 from jaxzero.config import ConfigError
 from jaxzero.overrides import help_text, parse_args
 from jaxzero.plan.planner import decide, detect_machine
@@ -39,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
             # Reading a device's memory must not take it: no preallocation in this process (set
             # before JAX starts its backend, below).
             os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+            memory.claim_accelerator_memory()  # the run's share of the card, as the trainer sets it
             devices = _device_count()
         # The run sizes XLA's pinned pool to its placement when it starts: not a limit here.
         decision = decide(cfg, detect_machine(cfg, devices=devices, pool_fixed=False))

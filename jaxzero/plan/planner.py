@@ -81,6 +81,10 @@ from jaxzero.models.sizes import NAMED_SIZES, param_count, unit_param_counts
 from jaxzero.plan import OffloadPlan, Tier, UnitKind, UnitPlan, UpdateMode, available_cores, resolve_plan
 
 GB = 10**9
+# A placement fills at most this fraction less of the host RAM it sees: the kernel and the page cache
+# need room beside the run, and the memory plan is within 6% of the measured RSS (BENCHMARKS.md). A
+# 13B plan at 123.9 of 124 GiB was killed by the kernel's OOM killer on a 125 GiB box.
+HOST_HEADROOM = 0.05
 # The forward pass's share of a rematerialised step's FLOPs: 2N of 8N (forward, recomputed forward,
 # backward 4N).
 FORWARD_SHARE = 0.25
@@ -146,8 +150,13 @@ class Machine:
 
     @property
     def host_share(self) -> int:
-        """Bytes of host RAM one process of the run may count on."""
+        """Bytes of host RAM available to one process of the run."""
         return self.host_bytes // self.local_processes
+
+    @property
+    def host_usable(self) -> int:
+        """Bytes of `host_share` a placement may plan to fill: `HOST_HEADROOM` stays free."""
+        return int(self.host_share * (1 - HOST_HEADROOM))
 
 
 def concrete(cfg: TrainConfig) -> bool:
@@ -497,18 +506,18 @@ class _Search:
             )
             gpu_need = gpu_short = state_short = 0
             host_need = state + local * need.activations
-            host_state_short = max(0, state - mc.host_share)
+            host_state_short = max(0, state - mc.host_usable)
         else:
             # the process's RSS: its arrays and pools, and what a GPU process holds of its own
             gpu_need = need.accelerator_state + need.activations
             host_need = need.host + memory.GPU_PROCESS_RSS
             gpu_short = max(0, gpu_need - mc.gpu_bytes)
             state_short = max(0, need.accelerator_state - mc.gpu_bytes)
-            host_state_short = max(0, host_need - mc.host_share)
+            host_state_short = max(0, host_need - mc.host_usable)
         pool_short = 0
         if mc.pinned_limit_gb is not None and need.pinned:
             pool_short = max(0, math.ceil(memory.pinned_pool_minimum_gb(need) - mc.pinned_limit_gb))
-        host_short = max(0, host_need - mc.host_share)
+        host_short = max(0, host_need - mc.host_usable)
         return _Evaluated(
             option, cfg, plan, need, gpu_need, host_need, gpu_short, state_short, host_short,
             host_state_short, pool_short,
@@ -679,9 +688,10 @@ class Decision:
             if need.pinned:
                 lines.append(f"  pinned host     {_gib(need.pinned)} (part of host RAM; {pool})")
             lines.append(
-                f"  host RAM        {_gib(need.host + memory.GPU_PROCESS_RSS)} of {_gib(mc.host_share)} (per "
-                "process: masters and optimizer state, XLA's pinned pool, checkpoint snapshot, and "
-                f"{_gib(memory.GPU_PROCESS_RSS)} for the process itself)"
+                f"  host RAM        {_gib(need.host + memory.GPU_PROCESS_RSS)} of {_gib(mc.host_usable)} "
+                "(per process: masters and optimizer state, XLA's pinned pool, checkpoint snapshot, and "
+                f"{_gib(memory.GPU_PROCESS_RSS)} for the process itself; {HOST_HEADROOM:.0%} of the RAM "
+                "left free)"
             )
         else:
             local = mc.devices // mc.processes
@@ -689,7 +699,7 @@ class Decision:
                 need.accelerator_state * memory.CPU_STATE_ALLOWANCE + need.activations
             )
             lines.append(
-                f"  RAM             {_gib(int(ram))} of {_gib(mc.host_share)} (CPU backend: host and device "
+                f"  RAM             {_gib(int(ram))} of {_gib(mc.host_usable)} (CPU backend: host and device "
                 "state with XLA's and the checkpoint writer's buffers, and activations)"
             )
         flops = 8 * param_count(m) * tokens / p.step_s / mc.devices / 1e12
@@ -883,7 +893,8 @@ def _refusal(search: _Search) -> str:
         needs = (
             f"{_gib(closest.gpu_need)} of GPU memory per device (state {_gib(need.accelerator_state)}, "
             f"activations ~{_gib(need.activations)}; {_gib(mc.gpu_bytes)} available) and "
-            f"{_gib(closest.host_need)} of host RAM per process ({_gib(mc.host_share)} available)"
+            f"{_gib(closest.host_need)} of host RAM per process ({_gib(mc.host_usable)} usable of "
+            f"{_gib(mc.host_share)})"
         )
         if closest.pool_short:
             pool_gb = memory.pinned_pool_minimum_gb(need)
@@ -891,7 +902,8 @@ def _refusal(search: _Search) -> str:
     else:
         needs = (
             f"about {_gib(closest.host_need)} of RAM on this CPU-only machine (host and device state with "
-            f"XLA's and the checkpoint writer's buffers, and activations; {_gib(mc.host_share)} available)"
+            f"XLA's and the checkpoint writer's buffers, and activations; {_gib(mc.host_usable)} usable "
+            f"of {_gib(mc.host_share)})"
         )
     which = f"the closest placement, {_label(closest)}," if len(frontier) > 1 else _label(closest)
     text = [f"{head}: {which} needs {needs}."]
@@ -903,18 +915,23 @@ def _refusal(search: _Search) -> str:
     return " ".join(t for t in text if t)
 
 
+def _with_headroom(need: int) -> int:
+    """The host RAM whose usable part (`Machine.host_usable`) holds `need` bytes."""
+    return math.ceil(need / (1 - HOST_HEADROOM))
+
+
 def _tiers(search: _Search, frontier: list[_Evaluated]) -> str:
     """What memory to add, each alone: host RAM for a placement the accelerator holds, a larger
     accelerator for one host RAM holds."""
     mc, strict = search.machine, search.strict
     local = mc.local_processes
     if mc.gpu_bytes is None:
-        ram = min(e.host_need for e in frontier) * local
+        ram = _with_headroom(min(e.host_need for e in frontier) * local)
         return f"To fit it, add memory: {_gib(ram - mc.host_bytes)} more RAM ({_gib(ram)} in all)."
     options = []
     gpu_ok = [e for e in frontier if not (e.gpu_short if strict else e.state_short) and not e.pool_short]
     if gpu_ok:
-        ram = min(e.host_need for e in gpu_ok) * local
+        ram = _with_headroom(min(e.host_need for e in gpu_ok) * local)
         options.append(f"more host RAM: {_gib(ram - mc.host_bytes)} more ({_gib(ram)} in all)")
     host_ok = [
         e for e in frontier if not (e.host_short if strict else e.host_state_short) and not e.pool_short
