@@ -245,28 +245,27 @@ def plan_memory(
     )
 
 
-def host_memory_available() -> int:
-    """Bytes of host RAM available to this process now (MemAvailable), or total RAM if unknown."""
+def _proc_bytes(path: str, key: str) -> int | None:
+    """The `key:` line of a /proc file in kB, as bytes; None where there is none."""
     try:
-        with open("/proc/meminfo") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return None
+
+
+def host_memory_available() -> int:
+    """Bytes of host RAM available to this process now (MemAvailable), or total RAM if unknown."""
+    available = _proc_bytes("/proc/meminfo", "MemAvailable")
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if available is None else available
 
 
 def process_rss() -> int:
     """Bytes this process holds in RAM now (VmRSS), or 0 if unknown."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return _proc_bytes("/proc/self/status", "VmRSS") or 0
 
 
 def largest_fitting(
