@@ -372,14 +372,14 @@ def configure_pinned_pool(need: MemoryPlan) -> int | None:
     """Size XLA's pinned host pool for `need` before the GPU backend starts; return the cap in GB.
 
     XLA's GPU client caps `pinned_host` allocations at `XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB` (64 GB by
-    default) and fails with RESOURCE_EXHAUSTED past it, mid-run. Below the cap the pool grows on
-    demand by regions that double in size, so it can come to hold nearly twice what the run uses.
-    When JAX has not started and the user has not set the variable, it is set here to this run's
-    pool: the need's pinned bytes plus 25% and 2 GB (within the allowance `plan_memory` holds for
-    it), so that host RAM holds what the need says. A user-set cap is kept if it is at least the
-    run's minimum (10% and 2 GB over the need); a smaller one, or a running backend whose default
-    cap is too small, is an error that says what to set. (XLA reads the variable in GiB, so each cap
-    holds about 7% more than the GB figures here.)
+    default) and fails with RESOURCE_EXHAUSTED past it, mid-run. Below the cap the pool grows on demand
+    by regions that double in size, so it can come to hold nearly twice what the run uses. When JAX has
+    not started and the user has not set the variable, it is set here to this run's pool: the need's
+    pinned bytes plus 25% and 2 GB (`pinned_pool_cap_gb`), which also bounds the region the start-up
+    reservation makes (`pinned_pool_bytes`, what `plan_memory` counts). A user-set cap is kept if it is
+    at least the run's minimum (10% and 2 GB over the need); a smaller one, or a running backend whose
+    default cap is too small, is an error that says what to set. (XLA reads the variable in GiB, so each
+    cap holds about 7% more than the GB figures here.)
     """
     need_gb = pinned_pool_minimum_gb(need)
     current = os.environ.get(PINNED_POOL_ENV)

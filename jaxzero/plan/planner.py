@@ -26,11 +26,11 @@ saves (`checkpoint.async_save=false`: no snapshot of the masters and moments in 
 refuses. K, R, the two-pass count and the activations' place are decided only while the mode is
 (`offload.params` or `offload.optimizer` auto, `resident_blocks` / `device_state_units` left at 0).
 
-Fit: the accelerator must hold its state plus the activation estimate per device; the host, the
-plan's host bytes per process (pinned allowance and checkpoint snapshot included) within its share
-of the host's RAM; where XLA's pinned pool is already fixed, its cap must hold the pinned need
-(`memory.configure_pinned_pool`'s rule). On a CPU-only backend the "accelerator" is host RAM, counted
-as `memory.check_fits` does there.
+Fit: the accelerator must hold its state plus the activation estimate per device; the host, the plan's
+host bytes per process (XLA's pinned pool, the checkpoint snapshot and the process's own
+`memory.GPU_PROCESS_RSS` included) within 95% of its share of the host's RAM (`HOST_HEADROOM`); where
+XLA's pinned pool is already fixed, its cap must hold the pinned need (`memory.configure_pinned_pool`'s
+rule). On a CPU-only backend the "accelerator" is host RAM, counted as `memory.check_fits` does there.
 
 The cost model, per step (tokens per device T, parameters N; `Machine`'s rates):
 - gpu = 8 N T / gpu_flops: forward, rematerialised forward and backward; the forward is 1/4 of it,
