@@ -93,6 +93,15 @@ class MemoryPlan:
         )
 
 
+def optimizer_state_bytes(cfg: TrainConfig) -> int:
+    """Optimizer state bytes per parameter: AdamW's two moments 8 (4 in bfloat16), Lion's and SGD's
+    momentum 4 (2), plain SGD none."""
+    opt = OPTIMIZER_STATE_BYTES.get(cfg.optimizer.name, 8)
+    if cfg.optimizer.name == "sgd" and cfg.optimizer.momentum == 0:
+        return 0
+    return opt // 2 if cfg.optimizer.state_dtype == "bfloat16" else opt
+
+
 class Transient(NamedTuple):
     """Bytes one device holds for one micro-batch while a unit's backward runs, past its inputs."""
 
@@ -151,11 +160,7 @@ def plan_memory(
             return count * nbytes
         return ((count - whole_count) // P + whole_count * copies) * nbytes
 
-    opt = OPTIMIZER_STATE_BYTES.get(cfg.optimizer.name, 8)
-    if cfg.optimizer.name == "sgd" and cfg.optimizer.momentum == 0:
-        opt = 0
-    if cfg.optimizer.state_dtype == "bfloat16":
-        opt //= 2
+    opt = optimizer_state_bytes(cfg)
     compute = 2 if m.compute_dtype == "bfloat16" else 4
     grad = 2 if offload.grad_dtype == "bfloat16" else 4
 

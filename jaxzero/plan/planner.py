@@ -282,14 +282,6 @@ class Prediction:
     bottleneck: str  # "GPU compute", "host update before the forward", "link" or "host update"
 
 
-def _state_bytes(cfg: TrainConfig) -> int:
-    """Optimizer state bytes per parameter (`memory.plan_memory`'s count)."""
-    opt = memory.OPTIMIZER_STATE_BYTES.get(cfg.optimizer.name, 8)
-    if cfg.optimizer.name == "sgd" and cfg.optimizer.momentum == 0:
-        opt = 0
-    return opt // 2 if cfg.optimizer.state_dtype == "bfloat16" else opt
-
-
 def _dtype_bytes(dtype: str) -> int:
     return 4 if dtype == "float32" else 2
 
@@ -308,7 +300,7 @@ def predict(cfg: TrainConfig, plan: OffloadPlan, machine: Machine) -> Prediction
     if update is None:
         return Prediction(gpu_s, gpu_s, 0.0, 0.0, 0.0, "GPU compute")
 
-    compute, opt = _dtype_bytes(plan.compute_dtype), _state_bytes(cfg)
+    compute, opt = _dtype_bytes(plan.compute_dtype), memory.optimizer_state_bytes(cfg)
     slowdown = 1.0 if update.fused else OPTAX_SLOWDOWN
     bw = machine.host_bw / machine.local_processes  # this process's share of the host
     first = [0.0] * len(plan.units)  # seconds of each unit's first (or only) pass
@@ -986,7 +978,7 @@ def _settings_that_fit(search: _Search) -> str:
     if cfg.checkpoint.enabled and cfg.checkpoint.async_save:
         no_snapshot = {"checkpoint": {"async_save": False}}
         changes.append(("checkpoint.async_save=false (no snapshot in host RAM during a save)", no_snapshot))
-    if cfg.optimizer.state_dtype == "float32" and _state_bytes(cfg):
+    if cfg.optimizer.state_dtype == "float32" and memory.optimizer_state_bytes(cfg):
         bf16 = {"optimizer": {"state_dtype": "bfloat16"}}
         changes.append(("optimizer.state_dtype=bfloat16 (half the moments' bytes)", bf16))
     for text, sections in changes:
