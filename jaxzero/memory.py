@@ -26,8 +26,9 @@ An asynchronous checkpoint (`checkpoint.async_save`, the default) snapshots mast
 state into host RAM while it writes: 4 + 8 more bytes per parameter of host memory during a save.
 The pinned bytes of an offloaded run live in XLA's pinned pool, which takes host RAM by regions of
 powers of two (`pinned_pool_bytes`). Activations are the saved block inputs and the larger of the
-head's and a block's backward transients (`transient_activations`); a resident run's gradients take
-the place of the block inputs as its backward pass frees them. A GPU process holds about
+head's and a block's backward transients (`transient_activations`); a resident run's gradients, and
+those of the units the accelerator updates, take the place of the block inputs as the backward pass
+frees them. A GPU process holds about
 `GPU_PROCESS_RSS` more of its own.
 
 Over a mesh of D devices in P processes (`devices`, `processes`), the figures are per process (host
@@ -123,6 +124,14 @@ def transient_activations(m: ModelConfig, micro_tokens: int) -> Transient:
     return Transient(block=block, head=head)
 
 
+def _beside_late_gradients(activations: int, grads: int, transient: Transient) -> int:
+    """The activation estimate on top of state that counts `grads` in full, where those gradients
+    are written as the backward pass frees the block inputs (a resident run's; the accelerator-updated
+    units'): the peak is at its start (every block input, the head's phase) or at its end (those
+    gradients and the last block's backward), whichever is larger."""
+    return max(activations - grads, transient.block) if grads else activations
+
+
 def plan_memory(
     cfg: TrainConfig,
     offload: OffloadPlan | None = None,
@@ -182,13 +191,11 @@ def plan_memory(
     update = offload.host_update
     if update is None:
         # One micro-batch's gradients stay in the compute dtype (XLA fuses their cast to float32 into
-        # the norm and the update) and appear as the backward pass frees the block inputs, so the
-        # peak holds the larger of the two; several micro-batches sum into float32 beside them.
+        # the norm and the update); several micro-batches sum into float32 beside the activations.
         grads = per_device(n, n_whole, compute if d.grad_accum == 1 else 4, offload.shards_grads)
         state = per_device(n, n_whole, 4, offload.shards_weights)
         state += per_device(n, n_whole, opt, offload.shards_state)
-        if d.grad_accum == 1:
-            activations = max(0, activations - grads)
+        activations = _beside_late_gradients(activations, grads if d.grad_accum == 1 else 0, transient)
         return MemoryPlan(
             host=snapshot,
             pinned=0,
@@ -205,7 +212,7 @@ def plan_memory(
     # writes the next) and two steps' gradients (the next pass's land while the host still updates
     # from the previous ones).
     copies = 2 if update.mode is UpdateMode.DELAYED else 1
-    host = pinned = accelerator = two_pass = 0
+    host = pinned = accelerator = two_pass = device_grads = 0
     # Two-pass updates take the first host units in forward order (after those on the accelerator).
     host_index = -1
     for u in offload.units:
@@ -215,6 +222,7 @@ def plan_memory(
             # Updated on the accelerator: masters, state, weights and the gradient (kept until the
             # norm is known), one shard per device; nothing of it in host RAM.
             accelerator += per_device(n_u, w_u, 4 + opt + compute + grad_u, True)
+            device_grads += per_device(n_u, w_u, grad_u, True)
             # A checkpoint save copies its masters and state to host RAM, and a restore reads them
             # there first: the host holds them then.
             if cfg.checkpoint.enabled:
@@ -238,6 +246,9 @@ def plan_memory(
     streamed = offload.streamed_blocks
     in_flight = 3 if streamed else 0  # the block computing, the one prefetched, a gradient leaving
     accelerator += in_flight * n_block * max(compute, grad)
+    # The units the accelerator updates come first in the forward order: their gradients appear last
+    # in the backward pass, as it frees the block inputs.
+    activations = _beside_late_gradients(activations, device_grads if d.grad_accum == 1 else 0, transient)
     return MemoryPlan(
         host=host,
         pinned=pinned,

@@ -261,4 +261,24 @@ def test_activations_are_the_saved_inputs_and_the_larger_phase():
     assert memory.transient_activations(big, 1).block == widths * 2
     n = param_count(m)
     resident = memory.plan_memory(cfg(data__batch_size="16", checkpoint__enabled="false"))
-    assert resident.accelerator_state + resident.activations == 12 * n + max(2 * n, saved + t.head)
+    assert resident.accelerator_state + resident.activations == 12 * n + max(saved + t.head, 2 * n + t.block)
+
+
+def test_gradients_of_units_updated_on_the_accelerator_replace_the_block_inputs():
+    """Those units come first in the forward order, so the backward pass writes their gradients last,
+    as it frees the block inputs: the peak is every block input with the head's phase, or those
+    gradients with the last block's backward, whichever is larger (one micro-batch; several sum their
+    gradients beside the activations throughout)."""
+    base = dict(offload__optimizer="cpu", offload__params="cpu", data__batch_size="16")
+    e, b, h = unit_param_counts(cfg().model)
+    m, tokens = cfg().model, 16 * 2048
+    t = memory.transient_activations(m, tokens)
+    none = memory.plan_memory(cfg(**base, checkpoint__enabled="false"))
+    k = memory.plan_memory(cfg(**base, offload__device_state_units="20", checkpoint__enabled="false"))
+    grads = 4 * e + 2 * 19 * b  # the embedding's float32, 19 blocks' bf16
+    assert k.activations == max(none.activations - grads, t.block)
+    accum = dict(base, data__grad_accum="2", checkpoint__enabled="false")
+    assert (
+        memory.plan_memory(cfg(**accum, offload__device_state_units="20")).activations
+        == memory.plan_memory(cfg(**accum)).activations
+    )

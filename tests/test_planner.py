@@ -141,7 +141,7 @@ def test_refusal_says_what_was_needed_and_what_would_fit():
         )
     text = str(e.value)
     assert "llama-13b (13.02B parameters) at 16 x 2048 tokens per step does not fit" in text
-    assert "GiB of GPU memory per device" in text and "139.0 GiB available" in text
+    assert "GiB of GPU memory per device" in text and "132.0 GiB usable of 139.0 GiB" in text
     assert "of host RAM per process (118.8 GiB usable of 125.0 GiB)" in text  # 5% left free
     assert "To fit it, add more host RAM:" in text and "or a GPU with" in text
     # A save or restore copies the GPU-state units' masters and moments to host RAM: no batch fits.

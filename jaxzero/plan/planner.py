@@ -85,6 +85,9 @@ GB = 10**9
 # need room beside the run, and the memory plan is within 6% of the measured RSS (BENCHMARKS.md). A
 # 13B plan at 123.9 of 124 GiB was killed by the kernel's OOM killer on a 125 GiB box.
 HOST_HEADROOM = 0.05
+# Likewise of the accelerator's memory (what XLA's allocator may use) for a placement the planner
+# chooses: its estimate was 0-9% under the measured peak (BENCHMARKS.md), and fragmentation needs room.
+GPU_HEADROOM = 0.05
 # The forward pass's share of a rematerialised step's FLOPs: 2N of 8N (forward, recomputed forward,
 # backward 4N).
 FORWARD_SHARE = 0.25
@@ -152,6 +155,11 @@ class Machine:
     def host_share(self) -> int:
         """Bytes of host RAM available to one process of the run."""
         return self.host_bytes // self.local_processes
+
+    @property
+    def gpu_usable(self) -> int | None:
+        """Bytes of `gpu_bytes` a chosen placement may plan to fill: `GPU_HEADROOM` stays free."""
+        return None if self.gpu_bytes is None else int(self.gpu_bytes * (1 - GPU_HEADROOM))
 
     @property
     def host_usable(self) -> int:
@@ -503,7 +511,7 @@ class _Search:
             # the process's RSS: its arrays and pools, and what a GPU process holds of its own
             gpu_need = need.accelerator_state + need.activations
             host_need = need.host + memory.GPU_PROCESS_RSS
-            gpu_short = max(0, gpu_need - mc.gpu_bytes)
+            gpu_short = max(0, gpu_need - mc.gpu_usable)
             state_short = max(0, need.accelerator_state - mc.gpu_bytes)
             host_state_short = max(0, host_need - mc.host_usable)
         pool_short = 0
@@ -666,7 +674,7 @@ class Decision:
         if mc.gpu_bytes is not None:
             gpu = need.accelerator_state + need.activations
             lines.append(
-                f"  GPU per device  {_gib(gpu)} of {_gib(mc.gpu_bytes)} (state "
+                f"  GPU per device  {_gib(gpu)} of {_gib(mc.gpu_usable)} (state "
                 f"{_gib(need.accelerator_state)}, activations ~{_gib(need.activations)})"
             )
             pool = (
@@ -884,7 +892,8 @@ def _refusal(search: _Search) -> str:
     if mc.gpu_bytes is not None:
         needs = (
             f"{_gib(closest.gpu_need)} of GPU memory per device (state {_gib(need.accelerator_state)}, "
-            f"activations ~{_gib(need.activations)}; {_gib(mc.gpu_bytes)} available) and "
+            f"activations ~{_gib(need.activations)}; {_gib(mc.gpu_usable)} usable of "
+            f"{_gib(mc.gpu_bytes)}) and "
             f"{_gib(closest.host_need)} of host RAM per process ({_gib(mc.host_usable)} usable of "
             f"{_gib(mc.host_share)})"
         )
@@ -929,7 +938,10 @@ def _tiers(search: _Search, frontier: list[_Evaluated]) -> str:
         e for e in frontier if not (e.host_short if strict else e.host_state_short) and not e.pool_short
     ]
     if host_ok:
-        gpu = min(e.gpu_need if strict else e.need.accelerator_state for e in host_ok)
+        gpu = min(
+            math.ceil(e.gpu_need / (1 - GPU_HEADROOM)) if strict else e.need.accelerator_state
+            for e in host_ok
+        )
         options.append(f"a GPU with {_gib(gpu)} of memory")
     pool_only = [e for e in frontier if e.pool_short and not (e.gpu_short or e.host_short)]
     if pool_only:
