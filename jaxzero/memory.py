@@ -28,8 +28,7 @@ The pinned bytes of an offloaded run live in XLA's pinned pool, which takes host
 powers of two (`pinned_pool_bytes`). Activations are the saved block inputs and the larger of the
 head's and a block's backward transients (`transient_activations`); a resident run's gradients, and
 those of the units the accelerator updates, take the place of the block inputs as the backward pass
-frees them. A GPU process holds about
-`GPU_PROCESS_RSS` more of its own.
+frees them. A GPU process holds about `GPU_PROCESS_RSS` more of its own.
 
 Over a mesh of D devices in P processes (`devices`, `processes`), the figures are per process (host
 RAM, pinned) and per device (accelerator): what the ZeRO stage shards divides by D on the
@@ -107,7 +106,7 @@ class Transient(NamedTuple):
     """Bytes one device holds for one micro-batch while a unit's backward runs, past its inputs."""
 
     block: int  # a block's rematerialised backward: recomputed intermediates and their gradients
-    head: int  # the head's float32 logits, their softmax and gradient
+    head: int  # the head's float32 logits and their gradient, and the gradient it returns
 
 
 def transient_activations(m: ModelConfig, micro_tokens: int) -> Transient:
