@@ -38,6 +38,7 @@ import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,11 @@ CHECKSUMS_FILE = "checksums.json"
 CHECKSUM_PIECE = 64 << 20  # bytes per CRC-32: pieces of one file are summed in parallel
 TMP_MARKER = ".orbax-checkpoint-tmp"  # in the names of Orbax's half-written step directories
 ORBAX_METADATA = "_CHECKPOINT_METADATA"  # in every directory Orbax's checkpointers commit
+# Orbax's barriers are named with this prefix (set on the manager), so that the name of the barrier
+# that ends Orbax's `Checkpointer.restore` is known: a process whose restore raised before it joins it.
+ORBAX_BARRIER_PREFIX = "jaxzero"
+ORBAX_RESTORE_BARRIER = ocp.multihost.unique_barrier_key("Checkpointer:restore", prefix=ORBAX_BARRIER_PREFIX)
+BARRIER_MISMATCH = "sync_global_devices name mismatch"  # JAX's error when processes meet at other barriers
 
 
 class CheckpointMismatch(CheckpointError):
@@ -120,6 +126,9 @@ class Checkpointer:
             keep_period=cfg.keep_every or None,
             enable_async_checkpointing=cfg.async_save,
             create=True,
+            multiprocessing_options=ocp.options.MultiprocessingOptions(
+                barrier_sync_key_prefix=ORBAX_BARRIER_PREFIX
+            ),
             cleanup_tmp_directories=True,  # remove what a killed save left half-written
             # Checksums once a save is committed (Orbax calls back only for asynchronous saves).
             async_options=(
@@ -216,21 +225,44 @@ class Checkpointer:
         A checkpoint that cannot be used as saved (changed or missing files, unreadable metadata, or
         metadata `check_meta` raises on) is reported, set aside to `checkpoints-unreadable/` and
         skipped in favour of the previous one; one whose shapes do not match is an error.
+
+        With several processes they decide together, step by step, on process 0's list of steps: a
+        checkpoint that fails on any process is unreadable on all (the message names the process and
+        the cause), so that every process resumes from the same step. The cheap checks (metadata,
+        checksums, shapes) are agreed on before Orbax's restore, a collective, is entered; its outcome
+        and `check_meta`'s are agreed on after it.
         """
-        steps = self.steps()
+        steps = self._agreed_steps()
         unreadable: list[int] = []
         for step in reversed(steps):
-            try:
-                restored = self.restore(step, abstract_state, layout, run)
-                check_meta(restored.meta)
-            except CheckpointMismatch:
-                raise
-            except Exception as e:  # noqa: BLE001 - Orbax/tensorstore raise many types for bad files
-                print(
-                    f"jaxzero: checkpoint {self.directory / str(step)} is unreadable ({type(e).__name__}: "
-                    f"{str(e)[:300]}); trying the previous one.",
-                    file=sys.stderr,
-                )
+            _, failed = self._everywhere(partial(self._check, step, abstract_state, layout, run))
+            restored = None
+            if not failed:
+                restored, failed = self._everywhere(partial(self._read, step, abstract_state, check_meta))
+            if failed:
+                for failure in failed:  # a mismatch anywhere is an error everywhere, as on one process
+                    if isinstance(failure.error, CheckpointMismatch):
+                        raise failure.error
+                where = self.directory / str(step)
+                for failure in failed:
+                    if failure.mismatch:
+                        raise CheckpointMismatch(
+                            f"checkpoint {where} does not match this run on process {failure.process}: "
+                            f"{failure.text}"
+                        )
+                if jax.process_count() == 1:
+                    print(
+                        f"jaxzero: checkpoint {where} is unreadable ({failed[0].text}); trying the previous "
+                        "one.",
+                        file=sys.stderr,
+                    )
+                else:
+                    causes = "; ".join(f"on process {f.process} ({f.text})" for f in failed)
+                    print(
+                        f"jaxzero: checkpoint {where} is unreadable {causes}; every process tries the "
+                        "previous one.",
+                        file=sys.stderr,
+                    )
                 unreadable.append(step)
                 continue
             self._set_aside(unreadable)
@@ -243,6 +275,51 @@ class Checkpointer:
                 "--run_dir, or move a checkpoint you trust back."
             )
         return None
+
+    def _agreed_steps(self) -> list[int]:
+        """`steps()`; with several processes, process 0's (the one that sets checkpoints aside), so
+        that every process considers the same steps in the same order (a step another process does
+        not see fails its checks there)."""
+        steps = self.steps()
+        if jax.process_count() == 1:
+            return steps
+        listed = [json.loads(text) for text in _allgather_text(json.dumps(steps))]
+        if any(other != listed[0] for other in listed):
+            print(
+                "jaxzero: the processes list different checkpoints ("
+                + "; ".join(f"process {i}: {s}" for i, s in enumerate(listed))
+                + "); using process 0's.",
+                file=sys.stderr,
+            )
+        return listed[0]
+
+    def _everywhere(self, attempt: Callable[[], Any]) -> tuple[Any, list[_Failure]]:
+        """(`attempt()`'s result or None, the failures): each process runs `attempt`; with several
+        processes the outcomes are then gathered (a collective every process reaches, whether its
+        attempt raised or not), so that all see the same failures, every process's, in order."""
+        result, own = None, None
+        try:
+            result = attempt()
+        except Exception as e:  # noqa: BLE001 - Orbax/tensorstore raise many types for bad files
+            own = _Failure(
+                jax.process_index(),
+                f"{type(e).__name__}: {str(e)[:300]}",
+                isinstance(e, CheckpointMismatch),
+                e,
+            )
+        if jax.process_count() == 1:
+            return result, [own] if own is not None else []
+        code = 0 if own is None else 2 if own.mismatch else 1
+        codes = multihost_utils.process_allgather(np.array(code, np.int32))
+        if not codes.any():
+            return result, []
+        texts = _allgather_text(own.text if own is not None else "")
+        failed = [
+            own if i == jax.process_index() else _Failure(i, texts[i], c == 2)
+            for i, c in enumerate(codes.tolist())
+            if c
+        ]
+        return result, failed
 
     def _set_aside(self, steps: list[int]) -> None:
         """Move checkpoints to `checkpoints-unreadable/` (not deleted: the run saves those steps anew).
@@ -266,6 +343,12 @@ class Checkpointer:
     def restore(self, step: int, abstract_state: dict[str, Any], layout: str, run: TrainConfig) -> Restored:
         """Restore checkpoint `step` onto `abstract_state` (ShapeDtypeStructs carrying shardings), after
         checking its files against their checksums (`checkpoint.verify`)."""
+        self._check(step, abstract_state, layout, run)
+        return self._read(step, abstract_state)
+
+    def _check(self, step: int, abstract_state: dict[str, Any], layout: str, run: TrainConfig) -> None:
+        """The checks of checkpoint `step` before its arrays are read, each process on its own (no
+        collective): its metadata, its files' checksums, its shapes against `abstract_state`."""
         meta = self.read_meta(step)
         if self.cfg.verify:
             verify_checksums(self.directory / str(step), self._pool)
@@ -276,13 +359,53 @@ class Checkpointer:
                 file=sys.stderr,
             )
         check_shapes(self.directory / str(step), meta, abstract_state, run)
-        restored = self.manager.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()
-            ),
-        )
+
+    def _read(
+        self,
+        step: int,
+        abstract_state: dict[str, Any],
+        check_meta: Callable[[dict[str, Any]], Any] = lambda meta: None,
+    ) -> Restored:
+        """Orbax's restore of checkpoint `step` (all processes call it), then `check_meta` on its
+        metadata. Orbax's restore ends in a barrier (a collective): a process whose restore raised
+        before it joins it there, so that the collectives of every process stay in step."""
+        try:
+            restored = self.manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()
+                ),
+            )
+        except Exception as e:
+            if jax.process_count() > 1 and BARRIER_MISMATCH not in str(e):  # not raised by that barrier
+                try:
+                    ocp.multihost.sync_global_processes(ORBAX_RESTORE_BARRIER)
+                except AssertionError:  # the others were elsewhere: their restore fails there too
+                    pass
+            raise
+        check_meta(restored["meta"])
         return Restored(step=step, state=dict(restored["state"]), meta=dict(restored["meta"]))
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """What failed on one process: its index, the cause in a line, whether the checkpoint is another
+    run's (`CheckpointMismatch`), and the exception itself on the process that raised it."""
+
+    process: int
+    text: str
+    mismatch: bool
+    error: BaseException | None = None
+
+
+def _allgather_text(text: str) -> list[str]:
+    """Every process's `text`, in process order (a collective: all processes call it)."""
+    data = np.frombuffer(text.encode(), np.uint8)
+    sizes = multihost_utils.process_allgather(np.array(data.size, np.int32))
+    padded = np.zeros(max(int(sizes.max()), 1), np.uint8)
+    padded[: data.size] = data
+    gathered = multihost_utils.process_allgather(padded)
+    return [bytes(row[:n]).decode(errors="replace") for row, n in zip(gathered, sizes.tolist())]
 
 
 class _WriteFailure:

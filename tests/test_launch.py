@@ -378,3 +378,43 @@ def test_two_processes_with_blocking_saves_restore_every_checkpoint_and_resume(t
     assert "[0] jaxzero: done: step 7" in out and "StepAlreadyExists" not in out, out[-3000:]
     assert sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()) == [2, 4, 5, 6, 7]
     assert [r["step"] for r in _records(tmp_path / "run")] == list(range(1, 8))
+
+
+@pytest.mark.slow
+def test_a_checkpoint_unusable_on_one_process_is_skipped_by_every_process(tmp_path: Path) -> None:
+    """2 processes, where only process 1 cannot use the newest checkpoints (3 fails its checksums
+    there, Orbax's restore of 2 raises there): every process skips both, each set aside once, and
+    all resume from 1 together, then train and save past them."""
+    args = [*TINY, "--checkpoint.every=1", "--run_dir=run"]
+    first = _launch("--nproc=2", "--cpu_devices_per_proc=2", "--", *args, "--steps=3", cwd=tmp_path)
+    out, _ = first.communicate(timeout=300)
+    assert first.returncode == 0, out[-3000:]
+    program = REPO / "tests" / "programs" / "unreadable_on_one_process.py"
+    second = _launch(
+        "--nproc=2", "--cpu_devices_per_proc=2", f"--script={program}", "--", *args, "--steps=5", cwd=tmp_path
+    )
+    try:
+        out, _ = second.communicate(timeout=120)
+    except subprocess.TimeoutExpired:  # the processes disagree and wait for each other
+        second.terminate()
+        out = second.communicate(timeout=60)[0]
+        pytest.fail(f"the processes did not finish:\n{out[-3000:]}")
+    assert second.returncode == 0, out[-3000:]
+    for rank in (0, 1):
+        assert f"[{rank}] process {rank}: resumed from step 1" in out, out[-3000:]
+        assert re.search(
+            rf"\[{rank}\] jaxzero: checkpoint \S+/checkpoints/3 is unreadable on process 1 "
+            r"\(CheckpointError: checksum mismatch on process 1 only",
+            out,
+        ), out[-3000:]
+        assert re.search(
+            rf"\[{rank}\] jaxzero: checkpoint \S+/checkpoints/2 is unreadable on process 1 "
+            r"\(OSError: read error on process 1 only",
+            out,
+        ), out[-3000:]
+    assert out.count("moved unreadable checkpoint 3") == 1 and out.count("moved unreadable checkpoint 2") == 1
+    assert "[0] jaxzero: done: step 5" in out and "StepAlreadyExists" not in out, out[-3000:]
+    run = tmp_path / "run"
+    assert sorted(p.name for p in (run / "checkpoints-unreadable").iterdir()) == ["2", "3"]
+    assert sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == [3, 4, 5]
+    assert [r["step"] for r in _records(run)] == list(range(1, 6))
