@@ -81,9 +81,9 @@ from jaxzero.models.sizes import NAMED_SIZES, param_count, unit_param_counts
 from jaxzero.plan import OffloadPlan, Tier, UnitKind, UnitPlan, UpdateMode, available_cores, resolve_plan
 
 GB = 10**9
-# A placement fills at most this fraction less of the host RAM it sees: the kernel and the page cache
-# need room beside the run, and the memory plan is within 6% of the measured RSS (BENCHMARKS.md). A
-# 13B plan at 123.9 of 124 GiB was killed by the kernel's OOM killer on a 125 GiB box.
+# The fraction of the host RAM it sees that a chosen placement leaves free: the kernel and the page
+# cache need room beside the run, and the memory plan is within 6% of the measured RSS (BENCHMARKS.md).
+# A 13B plan at 123.9 of 124 GiB was killed by the kernel's OOM killer on a 125 GiB box.
 HOST_HEADROOM = 0.05
 # Likewise of the accelerator's memory (what XLA's allocator may use) for a placement the planner
 # chooses: its estimate was 0-9% under the measured peak (BENCHMARKS.md), and fragmentation needs room.
