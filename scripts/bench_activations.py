@@ -1,8 +1,9 @@
 """What the accelerator holds while one unit's backward runs: XLA's own figures, compiled, not run.
 
-For each model and micro-batch, compiles the two largest transient phases of a step exactly as the
-offload engine runs them (`StreamedModel`'s per-unit functions on one device): a block's
-rematerialised backward (recompute + vjp) and the head's loss + vjp. `memory_analysis()` of each
+For each model and micro-batch, compiles the two largest transient phases of a step: a block's
+rematerialised backward (recompute + vjp) and the head's loss + vjp, written here as the bodies of
+`StreamedModel.block_bwd` and `StreamedModel.head_grad` for one micro-batch on one device (without
+their mesh constraints, which one device does not need). `memory_analysis()` of each
 compiled program gives its temporary buffers (the transient activations the memory plan estimates),
 its arguments and its outputs. Nothing is allocated on the device; the figures are what the compiler
 planned, for the device the script runs on.
