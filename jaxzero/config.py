@@ -118,8 +118,10 @@ class OffloadConfig:
 
     # compute weights: on the accelerator (none), streamed from host RAM (cpu), or the planner's choice
     params: Literal["auto", "none", "cpu"] = "auto"
-    # fp32 masters and optimizer state: accelerator (none), host RAM (cpu), or the planner's choice
-    optimizer: Literal["auto", "none", "cpu"] = "auto"
+    # fp32 masters and optimizer state: accelerator (none), host RAM (cpu), local disk (disk: read into
+    # host RAM for each update and written back, ZeRO-Infinity's NVMe tier), or the planner's choice.
+    # Under cpu and disk, units are updated on the CPU.
+    optimizer: Literal["auto", "none", "cpu", "disk"] = "auto"
     resident_blocks: int = 0  # with params=cpu: keep the first K blocks on the accelerator, stream the rest
     # With optimizer=cpu: the first K units in forward order (embedding, block 0, 1, ...) keep their
     # fp32 masters and optimizer state in accelerator memory and are updated there, so the next
@@ -149,6 +151,12 @@ class OffloadConfig:
     two_pass_units: int = -1
     # The fused host kernels where they cover the optimizer; false: the optax update on XLA:CPU.
     fused_update: bool = True
+    # With optimizer=disk: the last K units in forward order whose state is not on the accelerator keep
+    # it on disk, the others in host RAM; -1: every such unit. (The planner sets K with auto.)
+    disk_units: int = -1
+    # With optimizer=disk: the directory the working state goes in (a fresh subdirectory, removed when
+    # the run ends); empty: <run_dir>/offload-state. Checkpoints never depend on it.
+    disk_path: str = ""
     # Threads of the host update's pool; 0: one per CPU core this process may run on (its affinity:
     # `python -m jaxzero.launch` gives each process its own share) but one, which stays free for the
     # thread that issues the accelerator's work and for the copy engines' driver threads.
@@ -182,6 +190,8 @@ class MachineConfig:
     host_gbps: float = 0.0  # host memory bandwidth the host optimizer update reaches, GB/s
     gpu_tflops: float = 0.0  # dense bf16 TFLOP/s one device reaches on the model's step (8N accounting)
     cores: int = 0  # CPU cores of the host update (the figures above are for 16)
+    disk_gib: float = 0.0  # free local disk for offload.optimizer=disk's working state, GiB
+    disk_gbps: float = 0.0  # what that disk reads and writes, GB/s, reads and writes together
 
 
 @dataclass(frozen=True)
@@ -375,6 +385,10 @@ def validate(cfg: TrainConfig, num_devices: int | None = None) -> None:
         f"the model has {m.num_layers + 2} units (embedding, {m.num_layers} blocks, head), and with every "
         "unit's state on the accelerator use offload.optimizer=none.",
     )
+    need(
+        cfg.offload.disk_units >= -1,
+        f"offload.disk_units={cfg.offload.disk_units} must be >= -1 (-1: every unit the host updates).",
+    )
     # The combination rules below bind explicit values only: the planner decides an `auto` key
     # consistently with the others (e.g. offload.params=cpu makes an auto offload.optimizer cpu).
     if cfg.offload.device_state_units and cfg.offload.optimizer == "none":
@@ -382,6 +396,17 @@ def validate(cfg: TrainConfig, num_devices: int | None = None) -> None:
             "offload.device_state_units only applies with offload.optimizer=cpu "
             f"(got offload.optimizer={cfg.offload.optimizer}): without it every unit's state is on the "
             "accelerator."
+        )
+    if cfg.offload.optimizer in ("none", "cpu") and (cfg.offload.disk_units != -1 or cfg.offload.disk_path):
+        raise ConfigError(
+            f"offload.disk_units={cfg.offload.disk_units} and offload.disk_path={cfg.offload.disk_path!r} "
+            "only "
+            f"apply with offload.optimizer=disk (or auto; got {cfg.offload.optimizer})."
+        )
+    if cfg.offload.optimizer == "disk" and cfg.offload.disk_units == 0:
+        raise ConfigError(
+            "offload.optimizer=disk with offload.disk_units=0 keeps no unit on disk: use "
+            "offload.optimizer=cpu, or set offload.disk_units=K (the last K host-updated units) or -1 (all)."
         )
     if cfg.offload.activations == "cpu" and cfg.offload.optimizer == "none":
         raise ConfigError(
@@ -415,9 +440,10 @@ def validate(cfg: TrainConfig, num_devices: int | None = None) -> None:
             f"offload.params=cpu needs parallel.zero_stage=3 (got {par.zero_stage}): streamed weights "
             "are kept as one shard per device, as DeepSpeed's offload_param needs ZeRO stage 3."
         )
-    if cfg.offload.optimizer == "cpu" and par.zero_stage == 0:
+    if cfg.offload.optimizer in ("cpu", "disk") and par.zero_stage == 0:
         raise ConfigError(
-            "offload.optimizer=cpu needs parallel.zero_stage >= 1 (got 0): host-resident optimizer "
+            f"offload.optimizer={cfg.offload.optimizer} needs parallel.zero_stage >= 1 (got 0): "
+            "host-resident optimizer "
             "state is kept as one shard per device, as DeepSpeed's offload_optimizer needs stage 1, 2 or 3."
         )
     f16 = cfg.fp16

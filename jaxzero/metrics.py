@@ -152,7 +152,7 @@ def format_record(rec: dict[str, Any], device: str = "GPU") -> str:
             [
                 f"{k.label.format(device=device)} {rec[k.key]:.3f}"
                 for k in BREAKDOWN_TIMES
-                if rec.get(k.key) is not None
+                if rec.get(k.key) is not None and (rec.get("disk_gb") or "disk" not in k.key)
             ]
             + [f"{k.label} {rec[k.key]:.1f}" for k in BREAKDOWN_COUNTS if rec.get(k.key)]
         )

@@ -161,15 +161,20 @@ def _check_creatable(path: Path) -> None:
 
 
 def resolve_paths(cfg: TrainConfig) -> TrainConfig:
-    """`cfg` with its input paths (`data.path`, `model.init_from`) absolute, resolved against the
-    working directory, so that the saved config finds them from wherever the run is resumed."""
+    """`cfg` with its paths (`data.path`, `model.init_from`, `offload.disk_path`) absolute, resolved
+    against the working directory, so that the saved config finds them from wherever the run is resumed."""
     data = cfg.data
     if data.path:
         data = dataclasses.replace(data, path=os.path.abspath(os.path.expanduser(data.path)))
     model = cfg.model
     if model.init_from:
         model = dataclasses.replace(model, init_from=os.path.abspath(os.path.expanduser(model.init_from)))
-    return dataclasses.replace(cfg, data=data, model=model)
+    offload = cfg.offload
+    if offload.disk_path:
+        offload = dataclasses.replace(
+            offload, disk_path=os.path.abspath(os.path.expanduser(offload.disk_path))
+        )
+    return dataclasses.replace(cfg, data=data, model=model, offload=offload)
 
 
 def _get(cfg: TrainConfig, key: str) -> Any:

@@ -81,12 +81,16 @@ BREAKDOWN_TIMES = (
     BreakdownKey("wait_weights_s", "{device} waits for host"),  # the next pass held back for new weights
     BreakdownKey("gpu_idle_s", "{device} idle"),  # wall time minus accelerator compute
     BreakdownKey("host_idle_s", "host idle"),  # wall time minus host update
+    BreakdownKey("disk_read_s", "disk read"),  # reads of disk units' state, one after another
+    BreakdownKey("disk_write_s", "disk write"),  # their write-backs
+    BreakdownKey("wait_disk_s", "host waits for disk"),  # updates held back for their read, summed over units
 )
 # Host-update events, per step.
 BREAKDOWN_COUNTS = (
     BreakdownKey("speculated", "speculative updates kept"),
     BreakdownKey("rolled_back", "redone"),  # speculative updates recomputed with clipping
     BreakdownKey("two_pass_units", "two-pass units"),  # units updated in two passes
+    BreakdownKey("disk_gb", "GB to and from disk"),  # disk units' state read and written back
 )
 BREAKDOWN = BREAKDOWN_TIMES + BREAKDOWN_COUNTS
 
@@ -118,6 +122,9 @@ class Trainer:
     # Where the time of the steps since the last call went, per step: (wall seconds, steps) -> a
     # dict keyed by `BREAKDOWN`'s keys. Only the offload engine measures it; None elsewhere.
     timings: Callable[[float, int], dict[str, float]] | None = None
+    # Releases what the trainer holds outside its states (the disk tier's working files): call once
+    # training is over; its states are then unusable.
+    close: Callable[[], None] = lambda: None
 
     def evaluate(self, state: Any, batches: Sequence[np.ndarray]) -> float:
         """Mean loss of `state` over validation batches, each int32 (B, seq_len + 1): this process's

@@ -533,6 +533,8 @@ def train(cfg: TrainConfig, console: TextIO = sys.stdout) -> Path:
         if ckpt is not None:
             ckpt.close()  # host sync: the checkpoint is committed before the process exits
         raise
+    finally:
+        trainer.close()  # the disk tier's working files go; saves have read what they need
     bar.close()
     log.close()
     if ckpt is not None:

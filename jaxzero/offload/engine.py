@@ -15,7 +15,9 @@ its shardings are `jaxzero.placement.OffloadPlacement`'s.
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -24,10 +26,11 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxzero import placement as placement_lib
-from jaxzero.config import TrainConfig
+from jaxzero.config import ConfigError, TrainConfig
 from jaxzero.loss_scale import init_loss_scale, update_loss_scale
 from jaxzero.models import ModelParams, build_model, init_keys
 from jaxzero.offload.device_update import DeviceOptimizer, rows_on_host
+from jaxzero.offload.disk import DISK_DIR, DiskStats, DiskStore, OnDisk
 from jaxzero.offload.futures import OffloadState, done, weights_of
 from jaxzero.offload.host_memory import global_from_local, release, reserve_pinned
 from jaxzero.offload.host_optimizer import HostOptimizer, HostUnit
@@ -35,7 +38,7 @@ from jaxzero.offload.pipeline import Submitted, UpdatePipeline
 from jaxzero.offload.streaming import StreamedModel
 from jaxzero.offload.timeline import StepClock
 from jaxzero.optim import build_optimizer
-from jaxzero.plan import OffloadPlan, Tier, UpdateMode, resolve_plan
+from jaxzero.plan import OffloadPlan, Tier, UnitPlan, UpdateMode, resolve_plan
 from jaxzero.state import StepMetrics, Trainer, abstract_placed
 
 
@@ -63,10 +66,12 @@ def build_offload_trainer(
     # Units whose masters and state the plan keeps on the accelerator are updated there.
     on_device = [u for u in plan.units if u.state is Tier.DEVICE]
     device = DeviceOptimizer(cfg.optimizer, cfg.schedule_steps, masters_shape, where, cfg.data.grad_accum)
+    # Units whose masters and state the plan keeps on disk pass through host RAM for each update.
+    disk = _disk_store(cfg, plan) if plan.disk_units else None
     streamed = StreamedModel(model, where, cfg.data.grad_accum, prefetch=plan.prefetch)
     fp16 = plan.compute_dtype == "float16"  # dynamic loss scaling
     clock = StepClock()
-    pipeline = UpdatePipeline(host, plan, clock)
+    pipeline = UpdatePipeline(host, plan, clock, disk)
     # Masters are created unit by unit on the host: one compiled block init serves every block, and
     # the transient memory is one unit, not a second copy of the model.
     keys = jax.jit(partial(init_keys, num_layers=cfg.model.num_layers), out_shardings=where.host)
@@ -103,22 +108,34 @@ def build_offload_trainer(
             reserve_pinned(pinned_reserve, where.pool)
             pinned_reserve = 0
 
+    def start_unit(u: UnitPlan, masters: Any, opt_state: Any = None) -> HostUnit:
+        """One unit as a `HostUnit` where the plan keeps it, from this process's host blocks of its
+        masters and optimizer state (None: fresh): host units stay where they are, the accelerator's
+        are copied there, disk units are written to disk (and dropped from RAM)."""
+        if u.state is Tier.DEVICE:
+            return device.start(u, masters, opt_state)
+        opt_state = host.init_unit(u, masters) if opt_state is None else opt_state
+        weights = host.place_weights(u, masters)
+        if u.state is Tier.HOST:
+            return HostUnit(masters, opt_state, weights)
+        weights = weights.result()  # cast before the masters leave RAM
+        disk.create(u.position, (masters, opt_state))
+        release((masters, opt_state))
+        return HostUnit(OnDisk(u.position), OnDisk(u.position), weights)
+
     def start(
         masters: ModelParams, opt_state: ModelParams | None, started: dict[int, HostUnit] | None = None
     ) -> ModelParams:
-        """Every unit as a `HostUnit`, from this process's host blocks of its masters and optimizer
-        state (None: fresh): host units stay where they are, units the plan keeps on the accelerator
-        are copied there, unless `started` has them there already (by position)."""
+        """Every unit as a `HostUnit` (`start_unit`), but those `started` has already (by position)."""
         reserve_pool()
-        opt_state = host.init(masters) if opt_state is None else opt_state
-        weights = host.compute_weights(masters)
-        units = [HostUnit(*u) for u in zip(*(_flat(t) for t in (masters, opt_state, weights)))]
-        for u in on_device:  # opt_state None: fresh (`host.init` leaves these units to the accelerator)
-            if started and u.position in started:
-                units[u.position] = started[u.position]
-            else:
-                units[u.position] = device.start(u, units[u.position].params, units[u.position].opt_state)
-        return _unflat(units)
+        started = started or {}
+        states = _flat(opt_state) if opt_state is not None else [None] * len(plan.units)
+        units = [
+            started[u.position] if u.position in started else start_unit(u, m, o)
+            for u, m, o in zip(plan.units, _flat(masters), states)
+        ]
+        # Host units' weights are cast and placed in the background, all at once.
+        return _unflat([u._replace(weights=_result(u.weights)) for u in units])
 
     def fresh(masters: ModelParams, started: dict[int, HostUnit] | None = None) -> OffloadState:
         step = put(np.zeros((), np.int32), where.device) if fp16 else jax.device_put(np.int32(0), where.host)
@@ -130,14 +147,14 @@ def build_offload_trainer(
         k_embed, k_blocks, k_head = keys(jax.device_put(key, where.host))
         made = [(init_unit.embed, k_embed), *((init_unit.blocks, k) for k in k_blocks)]
         made.append((init_unit.head, k_head))
-        # A unit the accelerator keeps goes there as soon as it is made, so that host RAM never holds
-        # every unit's masters at once (the plan counts only the host units').
+        # A unit the accelerator or the disk keeps goes there as soon as it is made, so that host RAM
+        # never holds every unit's masters at once (the plan counts only the host units').
         reserve_pool()  # before the first copy to the accelerator, which may stage in the pool
         masters, started = [], {}
         for u, (f, k) in zip(plan.units, made):
             m = f(k)
-            if u.state is Tier.DEVICE:
-                started[u.position], m = device.start(u, m), None
+            if u.state in (Tier.DEVICE, Tier.DISK):
+                started[u.position], m = start_unit(u, m), None
             masters.append(m)
         return fresh(ModelParams(masters[0], tuple(masters[1:-1]), masters[-1]), started)
 
@@ -214,6 +231,8 @@ def build_offload_trainer(
         params, opt_state = units.params, units.opt_state
         if on_device:  # this process's rows of the accelerator's units, in host RAM as the others
             params, opt_state = (_units_on_host(tree, plan, where.host) for tree in (params, opt_state))
+        if disk is not None:  # the disk units read into host RAM (a host sync: their writes are done)
+            params, opt_state = _units_from_disk(params, opt_state, plan, disk, where.host)
         local = {"step": _on_host(state.step), "params": params, "opt_state": opt_state}
         if state.loss_scale is not None:
             local["loss_scale"] = jax.tree.map(_on_host, state.loss_scale)
@@ -250,11 +269,16 @@ def build_offload_trainer(
         n = max(steps, 1)
         times = {k: v / n for k, v in clock.summary(wall).items()}
         counts = pipeline.take_counts()
+        io = disk.take_stats() if disk is not None else DiskStats(0, 0, 0.0, 0.0, 0.0)
         return {
             **times,
             "speculated": counts.speculated / n,
             "rolled_back": counts.rolled_back / n,
             "two_pass_units": counts.two_passed / n,
+            "disk_read_s": io.read_s / n,
+            "disk_write_s": io.write_s / n,
+            "wait_disk_s": io.wait_s / n,
+            "disk_gb": (io.read_bytes + io.written_bytes) / 1e9 / n,
         }
 
     return Trainer(
@@ -274,6 +298,7 @@ def build_offload_trainer(
         abstract_saved_state=abstract_saved_state,
         from_saved_state=from_saved_state,
         timings=timings,
+        close=disk.close if disk is not None else _nothing,
     )
 
 
@@ -292,6 +317,38 @@ def _merged(submitted: Submitted, on_accelerator: list[HostUnit | None]) -> Subm
     units, weights = zip(*((h, w) if d is None else (done(d), done(d.weights)) for h, w, d in pairs))
     units, weights = list(units), list(weights)
     return Submitted(_unflat(units), _unflat(weights))
+
+
+def _nothing() -> None:
+    pass
+
+
+def _result(x: Any) -> Any:
+    return x.result() if isinstance(x, Future) else x
+
+
+def _disk_store(cfg: TrainConfig, plan: OffloadPlan) -> DiskStore:
+    """The disk tier's store: its working directory under `offload.disk_path`, else the run's."""
+    if not (cfg.offload.disk_path or cfg.run_dir):
+        raise ConfigError(
+            "offload.optimizer=disk needs a directory for its working state: set offload.disk_path=DIR "
+            "(a local disk) or run_dir."
+        )
+    base = Path(cfg.offload.disk_path or Path(cfg.run_dir) / DISK_DIR)
+    if jax.process_count() > 1:  # each process keeps its own blocks
+        base = base / f"process-{jax.process_index()}"
+    return DiskStore(base, [u.position for u in plan.disk_units], plan.disk_slots)
+
+
+def _units_from_disk(
+    params: ModelParams, opt_state: ModelParams, plan: OffloadPlan, disk: DiskStore, host: Any
+) -> tuple[ModelParams, ModelParams]:
+    """`params` and `opt_state` with each disk unit's read from disk into arrays of the CPU backend
+    (`host`), the others as they are. Blocking."""
+    p, o = _flat(params), _flat(opt_state)
+    for u in plan.disk_units:
+        p[u.position], o[u.position] = jax.device_put(disk.read(u.position), host)
+    return _unflat(p), _unflat(o)
 
 
 def _units_on_host(tree: ModelParams, plan: OffloadPlan, host: Any) -> ModelParams:

@@ -278,10 +278,14 @@ def bits_dtype(dtype: np.dtype) -> np.dtype:
     return np.dtype(np.uint16) if dtype == jnp.bfloat16 else np.dtype(dtype)
 
 
-def writable_view(x: jax.Array) -> np.ndarray:
-    """A flat, writable NumPy view of a CPU-backend array's buffer (bfloat16 as uint16). Writes are
-    seen by the array: the caller must own `x` and nothing may read it concurrently. Waits for `x`
-    (a host sync)."""
+def writable_view(x: jax.Array | np.ndarray) -> np.ndarray:
+    """A flat, writable NumPy view of a CPU-backend array's buffer, or of a writable NumPy array
+    (bfloat16 as uint16). Writes are seen by the array: the caller must own `x` and nothing may read
+    it concurrently. Waits for `x` (a host sync)."""
+    if isinstance(x, np.ndarray):
+        if not x.flags.writeable:
+            raise ValueError("writable_view of a read-only NumPy array")
+        return x.reshape(-1).view(bits_dtype(x.dtype))
     buf = (ctypes.c_byte * x.nbytes).from_address(x.unsafe_buffer_pointer())
     return np.frombuffer(buf, dtype=bits_dtype(x.dtype))
 

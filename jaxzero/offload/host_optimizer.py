@@ -216,24 +216,31 @@ class HostOptimizer:
             self.masters_shape,
         )
 
+    def init_unit(self, unit: UnitPlan, masters: Any) -> Any:
+        """Fresh optimizer state of one host-updated unit from its host masters (CPU backend)."""
+        return getattr(self._init, unit.kind.value)(masters)
+
+    def place_weights(self, unit: UnitPlan, masters: Any) -> Future:
+        """A Future of `unit`'s compute-dtype weights cast from its host masters and placed per
+        `placement.written` (cast and copied on a background thread)."""
+        shapes = self.shapes_of(unit)
+        return self._io.submit(
+            lambda: place(self._cast(masters), self.placement.written(unit, shapes), shapes)
+        )
+
     def compute_weights(self, masters: ModelParams) -> ModelParams:
         """The compute-dtype weights of `masters`, each host unit's placed per `placement.written`
         (used at init and restore; None for units the accelerator updates)."""
 
-        def put(unit: UnitPlan, local: Any) -> Future:
-            shapes = self.shapes_of(unit)
-            return self._io.submit(
-                lambda: place(self._cast(local), self.placement.written(unit, shapes), shapes)
-            )
-
-        futures = self._per_host_unit(put, masters)
+        futures = self._per_host_unit(self.place_weights, masters)
         return jax.tree.map(lambda f: f.result(), futures, is_leaf=lambda x: isinstance(x, Future))
 
     def _per_host_unit(self, fn: Callable[[UnitPlan, Any], Any], tree: ModelParams) -> ModelParams:
-        """`fn(unit, tree's unit)` for each unit whose state lives in host RAM, None for the others."""
+        """`fn(unit, tree's unit)` for each unit the host updates (state in host RAM or on disk), None
+        for the others."""
         units = self.placement.plan.units
         flat = [tree.embed, *tree.blocks, tree.head]
-        out = [fn(u, x) if u.state is Tier.HOST else None for u, x in zip(units, flat)]
+        out = [fn(u, x) if u.state in (Tier.HOST, Tier.DISK) else None for u, x in zip(units, flat)]
         return ModelParams(out[0], tuple(out[1:-1]), out[-1])
 
     # -- the update ----------------------------------------------------------------------------------
@@ -401,4 +408,13 @@ def _is_count(x: jax.Array) -> bool:
 def _advance(opt_state: Any, count: int) -> Any:
     """`opt_state` with its step counts at `count` + 1 (new scalars; saturating, as optax's)."""
     new_count = np.int32(min(count + 1, np.iinfo(np.int32).max))
-    return jax.tree.map(lambda x: jax.device_put(new_count, x.sharding) if _is_count(x) else x, opt_state)
+
+    def advance(x: Any) -> Any:
+        if not _is_count(x):
+            return x
+        if isinstance(x, np.ndarray):  # a disk unit's state, in its host buffer: written in place
+            x[...] = new_count
+            return x
+        return jax.device_put(new_count, x.sharding)
+
+    return jax.tree.map(advance, opt_state)

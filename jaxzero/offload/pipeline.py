@@ -55,6 +55,7 @@ import jax
 import numpy as np
 
 from jaxzero.models import ModelParams
+from jaxzero.offload.disk import DiskStore
 from jaxzero.offload.host_memory import HostScalar, copy_to, local_views, release
 from jaxzero.offload.host_optimizer import HostOptimizer, HostUnit, UnitUpdate
 from jaxzero.offload.timeline import StepClock
@@ -126,7 +127,9 @@ class UnitJob(NamedTuple):
 class UpdatePipeline:
     """Submits each step's per-unit host updates; see the module docstring."""
 
-    def __init__(self, host: HostOptimizer, plan: OffloadPlan, clock: StepClock):
+    def __init__(
+        self, host: HostOptimizer, plan: OffloadPlan, clock: StepClock, disk: DiskStore | None = None
+    ):
         policy: HostUpdate | None = plan.host_update
         if policy is None:
             raise ValueError("the plan keeps every unit's state on the accelerator: no host update")
@@ -134,6 +137,7 @@ class UpdatePipeline:
         self.plan = plan
         self.policy = policy
         self.clock = clock
+        self.disk = disk  # where the disk units' state is read from and written back to
         self.two_pass = TwoPassCounter(policy.two_pass)
         # Units whose state is on the accelerator come first in forward order and are not the host's:
         # the two-pass count starts at the first host unit.
@@ -178,9 +182,11 @@ class UpdatePipeline:
         )
         flat = lambda tree: [tree.embed, *tree.blocks, tree.head]  # noqa: E731 - in forward order
         jobs: list[UnitJob | None] = [
-            UnitJob(u, prev, r, g, Future(), shared) if u.state is Tier.HOST else None
+            UnitJob(u, prev, r, g, Future(), shared) if u.state in (Tier.HOST, Tier.DISK) else None
             for u, prev, r, g in zip(self.plan.units, flat(units), flat(read), flat(grads))
         ]
+        if self.disk is not None:  # their reads start now, during the backward pass, in update order
+            self.disk.schedule()
         tasks = [None if job is None else self._tasks.submit(self._task, job) for job in jobs]
         weights = [None if job is None else job.weights for job in jobs]
         return Submitted(_as_params(tasks), _as_params(weights))
@@ -205,6 +211,8 @@ class UpdatePipeline:
             raise
 
     def _run(self, job: UnitJob) -> HostUnit:
+        if job.unit.state is Tier.DISK:
+            return self._run_from_disk(job)
         policy, slot = self.policy, job.slot
         arrays = job.previous.result()  # the previous update (in the overlapped mode it is done)
         g = jax.tree.map(local_views, job.grads)  # host sync: waits for this unit's gradients to land
@@ -246,6 +254,33 @@ class UpdatePipeline:
         job.weights.set_result(new.weights)
         self.clock.updated(start, time.perf_counter())
         return new
+
+    def _run_from_disk(self, job: UnitJob) -> HostUnit:
+        """A disk unit's update: one pass over its state as read from disk (`DiskStore.take`; the
+        read was scheduled with the step), written back in the background. No speculation and no
+        second pass: either would hold the state in RAM, or read it again."""
+        policy, position = self.policy, job.unit.position
+        spilled = job.previous.result()  # masters and state: OnDisk; weights: the newest
+        g = jax.tree.map(local_views, job.grads)  # host sync: waits for this unit's gradients to land
+        read = job.read.result()
+        stale = read is not spilled.weights
+        recycle = read if stale or policy.mode is not UpdateMode.DELAYED else None
+        norm = job.shared.norm.get() if policy.waits_for_norm else None  # host sync: the backward pass
+        params, opt_state = self.disk.take(position)  # waits for its read
+        if policy.skips_nonfinite and not np.isfinite(norm):
+            self.disk.give_back(position)  # float16 overflow: this step changes nothing
+            if stale:
+                release(read)
+            job.weights.set_result(spilled.weights)
+            return spilled
+        gmul = self.host.grad_multiplier(norm, _scale(job.shared.scale))
+        update = UnitUpdate(job.unit, HostUnit(params, opt_state, spilled.weights), g, gmul)
+        start = time.perf_counter()
+        new = self.host.update_unit(update, job.slot.update_priority, recycle)
+        self.disk.put(position)  # masters and state updated in place in the buffer: written back
+        self.clock.updated(start, time.perf_counter())
+        job.weights.set_result(new.weights)
+        return HostUnit(spilled.params, spilled.opt_state, new.weights)
 
     def _two_passes(self, job: UnitJob, update: UnitUpdate, recycle: Any, start: float) -> HostUnit:
         """The new weights now (the next forward pass waits for them), the masters and state later,

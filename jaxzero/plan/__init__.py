@@ -23,12 +23,15 @@ import enum
 import os
 from dataclasses import dataclass
 
-from jaxzero.config import TrainConfig
+from jaxzero.config import ConfigError, TrainConfig
 
 # Optimizers the fused host kernels implement (`jaxzero.offload.host_kernels`); others run as optax
 # on XLA:CPU. The kernels compute in float32 and read and write float32 or bfloat16 arrays.
 FUSED_OPTIMIZERS = ("adamw", "adam", "lion", "sgd")
 FUSED_COMPUTE_DTYPES = ("float32", "bfloat16")
+# Units with state on disk in host RAM at once: one read ahead while another is updated or written
+# back. More overlap the disk with itself no better (one queue of large transfers) and cost RAM.
+DISK_SLOTS = 2
 
 
 class Tier(enum.Enum):
@@ -37,6 +40,7 @@ class Tier(enum.Enum):
     DEVICE = "device"  # accelerator memory
     PINNED_HOST = "pinned_host"  # host RAM the accelerator copies from and to (XLA's pinned pool)
     HOST = "host"  # host RAM, as arrays of JAX's CPU backend (the host update computes there)
+    DISK = "disk"  # local disk, read into host RAM for each host update and written back
 
 
 class UnitKind(enum.Enum):
@@ -114,6 +118,9 @@ class OffloadPlan:
     # Where each block's input waits for the backward pass: DEVICE, or PINNED_HOST (copied out during
     # the forward pass and back one block ahead of the backward pass).
     activations: Tier = Tier.DEVICE
+    # Units with state on disk that may be in host RAM at once (read ahead of their update, or being
+    # written back after it); 0 without disk units.
+    disk_slots: int = 0
     # DeepSpeed's ZeRO stage over the data mesh (`parallel.zero_stage`, auto resolved): what is
     # sharded over the devices: 1 optimizer state, 2 also gradients, 3 also compute weights.
     zero_stage: int = 0
@@ -145,8 +152,14 @@ class OffloadPlan:
 
     @property
     def host_units(self) -> tuple[UnitPlan, ...]:
-        """Units whose masters and optimizer state live in host RAM (updated on the CPU), in forward order."""
-        return tuple(u for u in self.units if u.state is Tier.HOST)
+        """Units updated on the CPU, their masters and optimizer state in host RAM or on disk, in
+        forward order."""
+        return tuple(u for u in self.units if u.state in (Tier.HOST, Tier.DISK))
+
+    @property
+    def disk_units(self) -> tuple[UnitPlan, ...]:
+        """Units whose masters and optimizer state live on disk (the last host units in forward order)."""
+        return tuple(u for u in self.units if u.state is Tier.DISK)
 
     @property
     def device_state_units(self) -> int:
@@ -186,13 +199,15 @@ class OffloadPlan:
             how.append(f"two-pass updates {up_to} {h.two_pass.max_units} units")
         if h.speculative_units:
             how.append(f"speculative updates for {h.speculative_units} units")
-        on_device = self.device_state_units
-        where = (
-            f"of {len(self.units) - on_device}/{len(self.units)} units in host RAM, updated on the CPU "
-            f"(the first {on_device} on {devices}, updated there)"
-            if on_device
-            else "in host RAM, updated on the CPU"
-        )
+        on_device, on_disk = self.device_state_units, len(self.disk_units)
+        in_ram = len(self.units) - on_device - on_disk
+        where = f"of {in_ram}/{len(self.units)} units in host RAM, updated on the CPU"
+        if on_disk:
+            where += f" (the last {on_disk} on local disk, read and written back each update)"
+        if on_device:
+            where += f" (the first {on_device} on {devices}, updated there)"
+        if not (on_device or on_disk):
+            where = "in host RAM, updated on the CPU"
         activations = "; block inputs wait in pinned host memory" if self.offloads_activations else ""
         return (
             f"{self.mode}: fp32 masters and {optimizer} state {where} "
@@ -213,7 +228,7 @@ def resolve_plan(cfg: TrainConfig) -> OffloadPlan:
             "(build_trainer does), or set both explicitly."
         )
     num_layers = m.num_layers
-    on_host = o.optimizer == "cpu"
+    on_host = o.optimizer in ("cpu", "disk")
     resident_blocks = num_layers if o.params == "none" else o.resident_blocks
     state = Tier.HOST if on_host else Tier.DEVICE
 
@@ -230,15 +245,24 @@ def resolve_plan(cfg: TrainConfig) -> OffloadPlan:
     # weights too (they are updated there).
     for k in range(o.device_state_units):
         units[k] = UnitPlan(units[k].kind, units[k].block, k, Tier.DEVICE, Tier.DEVICE)
+    # The last `disk_units` of the others keep it on disk: their update comes last before the next
+    # forward pass reaches them, and their reads run ahead of it from the start of the backward pass.
+    host_count = len(units) - o.device_state_units
+    on_disk = 0
+    if o.optimizer == "disk":
+        on_disk = host_count if o.disk_units < 0 else min(o.disk_units, host_count)
+    for k in range(len(units) - on_disk, len(units)):
+        units[k] = UnitPlan(units[k].kind, units[k].block, k, units[k].weights, Tier.DISK)
     # One micro-batch: block gradients leave in the compute dtype (exact); several: float32 sums.
     grad_dtype = m.compute_dtype if cfg.data.grad_accum == 1 else "float32"
     return OffloadPlan(
         units=tuple(units),
-        host_update=_host_update(cfg, len(units) - o.device_state_units) if on_host else None,
+        host_update=_host_update(cfg, host_count - on_disk) if on_host else None,
         compute_dtype=m.compute_dtype,
         grad_dtype=grad_dtype,
         prefetch=1,
         activations=Tier.PINNED_HOST if o.activations == "cpu" else Tier.DEVICE,
+        disk_slots=min(DISK_SLOTS, on_disk),
         zero_stage=_zero_stage(cfg),
     )
 
@@ -248,7 +272,7 @@ def _zero_stage(cfg: TrainConfig) -> int:
     stage = cfg.parallel.zero_stage
     if stage >= 0:
         return stage
-    return 3 if cfg.offload.params == "cpu" else 2 if cfg.offload.optimizer == "cpu" else 0
+    return 3 if cfg.offload.params == "cpu" else 2 if cfg.offload.optimizer in ("cpu", "disk") else 0
 
 
 def available_cores() -> int:
@@ -261,6 +285,8 @@ def available_cores() -> int:
 
 
 def _host_update(cfg: TrainConfig, num_units: int) -> HostUpdate:
+    """`num_units`: the units the host updates in RAM (two-pass updates may take them all; units on
+    disk are updated in one pass, since a second would read them from disk again)."""
     o = cfg.offload
     fp16 = cfg.model.compute_dtype == "float16"
     fused = (
@@ -268,6 +294,13 @@ def _host_update(cfg: TrainConfig, num_units: int) -> HostUpdate:
         and cfg.optimizer.name in FUSED_OPTIMIZERS
         and cfg.model.compute_dtype in FUSED_COMPUTE_DTYPES
     )
+    if o.optimizer == "disk" and not fused:
+        raise ConfigError(
+            "offload.optimizer=disk needs the fused host kernels, which update the state read from disk "
+            f"in place: optimizer.name in {FUSED_OPTIMIZERS} (got {cfg.optimizer.name}), model.compute_dtype "
+            f"in {FUSED_COMPUTE_DTYPES} (got {cfg.model.compute_dtype}) and offload.fused_update=true "
+            f"(got {o.fused_update}); or use offload.optimizer=cpu."
+        )
     mode = UpdateMode(o.update)
     clipped = cfg.optimizer.grad_clip > 0
     # Speculation and two-pass updates move fused-kernel work out of the wait for the norm; they apply

@@ -1,0 +1,185 @@
+"""The disk tier (`offload.optimizer=disk`): units whose masters and optimizer state live in files,
+read into host RAM for each update and written back.
+
+The host update of a unit read from disk is the same fused kernel on the same numbers as the update
+of a unit kept in host RAM, so runs with and without disk units agree bit for bit (losses, norms,
+validation loss, and every saved master and moment); a run restored from a checkpoint matches the
+uninterrupted one bit for bit too.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from subprocess_run import run_module
+from test_offload import run, tiny
+
+from jaxzero import placement
+from jaxzero.config import ConfigError
+from jaxzero.data import build_data
+from jaxzero.offload.disk import DiskStore
+from jaxzero.plan import Tier, resolve_plan
+from jaxzero.trainer import build_trainer
+
+HOST = {"offload.optimizer": "cpu", "offload.params": "cpu"}
+CASES = {
+    # the last three units (two blocks and the head) on disk, streamed weights
+    "zero3-disk3": ({"offload.params": "cpu", "offload.disk_units": "3"}, "float32"),
+    # every unit on disk, weights resident (ZeRO-Offload), bf16 moments
+    "zero-offload-all-disk": ({"offload.params": "none", "optimizer.state_dtype": "bfloat16"}, "float32"),
+    # the embedding's state on the accelerator, the head's on disk, the blocks' in host RAM
+    "three-tiers": (
+        {"offload.params": "cpu", "offload.device_state_units": "1", "offload.disk_units": "1"},
+        "float32",
+    ),
+    # bf16 compute: bf16 block gradients
+    "zero3-disk2-bf16": (
+        {"offload.params": "cpu", "offload.disk_units": "2", "data.grad_accum": "1"},
+        "bfloat16",
+    ),
+}
+
+
+def saved_leaves(trainer, state) -> list[np.ndarray]:
+    return [np.asarray(x) for x in jax.tree.leaves(trainer.saved_state(state))]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_disk_units_train_bitwise_like_host_units(case, tmp_path):
+    over, dtype = CASES[case]
+    disk = tiny("llama", dtype, **{**over, "offload.optimizer": "disk", "offload.disk_path": str(tmp_path)})
+    host_over = {k: v for k, v in over.items() if not k.startswith("offload.disk")}
+    host = tiny("llama", dtype, **{**host_over, "offload.optimizer": "cpu"})
+    plan = resolve_plan(disk)
+    expected = {"zero3-disk3": 3, "zero-offload-all-disk": 5, "three-tiers": 1, "zero3-disk2-bf16": 2}[case]
+    assert len(plan.disk_units) == expected
+    assert [u.position for u in plan.disk_units] == list(range(5 - expected, 5))  # the last ones
+    ref_trainer, ref_state, ref_losses, ref_norms, ref_val = run(host, guard=True)
+    trainer, state, losses, norms, val = run(disk, guard=True)
+    assert (ref_norms > 0.5).all(), "clipping must be active"
+    np.testing.assert_array_equal(losses, ref_losses)
+    np.testing.assert_array_equal(norms, ref_norms)
+    assert val == ref_val
+    for a, b in zip(saved_leaves(trainer, state), saved_leaves(ref_trainer, ref_state)):
+        np.testing.assert_array_equal(a, b)
+    # Each step read every disk unit's state once and wrote it back once.
+    stats = trainer.timings(1.0, 1)
+    (workdir,) = tmp_path.iterdir()
+    files = sorted(workdir.iterdir())
+    assert len(files) == expected
+    size = sum(f.stat().st_size for f in files)
+    assert stats["disk_gb"] * 1e9 == 2 * size * disk.steps + size  # and the first write, at init
+    # The disk units' masters and state are not in host RAM between steps.
+    units = [state.units.embed, *state.units.blocks, state.units.head]
+    for u, unit in zip(plan.units, units):
+        params = unit.result().params
+        assert (type(params).__name__ == "OnDisk") == (u.state is Tier.DISK)
+    trainer.close()
+    assert list(tmp_path.iterdir()) == []  # its working directory, and only that, is gone
+
+
+def test_a_restored_disk_run_matches_the_uninterrupted_one(tmp_path):
+    disk = {"offload.optimizer": "disk", "offload.params": "cpu", "offload.disk_units": "2"}
+    cfg = tiny("llama", "float32", **disk, **{"offload.disk_path": str(tmp_path / "work")})
+    mesh = placement.make_mesh(jax.devices()[:1])
+    data = build_data(cfg.data, cfg.model.vocab_size, cfg.seed)
+    batches = list(zip(range(cfg.steps), data.train_iter()))
+    whole = build_trainer(cfg, mesh)
+    state = whole.init(jax.random.key(0))
+    for _, b in batches:
+        state, _ = whole.step(state, whole.put_batch(b))
+    expected = saved_leaves(whole, state)
+    first = build_trainer(cfg, mesh)
+    state = first.init(jax.random.key(0))
+    for _, b in batches[:2]:
+        state, _ = first.step(state, first.put_batch(b))
+    first.save(state, tmp_path / "run", 2)
+    first.close()
+    second = build_trainer(cfg, mesh)
+    state, step, _ = second.restore(tmp_path / "run")
+    assert step == 2
+    for _, b in batches[2:]:
+        state, _ = second.step(state, second.put_batch(b))
+    for a, b in zip(saved_leaves(second, state), expected):
+        np.testing.assert_array_equal(a, b)
+    whole.close()
+    second.close()
+
+
+def test_the_store_reads_in_order_and_writes_back(tmp_path):
+    store = DiskStore(tmp_path, positions=[3, 4], slots=1, threads=2)
+    trees = {
+        p: (np.arange(10_000, dtype=np.float32) * p, {"m": np.full((7, 3), p, np.float32)}) for p in (3, 4)
+    }
+    for p, t in trees.items():
+        store.create(p, t)
+    for step in range(3):
+        store.schedule()
+        for p in (3, 4):
+            params, state = store.take(p)
+            np.testing.assert_array_equal(params, trees[p][0] + step)
+            params += 1  # updated in place, as the host kernels do
+            store.put(p)
+    for p in (3, 4):
+        np.testing.assert_array_equal(store.read(p)[0], trees[p][0] + 3)
+        np.testing.assert_array_equal(store.read(p)[1]["m"], trees[p][1]["m"])
+    stats = store.take_stats()
+    size = sum(f.stat().st_size for f in store.directory.iterdir())
+    assert stats.read_bytes == 3 * size and stats.written_bytes == 4 * size  # and the creation
+    mine = store.directory
+    (tmp_path / "user-file").write_text("not the store's")
+    store.close()
+    assert not mine.exists() and (tmp_path / "user-file").exists()
+
+
+def test_a_failed_read_fails_the_update_that_needs_it(tmp_path):
+    store = DiskStore(tmp_path, positions=[1], slots=2)
+    store.create(1, (np.ones(100, np.float32),))
+    os.remove(next(store.directory.iterdir()))
+    store.schedule()
+    with pytest.raises(FileNotFoundError):
+        store.take(1)
+    store.close()
+
+
+def test_an_unwritable_disk_path_is_a_clear_error(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(OSError, match="offload.disk_path"):
+        DiskStore(blocker / "sub", positions=[1], slots=1)
+
+
+@pytest.mark.parametrize(
+    "over, message",
+    [
+        ({"offload.optimizer": "cpu", "offload.disk_units": "2"}, "only apply with offload.optimizer=disk"),
+        ({"offload.optimizer": "disk", "offload.disk_units": "0"}, "keeps no unit on disk"),
+        ({"offload.optimizer": "disk", "offload.fused_update": "false"}, "needs the fused host kernels"),
+        ({"offload.optimizer": "disk", "offload.disk_units": "-2"}, "must be >= -1"),
+    ],
+)
+def test_wrong_disk_settings_are_refused(over, message, tmp_path):
+    cfg = tiny("llama", "float32", **{"offload.params": "cpu", "offload.disk_path": str(tmp_path), **over})
+    with pytest.raises(ConfigError, match=message):
+        build_trainer(cfg, placement.make_mesh(jax.devices()[:1]))
+
+
+@pytest.mark.slow
+def test_cli_disk_run_keeps_its_working_state_in_the_run_directory_and_removes_it(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_module(
+        "jaxzero.train", "--model.name=llama-tiny", "--model.num_layers=2", "--data.seq_len=32",
+        "--data.batch_size=4", "--steps=6", "--checkpoint.every=3", "--logging.log_every=3",
+        "--offload.optimizer=disk", "--offload.params=cpu", "--offload.disk_units=2",
+        f"--run_dir={run_dir}", cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "on local disk" in result.stdout
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if "disk_gb" in r]
+    assert train and all(r["disk_gb"] > 0 for r in train)
+    assert sorted(p.name for p in (run_dir / "offload-state").iterdir()) == []
+    assert sorted(Path(run_dir / "checkpoints").iterdir())
