@@ -21,7 +21,9 @@ the compute weights. With `offload.activations=cpu` the blocks' saved inputs but
 pinned host memory, and the accelerator holds three of them at most. Units whose state
 `offload.device_state_units` keeps on the accelerator count as resident ones there: masters, state,
 weights and their gradients; on the host, with checkpoints on, their masters and state once more,
-since a save copies them to host RAM and a restore reads them there first.)
+since a save copies them to host RAM and a restore reads them there first. Units whose state
+`offload.optimizer=disk` keeps on disk hold it there; host RAM holds `disk_slots` buffers of the
+largest of them, and, with checkpoints on, all of it, since saves and restores go through RAM.)
 An asynchronous checkpoint (`checkpoint.async_save`, the default) snapshots masters and optimizer
 state into host RAM while it writes: 4 + 8 more bytes per parameter of host memory during a save.
 The pinned bytes of an offloaded run live in XLA's pinned pool, which takes host RAM by regions of
@@ -83,13 +85,16 @@ class MemoryPlan:
     activations: int  # saved block inputs plus one block's transient activations and the logits
     two_pass_grads: int = 0  # the part of `pinned` that two-pass updates keep into the next step
     spares: int = 0  # the part of `host` that speculative updates keep as spare state
+    disk: int = 0  # local disk: masters and optimizer state of the units kept there (per process)
     devices: int = 1  # the mesh this plan is for: `host` and `pinned` are per process, the rest per device
     processes: int = 1
 
     def describe(self) -> str:
+        disk = f", disk {self.disk / GiB:.1f} GiB" if self.disk else ""
         return (
             f"host {self.host / GiB:.1f} GiB (pinned {self.pinned / GiB:.1f} GiB), accelerator "
-            f"{self.accelerator_state / GiB:.1f} GiB state + ~{self.activations / GiB:.1f} GiB activations"
+            f"{self.accelerator_state / GiB:.1f} GiB state + ~{self.activations / GiB:.1f} GiB "
+            f"activations{disk}"
         )
 
 
@@ -211,7 +216,7 @@ def plan_memory(
     # writes the next) and two steps' gradients (the next pass's land while the host still updates
     # from the previous ones).
     copies = 2 if update.mode is UpdateMode.DELAYED else 1
-    host = pinned = accelerator = two_pass = device_grads = 0
+    host = pinned = accelerator = two_pass = device_grads = disk = disk_unit = 0
     # Two-pass updates take the first host units in forward order (after those on the accelerator).
     host_index = -1
     for u in offload.units:
@@ -228,6 +233,12 @@ def plan_memory(
                 host += per_process(n_u, w_u, 4 + opt, True)
             continue
         host_index += 1
+        if u.state is Tier.DISK:
+            # Masters and state on disk; in RAM while read ahead, updated or written back (one of
+            # the `disk_slots` buffers, each as large as the largest disk unit), and, with
+            # checkpoints on, all of them at a save or a restore, which go through host RAM.
+            state_u = per_process(n_u, w_u, 4 + opt, True)
+            disk, disk_unit = disk + state_u, max(disk_unit, state_u)
         # One shard per device of everything the host keeps or writes: 1/P of it in each process
         # (of an unsplittable array, a whole copy per local device in pinned memory).
         if u.weights is Tier.PINNED_HOST:  # streamed
@@ -238,8 +249,10 @@ def plan_memory(
         pinned += copies * per_process(n_u, w_u, grad_u, True, copies=L)
         if host_index < update.two_pass.max_units:  # gradients kept until the second pass, a step on
             two_pass += per_process(n_u, w_u, grad_u, True, copies=L)
-        host += per_process(n_u, w_u, 4 + opt, True)  # masters and optimizer state
+        if u.state is Tier.HOST or cfg.checkpoint.enabled:
+            host += per_process(n_u, w_u, 4 + opt, True)  # masters and optimizer state
     pinned += two_pass + away
+    host += offload.disk_slots * disk_unit
     spares = update.speculative_units * per_process(max(params.values()), max(whole), 4 + opt, True)
     host += pinned_pool_bytes(pinned, L, pool_cap) + snapshot + spares
     streamed = offload.streamed_blocks
@@ -255,6 +268,7 @@ def plan_memory(
         activations=activations,
         two_pass_grads=two_pass,
         spares=spares,
+        disk=disk,
         devices=D,
         processes=P,
     )

@@ -289,3 +289,34 @@ def test_build_trainer_leaves_an_explicit_placement_to_the_memory_check(monkeypa
     monkeypatch.setattr(planner, "decide", no_planner)
     trainer = build_trainer(tiny(**ZERO3), placement.make_mesh(jax.devices()[:1]))
     assert trainer.plan.mode == "ZeRO-3 offload"
+
+
+def test_the_disk_tier_takes_the_fewest_last_units_only_where_nothing_else_fits():
+    """llama-20b at 32K tokens with bf16 moments and no checkpoints on one H200 box: GPU and host RAM
+    together fall short (the refusal says what disk would do); with 64 GiB of free disk the planner
+    puts the state of the fewest units that make it fit there, the last ones in forward order, and
+    predicts the step the disk's traffic bounds."""
+    c = cfg(**{"model.name": "llama-20b", "data.batch_size": "16", "optimizer.state_dtype": "bfloat16",
+               "checkpoint.enabled": "false"})  # fmt: skip
+    box = h200(139)
+    with pytest.raises(ConfigError, match="more free local disk"):
+        decide(c, box)
+    d = decide(c, dataclasses.replace(box, disk_bytes=64 * GiB))
+    disk = d.plan.disk_units
+    units = len(d.plan.units)
+    assert disk and [u.position for u in disk] == list(range(units - len(disk), units))
+    assert d.config.offload.optimizer == "disk" and d.config.offload.disk_units == len(disk)
+    assert 0 < d.memory.disk <= 64 * GiB and "state local disk (read, updated on CPU" in d.table()
+    assert d.prediction.disk_s > d.prediction.gpu_s  # ~2 GB/s of disk for ~60 GB a step
+    # One unit fewer on disk does not fit the host.
+    fewer = dataclasses.replace(
+        d.config, offload=dataclasses.replace(d.config.offload, disk_units=len(disk) - 1)
+    )
+    need = plan_memory(fewer, resolve_plan(fewer))
+    assert need.host + memory.GPU_PROCESS_RSS > box.host_usable
+    # A model that fits without the disk never uses it, whatever disk there is.
+    assert not decide(cfg(), dataclasses.replace(h200(40), disk_bytes=64 * GiB)).plan.disk_units
+    # Saves and restores go through host RAM: with checkpoints on, the disk saves none of it.
+    on = dataclasses.replace(c, checkpoint=dataclasses.replace(c.checkpoint, enabled=True))
+    with pytest.raises(ConfigError):
+        decide(on, dataclasses.replace(box, disk_bytes=64 * GiB))

@@ -69,8 +69,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import jax
 
@@ -103,6 +105,11 @@ EXPOSED_NAMES_IT = 0.05
 # reached 0.69-0.72x of 16 threads' rate on the H200 box (BENCHMARKS.md, issue 4, runs E and the
 # host_split probe).
 MEASURED_CORES = 16
+
+
+# The local disk of the lent H100/H200 boxes: 2.1-2.3 GB/s each way with direct I/O measured alone
+# (measurements.md); the disk tier reads and writes at once, and the two share it.
+DISK_BW = 2.0 * GB
 
 
 @dataclass(frozen=True)
@@ -148,6 +155,8 @@ class Machine:
     # None where jaxzero sizes it to the run (before the backend starts) or there is none (CPU).
     pinned_limit_gb: float | None = None
     kind: str = "H200"  # the device kind whose defaults were used
+    disk_bytes: int = 0  # free local disk for the disk tier's working state (per host)
+    disk_bw: float = DISK_BW  # bytes/s it reads and writes, together
     # machine.* key -> where its figure came from: "machine.<key>" (given), "detected...", "default..."
     sources: dict[str, str] = field(default_factory=dict)
 
@@ -242,6 +251,8 @@ def detect_machine(
     h2d = pick("h2d_gbps", mc.h2d_gbps, GB, link)
     d2h = pick("d2h_gbps", mc.d2h_gbps, GB, link)
     gpu_flops = pick("gpu_tflops", mc.gpu_tflops, 1e12, kind.flops)
+    disk_bytes = int(pick("disk_gib", mc.disk_gib, GiB, _free_disk(cfg), "detected"))
+    disk_bw = pick("disk_gbps", mc.disk_gbps, GB, DISK_BW)
     if any(v.startswith("default") for v in sources.values()):
         sources["defaults"] = f"{kind.kind}, {kind.source}"
     return Machine(
@@ -257,8 +268,22 @@ def detect_machine(
         cores=cores,
         pinned_limit_gb=_pinned_limit_gb(device, pool_fixed),
         kind=kind.kind,
+        disk_bytes=disk_bytes,
+        disk_bw=disk_bw,
         sources=sources,
     )
+
+
+def _free_disk(cfg: TrainConfig) -> int:
+    """Free bytes on the filesystem the disk tier would write to (`offload.disk_path`, else the run
+    directory, else the working directory): of the nearest directory that exists."""
+    path = Path(cfg.offload.disk_path or cfg.run_dir or ".").absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return 0
 
 
 def _pinned_limit_gb(device: jax.Device | None, pool_fixed: bool) -> float | None:
@@ -287,7 +312,8 @@ class Prediction:
     exposed_s: float  # the host update the next forward pass waits for
     link_s: float  # host-to-accelerator plus accelerator-to-host copies
     host_s: float  # the host update's memory traffic
-    bottleneck: str  # "GPU compute", "host update before the forward", "link" or "host update"
+    bottleneck: str  # "GPU compute", "host update before the forward", "link", "host update" or "disk"
+    disk_s: float = 0.0  # the disk tier's reads and write-backs
 
 
 def _dtype_bytes(dtype: str) -> int:
@@ -314,7 +340,8 @@ def predict(cfg: TrainConfig, plan: OffloadPlan, machine: Machine) -> Prediction
     first = [0.0] * len(plan.units)  # seconds of each unit's first (or only) pass
     full = [0.0] * len(plan.units)  # seconds of each unit's whole update
     h2d = d2h = 0.0  # bytes per device
-    host_units = [i for i, u in enumerate(plan.units) if u.state is Tier.HOST]
+    host_units = [i for i, u in enumerate(plan.units) if u.state in (Tier.HOST, Tier.DISK)]
+    disk_bytes = [0.0] * len(plan.units)  # of each disk unit's state, this process's
     for j, i in enumerate(host_units):
         u = plan.units[i]
         grad = _dtype_bytes(plan.grad_dtype) if u.kind is UnitKind.BLOCK else 4
@@ -326,6 +353,8 @@ def predict(cfg: TrainConfig, plan: OffloadPlan, machine: Machine) -> Prediction
             first_bytes = all_bytes = read + 4 + opt + compute
         per_process = count[u.kind] / machine.processes * slowdown / bw
         first[i], full[i] = first_bytes * per_process, all_bytes * per_process
+        if u.state is Tier.DISK:
+            disk_bytes[i] = (4 + opt) * count[u.kind] / machine.processes
         per_device = count[u.kind] / machine.devices
         h2d += (2 if u.weights is Tier.PINNED_HOST else 1) * compute * per_device
         d2h += grad * per_device
@@ -334,15 +363,20 @@ def predict(cfg: TrainConfig, plan: OffloadPlan, machine: Machine) -> Prediction
         h2d, d2h = h2d + away, d2h + away
     host_s = sum(full)
     link_s = h2d / machine.h2d + d2h / machine.d2h
+    # Each disk unit's state is read once and written back once per step; this host's processes
+    # share the disk.
+    disk_bw = machine.disk_bw / machine.local_processes
+    disk_s = 2 * sum(disk_bytes) / disk_bw
     exposed = 0.0  # the delayed update overlaps the whole next step
     if update.mode is UpdateMode.OVERLAPPED:
-        exposed = _exposed(plan, update.waits_for_norm, gpu_s, forward, first, full)
-    terms = {"GPU compute": gpu_s + exposed, "link": link_s, "host update": host_s}
+        reads = [b / disk_bw for b in disk_bytes]
+        exposed = _exposed(plan, update.waits_for_norm, gpu_s, forward, first, full, reads)
+    terms = {"GPU compute": gpu_s + exposed, "link": link_s, "host update": host_s, "disk": disk_s}
     bottleneck = max(terms, key=lambda k: terms[k])
     step_s = terms[bottleneck]
     if bottleneck == "GPU compute" and exposed > EXPOSED_NAMES_IT * step_s:
         bottleneck = "host update before the forward"
-    return Prediction(step_s, gpu_s, exposed, link_s, host_s, bottleneck)
+    return Prediction(step_s, gpu_s, exposed, link_s, host_s, bottleneck, disk_s)
 
 
 def _exposed(
@@ -352,31 +386,65 @@ def _exposed(
     forward: list[float],
     first: list[float],
     full: list[float],
+    reads: list[float],
 ) -> float:
     """Seconds the next forward pass waits for host updates, from the end of the backward pass:
-    the forward runs unit by unit, each unit once the host has its (first-pass) update ready."""
+    the forward runs unit by unit, each unit once the host has its (first-pass) update ready. A disk
+    unit's update also waits for its read (`reads`: seconds of each unit's read, as of its write)."""
     ready = [0.0] * len(plan.units)  # seconds after the backward pass ends
-    host_units = [i for i, u in enumerate(plan.units) if u.state is Tier.HOST]
+    host_units = [i for i, u in enumerate(plan.units) if u.state in (Tier.HOST, Tier.DISK)]
+    backward = (1 - FORWARD_SHARE) * gpu_s
     if waits_for_norm:  # nothing before the norm; then first passes in forward order
         t = 0.0
+        read_done = _disk_reads(plan, reads, full, -backward, lambda: t)
         for i in host_units:
-            t += first[i]
+            t = max(t, read_done(i)) + first[i]
             ready[i] = t
     else:  # each unit as its gradients land, in the backward pass's (reverse) order, one pass
-        backward = (1 - FORWARD_SHARE) * gpu_s
         scale = backward / max(sum(forward), 1e-30)  # a unit's backward: its share of the pass
         landed, t = 0.0, 0.0
         ends = {}
         for i in reversed(range(len(plan.units))):
             landed += forward[i] * scale
             ends[i] = landed
+        disk = [i for i in host_units if plan.units[i].state is Tier.DISK]
+        read_end = {i: -backward + sum(reads[j] for j in disk[: k + 1]) for k, i in enumerate(disk)}
         for i in reversed(host_units):
-            t = max(t, ends[i]) + full[i]
+            t = max(t, ends[i], read_end.get(i, -backward) + backward) + full[i]
             ready[i] = t - backward
     t = 0.0
     for i in range(len(plan.units)):
         t = max(t, ready[i]) + forward[i]
     return max(0.0, t - sum(forward))
+
+
+def _disk_reads(
+    plan: OffloadPlan, reads: list[float], full: list[float], start: float, host_clock: Callable[[], float]
+) -> Callable[[int], float]:
+    """When each disk unit's read is done, as the store does it: reads in update order from `start`
+    (the backward pass begins), one disk, each read waiting for a free buffer (`plan.disk_slots`),
+    which the write-back of the unit `disk_slots` before frees; a write-back (as long as its read)
+    follows its unit's update, which ends `full` after the host reached it (`host_clock()` when the
+    read is asked for: the pipeline's update order). Returns position -> seconds (0 for others)."""
+    disk = [i for i, u in enumerate(plan.units) if u.state is Tier.DISK]
+    done: dict[int, float] = {}
+    freed: list[float] = []  # when each disk unit's write-back is done, in order
+    state = {"disk": start}  # when the disk is next free
+
+    def read_done(i: int) -> float:
+        if i not in disk:
+            return 0.0
+        k = disk.index(i)
+        slot = freed[k - plan.disk_slots] if k >= plan.disk_slots else start
+        begin = max(state["disk"], slot)
+        done[i] = begin + reads[i]
+        # Its update starts when both the host and the read are there; its write-back follows.
+        write_begin = max(done[i], host_clock()) + full[i]
+        state["disk"] = max(done[i], write_begin) + reads[i]
+        freed.append(state["disk"])
+        return done[i]
+
+    return read_done
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -394,14 +462,17 @@ class _Option:
     resident_blocks: int = 0
     two_pass_units: int = -1
     activations: str = "none"  # offload.activations
+    disk_units: int = 0  # the last units' state on disk (offload.optimizer=disk); -1: every host unit's
 
     @property
-    def rank(self) -> tuple[int, bool, bool, int, int]:
-        """Simpler first: resident, ZeRO-Offload, ZeRO-3 offload; the user's two-pass setting; block
-        inputs on the accelerator; fewer units with state on the accelerator; fewer resident blocks."""
+    def rank(self) -> tuple[int, int, bool, bool, int, int]:
+        """Simpler first: no disk; resident, ZeRO-Offload, ZeRO-3 offload; the user's two-pass
+        setting; block inputs on the accelerator; fewer units with state on the accelerator; fewer
+        resident blocks."""
         mode = 0 if self.optimizer == "none" else 1 if self.params == "none" else 2
         away = self.activations == "cpu"
-        return (mode, self.two_pass_units == 0, away, self.device_state_units, self.resident_blocks)
+        disk = self.disk_units if self.disk_units >= 0 else 10**6
+        return (disk, mode, self.two_pass_units == 0, away, self.device_state_units, self.resident_blocks)
 
 
 @dataclass(frozen=True)
@@ -419,25 +490,29 @@ class _Evaluated:
     host_short: int  # bytes of `host_need` over this process's share of host RAM
     host_state_short: int  # the same without activations (differs on a CPU backend only)
     pool_short: int  # GB over XLA's pinned pool cap, where it is already fixed
+    disk_short: int = 0  # bytes of the disk tier's state over the free disk
 
-    def fits(self, strict: bool) -> bool:
+    def fits(self, strict: bool, disk: bool = True) -> bool:
         """Whether it fits: `strict`, activations included (the planner's rule for what it chooses);
-        else the state alone, as `memory.check_fits` refuses (activations only warn there)."""
+        else the state alone, as `memory.check_fits` refuses (activations only warn there). `disk`:
+        the local disk too."""
+        short = self.disk_short if disk else 0
         if strict:
-            return not (self.gpu_short or self.host_short or self.pool_short)
-        return not (self.state_short or self.host_state_short or self.pool_short)
+            return not (self.gpu_short or self.host_short or self.pool_short or short)
+        return not (self.state_short or self.host_state_short or self.pool_short or short)
 
     @property
     def shortfall(self) -> int:
         """Bytes short in all (the pool's GB counted as bytes)."""
-        return self.gpu_short + self.host_short + self.pool_short * GB
+        return self.gpu_short + self.host_short + self.pool_short * GB + self.disk_short
 
 
 def _apply(cfg: TrainConfig, option: _Option) -> TrainConfig | None:
     """`cfg` placed as `option` says, or None where its other settings rule that out (`validate`)."""
     offload = dataclasses.replace(
         cfg.offload,
-        optimizer=option.optimizer,
+        optimizer="disk" if option.disk_units else option.optimizer,
+        disk_units=option.disk_units or -1,
         params=option.params,
         device_state_units=option.device_state_units,
         resident_blocks=option.resident_blocks,
@@ -477,8 +552,12 @@ class _Search:
             self.pool_cap = memory.pinned_pool_cap_gb(largest.pinned) * GiB
         r = o.resident_blocks
         self.r_range = range(layers) if o.params == "auto" and not r else range(r, r + 1)
+        # Units on disk: as given with offload.optimizer=disk; with auto, the fewest that make a
+        # placement fit, searched only when none fits without (the disk is the slowest tier).
+        self.disk_fixed = o.disk_units if o.optimizer == "disk" else 0
+        self.disk_search = o.optimizer == "auto" and self.strict and o.update == "overlapped"
         self.modes: list[tuple[str, str]] = []  # (offload.optimizer, offload.params)
-        if o.optimizer != "cpu" and o.params != "cpu" and not (k or r):
+        if o.optimizer in ("auto", "none") and o.params != "cpu" and not (k or r):
             self.modes.append(("none", "none"))
         if o.optimizer != "none" and o.params != "cpu" and not r:
             self.modes.append(("cpu", "none"))
@@ -518,9 +597,10 @@ class _Search:
         if mc.pinned_limit_gb is not None and need.pinned:
             pool_short = max(0, math.ceil(memory.pinned_pool_minimum_gb(need) - mc.pinned_limit_gb))
         host_short = max(0, host_need - mc.host_usable)
+        disk_short = max(0, need.disk * mc.local_processes - mc.disk_bytes)
         return _Evaluated(
             option, cfg, plan, need, gpu_need, host_need, gpu_short, state_short, host_short,
-            host_state_short, pool_short,
+            host_state_short, pool_short, disk_short,
         )  # fmt: skip
 
     def predict(self, e: _Evaluated) -> Prediction:
@@ -528,21 +608,28 @@ class _Search:
             self._predicted[e.option] = predict(e.cfg, e.plan, self.machine)
         return self._predicted[e.option]
 
-    def at(self, optimizer: str, params: str, k: int, r: int) -> list[_Evaluated]:
-        """The options of one (mode, K, R) that fit: with the user's two-pass setting, or, with it
-        left adaptive, with 0 where adaptive does not fit."""
+    def at(
+        self, optimizer: str, params: str, k: int, r: int, disk: int | None = None, *, disk_fits: bool = True
+    ) -> list[_Evaluated]:
+        """The options of one (mode, K, R, units on disk) that fit: with the user's two-pass setting,
+        or, with it left adaptive, with 0 where adaptive does not fit. `disk_fits=False`: whether
+        they fit but for the local disk."""
+        disk = self.disk_fixed if disk is None or optimizer != "cpu" else disk
         for act in self.activations if optimizer == "cpu" else ("none",):
             for tp in self.two_pass:
-                e = self.evaluate(_Option(optimizer, params, k, r, tp, act))
-                if e is not None and e.fits(self.strict):
+                e = self.evaluate(
+                    _Option(optimizer, params, k, r, tp, act, disk if optimizer == "cpu" else 0)
+                )
+                if e is not None and e.fits(self.strict, disk_fits):
                     return [e]
         return []
 
     def _overflows(self, optimizer: str, params: str, k: int, r: int) -> bool:
         """Whether (mode, K, R) overflows the accelerator under every two-pass setting."""
         acts = self.activations if optimizer == "cpu" else ("none",)
+        disk = self.disk_fixed if optimizer == "cpu" else 0
         options = [
-            self.evaluate(_Option(optimizer, params, k, r, tp, a)) for tp in self.two_pass for a in acts
+            self.evaluate(_Option(optimizer, params, k, r, tp, a, disk)) for tp in self.two_pass for a in acts
         ]
         shorts = [e.gpu_short if self.strict else e.state_short for e in options if e is not None]
         return bool(shorts) and all(shorts)
@@ -550,25 +637,48 @@ class _Search:
     def fitting(self) -> list[_Evaluated]:
         """The options that fit worth comparing: per mode and K, the most resident blocks that fit
         and the fewest predicted as fast. (Accelerator memory grows with K and R, host memory falls
-        with K, and the predicted step falls with both: binary searches, not every pair.)"""
+        with K, and the predicted step falls with both: binary searches, not every pair.) Where
+        none fits and the planner may use the disk: per mode and K, the fewest units on disk that
+        fit (host memory falls with them; the accelerator's does not change)."""
         out: list[_Evaluated] = []
         for optimizer, params in self.modes:
             ks = self.k_range if optimizer == "cpu" else range(1)
-            rs = self.r_range if params == "cpu" else range(1)
             for k in ks:
-                rmax = _last(rs, lambda r: bool(self.at(optimizer, params, k, r)))  # noqa: B023
-                if rmax is None:
-                    if self._overflows(optimizer, params, k, rs[0]):
-                        break  # more units with state on the accelerator overflow it more
-                    continue
-                best = self.at(optimizer, params, k, rmax)
-                limit = self.predict(best[0]).step_s * (1 + PREFER_SIMPLER)
-
-                def as_fast(r: int) -> bool:
-                    return any(self.predict(e).step_s <= limit for e in self.at(optimizer, params, k, r))  # noqa: B023
-
-                out += best + self.at(optimizer, params, k, _first(range(rs[0], rmax + 1), as_fast))
+                found = self._fitting_at(optimizer, params, k, None)
+                if found is None:
+                    break  # more units with state on the accelerator overflow it more
+                out += found
+        if out or not self.disk_search:
+            return out
+        for optimizer, params in self.modes:
+            if optimizer != "cpu":
+                continue
+            rs = self.r_range if params == "cpu" else range(1)
+            for k in self.k_range:
+                units = self.cfg.model.num_layers + 2 - k
+                if not self.at(optimizer, params, k, rs[0], units, disk_fits=False):
+                    continue  # not even with every host unit on disk (host RAM falls with them)
+                fewest = _first(
+                    range(1, units + 1),
+                    lambda d: bool(self.at(optimizer, params, k, rs[0], d, disk_fits=False)),  # noqa: B023
+                )
+                out += self._fitting_at(optimizer, params, k, fewest) or []
         return out
+
+    def _fitting_at(self, optimizer: str, params: str, k: int, disk: int | None) -> list[_Evaluated] | None:
+        """`fitting`'s options for one mode, K and number of disk units; None where the accelerator
+        overflows at the fewest resident blocks."""
+        rs = self.r_range if params == "cpu" else range(1)
+        rmax = _last(rs, lambda r: bool(self.at(optimizer, params, k, r, disk)))
+        if rmax is None:
+            return None if self._overflows(optimizer, params, k, rs[0]) else []
+        best = self.at(optimizer, params, k, rmax, disk)
+        limit = self.predict(best[0]).step_s * (1 + PREFER_SIMPLER)
+
+        def as_fast(r: int) -> bool:
+            return any(self.predict(e).step_s <= limit for e in self.at(optimizer, params, k, r, disk))
+
+        return best + self.at(optimizer, params, k, _first(range(rs[0], rmax + 1), as_fast), disk)
 
     def frontier(self) -> list[_Evaluated]:
         """Every mode, K and two-pass setting at the fewest resident blocks (for that K, the least
@@ -577,11 +687,15 @@ class _Search:
         for optimizer, params in self.modes:
             r = self.r_range[0] if params == "cpu" else 0
             for k in self.k_range if optimizer == "cpu" else range(1):
+                disks = {self.disk_fixed if optimizer == "cpu" else 0}
+                if optimizer == "cpu" and self.disk_search:
+                    disks.add(-1)  # every host unit's state on disk: the least host RAM
                 for tp in self.two_pass:
                     for act in self.activations if optimizer == "cpu" else ("none",):
-                        e = self.evaluate(_Option(optimizer, params, k, r, tp, act))
-                        if e is not None:
-                            out.append(e)
+                        for disk in sorted(disks):
+                            e = self.evaluate(_Option(optimizer, params, k, r, tp, act, disk))
+                            if e is not None:
+                                out.append(e)
         return out
 
     def fits_somehow(self) -> bool:
@@ -620,6 +734,7 @@ DECIDED_KEYS = (
     "device_state_units",
     "two_pass_units",
     "activations",
+    "disk_units",
 )
 
 
@@ -693,6 +808,12 @@ class Decision:
                 f"{_gib(memory.GPU_PROCESS_RSS)} for the process itself; {HOST_HEADROOM:.0%} of the RAM "
                 "left free)"
             )
+        if need.disk:
+            lines.append(
+                f"  local disk      {_gib(need.disk * mc.local_processes)} of {_gib(mc.disk_bytes)} free "
+                f"(masters and optimizer state of {len(self.plan.disk_units)} units, "
+                f"{cfg.offload.disk_path or 'under the run directory'})"
+            )
         else:
             local = mc.devices // mc.processes
             ram = need.host * memory.CPU_SNAPSHOT_ALLOWANCE + local * (
@@ -708,6 +829,7 @@ class Decision:
             f"per device); bottleneck: {p.bottleneck}",
             f"  GPU compute {p.gpu_s:.3g} s + host update before the forward {p.exposed_s:.3g} s, link "
             f"{p.link_s:.3g} s, host update {p.host_s:.3g} s"
+            + (f", disk {p.disk_s:.3g} s" if self.plan.disk_units else "")
             if self.plan.host_update is not None
             else f"  GPU compute {p.gpu_s:.3g} s; nothing crosses the link or waits for the host",
         ]
@@ -749,7 +871,11 @@ def _unit_runs(plan: OffloadPlan, accel: str) -> list[tuple[str, str]]:
             names.append("head")
         u = run[0]
         weights = accel if u.weights is Tier.DEVICE else "streamed from pinned host"
-        state = f"{accel} (updated on {accel})" if u.state is Tier.DEVICE else "host RAM (updated on CPU)"
+        state = {
+            Tier.DEVICE: f"{accel} (updated on {accel})",
+            Tier.HOST: "host RAM (updated on CPU)",
+            Tier.DISK: "local disk (read, updated on CPU, written back)",
+        }[u.state]
         out.append((", ".join(names), f"weights {weights}, state {state}"))
     return out
 
@@ -768,6 +894,9 @@ def _machine_rows(mc: Machine) -> list[str]:
         f"link         {mc.h2d / GB:.0f} GB/s to the device, {mc.d2h / GB:.0f} GB/s back {link}",
         f"host update  {mc.host_bw / GB:.0f} GB/s of host memory traffic ({s.get('host_gbps', '-')})",
         f"compute      {mc.gpu_flops / 1e12:.3g} TFLOP/s (8N) per device ({s.get('gpu_tflops', '-')})",
+        f"local disk   {_gib(mc.disk_bytes)} free ({s.get('disk_gib', '-')}), "
+        f"{mc.disk_bw / GB:.1f} GB/s read "
+        f"and written together ({s.get('disk_gbps', '-')})",
     ]
 
 
@@ -835,7 +964,9 @@ def largest_pinned_need(cfg: TrainConfig) -> MemoryPlan | None:
 def _label(e: _Evaluated) -> str:
     o = e.cfg.offload
     keys = f"offload.optimizer={o.optimizer}, offload.params={o.params}"
-    if o.optimizer == "cpu":
+    if o.optimizer == "disk":
+        keys += f", offload.disk_units={o.disk_units}"
+    if o.optimizer in ("cpu", "disk"):
         keys += f", offload.device_state_units={o.device_state_units}"
         keys += f", offload.two_pass_units={o.two_pass_units}"
     if o.params == "cpu":
@@ -930,12 +1061,18 @@ def _tiers(search: _Search, frontier: list[_Evaluated]) -> str:
         ram = _with_headroom(min(e.host_need for e in frontier) * local)
         return f"To fit it, add memory: {_gib(ram - mc.host_bytes)} more RAM ({_gib(ram)} in all)."
     options = []
-    gpu_ok = [e for e in frontier if not (e.gpu_short if strict else e.state_short) and not e.pool_short]
+    gpu_ok = [
+        e
+        for e in frontier
+        if not (e.gpu_short if strict else e.state_short) and not (e.pool_short or e.disk_short)
+    ]
     if gpu_ok:
         ram = _with_headroom(min(e.host_need for e in gpu_ok) * local)
         options.append(f"more host RAM: {_gib(ram - mc.host_bytes)} more ({_gib(ram)} in all)")
     host_ok = [
-        e for e in frontier if not (e.host_short if strict else e.host_state_short) and not e.pool_short
+        e
+        for e in frontier
+        if not (e.host_short if strict else e.host_state_short) and not (e.pool_short or e.disk_short)
     ]
     if host_ok:
         gpu = min(
@@ -943,6 +1080,12 @@ def _tiers(search: _Search, frontier: list[_Evaluated]) -> str:
             for e in host_ok
         )
         options.append(f"a GPU with {_gib(gpu)} of memory")
+    disk_only = [e for e in frontier if e.disk_short and not (e.gpu_short or e.host_short or e.pool_short)]
+    if disk_only:
+        need = min(e.need.disk * local for e in disk_only)
+        options.append(
+            f"more free local disk: {_gib(need)} at offload.disk_path ({_gib(mc.disk_bytes)} free)"
+        )
     pool_only = [e for e in frontier if e.pool_short and not (e.gpu_short or e.host_short)]
     if pool_only:
         gb = min(memory.pinned_pool_minimum_gb(e.need) for e in pool_only)
