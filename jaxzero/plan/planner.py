@@ -107,8 +107,8 @@ EXPOSED_NAMES_IT = 0.05
 MEASURED_CORES = 16
 
 
-# The local disk of the lent H100/H200 boxes: 2.1-2.3 GB/s each way with direct I/O measured alone
-# (measurements.md); the disk tier reads and writes at once, and the two share it.
+# The local disk of the lent H100/H200 boxes, reads and writes together: the disk tier's store moved
+# 2.54 GB/s alone and 1.97 GB/s inside the llama-20b step (BENCHMARKS.md, issue 14).
 DISK_BW = 2.0 * GB
 
 
