@@ -54,6 +54,8 @@ def test_trains_and_writes_run_dir(first_run):
             "speculative_units": 0,
             "two_pass_units": -1,
             "fused_update": True,
+            "disk_units": -1,
+            "disk_path": "",
             "host_threads": 0,
         }
     )
