@@ -21,7 +21,7 @@ from typing import Any, TextIO
 
 import jax
 
-from jaxzero.state import BREAKDOWN_COUNTS, BREAKDOWN_TIMES
+from jaxzero.state import BREAKDOWN_COUNTS, BREAKDOWN_DISK, BREAKDOWN_TIMES
 
 # Dense bf16 tensor-core peaks in TFLOP/s by device kind substring (vendor datasheets, SXM parts).
 PEAK_BF16_TFLOPS = {
@@ -152,9 +152,14 @@ def format_record(rec: dict[str, Any], device: str = "GPU") -> str:
             [
                 f"{k.label.format(device=device)} {rec[k.key]:.3f}"
                 for k in BREAKDOWN_TIMES
-                if rec.get(k.key) is not None and (rec.get("disk_gb") or "disk" not in k.key)
+                if rec.get(k.key) is not None
             ]
             + [f"{k.label} {rec[k.key]:.1f}" for k in BREAKDOWN_COUNTS if rec.get(k.key)]
+            + [
+                f"{k.label} {rec[k.key]:.3f}"
+                for k in BREAKDOWN_DISK
+                if rec.get("disk_gb") and rec.get(k.key) is not None
+            ]
         )
     return line
 

@@ -81,18 +81,21 @@ BREAKDOWN_TIMES = (
     BreakdownKey("wait_weights_s", "{device} waits for host"),  # the next pass held back for new weights
     BreakdownKey("gpu_idle_s", "{device} idle"),  # wall time minus accelerator compute
     BreakdownKey("host_idle_s", "host idle"),  # wall time minus host update
-    BreakdownKey("disk_read_s", "disk read"),  # reads of disk units' state, one after another
-    BreakdownKey("disk_write_s", "disk write"),  # their write-backs
-    BreakdownKey("wait_disk_s", "host waits for disk"),  # updates held back for their read, summed over units
 )
 # Host-update events, per step.
 BREAKDOWN_COUNTS = (
     BreakdownKey("speculated", "speculative updates kept"),
     BreakdownKey("rolled_back", "redone"),  # speculative updates recomputed with clipping
     BreakdownKey("two_pass_units", "two-pass units"),  # units updated in two passes
+)
+# The disk tier's traffic, per step (0 without disk units).
+BREAKDOWN_DISK = (
+    BreakdownKey("disk_read_s", "disk read"),  # reads of disk units' state, one after another
+    BreakdownKey("disk_write_s", "disk write"),  # their write-backs
+    BreakdownKey("wait_disk_s", "host waits for disk"),  # updates held back for their read, summed over units
     BreakdownKey("disk_gb", "GB to and from disk"),  # disk units' state read and written back
 )
-BREAKDOWN = BREAKDOWN_TIMES + BREAKDOWN_COUNTS
+BREAKDOWN = BREAKDOWN_TIMES + BREAKDOWN_COUNTS + BREAKDOWN_DISK
 
 
 @dataclass(frozen=True)
