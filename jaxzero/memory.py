@@ -51,6 +51,7 @@ from typing import Any, NamedTuple
 
 from jaxzero.config import ConfigError, ModelConfig, TrainConfig
 from jaxzero.models.sizes import NAMED_SIZES, param_count, unit_param_counts
+from jaxzero.objective import head_pieces
 from jaxzero.plan import OffloadPlan, Tier, UnitKind, UpdateMode, resolve_plan
 
 GiB = 2**30
@@ -114,17 +115,21 @@ class Transient(NamedTuple):
     head: int  # the head's float32 logits and their gradient, and the gradient it returns
 
 
-def transient_activations(m: ModelConfig, micro_tokens: int) -> Transient:
+def transient_activations(m: ModelConfig, micro_tokens: int, seq_len: int | None = None) -> Transient:
     """The transient terms of the activation estimate for `micro_tokens` tokens of one micro-batch on
     one device, fitted to the temporaries XLA compiles for them on an H200 (within 6% for the
     3.4B-20B Llamas; `scripts/bench_activations.py` prints both): a block's backward holds its q, k, v
     and their gradients, two more of the width of the hidden state, and four of the MLP's; the
-    head's, the float32 logits and their gradient, and the gradient it returns."""
+    head's, the float32 logits and their gradient (of one piece of each sequence where the loss
+    runs in pieces: `objective.head_pieces`, for sequences of `seq_len`), and the gradient it
+    returns."""
     compute = 2 if m.compute_dtype == "bfloat16" else 4
     kv = m.hidden_size * m.num_kv_heads // m.num_heads
     widths = 2 * (m.hidden_size + 2 * kv) + 2 * m.hidden_size + 4 * m.intermediate_size
     block = micro_tokens * widths * compute
-    head = micro_tokens * (2 * m.vocab_size * 4 + m.hidden_size * compute)
+    seq_len = seq_len or micro_tokens
+    pieces = head_pieces(max(1, micro_tokens // seq_len), seq_len, m.vocab_size)
+    head = micro_tokens // pieces * 2 * m.vocab_size * 4 + micro_tokens * m.hidden_size * compute
     return Transient(block=block, head=head)
 
 
@@ -187,7 +192,7 @@ def plan_memory(
         away, saved_inputs = (m.num_layers - 1) * block_input * L, min(m.num_layers, 3) * block_input
     # The saved block inputs, and the larger of the two phases that run over them (the head's loss
     # and gradient, then each block's backward); the phases never overlap.
-    transient = transient_activations(m, micro_tokens)
+    transient = transient_activations(m, micro_tokens, d.seq_len)
     activations = saved_inputs + max(transient.block, transient.head)
 
     saving = cfg.checkpoint.enabled and cfg.checkpoint.async_save

@@ -2,7 +2,8 @@
 
 For each model and micro-batch, compiles the two largest transient phases of a step: a block's
 rematerialised backward (recompute + vjp) and the head's loss + vjp, written here as the bodies of
-`StreamedModel.block_bwd` and `StreamedModel.head_grad` for one micro-batch on one device (without
+`StreamedModel.block_bwd` and `StreamedModel.head_grad` (its loss in pieces where the engine's
+is: `objective.head_loss`) for one micro-batch on one device (without
 their mesh constraints, which one device does not need). `memory_analysis()` of each
 compiled program gives its temporary buffers (the transient activations the memory plan estimates),
 its arguments and its outputs. Nothing is allocated on the device; the figures are what the compiler
@@ -28,8 +29,9 @@ def measure(name: str, tokens: int, seq: int) -> dict:
     from jaxzero.memory import GiB, transient_activations
     from jaxzero.models import build_model
     from jaxzero.models.sizes import named_model_config
-    from jaxzero.objective import cross_entropy
+    from jaxzero.objective import head_loss
 
+    seq = seq or tokens  # 0: one sequence of all the tokens
     mcfg = named_model_config(name)
     model = build_model(mcfg)
     shapes = jax.eval_shape(model.init, jax.random.key(0))
@@ -45,7 +47,7 @@ def measure(name: str, tokens: int, seq: int) -> dict:
 
     def head_grad(hw, ew, xa, wa):  # StreamedModel.head_grad's per-micro-batch body
         def f(hw, ew, xa):
-            return cross_entropy(model.head(hw, ew, xa), wa[:, 1:])
+            return head_loss(model, hw, ew, xa, wa[:, 1:])
 
         loss, vjp = jax.vjp(f, hw, ew, xa)
         return loss, vjp(jnp.float32(1.0))
@@ -61,7 +63,7 @@ def measure(name: str, tokens: int, seq: int) -> dict:
             "args_gib": ma.argument_size_in_bytes / GiB,
             "out_gib": ma.output_size_in_bytes / GiB,
         }
-    plan = transient_activations(mcfg, tokens)
+    plan = transient_activations(mcfg, tokens, seq)
     out["plan_block_gib"], out["plan_head_gib"] = plan.block / GiB, plan.head / GiB
     return out
 
@@ -70,7 +72,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="llama-3.4b-bench,llama-7b,llama-13b,llama-20b")
     ap.add_argument("--tokens", default="16384,32768", help="tokens per micro-batch and device")
-    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--seq", type=int, default=2048, help="sequence length; 0: one sequence per micro-batch")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     rows = [measure(m, int(t), args.seq) for m in args.models.split(",") for t in args.tokens.split(",")]

@@ -409,3 +409,26 @@ def test_each_step_reads_its_norm_on_the_host_once(monkeypatch):
     cfg = tiny("llama", "float32", **MODES["zero3-offload"])  # clipping on: every unit needs the norm
     run(cfg)
     assert len(scalar_reads) == STEPS  # one per step, not one per unit (5 units here)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_head_loss_in_pieces_is_the_same_function(references, monkeypatch, dtype):
+    """Where a micro-batch's logits would pass `objective.HEAD_LOGITS_BYTES`, the loss runs over equal
+    pieces of each sequence (one piece's logits at a time, remade in the backward pass). Lowered
+    here so that the tiny model's sequences run in 4 pieces: the resident and the offload trainer
+    train as the unpieced reference does, within the module's tolerances."""
+    from jaxzero import objective
+
+    monkeypatch.setattr(objective, "HEAD_LOGITS_BYTES", 4 * 8 * 256 * 8)
+    cfg = tiny("llama", dtype, **MODES["zero3-offload"])
+    micro_rows = cfg.data.batch_size // cfg.data.grad_accum
+    assert objective.head_pieces(micro_rows, cfg.data.seq_len, cfg.model.vocab_size) == 4
+    _, ref_state, ref_losses, ref_norms, ref_val = references("llama", dtype)
+    param_tol, loss_tol = TOLERANCE[dtype]
+    for over in (MODES["zero3-offload"], {"offload.optimizer": "none", "offload.params": "none"}):
+        _, state, losses, norms, val = run(tiny("llama", dtype, **over))
+        np.testing.assert_allclose(losses, ref_losses, atol=loss_tol, rtol=0)
+        np.testing.assert_allclose(norms, ref_norms, rtol=param_tol)
+        assert abs(val - ref_val) < loss_tol
+        for a, b in zip(jax.tree.leaves(jax.device_get(state.params)), jax.tree.leaves(ref_state.params)):
+            assert rel(a, b) < param_tol

@@ -231,6 +231,7 @@ def test_plan_cli_prints_the_table_and_refuses_with_status_2(capsys, monkeypatch
     assert out.startswith("plan for llama-7b: 6.74B parameters, 8 x 2048 = 16,384 tokens per step")
     assert "placement: resident" in out and "GPU memory   139.0 GiB per device (machine.gpu_gib" in out
     assert "predicted step:" in out and "bottleneck: GPU compute" in out
+    assert "CPU backend" not in out and "local disk   " in out  # a GPU's rows, and the machine's disk
     assert plan_main(["--model.name=llama-20b", "--data.batch_size=8", "--data.seq_len=2048", *box]) == 2
     err = capsys.readouterr().err
     assert err.startswith("jaxzero: config error: llama-20b") and "the largest named model that fits" in err

@@ -37,8 +37,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxzero import objective
 from jaxzero.models import Model, ModelParams
-from jaxzero.objective import cross_entropy
 from jaxzero.offload.host_memory import copy_to
 from jaxzero.offload.timeline import StepClock
 from jaxzero.placement import DEVICE, PINNED_HOST, OffloadPlacement, batch_rows_sharding
@@ -160,7 +160,7 @@ class StreamedModel:
         def head_loss(head_w, embed_w, x, window):  # scalar: mean over micro-batches of their means
             head_w, embed_w = gather(head_w, whole.head), gather(embed_w, whole.embed)
             losses = jax.lax.map(
-                lambda a: cross_entropy(m.head(head_w, embed_w, a[0]), a[1][:, 1:]), (x, window)
+                lambda a: objective.head_loss(m, head_w, embed_w, a[0], a[1][:, 1:]), (x, window)
             )
             return jnp.mean(losses)
 
@@ -172,7 +172,7 @@ class StreamedModel:
 
             def one(xa, wa):
                 def f(hw, ew, xa):
-                    return cross_entropy(m.head(hw, ew, xa), wa[:, 1:])
+                    return objective.head_loss(m, hw, ew, xa, wa[:, 1:])
 
                 loss, vjp = jax.vjp(f, head_w, embed_w, xa)
                 g_head, g_embed, dx = vjp(loss_scale)  # the cotangent of the loss: 1, or float16's scale

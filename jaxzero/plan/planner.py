@@ -808,12 +808,6 @@ class Decision:
                 f"{_gib(memory.GPU_PROCESS_RSS)} for the process itself; {HOST_HEADROOM:.0%} of the RAM "
                 "left free)"
             )
-        if need.disk:
-            lines.append(
-                f"  local disk      {_gib(need.disk * mc.local_processes)} of {_gib(mc.disk_bytes)} free "
-                f"(masters and optimizer state of {len(self.plan.disk_units)} units, "
-                f"{cfg.offload.disk_path or 'under the run directory'})"
-            )
         else:
             local = mc.devices // mc.processes
             ram = need.host * memory.CPU_SNAPSHOT_ALLOWANCE + local * (
@@ -822,6 +816,12 @@ class Decision:
             lines.append(
                 f"  RAM             {_gib(int(ram))} of {_gib(mc.host_usable)} (CPU backend: host and device "
                 "state with XLA's and the checkpoint writer's buffers, and activations)"
+            )
+        if need.disk:
+            lines.append(
+                f"  local disk      {_gib(need.disk * mc.local_processes)} of {_gib(mc.disk_bytes)} free "
+                f"(masters and optimizer state of {len(self.plan.disk_units)} units, "
+                f"{cfg.offload.disk_path or 'under the run directory'})"
             )
         flops = 8 * param_count(m) * tokens / p.step_s / mc.devices / 1e12
         lines += [
