@@ -150,9 +150,14 @@ def test_overflowing_steps_are_skipped_and_training_goes_on(mode):
 @pytest.mark.parametrize("mode", ["zero3-offload", "zero3-mixed"])
 def test_offload_matches_resident_in_float16(mode):
     """Same skipped steps, same scales; losses and parameters within float16 tolerance (10 bits of
-    mantissa: losses within 1e-2, parameters within 2e-2 relative)."""
-    _, ref, ref_trace = run(fp16_cfg(), steps=30)
-    _, off, off_trace = run(fp16_cfg(**OFFLOAD_MODES[mode]), steps=30)
+    mantissa: losses within 1e-2, parameters within 2e-2 relative).
+
+    At lr 3e-3, not the shared 1e-2: there the first few updates amplify any rounding difference about
+    tenfold per step, so even two resident runs differing only in `data.grad_accum` end 1.5% apart and
+    the comparison would measure that chaos, not the offload."""
+    lr = {"optimizer.lr": "3e-3"}
+    _, ref, ref_trace = run(fp16_cfg(**lr), steps=30)
+    _, off, off_trace = run(fp16_cfg(**lr, **OFFLOAD_MODES[mode]), steps=30)
     assert [t[1:4] for t in off_trace] == [t[1:4] for t in ref_trace]
     np.testing.assert_allclose([t[0] for t in off_trace], [t[0] for t in ref_trace], atol=1e-2, rtol=0)
     for a, b in zip(jax.tree.leaves(jax.device_get(off.params)), jax.tree.leaves(jax.device_get(ref.params))):
