@@ -121,8 +121,8 @@ def transient_activations(m: ModelConfig, micro_tokens: int, seq_len: int | None
     3.4B-20B Llamas; `scripts/bench_activations.py` prints both): a block's backward holds its q, k, v
     and their gradients, two more of the width of the hidden state, and four of the MLP's; the
     head's, the float32 logits and their gradient (of one piece of each sequence where the loss
-    runs in pieces: `objective.head_pieces`, for sequences of `seq_len`), and the gradient it
-    returns."""
+    runs in pieces: `objective.head_pieces`, for sequences of `seq_len`, with then the output
+    projection in float32 and its float32 gradient sum), and the gradient it returns."""
     compute = 2 if m.compute_dtype == "bfloat16" else 4
     kv = m.hidden_size * m.num_kv_heads // m.num_heads
     widths = 2 * (m.hidden_size + 2 * kv) + 2 * m.hidden_size + 4 * m.intermediate_size
@@ -130,6 +130,8 @@ def transient_activations(m: ModelConfig, micro_tokens: int, seq_len: int | None
     seq_len = seq_len or micro_tokens
     pieces = head_pieces(max(1, micro_tokens // seq_len), seq_len, m.vocab_size)
     head = micro_tokens // pieces * 2 * m.vocab_size * 4 + micro_tokens * m.hidden_size * compute
+    if pieces > 1:  # the output projection's float32 copy and the float32 sum of its gradient
+        head += 2 * m.vocab_size * m.hidden_size * 4
     return Transient(block=block, head=head)
 
 

@@ -259,6 +259,11 @@ def test_activations_are_the_saved_inputs_and_the_larger_phase():
     kv = big.hidden_size * big.num_kv_heads // big.num_heads
     widths = 2 * (big.hidden_size + 2 * kv) + 2 * big.hidden_size + 4 * big.intermediate_size
     assert memory.transient_activations(big, 1).block == widths * 2
+    # its 32K-token micro-batch of 2048-token sequences runs the head loss in 4 pieces, with the
+    # output projection and the sum of its gradient in float32
+    pieced = memory.transient_activations(big, 16 * 2048, 2048)
+    v, d = big.vocab_size, big.hidden_size
+    assert pieced.head == 4 * 2048 * 2 * 4 * v + 16 * 2048 * d * 2 + 2 * 4 * v * d
     n = param_count(m)
     resident = memory.plan_memory(cfg(data__batch_size="16", checkpoint__enabled="false"))
     assert resident.accelerator_state + resident.activations == 12 * n + max(saved + t.head, 2 * n + t.block)
