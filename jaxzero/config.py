@@ -40,6 +40,20 @@ class ModelConfig:
     max_seq_len: int = 1024  # longest sequence (gpt2: rows of the position table)
     tie_embeddings: bool = False  # the output head reuses the token embedding (gpt2 always does)
     rope_theta: float = 10000.0  # rotary embedding base (llama)
+    # Rotary frequency scaling (transformers' rope_type): default (none), linear (positions / factor),
+    # or llama3 (Llama 3.1+: low frequencies / factor, high kept, the band between interpolated).
+    rope_type: Literal["default", "linear", "llama3"] = "default"
+    rope_factor: float = 1.0  # linear and llama3
+    rope_low_freq_factor: float = 1.0  # llama3
+    rope_high_freq_factor: float = 4.0  # llama3
+    rope_original_max_len: int = 8192  # llama3: the context length pretraining used
+    attention_bias: bool = False  # biases on the q, k and v projections (Qwen2)
+    # Sliding-window attention's window (Mistral v0.1, some Qwen2): 0 is none. Attention is computed
+    # in full, which equals the windowed attention only while data.seq_len <= the window.
+    sliding_window: int = 0
+    # The transformers model_type an export writes: "" is the family's own (llama, gpt2); Llama-family
+    # checkpoints imported as qwen2 or mistral keep theirs.
+    hf_model_type: Literal["", "llama", "qwen2", "mistral", "gpt2"] = ""
     norm_eps: float = 1e-5  # epsilon of RMSNorm / LayerNorm
     init_std: float = 0.02  # standard deviation of the random init of matrices
     # matmul and activation dtype (masters are float32); float16 adds dynamic loss scaling
@@ -303,6 +317,43 @@ def validate_model(m: ModelConfig) -> None:
             f"gpt2 uses multi-head attention: model.num_kv_heads={m.num_kv_heads} must equal "
             f"model.num_heads={m.num_heads}."
         )
+    if m.family == "gpt2":
+        llama_only = {
+            "rope_type": "default",
+            "attention_bias": False,
+            "sliding_window": 0,
+        }
+        bad = [f"model.{k}={getattr(m, k)!r}" for k, v in llama_only.items() if getattr(m, k) != v]
+        if bad:
+            raise ConfigError(f"{', '.join(bad)}: Llama-family settings; gpt2 has none of them.")
+    hf_types = {"llama": ("", "llama", "qwen2", "mistral"), "gpt2": ("", "gpt2")}[m.family]
+    if m.hf_model_type not in hf_types:
+        raise ConfigError(
+            f"model.hf_model_type={m.hf_model_type!r} cannot describe a {m.family} model; one of {hf_types}."
+        )
+    if m.hf_model_type == "qwen2" and not m.attention_bias:
+        raise ConfigError(
+            "model.hf_model_type='qwen2' needs model.attention_bias=true (Qwen2 biases q, k, v)."
+        )
+    if m.attention_bias and m.hf_model_type in ("llama", "mistral"):
+        raise ConfigError(
+            f"model.attention_bias=true has no {m.hf_model_type} counterpart in transformers "
+            "(LlamaConfig's attention_bias also biases o_proj); use model.hf_model_type=qwen2 or ''."
+        )
+    if m.rope_type != "default" and m.rope_factor < 1:
+        raise ConfigError(
+            f"model.rope_factor={m.rope_factor} must be >= 1 with model.rope_type={m.rope_type}."
+        )
+    if m.rope_type == "llama3" and not (0 < m.rope_low_freq_factor < m.rope_high_freq_factor):
+        raise ConfigError(
+            f"model.rope_type=llama3 needs 0 < model.rope_low_freq_factor < model.rope_high_freq_factor; "
+            f"got {m.rope_low_freq_factor} and {m.rope_high_freq_factor}."
+        )
+    if m.rope_original_max_len < 1 or m.sliding_window < 0:
+        raise ConfigError(
+            f"model.rope_original_max_len={m.rope_original_max_len} must be >= 1 and "
+            f"model.sliding_window={m.sliding_window} >= 0."
+        )
 
 
 def validate(cfg: TrainConfig, num_devices: int | None = None) -> None:
@@ -326,6 +377,12 @@ def validate(cfg: TrainConfig, num_devices: int | None = None) -> None:
         d.seq_len <= m.max_seq_len,
         f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}; lower data.seq_len or "
         "raise model.max_seq_len.",
+    )
+    need(
+        not m.sliding_window or d.seq_len <= m.sliding_window,
+        f"data.seq_len={d.seq_len} exceeds model.sliding_window={m.sliding_window}: jaxzero attends over "
+        "the whole sequence, which equals this model's windowed attention only within one window. "
+        f"Lower data.seq_len to at most {m.sliding_window}.",
     )
     need(d.grad_accum >= 1, f"data.grad_accum={d.grad_accum} must be >= 1.")
     need(

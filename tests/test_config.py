@@ -35,6 +35,25 @@ from jaxzero.overrides import apply_overrides, parse_args
         ),
         (["--model.name=gpt2-tiny", "--model.num_kv_heads=2"], "gpt2 uses multi-head attention"),
         (["--logging.log_every=0"], "logging.log_every=0 must be >= 1"),
+        (
+            ["--model.name=gpt2-tiny", "--model.rope_type=llama3", "--model.attention_bias=true"],
+            "model.rope_type='llama3', model.attention_bias=True: Llama-family settings; gpt2 has none",
+        ),
+        (["--model.hf_model_type=qwen2"], "model.hf_model_type='qwen2' needs model.attention_bias=true"),
+        (
+            ["--model.attention_bias=true", "--model.hf_model_type=mistral"],
+            "model.attention_bias=true has no mistral counterpart",
+        ),
+        (["--model.hf_model_type=gpt2"], "model.hf_model_type='gpt2' cannot describe a llama model"),
+        (
+            ["--model.rope_type=llama3", "--model.rope_factor=8", "--model.rope_low_freq_factor=4"],
+            "needs 0 < model.rope_low_freq_factor < model.rope_high_freq_factor; got 4.0 and 4.0",
+        ),
+        (["--model.rope_type=linear", "--model.rope_factor=0.5"], "model.rope_factor=0.5 must be >= 1"),
+        (
+            ["--model.sliding_window=64", "--data.seq_len=128"],
+            "data.seq_len=128 exceeds model.sliding_window=64",
+        ),
     ],
 )
 def test_error_messages(args, message):

@@ -79,7 +79,55 @@ GPT2 = ModelConfig(
     compute_dtype="float32",
     attention_impl="xla",
 )
-CONFIGS = {"llama": LLAMA, "llama_tied": LLAMA_TIED, "gpt2": GPT2}
+# Llama 3.1's rope scaling with a short original context (32), so that each band holds some of the 8
+# frequencies of head_dim 16 (wavelengths 6.3 to 19869): kept below 8, interpolated up to 32, divided
+# by the factor above.
+LLAMA3 = dataclasses.replace(
+    LLAMA,
+    name="llama3-hf-test",
+    rope_type="llama3",
+    rope_factor=8.0,
+    rope_low_freq_factor=1.0,
+    rope_high_freq_factor=4.0,
+    rope_original_max_len=32,
+)
+LLAMA_LINEAR = dataclasses.replace(LLAMA, name="llama-linear-hf-test", rope_type="linear", rope_factor=4.0)
+QWEN2 = dataclasses.replace(
+    LLAMA,
+    name="qwen2-hf-test",
+    tie_embeddings=True,
+    rope_theta=1e6,
+    norm_eps=1e-6,
+    attention_bias=True,
+    hf_model_type="qwen2",
+)
+MISTRAL = dataclasses.replace(
+    LLAMA, name="mistral-hf-test", rope_theta=1e6, sliding_window=SEQ, hf_model_type="mistral"
+)
+CONFIGS = {
+    "llama": LLAMA,
+    "llama_tied": LLAMA_TIED,
+    "llama3": LLAMA3,
+    "llama_linear": LLAMA_LINEAR,
+    "qwen2": QWEN2,
+    "mistral": MISTRAL,
+    "gpt2": GPT2,
+}
+
+
+def hf_rope(c: ModelConfig) -> dict[str, Any]:
+    """transformers' rope_parameters for `c`, written out by hand (not by jaxzero's exporter)."""
+    rope: dict[str, Any] = {"rope_type": c.rope_type, "rope_theta": c.rope_theta}
+    if c.rope_type == "linear":
+        rope["factor"] = c.rope_factor
+    if c.rope_type == "llama3":
+        rope.update(
+            factor=c.rope_factor,
+            low_freq_factor=c.rope_low_freq_factor,
+            high_freq_factor=c.rope_high_freq_factor,
+            original_max_position_embeddings=c.rope_original_max_len,
+        )
+    return rope
 
 
 def rel_err(a: np.ndarray, b: np.ndarray) -> float:
@@ -110,24 +158,30 @@ def torch_model(key: str) -> torch.nn.Module:
     bias read from the wrong tensor could not go unnoticed.
     """
     torch.manual_seed(zlib.crc32(key.encode()))  # str hash() is salted per process: not reproducible
-    if key.startswith("llama"):
-        c = CONFIGS[key]
-        model = transformers.LlamaForCausalLM(
-            transformers.LlamaConfig(
-                vocab_size=VOCAB,
-                hidden_size=HIDDEN,
-                intermediate_size=c.intermediate_size,
-                num_hidden_layers=LAYERS,
-                num_attention_heads=c.num_heads,
-                num_key_value_heads=c.num_kv_heads,
-                max_position_embeddings=SEQ,
-                rms_norm_eps=c.norm_eps,
-                rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
-                tie_word_embeddings=c.tie_embeddings,
-                bos_token_id=None,
-                eos_token_id=None,
-            )
+    c = CONFIGS[key]
+    if c.family == "llama":
+        common = dict(
+            vocab_size=VOCAB,
+            hidden_size=HIDDEN,
+            intermediate_size=c.intermediate_size,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=c.num_heads,
+            num_key_value_heads=c.num_kv_heads,
+            max_position_embeddings=SEQ,
+            rms_norm_eps=c.norm_eps,
+            rope_parameters=hf_rope(c),
+            tie_word_embeddings=c.tie_embeddings,
+            bos_token_id=None,
+            eos_token_id=None,
         )
+        if key == "qwen2":
+            model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+        elif key == "mistral":
+            model = transformers.MistralForCausalLM(
+                transformers.MistralConfig(**common, sliding_window=c.sliding_window)
+            )
+        else:
+            model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     else:
         model = transformers.GPT2LMHeadModel(
             transformers.GPT2Config(
@@ -432,7 +486,10 @@ def test_export_loads_in_transformers(key: str, jax_params: dict, tmp_path: Path
         assert list(r.tensors) and set(r) == set(hf_tensor_names(cfg))
         assert r.metadata["format"] == "pt"  # transformers 4 refuses metadata without it
     model = load_torch(tmp_path / "f32")
-    assert type(model).__name__ == ("GPT2LMHeadModel" if cfg.family == "gpt2" else "LlamaForCausalLM")
+    want_class = {"qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}.get(
+        cfg.hf_model_type, "GPT2LMHeadModel" if cfg.family == "gpt2" else "LlamaForCausalLM"
+    )
+    assert type(model).__name__ == want_class
     if cfg.tie_embeddings:
         emb = model.get_input_embeddings().weight
         assert model.get_output_embeddings().weight.data_ptr() == emb.data_ptr()
@@ -487,7 +544,8 @@ def test_hf_config_round_trip() -> None:
         hf = transformers.AutoConfig.for_model(**d)
         if cfg.family == "llama":
             assert (hf.hidden_size, hf.num_key_value_heads, hf.head_dim) == (HIDDEN, cfg.num_kv_heads, 16)
-            assert hf.rope_parameters == {"rope_type": "default", "rope_theta": cfg.rope_theta}
+            assert hf.rope_parameters == hf_rope(cfg)
+            assert getattr(hf, "sliding_window", None) == (cfg.sliding_window or None)
         else:
             assert (hf.n_embd, hf.n_inner, hf.activation_function) == (HIDDEN, 4 * HIDDEN, "gelu_new")
 
@@ -500,16 +558,21 @@ def test_hf_config_round_trip() -> None:
 def test_unsupported_configs_are_refused() -> None:
     llama = hf_config(LLAMA)
     cases = [
-        ({**llama, "model_type": "mistral"}, "model_type='mistral' is not supported"),
+        ({**llama, "model_type": "gemma"}, "model_type='gemma' is not supported"),
+        (
+            {**llama, "rope_parameters": {"rope_type": "yarn", "factor": 8.0, "rope_theta": 5e5}},
+            "rope type 'yarn'",
+        ),
+        (
+            {**llama, "rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}},
+            "rope type 'dynamic'",
+        ),
         (
             {**llama, "rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5}},
-            "rope type 'llama3'",
-        ),
-        (
-            {**llama, "rope_parameters": None, "rope_scaling": {"type": "linear", "factor": 2.0}},
-            "rope type 'linear'",
+            "rope low_freq_factor=None must be a positive number",
         ),
         ({**llama, "attention_bias": True}, "attention_bias=true"),
+        ({**hf_config(QWEN2), "architectures": ["LlamaForCausalLM"]}, "LlamaForCausalLM"),
         ({**llama, "head_dim": 32}, "head_dim=32 != hidden_size/num_attention_heads = 64/4"),
         ({**llama, "hidden_act": "gelu"}, "hidden_act='gelu'"),
         ({**llama, "architectures": ["LlamaForSequenceClassification"]}, "LlamaForSequenceClassification"),
@@ -567,3 +630,56 @@ def test_export_rejects_params_that_do_not_match_the_config(jax_params: dict, tm
     with pytest.raises(ValueError, match="dtype='int8' is not one of"):
         export_hf(params, LLAMA, tmp_path / "d", dtype="int8")
     assert not any((tmp_path / x).exists() for x in "abcd")  # nothing written on a rejected export
+
+
+# -------------------------------------------------------------------------------------------------
+# Rope scaling, biases and sliding windows
+# -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key", ["llama3", "llama_linear", "qwen2"])
+def test_what_the_families_add_changes_the_logits(key: str, hf_checkpoints: dict) -> None:
+    """The import tests could not pass without each feature: the checkpoint computed without its rope
+    scaling, or without its q, k, v biases, misses transformers' logits by over 10x the import
+    tolerance (random weights attend almost uniformly, so positions move the logits little)."""
+    path, want = hf_checkpoints[key]
+    cfg, params = import_hf(path)
+    assert rel_err(jax_logits(cfg, params), want) < 1e-4
+    if key == "qwen2":
+        for block in params.blocks:
+            for proj in ("q_proj", "k_proj", "v_proj"):
+                block["self_attn"][proj]["bias"][...] = 0.0
+        plain = cfg
+    else:
+        plain = dataclasses.replace(cfg, rope_type="default")
+    assert rel_err(jax_logits(plain, params), want) > 1e-3
+
+
+def test_sliding_windows() -> None:
+    """A window is kept from the checkpoint; a run longer than it is refused before anything runs.
+    Qwen2 uses its window only with use_sliding_window; Mistral's null window means none."""
+    mistral = hf_config(MISTRAL)
+    assert model_config_from_hf({**mistral, "sliding_window": 4096}).sliding_window == 4096
+    assert model_config_from_hf({**mistral, "sliding_window": None}).sliding_window == 0
+    qwen2 = hf_config(QWEN2)
+    assert (
+        model_config_from_hf({**qwen2, "use_sliding_window": False, "sliding_window": 8}).sliding_window == 0
+    )
+    assert (
+        model_config_from_hf({**qwen2, "use_sliding_window": True, "sliding_window": 8}).sliding_window == 8
+    )
+
+    from jaxzero.config import TrainConfig, validate
+
+    windowed = dataclasses.replace(MISTRAL, sliding_window=8, max_seq_len=64)
+    validate(
+        dataclasses.replace(
+            TrainConfig(), model=windowed, data=dataclasses.replace(TrainConfig().data, seq_len=8)
+        )
+    )
+    with pytest.raises(ConfigError, match=r"data.seq_len=16 exceeds model.sliding_window=8.*at most 8"):
+        validate(
+            dataclasses.replace(
+                TrainConfig(), model=windowed, data=dataclasses.replace(TrainConfig().data, seq_len=16)
+            )
+        )

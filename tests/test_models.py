@@ -545,6 +545,14 @@ PUBLISHED_COUNTS = {
     "llama-20b": 19_861_149_696,  # computed from the InternLM2-20B shape; ~19.86B as published
     "llama-30b": 32_528_943_616,
     "llama-3.4b-bench": 3_367_676_928,
+    # released checkpoints, as their model cards count them
+    "llama-3.1-8b": 8_030_261_248,
+    "llama-3.2-1b": 1_235_814_400,
+    "llama-3.2-3b": 3_212_749_824,
+    "qwen2.5-0.5b": 494_032_768,
+    "qwen2.5-7b": 7_615_616_512,
+    "qwen2.5-14b": 14_770_033_664,
+    "mistral-7b": 7_248_023_552,
 }
 
 

@@ -5,9 +5,10 @@ Tolerances are fixed once. The engine and the reference run the same math in dif
 - float32 compute: per-step losses within 1e-5 absolute; final parameters within 2e-5 relative per leaf.
 - bfloat16 compute: losses within 2e-3, parameters within 2e-2 (bf16 carries 8 bits of mantissa).
 
-GPT-2's key bias is left out of the parameter comparison: softmax is invariant to adding one vector
-to every key, so its exact gradient is zero and what it receives is rounding noise, which Adam's
-division by sqrt(v) turns into full-size, run-specific steps. Both trainers do that; neither is wrong.
+GPT-2's and Qwen2's key biases are left out of the parameter comparison: softmax is invariant to
+adding one vector to every key, so its exact gradient is zero and what it receives is rounding noise,
+which Adam's division by sqrt(v) turns into full-size, run-specific steps. Both trainers do that;
+neither is wrong.
 """
 
 import jax
@@ -150,6 +151,32 @@ def test_offload_matches_resident(references, family, dtype, mode):
             d = a.shape[0] // 3
             a, b = np.concatenate([a[:d], a[2 * d :]]), np.concatenate([b[:d], b[2 * d :]])
         assert rel(a, b) < param_tol, name
+
+
+# The Llama family's released variants: Qwen2's q, k, v biases with Llama 3.1's rope scaling.
+VARIANT = {
+    "model.attention_bias": "true",
+    "model.hf_model_type": "qwen2",
+    "model.rope_type": "llama3",
+    "model.rope_factor": "8",
+    "model.rope_original_max_len": "16",
+}
+
+
+@pytest.mark.parametrize("mode", ["zero3-offload", "zero3-mixed"])
+def test_biased_llama3_rope_variant_offloads_like_resident(mode):
+    _, ref_state, ref_losses, ref_norms, ref_val = run(tiny("llama", "float32", **VARIANT))
+    _, state, losses, norms, val = run(tiny("llama", "float32", **VARIANT, **{**MODES, **MIXED}[mode]))
+    param_tol, loss_tol = TOLERANCE["float32"]
+    np.testing.assert_allclose(losses, ref_losses, atol=loss_tol, rtol=0)
+    np.testing.assert_allclose(norms, ref_norms, rtol=param_tol)
+    assert abs(val - ref_val) < loss_tol and losses[-1] < losses[0]
+    flat = jax.tree_util.tree_flatten_with_path(jax.device_get(state.params))[0]
+    assert any(jax.tree_util.keystr(p).endswith("['q_proj']['bias']") for p, _ in flat)
+    for (path, a), b in zip(flat, jax.tree.leaves(jax.device_get(ref_state.params))):
+        name = jax.tree_util.keystr(path)
+        if not name.endswith("['k_proj']['bias']"):  # see the module docstring
+            assert rel(a, b) < param_tol, name
 
 
 def kinds(tree) -> set:

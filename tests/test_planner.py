@@ -146,7 +146,7 @@ def test_refusal_says_what_was_needed_and_what_would_fit():
     assert "To fit it, add more host RAM:" in text and "or a GPU with" in text
     # A save or restore copies the GPU-state units' masters and moments to host RAM: no batch fits.
     assert "With this model no data.batch_size fits, not even 1" in text
-    assert "the largest named model that fits with these settings is llama-7b (6.74B parameters)" in text
+    assert "the largest named model that fits with these settings is llama-3.1-8b (8.03B parameters)" in text
     with pytest.raises(ConfigError, match=r"It fits with optimizer.state_dtype=bfloat16"):
         decide(cfg(**{"model.name": "llama-13b"}), h200(139))
     # A model whose state fits no batch size.

@@ -1,10 +1,13 @@
 """Translate between a transformers `config.json` and jaxzero's ModelConfig, in both directions.
 
-Supported: Llama (`LlamaForCausalLM`, model_type "llama": tied or untied head, grouped-query attention,
-plain RoPE) and GPT-2 (`GPT2LMHeadModel`, model_type "gpt2"). Anything these models cannot compute
-exactly (rope scaling, partial rotary, attention or MLP biases in Llama, a head_dim other than
-hidden_size / num_heads, other activations, quantized weights, ...) is refused with a ConfigError that
-names the field, rather than loaded into a model that would silently compute something else.
+Supported: the Llama family (`LlamaForCausalLM` "llama" with default, linear or llama3 rope scaling;
+`Qwen2ForCausalLM` "qwen2", biases on q, k, v; `MistralForCausalLM` "mistral"; tied or untied head,
+grouped-query attention) and GPT-2 (`GPT2LMHeadModel`, model_type "gpt2"). Anything these models
+cannot compute exactly (dynamic/yarn/longrope rope, partial rotary, o_proj or MLP biases, a head_dim
+other than hidden_size / num_heads, other activations, quantized weights, ...) is refused with a
+ConfigError that names the field, rather than loaded into a model that would silently compute
+something else. A sliding window is kept in ModelConfig.sliding_window, and runs longer than it are
+refused (`jaxzero.config.validate`).
 """
 
 from __future__ import annotations
@@ -56,6 +59,26 @@ _GPT2_DEFAULTS: dict[str, Any] = {
     "activation_function": "gelu_new",
     "tie_word_embeddings": True,
 }
+# The Llama-family model types and their causal-LM classes.
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+# Defaults of Qwen2Config / MistralConfig (transformers 5) that differ from LlamaConfig's.
+_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "qwen2": {
+        "vocab_size": 151936,
+        "intermediate_size": 22016,
+        "max_position_embeddings": 32768,
+        "use_sliding_window": False,
+        "sliding_window": 4096,
+        "max_window_layers": 28,
+    },
+    "mistral": {
+        "intermediate_size": 14336,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 4096 * 32,
+        "sliding_window": 4096,
+    },
+}
 # GPT-2's "gelu_new" and "gelu_pytorch_tanh" are both the tanh approximation jaxzero computes.
 _GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")
 
@@ -63,7 +86,9 @@ _GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")
 def hf_config(cfg: ModelConfig, dtype: str = "bfloat16") -> dict[str, Any]:
     """The transformers `config.json` (as a dict) of a `cfg`-shaped model whose weights are `dtype`.
 
-    Llama -> `LlamaForCausalLM` (model_type "llama"), GPT-2 -> `GPT2LMHeadModel` (model_type "gpt2").
+    Llama family -> `LlamaForCausalLM` (model_type "llama"), or `Qwen2ForCausalLM` /
+    `MistralForCausalLM` as `cfg.hf_model_type` says (with q, k, v biases: Qwen2); GPT-2 ->
+    `GPT2LMHeadModel` (model_type "gpt2").
     Written for transformers 5 (`dtype`, `rope_parameters`) and readable by transformers 4 (`torch_dtype`,
     top-level `rope_theta`; transformers 5 reads both spellings). Token ids (bos/eos/pad) are null:
     jaxzero does not know the tokenizer; set them if you ship one. Dropout is 0, as jaxzero trains.
@@ -82,9 +107,19 @@ def hf_config(cfg: ModelConfig, dtype: str = "bfloat16") -> dict[str, Any]:
         "torch_dtype": dtype,
     }
     if cfg.family == "llama":
-        return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+        model_type = cfg.hf_model_type or ("qwen2" if cfg.attention_bias else "llama")
+        rope: dict[str, Any] = {"rope_type": cfg.rope_type, "rope_theta": cfg.rope_theta}
+        if cfg.rope_type != "default":
+            rope["factor"] = cfg.rope_factor
+        if cfg.rope_type == "llama3":
+            rope.update(
+                low_freq_factor=cfg.rope_low_freq_factor,
+                high_freq_factor=cfg.rope_high_freq_factor,
+                original_max_position_embeddings=cfg.rope_original_max_len,
+            )
+        out = {
+            "architectures": [_ARCHITECTURES[model_type]],
+            "model_type": model_type,
             "hidden_size": cfg.hidden_size,
             "intermediate_size": cfg.intermediate_size,
             "num_hidden_layers": cfg.num_layers,
@@ -95,14 +130,25 @@ def hf_config(cfg: ModelConfig, dtype: str = "bfloat16") -> dict[str, Any]:
             "max_position_embeddings": cfg.max_seq_len,
             "rms_norm_eps": cfg.norm_eps,
             "rope_theta": cfg.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-            "attention_bias": False,
+            "rope_parameters": rope,
+            # transformers 4 reads scaling from rope_scaling (null: none)
+            "rope_scaling": None if cfg.rope_type == "default" else rope,
             "attention_dropout": 0.0,
-            "mlp_bias": False,
-            "pretraining_tp": 1,
             "tie_word_embeddings": cfg.tie_embeddings,
             **common,
         }
+        if model_type == "llama":
+            out.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
+        elif model_type == "qwen2":
+            window = cfg.sliding_window or cfg.max_seq_len
+            out.update(
+                use_sliding_window=bool(cfg.sliding_window),
+                sliding_window=window,
+                max_window_layers=0 if cfg.sliding_window else cfg.num_layers,
+            )
+        else:
+            out["sliding_window"] = cfg.sliding_window or None
+        return out
     return {
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",
@@ -181,15 +227,20 @@ def _check_architectures(d: Mapping[str, Any], allowed: tuple[str, ...], where: 
         )
 
 
-def _llama_from_hf(d: Mapping[str, Any], name: str, where: str) -> ModelConfig:
-    f = _Fields(d, _LLAMA_DEFAULTS, where)
-    _check_architectures(d, ("LlamaForCausalLM", "LlamaModel"), where)
+def _llama_from_hf(d: Mapping[str, Any], model_type: str, name: str, where: str) -> ModelConfig:
+    defaults = {**_LLAMA_DEFAULTS, **_FAMILY_DEFAULTS[model_type]}
+    if "sliding_window" in d and d["sliding_window"] is None:
+        defaults.pop("sliding_window")  # an explicit null: no window (transformers keeps the null)
+    f = _Fields(d, defaults, where)
+    arch = _ARCHITECTURES[model_type]
+    _check_architectures(d, (arch, arch.replace("ForCausalLM", "Model")), where)
     unsupported = []
     if f.raw("hidden_act") != "silu":
         unsupported.append(f"hidden_act={f.raw('hidden_act')!r} (jaxzero's Llama MLP is SwiGLU with silu)")
-    for key in ("attention_bias", "mlp_bias"):
-        if d.get(key):
-            unsupported.append(f"{key}=true (jaxzero's Llama has no biases)")
+    if model_type == "llama":
+        for key, what in (("attention_bias", "q, k, v and o_proj"), ("mlp_bias", "the MLP")):
+            if d.get(key):
+                unsupported.append(f"{key}=true (biases on {what}; jaxzero's Llama biases q, k, v only)")
     # Transformers 4 spelled rope settings `rope_theta` + `rope_scaling`; 5 nests them in
     # `rope_parameters`. Like transformers, a legacy `rope_scaling` wins, and a theta inside the dict
     # wins over the top-level one.
@@ -197,10 +248,23 @@ def _llama_from_hf(d: Mapping[str, Any], name: str, where: str) -> ModelConfig:
     if not isinstance(rope, Mapping):
         raise ConfigError(f"{where}: rope_parameters={rope!r} must be an object.")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
+    scaling: dict[str, Any] = {}
+    if rope_type in ("linear", "llama3"):
+        scaling["rope_factor"] = _positive(rope.get("factor"), "rope factor", where)
+    if rope_type == "llama3":
+        scaling.update(
+            rope_low_freq_factor=_positive(rope.get("low_freq_factor"), "rope low_freq_factor", where),
+            rope_high_freq_factor=_positive(rope.get("high_freq_factor"), "rope high_freq_factor", where),
+            rope_original_max_len=int(
+                _positive(
+                    rope.get("original_max_position_embeddings"), "original_max_position_embeddings", where
+                )
+            ),
+        )
+    elif rope_type not in ("default", "linear"):
         unsupported.append(
-            f"rope type {rope_type!r} (rope_parameters/rope_scaling={dict(rope)}); jaxzero implements only "
-            "plain RoPE, and ModelConfig has no field for rope scaling"
+            f"rope type {rope_type!r} (rope_parameters/rope_scaling={dict(rope)}); jaxzero implements "
+            "default, linear and llama3"
         )
     partial = rope.get("partial_rotary_factor", d.get("partial_rotary_factor"))
     if partial not in (None, 1, 1.0):
@@ -216,11 +280,16 @@ def _llama_from_hf(d: Mapping[str, Any], name: str, where: str) -> ModelConfig:
             f"head_dim={head_dim} != hidden_size/num_attention_heads = {hidden}/{heads} "
             "(jaxzero derives head_dim from the two)"
         )
+    window = 0
+    if model_type == "mistral" and f.raw("sliding_window") is not None:
+        window = f.get_int("sliding_window")
+    if model_type == "qwen2" and f.get_bool("use_sliding_window"):
+        window = f.get_int("sliding_window")
     if unsupported:
-        raise ConfigError(f"{where}: unsupported Llama features: " + "; ".join(unsupported) + ".")
+        raise ConfigError(f"{where}: unsupported {arch} features: " + "; ".join(unsupported) + ".")
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
         raise ConfigError(f"{where}: rope_theta={theta!r} must be a positive number.")
-    kv = d.get("num_key_value_heads")
+    kv = d.get("num_key_value_heads", defaults.get("num_key_value_heads"))
     return ModelConfig(
         name=name,
         family="llama",
@@ -233,9 +302,20 @@ def _llama_from_hf(d: Mapping[str, Any], name: str, where: str) -> ModelConfig:
         max_seq_len=f.get_int("max_position_embeddings"),
         tie_embeddings=f.get_bool("tie_word_embeddings"),
         rope_theta=float(theta),
+        rope_type=rope_type,
+        **scaling,
+        attention_bias=model_type == "qwen2",
+        sliding_window=window,
+        hf_model_type="" if model_type == "llama" else model_type,
         norm_eps=f.get_float("rms_norm_eps"),
         init_std=f.get_float("initializer_range"),
     )
+
+
+def _positive(v: Any, what: str, where: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+        raise ConfigError(f"{where}: {what}={v!r} must be a positive number.")
+    return float(v)
 
 
 def _gpt2_from_hf(d: Mapping[str, Any], name: str, where: str) -> ModelConfig:
@@ -297,14 +377,15 @@ def model_config_from_hf(
         default_name = f"hf:{(path if path.is_dir() else path.parent).resolve().name}"
     name = name or default_name
     model_type = d.get("model_type")
-    if model_type == "llama":
-        cfg = _llama_from_hf(d, name, where)
+    if model_type in _ARCHITECTURES:
+        cfg = _llama_from_hf(d, model_type, name, where)
     elif model_type == "gpt2":
         cfg = _gpt2_from_hf(d, name, where)
     else:
         raise ConfigError(
-            f"{where}: model_type={model_type!r} is not supported; jaxzero imports 'llama' "
-            "(LlamaForCausalLM) and 'gpt2' (GPT2LMHeadModel)."
+            f"{where}: model_type={model_type!r} is not supported; jaxzero imports "
+            + ", ".join(f"{t!r} ({a})" for t, a in _ARCHITECTURES.items())
+            + " and 'gpt2' (GPT2LMHeadModel)."
         )
     try:
         build_model(cfg)  # divisibility, even head_dim, ...: the same checks a run would make

@@ -331,6 +331,15 @@ def import_hf(path: str | os.PathLike[str]) -> tuple[ModelConfig, ModelParams]:
 # that change the function the weights compute without changing any shape.
 _SHAPE_FIELDS = ("family", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads")
 _NUMERIC_FIELDS = ("norm_eps",)
+# What the weights compute besides shapes (Llama family), compared unless check_numerics=False.
+_ROPE_FIELDS = (
+    "rope_theta",
+    "rope_type",
+    "rope_factor",
+    "rope_low_freq_factor",
+    "rope_high_freq_factor",
+    "rope_original_max_len",
+)
 
 
 def load_hf_into(
@@ -339,10 +348,11 @@ def load_hf_into(
     """float32 NumPy ModelParams for a run configured by `cfg`, from the HF checkpoint directory `path`.
 
     Checks that the checkpoint's config matches `cfg` in every shape field (family, vocab_size,
-    hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size, tie_embeddings for Llama and
-    max_seq_len for GPT-2, whose position table has that many rows) and, unless `check_numerics=False`,
-    in the fields that change what the weights compute (norm_eps, and rope_theta for Llama; pass False
-    to fine-tune with e.g. a raised rope_theta on purpose). Every mismatching field is named in one
+    hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size, tie_embeddings and
+    attention_bias for Llama and max_seq_len for GPT-2, whose position table has that many rows) and,
+    unless `check_numerics=False`, in the fields that change what the weights compute (norm_eps, and
+    rope_theta, rope_type and the scaling's fields for Llama; pass False to fine-tune with e.g. a raised
+    rope_theta on purpose). Every mismatching field is named in one
     ConfigError. Training knobs (compute_dtype, attention_impl, init_std, Llama's max_seq_len) are the
     run's own and are not compared.
     """
@@ -350,13 +360,15 @@ def load_hf_into(
     hf = model_config_from_hf(ckpt)
     names = list(_SHAPE_FIELDS) + ["intermediate_size"]
     if cfg.family == "llama" and hf.family == "llama":
-        names.append("tie_embeddings")
+        names += ["tie_embeddings", "attention_bias"]
     if cfg.family == "gpt2":
         names.append("max_seq_len")
     if check_numerics:
         names += list(_NUMERIC_FIELDS)
         if cfg.family == "llama":
-            names.append("rope_theta")
+            names += [
+                n for n in _ROPE_FIELDS if n in ("rope_theta", "rope_type") or hf.rope_type != "default"
+            ]
     differ = [n for n in names if getattr(cfg, n) != getattr(hf, n)]
     if differ:
         bad = [

@@ -64,14 +64,19 @@ def _llama_units(cfg: ModelConfig) -> list[HFUnit]:
     units = [HFUnit("embed", (HFTensor("model.embed_tokens.weight", ("embed_tokens", "embedding"), (v, d)),))]
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
+        attn = []
+        for proj, width in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+            attn.append(
+                HFTensor(f"{p}self_attn.{proj}.weight", ("self_attn", proj, "kernel"), (d, width), True)
+            )
+            if cfg.attention_bias:
+                attn.append(HFTensor(f"{p}self_attn.{proj}.bias", ("self_attn", proj, "bias"), (width,)))
         units.append(
             HFUnit(
                 f"block {i}",
                 (
                     HFTensor(p + "input_layernorm.weight", ("input_layernorm", "scale"), (d,)),
-                    HFTensor(p + "self_attn.q_proj.weight", ("self_attn", "q_proj", "kernel"), (d, q), True),
-                    HFTensor(p + "self_attn.k_proj.weight", ("self_attn", "k_proj", "kernel"), (d, kv), True),
-                    HFTensor(p + "self_attn.v_proj.weight", ("self_attn", "v_proj", "kernel"), (d, kv), True),
+                    *attn,
                     HFTensor(p + "self_attn.o_proj.weight", ("self_attn", "o_proj", "kernel"), (q, d), True),
                     HFTensor(
                         p + "post_attention_layernorm.weight", ("post_attention_layernorm", "scale"), (d,)

@@ -215,18 +215,41 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> j
 # ---------------------------------------------------------------------------------------------------
 
 
-def rope_cos_sin(seq_len: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+    """The (head_dim / 2,) float64 rotary frequencies of `config`, as HF's rope init functions make them.
+
+    default: 1 / theta^(arange(0, H, 2) / H). linear: those / rope_factor. llama3 (Llama 3.1+,
+    `_compute_llama3_parameters`): wavelengths 2*pi/f above rope_original_max_len / low_freq_factor
+    are divided by rope_factor, those below rope_original_max_len / high_freq_factor kept, and the
+    band between interpolated smoothly. No type here scales the attention itself.
+    """
+    h = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (np.arange(0, h, 2, dtype=np.float64) / h))
+    if config.rope_type == "linear":
+        return inv / config.rope_factor
+    if config.rope_type == "llama3":
+        factor, lo, hi = config.rope_factor, config.rope_low_freq_factor, config.rope_high_freq_factor
+        old = config.rope_original_max_len
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > old / lo, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old / hi) & (wavelen <= old / lo)
+        return np.where(medium, smoothed, scaled)
+    return inv
+
+
+def rope_cos_sin(seq_len: int, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
     """cos and sin tables, each (seq_len, head_dim) float32, for positions 0 .. seq_len-1.
 
-    Matches HF `LlamaRotaryEmbedding` (default rope type): inv_freq = 1 / theta^(arange(0, H, 2) / H),
-    freqs = pos (x) inv_freq, emb = concat([freqs, freqs]). `inv_freq` is computed on the host in
-    float64 and rounded once to float32 (HF computes it in float32; the two agree to an ulp); the
-    tables depend only on static shapes, so under jit they are constants folded into the program.
+    Matches HF's rotary embedding for the frequencies `inv_freq` (`rope_inv_freq`): freqs = pos (x)
+    inv_freq, emb = concat([freqs, freqs]). `inv_freq` is computed on the host in float64 and rounded
+    once to float32 (HF computes it in float32; the two agree to an ulp); the tables depend only on
+    static shapes, so under jit they are constants folded into the program.
     """
-    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
-    inv_freq = jnp.asarray(inv_freq, jnp.float32)
+    inv = jnp.asarray(inv_freq, jnp.float32)
     pos = jnp.arange(seq_len, dtype=jnp.float32)
-    freqs = pos[:, None] * inv_freq[None, :]  # (S, H/2)
+    freqs = pos[:, None] * inv[None, :]  # (S, H/2)
     emb = jnp.concatenate([freqs, freqs], axis=-1)  # (S, H)
     return jnp.cos(emb), jnp.sin(emb)
 

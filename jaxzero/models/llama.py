@@ -1,5 +1,6 @@
-"""Llama-family decoder (Llama 2/3, and Llama-shaped models such as InternLM2): pre-norm blocks of
-RMSNorm, rotary grouped-query attention and a SwiGLU MLP, no biases, tied or untied output head.
+"""Llama-family decoder (Llama 2/3, Qwen2/2.5, Mistral, and Llama-shaped models such as InternLM2):
+pre-norm blocks of RMSNorm, rotary grouped-query attention (rope scaled as `ModelConfig.rope_type`
+says; q, k, v biases with `attention_bias`) and a SwiGLU MLP, tied or untied output head.
 
 Parameter pytrees are plain nested dicts named after HF `LlamaForCausalLM`, so that conversion is a
 name map plus a transpose of each "kernel" (stored (in, out) here, (out, in) in torch):
@@ -7,6 +8,7 @@ name map plus a transpose of each "kernel" (stored (in, out) here, (out, in) in 
     embed:  {"embed_tokens": {"embedding": (V, D)}}           model.embed_tokens.weight
     block:  {"input_layernorm":          {"scale": (D,)},     model.layers.i.input_layernorm.weight
              "self_attn": {"q_proj": {"kernel": (D, N*H)},    ...self_attn.q_proj.weight
+                                      (and "bias": (N*H,), K*H for k and v, with attention_bias)
                            "k_proj": {"kernel": (D, K*H)},
                            "v_proj": {"kernel": (D, K*H)},
                            "o_proj": {"kernel": (N*H, D)}},
@@ -38,17 +40,22 @@ from jaxzero.models.base import ModelParams, init_params
 
 
 class _Linear(nn.Module):
-    """y = x @ kernel, kernel (in, out) float32 ~ Normal(0, std), used in x's (compute) dtype."""
+    """y = x @ kernel [+ bias], kernel (in, out) float32 ~ Normal(0, std), bias (out,) zeros at init
+    (with `use_bias`), both used in x's (compute) dtype."""
 
     features: int
     std: float
+    use_bias: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         kernel = self.param(
             "kernel", lambda k, shape: layers.normal(k, shape, self.std), (x.shape[-1], self.features)
         )
-        return layers.dense(x, kernel.astype(x.dtype))
+        if not self.use_bias:
+            return layers.dense(x, kernel.astype(x.dtype))
+        bias = self.param("bias", lambda _, shape: layers.zeros(shape), (self.features,))
+        return layers.dense(x, kernel.astype(x.dtype), bias.astype(x.dtype))
 
 
 class _RMSNorm(nn.Module):
@@ -71,10 +78,11 @@ class _Attention(nn.Module):
         c = self.config
         b, s, _ = h.shape
         n, k, hd = c.num_heads, c.num_kv_heads, c.head_dim
-        q = _Linear(n * hd, c.init_std, name="q_proj")(h).reshape(b, s, n, hd)
-        kk = _Linear(k * hd, c.init_std, name="k_proj")(h).reshape(b, s, k, hd)
-        v = _Linear(k * hd, c.init_std, name="v_proj")(h).reshape(b, s, k, hd)
-        cos, sin = layers.rope_cos_sin(s, hd, c.rope_theta)
+        bias = c.attention_bias
+        q = _Linear(n * hd, c.init_std, bias, name="q_proj")(h).reshape(b, s, n, hd)
+        kk = _Linear(k * hd, c.init_std, bias, name="k_proj")(h).reshape(b, s, k, hd)
+        v = _Linear(k * hd, c.init_std, bias, name="v_proj")(h).reshape(b, s, k, hd)
+        cos, sin = layers.rope_cos_sin(s, layers.rope_inv_freq(c))
         o = layers.causal_attention(
             layers.apply_rope(q, cos, sin), layers.apply_rope(kk, cos, sin), v, c.attention_impl
         )

@@ -11,10 +11,17 @@ Parameter counts of the published sizes (checked by tests/test_models.py):
     gpt2-xl     1,557,611,200      llama-13b  13,015,864,320   (Llama 2 13B)
                                    llama-20b  19,861,149,696   (InternLM2-20B shape)
     llama-3.4b-bench 3,367,676,928 llama-30b  32,528,943,616   (LLaMA-1 33B)
+
+Released checkpoints' shapes, with their rope scaling and biases (`model.name=hf:DIR` loads weights):
+
+    llama-3.1-8b  8,030,261,248    qwen2.5-0.5b   494,032,768    mistral-7b  7,248,023,552 (v0.3)
+    llama-3.2-1b  1,235,814,400    qwen2.5-7b   7,615,616,512
+    llama-3.2-3b  3,212,749,824    qwen2.5-14b 14,770,033,664
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from types import MappingProxyType
 
@@ -58,8 +65,8 @@ _SIZES: dict[str, ModelConfig] = {
     "gpt2-medium": _gpt2("gpt2-medium", 24, 1024, 16),
     "gpt2-large": _gpt2("gpt2-large", 36, 1280, 20),
     "gpt2-xl": _gpt2("gpt2-xl", 48, 1600, 25),
-    # Llama 3.2 1B / 3B (tied). Their released checkpoints also use "llama3" rope frequency scaling,
-    # which ModelConfig does not express: these shapes train from scratch with plain RoPE.
+    # Llama 3.2 1B / 3B (tied), with plain RoPE: shapes to train from scratch. The released
+    # checkpoints' rope ("llama3" scaling) is llama-3.2-1b / llama-3.2-3b below.
     "llama-1b": ModelConfig(
         name="llama-1b",
         family="llama",
@@ -165,6 +172,111 @@ _SIZES: dict[str, ModelConfig] = {
     ),
 }
 
+
+def _released(name: str, base: ModelConfig | None = None, **fields: object) -> ModelConfig:
+    """A released checkpoint's shape, for planning and from-scratch runs (`model.name=hf:DIR` loads
+    the weights): `base`'s fields (or ModelConfig's) with `fields` over them."""
+    return dataclasses.replace(base or ModelConfig(), name=name, **fields)
+
+
+_LLAMA3 = dict(
+    family="llama",
+    vocab_size=128256,
+    num_heads=32,
+    num_kv_heads=8,
+    max_seq_len=131072,
+    rope_theta=500000.0,
+    rope_type="llama3",
+    rope_low_freq_factor=1.0,
+    rope_high_freq_factor=4.0,
+    rope_original_max_len=8192,
+    norm_eps=1e-5,
+)
+_QWEN25 = dict(
+    family="llama",
+    attention_bias=True,
+    hf_model_type="qwen2",
+    vocab_size=152064,
+    max_seq_len=131072,
+    rope_theta=1000000.0,
+    norm_eps=1e-6,
+)
+_SIZES.update(
+    {
+        # Meta's Llama 3.1 8B and 3.2 1B / 3B: "llama3" rope scaling (factor 8, 32, 32).
+        "llama-3.1-8b": _released(
+            "llama-3.1-8b",
+            **_LLAMA3,
+            hidden_size=4096,
+            num_layers=32,
+            intermediate_size=14336,
+            rope_factor=8.0,
+        ),
+        "llama-3.2-1b": _released(
+            "llama-3.2-1b",
+            **_LLAMA3,
+            hidden_size=2048,
+            num_layers=16,
+            intermediate_size=8192,
+            tie_embeddings=True,
+            rope_factor=32.0,
+        ),
+        "llama-3.2-3b": _released(
+            "llama-3.2-3b",
+            **{**_LLAMA3, "num_heads": 24},
+            hidden_size=3072,
+            num_layers=28,
+            intermediate_size=8192,
+            tie_embeddings=True,
+            rope_factor=32.0,
+        ),
+        # Qwen2.5 0.5B (tied, 32K context), 7B and 14B: q, k, v biases, theta 1e6.
+        "qwen2.5-0.5b": _released(
+            "qwen2.5-0.5b",
+            **{**_QWEN25, "vocab_size": 151936, "max_seq_len": 32768},
+            hidden_size=896,
+            num_layers=24,
+            num_heads=14,
+            num_kv_heads=2,
+            intermediate_size=4864,
+            tie_embeddings=True,
+        ),
+        "qwen2.5-7b": _released(
+            "qwen2.5-7b",
+            **_QWEN25,
+            hidden_size=3584,
+            num_layers=28,
+            num_heads=28,
+            num_kv_heads=4,
+            intermediate_size=18944,
+        ),
+        "qwen2.5-14b": _released(
+            "qwen2.5-14b",
+            **{**_QWEN25, "norm_eps": 1e-5},
+            hidden_size=5120,
+            num_layers=48,
+            num_heads=40,
+            num_kv_heads=8,
+            intermediate_size=13824,
+        ),
+        # Mistral 7B v0.3: vocabulary 32768, theta 1e6, no sliding window.
+        "mistral-7b": _released(
+            "mistral-7b",
+            family="llama",
+            hf_model_type="mistral",
+            vocab_size=32768,
+            hidden_size=4096,
+            num_layers=32,
+            num_heads=32,
+            num_kv_heads=8,
+            intermediate_size=14336,
+            max_seq_len=32768,
+            rope_theta=1000000.0,
+            norm_eps=1e-5,
+        ),
+    }
+)
+
 NAMED_SIZES: Mapping[str, ModelConfig] = MappingProxyType(_SIZES)
 """Every named size, read-only. Keys are the valid values of `model.name`."""
 
@@ -201,6 +313,8 @@ def unit_param_counts(cfg: ModelConfig) -> tuple[int, int, int]:
     block = _block_matmul_params(cfg)
     if cfg.family == "llama":
         block += 2 * d  # input_layernorm, post_attention_layernorm scales
+        if cfg.attention_bias:
+            block += (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim  # q, k, v biases
         embed = v * d
         head = d + (0 if cfg.tie_embeddings else d * v)  # final norm (+ lm_head)
     else:  # gpt2 (_block_matmul_params rejected any other family)
