@@ -1,0 +1,190 @@
+"""`python -m jaxzero.prepare`: text, JSONL and Parquet into token files, with the byte-level or a
+Hugging Face tokenizer; reruns, refusals and errors naming the file and line."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxzero.config import DataConfig
+from jaxzero.data import DataError, build_data, load_token_files
+from jaxzero.prepare import main, prepare
+
+DOCS = ["def f(x):\n    return x\n", "héllo wörld", "", "the end\n"]
+
+
+def write_inputs(root: Path) -> list[str]:
+    """DOCS as a text file (DOCS[0]) and a JSONL file (the rest, with a blank line between)."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "a.txt").write_text(DOCS[0])
+    lines = [json.dumps({"text": d, "id": i}) for i, d in enumerate(DOCS[1:])]
+    (root / "b.jsonl").write_text(lines[0] + "\n\n" + "\n".join(lines[1:]) + "\n")
+    return [str(root / "a.txt"), str(root / "*.jsonl")]
+
+
+def test_byte_level_tokens_are_the_utf8_bytes_with_nul_between_documents(tmp_path):
+    inputs = write_inputs(tmp_path / "in")
+    meta = prepare(inputs, tmp_path / "out", val_docs=1, workers=1, progress=False)
+    want_val = np.frombuffer(DOCS[0].encode() + b"\0", np.uint8)
+    want_train = np.frombuffer(b"".join(d.encode() + b"\0" for d in DOCS[1:]), np.uint8)
+    np.testing.assert_array_equal(np.fromfile(tmp_path / "out" / "val.bin", np.uint16), want_val)
+    np.testing.assert_array_equal(np.fromfile(tmp_path / "out" / "train.bin", np.uint16), want_train)
+    assert meta["token_dtype"] == "uint16" and meta["vocab_size"] == 256
+    assert meta["train"] == {"documents": 3, "tokens": want_train.size}
+    assert json.loads((tmp_path / "out" / "prepare.json").read_text()) == meta
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["prepare.json", "train.bin", "val.bin"]
+    # and training reads it
+    splits = load_token_files(
+        tmp_path / "out", token_dtype="uint16", seq_len=4, val_fraction=0.0, vocab_size=256
+    )
+    assert splits.train.size == want_train.size and splits.val.size == want_val.size
+
+
+def hf_tokenizer(root: Path, eos: str | dict | None = "<eot>") -> Path:
+    """A small word-level tokenizer.json built with the tokenizers library, saved as a checkpoint
+    directory would hold it (with tokenizer_config.json naming eos_token)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.WordLevelTrainer(special_tokens=["<unk>", "<eot>"])
+    tok.train_from_iterator(DOCS * 3, trainer)
+    root.mkdir(parents=True, exist_ok=True)
+    tok.save(str(root / "tokenizer.json"))
+    if eos is not None:
+        (root / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos}))
+    return root
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_hf_tokenizer_ids_per_document_then_eos(tmp_path, workers):
+    from tokenizers import Tokenizer
+
+    inputs = write_inputs(tmp_path / "in")
+    ckpt = hf_tokenizer(tmp_path / "ckpt")
+    meta = prepare(inputs, tmp_path / "out", tokenizer=str(ckpt), workers=workers, progress=False)
+    tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+    eot = tok.token_to_id("<eot>")
+    want = [i for d in DOCS for i in [*tok.encode(d, add_special_tokens=False).ids, eot]]
+    np.testing.assert_array_equal(np.fromfile(tmp_path / "out" / "train.bin", np.uint16), want)
+    assert meta["recipe"]["eot_id"] == eot and meta["vocab_size"] == tok.get_vocab_size()
+    assert not (tmp_path / "out" / "val.bin").exists()
+
+
+def test_eot_id_from_the_config_dict_or_the_flag_or_an_error(tmp_path):
+    inputs = write_inputs(tmp_path / "in")
+    dict_eos = hf_tokenizer(tmp_path / "a", eos={"content": "<eot>", "special": True})
+    assert (
+        prepare(inputs, tmp_path / "o1", tokenizer=str(dict_eos), workers=1, progress=False)["recipe"][
+            "eot_id"
+        ]
+        == 1
+    )
+    none = hf_tokenizer(tmp_path / "b", eos=None)
+    with pytest.raises(DataError, match=r"no end-of-text id .*Pass --eot_id=N"):
+        prepare(inputs, tmp_path / "o2", tokenizer=str(none), workers=1, progress=False)
+    assert not (tmp_path / "o2").exists()  # refused before anything was written
+    meta = prepare(inputs, tmp_path / "o3", tokenizer=str(none / "tokenizer.json"), eot_id=0, progress=False)
+    assert meta["recipe"]["eot_id"] == 0
+    with pytest.raises(DataError, match=r"--eot_id=999 is outside the tokenizer's vocabulary"):
+        prepare(inputs, tmp_path / "o4", tokenizer=str(none), eot_id=999, progress=False)
+    with pytest.raises(DataError, match=r"no tokenizer file at .*nowhere"):
+        prepare(inputs, tmp_path / "o5", tokenizer=str(tmp_path / "nowhere"), progress=False)
+
+
+def test_parquet_column(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"body": DOCS, "n": list(range(len(DOCS)))}), tmp_path / "d.parquet")
+    prepare([str(tmp_path / "d.parquet")], tmp_path / "out", text_field="body", workers=1, progress=False)
+    want = np.frombuffer(b"".join(d.encode() + b"\0" for d in DOCS), np.uint8)
+    np.testing.assert_array_equal(np.fromfile(tmp_path / "out" / "train.bin", np.uint16), want)
+    with pytest.raises(DataError, match=r"d\.parquet: no column 'text' \(it has \['body', 'n'\]\)"):
+        prepare([str(tmp_path / "d.parquet")], tmp_path / "out2", progress=False)
+
+
+def test_bad_inputs_name_the_file_and_line(tmp_path):
+    (tmp_path / "ok.jsonl").write_text('{"text": "a"}\n')
+    (tmp_path / "field.jsonl").write_text('{"text": "a"}\n{"body": "b"}\n')
+    (tmp_path / "json.jsonl").write_text('{"text": "a"}\n{"text": \n')
+    (tmp_path / "bytes.txt").write_bytes(b"ok\xff")
+    cases = [
+        (
+            "field.jsonl",
+            r"field\.jsonl:2: no text field 'text' \(a string\) in this record \(it has \['body'\]\)",
+        ),
+        ("json.jsonl", r"json\.jsonl:2: not a JSON object"),
+        ("bytes.txt", r"bytes\.txt: not UTF-8 text \(byte 2"),
+        ("missing*.txt", r"--input='.*missing\*\.txt' matches no file"),
+    ]
+    for name, match in cases:
+        with pytest.raises(DataError, match=match):
+            prepare(
+                [str(tmp_path / "ok.jsonl"), str(tmp_path / name)],
+                tmp_path / "out",
+                workers=1,
+                progress=False,
+            )
+        assert (
+            not any(p.suffix == ".bin" for p in (tmp_path / "out").glob("*"))
+            if (tmp_path / "out").exists()
+            else True
+        )
+    # no partial files left behind either
+    assert not [p for p in tmp_path.rglob("*.partial")]
+    if os.getuid() != 0:  # root reads anything
+        locked = tmp_path / "locked.txt"
+        locked.write_text("x")
+        locked.chmod(0)
+        with pytest.raises(DataError, match=r"locked\.txt: cannot be read"):
+            prepare([str(locked)], tmp_path / "out", progress=False)
+
+
+def test_reruns_are_idempotent_and_never_replace_what_they_did_not_write(tmp_path, capsys):
+    inputs = write_inputs(tmp_path / "in")
+    out = tmp_path / "out"
+    prepare(inputs, out, workers=1, progress=False)
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    assert main([f"--input={i}" for i in inputs] + [f"--out={out}", "--workers=1"]) == 0
+    assert "up to date" in capsys.readouterr().err
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
+    # a changed input: refused without --overwrite, redone with it
+    (tmp_path / "in" / "a.txt").write_text("changed\n")
+    assert main([f"--input={i}" for i in inputs] + [f"--out={out}"]) == 2
+    assert "pass --overwrite" in capsys.readouterr().err
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
+    meta = prepare(inputs, out, overwrite=True, workers=1, progress=False)
+    assert meta["train"]["tokens"] == len(b"changed\n") + 1 + sum(len(d.encode()) + 1 for d in DOCS[1:])
+    # token files someone else wrote are never replaced, --overwrite or not
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "train.bin").write_bytes(b"\1\0")
+    with pytest.raises(
+        DataError, match=r"without a prepare\.json: token files jaxzero\.prepare did not write"
+    ):
+        prepare(inputs, theirs, overwrite=True, progress=False)
+    assert (theirs / "train.bin").read_bytes() == b"\1\0"
+
+
+def test_prepared_bytes_train_the_builtin_sized_model(tmp_path):
+    """The printed command's settings read the files: windows of the prepared tokens, in range."""
+    inputs = write_inputs(tmp_path / "in")
+    (tmp_path / "in" / "c.txt").write_text(DOCS[0] * 20)
+    meta = prepare(
+        [*inputs, *inputs, str(tmp_path / "in" / "c.txt")], tmp_path / "out", val_docs=2, progress=False
+    )
+    assert (
+        meta["train"]["documents"] + meta["val"]["documents"] == len(DOCS) + 1
+    )  # a repeated file is read once
+    data = build_data(
+        DataConfig(source="tokens", path=str(tmp_path / "out"), seq_len=8, batch_size=2),
+        vocab_size=256,
+        seed=0,
+    )
+    batch = next(data.train_iter())
+    assert batch.shape == (1, 2, 9) and batch.max() < 256
