@@ -238,12 +238,16 @@ class TokenSplits:
     val:        1-D token ids, same dtype; empty when the run has no validation split.
     vocab_size: ids are in ``[0, vocab_size)`` (for token files: the model's vocab, checked on a sample).
     origin:     where the tokens came from, for logs.
+    train_counted, val_counted: uint8 per token, 0 where the token is not a target the loss counts
+                (``train.mask.bin``, ``val.mask.bin``: a prompt of fine-tuning data); None: all are.
     """
 
     train: np.ndarray
     val: np.ndarray
     vocab_size: int
     origin: str
+    train_counted: np.ndarray | None = None
+    val_counted: np.ndarray | None = None
 
 
 def _split_tail(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
@@ -449,17 +453,49 @@ def load_token_files(
             "val.bin to hold out the tail of train.bin instead."
         )
 
+    train_marks = _open_marks(directory / "train.mask.bin", n_train_file)
+    val_marks = _open_marks(directory / "val.mask.bin", n_val_file) if has_val_file else None
+    if has_val_file and (train_marks is None) != (val_marks is None):
+        have, lack = ("train", "val") if val_marks is None else ("val", "train")
+        raise DataError(
+            f"{str(directory)!r} holds {have}.mask.bin but no {lack}.mask.bin: both splits mark the "
+            "targets the loss counts, or neither does. Rerun jaxzero.prepare, or remove the one."
+        )
+
     train_file = _open_token_file(train_path, token_dtype)
     _check_token_ids(train_file, vocab_size, train_path, token_dtype, check_all)
+    marked = " with loss masks" if train_marks is not None else ""
     if has_val_file:
         val = _open_token_file(val_path, token_dtype)
         _check_token_ids(val, vocab_size, val_path, token_dtype, check_all)
         train = train_file[:]
-        origin = f"{str(directory)!r} train.bin + val.bin ({token_dtype})"
+        origin = f"{str(directory)!r} train.bin + val.bin ({token_dtype}{marked})"
     else:
         train, val = _split_tail(train_file, val_fraction)
-        origin = f"{str(directory)!r} train.bin ({token_dtype}), last {val_fraction:g} held out"
-    return TokenSplits(train=train, val=val, vocab_size=vocab_size, origin=origin)
+        if train_marks is not None:
+            train_marks, val_marks = _split_tail(train_marks, val_fraction)
+        origin = f"{str(directory)!r} train.bin ({token_dtype}{marked}), last {val_fraction:g} held out"
+    return TokenSplits(
+        train=train,
+        val=val,
+        vocab_size=vocab_size,
+        origin=origin,
+        train_counted=train_marks,
+        val_counted=val_marks,
+    )
+
+
+def _open_marks(path: Path, num_tokens: int) -> np.ndarray | None:
+    """The uint8 memmap of a token file's loss mask (1: a target the loss counts), or None if absent."""
+    if not path.is_file():
+        return None
+    size = path.stat().st_size
+    if size != num_tokens:
+        raise DataError(
+            f"{str(path)!r} holds {size:,} bytes, one per token, but its token file holds {num_tokens:,} "
+            "tokens: they were not written together. Rerun jaxzero.prepare."
+        )
+    return np.memmap(path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
 
 
 def write_tokens(
@@ -514,8 +550,11 @@ def _num_windows(num_tokens: int, seq_len: int) -> int:
     return max(0, (num_tokens - 1) // seq_len)
 
 
-def _gather_windows(tokens: np.ndarray, window_ids: np.ndarray, seq_len: int) -> np.ndarray:
-    """Window ``tokens[i*seq_len : i*seq_len + seq_len + 1]`` per id ``i``: ``(len(ids), seq_len + 1)`` int32.
+def _gather_windows(
+    tokens: np.ndarray, window_ids: np.ndarray, seq_len: int, counted: np.ndarray | None = None
+) -> np.ndarray:
+    """Window ``tokens[i*seq_len : i*seq_len + seq_len + 1]`` per id ``i``: ``(len(ids), seq_len + 1)`` int32,
+    each token that `counted` marks 0 written as ``~id`` (not a target; `jaxzero.objective`).
 
     One contiguous slice copy per window: on a memmap that is a sequential read per window, faster than
     a single 2-D fancy-index gather.
@@ -524,6 +563,9 @@ def _gather_windows(tokens: np.ndarray, window_ids: np.ndarray, seq_len: int) ->
     for row, window in enumerate(window_ids.tolist()):
         start = window * seq_len
         out[row] = tokens[start : start + seq_len + 1]
+        if counted is not None:
+            keep = counted[start : start + seq_len + 1].astype(bool)
+            np.invert(out[row], out=out[row], where=~keep)
     return out
 
 
@@ -558,8 +600,10 @@ class WindowIterator(BatchIterator):
         seed: int,
         state: DataState,
         rows: slice = slice(None),
+        counted: np.ndarray | None = None,
     ) -> None:
         self._tokens = tokens
+        self._counted = counted
         self._rows = rows
         self._seq_len = seq_len
         self._batch_size = batch_size
@@ -602,7 +646,7 @@ class WindowIterator(BatchIterator):
                 epoch, cursor = epoch + 1, 0
         # The global batch's window ids, then only this process's rows of each micro-batch are read.
         mine = window_ids.reshape(self._grad_accum, -1)[:, self._rows]
-        batch = _gather_windows(self._tokens, mine.reshape(-1), self._seq_len)
+        batch = _gather_windows(self._tokens, mine.reshape(-1), self._seq_len, self._counted)
         self._epoch, self._cursor = epoch, cursor
         return batch.reshape(self._grad_accum, -1, self._seq_len + 1)
 
@@ -787,6 +831,7 @@ class WindowData(Data):
             seed=self.seed,
             state=state,
             rows=self.rows,
+            counted=self.splits.train_counted,
         )
 
     def val_batches(self, n: int) -> np.ndarray:
@@ -796,7 +841,7 @@ class WindowData(Data):
         # Python ints: k * stride can exceed int64 for huge splits; count is small (eval batches).
         ids = np.array([(k * self._val_stride) % self.num_val_windows for k in range(count)], dtype=np.int64)
         mine = ids.reshape(-1, self.micro_batch_size)[:, self.rows]  # only this process's windows are read
-        windows = _gather_windows(self.splits.val, mine.reshape(-1), self.seq_len)
+        windows = _gather_windows(self.splits.val, mine.reshape(-1), self.seq_len, self.splits.val_counted)
         return windows.reshape(-1, self.rows.stop - self.rows.start, self.seq_len + 1)
 
     def describe(self) -> str:

@@ -1,7 +1,11 @@
-"""The training objective: next-token cross-entropy over a window of tokens.
+"""The training objective: next-token cross-entropy over a window of tokens, over the targets it counts.
 
 Shared by the resident trainer and the offload engine so that both optimise the very same function.
-A batch window is int32 `(B, S + 1)`: inputs are `[:, :-1]`, targets `[:, 1:]`.
+A batch window is int32 `(B, S + 1)`: inputs are `[:, :-1]`, targets `[:, 1:]`. An entry may be
+negative, `~id` (= -id - 1): the token `id`, read as input as usual but not counted as a target (a
+prompt token of a fine-tuning example, whose prediction is not trained). A step's loss is the mean
+cross-entropy over the targets it counts, over all its micro-batches (`step_weight`): micro-batches
+with more counted targets weigh more, as one large batch would weigh them.
 """
 
 from __future__ import annotations
@@ -14,20 +18,32 @@ import jax.numpy as jnp
 from jaxzero.models import Model, ModelParams
 
 
-def split_window(window: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """int32 (B, S+1) -> (inputs (B, S), targets (B, S))."""
-    return window[:, :-1], window[:, 1:]
+def decode_window(window: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """int32 (B, S+1) -> (inputs (B, S) int32, targets (B, S) int32, counted (B, S) bool): the ids
+    with their not-a-target marks removed, and which targets the loss counts."""
+    ids = jnp.where(window < 0, ~window, window)
+    return ids[:, :-1], ids[:, 1:], window[:, 1:] >= 0
 
 
-def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy. logits float32 (B, S, V), targets int32 (B, S) -> float32 scalar.
+def counted_targets(batch: jax.Array) -> jax.Array:
+    """int32 scalar: targets the loss counts in int32 (..., S+1) windows (all of them without marks)."""
+    return jnp.sum(batch[..., 1:] >= 0, dtype=jnp.int32)
 
-    Computed in float32 with a stable log-sum-exp; the mean is over all B*S positions.
-    """
+
+def step_weight(batch: jax.Array) -> jax.Array:
+    """float32 scalar weight of each micro-batch's summed cross-entropy in int32 (A, mb, S+1): A over
+    the step's counted targets (at least 1), so that the mean over the A micro-batches of their
+    weighted sums is the step's mean loss. Without marks: 1 / (mb * S), each micro-batch's mean."""
+    return jnp.float32(batch.shape[0]) / jnp.maximum(counted_targets(batch), 1).astype(jnp.float32)
+
+
+def cross_entropy_sum(logits: jax.Array, targets: jax.Array, counted: jax.Array) -> jax.Array:
+    """Summed next-token cross-entropy of the counted targets: logits float32 (B, S, V), targets int32
+    (B, S), counted bool (B, S) -> float32 scalar. Computed in float32 with a stable log-sum-exp."""
     logits = logits.astype(jnp.float32)
     lse = jax.nn.logsumexp(logits, axis=-1)
     picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    return jnp.mean(lse - picked)
+    return jnp.sum(jnp.where(counted, lse - picked, 0.0))
 
 
 # The head's float32 logits and their gradient take 8 bytes per token and vocabulary entry. Past this
@@ -45,24 +61,28 @@ def head_pieces(rows: int, seq_len: int, vocab_size: int) -> int:
     return seq_len
 
 
-def head_loss(model: Model, head_w: Any, embed_w: Any, x: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy of `model.head` on hidden states x (B, S, D) against int32 targets
-    (B, S) -> float32 scalar. In `head_pieces` pieces along S where the logits would be too large:
-    the mean of the pieces' means (equal sizes: the same mean, summed in another order), with the
-    head's weights taken in float32 so that their gradient sums over the pieces in float32."""
+def head_loss(
+    model: Model, head_w: Any, embed_w: Any, x: jax.Array, window: jax.Array, weight: jax.Array
+) -> jax.Array:
+    """`weight` times the summed next-token cross-entropy of `model.head` on hidden states x (B, S, D)
+    over the counted targets of the int32 window (B, S+1) -> float32 scalar. In `head_pieces` pieces
+    along S where the logits would be too large (the pieces' sums added), with the head's weights
+    taken in float32 so that their gradient sums over the pieces in float32."""
+    _, targets, counted = decode_window(window)
     rows, seq_len, width = x.shape
     n = head_pieces(rows, seq_len, model.config.vocab_size)
     if n == 1:
-        return cross_entropy(model.head(head_w, embed_w, x), targets)
+        return weight * cross_entropy_sum(model.head(head_w, embed_w, x), targets, counted)
     head_w, embed_w = jax.tree.map(lambda a: a.astype(jnp.float32), (head_w, embed_w))
     xs = x.reshape(rows, n, seq_len // n, width).swapaxes(0, 1)
     ts = targets.reshape(rows, n, seq_len // n).swapaxes(0, 1)
+    cs = counted.reshape(rows, n, seq_len // n).swapaxes(0, 1)
 
     @jax.checkpoint  # the backward pass remakes one piece's logits at a time
-    def piece(hw: Any, ew: Any, xp: jax.Array, tp: jax.Array) -> jax.Array:
-        return cross_entropy(model.head(hw, ew, xp), tp)
+    def piece(hw: Any, ew: Any, xp: jax.Array, tp: jax.Array, cp: jax.Array) -> jax.Array:
+        return cross_entropy_sum(model.head(hw, ew, xp), tp, cp)
 
-    return jnp.mean(jax.lax.map(lambda a: piece(head_w, embed_w, *a), (xs, ts)))
+    return weight * jnp.sum(jax.lax.map(lambda a: piece(head_w, embed_w, *a), (xs, ts, cs)))
 
 
 def remat_block(model: Model):
@@ -73,11 +93,17 @@ def remat_block(model: Model):
     return jax.checkpoint(model.block, policy=jax.checkpoint_policies.nothing_saveable)
 
 
-def loss_fn(model: Model, params: ModelParams, window: jax.Array) -> jax.Array:
-    """Scalar float32 loss of `params` (any dtype; blocks cast to the compute dtype) on int32 (B, S+1)."""
-    inputs, targets = split_window(window)
+def loss_fn(
+    model: Model, params: ModelParams, window: jax.Array, weight: jax.Array | None = None
+) -> jax.Array:
+    """float32 scalar: `weight` times the summed cross-entropy of the counted targets of int32 window
+    (B, S+1), `params` of any dtype (blocks cast to the compute dtype). `weight` None: the mean over
+    the window's counted targets."""
+    inputs, _, _ = decode_window(window)
+    if weight is None:
+        weight = 1.0 / jnp.maximum(counted_targets(window), 1).astype(jnp.float32)
     block = remat_block(model)
     x = model.embed(params.embed, inputs)
     for p in params.blocks:
         x = block(p, x)
-    return head_loss(model, params.head, params.embed, x, targets)
+    return head_loss(model, params.head, params.embed, x, window, weight)

@@ -17,6 +17,13 @@ written under temporary names and renamed when complete. A rerun with the same i
 modification times), tokenizer and settings does nothing; with anything changed it refuses unless
 `--overwrite`, and it never replaces token files that it did not write (no `prepare.json` beside them).
 
+Fine-tuning data (`--sft`): JSONL records `{"prompt": ..., "completion": ...}` (encoded separately,
+then the end-of-text id) or `{"messages": [{"role": ..., "content": ...}, ...]}` (rendered with the
+checkpoint's `chat_template` from tokenizer_config.json, as transformers' apply_chat_template renders
+it). Examples are packed one after another; `train.mask.bin` (and `val.mask.bin`) hold one byte per
+token, 1 where the token is a target the loss counts: completions and their end-of-text, assistant
+turns; prompts, system and user turns are 0. Training reads the masks with the token files.
+
 Documents are encoded in parallel over `--workers` processes (default: the cores), in order.
 """
 
@@ -24,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import glob
 import hashlib
 import json
@@ -42,7 +50,7 @@ import numpy as np
 from jaxzero.data import BUILTIN_SEPARATOR, BUILTIN_VOCAB_SIZE, DataError
 
 META_NAME = "prepare.json"
-OUTPUTS = ("train.bin", "val.bin", META_NAME)
+OUTPUTS = ("train.bin", "val.bin", "train.mask.bin", "val.mask.bin", META_NAME)
 # Documents per task handed to a worker: large enough to amortise the pickling, small enough that
 # the progress line moves and the ordered results do not pile up in memory.
 _CHUNK_DOCS = 256
@@ -58,6 +66,7 @@ class Recipe:
     text_field: str
     eot_id: int
     val_docs: int
+    sft: bool = False
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -157,22 +166,14 @@ def read_documents(path: Path, text_field: str) -> Iterator[str]:
     """The documents of one input file; DataError naming the file (and line or row) on bad input."""
     try:
         if path.suffix == ".jsonl":
-            with path.open("rb") as f:
-                for line_no, raw in enumerate(f, 1):
-                    if not raw.strip():
-                        continue
-                    try:
-                        record = json.loads(raw)
-                    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                        raise DataError(f"{path}:{line_no}: not a JSON object: {e}") from e
-                    text = record.get(text_field) if isinstance(record, dict) else None
-                    if not isinstance(text, str):
-                        keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-                        raise DataError(
-                            f"{path}:{line_no}: no text field {text_field!r} (a string) in this record "
-                            f"(it has {keys}); set --text_field."
-                        )
-                    yield text
+            for line_no, record in _json_lines(path):
+                text = record.get(text_field)
+                if not isinstance(text, str):
+                    raise DataError(
+                        f"{path}:{line_no}: no text field {text_field!r} (a string) in this record "
+                        f"(it has {sorted(record)}); set --text_field."
+                    )
+                yield text
         elif path.suffix == ".parquet":
             yield from _parquet_documents(path, text_field)
         else:
@@ -209,10 +210,150 @@ def _parquet_documents(path: Path, text_field: str) -> Iterator[str]:
             yield text
 
 
-def _chunks(files: Sequence[Path], text_field: str) -> Iterator[list[str]]:
-    chunk: list[str] = []
+@dataclass(frozen=True)
+class Example:
+    """One fine-tuning record: prompt and completion, or chat messages; `where` is its file:line."""
+
+    where: str
+    prompt: str = ""
+    completion: str = ""
+    messages: list[dict[str, str]] | None = None
+
+    @property
+    def chars(self) -> int:
+        if self.messages is None:
+            return len(self.prompt) + len(self.completion)
+        return sum(len(m["content"]) for m in self.messages)
+
+
+def read_examples(path: Path) -> Iterator[Example]:
+    """The fine-tuning examples of a JSONL file; DataError naming the file and line on bad records."""
+    if path.suffix != ".jsonl":
+        raise DataError(f"{path}: --sft reads JSONL records (.jsonl), one example per line.")
+    for line_no, record in _json_lines(path):
+        where = f"{path}:{line_no}"
+        if "messages" in record:
+            msgs = record["messages"]
+            ok = (
+                isinstance(msgs, list)
+                and msgs
+                and all(
+                    isinstance(m, dict)
+                    and isinstance(m.get("role"), str)
+                    and isinstance(m.get("content"), str)
+                    for m in msgs
+                )
+            )
+            if not ok or not any(m["role"] == "assistant" for m in msgs):
+                raise DataError(
+                    f'{where}: messages must be a list of {{"role": str, "content": str}} with at least '
+                    "one assistant turn (what the loss trains)."
+                )
+            yield Example(where, messages=[{"role": m["role"], "content": m["content"]} for m in msgs])
+        elif isinstance(record.get("prompt"), str) and isinstance(record.get("completion"), str):
+            yield Example(where, prompt=record["prompt"], completion=record["completion"])
+        else:
+            raise DataError(
+                f'{where}: a fine-tuning record holds "prompt" and "completion" strings, or '
+                f'"messages"; this one has {sorted(record)}.'
+            )
+
+
+def _json_lines(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    with path.open("rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                record = json.loads(raw)
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise DataError(f"{path}:{line_no}: not a JSON object: {e}") from e
+            if not isinstance(record, dict):
+                raise DataError(f"{path}:{line_no}: not a JSON object but a {type(record).__name__}.")
+            yield line_no, record
+
+
+class ChatTemplate:
+    """A checkpoint's Jinja chat template, rendered as transformers' apply_chat_template renders it
+    (sandboxed, trim_blocks and lstrip_blocks, `raise_exception`, `tojson`, the special tokens)."""
+
+    def __init__(self, source: str, special: dict[str, str]) -> None:
+        try:
+            import jinja2.ext  # optional (jaxzero[prepare]): only chat-formatted fine-tuning data needs it
+            from jinja2.sandbox import ImmutableSandboxedEnvironment  # with the line above
+        except ImportError as e:
+            raise DataError("rendering a chat template needs jinja2: pip install 'jaxzero[prepare]'.") from e
+
+        def raise_exception(message: str) -> None:
+            raise jinja2.exceptions.TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        )
+        env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(
+            x, ensure_ascii=False, indent=indent, **kw
+        )
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: time.strftime(fmt)
+        self.template = env.from_string(source)
+        self.special = special
+        self.source = source
+
+    def __reduce__(self) -> Any:  # workers rebuild it from the source
+        return (ChatTemplate, (self.source, self.special))
+
+    @classmethod
+    def of(cls, tokenizer_json: Path) -> ChatTemplate | None:
+        """The template of the tokenizer_config.json beside `tokenizer_json`, or None without one."""
+        config = tokenizer_json.parent / "tokenizer_config.json"
+        if not config.is_file():
+            return None
+        d = json.loads(config.read_text())
+        source = d.get("chat_template")
+        if isinstance(source, list):  # [{"name": "default", "template": ...}, ...]
+            source = next((t["template"] for t in source if t.get("name") == "default"), None)
+        if not isinstance(source, str):
+            return None
+        special = {}
+        for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
+            v = d.get(key)
+            v = v.get("content") if isinstance(v, dict) else v
+            if isinstance(v, str):
+                special[key] = v
+        return cls(source, special)
+
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
+        return self.template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **self.special
+        )
+
+    def spans(self, messages: list[dict[str, str]], where: str) -> list[tuple[str, int]]:
+        """The rendered conversation cut into (text, counted) spans: each assistant turn counted (1),
+        the text around it not (0). A turn's span is what rendering it adds after the conversation
+        before it with the generation prompt, so the prompt's header stays uncounted."""
+        spans: list[tuple[str, int]] = []
+        done = ""
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            before = self.render(messages[:i], add_generation_prompt=True)
+            through = self.render(messages[: i + 1])
+            if not (before.startswith(done) and through.startswith(before)):
+                raise DataError(
+                    f"{where}: the chat template does not render this conversation turn by turn "
+                    "(an earlier rendering is not a prefix of a later one), so its assistant turns "
+                    "cannot be told apart; write prompt/completion records instead."
+                )
+            spans += [(before[len(done) :], 0), (through[len(before) :], 1)]
+            done = through
+        rest = self.render(messages)[len(done) :]
+        return [(t, c) for t, c in spans + [(rest, 0)] if t]
+
+
+def _chunks(files: Sequence[Path], text_field: str, sft: bool) -> Iterator[list[Any]]:
+    chunk: list[Any] = []
     for path in files:
-        for doc in read_documents(path, text_field):
+        for doc in read_examples(path) if sft else read_documents(path, text_field):
             chunk.append(doc)
             if len(chunk) == _CHUNK_DOCS:
                 yield chunk
@@ -221,29 +362,59 @@ def _chunks(files: Sequence[Path], text_field: str) -> Iterator[list[str]]:
         yield chunk
 
 
-# Each worker process holds one tokenizer, built by the pool's initializer.
-_WORKER_TOKENIZER: ByteTokenizer | HFTokenizer | None = None
+class Encoder:
+    """Documents, or fine-tuning examples, to (ids, marks): ids end with the end-of-text id; marks is
+    None for documents, else uint8 per id (1: a target the loss counts)."""
+
+    def __init__(self, tokenizer: str, eot: int, sft: bool, chat: ChatTemplate | None) -> None:
+        self.tok = ByteTokenizer() if tokenizer == "bytes" else HFTokenizer(Path(tokenizer))
+        self.eot, self.sft, self.chat = eot, sft, chat
+
+    def __call__(self, items: list[Any]) -> list[tuple[np.ndarray, np.ndarray | None]]:
+        if not self.sft:
+            eot = np.asarray([self.eot], np.uint32)
+            return [(np.concatenate([ids, eot]), None) for ids in self.tok.encode(items)]
+        return [self._example(item) for item in items]
+
+    def _example(self, example: Example) -> tuple[np.ndarray, np.ndarray]:
+        if example.messages is None:
+            prompt, completion = self.tok.encode([example.prompt, example.completion])
+            parts = [(prompt, 0), (completion, 1), (np.asarray([self.eot]), 1)]
+        else:
+            if self.chat is None:
+                raise DataError(
+                    f"{example.where}: a messages record needs the tokenizer's chat_template "
+                    "(tokenizer_config.json); this tokenizer has none. Write prompt/completion records."
+                )
+            spans = self.chat.spans(example.messages, example.where)
+            encoded = self.tok.encode([text for text, _ in spans])
+            parts = [(ids, counted) for ids, (_, counted) in zip(encoded, spans)]
+            parts.append((np.asarray([self.eot]), 0))  # the separator; the template ends each turn
+        ids = np.concatenate([p.astype(np.uint32) for p, _ in parts])
+        marks = np.concatenate([np.full(p.size, c, np.uint8) for p, c in parts])
+        return ids, marks
 
 
-def _init_worker(tokenizer: str) -> None:
-    global _WORKER_TOKENIZER
-    os.environ["TOKENIZERS_PARALLELISM"] = (
-        "false"  # one thread per worker process: the processes are the parallelism
-    )
-    _WORKER_TOKENIZER = ByteTokenizer() if tokenizer == "bytes" else HFTokenizer(Path(tokenizer))
+# Each worker process holds one Encoder, built by the pool's initializer.
+_WORKER: Encoder | None = None
 
 
-def _encode_chunk(texts: list[str]) -> list[np.ndarray]:
-    assert _WORKER_TOKENIZER is not None
-    return _WORKER_TOKENIZER.encode(texts)
+def _init_worker(*args: Any) -> None:
+    global _WORKER
+    # one thread per worker process: the processes are the parallelism
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _WORKER = Encoder(*args)
 
 
-def _in_order(
-    pool: Any, chunks: Iterator[list[str]], ahead: int
-) -> Iterator[tuple[list[str], list[np.ndarray]]]:
-    """(texts, ids) of each chunk, in input order, with at most `ahead` chunks read and not yet
+def _encode_chunk(items: list[Any]) -> list[tuple[np.ndarray, np.ndarray | None]]:
+    assert _WORKER is not None
+    return _WORKER(items)
+
+
+def _in_order(pool: Any, chunks: Iterator[list[Any]], ahead: int) -> Iterator[tuple[list[Any], list[Any]]]:
+    """(items, encoded) of each chunk, in input order, with at most `ahead` chunks read and not yet
     written: the inputs are never read into memory whole."""
-    pending: collections.deque[tuple[list[str], Any]] = collections.deque()
+    pending: collections.deque[tuple[list[Any], Any]] = collections.deque()
     for chunk in chunks:
         pending.append((chunk, pool.apply_async(_encode_chunk, (chunk,))))
         if len(pending) >= ahead:
@@ -300,10 +471,10 @@ class _Progress:
         self.start = self.last = time.monotonic()
         self.docs = self.tokens = self.chars = 0
 
-    def add(self, texts: list[str], ids: list[np.ndarray]) -> None:
-        self.docs += len(texts)
-        self.chars += sum(len(t) for t in texts)
-        self.tokens += sum(a.size + 1 for a in ids)
+    def add(self, items: list[Any], encoded: list[tuple[np.ndarray, Any]]) -> None:
+        self.docs += len(items)
+        self.chars += sum(len(t) if isinstance(t, str) else t.chars for t in items)
+        self.tokens += sum(ids.size for ids, _ in encoded)
         now = time.monotonic()
         if now - self.last >= 0.5:
             self.last = now
@@ -328,6 +499,7 @@ def prepare(
     text_field: str = "text",
     eot_id: int | None = None,
     val_docs: int = 0,
+    sft: bool = False,
     workers: int = 0,
     overwrite: bool = False,
     progress: bool = True,
@@ -341,6 +513,7 @@ def prepare(
     files = expand_inputs(inputs)
     if val_docs < 0:
         raise DataError(f"--val_docs={val_docs} must be >= 0.")
+    chat = None
     if tokenizer is None:
         tok: ByteTokenizer | HFTokenizer = ByteTokenizer()
         tok_name, tok_sha = "bytes", ""
@@ -350,6 +523,7 @@ def prepare(
         tok = HFTokenizer(file)
         tok_name, tok_sha = str(file.resolve()), _sha256(file)
         eot = default_eot_id(file, tok) if eot_id is None else eot_id
+        chat = ChatTemplate.of(file) if sft else None
     if not 0 <= eot < tok.vocab_size:
         raise DataError(f"--eot_id={eot} is outside the tokenizer's vocabulary of {tok.vocab_size}.")
     stats = [f.stat() for f in files]
@@ -363,6 +537,7 @@ def prepare(
         text_field=text_field,
         eot_id=int(eot),
         val_docs=val_docs,
+        sft=sft,
     )
     out_dir = Path(out)
     if out_dir.exists() and not out_dir.is_dir():
@@ -375,67 +550,75 @@ def prepare(
                 file=sys.stderr,
             )
         return meta
+    created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
 
     dtype = np.dtype(np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32)
-    eot_arr = np.asarray([eot], dtype)
-    temps = {name: out_dir / f".{name}.{os.getpid()}.partial" for name in ("train.bin", "val.bin")}
-    counts = {"train.bin": [0, 0], "val.bin": [0, 0]}  # documents, tokens
+    names = ["train.bin", "val.bin"] + (["train.mask.bin", "val.mask.bin"] if sft else [])
+    temps = {name: out_dir / f".{name}.{os.getpid()}.partial" for name in names}
+    counts = {"train": [0, 0, 0], "val": [0, 0, 0]}  # documents, tokens, counted targets
     shown = _Progress() if progress else None
     workers = workers or os.cpu_count() or 1
+    encoder_args = (tok_name, int(eot), sft, chat)
     try:
-        with temps["train.bin"].open("wb") as train_f, temps["val.bin"].open("wb") as val_f:
-            chunks = _chunks(files, text_field)
+        with contextlib.ExitStack() as stack:
+            files_out = {name: stack.enter_context(t.open("wb")) for name, t in temps.items()}
+            chunks = _chunks(files, text_field, sft)
+            pool = None
             if workers == 1:
-                _init_worker(tok_name)
-                results: Iterator[tuple[list[str], list[np.ndarray]]] = (
-                    (c, _encode_chunk(c)) for c in chunks
-                )
-                pool = None
+                encoder = Encoder(*encoder_args)
+                results: Iterator[tuple[list[Any], list[Any]]] = ((c, encoder(c)) for c in chunks)
             else:
                 # fork: the parent has not started JAX (this module does not import it)
                 pool = multiprocessing.get_context("fork").Pool(
-                    workers, initializer=_init_worker, initargs=(tok_name,)
+                    workers, initializer=_init_worker, initargs=encoder_args
                 )
                 results = _in_order(pool, chunks, 4 * workers)
             try:
-                for texts, ids in results:
-                    for doc in ids:
-                        name = "val.bin" if counts["val.bin"][0] < val_docs else "train.bin"
-                        f = val_f if name == "val.bin" else train_f
-                        f.write(doc.astype(dtype, copy=False).tobytes())
-                        f.write(eot_arr.tobytes())
-                        counts[name][0] += 1
-                        counts[name][1] += doc.size + 1
+                for items, encoded in results:
+                    for ids, marks in encoded:
+                        split = "val" if counts["val"][0] < val_docs else "train"
+                        files_out[f"{split}.bin"].write(ids.astype(dtype).tobytes())
+                        if marks is not None:
+                            files_out[f"{split}.mask.bin"].write(marks.tobytes())
+                        counts[split][0] += 1
+                        counts[split][1] += ids.size
+                        counts[split][2] += ids.size if marks is None else int(marks.sum())
                     if shown:
-                        shown.add(texts, ids)
+                        shown.add(items, encoded)
             finally:
                 if pool is not None:
                     pool.terminate()
-        if counts["train.bin"][0] == 0:
+        if counts["train"][0] == 0:
             raise DataError(
-                f"no training documents: the inputs hold {counts['val.bin'][0]} documents and --val_docs="
+                f"no training documents: the inputs hold {counts['val'][0]} documents and --val_docs="
                 f"{val_docs} took them all."
             )
         meta = {
             "recipe": asdict(recipe),
             "vocab_size": tok.vocab_size,
             "token_dtype": dtype.name,
-            "train": {"documents": counts["train.bin"][0], "tokens": counts["train.bin"][1]},
-            "val": {"documents": counts["val.bin"][0], "tokens": counts["val.bin"][1]},
+            **{
+                split: {"documents": c[0], "tokens": c[1], "loss_tokens": c[2]} for split, c in counts.items()
+            },
         }
-        os.replace(temps["train.bin"], out_dir / "train.bin")
-        if val_docs:
-            os.replace(temps["val.bin"], out_dir / "val.bin")
-        else:
-            temps["val.bin"].unlink()
-            if overwrite:
-                (out_dir / "val.bin").unlink(missing_ok=True)  # an earlier preparation's, ours
+        written = [n for n in names if val_docs or not n.startswith("val")]
+        for name in written:
+            os.replace(temps[name], out_dir / name)
+        for name in OUTPUTS:  # an earlier preparation's, replaced with --overwrite (_check_outputs)
+            if name != META_NAME and name not in written:
+                (out_dir / name).unlink(missing_ok=True)
         fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{META_NAME}.", suffix=".partial")
         with os.fdopen(fd, "w") as f:
             json.dump(meta, f, indent=1)
         os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide it from the group that reads the token files
         os.replace(tmp, out_dir / META_NAME)
+    except BaseException:
+        for t in temps.values():
+            t.unlink(missing_ok=True)
+        if created and not any(out_dir.iterdir()):
+            out_dir.rmdir()  # the directory this run made, left empty by its failure
+        raise
     finally:
         for t in temps.values():
             t.unlink(missing_ok=True)
@@ -459,6 +642,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--text_field", default="text", help="JSONL key / Parquet column of the text")
     ap.add_argument("--eot_id", type=int, default=None, help="end-of-text id (default: the tokenizer's eos)")
     ap.add_argument("--val_docs", type=int, default=0, help="the first N documents go to val.bin")
+    ap.add_argument("--sft", action="store_true", help="JSONL fine-tuning examples, with loss masks")
     ap.add_argument("--workers", type=int, default=0, help="encoding processes (0: one per core)")
     ap.add_argument("--overwrite", action="store_true", help="replace an earlier preparation in --out")
     args = ap.parse_args(argv)
@@ -470,6 +654,7 @@ def main(argv: list[str] | None = None) -> int:
             text_field=args.text_field,
             eot_id=args.eot_id,
             val_docs=args.val_docs,
+            sft=args.sft,
             workers=args.workers,
             overwrite=args.overwrite,
         )

@@ -252,7 +252,8 @@ def check_batch(
     batch: Any, shape: tuple[int | None, ...], vocab_size: int, what: str, source: str
 ) -> np.ndarray:
     """`batch` as int32 NumPy, or ValueError saying what it should be: `shape` (None: any length), an
-    integer dtype, ids in [0, vocab_size). `source` names what yields such batches."""
+    integer dtype, ids in [0, vocab_size), each possibly marked not-a-target as ~id (negative; see
+    `jaxzero.objective`). `source` names what yields such batches."""
     array = np.asarray(batch)
     want = "(" + ", ".join("N" if d is None else str(d) for d in shape) + ")"
     if array.ndim != len(shape) or any(d is not None and a != d for a, d in zip(array.shape, shape)):
@@ -265,9 +266,10 @@ def check_batch(
             f"a {what} batch holds token ids, an integer dtype; got {array.dtype} {array.shape}."
         )
     low, high = (int(array.min()), int(array.max())) if array.size else (0, 0)
-    if low < 0 or high >= vocab_size:
+    if low < -vocab_size or high >= vocab_size:
         raise ValueError(
-            f"a {what} batch holds token ids in [{low}, {high}], outside [0, model.vocab_size={vocab_size})."
+            f"a {what} batch holds token ids in [{low}, {high}], outside [0, model.vocab_size={vocab_size}) "
+            f"(or [{-vocab_size}, -1] for ids marked not-a-target, ~id)."
         )
     return array.astype(np.int32, copy=False)
 

@@ -46,7 +46,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxzero import distributed
+from jaxzero import distributed, objective
 from jaxzero import run_dir as run_dir_lib
 from jaxzero.checkpoint import Checkpointer, CheckpointWriteError, ensure_room, make_meta, state_bytes
 from jaxzero.config import ConfigError, TrainConfig, validate
@@ -322,11 +322,13 @@ class LogWindow:
             _job_peak(peak_tflops(trainer.mesh.devices.flat[0], cfg.logging.peak_tflops), trainer.mesh.size),
         )
         self.pending: list[tuple[int, StepMetrics]] = []
+        self.counted: list[jax.Array] = []  # per pending step: targets its loss counted (device scalars)
         self.t_window = time.perf_counter()  # start of the steps the next record covers
         self.skipped_steps = 0  # float16: steps whose update was skipped for overflow, in this process
 
-    def add(self, step: int, metrics: StepMetrics) -> None:
+    def add(self, step: int, metrics: StepMetrics, counted: jax.Array) -> None:
         self.pending.append((step, metrics))
+        self.counted.append(counted)
         self.throughput.add_step()
 
     def _is_eval(self, step: int) -> bool:
@@ -339,7 +341,9 @@ class LogWindow:
     def write(self, step: int, state: Any) -> None:
         """Read the window's metrics (a host sync), validate if due, and write the record. Raises
         TrainingError for a non-finite loss, or float16 overflowing at the minimum loss scale."""
-        values = jax.device_get([m for _, m in self.pending])  # host sync: scalars only
+        values, counted = jax.device_get(
+            ([m for _, m in self.pending], self.counted)
+        )  # host sync: scalars only
         later = step > self.first
         rates = self.throughput.read() if later else {"tokens_per_s": None, "tflops": None, "mfu": None}
         last = values[-1]
@@ -348,6 +352,9 @@ class LogWindow:
             "loss": float(last.loss),
             "lr": float(last.lr),
             "grad_norm": float(last.grad_norm),
+            # the last step's targets counted in its loss, and those marked not-a-target (prompts)
+            "loss_tokens": int(counted[-1]),
+            "masked_tokens": self.cfg.data.batch_size * self.cfg.data.seq_len - int(counted[-1]),
             **rates,
             "gpu_peak_gib": accelerator_peak_gib(list(self.trainer.mesh.local_devices)),  # this process's
             "host_rss_gib": host_rss_gib(),
@@ -381,6 +388,7 @@ class LogWindow:
             )
         self.grad_norms = (self.grad_norms + [float(v.grad_norm) for v in values])[-8:]
         self.pending.clear()
+        self.counted.clear()
         self.throughput.restart()
 
     def _across_processes(self, record: dict[str, Any]) -> None:
@@ -510,8 +518,10 @@ def train(cfg: TrainConfig, console: TextIO = sys.stdout) -> Path:
     state, batches = begin.state, begin.batches
     try:
         for step in range(begin.first, cfg.steps + 1):
-            state, metrics = trainer.step(state, trainer.put_batch(next(batches)))
-            log.add(step, metrics)
+            batch = trainer.put_batch(next(batches))
+            counted = _counted_targets(batch)  # before the step, which may donate the batch
+            state, metrics = trainer.step(state, batch)
+            log.add(step, metrics, counted)
             if log.due(step):
                 log.write(step, state)  # raises TrainingError on a non-finite loss
             if ckpt is not None:
@@ -542,6 +552,10 @@ def train(cfg: TrainConfig, console: TextIO = sys.stdout) -> Path:
     if main_process:
         finish(cfg, log.last, ckpt, time.perf_counter() - t_start, console)
     return path
+
+
+# int32 scalar: the targets a (global, placed) batch's loss counts; `objective.counted_targets`.
+_counted_targets = jax.jit(objective.counted_targets)
 
 
 def _stopped_message(reason: str, step: int, ckpt: Checkpointer | None, cfg: TrainConfig) -> str:

@@ -35,7 +35,7 @@ from jaxzero.config import ConfigError, TrainConfig, validate
 from jaxzero.loss_scale import all_finite, init_loss_scale, update_loss_scale
 from jaxzero.models import Model, ModelParams, build_model
 from jaxzero.models.sizes import param_count
-from jaxzero.objective import loss_fn
+from jaxzero.objective import loss_fn, step_weight
 from jaxzero.offload import build_offload_trainer
 from jaxzero.optim import (
     build_optimizer,
@@ -55,17 +55,19 @@ def averaged_grads(
 ) -> tuple[jax.Array, ModelParams]:
     """Mean loss and float32 gradients over `grad_accum` micro-batches of int32 (A, mb, S+1).
 
-    Micro-batches hold equal token counts, so the mean of their means is the mean over the step.
-    One micro-batch is differentiated directly; more are summed in a `lax.scan` (one float32
-    gradient buffer, not A of them). With a loss `scale` (float16) the gradients are those of
-    `scale * loss` (the caller unscales them); the loss returned is unscaled.
+    The loss is the mean over the step's counted targets (`objective.step_weight` weighs each
+    micro-batch's sum; without not-a-target marks, the mean of the micro-batches' means). One
+    micro-batch is differentiated directly; more are summed in a `lax.scan` (one float32 gradient
+    buffer, not A of them). With a loss `scale` (float16) the gradients are those of `scale * loss`
+    (the caller unscales them); the loss returned is unscaled.
     """
+    weight = step_weight(batch)
     if scale is None:
-        value_and_grad = jax.value_and_grad(partial(loss_fn, model))
+        value_and_grad = jax.value_and_grad(lambda p, window: loss_fn(model, p, window, weight))
     else:
 
         def scaled(p, window):
-            loss = loss_fn(model, p, window)
+            loss = loss_fn(model, p, window, weight)
             return loss * scale, loss
 
         def value_and_grad(p, window):

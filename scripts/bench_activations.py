@@ -47,7 +47,7 @@ def measure(name: str, tokens: int, seq: int) -> dict:
 
     def head_grad(hw, ew, xa, wa):  # StreamedModel.head_grad's per-micro-batch body
         def f(hw, ew, xa):
-            return head_loss(model, hw, ew, xa, wa[:, 1:])
+            return head_loss(model, hw, ew, xa, wa, jnp.float32(1.0 / wa[:, 1:].size))
 
         loss, vjp = jax.vjp(f, hw, ew, xa)
         return loss, vjp(jnp.float32(1.0))

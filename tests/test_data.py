@@ -390,7 +390,7 @@ def test_a_process_reads_only_its_own_windows(tmp_path: Path, monkeypatch: pytes
     read: list[int] = []
     gather = data_mod._gather_windows
     monkeypatch.setattr(
-        data_mod, "_gather_windows", lambda t, w, s: read.extend(w.tolist()) or gather(t, w, s)
+        data_mod, "_gather_windows", lambda t, w, s, c=None: read.extend(w.tolist()) or gather(t, w, s, c)
     )
     data = build_data(cfg, BIG_VOCAB, seed=0, shard=DataShard(1, 2))
     next(data.train_iter())

@@ -34,7 +34,7 @@ def test_byte_level_tokens_are_the_utf8_bytes_with_nul_between_documents(tmp_pat
     np.testing.assert_array_equal(np.fromfile(tmp_path / "out" / "val.bin", np.uint16), want_val)
     np.testing.assert_array_equal(np.fromfile(tmp_path / "out" / "train.bin", np.uint16), want_train)
     assert meta["token_dtype"] == "uint16" and meta["vocab_size"] == 256
-    assert meta["train"] == {"documents": 3, "tokens": want_train.size}
+    assert meta["train"] == {"documents": 3, "tokens": want_train.size, "loss_tokens": want_train.size}
     assert json.loads((tmp_path / "out" / "prepare.json").read_text()) == meta
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["prepare.json", "train.bin", "val.bin"]
     # and training reads it
@@ -188,3 +188,127 @@ def test_prepared_bytes_train_the_builtin_sized_model(tmp_path):
     )
     batch = next(data.train_iter())
     assert batch.shape == (1, 2, 9) and batch.max() < 256
+
+
+# -------------------------------------------------------------------------------------------------
+# Fine-tuning examples with loss masks
+# -------------------------------------------------------------------------------------------------
+
+# A ChatML-style template, as Qwen2.5's: each turn "<|im_start|>role\ncontent<|im_end|>\n".
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>' + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+CHAT = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": "hi there"},
+    {"role": "assistant", "content": "hello"},
+    {"role": "user", "content": "bye"},
+    {"role": "assistant", "content": "see you"},
+]
+
+
+def test_prompt_completion_marks_the_completion_and_its_end(tmp_path):
+    records = [{"prompt": "Q: 2+2?", "completion": " 4"}, {"prompt": "", "completion": "é"}]
+    (tmp_path / "ft.jsonl").write_text("\n".join(json.dumps(r) for r in records))
+    meta = prepare([str(tmp_path / "ft.jsonl")], tmp_path / "out", sft=True, workers=1, progress=False)
+    ids = np.fromfile(tmp_path / "out" / "train.bin", np.uint16)
+    marks = np.fromfile(tmp_path / "out" / "train.mask.bin", np.uint8)
+    want_ids, want_marks = [], []
+    for r in records:
+        p, c = r["prompt"].encode(), r["completion"].encode()
+        want_ids += [*p, *c, 0]
+        want_marks += [0] * len(p) + [1] * (len(c) + 1)
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_array_equal(marks, want_marks)
+    assert meta["train"] == {"documents": 2, "tokens": len(want_ids), "loss_tokens": sum(want_marks)}
+    # training reads the marks with the tokens: unmarked tokens come as ~id
+    splits = load_token_files(
+        tmp_path / "out", token_dtype="uint16", seq_len=4, val_fraction=0.0, vocab_size=256
+    )
+    np.testing.assert_array_equal(splits.train_counted, want_marks)
+
+
+def test_chat_messages_render_as_transformers_does_and_mark_the_assistant_turns(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    ckpt = hf_tokenizer(tmp_path / "ckpt")
+    config = json.loads((ckpt / "tokenizer_config.json").read_text())
+    (ckpt / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHATML}))
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": CHAT}) + "\n")
+    prepare([str(tmp_path / "chat.jsonl")], tmp_path / "out", tokenizer=str(ckpt), sft=True, progress=False)
+    ids = np.fromfile(tmp_path / "out" / "train.bin", np.uint16)
+    marks = np.fromfile(tmp_path / "out" / "train.mask.bin", np.uint8)
+
+    hf = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(ckpt / "tokenizer.json"), chat_template=CHATML
+    )
+    text = hf.apply_chat_template(CHAT, tokenize=False)
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+    assert tok.decode(ids[:-1].tolist(), skip_special_tokens=False) == tok.decode(
+        tok.encode(text, add_special_tokens=False).ids, skip_special_tokens=False
+    )
+    assert ids[-1] == tok.token_to_id("<eot>") and marks[-1] == 0
+    counted = tok.decode(ids[marks == 1].tolist())
+    assert counted.split() == tok.decode(tok.encode("hello <|im_end|> see you <|im_end|>").ids).split()
+
+
+def test_bad_fine_tuning_records_name_the_line(tmp_path):
+    cases = [
+        ('{"prompt": "a"}', r"ft\.jsonl:1: a fine-tuning record holds \"prompt\" and \"completion\""),
+        (
+            '{"messages": [{"role": "user", "content": "x"}]}',
+            r"ft\.jsonl:1: messages must be .* one assistant",
+        ),
+        ('{"messages": "nope"}', r"ft\.jsonl:1: messages must be a list"),
+    ]
+    for line, match in cases:
+        (tmp_path / "ft.jsonl").write_text(line + "\n")
+        with pytest.raises(DataError, match=match):
+            prepare([str(tmp_path / "ft.jsonl")], tmp_path / "out", sft=True, workers=1, progress=False)
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": CHAT}) + "\n")
+    with pytest.raises(
+        DataError, match=r"chat\.jsonl:1: a messages record needs the tokenizer's chat_template"
+    ):
+        prepare([str(tmp_path / "chat.jsonl")], tmp_path / "out", sft=True, workers=1, progress=False)
+    with pytest.raises(DataError, match=r"--sft reads JSONL records"):
+        prepare([str(write_inputs(tmp_path / "in")[0])], tmp_path / "out", sft=True, progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_fine_tuning_end_to_end_counts_the_completions_in_the_metrics(tmp_path):
+    """prepare --sft, then train on it in-process: metrics.jsonl counts the step's loss targets and
+    its masked ones, and they add up to the step's tokens."""
+    import io
+
+    from jaxzero import train as train_lib
+    from jaxzero.config import TrainConfig
+    from jaxzero.overrides import apply_overrides
+
+    rng = np.random.default_rng(0)
+    records = [
+        {"prompt": f"Q{i}: " + "x" * int(rng.integers(5, 40)), "completion": f" A{i}."} for i in range(200)
+    ]
+    (tmp_path / "ft.jsonl").write_text("\n".join(json.dumps(r) for r in records))
+    prepare([str(tmp_path / "ft.jsonl")], tmp_path / "data", sft=True, val_docs=40, progress=False)
+    over = {
+        "steps": "4",
+        "data.source": "tokens",
+        "data.path": str(tmp_path / "data"),
+        "data.seq_len": "32",
+        "data.batch_size": "4",
+        "model.num_layers": "1",
+        "logging.log_every": "1",
+        "logging.progress": "false",
+        "run_dir": str(tmp_path / "run"),
+    }
+    path = train_lib.train(apply_overrides(TrainConfig(), over), io.StringIO())
+    recs = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in recs if "loss_tokens" in r]
+    assert len(steps) == 4
+    for r in steps:
+        assert r["loss_tokens"] + r["masked_tokens"] == 4 * 32
+        assert 0 < r["loss_tokens"] < 4 * 32 / 2  # completions are the short part of each example
+    assert "val_loss" in recs[-1]

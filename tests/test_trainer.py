@@ -135,3 +135,100 @@ def test_bf16_moments_halve_the_state_and_track_float32_moments():
     np.testing.assert_allclose(l16, l32, atol=1e-3, rtol=0)
     for a, b, p0 in zip(jax.tree.leaves(p16), jax.tree.leaves(p32), jax.tree.leaves(init)):
         assert np.linalg.norm(a - b) <= 1e-2 * np.linalg.norm(b - p0) + 1e-12
+
+
+# -------------------------------------------------------------------------------------------------
+# Loss masks: targets marked ~id are read as input and not counted
+# -------------------------------------------------------------------------------------------------
+
+
+def marked(batch: np.ndarray, key: int = 1, keep: float = 0.4) -> np.ndarray:
+    """`batch` with a random ~60% of its tokens marked not-a-target (~id)."""
+    counted = np.random.default_rng(key).random(batch.shape) < keep
+    return np.where(counted, batch, ~batch).astype(np.int32)
+
+
+def reference_loss(model, params, window: np.ndarray) -> float:
+    """The masked mean cross-entropy by hand: float64 log-softmax of the model's logits, summed over
+    the counted targets only, divided by their count."""
+    ids = np.where(window < 0, ~window, window)
+    logits = np.asarray(
+        jax.jit(lambda p, x: model.head(p.head, p.embed, _trunk(model, p, x)))(params, ids[:, :-1]),
+        np.float64,
+    )
+    logp = (
+        logits
+        - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
+        - logits.max(-1, keepdims=True)
+    )
+    targets, counted = ids[:, 1:], window[:, 1:] >= 0
+    nll = -np.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    return float(nll[counted].sum() / counted.sum())
+
+
+def _trunk(model, params, x):
+    h = model.embed(params.embed, x)
+    for p in params.blocks:
+        h = model.block(p, h)
+    return h
+
+
+def test_masked_loss_is_the_mean_over_the_counted_targets_only():
+    cfg = cfg_with(data__batch_size=4)
+    model = build_model(cfg.model)
+    params = model.init(jax.random.key(0))
+    window = marked(random_batch(cfg)[0])
+    got = float(jax.jit(lambda p, w: loss_fn(model, p, w))(params, window))
+    assert got == pytest.approx(reference_loss(model, params, window), rel=1e-5)
+    # the marks change the loss: the unmarked window's mean differs
+    plain = np.where(window < 0, ~window, window)
+    assert abs(float(loss_fn(model, params, plain)) - got) > 1e-3
+
+
+def test_masked_micro_batches_weigh_by_their_counted_targets():
+    """grad_accum=4 over micro-batches with different numbers of counted targets gives the loss and
+    gradients of the one large batch: the step's mean over all its counted targets, not the mean of
+    the micro-batches' means."""
+    cfg = cfg_with(data__batch_size=8)
+    model = build_model(cfg.model)
+    params = model.init(jax.random.key(0))
+    big = random_batch(cfg)
+    keep = np.repeat([0.9, 0.1, 0.5, 0.3], 2)[None, :, None]  # uneven counts per micro-batch
+    big = np.where(np.random.default_rng(3).random(big.shape) < keep, big, ~big).astype(np.int32)
+    loss1, g1 = jax.jit(lambda p, b: averaged_grads(model, p, b))(params, big)
+    loss4, g4 = jax.jit(lambda p, b: averaged_grads(model, p, b))(params, big.reshape(4, 2, -1))
+    assert float(loss1) == pytest.approx(reference_loss(model, params, big[0]), rel=1e-5)
+    assert abs(float(loss1) - float(loss4)) < 1e-5
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g4)):
+        assert rel(b, a) < 1e-5
+    means = [reference_loss(model, params, m) for m in big.reshape(4, 2, -1)]
+    assert abs(np.mean(means) - float(loss1)) > 1e-3  # what weighing micro-batches equally would give
+
+
+@pytest.mark.parametrize(
+    "over",
+    [
+        {"offload.optimizer": "cpu", "offload.params": "cpu"},
+        {"offload.optimizer": "cpu", "offload.params": "cpu", "offload.device_state_units": "2"},
+    ],
+)
+def test_offloaded_masked_training_matches_resident(over):
+    """The offload engine's streamed loss weighs masked micro-batches as the resident trainer does."""
+    base = {"data.batch_size": "8", "data.grad_accum": "2", "optimizer.lr": "1e-2", "steps": "3"}
+    runs = []
+    for extra in ({}, over):
+        cfg = apply_overrides(TrainConfig(), {**FP32, **base, **extra})
+        tr = build_trainer(cfg, placement.make_mesh(jax.devices()[:1]))
+        state = tr.init(jax.random.key(0))
+        losses = []
+        for k in range(3):
+            batch = marked(random_batch(cfg, key=k), key=10 + k, keep=0.5)
+            state, m = tr.step(state, tr.put_batch(batch))
+            losses.append(float(m.loss))
+        val = tr.evaluate(state, [marked(random_batch(cfg, key=9)[0], key=9)])
+        runs.append((losses, val, jax.device_get(state.params)))
+    (l0, v0, p0), (l1, v1, p1) = runs
+    np.testing.assert_allclose(l1, l0, atol=1e-5, rtol=0)
+    assert abs(v1 - v0) < 1e-5
+    for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p0)):
+        assert rel(a, b) < 2e-5

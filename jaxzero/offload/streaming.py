@@ -151,28 +151,30 @@ class StreamedModel:
 
         def embed(embed_w, batch):  # (A, mb, S+1) -> (A, mb, S, D)
             embed_w = gather(embed_w, whole.embed)
-            return rows(jax.lax.map(lambda w: m.embed(embed_w, w[:, :-1]), batch))
+            return rows(jax.lax.map(lambda w: m.embed(embed_w, objective.decode_window(w)[0]), batch))
 
         def block_fwd(w, x):  # (A, mb, S, D) -> same
             w = gather(w, whole.blocks)
             return rows(jax.lax.map(lambda xa: m.block(w, xa), x))
 
-        def head_loss(head_w, embed_w, x, window):  # scalar: mean over micro-batches of their means
+        def head_loss(head_w, embed_w, x, batch):  # scalar: the step's mean over its counted targets
             head_w, embed_w = gather(head_w, whole.head), gather(embed_w, whole.embed)
+            weight = objective.step_weight(batch)
             losses = jax.lax.map(
-                lambda a: objective.head_loss(m, head_w, embed_w, a[0], a[1][:, 1:]), (x, window)
+                lambda a: objective.head_loss(m, head_w, embed_w, a[0], a[1], weight), (x, batch)
             )
             return jnp.mean(losses)
 
         def head_grad(head_w, embed_w, x, batch, loss_scale):
-            """-> loss, d(loss_scale * L_a)/dx_a per micro-batch (each micro-batch's mean loss
-            differentiated on its own, as the resident trainer does), float32 head (and
-            tied-embedding) gradient sums over micro-batches."""
+            """-> loss, d(loss_scale * L_a)/dx_a per micro-batch (each micro-batch's weighted loss,
+            `objective.step_weight`, differentiated on its own, as the resident trainer does),
+            float32 head (and tied-embedding) gradient sums over micro-batches."""
             head_w, embed_w = gather(head_w, whole.head), gather(embed_w, whole.embed)
+            weight = objective.step_weight(batch)
 
             def one(xa, wa):
                 def f(hw, ew, xa):
-                    return objective.head_loss(m, hw, ew, xa, wa[:, 1:])
+                    return objective.head_loss(m, hw, ew, xa, wa, weight)
 
                 loss, vjp = jax.vjp(f, head_w, embed_w, xa)
                 g_head, g_embed, dx = vjp(loss_scale)  # the cotangent of the loss: 1, or float16's scale
@@ -209,7 +211,7 @@ class StreamedModel:
             embed_w = gather(embed_w, whole.embed)
 
             def one(wa, dxa):
-                _, vjp = jax.vjp(lambda ew: m.embed(ew, wa[:, :-1]), embed_w)
+                _, vjp = jax.vjp(lambda ew: m.embed(ew, objective.decode_window(wa)[0]), embed_w)
                 return vjp(dxa)[0], None
 
             g, _ = _accumulate(one, (batch, dx), _f32(jax.tree.map(jnp.zeros_like, embed_w)))
