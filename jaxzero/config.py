@@ -233,6 +233,9 @@ class LoggingConfig:
     eval_batches: int = 4  # batches of the validation loss
     progress: bool = True  # a one-line progress bar on stderr
     peak_tflops: float = 0.0  # accelerator peak for MFU; 0 = look up from the device kind
+    # Continuations printed at the end of a run on the built-in corpus (from its last checkpoint), so
+    # that a first run shows what the model learned; 0: none.
+    samples: int = 2
 
 
 @dataclass(frozen=True)

@@ -569,8 +569,8 @@ def prepare(
                 encoder = Encoder(*encoder_args)
                 results: Iterator[tuple[list[Any], list[Any]]] = ((c, encoder(c)) for c in chunks)
             else:
-                # fork: the parent has not started JAX (this module does not import it)
-                pool = multiprocessing.get_context("fork").Pool(
+                # spawn, not fork: a library caller may run JAX, whose threads a fork would copy mid-lock
+                pool = multiprocessing.get_context("spawn").Pool(
                     workers, initializer=_init_worker, initargs=encoder_args
                 )
                 results = _in_order(pool, chunks, 4 * workers)

@@ -46,11 +46,12 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxzero import distributed, objective
+from jaxzero import distributed, generate, objective
 from jaxzero import run_dir as run_dir_lib
 from jaxzero.checkpoint import Checkpointer, CheckpointWriteError, ensure_room, make_meta, state_bytes
 from jaxzero.config import ConfigError, TrainConfig, validate
 from jaxzero.data import BatchIterator, Data, DataShard, DataState, build_data
+from jaxzero.export import load_masters
 from jaxzero.interop import load_hf_into
 from jaxzero.metrics import (
     MetricsLog,
@@ -551,7 +552,35 @@ def train(cfg: TrainConfig, console: TextIO = sys.stdout) -> Path:
         ckpt.close()  # host sync: wait for the last asynchronous save
     if main_process:
         finish(cfg, log.last, ckpt, time.perf_counter() - t_start, console)
+        if cfg.logging.samples and cfg.data.source == "builtin" and ckpt is not None and ckpt.last_saved:
+            print_samples(cfg, console)
     return path
+
+
+# Prompts of the end-of-run samples on the built-in corpus (Python's standard library).
+SAMPLE_PROMPTS = ("def ", "import ", "class ", "    return ", "# ")
+
+
+def print_samples(cfg: TrainConfig, console: TextIO) -> None:
+    """`logging.samples` continuations of Python-source prompts by the run's last checkpoint, sampled
+    at temperature 0.8 and top_p 0.95, with the command that makes more."""
+    if jax.process_count() > 1:  # the checkpoint is read whole by one process
+        return
+    cfg_saved, params, step = load_masters(cfg.run_dir)
+    codec = generate.codec_for(cfg_saved)
+    prompts = [SAMPLE_PROMPTS[i % len(SAMPLE_PROMPTS)] for i in range(cfg.logging.samples)]
+    sampling = generate.Sampling(max_new_tokens=120, temperature=0.8, top_p=0.95, seed=cfg.seed)
+    gen = generate.Generator(cfg_saved.model, params, max(map(len, prompts)) + sampling.max_new_tokens)
+    print(
+        f"jaxzero: samples of step {step} (temperature 0.8, top_p 0.95; more: python -m jaxzero.generate "
+        f"--run_dir={cfg.run_dir} --prompt=TEXT):",
+        file=console,
+    )
+    for k, prompt in enumerate(prompts):
+        ids = gen.generate(
+            codec.encode(prompt), dataclasses.replace(sampling, seed=cfg.seed + k), codec.stop_id
+        )
+        print(f"--- {prompt!r}\n{prompt}{codec.decode(ids)}", file=console)
 
 
 # int32 scalar: the targets a (global, placed) batch's loss counts; `objective.counted_targets`.

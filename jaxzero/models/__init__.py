@@ -15,11 +15,21 @@ pytrees.
 from __future__ import annotations
 
 from jaxzero.config import ModelConfig
-from jaxzero.models.base import Model, ModelParams, forward, init_keys, init_params
+from jaxzero.models.base import KVCache, Model, ModelParams, forward, init_keys, init_params
 from jaxzero.models.gpt2 import GPT2
 from jaxzero.models.llama import Llama
 
-__all__ = ["GPT2", "Llama", "Model", "ModelParams", "build_model", "forward", "init_keys", "init_params"]
+__all__ = [
+    "GPT2",
+    "KVCache",
+    "Llama",
+    "Model",
+    "ModelParams",
+    "build_model",
+    "forward",
+    "init_keys",
+    "init_params",
+]
 
 
 def build_model(config: ModelConfig) -> Model:

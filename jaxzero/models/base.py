@@ -27,6 +27,10 @@ class ModelParams(NamedTuple):
     head: Any
 
 
+# One block's key/value cache for generation: keys and values (B, length, kv heads, head_dim).
+KVCache = tuple[jax.Array, jax.Array]
+
+
 class Model(Protocol):
     """What every model family provides. All functions are pure and jit-able."""
 
@@ -58,6 +62,20 @@ class Model(Protocol):
 
     def head(self, head_params: Any, embed_params: Any, x: jax.Array) -> jax.Array:
         """Final norm and projection: (B, S, D) -> logits (B, S, V) float32. Tied heads read embed_params."""
+        ...
+
+    def init_cache(self, batch: int, length: int) -> KVCache:
+        """One block's empty key/value cache for `length` positions, in the compute dtype."""
+        ...
+
+    def embed_step(self, embed_params: Any, tokens: jax.Array, pos: jax.Array) -> jax.Array:
+        """`embed` of int32 tokens (B, S) at positions pos .. pos+S-1 (int32 scalar)."""
+        ...
+
+    def block_step(
+        self, block_params: Any, x: jax.Array, cache: KVCache, pos: jax.Array
+    ) -> tuple[jax.Array, KVCache]:
+        """`block` at positions pos .. pos+S-1 over the cache of the positions before -> (y, cache)."""
         ...
 
 

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from jaxzero.config import ConfigError, ModelConfig
 from jaxzero.models import layers
-from jaxzero.models.base import ModelParams, init_params
+from jaxzero.models.base import KVCache, ModelParams, init_params
 
 
 class _Conv1D(nn.Module):
@@ -65,18 +65,26 @@ class _LayerNorm(nn.Module):
 
 
 class _Attention(nn.Module):
+    """Causal self-attention, or, with a `cache` (k, v), of positions pos .. pos+S-1 over the cache
+    (returned with their keys and values written in)."""
+
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, h: jax.Array) -> jax.Array:
+    def __call__(self, h: jax.Array, cache: KVCache | None = None, pos: jax.Array | None = None) -> Any:
         c = self.config
         b, s, d = h.shape
         n, hd = c.num_heads, c.head_dim
         resid_std = c.init_std / math.sqrt(2 * c.num_layers)
         qkv = _Conv1D(3 * d, c.init_std, name="c_attn")(h)  # (B, S, 3D)
         q, k, v = (t.reshape(b, s, n, hd) for t in jnp.split(qkv, 3, axis=-1))
-        o = layers.causal_attention(q, k, v, c.attention_impl).reshape(b, s, d)
-        return _Conv1D(d, resid_std, name="c_proj")(o)
+        out = _Conv1D(d, resid_std, name="c_proj")
+        if cache is None:
+            return out(layers.causal_attention(q, k, v, c.attention_impl).reshape(b, s, d))
+        k_cache = jax.lax.dynamic_update_slice_in_dim(cache[0], k, pos, axis=1)
+        v_cache = jax.lax.dynamic_update_slice_in_dim(cache[1], v, pos, axis=1)
+        o = layers.cached_attention(q, k_cache, v_cache, pos).reshape(b, s, d)
+        return out(o), (k_cache, v_cache)
 
 
 class _MLP(nn.Module):
@@ -103,11 +111,18 @@ class GPT2Block(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, cache: KVCache | None = None, pos: jax.Array | None = None) -> Any:
         c = self.config
         x = x.astype(layers.compute_dtype(c))
-        x = x + _Attention(c, name="attn")(_LayerNorm(c.norm_eps, name="ln_1")(x))
-        return x + _MLP(c, name="mlp")(_LayerNorm(c.norm_eps, name="ln_2")(x))
+        attn = _Attention(c, name="attn")
+        h = _LayerNorm(c.norm_eps, name="ln_1")(x)
+        if cache is None:
+            x = x + attn(h)
+        else:
+            a, cache = attn(h, cache, pos)
+            x = x + a
+        x = x + _MLP(c, name="mlp")(_LayerNorm(c.norm_eps, name="ln_2")(x))
+        return x if cache is None else (x, cache)
 
 
 @dataclass(frozen=True)
@@ -190,6 +205,30 @@ class GPT2:
         """One `GPT2Block`, causal: (B, S, D) -> (B, S, D) compute dtype. Params may be float32
         masters or already in the compute dtype."""
         return GPT2Block(self.config).apply({"params": block_params}, x)
+
+    # ---------------------------------------------------------------------------------------------
+    # Generation: the same units over a key/value cache
+    # ---------------------------------------------------------------------------------------------
+
+    def init_cache(self, batch: int, length: int) -> KVCache:
+        """One block's empty cache: keys and values (B, length, N, H) in the compute dtype."""
+        c = self.config
+        shape = (batch, length, c.num_heads, c.head_dim)
+        return jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype)  # two buffers: both are donated
+
+    def embed_step(self, embed_params: Any, tokens: jax.Array, pos: jax.Array) -> jax.Array:
+        """`embed` of tokens (B, S) at positions pos .. pos+S-1: wte[tokens] + wpe[pos:pos+S]."""
+        s = tokens.shape[-1]
+        tok = jnp.take(embed_params["wte"]["embedding"], tokens, axis=0).astype(self.dtype)
+        wpe = jax.lax.dynamic_slice_in_dim(embed_params["wpe"]["embedding"], pos, s).astype(self.dtype)
+        return tok + wpe[None, :, :]
+
+    def block_step(
+        self, block_params: Any, x: jax.Array, cache: KVCache, pos: jax.Array
+    ) -> tuple[jax.Array, KVCache]:
+        """`block` of x (B, S, D) at positions pos .. pos+S-1 over the block's `cache` of the positions
+        before -> (y, the cache with these positions written in)."""
+        return GPT2Block(self.config).apply({"params": block_params}, x, cache, pos)
 
     def head(self, head_params: Any, embed_params: Any, x: jax.Array) -> jax.Array:
         """Final LayerNorm and tied projection: (B, S, D) -> logits (B, S, V) float32 = ln_f(x) @ wte^T."""

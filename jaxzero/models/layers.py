@@ -358,3 +358,21 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, requested_impl: s
     return jax.nn.dot_product_attention(
         q, k, v, scale=1.0 / math.sqrt(head_dim), is_causal=True, implementation=impl
     )
+
+
+def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, pos: jax.Array) -> jax.Array:
+    """Attention of T new queries at positions pos .. pos+T-1 over a key/value cache.
+
+    q (B, T, N, H); k_cache, v_cache (B, L, K, H) holding positions 0 .. pos+T-1 (the rest unused);
+    pos int32 scalar -> (B, T, N, H) in q's dtype. Query i sees cache positions j <= pos + i: the
+    causal attention of `causal_attention` over the whole sequence so far, grouped-query heads
+    grouped the same way, scores and softmax in float32 (XLA's implementation).
+    """
+    t, length = q.shape[1], k_cache.shape[1]
+    mask = jnp.arange(length)[None, :] <= pos + jnp.arange(t)[:, None]  # (T, L)
+    f32 = q.dtype == jnp.float16  # XLA:CPU has no float16 dot with a float32 result
+    args = [x.astype(jnp.float32) if f32 else x for x in (q, k_cache, v_cache)]
+    out = jax.nn.dot_product_attention(
+        *args, mask=mask[None, None], scale=1.0 / math.sqrt(q.shape[-1]), implementation="xla"
+    )
+    return out.astype(q.dtype)

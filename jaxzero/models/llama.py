@@ -36,7 +36,7 @@ import jax.numpy as jnp
 
 from jaxzero.config import ModelConfig
 from jaxzero.models import layers
-from jaxzero.models.base import ModelParams, init_params
+from jaxzero.models.base import KVCache, ModelParams, init_params
 
 
 class _Linear(nn.Module):
@@ -71,10 +71,13 @@ class _RMSNorm(nn.Module):
 
 
 class _Attention(nn.Module):
+    """Causal self-attention over the sequence, or, with a `cache` (k, v), of the tokens at positions
+    pos .. pos+S-1 over the cache, which it returns with their keys and values written in."""
+
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, h: jax.Array) -> jax.Array:
+    def __call__(self, h: jax.Array, cache: KVCache | None = None, pos: jax.Array | None = None) -> Any:
         c = self.config
         b, s, _ = h.shape
         n, k, hd = c.num_heads, c.num_kv_heads, c.head_dim
@@ -82,11 +85,19 @@ class _Attention(nn.Module):
         q = _Linear(n * hd, c.init_std, bias, name="q_proj")(h).reshape(b, s, n, hd)
         kk = _Linear(k * hd, c.init_std, bias, name="k_proj")(h).reshape(b, s, k, hd)
         v = _Linear(k * hd, c.init_std, bias, name="v_proj")(h).reshape(b, s, k, hd)
-        cos, sin = layers.rope_cos_sin(s, layers.rope_inv_freq(c))
-        o = layers.causal_attention(
-            layers.apply_rope(q, cos, sin), layers.apply_rope(kk, cos, sin), v, c.attention_impl
-        )
-        return _Linear(c.hidden_size, c.init_std, name="o_proj")(o.reshape(b, s, n * hd))
+        out = _Linear(c.hidden_size, c.init_std, name="o_proj")
+        if cache is None:
+            cos, sin = layers.rope_cos_sin(s, layers.rope_inv_freq(c))
+            o = layers.causal_attention(
+                layers.apply_rope(q, cos, sin), layers.apply_rope(kk, cos, sin), v, c.attention_impl
+            )
+            return out(o.reshape(b, s, n * hd))
+        cos, sin = layers.rope_cos_sin(cache[0].shape[1], layers.rope_inv_freq(c))
+        cos, sin = (jax.lax.dynamic_slice_in_dim(t, pos, s) for t in (cos, sin))
+        k_cache = jax.lax.dynamic_update_slice_in_dim(cache[0], layers.apply_rope(kk, cos, sin), pos, axis=1)
+        v_cache = jax.lax.dynamic_update_slice_in_dim(cache[1], v, pos, axis=1)
+        o = layers.cached_attention(layers.apply_rope(q, cos, sin), k_cache, v_cache, pos)
+        return out(o.reshape(b, s, n * hd)), (k_cache, v_cache)
 
 
 class _MLP(nn.Module):
@@ -113,11 +124,18 @@ class LlamaBlock(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, cache: KVCache | None = None, pos: jax.Array | None = None) -> Any:
         c = self.config
         x = x.astype(layers.compute_dtype(c))
-        x = x + _Attention(c, name="self_attn")(_RMSNorm(c.norm_eps, name="input_layernorm")(x))
-        return x + _MLP(c, name="mlp")(_RMSNorm(c.norm_eps, name="post_attention_layernorm")(x))
+        attn = _Attention(c, name="self_attn")
+        h = _RMSNorm(c.norm_eps, name="input_layernorm")(x)
+        if cache is None:
+            x = x + attn(h)
+        else:
+            a, cache = attn(h, cache, pos)
+            x = x + a
+        x = x + _MLP(c, name="mlp")(_RMSNorm(c.norm_eps, name="post_attention_layernorm")(x))
+        return x if cache is None else (x, cache)
 
 
 @dataclass(frozen=True)
@@ -178,6 +196,28 @@ class Llama:
         """One `LlamaBlock`, causal over positions arange(S): (B, S, D) -> (B, S, D) compute dtype.
         Params may be float32 masters or already in the compute dtype."""
         return LlamaBlock(self.config).apply({"params": block_params}, x)
+
+    # ---------------------------------------------------------------------------------------------
+    # Generation: the same units over a key/value cache
+    # ---------------------------------------------------------------------------------------------
+
+    def init_cache(self, batch: int, length: int) -> KVCache:
+        """One block's empty cache: keys and values (B, length, K, H) in the compute dtype."""
+        c = self.config
+        shape = (batch, length, c.num_kv_heads, c.head_dim)
+        return jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype)  # two buffers: both are donated
+
+    def embed_step(self, embed_params: Any, tokens: jax.Array, pos: jax.Array) -> jax.Array:
+        """`embed` of tokens (B, S) at positions pos .. pos+S-1 (rotary positions enter in the blocks)."""
+        return self.embed(embed_params, tokens)
+
+    def block_step(
+        self, block_params: Any, x: jax.Array, cache: KVCache, pos: jax.Array
+    ) -> tuple[jax.Array, KVCache]:
+        """`block` of x (B, S, D) at positions pos .. pos+S-1 over the block's `cache` of the positions
+        before -> (y, the cache with these positions written in). Equal to `block` over the whole
+        sequence so far, at these positions."""
+        return LlamaBlock(self.config).apply({"params": block_params}, x, cache, pos)
 
     def head(self, head_params: Any, embed_params: Any, x: jax.Array) -> jax.Array:
         """Final RMSNorm and output projection: (B, S, D) -> logits (B, S, V) float32.

@@ -1,0 +1,169 @@
+"""Generation: decoding over the key/value cache equals the full forward pass, greedy decoding equals
+transformers' generate, nucleus sampling keeps what it should, streamed blocks change nothing, and the
+CLI reads a run."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxzero import generate as gen_lib
+from jaxzero.config import ConfigError, TrainConfig
+from jaxzero.generate import Generator, Sampling, sample_next
+from jaxzero.models import build_model, forward
+from jaxzero.models.sizes import named_model_config
+from jaxzero.overrides import apply_overrides
+
+VARIANTS = {
+    "llama": {},
+    "gpt2": {},
+    "qwen2-llama3-rope": dict(
+        attention_bias=True,
+        hf_model_type="qwen2",
+        rope_type="llama3",
+        rope_factor=8.0,
+        rope_original_max_len=16,
+    ),
+}
+
+
+def tiny(name: str) -> tuple:
+    base = named_model_config("gpt2-tiny" if name == "gpt2" else "llama-tiny")
+    cfg = dataclasses.replace(base, compute_dtype="float32", attention_impl="xla", **VARIANTS[name])
+    model = build_model(cfg)
+    return cfg, model, jax.device_get(model.init(jax.random.key(0)))
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_cached_decoding_equals_the_full_forward_pass(name):
+    """A prefill of 8 positions, then 4 single tokens: each position's logits equal those of the whole
+    sequence's forward pass."""
+    cfg, model, params = tiny(name)
+    tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, cfg.vocab_size)
+    with jax.default_matmul_precision("highest"):
+        full = np.asarray(forward(model, params, tokens))
+        caches = [model.init_cache(2, 16) for _ in params.blocks]
+
+        def run(tok, pos):
+            x = model.embed_step(params.embed, tok, jnp.int32(pos))
+            for i, p in enumerate(params.blocks):
+                x, caches[i] = model.block_step(p, x, caches[i], jnp.int32(pos))
+            return np.asarray(model.head(params.head, params.embed, x))
+
+        np.testing.assert_allclose(run(tokens[:, :8], 0), full[:, :8], atol=1e-5, rtol=0)
+        for t in range(8, 12):
+            np.testing.assert_allclose(run(tokens[:, t : t + 1], t)[:, 0], full[:, t], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_greedy_generation_is_the_argmax_of_the_full_forward_pass(name):
+    cfg, model, params = tiny(name)
+    prompt = [3, 17, 42, 7, 99]
+    with jax.default_matmul_precision("highest"):
+        got = Generator(cfg, params, 32).generate(prompt, Sampling(max_new_tokens=10))
+        seq = list(prompt)
+        for _ in range(10):
+            seq.append(int(np.argmax(np.asarray(forward(model, params, jnp.asarray([seq])))[0, -1])))
+    assert got == seq[len(prompt) :]
+
+
+def test_streamed_blocks_generate_the_same(monkeypatch):
+    cfg, _, params = tiny("llama")
+    sampling = Sampling(max_new_tokens=12, temperature=0.9, top_p=0.9, seed=3)
+    resident = Generator(cfg, params, 32)
+    monkeypatch.setattr(gen_lib, "_fits", lambda device, needed: False)
+    streamed = Generator(cfg, params, 32)
+    assert streamed.streamed and not resident.streamed
+    assert {b.sharding.memory_kind for b in jax.tree.leaves(streamed.blocks)} == {"pinned_host"}
+    assert streamed.generate([1, 2, 3], sampling) == resident.generate([1, 2, 3], sampling)
+
+
+def test_nucleus_sampling_keeps_the_top_p_and_follows_the_temperature():
+    logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]] * 40000))
+    draws = np.asarray(sample_next(logits, jax.random.key(0), 1.0, 0.7))
+    # the smallest set reaching 0.7 is {0, 1}; renormalised: 0.625, 0.375
+    assert set(np.unique(draws)) == {0, 1}
+    assert np.mean(draws == 0) == pytest.approx(0.625, abs=0.01)
+    draws = np.asarray(sample_next(logits, jax.random.key(1), 1.0, 1.0))
+    np.testing.assert_allclose(
+        np.bincount(draws, minlength=4) / draws.size, [0.5, 0.3, 0.15, 0.05], atol=0.01
+    )
+    hot = np.asarray(sample_next(logits, jax.random.key(2), 0.5, 1.0))  # p^2 renormalised
+    assert np.mean(hot == 0) == pytest.approx(0.25 / (0.25 + 0.09 + 0.0225 + 0.0025), abs=0.01)
+    assert (np.asarray(sample_next(logits[:3], jax.random.key(3), 0.0, 0.5)) == 0).all()
+
+
+def test_greedy_generation_matches_transformers(tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from jaxzero.interop import import_hf
+
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            bos_token_id=None,
+            eos_token_id=None,
+            pad_token_id=None,
+        )
+    ).eval()
+    with torch.no_grad():  # larger weights than the init's, so that the argmax is not a near tie
+        for p in hf.parameters():
+            p.mul_(8.0 if p.ndim > 1 else 1.0)
+    hf.save_pretrained(tmp_path)
+    prompt = [5, 9, 33, 2, 77, 14]
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, pad_token_id=0)
+    cfg, params = import_hf(tmp_path)
+    cfg = dataclasses.replace(cfg, compute_dtype="float32", attention_impl="xla")
+    with jax.default_matmul_precision("highest"):
+        got = Generator(cfg, params, 64).generate(prompt, Sampling(max_new_tokens=16))
+    assert got == want[0, len(prompt) :].tolist()
+
+
+def test_bad_requests_are_refused():
+    cfg, _, params = tiny("llama")
+    g = Generator(cfg, params, 8)
+    with pytest.raises(ConfigError, match="the prompt is empty"):
+        g.generate([], Sampling())
+    with pytest.raises(ConfigError, match="the prompt has 8 tokens; the model continues at most 8"):
+        g.generate(list(range(8)), Sampling())
+    with pytest.raises(ConfigError, match=r"top_p=1.5 in \(0, 1\]"):
+        g.generate([1], Sampling(top_p=1.5))
+
+
+def test_a_run_on_the_builtin_corpus_ends_with_samples_and_the_cli_reads_it(tmp_path, capsys):
+    from jaxzero import train as train_lib
+
+    over = {
+        "steps": "3",
+        "data.seq_len": "16",
+        "data.batch_size": "4",
+        "model.num_layers": "1",
+        "logging.progress": "false",
+        "run_dir": str(tmp_path / "run"),
+    }
+    console = io.StringIO()
+    path = train_lib.train(apply_overrides(TrainConfig(), over), console)
+    out = console.getvalue()
+    assert (
+        "jaxzero: samples of step 3" in out and "--- 'def '\ndef " in out and "--- 'import '\nimport " in out
+    )
+    assert gen_lib.main([f"--run_dir={path}", "--prompt=for i in", "--max_new_tokens=5"]) == 0
+    printed = capsys.readouterr().out
+    assert f"{path} step 3" in printed and "--- 'for i in'\nfor i in" in printed
+    assert gen_lib.main([f"--run_dir={tmp_path / 'nowhere'}", "--prompt=x"]) == 2
+    assert "holds no checkpoint" in capsys.readouterr().err
+    assert json.loads((path / "summary.json").read_text())["status"] == "complete"
