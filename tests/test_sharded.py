@@ -176,3 +176,25 @@ def test_the_log_line_names_the_stage_and_the_mesh():
     assert trainer.strategy.endswith("; ZeRO stage 2 over 4 devices in 1 process(es)")
     one = build_trainer(tiny("llama"), placement.make_mesh(jax.devices()[:1]))
     assert "ZeRO" not in one.strategy
+
+
+def test_biased_llama3_rope_variant_sharded_over_four_devices_matches_one_device():
+    """Qwen2's q, k, v biases shard along their only axis like any other leaf; Llama 3.1's rope is the
+    same on every device."""
+    variant = {
+        "model.attention_bias": "true",
+        "model.hf_model_type": "qwen2",
+        "model.rope_type": "llama3",
+        "model.rope_factor": "8",
+        "model.rope_original_max_len": "16",
+    }
+    _, ref_state, ref_losses, _, _ = run(tiny("llama", **variant), devices=1)
+    cfg = tiny("llama", **variant, **OFFLOAD["params"], **{"parallel.zero_stage": "3"})
+    trainer, state, losses, _, _ = run(cfg, devices=4)
+    assert trainer.mesh.size == 4
+    np.testing.assert_allclose(losses, ref_losses, atol=LOSS_TOL, rtol=0)
+    params, ref_params = jax.device_get(state.params), jax.device_get(ref_state.params)
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(ref_params)):
+        name = jax.tree_util.keystr(path)
+        if not name.endswith("['k_proj']['bias']"):  # see test_offload.py's docstring
+            assert rel(a, b) < PARAM_TOL, name
