@@ -312,3 +312,21 @@ def test_fine_tuning_end_to_end_counts_the_completions_in_the_metrics(tmp_path):
         assert r["loss_tokens"] + r["masked_tokens"] == 4 * 32
         assert 0 < r["loss_tokens"] < 4 * 32 / 2  # completions are the short part of each example
     assert "val_loss" in recs[-1]
+
+
+def test_loss_masks_that_do_not_match_their_token_files_are_refused(tmp_path):
+    (tmp_path / "ft.jsonl").write_text(
+        "\n".join(json.dumps({"prompt": "ab" * 9, "completion": "c"}) for _ in range(9))
+    )
+    prepare([str(tmp_path / "ft.jsonl")], tmp_path / "d", sft=True, val_docs=3, workers=1, progress=False)
+    kwargs = dict(token_dtype="uint16", seq_len=4, val_fraction=0.0, vocab_size=256)
+    load_token_files(tmp_path / "d", **kwargs)
+    mask = tmp_path / "d" / "train.mask.bin"
+    mask.write_bytes(mask.read_bytes()[:-1])
+    with pytest.raises(
+        DataError, match=r"train\.mask\.bin' holds 119 bytes, one per token, but its token file holds 120"
+    ):
+        load_token_files(tmp_path / "d", **kwargs)
+    mask.unlink()
+    with pytest.raises(DataError, match=r"holds val\.mask\.bin but no train\.mask\.bin"):
+        load_token_files(tmp_path / "d", **kwargs)
