@@ -1,0 +1,183 @@
+"""End to end, as a user fine-tunes a released checkpoint, offline: a Hugging Face checkpoint of
+`--model`'s shape with random weights, imported, fine-tuned with full offload on text prepared with
+`python -m jaxzero.prepare`, exported, and reloaded by transformers, whose logits must match jaxzero's.
+
+    python scripts/e2e_finetune.py --model=llama-3.1-8b --steps=200 --seq=1024 --batch=8 --out=$OUT/e2e
+
+Stages, each in its own process (so each sizes its own accelerator memory and pinned pool):
+  1. base:    random float32 init of the named shape, exported as bf16 safetensors (`OUT/base`);
+  2. prepare: the byte-level tokens of Python's standard library (`OUT/data`; the machines are
+              offline, and byte ids are valid in every vocabulary);
+  3. train:   `python -m jaxzero.train --model.name=hf:OUT/base` with `offload.params=cpu` and
+              `offload.optimizer=cpu`, checkpoints off (a 8B checkpoint would not fit the lent disk
+              beside the rest), then `trainer.export` of the trained weights (`OUT/tuned`);
+  4. compare: transformers loads `OUT/tuned`; its float32 logits on held-out windows against
+              jaxzero's float32 forward of the same files.
+Prints the loss curve's ends, the times and the logit agreement; writes `OUT/e2e.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent.parent
+
+
+def stage_base(args: argparse.Namespace) -> None:
+    import jax
+
+    from jaxzero.interop import export_hf
+    from jaxzero.models import build_model
+    from jaxzero.models.sizes import named_model_config
+
+    jax.config.update("jax_threefry_gpu_kernel_lowering", True)
+    cfg = named_model_config(args.model)
+    with jax.default_device(jax.devices("cpu")[0]):  # host RAM holds the float32 init, not the GPU
+        params = jax.device_get(build_model(cfg).init(jax.random.key(args.seed)))
+    export_hf(params, cfg, Path(args.out) / "base", dtype="bfloat16")
+
+
+def stage_train(args: argparse.Namespace) -> None:
+    import jax
+    import numpy as np
+
+    from jaxzero.data import build_data
+    from jaxzero.interop import load_hf_into
+    from jaxzero.overrides import parse_args
+    from jaxzero.trainer import build_trainer
+
+    out = Path(args.out)
+    cfg = parse_args(
+        [
+            f"--model.name=hf:{out / 'base'}",
+            "--data.source=tokens",
+            f"--data.path={out / 'data'}",
+            f"--data.seq_len={args.seq}",
+            f"--data.batch_size={args.batch}",
+            f"--steps={args.steps}",
+            "--offload.params=cpu",
+            "--offload.optimizer=cpu",
+            "--checkpoint.enabled=false",
+            f"--optimizer.lr={args.lr}",
+            "--optimizer.warmup_steps=10",
+            *args.set,
+        ]
+    )
+    trainer = build_trainer(cfg)
+    data = build_data(cfg.data, cfg.model.vocab_size, cfg.seed)
+    state = trainer.init_from_params(load_hf_into(cfg.model, cfg.model.init_from))  # the base weights
+    batches = data.train_iter()
+    losses, t0 = [], time.perf_counter()
+    for step in range(1, cfg.steps + 1):
+        state, m = trainer.step(state, trainer.put_batch(next(batches)))
+        if step == 1 or step % 10 == 0 or step == cfg.steps:
+            losses.append((step, float(jax.device_get(m.loss))))  # host sync
+            print(f"step {step} loss {losses[-1][1]:.4f} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    wall = time.perf_counter() - t0
+    val = trainer.evaluate(state, data.val_batches(2))
+    trainer.export(state, out / "tuned", dtype="float32")
+    np.save(out / "val_windows.npy", data.val_batches(1)[0][:2])
+    (out / "train.json").write_text(json.dumps({"losses": losses, "val_loss": val, "train_s": wall}))
+
+
+def stage_compare(args: argparse.Namespace) -> None:
+    import numpy as np
+    import torch
+    import transformers
+
+    out = Path(args.out)
+    windows = np.load(out / "val_windows.npy")[:, :-1]
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out / "tuned", dtype=torch.float32).to(dev).eval()
+    with torch.no_grad():
+        want = hf(torch.from_numpy(windows).long().to(dev)).logits.float().cpu().numpy()
+    hf_class = type(hf).__name__
+    del hf
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+    import jax
+    import jax.numpy as jnp
+
+    from jaxzero.interop import import_hf
+    from jaxzero.models import build_model, forward
+
+    cfg, params = import_hf(out / "tuned")
+    cfg = dataclasses.replace(cfg, compute_dtype="float32", attention_impl="xla")
+    with jax.default_matmul_precision("highest"):
+        got = np.asarray(forward(build_model(cfg), params, jnp.asarray(windows)))
+    err = float(np.max(np.abs(got.astype(np.float64) - want)) / np.max(np.abs(want)))
+    (out / "compare.json").write_text(json.dumps({"rel_err": err, "transformers_class": hf_class}))
+    print(f"transformers vs jaxzero float32 logits: max |d| / max |logit| = {err:.2e}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="llama-3.1-8b")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--set", action="append", default=[], help="more --section.key=value for the training")
+    ap.add_argument("--stage", choices=("all", "base", "train", "compare"), default="all")
+    args = ap.parse_args()
+    if args.stage == "base":
+        return stage_base(args)
+    if args.stage == "train":
+        return stage_train(args)
+    if args.stage == "compare":
+        return stage_compare(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    times = {}
+    stdlib = Path(json.__file__).parent.parent
+    steps = [
+        ("base", [sys.executable, __file__, "--stage=base", *sys.argv[1:]]),
+        (
+            "prepare",
+            [
+                sys.executable,
+                "-m",
+                "jaxzero.prepare",
+                f"--input={stdlib}/[a-m]*.py",
+                f"--out={out / 'data'}",
+                "--val_docs=20",
+            ],
+        ),
+        ("train", [sys.executable, __file__, "--stage=train", *sys.argv[1:]]),
+        ("compare", [sys.executable, __file__, "--stage=compare", *sys.argv[1:]]),
+    ]
+    for name, cmd in steps:
+        t = time.perf_counter()
+        subprocess.run(cmd, check=True, cwd=HERE)
+        times[name] = round(time.perf_counter() - t, 1)
+    trained = json.loads((out / "train.json").read_text())
+    compare = json.loads((out / "compare.json").read_text())
+    result = {
+        "model": args.model,
+        "steps": args.steps,
+        "seq": args.seq,
+        "batch": args.batch,
+        "times_s": times,
+        **trained,
+        **compare,
+    }
+    (out / "e2e.json").write_text(json.dumps(result, indent=1))
+    (first, l0), (last, l1) = trained["losses"][0], trained["losses"][-1]
+    print(
+        f"{args.model}: loss {l0:.3f} (step {first}) -> {l1:.3f} (step {last}), "
+        f"val {trained['val_loss']:.3f}; "
+        f"{trained['train_s'] / args.steps:.2f} s/step; logits vs transformers {compare['rel_err']:.1e}; "
+        f"stages {times}"
+    )
+
+
+if __name__ == "__main__":
+    main()
