@@ -14,41 +14,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-import jax
-import numpy as np
-import orbax.checkpoint as ocp
-
-from jaxzero.checkpoint import CHECKPOINT_DIR, export_orbax, read_meta, saved_steps
-from jaxzero.config import CheckpointError, ConfigError, TrainConfig
+from jaxzero.checkpoint import export_orbax, load_masters
+from jaxzero.config import ConfigError
 from jaxzero.interop import export_hf
-from jaxzero.models import ModelParams, build_model
-from jaxzero.overrides import config_from_dict
-
-
-def load_masters(run_dir: str | Path, step: int | None = None) -> tuple[TrainConfig, ModelParams, int]:
-    """(config, float32 NumPy masters, step) of the newest (or given) checkpoint of `run_dir`."""
-    ckpt_dir = Path(run_dir).absolute() / CHECKPOINT_DIR  # Orbax wants absolute paths
-    steps = saved_steps(run_dir)
-    if not steps:
-        raise CheckpointError(f"{ckpt_dir} holds no checkpoint; train with checkpoint.enabled=true first.")
-    step = steps[-1] if step is None else step
-    if step not in steps:
-        raise CheckpointError(f"{ckpt_dir} has no checkpoint for step {step}; it has steps {steps}.")
-    meta = read_meta(ckpt_dir, step)
-    cfg = config_from_dict(meta["config"])
-    shapes = jax.eval_shape(build_model(cfg.model).init, jax.random.key(0))
-    item = {"params": jax.tree.map(lambda s: np.zeros((), s.dtype), shapes)}
-    restore_args = {"params": jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), shapes)}
-    restored = ocp.PyTreeCheckpointer().restore(
-        ckpt_dir / str(step) / "state",
-        args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True),
-    )
-    p = restored["params"]
-    if isinstance(p, dict):  # restored without the NamedTuple type
-        p = ModelParams(p["embed"], tuple(p["blocks"]), p["head"])
-    return cfg, p, step
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -47,9 +47,9 @@ from typing import Any
 
 import numpy as np
 
-from jaxzero.data import BUILTIN_SEPARATOR, BUILTIN_VOCAB_SIZE, DataError
+from jaxzero.data import DataError
+from jaxzero.tokenizer import META_NAME, ByteTokenizer, HFTokenizer, default_eot_id, tokenizer_file
 
-META_NAME = "prepare.json"
 OUTPUTS = ("train.bin", "val.bin", "train.mask.bin", "val.mask.bin", META_NAME)
 # Documents per task handed to a worker: large enough to amortise the pickling, small enough that
 # the progress line moves and the ordered results do not pile up in memory.
@@ -67,76 +67,6 @@ class Recipe:
     eot_id: int
     val_docs: int
     sft: bool = False
-
-
-# ---------------------------------------------------------------------------------------------------
-# Tokenizers
-# ---------------------------------------------------------------------------------------------------
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as ids 0..255 (the built-in corpus's tokenizer)."""
-
-    vocab_size = BUILTIN_VOCAB_SIZE
-    eot_id = BUILTIN_SEPARATOR[0]
-
-    def encode(self, texts: Sequence[str]) -> list[np.ndarray]:
-        return [np.frombuffer(t.encode("utf-8"), np.uint8) for t in texts]
-
-
-class HFTokenizer:
-    """A `tokenizer.json` through the `tokenizers` library; no special tokens added."""
-
-    def __init__(self, path: Path) -> None:
-        try:
-            from tokenizers import Tokenizer  # optional (jaxzero[prepare]): only --tokenizer needs it
-        except ImportError as e:
-            raise DataError(
-                "--tokenizer needs the `tokenizers` library: pip install 'jaxzero[prepare]' "
-                "(or pip install tokenizers); without --tokenizer the built-in byte-level one is used."
-            ) from e
-        try:
-            self.tok = Tokenizer.from_file(str(path))
-        except Exception as e:  # the library raises its own Exception type for a bad file
-            raise DataError(f"{path} is not a tokenizer.json the tokenizers library reads: {e}") from e
-        self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
-
-    def encode(self, texts: Sequence[str]) -> list[np.ndarray]:
-        return [
-            np.asarray(e.ids, np.uint32) for e in self.tok.encode_batch(list(texts), add_special_tokens=False)
-        ]
-
-
-def tokenizer_file(path: str) -> Path:
-    """The tokenizer.json of a checkpoint directory, or `path` itself; DataError if there is none."""
-    p = Path(path)
-    file = p / "tokenizer.json" if p.is_dir() else p
-    if not file.is_file():
-        raise DataError(
-            f"--tokenizer={path}: no tokenizer file at {file}. Pass a Hugging Face checkpoint directory "
-            "holding tokenizer.json, or the tokenizer.json itself."
-        )
-    return file
-
-
-def default_eot_id(file: Path, tok: HFTokenizer) -> int:
-    """The id of `eos_token` in the tokenizer_config.json beside `file`; DataError naming the fix."""
-    config = file.parent / "tokenizer_config.json"
-    eos = None
-    if config.is_file():
-        try:
-            eos = json.loads(config.read_text()).get("eos_token")
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise DataError(f"{config} is not valid JSON: {e}") from e
-    if isinstance(eos, dict):  # {"content": "</s>", ...}
-        eos = eos.get("content")
-    token_id = tok.tok.token_to_id(eos) if isinstance(eos, str) else None
-    if token_id is None:
-        raise DataError(
-            f"no end-of-text id for {file}: {config} names no eos_token in the vocabulary "
-            f"(eos_token={eos!r}). Pass --eot_id=N."
-        )
-    return token_id
 
 
 # ---------------------------------------------------------------------------------------------------

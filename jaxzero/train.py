@@ -46,12 +46,19 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxzero import distributed, generate, objective
+from jaxzero import distributed, objective
 from jaxzero import run_dir as run_dir_lib
-from jaxzero.checkpoint import Checkpointer, CheckpointWriteError, ensure_room, make_meta, state_bytes
+from jaxzero.checkpoint import (
+    Checkpointer,
+    CheckpointWriteError,
+    ensure_room,
+    load_masters,
+    make_meta,
+    state_bytes,
+)
 from jaxzero.config import ConfigError, TrainConfig, validate
 from jaxzero.data import BatchIterator, Data, DataShard, DataState, build_data
-from jaxzero.export import load_masters
+from jaxzero.decode import Generator, Sampling
 from jaxzero.interop import load_hf_into
 from jaxzero.metrics import (
     MetricsLog,
@@ -65,6 +72,7 @@ from jaxzero.models.sizes import flops_per_token, param_count
 from jaxzero.overrides import help_text, layer, split_args
 from jaxzero.run_dir import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, RunKind
 from jaxzero.state import BREAKDOWN, StepMetrics, Trainer
+from jaxzero.tokenizer import codec_for
 from jaxzero.trainer import decide_and_build
 
 EXIT_TRAINING, EXIT_CONFIG, EXIT_PREEMPTED, EXIT_INTERRUPTED = 1, 2, 3, 130
@@ -567,10 +575,10 @@ def print_samples(cfg: TrainConfig, console: TextIO) -> None:
     if jax.process_count() > 1:  # the checkpoint is read whole by one process
         return
     cfg_saved, params, step = load_masters(cfg.run_dir)
-    codec = generate.codec_for(cfg_saved)
+    codec = codec_for(cfg_saved)
     prompts = [SAMPLE_PROMPTS[i % len(SAMPLE_PROMPTS)] for i in range(cfg.logging.samples)]
-    sampling = generate.Sampling(max_new_tokens=120, temperature=0.8, top_p=0.95, seed=cfg.seed)
-    gen = generate.Generator(cfg_saved.model, params, max(map(len, prompts)) + sampling.max_new_tokens)
+    sampling = Sampling(max_new_tokens=120, temperature=0.8, top_p=0.95, seed=cfg.seed)
+    gen = Generator(cfg_saved.model, params, max(map(len, prompts)) + sampling.max_new_tokens)
     print(
         f"jaxzero: samples of step {step} (temperature 0.8, top_p 0.95; more: python -m jaxzero.generate "
         f"--run_dir={cfg.run_dir} --prompt=TEXT):",

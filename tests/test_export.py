@@ -11,7 +11,7 @@ import torch
 import transformers
 from subprocess_run import run_module
 
-from jaxzero.export import load_masters
+from jaxzero.checkpoint import load_masters
 from jaxzero.models import build_model, forward
 
 pytestmark = pytest.mark.slow  # trains through the CLI, then exports

@@ -13,9 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxzero import decode
 from jaxzero import generate as gen_lib
 from jaxzero.config import ConfigError, TrainConfig
-from jaxzero.generate import Generator, Sampling, sample_next
+from jaxzero.decode import Generator, Sampling, sample_next
 from jaxzero.models import build_model, forward
 from jaxzero.models.sizes import named_model_config
 from jaxzero.overrides import apply_overrides
@@ -77,7 +78,7 @@ def test_streamed_blocks_generate_the_same(monkeypatch):
     cfg, _, params = tiny("llama")
     sampling = Sampling(max_new_tokens=12, temperature=0.9, top_p=0.9, seed=3)
     resident = Generator(cfg, params, 32)
-    monkeypatch.setattr(gen_lib, "_fits", lambda device, needed: False)
+    monkeypatch.setattr(decode, "_fits", lambda device, needed: False)
     streamed = Generator(cfg, params, 32)
     assert streamed.streamed and not resident.streamed
     assert {b.sharding.memory_kind for b in jax.tree.leaves(streamed.blocks)} == {"pinned_host"}

@@ -107,6 +107,13 @@ def test_the_directions_of_the_layers():
         imports = edges[layer] if layer == "jaxzero.plan" else depends(layer)  # the package's own module
         wrong = {n for n in imports if any(n == f or n.startswith(f + ".") for f in names)}
         assert not wrong, f"{layer} imports {sorted(wrong)}"
-    programs = {"jaxzero.train", "jaxzero.export", "jaxzero.launch", "jaxzero.plan.__main__"}
+    programs = {
+        "jaxzero.train",
+        "jaxzero.export",
+        "jaxzero.generate",
+        "jaxzero.prepare",
+        "jaxzero.launch",
+        "jaxzero.plan.__main__",
+    }
     importers = {m for m, ns in edges.items() if programs & ns}
     assert importers == set(), f"programs are imported by {importers}"
