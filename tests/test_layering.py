@@ -114,6 +114,7 @@ def test_the_directions_of_the_layers():
         "jaxzero.prepare",
         "jaxzero.launch",
         "jaxzero.plan.__main__",
+        "jaxzero.plot",
     }
     importers = {m for m, ns in edges.items() if programs & ns}
     assert importers == set(), f"programs are imported by {importers}"
