@@ -3,11 +3,22 @@
 import io
 import json
 import math
+import shutil
 
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from test_train import tiny
 
 from jaxzero import metrics
-from jaxzero.metrics import MetricsLog, ProgressBar, Throughput, format_record, peak_tflops
+from jaxzero import train as train_lib
+from jaxzero.metrics import (
+    MetricsLog,
+    ProgressBar,
+    Throughput,
+    format_record,
+    peak_tflops,
+    tensorboard_scalars,
+)
 from jaxzero.state import BREAKDOWN, BREAKDOWN_COUNTS, BREAKDOWN_TIMES
 
 
@@ -82,3 +93,46 @@ def test_the_progress_bar_is_silent_off_a_terminal():
     bar.clear()
     bar.close()
     assert stream.getvalue() == ""
+
+
+def test_every_number_of_a_record_becomes_a_tensorboard_scalar():
+    record = {"step": 7, "loss": 2.5, "val_loss": 2.75, "lr": 1e-3, "grad_norm": 0.5, "mfu": None}
+    record.update({"compile_s": 3.0, "host_rss_gib": 1.5, "gpu_peak_gib": None, "skipped_steps": 2})
+    record.update({k.key: 0.25 for k in BREAKDOWN})
+    record.update({"per_process": {"step_s": [1.0, None, 2.0]}, "slowest_process": 2, "a_new_key": 4.0})
+    scalars = tensorboard_scalars(record)
+    assert scalars["train/loss"] == 2.5 and scalars["eval/loss"] == 2.75 and scalars["train/lr"] == 1e-3
+    assert scalars["train/skipped_steps"] == 2.0 and scalars["memory/host_rss_gib"] == 1.5
+    assert scalars["throughput/compile_s"] == 3.0 and scalars["throughput/slowest_process"] == 2.0
+    assert {f"breakdown/{k.key}" for k in BREAKDOWN} <= set(scalars)
+    assert "throughput/mfu" not in scalars and "memory/gpu_peak_gib" not in scalars  # None: not measured
+    assert scalars["per_process/step_s/process_2"] == 2.0 and "per_process/step_s/process_1" not in scalars
+    assert scalars["train/a_new_key"] == 4.0  # a key no group names still reaches TensorBoard
+    assert len(scalars) == len(record) - 4 + 2  # not step, the 2 Nones, per_process; its 2 figures
+
+
+OFFLOADED = {"offload.optimizer": "cpu", "offload.params": "cpu", "logging.samples": "0"}
+
+
+def test_a_run_writes_its_records_as_tensorboard_events_and_a_resume_replaces_what_it_recomputes(tmp_path):
+    cfg = tiny(tmp_path, **OFFLOADED, **{"steps": "4", "checkpoint.every": "2"})
+    path = train_lib.train(cfg, io.StringIO())
+    # As if the run had died after logging step 4, before its checkpoint: the resume recomputes 3 and 4.
+    shutil.rmtree(path / "checkpoints" / "4")
+    train_lib.train(cfg, io.StringIO())
+    records = [json.loads(ln) for ln in (path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert len(list((path / "tensorboard").glob("events.out.tfevents.*"))) == 2  # one per run, none deleted
+    events = EventAccumulator(str(path / "tensorboard"))
+    events.Reload()
+    losses = events.Scalars("train/loss")
+    assert [e.step for e in losses] == [1, 2, 3, 4]  # the first run's steps 3 and 4 dropped
+    assert [e.value for e in losses] == pytest.approx([r["loss"] for r in records], rel=1e-5)
+    val = events.Scalars("eval/loss")
+    assert [e.step for e in val] == [4] and val[0].value == pytest.approx(records[-1]["val_loss"], rel=1e-5)
+    tags = set(events.Tags()["scalars"])
+    assert {f"breakdown/{k.key}" for k in BREAKDOWN} <= tags  # the offload engine's breakdown
+    expected = {"train/lr", "train/grad_norm", "throughput/tokens_per_s", "throughput/tflops"}
+    assert expected | {"throughput/step_s", "memory/host_rss_gib"} <= tags
+    host_update = events.Scalars("breakdown/host_update_s")
+    assert [e.step for e in host_update] == [2, 4]  # none in a run's first record (step 1; 3 resumed)

@@ -38,6 +38,8 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from jaxzero.offload.timeline import span
+
 DISK_DIR = "offload-state"  # under the run directory, where offload.disk_path is not set
 ALIGN = 4096  # direct I/O: offsets, lengths and buffer addresses are multiples of the block size
 PIECE = 64 << 20  # bytes per read or write call: large transfers keep the disk's queue full
@@ -239,7 +241,8 @@ class DiskStore:
     def _write(self, position: int, buffer: mmap.mmap) -> None:
         start = time.perf_counter()
         nbytes = self._layouts[position].nbytes
-        self._transfer(position, buffer, nbytes, write=True)
+        with span("disk_write", position):
+            self._transfer(position, buffer, nbytes, write=True)
         self._count(written_bytes=nbytes, write_s=time.perf_counter() - start)
 
     def _settled(self, position: int) -> None:
@@ -265,7 +268,8 @@ class DiskStore:
                     before.result()  # the newest state is on disk
                 start = time.perf_counter()
                 nbytes = self._layouts[position].nbytes
-                self._transfer(position, buffer, nbytes, write=False)
+                with span("disk_read", position):
+                    self._transfer(position, buffer, nbytes, write=False)
                 self._count(read_bytes=nbytes, read_s=time.perf_counter() - start)
             except BaseException:
                 self._release(buffer)
@@ -280,7 +284,8 @@ class DiskStore:
         start = time.perf_counter()
         read, written = self._reads[position].popleft()
         try:
-            buffer = read.result()
+            with span("wait_disk", position):
+                buffer = read.result()
         except BaseException as e:
             written.set_exception(e)  # the reads after it fail too, rather than wait
             raise

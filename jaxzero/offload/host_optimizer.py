@@ -43,6 +43,7 @@ from jaxzero.models import ModelParams
 from jaxzero.offload import host_kernels as hk
 from jaxzero.offload.host_kernels import Pass
 from jaxzero.offload.host_memory import PinnedStaging, copy_to, host_view, local_shards, place, release
+from jaxzero.offload.timeline import span
 from jaxzero.optim import learning_rate_schedule, scaled_update, unit_optimizers, weight_decay_mask
 from jaxzero.placement import PINNED_HOST, OffloadPlacement
 from jaxzero.plan import Tier, UnitKind, UnitPlan
@@ -300,7 +301,9 @@ class HostOptimizer:
         run = lambda: jax.block_until_ready(update(u.arrays.params, u.arrays.opt_state, g, gm))  # noqa: E731
         params, opt_state, weights = self.pool.submit(priority, run).result()  # host sync
         shapes = self.shapes_of(u.unit)
-        return HostUnit(params, opt_state, place(weights, self.placement.written(u.unit, shapes), shapes))
+        with span("h2d new weights", u.unit.position):  # placed, waited for
+            weights = place(weights, self.placement.written(u.unit, shapes), shapes)
+        return HostUnit(params, opt_state, weights)
 
     def _fused(self, u: UnitUpdate, count: int, priority: Any, pass_: Pass, into=None, recycle=None) -> Any:
         """One pass of the fused kernels over every leaf of `u.arrays`, chunked onto the pool. `into` =
@@ -365,7 +368,8 @@ class HostOptimizer:
             return weights
         # Accelerator weights: one DMA per device from the pinned staging buffers (a host sync: they
         # are reused); they stay one shard per device (`OffloadPlacement.written`).
-        weights = jax.block_until_ready(copy_to(weights, self.placement.written(u.unit, shapes)))
+        with span("h2d new weights", u.unit.position):
+            weights = jax.block_until_ready(copy_to(weights, self.placement.written(u.unit, shapes)))
         self._staging.give(dst)
         return weights
 

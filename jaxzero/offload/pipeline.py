@@ -58,7 +58,7 @@ from jaxzero.models import ModelParams
 from jaxzero.offload.disk import DiskStore
 from jaxzero.offload.host_memory import HostScalar, copy_to, local_views, release
 from jaxzero.offload.host_optimizer import HostOptimizer, HostUnit, UnitUpdate
-from jaxzero.offload.timeline import StepClock
+from jaxzero.offload.timeline import StepClock, span
 from jaxzero.offload.two_pass import TwoPassCounter
 from jaxzero.plan import HostUpdate, OffloadPlan, Tier, UnitKind, UnitPlan, UpdateMode
 
@@ -215,7 +215,8 @@ class UpdatePipeline:
             return self._run_from_disk(job)
         policy, slot = self.policy, job.slot
         arrays = job.previous.result()  # the previous update (in the overlapped mode it is done)
-        g = jax.tree.map(local_views, job.grads)  # host sync: waits for this unit's gradients to land
+        with span("wait_grads", slot.position):
+            g = jax.tree.map(local_views, job.grads)  # host sync: waits for this unit's gradients to land
         # The weights the pass read are done with once its gradients landed. Overlapped, the new
         # weights are written into their buffers. Delayed, the unit's newest weights are read by the
         # next pass (they stay); older ones are recycled.
@@ -225,11 +226,13 @@ class UpdatePipeline:
         spec = None
         if policy.speculative_units:
             start = time.perf_counter()
-            spec = self._speculate(job, arrays, g, recycle)
+            with span("host_update", slot.position, "speculative"):
+                spec = self._speculate(job, arrays, g, recycle)
             if spec is not None:
                 self.clock.updated(start, time.perf_counter())
                 recycle = spec.weights
-        norm = job.shared.norm.get() if policy.waits_for_norm else None  # host sync: the backward pass
+        with span("wait_norm", slot.position):
+            norm = job.shared.norm.get() if policy.waits_for_norm else None  # host sync: the backward pass
         if spec is not None:
             if (not policy.skips_nonfinite or np.isfinite(norm)) and self.host.unclipped(norm):
                 # Exactly the update the unit would get now: keep it; the old state is the next spare.
@@ -250,7 +253,8 @@ class UpdatePipeline:
         start = time.perf_counter()
         if spec is None and slot.position - self._first_host < self.two_pass.units(slot.step, start):
             return self._two_passes(job, update, recycle, start)
-        new = self.host.update_unit(update, slot.update_priority, recycle)
+        with span("host_update", slot.position):
+            new = self.host.update_unit(update, slot.update_priority, recycle)
         job.weights.set_result(new.weights)
         self.clock.updated(start, time.perf_counter())
         return new
@@ -261,11 +265,13 @@ class UpdatePipeline:
         second pass: either would hold the state in RAM, or read it again."""
         policy, position = self.policy, job.unit.position
         spilled = job.previous.result()  # masters and state: OnDisk; weights: the newest
-        g = jax.tree.map(local_views, job.grads)  # host sync: waits for this unit's gradients to land
+        with span("wait_grads", position):
+            g = jax.tree.map(local_views, job.grads)  # host sync: waits for this unit's gradients to land
         read = job.read.result()
         stale = read is not spilled.weights
         recycle = read if stale or policy.mode is not UpdateMode.DELAYED else None
-        norm = job.shared.norm.get() if policy.waits_for_norm else None  # host sync: the backward pass
+        with span("wait_norm", position):
+            norm = job.shared.norm.get() if policy.waits_for_norm else None  # host sync: the backward pass
         params, opt_state = self.disk.take(position)  # waits for its read
         if policy.skips_nonfinite and not np.isfinite(norm):
             self.disk.give_back(position)  # float16 overflow: this step changes nothing
@@ -276,7 +282,8 @@ class UpdatePipeline:
         gmul = self.host.grad_multiplier(norm, _scale(job.shared.scale))
         update = UnitUpdate(job.unit, HostUnit(params, opt_state, spilled.weights), g, gmul)
         start = time.perf_counter()
-        new = self.host.update_unit(update, job.slot.update_priority, recycle)
+        with span("host_update", position):
+            new = self.host.update_unit(update, job.slot.update_priority, recycle)
         self.disk.put(position)  # masters and state updated in place in the buffer: written back
         self.clock.updated(start, time.perf_counter())
         job.weights.set_result(new.weights)
@@ -289,11 +296,13 @@ class UpdatePipeline:
         self.two_pass.begin()
         ended = None
         try:
-            weights = self.host.update_weights(update, job.slot.update_priority, recycle)
+            with span("host_update", job.unit.position, "pass=weights"):
+                weights = self.host.update_weights(update, job.slot.update_priority, recycle)
             self.clock.updated(start, time.perf_counter())
             job.weights.set_result(weights)
             start = time.perf_counter()
-            new = self.host.commit(update, job.slot.second_pass_priority, weights)
+            with span("host_update", job.unit.position, "pass=state"):
+                new = self.host.commit(update, job.slot.second_pass_priority, weights)
             ended = time.perf_counter()
             self._count(two_passed=1)
         finally:

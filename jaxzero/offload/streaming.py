@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jaxzero import objective
 from jaxzero.models import Model, ModelParams
 from jaxzero.offload.host_memory import copy_to
-from jaxzero.offload.timeline import StepClock
+from jaxzero.offload.timeline import StepClock, span
 from jaxzero.placement import DEVICE, PINNED_HOST, OffloadPlacement, batch_rows_sharding
 from jaxzero.plan import Tier
 
@@ -65,10 +65,13 @@ def _accumulate(fn, xs: Sequence[jax.Array], init: Any):
     return jax.lax.scan(body, init, xs)
 
 
-def resolve(unit: Any) -> Any:
+def resolve(unit: Any, position: int) -> Any:
     """A unit's weights: the value itself, or the result of a `Future` of it (a host sync: waits for
-    the host update that produces them)."""
-    return unit.result() if isinstance(unit, Future) else unit
+    the host update that produces them). `position`: the unit's in the forward pass, for the trace."""
+    if not isinstance(unit, Future):
+        return unit
+    with span("wait_update", position):
+        return unit.result()
 
 
 def stream_blocks(
@@ -100,11 +103,13 @@ def stream_blocks(
         if last is not None and last[0] == i:
             w = last[1]
         elif placement.is_streamed(i):
-            w = copy_to(resolve(blocks[i]), target)  # async host -> accelerator DMA
+            weights = resolve(blocks[i], 1 + i)
+            with span("h2d weights", 1 + i):
+                w = copy_to(weights, target)  # async host -> accelerator DMA
             if on_copy is not None:
                 on_copy(w)
         else:
-            w = resolve(blocks[i])
+            w = resolve(blocks[i], 1 + i)
         inflight.append(w)
         last = (i, w)
         issued += 1
@@ -235,14 +240,14 @@ class StreamedModel:
     def loss(self, weights: ModelParams, batch: jax.Array) -> jax.Array:
         """Mean loss over int32 (A, mb, S+1) with weights streamed once through; float32 scalar.
         Units of `weights` may be `Future`s (see `stream_blocks`)."""
-        embed_w = resolve(weights.embed)
+        embed_w = resolve(weights.embed, 0)
         x = self._embed(embed_w, batch)
         blocks = stream_blocks(
             weights.blocks, range(self.num_layers), self.placement, self._copy_in, self.prefetch
         )
         for w in blocks:
             x = self._block_fwd(w, x)
-        return self._head_loss(resolve(weights.head), embed_w, x, batch)
+        return self._head_loss(resolve(weights.head, self.num_layers + 1), embed_w, x, batch)
 
     def grads(
         self, weights: ModelParams, batch: jax.Array, loss_scale: jax.Array, clock: StepClock | None = None
@@ -267,7 +272,7 @@ class StreamedModel:
             weights.blocks, order, self.placement, self._copy_in, self.prefetch, on_copy=clock.copied
         )
         with clock.waiting():
-            embed_w = resolve(weights.embed)
+            embed_w = resolve(weights.embed, 0)
         x = clock.computed(self._embed(embed_w, batch))
         saved: list[jax.Array | None] = []
         rows = batch_rows_sharding(self.placement.mesh, x.ndim)
@@ -279,24 +284,34 @@ class StreamedModel:
             # The block input is all the backward pass keeps: here, or in pinned_host (async DMA,
             # issued after the block that reads it, so it overlaps that block). The last block's
             # stays: the backward pass starts with it.
-            saved.append(x if away is None or i == num_layers - 1 else copy_to(x, away))
+            if away is None or i == num_layers - 1:
+                saved.append(x)
+            else:
+                with span("d2h activation", 1 + i):
+                    saved.append(copy_to(x, away))
             x = y
         with clock.waiting():
-            head_w = resolve(weights.head)
+            head_w = resolve(weights.head, num_layers + 1)
         loss, dx, g_head, g_embed_head, sq_head = self._head_grad(head_w, embed_w, x, batch, loss_scale)
         clock.computed(loss)
         del x
         to_host, stays = self._to_host, self._stays
 
         def leave(position: int, g: Any, target: Any) -> Any:  # async DMA to pinned_host, or stay
-            return g if stays[position] else clock.sent(copy_to(g, target))
+            if stays[position]:
+                return g
+            with span("d2h grad", position):
+                return clock.sent(copy_to(g, target))
 
         block_grads: list[Any] = [None] * num_layers
         sq = [sq_head]
 
         def back(i: int) -> jax.Array:  # block i's input on the accelerator (async copy back, if away)
             x = saved[i]
-            return x if x.sharding.memory_kind != PINNED_HOST else copy_to(x, rows)
+            if x.sharding.memory_kind != PINNED_HOST:
+                return x
+            with span("h2d activation", 1 + i):
+                return copy_to(x, rows)
 
         x_next = back(num_layers - 1)
         for i in reversed(range(num_layers)):

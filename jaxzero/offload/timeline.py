@@ -15,6 +15,10 @@ weights, a window of steps gives the times of `jaxzero.state.BREAKDOWN_TIMES`:
 
 The times are host-observed completion times (a thread wakes when the work is done), so they
 are slightly late, by roughly the thread wake-up latency (tens of microseconds per item).
+
+In a profiler trace (`profile.steps`, `jaxzero.profiling`) the same work shows as spans named by
+`span`: each unit's host update, the waits for its gradients, the norm and its new weights, the copies
+issued and the disk tier's reads and writes.
 """
 
 from __future__ import annotations
@@ -59,6 +63,13 @@ class _Watcher:
         with self._lock:
             out, self.done = self.done, []
         return out
+
+
+def span(what: str, unit: int, detail: str = "") -> jax.profiler.TraceAnnotation:
+    """A span of host work in a profiler trace, named `jaxzero/<what> unit=<unit>[ <detail>]` (`unit`:
+    the position in the forward pass). A context manager; about a microsecond when no trace runs, so
+    the engine always marks its work."""
+    return jax.profiler.TraceAnnotation(f"jaxzero/{what} unit={unit}{' ' + detail if detail else ''}")
 
 
 def busy(items: list[tuple[float, float]]) -> float:
