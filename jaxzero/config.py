@@ -71,7 +71,9 @@ class DataConfig:
     """Where tokens come from and how they are batched.
 
     `batch_size` is the global number of sequences per optimizer step, over all devices and all
-    `grad_accum` micro-batches; each sequence is `seq_len` inputs plus one shifted target.
+    `grad_accum` micro-batches; each sequence is `seq_len` inputs plus one shifted target. As in
+    DeepSpeed, batch_size = micro_batch_size x grad_accum x devices of the data axis: one of the three
+    may be 0 and is derived from the others when the devices are known (`resolve_batch`).
     """
 
     # builtin: bytes of Python's standard library; tokens: nanoGPT .bin files; synthetic: random ids
@@ -79,8 +81,11 @@ class DataConfig:
     path: str = ""  # source=tokens: directory holding train.bin (and optionally val.bin)
     token_dtype: Literal["uint16", "uint32"] = "uint16"  # source=tokens: the dtype the .bin files hold
     seq_len: int = 128  # tokens per sequence (each sequence also reads one shifted target)
-    batch_size: int = 16  # sequences per optimizer step, over all devices and micro-batches
-    grad_accum: int = 1  # micro-batches per step (gradients summed before the update)
+    batch_size: int = 16  # sequences per optimizer step, over all devices and micro-batches; 0: derived
+    grad_accum: int = 1  # micro-batches per step (gradients summed before the update); 0: derived
+    # Sequences per device per micro-batch (DeepSpeed's train_micro_batch_size_per_gpu); 0: derived
+    # from batch_size / (grad_accum x devices), the default.
+    micro_batch_size: int = 0
     val_fraction: float = 0.05  # held-out tail when there is no val.bin
     # Check every token id against model.vocab_size before training (a vectorised pass over the files);
     # false: check a sample of ~4M tokens spread over each file.
@@ -93,7 +98,9 @@ class OptimizerConfig:
 
     name: Literal["adamw", "adam", "lion", "sgd"] = "adamw"  # the update rule (optax's)
     lr: float = 3e-3  # peak learning rate, reached after warmup_steps
-    warmup_steps: int = 20  # linear warmup from 0
+    warmup_steps: int = 20  # warmup from lr x warmup_start_ratio to lr
+    warmup_type: Literal["linear", "log"] = "linear"  # log: DeepSpeed's, log(step+1)/log(warmup_steps)
+    warmup_start_ratio: float = 0.0  # the first step's lr / lr (DeepSpeed's warmup_min_lr / warmup_max_lr)
     schedule: Literal["cosine", "linear", "constant"] = "cosine"  # decay after warmup
     min_lr_ratio: float = 0.1  # final lr = lr * min_lr_ratio
     # Steps the schedule spans, warmup included (it holds its final rate after them); 0: the run's
@@ -236,6 +243,46 @@ class LoggingConfig:
     # Continuations printed at the end of a run on the built-in corpus (from its last checkpoint), so
     # that a first run shows what the model learned; 0: none.
     samples: int = 2
+    # Every record's scalars also as TensorBoard event files in <run_dir>/tensorboard (written by
+    # process 0 when the record is, no extra host sync), for `tensorboard --logdir=<run_dir>`.
+    tensorboard: bool = True
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    """A JAX profiler trace of a window of steps in `<run_dir>/profile` (Perfetto, TensorBoard's profile
+    plugin), with the offload engine's host work as named spans (`jaxzero/...`)."""
+
+    # "A:B": trace steps A to B - 1, as Python's range(A, B) (e.g. "10:13" traces steps 10, 11, 12;
+    # steps count from 1); empty: no trace.
+    steps: str = ""
+
+    def window(self) -> range | None:
+        """The steps to trace, or None for none. ConfigError if `steps` is not "A:B" with 1 <= A < B."""
+        if not self.steps.strip():
+            return None
+        parts = self.steps.split(":")
+        try:
+            if len(parts) != 2:
+                raise ValueError
+            first, stop = int(parts[0]), int(parts[1])
+        except ValueError:
+            raise ConfigError(
+                f"profile.steps={self.steps!r} is not A:B, two step numbers: --profile.steps=10:13 traces "
+                "steps 10, 11 and 12 (as range(10, 13)); leave it empty for no trace."
+            ) from None
+        if first < 1:
+            raise ConfigError(
+                f"profile.steps={self.steps!r} starts at step {first}, but steps count from 1 (step 1 "
+                f"includes compilation): e.g. --profile.steps=2:{max(stop, 4)}."
+            )
+        if stop <= first:
+            raise ConfigError(
+                f"profile.steps={self.steps!r} traces no step: A:B traces steps A to B - 1 (as range(A, B)), "
+                f"so B must exceed A; e.g. --profile.steps={first}:{first + 2} traces steps {first} and "
+                f"{first + 1}."
+            )
+        return range(first, stop)
 
 
 @dataclass(frozen=True)
@@ -254,6 +301,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     machine: MachineConfig = field(default_factory=MachineConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
     @property
     def schedule_steps(self) -> int:
@@ -278,6 +326,7 @@ SECTIONS: dict[str, type] = {
     "checkpoint": CheckpointConfig,
     "logging": LoggingConfig,
     "machine": MachineConfig,
+    "profile": ProfileConfig,
 }
 TOP_LEVEL_KEYS = ("steps", "seed", "run_dir")
 
@@ -387,11 +436,18 @@ def validate(cfg: TrainConfig, num_devices: int | None = None) -> None:
         "the whole sequence, which equals this model's windowed attention only within one window. "
         f"Lower data.seq_len to at most {m.sliding_window}.",
     )
-    need(d.grad_accum >= 1, f"data.grad_accum={d.grad_accum} must be >= 1.")
+    batch = {"data.batch_size": d.batch_size, "data.grad_accum": d.grad_accum}
+    batch["data.micro_batch_size"] = d.micro_batch_size
     need(
-        d.batch_size >= 1 and d.batch_size % d.grad_accum == 0,
-        f"data.batch_size={d.batch_size} must be a positive multiple of data.grad_accum={d.grad_accum}.",
+        all(v >= 0 for v in batch.values()) and sum(v == 0 for v in batch.values()) <= 1,
+        f"{_show(batch)}: each must be >= 1, except one of them 0 to be derived from the others "
+        "(batch_size = micro_batch_size x grad_accum x devices).",
     )
+    if d.micro_batch_size == 0:
+        need(
+            d.batch_size % d.grad_accum == 0,
+            f"data.batch_size={d.batch_size} must be a positive multiple of data.grad_accum={d.grad_accum}.",
+        )
     need(0.0 <= d.val_fraction < 0.5, f"data.val_fraction={d.val_fraction} must be in [0, 0.5).")
     need(m.rope_theta > 0, f"model.rope_theta={m.rope_theta} must be > 0.")
     need(m.norm_eps > 0, f"model.norm_eps={m.norm_eps} must be > 0.")
@@ -403,6 +459,11 @@ def validate(cfg: TrainConfig, num_devices: int | None = None) -> None:
             "(nanoGPT format: a flat array of uint16 or uint32 token ids).",
         )
     if num_devices is not None:
+        need(
+            d.micro_batch_size == 0,
+            f"{_show(batch)} is not resolved for the {num_devices} devices: pass the config through "
+            "jaxzero.config.resolve_batch(cfg, num_devices) first (python -m jaxzero.train does).",
+        )
         micro = d.batch_size // d.grad_accum
         need(
             micro % num_devices == 0,
@@ -415,6 +476,10 @@ def validate(cfg: TrainConfig, num_devices: int | None = None) -> None:
     need(o.decay_steps >= 0, f"optimizer.decay_steps={o.decay_steps} must be >= 0 (0: the run's steps).")
     need(o.eps > 0, f"optimizer.eps={o.eps} must be > 0 (it keeps Adam's division finite).")
     need(0.0 <= o.momentum < 1.0, f"optimizer.momentum={o.momentum} must be in [0, 1).")
+    need(
+        0.0 <= o.warmup_start_ratio <= 1.0,
+        f"optimizer.warmup_start_ratio={o.warmup_start_ratio} must be in [0, 1].",
+    )
     need(0.0 <= o.min_lr_ratio <= 1.0, f"optimizer.min_lr_ratio={o.min_lr_ratio} must be in [0, 1].")
     need(0.0 <= o.b1 < 1.0 and 0.0 <= o.b2 < 1.0, f"optimizer.b1={o.b1}, b2={o.b2} must be in [0, 1).")
     need(o.weight_decay >= 0, f"optimizer.weight_decay={o.weight_decay} must be >= 0.")
@@ -522,6 +587,13 @@ def validate(cfg: TrainConfig, num_devices: int | None = None) -> None:
     need(lg.eval_every >= 0, f"logging.eval_every={lg.eval_every} must be >= 0.")
     need(lg.eval_batches >= 1, f"logging.eval_batches={lg.eval_batches} must be >= 1.")
     need(lg.peak_tflops >= 0, f"logging.peak_tflops={lg.peak_tflops} must be >= 0 (0: from the device).")
+    window = cfg.profile.window()  # ConfigError for a malformed or empty window
+    need(
+        window is None or window.stop - 1 <= cfg.steps,
+        f"profile.steps={cfg.profile.steps!r} traces up to step {window.stop - 1 if window else 0}, past the "
+        f"run's last step (steps={cfg.steps}): B - 1 is the last step traced, so B must be at most "
+        f"{cfg.steps + 1}.",
+    )
     ck = cfg.checkpoint
     need(
         ck.every >= 0 and ck.keep >= 1 and ck.keep_every >= 0,
@@ -535,3 +607,39 @@ def validate(cfg: TrainConfig, num_devices: int | None = None) -> None:
             f"machine.{f.name}={value} must be a finite number >= 0 (0: detect, or the default for the "
             "detected device).",
         )
+
+
+def _show(values: dict[str, int]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in values.items())
+
+
+def resolve_batch(cfg: TrainConfig, num_devices: int) -> TrainConfig:
+    """`cfg` with data.batch_size and data.grad_accum filled in for `num_devices` devices of the data
+    axis, and data.micro_batch_size 0 (implied): DeepSpeed's rule batch_size = micro_batch_size x
+    grad_accum x devices, the key given as 0 derived from the other two. ConfigError, with the
+    arithmetic, when all three are given and disagree or the derived one is not a whole number."""
+    d = cfg.data
+    m, g, b = d.micro_batch_size, d.grad_accum, d.batch_size
+    given = _show({"data.batch_size": b, "data.grad_accum": g, "data.micro_batch_size": m})
+    if m == 0:
+        return cfg
+    if b == 0:
+        b = m * g * num_devices
+    elif g == 0:
+        if b % (m * num_devices):
+            raise ConfigError(
+                f"{given}: data.grad_accum = batch_size / (micro_batch_size x {num_devices} devices) = "
+                f"{b} / {m * num_devices} is not a whole number. Make data.batch_size a multiple of "
+                f"{m * num_devices}, e.g. {-(-b // (m * num_devices)) * m * num_devices}."
+            )
+        g = b // (m * num_devices)
+    elif b != m * g * num_devices:
+        raise ConfigError(
+            f"{given}: data.batch_size must equal micro_batch_size x grad_accum x devices = "
+            f"{m} x {g} x {num_devices} = {m * g * num_devices} (DeepSpeed's train_batch_size = "
+            "train_micro_batch_size_per_gpu x gradient_accumulation_steps x data-parallel size). "
+            "Change one of them, or give one as 0 to derive it."
+        )
+    return dataclasses.replace(
+        cfg, data=dataclasses.replace(d, batch_size=b, grad_accum=g, micro_batch_size=0)
+    )

@@ -9,6 +9,7 @@ optimizer): placement is decided elsewhere, this module only says *what* the upd
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -20,8 +21,9 @@ from jaxzero.models import ModelParams
 
 
 def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
-    """Linear warmup from 0 to `lr` over `warmup_steps`, then cosine/linear decay to `lr*min_lr_ratio`
-    at `total_steps` (or constant). Maps an int32 step count (0-based, the number of updates already
+    """Warmup from `lr * warmup_start_ratio` to `lr` over `warmup_steps` (linear in the step, or
+    DeepSpeed's log(step + 1) / log(warmup_steps)), then cosine/linear decay to `lr*min_lr_ratio` at
+    `total_steps` (or constant). Maps an int32 step count (0-based, the number of updates already
     applied) to a float32 learning rate."""
     end = cfg.lr * cfg.min_lr_ratio
     warmup = max(cfg.warmup_steps, 0)
@@ -34,7 +36,13 @@ def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Sche
         after = optax.linear_schedule(cfg.lr, end, decay_steps)
     if warmup == 0:
         return after
-    return optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, warmup), after], [warmup])
+    start = cfg.lr * cfg.warmup_start_ratio
+    if cfg.warmup_type == "linear":
+        ramp = optax.linear_schedule(start, cfg.lr, warmup)
+    else:  # DeepSpeed's log warmup, over at least 2 steps as there
+        inv_log = 1.0 / math.log(max(warmup, 2))
+        ramp = lambda count: start + (cfg.lr - start) * inv_log * jnp.log1p(count.astype(jnp.float32))  # noqa: E731
+    return optax.join_schedules([ramp, after], [warmup])
 
 
 def weight_decay_mask(params: ModelParams, decay_all: bool = False) -> ModelParams:

@@ -21,10 +21,13 @@ import sys
 import tomllib
 import types
 import typing
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
+from jaxzero import deepspeed
 from jaxzero.config import SECTIONS, TOP_LEVEL_KEYS, ConfigError, ModelConfig, TrainConfig, validate
+from jaxzero.deepspeed import Translation
 from jaxzero.interop import model_config_from_hf
 from jaxzero.models.sizes import named_model_config
 
@@ -178,12 +181,32 @@ def load_preset(path: str | Path) -> dict[str, Any]:
     return dict(sorted(flat.items(), key=lambda kv: kv[0] != "model.name"))
 
 
-def split_args(argv: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(preset overrides, command-line overrides) of `[--config=PATH] [--section.key=value ...]`, as
-    dotted keys; nothing applied yet; of a key given twice the last wins (with a note on stderr).
-    Raises ConfigError for an argument of another form."""
+@dataclass(frozen=True)
+class Arguments:
+    """A command line's settings, nothing applied yet: a TOML preset's dotted overrides, a DeepSpeed
+    config (parsed JSON, `jaxzero.deepspeed`), and the `--section.key=value` overrides."""
+
+    preset: dict[str, Any] = field(default_factory=dict)
+    cli: dict[str, Any] = field(default_factory=dict)
+    deepspeed: dict[str, Any] | None = None
+    deepspeed_path: str = ""
+
+
+@dataclass(frozen=True)
+class Layered:
+    """A config built from `Arguments`, and how its DeepSpeed config was read (None without one)."""
+
+    config: TrainConfig
+    deepspeed: Translation | None = None
+
+
+def split_args(argv: list[str]) -> Arguments:
+    """The settings of `[--config=PATH] [--deepspeed=PATH] [--section.key=value ...]`, as dotted
+    keys; nothing applied yet; of a key given twice the last wins (with a note on stderr). Raises
+    ConfigError for an argument of another form, or a preset or DeepSpeed file that cannot be read."""
     preset: dict[str, Any] = {}
     cli: dict[str, Any] = {}
+    ds, ds_path = None, ""
     seen: dict[str, str] = {}
     for arg in argv:
         if not arg.startswith("--") or "=" not in arg:
@@ -200,24 +223,33 @@ def split_args(argv: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
         seen[key] = value
         if key == "config":
             preset = load_preset(value)
+        elif key == "deepspeed":
+            ds, ds_path = deepspeed.load(value), value
         else:
             cli[key] = value
-    return preset, cli
+    return Arguments(preset, cli, ds, ds_path)
 
 
-def layer(base: TrainConfig, preset: dict[str, Any], cli: dict[str, Any]) -> TrainConfig:
-    """`base` with a preset's overrides, then the command line's, applied (unvalidated). A CLI
-    `model.name` replaces the preset's whole model section before the CLI's other model keys apply."""
-    cfg = apply_overrides(base, preset)
-    cli = dict(cli)
+def layer(base: TrainConfig, args: Arguments) -> Layered:
+    """`base` with a preset's overrides, then a DeepSpeed config's, then the command line's, applied
+    (unvalidated). A CLI `model.name` replaces the preset's whole model section before the DeepSpeed
+    config (which may set its compute dtype) and the CLI's other keys apply."""
+    cfg = apply_overrides(base, args.preset)
+    cli = dict(args.cli)
     if "model.name" in cli:
         cfg = apply_overrides(cfg, {"model.name": cli.pop("model.name")})
-    return apply_overrides(cfg, cli)
+    translation = None
+    if args.deepspeed is not None:
+        source = f"--deepspeed={args.deepspeed_path}"
+        translation = deepspeed.translate(args.deepspeed, apply_overrides(cfg, cli), source)
+        check_overrides(translation.overrides, source)
+        cfg = apply_overrides(cfg, translation.overrides)
+    return Layered(apply_overrides(cfg, cli), translation)
 
 
 def parse_args(argv: list[str]) -> TrainConfig:
-    """Build a validated TrainConfig from `[--config=PATH] [--section.key=value ...]`."""
-    cfg = layer(TrainConfig(), *split_args(argv))
+    """Build a validated TrainConfig from `[--config=PATH] [--deepspeed=PATH] [--section.key=value ...]`."""
+    cfg = layer(TrainConfig(), split_args(argv)).config
     validate(cfg)
     return cfg
 

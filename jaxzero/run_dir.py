@@ -7,6 +7,8 @@ now is. A jaxzero run directory holds
     metrics.jsonl      one record per logged step
     summary.json       written when the run completes
     checkpoints/       Orbax checkpoints (`jaxzero.checkpoint`)
+    tensorboard/       the records as TensorBoard event files (`logging.tensorboard`); a resume adds a file
+    profile/           JAX profiler traces (`profile.steps`)
     previous-attempts/ files of attempts that stopped before their first checkpoint, kept aside
 
 `inspect_run_dir` says what a directory is before anything is written: new (absent or empty), a run to
@@ -35,6 +37,9 @@ METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 ERROR_FILE = "error.log"  # the traceback of an error the run stopped with
 ATTEMPTS_DIR = "previous-attempts"
+TENSORBOARD_DIR = "tensorboard"  # TensorBoard event files of the records (`jaxzero.metrics.TensorBoardLog`)
+PROFILE_DIR = "profile"  # JAX profiler traces (`jaxzero.profiling.StepTrace`)
+PLOTS_DIR = "plots"  # `python -m jaxzero.plot`'s figures, by default
 # Files and directories a run creates; a directory holding anything else is not (only) a jaxzero run.
 RUN_FILES = (
     CONFIG_FILE,
@@ -44,6 +49,9 @@ RUN_FILES = (
     ATTEMPTS_DIR,
     CHECKPOINT_DIR,
     UNREADABLE_DIR,
+    TENSORBOARD_DIR,
+    PROFILE_DIR,
+    PLOTS_DIR,
 )
 # Keys a resumed run may change: they change how it runs or reports, not what it computes.
 RESUMABLE = (
@@ -56,6 +64,7 @@ RESUMABLE = (
     "machine.",  # what the planner plans for: a run may move to another machine
     "optimizer.decay_steps",
     "data.check_tokens",
+    "profile.",  # which steps are traced
 )
 
 
@@ -184,6 +193,9 @@ def _get(cfg: TrainConfig, key: str) -> Any:
     return obj
 
 
+BATCH_KEYS = ("data.batch_size", "data.grad_accum", "data.micro_batch_size")
+
+
 def check_resume(cfg: TrainConfig, saved: TrainConfig, path: Path) -> TrainConfig:
     """`cfg` for resuming the run saved as `saved` in `path`, or ConfigError naming every setting that
     would make it a different run (whatever set it: command line, preset or library call).
@@ -191,13 +203,20 @@ def check_resume(cfg: TrainConfig, saved: TrainConfig, path: Path) -> TrainConfi
     A resume that changes `steps` keeps the learning-rate schedule the run started with (its length
     stays `saved.schedule_steps`) unless `optimizer.decay_steps` says otherwise."""
     cfg, saved = resolve_paths(cfg), resolve_paths(saved)  # a relative path means the same place
-    different = [k for k in all_keys() if not k.startswith(RESUMABLE) and _get(cfg, k) != _get(saved, k)]
+    # Batch sizes still to be derived for the devices (data.micro_batch_size given) are compared once
+    # `resolve_batch` has run: the trainer calls this again then.
+    deferred = BATCH_KEYS if cfg.data.micro_batch_size else ()
+    different = [
+        k
+        for k in all_keys()
+        if not k.startswith(RESUMABLE) and k not in deferred and _get(cfg, k) != _get(saved, k)
+    ]
     if different:
         changes = ", ".join(f"{k} ({_get(saved, k)!r} -> {_get(cfg, k)!r})" for k in different)
+        may = ", ".join(f"{k}*" if k.endswith(".") else k for k in RESUMABLE if k != "run_dir")
         raise ConfigError(
             f"run_dir {str(path)!r} holds a checkpointed run; resuming it cannot change {changes}. Only "
-            "steps, logging.*, checkpoint.*, offload.*, optimizer.decay_steps and data.check_tokens may "
-            "change; start a new --run_dir for a different run."
+            f"{may} may change; start a new --run_dir for a different run."
         )
     if cfg.optimizer.decay_steps == 0 and cfg.steps != saved.schedule_steps:  # keep the length
         optimizer = dataclasses.replace(cfg.optimizer, decay_steps=saved.schedule_steps)
@@ -218,12 +237,12 @@ def write_atomic(path: Path, text: str) -> None:
 
 def set_aside_attempt(path: Path) -> Path:
     """Move the files of an attempt that stopped before its first checkpoint (config.json,
-    metrics.jsonl, error.log; an empty checkpoints/ is removed) into `previous-attempts/<UTC time>/`;
-    returns that folder."""
+    metrics.jsonl, error.log, tensorboard/, profile/; an empty checkpoints/ is removed) into
+    `previous-attempts/<UTC time>/`; returns that folder."""
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S-%f")
     target = path / ATTEMPTS_DIR / stamp
     target.mkdir(parents=True)
-    for name in (CONFIG_FILE, METRICS_FILE, ERROR_FILE):
+    for name in (CONFIG_FILE, METRICS_FILE, ERROR_FILE, TENSORBOARD_DIR, PROFILE_DIR):
         if (path / name).exists():
             os.replace(path / name, target / name)
     checkpoints = path / CHECKPOINT_DIR

@@ -1,15 +1,19 @@
-"""`python -m jaxzero.train [--config=PATH] [--section.key=value ...]`: train a model.
+"""`python -m jaxzero.train [--config=PATH] [--deepspeed=PATH] [--section.key=value ...]`: train a
+model. `--deepspeed` reads a DeepSpeed config file (`jaxzero.deepspeed`).
 
 With no arguments it trains the tiny Llama on the built-in byte-level corpus on whatever JAX backend is
 present. `--help` lists every key with its type, default and meaning.
 
 The run directory (`run_dir`, relative to the working directory; printed absolute) receives the
 resolved `config.json`, `metrics.jsonl` (one JSON object per logged step; its fields are listed in the
-README, the offload engine's per-step breakdown in `jaxzero.state.BREAKDOWN`), Orbax checkpoints under
-`checkpoints/` and, when the run completes, `summary.json`. What happens to a directory that already
-exists is `jaxzero.run_dir`'s rule: a run with checkpoints resumes from the newest good one (only
-`steps`, `logging.*`, `checkpoint.*`, `offload.*`, `optimizer.decay_steps` and `data.check_tokens` may
-change), a run that stopped before its first checkpoint starts over, and anything else is refused.
+README, the offload engine's per-step breakdown in `jaxzero.state.BREAKDOWN`), the same records as
+TensorBoard event files under `tensorboard/` (`logging.tensorboard`), a profiler trace of the steps
+`profile.steps` names under `profile/`, Orbax checkpoints under `checkpoints/` and, when the run
+completes, `summary.json`. What happens to a directory that already exists is `jaxzero.run_dir`'s
+rule: a run with checkpoints resumes from the newest good one (only `steps`, `logging.*`,
+`checkpoint.*`, `offload.*`, `parallel.*`, `machine.*`, `profile.*`, `optimizer.decay_steps` and
+`data.check_tokens` may change), a run that stopped before its first checkpoint starts over, and
+anything else is refused.
 
 SIGTERM, or a first Ctrl-C, saves a checkpoint at the next step boundary and exits with status 3 (130
 for Ctrl-C; with several processes, joined through `jax.distributed`, every process stops at the same
@@ -56,21 +60,23 @@ from jaxzero.checkpoint import (
     make_meta,
     state_bytes,
 )
-from jaxzero.config import ConfigError, TrainConfig, validate
+from jaxzero.config import ConfigError, TrainConfig, resolve_batch, validate
 from jaxzero.data import BatchIterator, Data, DataShard, DataState, build_data
 from jaxzero.decode import Generator, Sampling
 from jaxzero.interop import load_hf_into
 from jaxzero.metrics import (
     MetricsLog,
     ProgressBar,
+    TensorBoardLog,
     Throughput,
     accelerator_peak_gib,
     host_rss_gib,
     peak_tflops,
 )
 from jaxzero.models.sizes import flops_per_token, param_count
-from jaxzero.overrides import help_text, layer, split_args
-from jaxzero.run_dir import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, RunKind
+from jaxzero.overrides import Layered, help_text, layer, split_args
+from jaxzero.profiling import StepTrace
+from jaxzero.run_dir import CONFIG_FILE, METRICS_FILE, PROFILE_DIR, SUMMARY_FILE, TENSORBOARD_DIR, RunKind
 from jaxzero.state import BREAKDOWN, StepMetrics, Trainer
 from jaxzero.tokenizer import codec_for
 from jaxzero.trainer import decide_and_build
@@ -302,7 +308,8 @@ def nonfinite_cause(
 class LogWindow:
     """The steps since the last log line. Their metrics stay on the device until a line is due (the
     first step, every `logging.log_every` steps, validation steps and the last step); then one host
-    sync reads them all and one record goes to `metrics.jsonl` and the console."""
+    sync reads them all and one record goes to `metrics.jsonl`, the console and (`logging.tensorboard`)
+    TensorBoard's event files."""
 
     def __init__(
         self,
@@ -322,7 +329,12 @@ class LogWindow:
         device = trainer.mesh.devices.flat[0].platform.upper()  # the breakdown names the real device
         # Every process reads the metrics (and validates: collectives); the main process writes them.
         self.path = Path(cfg.run_dir) / METRICS_FILE
-        self.file = MetricsLog(self.path if main_process else Path(os.devnull), console, device=device)
+        events = None
+        if main_process and cfg.logging.tensorboard:  # from the first step this run logs (a resume's)
+            events = TensorBoardLog(Path(cfg.run_dir) / TENSORBOARD_DIR, first_step=start.first)
+        self.file = MetricsLog(
+            self.path if main_process else Path(os.devnull), console, device=device, tensorboard=events
+        )
         self.last: dict[str, Any] = {}  # the newest record
         self.grad_norms: list[float] = []  # finite gradient norms of the steps read so far (the last few)
         self.throughput = Throughput(
@@ -472,6 +484,9 @@ def train(cfg: TrainConfig, console: TextIO = sys.stdout) -> Path:
     # Checks the mesh and memory, and decides the offload keys left on auto; allocates and compiles
     # nothing. `cfg` stays as the user wrote it (config.json keeps "auto"); `trainer.config` is decided.
     trainer, decision = decide_and_build(cfg)
+    cfg = resolve_batch(cfg, jax.device_count())  # DeepSpeed's batch rule, now that the devices are known
+    if run.kind is RunKind.RESUME:
+        run_dir_lib.check_resume(cfg, run.saved, path)  # the batch sizes, resolved
     # Every process has looked at the run directory before process 0 writes anything into it.
     distributed.barrier("run directory inspected", cfg.parallel.timeout_s)
     main_process = jax.process_index() == 0  # writes the run's files; every process checkpoints
@@ -524,15 +539,18 @@ def train(cfg: TrainConfig, console: TextIO = sys.stdout) -> Path:
         ckpt = Checkpointer(path, trainer.config.checkpoint)
     bar = ProgressBar(cfg.steps, cfg.logging.progress and main_process)
     log = LogWindow(cfg, trainer, begin, val_batches, console, bar, t_start, main_process)
+    trace = StepTrace(cfg.profile.window(), _profile_dir(path), begin.first, console)
     state, batches = begin.state, begin.batches
     try:
         for step in range(begin.first, cfg.steps + 1):
+            trace.before(step)
             batch = trainer.put_batch(next(batches))
             counted = _counted_targets(batch)  # before the step, which may donate the batch
             state, metrics = trainer.step(state, batch)
             log.add(step, metrics, counted)
             if log.due(step):
                 log.write(step, state)  # raises TrainingError on a non-finite loss
+            trace.after(step, state)  # at the window's last step: waits for its work (a host sync)
             if ckpt is not None:
                 ckpt.check()  # a background save that failed stops the run now, not at the next save
             stop = stop_requested(step)
@@ -544,18 +562,17 @@ def train(cfg: TrainConfig, console: TextIO = sys.stdout) -> Path:
                 raise Preempted(_stopped_message(stop, step, ckpt, cfg), _exit_code(stop))
             bar.update(step)
     except (TrainingError, CheckpointWriteError):
-        log.close()
         _close_quietly(ckpt)  # the last good checkpoint is committed; nothing non-finite is saved
         raise
     except Preempted:
-        log.close()
         if ckpt is not None:
             ckpt.close()  # host sync: the checkpoint is committed before the process exits
         raise
     finally:
+        trace.stop()  # a trace still running (the step failed) is written too
+        log.close()  # on every way out: metrics.jsonl and the TensorBoard events written and closed
         trainer.close()  # the disk tier's working files go; saves have read what they need
     bar.close()
-    log.close()
     if ckpt is not None:
         ckpt.close()  # host sync: wait for the last asynchronous save
     if main_process:
@@ -646,20 +663,23 @@ def finish(
         )
 
 
-def configure(argv: list[str]) -> TrainConfig:
-    """The config `argv` asks for. For a run directory holding a checkpointed run, the preset's and the
-    command line's keys apply on top of the run's saved config (`train` then refuses any that would
-    make it a different run); otherwise on top of the defaults."""
-    preset, cli = split_args(argv)
-    requested_dir = cli.get("run_dir", preset.get("run_dir", ""))
+def configure(argv: list[str]) -> Layered:
+    """The config `argv` asks for, and how its DeepSpeed config was read. For a run directory holding
+    a checkpointed run, the preset's, the DeepSpeed file's and the command line's keys apply on top of
+    the run's saved config (`train` then refuses any that would make it a different run); otherwise
+    on top of the defaults."""
+    args = split_args(argv)
+    requested_dir = args.cli.get("run_dir", args.preset.get("run_dir", ""))
     base = TrainConfig()
     if requested_dir:
         run = run_dir_lib.inspect_run_dir(run_dir_lib.locate(requested_dir, ""))
         if run.kind is RunKind.RESUME:
             base = run.saved
-    cfg = layer(base, preset, cli)
+    layered = layer(base, args)
+    cfg = layered.config
     validate(cfg)
-    return dataclasses.replace(cfg, run_dir=str(run_dir_lib.locate(cfg.run_dir, cfg.model.name)))
+    cfg = dataclasses.replace(cfg, run_dir=str(run_dir_lib.locate(cfg.run_dir, cfg.model.name)))
+    return dataclasses.replace(layered, config=cfg)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -672,9 +692,12 @@ def main(argv: list[str] | None = None) -> int:
     jax.config.update("jax_threefry_gpu_kernel_lowering", True)
     processes, restore_handlers, cfg, background, code = None, None, None, None, 0
     try:
-        cfg = configure(argv)
+        layered = configure(argv)
+        cfg = layered.config
         # Several processes join before any backend starts; one process starts nothing.
         processes = distributed.start(cfg.parallel.timeout_s)
+        if layered.deepspeed is not None and (processes is None or processes.index == 0):
+            print(layered.deepspeed.report())
         if processes is not None:  # the default run_dir is named after each process's start time
             run_dir = distributed.agree("run_dir", cfg.run_dir, cfg.parallel.timeout_s)
             cfg = dataclasses.replace(cfg, run_dir=run_dir)
@@ -713,6 +736,14 @@ class _Discard(io.TextIOBase):
 
     def write(self, text: str) -> int:
         return len(text)
+
+
+def _profile_dir(run_dir: Path) -> Path:
+    """Where this process's profiler traces go: `<run_dir>/profile`, with several processes a folder
+    each (the trace files are named after the host, which processes of one machine share)."""
+    if jax.process_count() == 1:
+        return run_dir / PROFILE_DIR
+    return run_dir / PROFILE_DIR / f"process-{jax.process_index()}"
 
 
 def _job_peak(per_device: float | None, devices: int) -> float | None:

@@ -31,7 +31,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from jaxzero import memory, placement
-from jaxzero.config import ConfigError, TrainConfig, validate
+from jaxzero.config import ConfigError, TrainConfig, resolve_batch, validate
 from jaxzero.loss_scale import all_finite, init_loss_scale, update_loss_scale
 from jaxzero.models import Model, ModelParams, build_model
 from jaxzero.models.sizes import param_count
@@ -109,8 +109,9 @@ def decide_and_build(cfg: TrainConfig, mesh: Mesh | None = None) -> tuple[Traine
     validate(cfg)
     if mesh is None:  # before the first backend call, if this is it: XLA fixes its pools then
         memory.claim_accelerator_memory()
-        _size_pinned_pool(cfg)
+        _size_pinned_pool(_one_device_batch(cfg))
     mesh = mesh if mesh is not None else placement.make_mesh()
+    cfg = resolve_batch(cfg, mesh.size)
     validate(cfg, num_devices=mesh.size)
     processes = placement.process_count(mesh)
     sharing = placement.processes_on_this_host(mesh)  # a collective: every process calls it, here
@@ -173,6 +174,23 @@ def _agreed(machine: planner.Machine) -> planner.Machine:
         host_bw=bw * machine.local_processes,
         cores=int(cores),
     )
+
+
+def _one_device_batch(cfg: TrainConfig) -> TrainConfig:
+    """`cfg` with its batch resolved for one device, before the devices are known: each device's
+    share of a micro-batch given per device (data.micro_batch_size) is exact, and with grad_accum
+    derived, one device's accumulation bounds the real one from above. Unchanged when it cannot be."""
+    if not cfg.data.micro_batch_size:
+        return cfg
+    try:
+        return resolve_batch(cfg, 1)
+    except ConfigError:  # consistent only for the real device count: checked once that is known
+        d = cfg.data
+        accum = d.grad_accum or d.batch_size // d.micro_batch_size
+        one = dataclasses.replace(
+            d, batch_size=d.micro_batch_size * accum, grad_accum=accum, micro_batch_size=0
+        )
+        return dataclasses.replace(cfg, data=one) if accum else cfg
 
 
 def _size_pinned_pool(cfg: TrainConfig) -> None:

@@ -36,13 +36,13 @@ def test_a_run_ends_with_its_summary_and_a_finished_run_has_nothing_to_do(tmp_pa
     assert f"run_dir {path}: a new run" in out and "jaxzero: done: step 3" in out
     assert "python -m jaxzero.export --run_dir=" in out
     again = io.StringIO()
-    train_lib.train(train_lib.configure([f"--run_dir={path}"]), again)
+    train_lib.train(train_lib.configure([f"--run_dir={path}"]).config, again)
     assert "nothing to do: the run is at step 3 and steps=3" in again.getvalue()
 
 
 def test_configure_resumes_from_the_saved_config_and_refuses_malformed_arguments(tmp_path):
     path = train_lib.train(tiny(tmp_path, **{"optimizer.lr": "1e-3"}), io.StringIO())
-    cfg = train_lib.configure([f"--run_dir={path}", "--steps=5"])
+    cfg = train_lib.configure([f"--run_dir={path}", "--steps=5"]).config
     assert cfg.optimizer.lr == 1e-3 and cfg.steps == 5 and cfg.model.num_layers == 1  # the saved run's
     with pytest.raises(ConfigError, match="cannot parse argument '--steps'"):
         train_lib.configure([f"--run_dir={path}", "--steps", "10"])
@@ -51,13 +51,13 @@ def test_configure_resumes_from_the_saved_config_and_refuses_malformed_arguments
 def test_a_resume_says_what_the_schedule_does(tmp_path):
     path = train_lib.train(tiny(tmp_path, **{"optimizer.warmup_steps": "0"}), io.StringIO())  # 3-step decay
     kept = io.StringIO()
-    train_lib.train(train_lib.configure([f"--run_dir={path}", "--steps=4"]), kept)
+    train_lib.train(train_lib.configure([f"--run_dir={path}", "--steps=4"]).config, kept)
     assert "steps 3 -> 4: the learning-rate schedule keeps the 3 steps it started with" in kept.getvalue()
     lrs = [json.loads(ln)["lr"] for ln in (path / "metrics.jsonl").read_text().splitlines()]
     assert lrs[3] == pytest.approx(3e-3 * 0.1)  # held at the old schedule's end (lr x min_lr_ratio)
     changed = io.StringIO()
     train_lib.train(
-        train_lib.configure([f"--run_dir={path}", "--steps=6", "--optimizer.decay_steps=6"]), changed
+        train_lib.configure([f"--run_dir={path}", "--steps=6", "--optimizer.decay_steps=6"]).config, changed
     )
     assert "the learning-rate schedule changes length from 3 to 6 steps" in changed.getvalue()
     lrs = [json.loads(ln)["lr"] for ln in (path / "metrics.jsonl").read_text().splitlines()]

@@ -21,7 +21,7 @@ import os
 import sys
 
 from jaxzero import memory
-from jaxzero.config import ConfigError
+from jaxzero.config import ConfigError, resolve_batch
 from jaxzero.overrides import help_text, parse_args
 from jaxzero.plan.planner import decide, detect_machine
 
@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
             memory.claim_accelerator_memory()  # the run's share of the card, as the trainer sets it
             devices = _device_count()
+        cfg = resolve_batch(cfg, devices)
         # The run sizes XLA's pinned pool to its placement when it starts: not a limit here.
         decision = decide(cfg, detect_machine(cfg, devices=devices, pool_fixed=False))
     except ConfigError as e:

@@ -1,0 +1,343 @@
+"""`--deepspeed=ds_config.json`: DeepSpeed's own example configs run as they are; every mapped key
+lands on its jaxzero setting; DeepSpeed's batch rule and schedules hold; bad files are refused with the
+key path. The configs in tests/deepspeed_configs/ are written out from DeepSpeed's documentation:
+getting_started (Getting Started), zero_offload (ZeRO-Offload tutorial, its JSON made valid),
+zero_infinity_cpu (ZeRO tutorial, ZeRO-Infinity), zero_infinity_nvme (ZeRO-3 docs, NVMe), the config
+reference's examples together (config_reference), and the Hugging Face Trainer's ZeRO-3 "auto" one."""
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import jax.numpy as jnp
+import pytest
+from subprocess_run import run_module
+
+from jaxzero import deepspeed
+from jaxzero.config import ConfigError, TrainConfig, resolve_batch, validate
+from jaxzero.optim import learning_rate_schedule
+from jaxzero.overrides import apply_overrides, layer, split_args
+
+CONFIGS = Path(__file__).parent / "deepspeed_configs"
+TB, MB, GAS = "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"
+
+
+def configure(*argv: str) -> tuple[TrainConfig, deepspeed.Translation | None]:
+    layered = layer(TrainConfig(), split_args(list(argv)))
+    validate(layered.config)
+    return layered.config, layered.deepspeed
+
+
+def translate(ds: dict, base: TrainConfig | None = None) -> deepspeed.Translation:
+    return deepspeed.translate(ds, base or TrainConfig(), "ds.json")
+
+
+# ---------------------------------------------------------------------------------------------------
+# DeepSpeed's own configs, end to end through the CLI
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name, extra, expect",
+    [
+        ("getting_started", [], "resident"),
+        ("zero_offload", [], "ZeRO-Offload"),
+        ("zero_infinity_nvme", ["--offload.disk_path={tmp}/nvme"], "on local disk"),
+        ("config_reference", [], "block inputs wait in pinned host memory"),
+    ],
+)
+def test_deepspeed_configs_train(tmp_path, name, extra, expect):
+    """A few steps of each on CPU: the run starts with the placement the file asks for, its loss is
+    finite, and config.json holds the resolved settings."""
+    run_dir = tmp_path / "run"
+    args = [f"--deepspeed={CONFIGS / name}.json", "--steps=3", f"--run_dir={run_dir}", "--data.seq_len=32"]
+    args += ["--logging.samples=0", "--logging.eval_every=0", *(e.format(tmp=tmp_path) for e in extra)]
+    proc = run_module("jaxzero.train", *args, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert f"--deepspeed={CONFIGS / name}.json: " in proc.stdout and expect in proc.stdout
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert records and all(math.isfinite(r["loss"]) for r in records if "loss" in r)
+    saved = json.loads((run_dir / "config.json").read_text())
+    assert saved["data"]["micro_batch_size"] == 0 and saved["data"]["batch_size"] >= 1  # resolved
+
+
+def test_tutorial_configs_map_to_their_placements():
+    cfg, t = configure(f"--deepspeed={CONFIGS / 'zero_offload.json'}")
+    assert (cfg.parallel.zero_stage, cfg.offload.optimizer, cfg.offload.params) == (2, "cpu", "none")
+    assert any(line.startswith("zero_optimization.overlap_comm:") for line in t.ignored)
+    cfg, t = configure(f"--deepspeed={CONFIGS / 'zero_infinity_cpu.json'}")
+    assert (cfg.parallel.zero_stage, cfg.offload.optimizer, cfg.offload.params) == (3, "cpu", "cpu")
+    assert {line.split(":")[0] for line in t.ignored} >= {
+        "zero_optimization.stage3_max_live_parameters",
+        "zero_optimization.sub_group_size",
+        "zero_optimization.reduce_bucket_size",
+    }
+    cfg, _ = configure(f"--deepspeed={CONFIGS / 'zero_infinity_nvme.json'}")
+    assert (cfg.offload.optimizer, cfg.offload.params, cfg.offload.disk_path) == ("disk", "cpu", "/nvme_data")
+    cfg, _ = configure(f"--deepspeed={CONFIGS / 'getting_started.json'}")
+    assert (cfg.parallel.zero_stage, cfg.model.compute_dtype, cfg.optimizer.name) == (1, "float16", "adamw")
+    assert (cfg.data.batch_size, cfg.data.grad_accum, cfg.optimizer.lr) == (8, 1, 0.00015)
+    assert (cfg.optimizer.b1, cfg.optimizer.b2, cfg.optimizer.weight_decay) == (0.9, 0.999, 0.0)  # torch's
+
+
+def test_config_reference_maps_every_key():
+    cfg, t = configure(f"--deepspeed={CONFIGS / 'config_reference.json'}", "--model.name=llama-tiny")
+    o, d, f = cfg.optimizer, cfg.data, cfg.fp16
+    assert (d.micro_batch_size, d.grad_accum, d.batch_size) == (2, 2, 0)
+    assert resolve_batch(cfg, 4).data.batch_size == 16  # 2 x 2 x 4 devices
+    assert (o.name, o.lr, o.b1, o.b2, o.eps, o.weight_decay, o.grad_clip) == (
+        "adamw",
+        0.001,
+        0.8,
+        0.999,
+        1e-8,
+        3e-7,
+        1.0,
+    )
+    assert (o.schedule, o.warmup_steps, o.warmup_type, o.warmup_start_ratio) == ("constant", 1000, "log", 0.0)
+    assert cfg.model.compute_dtype == "float16"
+    assert (f.initial_scale_power, f.loss_scale_window, f.hysteresis, f.min_loss_scale) == (16, 1000, 2, 1.0)
+    assert (cfg.parallel.zero_stage, cfg.offload.params, cfg.offload.optimizer) == (3, "cpu", "cpu")
+    assert cfg.offload.device_state_units == round(0.7 * (cfg.model.num_layers + 2))  # ratio 0.3 on the host
+    assert cfg.offload.activations == "cpu"  # cpu_checkpointing
+    assert cfg.logging.log_every == 1 and cfg.logging.tensorboard is True
+    ignored = {line.split(":")[0] for line in t.ignored}
+    assert {"wall_clock_breakdown", "flops_profiler", "tensorboard.output_path", "fp16.auto_cast"} <= ignored
+    assert "zero_optimization.offload_param.buffer_size" in ignored
+    assert "DeepSpeed keys with no meaning" in t.report()
+
+
+def test_hf_trainer_auto_values_keep_jaxzero_settings():
+    """ "auto" leaves each key to jaxzero's own value, command line included, as the HF Trainer fills
+    them from its arguments."""
+    cfg, _ = configure(
+        f"--deepspeed={CONFIGS / 'hf_trainer_auto.json'}", "--optimizer.lr=2e-4", "--data.batch_size=12"
+    )
+    default = TrainConfig()
+    assert cfg.optimizer.lr == 2e-4 and cfg.data.batch_size == 12 and cfg.data.grad_accum == 1
+    assert (cfg.optimizer.b1, cfg.optimizer.b2, cfg.optimizer.weight_decay) == (
+        default.optimizer.b1,
+        default.optimizer.b2,
+        default.optimizer.weight_decay,
+    )
+    assert cfg.optimizer.grad_clip == default.optimizer.grad_clip
+    assert cfg.model.compute_dtype == default.model.compute_dtype
+    assert cfg.optimizer.schedule == "linear" and cfg.optimizer.min_lr_ratio == 0.0  # WarmupDecayLR
+    assert cfg.optimizer.decay_steps == 0 and cfg.optimizer.warmup_steps == default.optimizer.warmup_steps
+    assert (cfg.parallel.zero_stage, cfg.offload.params, cfg.offload.optimizer) == (3, "cpu", "cpu")
+    assert cfg.logging.log_every == 2000
+
+
+def test_command_line_overrides_the_file():
+    cfg, _ = configure(
+        f"--deepspeed={CONFIGS / 'zero_offload.json'}", "--offload.optimizer=none", "--parallel.zero_stage=1"
+    )
+    assert (cfg.offload.optimizer, cfg.parallel.zero_stage) == ("none", 1)
+    # The file's precision applies to a model the command line names.
+    cfg, _ = configure(f"--deepspeed={CONFIGS / 'getting_started.json'}", "--model.name=gpt2-tiny")
+    assert cfg.model.compute_dtype == "float16" and cfg.model.family == "gpt2"
+
+
+# ---------------------------------------------------------------------------------------------------
+# The batch rule: train_batch_size = micro x accumulation x devices
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "ds, devices, batch, accum",
+    [
+        ({"train_batch_size": 32}, 4, 32, 1),
+        ({"train_micro_batch_size_per_gpu": 2}, 4, 8, 1),
+        ({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3}, 4, 24, 3),
+        ({"train_batch_size": 32, "gradient_accumulation_steps": 2}, 4, 32, 2),
+        ({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 2}, 4, 32, 4),
+        ({TB: 16, MB: 2, GAS: 2}, 4, 16, 2),
+        ({TB: 4, MB: 2, GAS: 2}, 1, 4, 2),
+    ],
+)
+def test_batch_rule_and_inference(ds, devices, batch, accum):
+    cfg = resolve_batch(_with_data(ds), devices)
+    assert (cfg.data.batch_size, cfg.data.grad_accum, cfg.data.micro_batch_size) == (batch, accum, 0)
+    validate(cfg, num_devices=devices)
+    if "train_micro_batch_size_per_gpu" in ds:  # each device's micro-batch is the one asked for
+        assert batch // accum // devices == ds["train_micro_batch_size_per_gpu"]
+
+
+def _with_data(ds: dict) -> TrainConfig:
+    """The defaults with the data.* keys `ds` translates to."""
+    overrides = translate(ds).overrides
+    data = {k.split(".")[1]: v for k, v in overrides.items() if k.startswith("data.")}
+    cfg = TrainConfig()
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, **data))
+
+
+def test_batch_rule_broken_is_refused_with_the_arithmetic():
+    cfg = _with_data({TB: 30, MB: 2, GAS: 2})
+    validate(cfg)  # consistent for some device count: checked once the devices are known
+    with pytest.raises(ConfigError, match=r"2 x 2 x 4 = 16"):
+        resolve_batch(cfg, 4)
+    cfg = _with_data({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4})
+    with pytest.raises(ConfigError, match=r"30 / 16 is not a whole number.*e\.g\. 32"):
+        resolve_batch(cfg, 4)
+    with pytest.raises(ConfigError, match="gradient_accumulation_steps: given without"):
+        translate({"gradient_accumulation_steps": 4})
+
+
+# ---------------------------------------------------------------------------------------------------
+# Schedules: DeepSpeed's formulas (deepspeed/runtime/lr_schedules.py) at each update count
+# ---------------------------------------------------------------------------------------------------
+
+
+def _ds_gamma_warmup(n: int, warmup: int, kind: str) -> float:
+    warmup = max(2, warmup)
+    return math.log(n + 1) / math.log(warmup) if kind == "log" else n / warmup
+
+
+@pytest.mark.parametrize("kind", ["log", "linear"])
+def test_warmup_lr_equals_deepspeeds_formula(kind):
+    ds = {"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-4, "warmup_max_lr": 1e-3}}}
+    ds["scheduler"]["params"].update(warmup_num_steps=10, warmup_type=kind)
+    cfg, _ = _with(ds)
+    lr = learning_rate_schedule(cfg.optimizer, 100)
+    for n in range(0, 30):
+        gamma = _ds_gamma_warmup(n, 10, kind) if n < 10 else 1.0
+        assert float(lr(jnp.int32(n))) == pytest.approx(1e-4 + (1e-3 - 1e-4) * gamma, rel=1e-6), n
+
+
+def test_warmup_decay_lr_equals_deepspeeds_formula():
+    ds = {"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 50, "warmup_num_steps": 10}}}
+    cfg, _ = _with(ds)
+    lr = learning_rate_schedule(cfg.optimizer, cfg.schedule_steps)
+    for n in range(0, 60):
+        gamma = _ds_gamma_warmup(n, 10, "log") if n < 10 else max(0.0, (50 - n) / (50 - 10))
+        assert float(lr(jnp.int32(n))) == pytest.approx(1e-3 * gamma, rel=1e-5, abs=1e-12), n
+
+
+def test_warmup_cosine_lr_follows_deepspeeds_curve():
+    """Warmup as DeepSpeed's; the cosine phase equals DeepSpeed's formula one count later (its cosine
+    counts from warmup_num_steps - 1), ending at the same floor."""
+    params = {"total_num_steps": 40, "warmup_num_steps": 8, "warmup_min_ratio": 0.1, "cos_min_ratio": 0.05}
+    ds = {"optimizer": {"type": "AdamW", "params": {"lr": 2e-3}}, "scheduler": {"type": "WarmupCosineLR"}}
+    ds["scheduler"]["params"] = {**params, "warmup_type": "linear"}
+    cfg, _ = _with(ds)
+    lr = learning_rate_schedule(cfg.optimizer, cfg.schedule_steps)
+
+    def ds_warmup(n: int) -> float:
+        return 0.1 + (n / 8) * 0.9
+
+    def ds_cosine(n: int) -> float:
+        progress = min(1.0, (n - 8 + 1) / (40 - 8))
+        return 0.05 + 0.95 * (1 + math.cos(math.pi * progress)) / 2
+
+    for n in range(0, 8):
+        assert float(lr(jnp.int32(n))) == pytest.approx(2e-3 * ds_warmup(n), rel=1e-5), n
+    for n in range(8, 50):
+        assert float(lr(jnp.int32(n))) == pytest.approx(2e-3 * ds_cosine(n - 1), rel=1e-5, abs=1e-9), n
+
+
+def _with(ds: dict) -> tuple[TrainConfig, deepspeed.Translation]:
+    t = translate(ds)
+    cfg = apply_overrides(TrainConfig(), t.overrides)
+    validate(cfg)
+    return cfg, t
+
+
+# ---------------------------------------------------------------------------------------------------
+# Refusals: unknown keys, wrong types, features jaxzero does not run, unreadable files
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "ds, message",
+    [
+        ({"train_batch_sise": 8}, r"train_batch_sise: not a DeepSpeed key.*Did you mean 'train_batch_size'"),
+        ({"zero_optimization": {"stag": 2}}, r"zero_optimization\.stag: .*Did you mean 'stage'"),
+        ({"zero_optimization": {"offload_optimizer": {"device": "gpu"}}}, r"optimizer\.device: 'gpu'"),
+        ({"zero_optimization": {"stage": "3"}}, r"zero_optimization\.stage: '3' must be an integer"),
+        ({"zero_optimization": {"stage": 4}}, r"must be 0, 1, 2 or 3"),
+        ({"train_batch_size": 0}, r"train_batch_size: 0 must be >= 1"),
+        ({"optimizer": {"type": "OneBitAdam"}}, r"optimizer\.type: 'OneBitAdam'"),
+        ({"optimizer": {"type": "Adam", "params": {"lr": "fast"}}}, r"params\.lr: 'fast' must be a number"),
+        ({"optimizer": {"type": "Adam", "params": {"adam_w_mode": False, "weight_decay": 0.01}}}, "L2"),
+        ({"optimizer": {"type": "Adam", "params": {"betas": [0.9]}}}, "list of two numbers"),
+        ({"scheduler": {"type": "OneCycle", "params": {}}}, r"scheduler\.type: 'OneCycle'"),
+        ({"scheduler": {"type": "WarmupDecayLR", "params": {}}}, "needs total_num_steps"),
+        ({"fp16": {"enabled": True, "loss_scale": 128}}, "static loss scale"),
+        ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "both enabled"),
+        ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, "needs ZeRO stage 3"),
+        ({"zero_optimization": {"zero_quantized_weights": True}}, "ZeRO\\+\\+ quantization"),
+        ({"curriculum_learning": {"enabled": True}}, r"curriculum_learning\.enabled: jaxzero does not run"),
+        ({"sparse_attention": {"mode": "fixed"}}, "sparse attention"),
+        ({"tensor_parallel": {"autotp_size": 2}}, "no tensor parallelism"),
+        ({"zero_optimization": {"offload_optimizer": {"device": "nvme", "ratio": 0.5}}}, 'cpu" only'),
+    ],
+)
+def test_bad_configs_are_refused_naming_the_key(ds, message):
+    with pytest.raises(ConfigError, match=message):
+        translate(ds)
+
+
+def test_unreadable_files_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="no such file"):
+        split_args([f"--deepspeed={tmp_path / 'missing.json'}"])
+    # The ZeRO-Offload tutorial's snippet as printed: a comma missing, one too many.
+    (tmp_path / "as_printed.json").write_text(
+        '{\n  "zero_optimization": {\n    "stage": 2,\n    "offload_optimizer": {\n      "device": "cpu",\n'
+        '    }\n    "contiguous_gradients": true\n  }\n}\n'
+    )
+    with pytest.raises(ConfigError, match=r"not valid JSON: .* at line 6, column 5"):
+        split_args([f"--deepspeed={tmp_path / 'as_printed.json'}"])
+    (tmp_path / "list.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="holds a JSON list"):
+        split_args([f"--deepspeed={tmp_path / 'list.json'}"])
+
+
+def test_bad_file_fails_before_anything_is_written(tmp_path):
+    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 2, "overlap_com": True}}))
+    proc = run_module(
+        "jaxzero.train", f"--deepspeed={tmp_path / 'ds.json'}", f"--run_dir={tmp_path / 'run'}", cwd=tmp_path
+    )
+    assert proc.returncode == 2
+    assert "zero_optimization.overlap_com" in proc.stderr and "Did you mean 'overlap_comm'" in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_resume_with_the_same_file_and_a_changed_batch(tmp_path):
+    """The batch sizes a DeepSpeed file derives are compared with the checkpointed run's once they
+    are resolved: the same file resumes, another micro-batch is refused."""
+    ds = {MB: 2, GAS: 2, "zero_optimization": {"stage": 0}}
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+
+    def train(steps: int):
+        return run_module(
+            "jaxzero.train",
+            f"--deepspeed={tmp_path / 'ds.json'}",
+            f"--steps={steps}",
+            f"--run_dir={tmp_path / 'r'}",
+            *("--data.seq_len=16", "--logging.samples=0", "--logging.eval_every=0", "--logging.log_every=1"),
+            cwd=tmp_path,
+        )
+
+    first = train(2)
+    assert first.returncode == 0, first.stderr
+    again = train(3)
+    assert again.returncode == 0, again.stderr
+    last = json.loads((tmp_path / "r" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["step"] == 3
+    ds[MB] = 1
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    changed = train(4)
+    assert changed.returncode == 2 and "data.batch_size (4 -> 2)" in changed.stderr
+
+
+def test_batch_keys_validated_before_the_devices_are_known():
+    cfg = TrainConfig()
+    two_derived = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, batch_size=0, grad_accum=0))
+    with pytest.raises(ConfigError, match="except one of them 0"):
+        validate(two_derived)
+    unresolved = _with_data({MB: 2})
+    validate(unresolved)
+    with pytest.raises(ConfigError, match="resolve_batch"):
+        validate(unresolved, num_devices=4)
+    assert resolve_batch(cfg, 4) is cfg  # nothing to derive: the config as it is
