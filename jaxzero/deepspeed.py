@@ -730,6 +730,13 @@ def _zero(ds: Mapping[str, Any], base: TrainConfig, r: _Reader, out: Translation
             "zero_optimization.offload_param",
             f"parameter offload needs ZeRO stage 3 (as in DeepSpeed); stage is {stage}.",
         )
+    if param_device != "none" and optim_device == "none":
+        raise r.error(
+            "zero_optimization.offload_param",
+            "parameter offload without offload_optimizer: jaxzero streams weights updated from host-resident "
+            'masters, so it needs offload_optimizer.device "cpu" or "nvme" too. Add it, or remove '
+            "offload_param.",
+        )
     o["offload.optimizer"] = {"cpu": "cpu", "nvme": "disk", "none": "none"}[optim_device]
     o["offload.params"] = "none" if param_device == "none" else "cpu"
     if optim_device == "nvme" and nvme_path:

@@ -267,6 +267,7 @@ def _with(ds: dict) -> tuple[TrainConfig, deepspeed.Translation]:
         ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "both enabled"),
         ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, "needs ZeRO stage 3"),
         ({"zero_optimization": {"zero_quantized_weights": True}}, "ZeRO\\+\\+ quantization"),
+        ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, "needs offload_optimizer"),
         ({"curriculum_learning": {"enabled": True}}, r"curriculum_learning\.enabled: jaxzero does not run"),
         ({"sparse_attention": {"mode": "fixed"}}, "sparse attention"),
         ({"tensor_parallel": {"autotp_size": 2}}, "no tensor parallelism"),
