@@ -253,8 +253,26 @@ def set_aside_attempt(path: Path) -> Path:
 
 def truncate_metrics(path: Path, last_step: int) -> None:
     """Drop records past `last_step`: the resumed run recomputes them (identically), so the file keeps
-    one record per step. Rewritten atomically."""
+    one record per step. Rewritten atomically. A last line without its newline is a record a killed
+    run was writing: dropped too. Any other line that is not a record is an error naming it (the file
+    is not ours to discard)."""
     if not path.exists():
         return
-    keep = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= last_step]
+    text = path.read_text()
+    lines = text.split("\n")
+    if lines[-1]:  # no newline at the end: cut off while written
+        lines.pop()
+    keep = []
+    for number, line in enumerate(lines, 1):
+        if not line:
+            continue
+        try:
+            step = json.loads(line)["step"]
+        except (json.JSONDecodeError, TypeError, KeyError) as e:
+            raise ConfigError(
+                f"{path}, line {number}, is not a metrics record ({e}): the resumed run would rewrite this "
+                "file. Move it aside (the checkpoints do not need it) or repair the line."
+            ) from e
+        if step <= last_step:
+            keep.append(line)
     write_atomic(path, "".join(ln + "\n" for ln in keep))

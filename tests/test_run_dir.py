@@ -169,3 +169,14 @@ def test_metrics_past_the_restored_step_are_dropped(tmp_path):
     f.write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 5, 10, 15)))
     rd.truncate_metrics(f, 10)
     assert [json.loads(ln)["step"] for ln in f.read_text().splitlines()] == [1, 5, 10]
+
+
+def test_a_record_cut_off_by_a_kill_is_dropped_and_a_foreign_line_is_refused(tmp_path):
+    f = tmp_path / "metrics.jsonl"
+    f.write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 5)) + '{"step": 10, "lo')
+    rd.truncate_metrics(f, 10)
+    assert f.read_text() == '{"step": 1}\n{"step": 5}\n'
+    f.write_text('{"step": 1}\nnot json\n{"step": 5}\n')
+    with pytest.raises(ConfigError, match=r"line 2, is not a metrics record"):
+        rd.truncate_metrics(f, 10)
+    assert f.read_text() == '{"step": 1}\nnot json\n{"step": 5}\n'  # left as it was
