@@ -38,6 +38,7 @@ def translate(ds: dict, base: TrainConfig | None = None) -> deepspeed.Translatio
 # ---------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # the CLI in subprocesses
 @pytest.mark.parametrize(
     "name, extra, expect",
     [
@@ -294,6 +295,7 @@ def test_unreadable_files_are_refused(tmp_path):
         split_args([f"--deepspeed={tmp_path / 'list.json'}"])
 
 
+@pytest.mark.slow  # the CLI in subprocesses
 def test_bad_file_fails_before_anything_is_written(tmp_path):
     (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 2, "overlap_com": True}}))
     proc = run_module(
@@ -304,6 +306,7 @@ def test_bad_file_fails_before_anything_is_written(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow  # the CLI in subprocesses
 def test_resume_with_the_same_file_and_a_changed_batch(tmp_path):
     """The batch sizes a DeepSpeed file derives are compared with the checkpointed run's once they
     are resolved: the same file resumes, another micro-batch is refused."""
