@@ -609,7 +609,7 @@ def _scheduler(ds: Mapping[str, Any], base: TrainConfig, r: _Reader, out: Transl
         low = p("warmup_min_lr")
         peak = o.get("optimizer.lr", base.optimizer.lr)
         if low is not None:
-            if not 0 <= low <= peak:
+            if not 0 <= low <= peak or peak <= 0:
                 raise r.error(
                     "scheduler.params.warmup_min_lr", f"{low} must be in [0, warmup_max_lr={peak}]."
                 )

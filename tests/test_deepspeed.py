@@ -264,6 +264,7 @@ def _with(ds: dict) -> tuple[TrainConfig, deepspeed.Translation]:
         ({"optimizer": {"type": "Adam", "params": {"betas": [0.9]}}}, "list of two numbers"),
         ({"scheduler": {"type": "OneCycle", "params": {}}}, r"scheduler\.type: 'OneCycle'"),
         ({"scheduler": {"type": "WarmupDecayLR", "params": {}}}, "needs total_num_steps"),
+        ({"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 0, "warmup_min_lr": 0}}}, "in \\["),
         ({"fp16": {"enabled": True, "loss_scale": 128}}, "static loss scale"),
         ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "both enabled"),
         ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, "needs ZeRO stage 3"),
