@@ -1,4 +1,5 @@
-"""`python -m jaxzero.plan [--config=PATH] [--section.key=value ...]`: where a run's state would live.
+"""`python -m jaxzero.plan [--config=PATH] [--deepspeed=PATH] [--section.key=value ...]`: where a run's
+state would live.
 
 Takes the arguments of `python -m jaxzero.train` (the same parsing, presets and checks) and prints
 what the planner (`jaxzero.plan.planner`) decides for that run on this machine, or on the machine
@@ -21,8 +22,8 @@ import os
 import sys
 
 from jaxzero import memory
-from jaxzero.config import ConfigError, resolve_batch
-from jaxzero.overrides import help_text, parse_args
+from jaxzero.config import ConfigError, TrainConfig, resolve_batch, validate
+from jaxzero.overrides import help_text, layer, split_args
 from jaxzero.plan.planner import decide, detect_machine
 
 EXIT_CONFIG = 2
@@ -34,7 +35,11 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__ + help_text())
         return 0
     try:
-        cfg = parse_args(argv)
+        layered = layer(TrainConfig(), split_args(argv))
+        cfg = layered.config
+        validate(cfg)
+        if layered.deepspeed is not None:
+            print(layered.deepspeed.report())
         devices = 1
         if not cfg.machine.gpu_gib:
             # Reading a device's memory must not take it: no preallocation in this process (set
