@@ -140,6 +140,7 @@ def test_two_processes_train_as_one_through_a_preemption_and_a_resume(tmp_path: 
         "config.json",
         "metrics.jsonl",
         "summary.json",
+        "tensorboard",
     ]
 
     four = run_module(
