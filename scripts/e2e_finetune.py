@@ -2,18 +2,23 @@
 `--model`'s shape with random weights, imported, fine-tuned with full offload on text prepared with
 `python -m jaxzero.prepare`, exported, and reloaded by transformers, whose logits must match jaxzero's.
 
-    python scripts/e2e_finetune.py --model=llama-3.1-8b --steps=200 --seq=1024 --batch=8 --out=$OUT/e2e
+    python scripts/e2e_finetune.py --model=llama-3.1-8b --steps=200 --seq=1024 --batch=8 --out=/tmp/e2e
 
 Stages, each in its own process (so each sizes its own accelerator memory and pinned pool):
   1. base:    random float32 init of the named shape, exported as bf16 safetensors (`OUT/base`);
   2. prepare: the byte-level tokens of Python's standard library (`OUT/data`; the machines are
               offline, and byte ids are valid in every vocabulary);
-  3. train:   `python -m jaxzero.train --model.name=hf:OUT/base` with `offload.params=cpu` and
-              `offload.optimizer=cpu`, checkpoints off (a 8B checkpoint would not fit the lent disk
-              beside the rest), then `trainer.export` of the trained weights (`OUT/tuned`);
+  3. train:   what `python -m jaxzero.train --model.name=hf:OUT/base` runs, under full offload:
+              `offload.params=cpu` and `offload.optimizer=cpu` (every block streamed, every unit
+              updated on the CPU) with bf16 moments and one-pass updates, which 8B needs on a
+              125 GiB host (fp32 moments need 159 GiB: `python -m jaxzero.plan` says so); checkpoints
+              off (an 8B checkpoint would not fit the lent disk beside the rest); then
+              `trainer.export` of the trained weights (`OUT/tuned`);
   4. compare: transformers loads `OUT/tuned`; its float32 logits on held-out windows against
               jaxzero's float32 forward of the same files.
-Prints the loss curve's ends, the times and the logit agreement; writes `OUT/e2e.json`.
+  5. report:  prints the loss curve's ends, the times and the logit agreement; writes `OUT/e2e.json`.
+`--stage=all` runs them in order; a single `--stage=NAME` runs one (a device command that must stay
+under a time limit), each recording its wall time in `OUT/times.json`.
 """
 
 from __future__ import annotations
@@ -38,8 +43,9 @@ def stage_base(args: argparse.Namespace) -> None:
 
     jax.config.update("jax_threefry_gpu_kernel_lowering", True)
     cfg = named_model_config(args.model)
+    init_cfg = dataclasses.replace(cfg, attention_impl="xla")  # the init runs on the CPU backend
     with jax.default_device(jax.devices("cpu")[0]):  # host RAM holds the float32 init, not the GPU
-        params = jax.device_get(build_model(cfg).init(jax.random.key(args.seed)))
+        params = jax.device_get(build_model(init_cfg).init(jax.random.key(args.seed)))
     export_hf(params, cfg, Path(args.out) / "base", dtype="bfloat16")
 
 
@@ -63,10 +69,12 @@ def stage_train(args: argparse.Namespace) -> None:
             f"--steps={args.steps}",
             "--offload.params=cpu",
             "--offload.optimizer=cpu",
+            "--optimizer.state_dtype=bfloat16",
+            "--offload.two_pass_units=0",
             "--checkpoint.enabled=false",
             f"--optimizer.lr={args.lr}",
             "--optimizer.warmup_steps=10",
-            *args.set,
+            *(a if a.startswith("--") else f"--{a}" for a in args.set),
         ]
     )
     trainer = build_trainer(cfg)
@@ -116,50 +124,24 @@ def stage_compare(args: argparse.Namespace) -> None:
     print(f"transformers vs jaxzero float32 logits: max |d| / max |logit| = {err:.2e}")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="llama-3.1-8b")
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--lr", type=float, default=1e-4)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--set", action="append", default=[], help="more --section.key=value for the training")
-    ap.add_argument("--stage", choices=("all", "base", "train", "compare"), default="all")
-    args = ap.parse_args()
-    if args.stage == "base":
-        return stage_base(args)
-    if args.stage == "train":
-        return stage_train(args)
-    if args.stage == "compare":
-        return stage_compare(args)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    times = {}
+def stage_prepare(args: argparse.Namespace) -> None:
     stdlib = Path(json.__file__).parent.parent
-    steps = [
-        ("base", [sys.executable, __file__, "--stage=base", *sys.argv[1:]]),
-        (
-            "prepare",
-            [
-                sys.executable,
-                "-m",
-                "jaxzero.prepare",
-                f"--input={stdlib}/[a-m]*.py",
-                f"--out={out / 'data'}",
-                "--val_docs=20",
-            ],
-        ),
-        ("train", [sys.executable, __file__, "--stage=train", *sys.argv[1:]]),
-        ("compare", [sys.executable, __file__, "--stage=compare", *sys.argv[1:]]),
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxzero.prepare",
+        f"--input={stdlib}/[a-m]*.py",
+        f"--out={Path(args.out) / 'data'}",
+        "--val_docs=20",
     ]
-    for name, cmd in steps:
-        t = time.perf_counter()
-        subprocess.run(cmd, check=True, cwd=HERE)
-        times[name] = round(time.perf_counter() - t, 1)
+    subprocess.run(cmd, check=True, cwd=HERE)
+
+
+def stage_report(args: argparse.Namespace) -> None:
+    out = Path(args.out)
     trained = json.loads((out / "train.json").read_text())
     compare = json.loads((out / "compare.json").read_text())
+    times = json.loads((out / "times.json").read_text())
     result = {
         "model": args.model,
         "steps": args.steps,
@@ -177,6 +159,43 @@ def main() -> None:
         f"{trained['train_s'] / args.steps:.2f} s/step; logits vs transformers {compare['rel_err']:.1e}; "
         f"stages {times}"
     )
+
+
+STAGES = {
+    "base": stage_base,
+    "prepare": stage_prepare,
+    "train": stage_train,
+    "compare": stage_compare,
+    "report": stage_report,
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="llama-3.1-8b")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--set", action="append", default=[], help="more --section.key=value for the training")
+    ap.add_argument("--stage", choices=("all", *STAGES), default="all")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.stage == "all":
+        rest = [a for a in sys.argv[1:] if not a.startswith("--stage")]
+        for name in STAGES:  # each stage in its own process
+            subprocess.run([sys.executable, __file__, f"--stage={name}", *rest], check=True, cwd=HERE)
+        return
+    t = time.perf_counter()
+    STAGES[args.stage](args)
+    if args.stage != "report":
+        times_file = out / "times.json"
+        times = json.loads(times_file.read_text()) if times_file.exists() else {}
+        times[args.stage] = round(time.perf_counter() - t, 1)
+        times_file.write_text(json.dumps(times))
 
 
 if __name__ == "__main__":
