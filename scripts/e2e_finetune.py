@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import resource
 import subprocess
 import sys
 import time
@@ -81,17 +82,23 @@ def stage_train(args: argparse.Namespace) -> None:
     data = build_data(cfg.data, cfg.model.vocab_size, cfg.seed)
     state = trainer.init_from_params(load_hf_into(cfg.model, cfg.model.init_from))  # the base weights
     batches = data.train_iter()
-    losses, t0 = [], time.perf_counter()
+    losses, marks, t0 = [], {}, time.perf_counter()
     for step in range(1, cfg.steps + 1):
         state, m = trainer.step(state, trainer.put_batch(next(batches)))
         if step == 1 or step % 10 == 0 or step == cfg.steps:
             losses.append((step, float(jax.device_get(m.loss))))  # host sync
-            print(f"step {step} loss {losses[-1][1]:.4f} ({time.perf_counter() - t0:.0f} s)", flush=True)
+            marks[step] = time.perf_counter() - t0
+            print(f"step {step} loss {losses[-1][1]:.4f} ({marks[step]:.0f} s)", flush=True)
     wall = time.perf_counter() - t0
+    first = min(s for s in marks if s > 1)  # steady state: from the first mark after the compile
+    steady = (marks[cfg.steps] - marks[first]) / max(cfg.steps - first, 1)
     val = trainer.evaluate(state, data.val_batches(2))
     trainer.export(state, out / "tuned", dtype="float32")
     np.save(out / "val_windows.npy", data.val_batches(1)[0][:2])
-    (out / "train.json").write_text(json.dumps({"losses": losses, "val_loss": val, "train_s": wall}))
+    gpu = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    measured = {"train_s": wall, "step_s": steady, "peak_rss_gib": rss / 2**30, "peak_gpu_gib": gpu / 2**30}
+    (out / "train.json").write_text(json.dumps({"losses": losses, "val_loss": val, **measured}))
 
 
 def stage_compare(args: argparse.Namespace) -> None:
@@ -156,7 +163,9 @@ def stage_report(args: argparse.Namespace) -> None:
     print(
         f"{args.model}: loss {l0:.3f} (step {first}) -> {l1:.3f} (step {last}), "
         f"val {trained['val_loss']:.3f}; "
-        f"{trained['train_s'] / args.steps:.2f} s/step; logits vs transformers {compare['rel_err']:.1e}; "
+        f"{trained['step_s']:.2f} s/step; "
+        f"peak RSS {trained['peak_rss_gib']:.1f} GiB, GPU {trained['peak_gpu_gib']:.1f} GiB; "
+        f"logits vs transformers {compare['rel_err']:.1e}; "
         f"stages {times}"
     )
 

@@ -159,9 +159,23 @@ def build_offload_trainer(
         return fresh(ModelParams(masters[0], tuple(masters[1:-1]), masters[-1]), started)
 
     def init_from_params(params: ModelParams) -> OffloadState:
-        # NumPy (or fully addressable) float32 masters -> this process's block on the CPU backend
-        local = jax.tree.map(lambda x: np.array(np.asarray(x)[where.local_rows(np.shape(x))]), params)
-        return fresh(jax.device_put(local, where.host))
+        # NumPy (or fully addressable) float32 masters -> this process's block on the CPU backend.
+        # Unit by unit, each source dropped once placed (the caller passes its only reference): the
+        # load peaks at the masters plus one unit, not at two or three copies of every master.
+        reserve_pool()
+        sources = _flat(params)
+        del params
+        masters, started = [], {}
+        for u in plan.units:
+            source, sources[u.position] = sources[u.position], None
+            rows = jax.tree.map(lambda x: np.array(np.asarray(x)[where.local_rows(np.shape(x))]), source)
+            del source
+            m = jax.device_put(rows, where.host)
+            del rows
+            if u.state in (Tier.DEVICE, Tier.DISK):
+                started[u.position], m = start_unit(u, m), None
+            masters.append(m)
+        return fresh(_unflat(masters), started)
 
     # The strategies are chosen here, once: float16 or not, overlapped or delayed.
     if fp16:
