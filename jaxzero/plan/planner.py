@@ -40,10 +40,12 @@ The cost model, per step (tokens per device T, parameters N; `Machine`'s rates):
   units over d2h. Per device (each device moves its shard).
 - host = the host update's memory traffic over host_bw: per parameter of a host-state unit, one pass
   reads masters, moments and gradient and writes masters, moments and the compute weights: 28 bytes
-  for AdamW with fp32 moments and bf16 gradients, 20 with bf16 moments. A two-pass unit moves 16 in
-  its first pass (new weights only) and 26 in its second (masters and moments), 42 in all
-  (BENCHMARKS.md, issue 4, "the host kernels are memory-bound"). optax on XLA:CPU
-  (`offload.fused_update=false`, float16) is 1.75x slower (2.56 against 4.48 G params/s, issue 4).
+  for AdamW with fp32 moments and bf16 gradients. A two-pass unit moves 16 in its first pass (new
+  weights only) and 26 in its second (masters and moments), 42 in all (BENCHMARKS.md, issue 4, "the
+  host kernels are memory-bound"). With bf16 moments the kernels measured about the fp32-moment rate
+  per parameter, not their 20 bytes' (6.7B at 16K tokens, 8B at 8K), so they are timed as fp32.
+  optax on XLA:CPU (`offload.fused_update=false`, float16) is 1.75x slower (2.56 against 4.48 G
+  params/s, issue 4).
 - exposed = the host update the next forward pass waits for. With clipping (or float16) no host unit
   updates before the global norm is known, at the end of the backward pass; the host then runs each
   unit's first pass in forward order while the GPU's forward follows it unit by unit, so the wait is
@@ -58,10 +60,10 @@ predicted s/step: the 3.37B Llama (`llama-3.4b-bench`) at 16K tokens per step re
 ZeRO-Offload and ZeRO-3 offload 1.15-1.25 / 1.19 (one-pass updates 1.28-1.39 / 1.36; the delayed
 update 0.815-0.863 / 0.79; no clipping 1.03 / 0.99); at 32K tokens resident 1.455 / 1.50, ZeRO-3
 offload 1.762 / 1.59, ZeRO-Offload 1.723 / 1.59; the 6.7B Llama (`llama-7b`) resident at 32K 2.89 /
-2.99, under full offload with bf16 moments and one-pass updates 3.55 / 3.39 at 32K tokens, but 2.77
-/ 2.26 at 16K (-18%: the bf16-moment kernels ran at about the fp32-moment rate per parameter, not
-at their fewer bytes). `tests/test_planner.py` holds the model to these within 20%. These are
-predictions; measured steps vary 5-10% from machine to machine.
+2.99, under full offload with bf16 moments and one-pass updates 3.55 / 3.84 at 32K tokens and 2.77
+/ 2.71 at 16K; on one H100 (0.7x the H200's step rate), Llama-3.1-8B's shape at 8K tokens under full
+offload, bf16 moments, one-pass updates 2.97 / 2.87. `tests/test_planner.py` holds the model to
+these within 20%. These are predictions; measured steps vary 5-10% from machine to machine.
 """
 
 from __future__ import annotations
@@ -335,6 +337,10 @@ def predict(cfg: TrainConfig, plan: OffloadPlan, machine: Machine) -> Prediction
         return Prediction(gpu_s, gpu_s, 0.0, 0.0, 0.0, "GPU compute")
 
     compute, opt = _dtype_bytes(plan.compute_dtype), memory.optimizer_state_bytes(cfg)
+    # The host kernels run at the fp32-moment rate per parameter with bf16 moments too (they convert
+    # as they go): time them by fp32 moments' bytes. The disk still moves the bf16 bytes.
+    fp32_moments = dataclasses.replace(cfg.optimizer, state_dtype="float32")
+    opt_time = memory.optimizer_state_bytes(dataclasses.replace(cfg, optimizer=fp32_moments))
     slowdown = 1.0 if update.fused else OPTAX_SLOWDOWN
     bw = machine.host_bw / machine.local_processes  # this process's share of the host
     first = [0.0] * len(plan.units)  # seconds of each unit's first (or only) pass
@@ -345,12 +351,12 @@ def predict(cfg: TrainConfig, plan: OffloadPlan, machine: Machine) -> Prediction
     for j, i in enumerate(host_units):
         u = plan.units[i]
         grad = _dtype_bytes(plan.grad_dtype) if u.kind is UnitKind.BLOCK else 4
-        read = 4 + opt + grad  # masters, moments, gradient
+        read = 4 + opt_time + grad  # masters, moments, gradient
         # The pipeline counts two-pass units from the first host unit (`UpdatePipeline`).
         if j < update.two_pass.max_units:  # new weights first, masters and moments later
-            first_bytes, all_bytes = read + compute, 2 * read + compute + 4 + opt
+            first_bytes, all_bytes = read + compute, 2 * read + compute + 4 + opt_time
         else:
-            first_bytes = all_bytes = read + 4 + opt + compute
+            first_bytes = all_bytes = read + 4 + opt_time + compute
         per_process = count[u.kind] / machine.processes * slowdown / bw
         first[i], full[i] = first_bytes * per_process, all_bytes * per_process
         if u.state is Tier.DISK:
