@@ -188,6 +188,13 @@ def test_cost_model_matches_the_measured_steps():
     c = cfg(**{**over, "data.batch_size": "8"})
     predicted = predict(c, resolve_plan(c), detect_machine(c)).step_s
     assert abs(predicted / 2.97 - 1) <= 0.20, predicted
+    # llama-7b, one long sequence per step, every block streamed: attention's S^2 FLOPs dominate
+    # (8N alone predicted 8.6 and 17.2 s).
+    for seq, measured in ((65536, 14.66), (131072, 48.61)):
+        long = {"model.name": "llama-7b", "model.max_seq_len": str(seq), "data.seq_len": str(seq)}
+        c = cfg(**{**ZERO3, **h100, **long, "data.batch_size": "1", "offload.two_pass_units": "0"})
+        predicted = predict(c, resolve_plan(c), detect_machine(c)).step_s
+        assert abs(predicted / measured - 1) <= 0.20, (seq, predicted, measured)
 
 
 def test_the_bottleneck_is_named():

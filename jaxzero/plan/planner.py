@@ -35,6 +35,7 @@ rule). On a CPU-only backend the "accelerator" is host RAM, counted as `memory.c
 The cost model, per step (tokens per device T, parameters N; `Machine`'s rates):
 - gpu = 8 N T / gpu_flops: forward, rematerialised forward and backward; the forward is 1/4 of it,
   spread over units by their matmul work (blocks; the head's hidden x vocab; the embedding none).
+  Sequences longer than the calibration's 2,048 tokens add their attention (`ATTENTION_COST`).
 - link = streamed compute-dtype weights crossing twice (forward, backward) plus the new weights of
   host-updated units that live on the accelerator (once), over h2d; plus the gradients of host-updated
   units over d2h. Per device (each device moves its shard).
@@ -95,6 +96,13 @@ GPU_HEADROOM = 0.05
 # The forward pass's share of a rematerialised step's FLOPs: 2N of 8N (forward, recomputed forward,
 # backward 4N).
 FORWARD_SHARE = 0.25
+# Attention past the calibration's sequences: the step rates above were fitted at 2,048 tokens per
+# sequence, where attention is a few % of 8N. Beyond that each token adds 8 x layers x heads x
+# head_dim x (seq_len - 2,048) FLOPs (causal: half of the S^2 products; forward, recomputed forward,
+# backward twice), which run at 1 / ATTENTION_COST of the dense rate: fitted to llama-7b on one H100
+# at one sequence of 65,536 and 131,072 tokens (14.66 and 48.61 s per step; 8N alone: 8.6, 17.2 s).
+CALIBRATION_SEQ = 2048
+ATTENTION_COST = 0.68
 # optax's update on XLA:CPU against the fused kernels, per parameter (2.56 against 4.48 G params/s on
 # one H200 box, BENCHMARKS.md, issue 4).
 OPTAX_SLOWDOWN = 4.48 / 2.56
@@ -328,8 +336,14 @@ def predict(cfg: TrainConfig, plan: OffloadPlan, machine: Machine) -> Prediction
     n_embed, n_block, n_head = unit_param_counts(m)
     count = {UnitKind.EMBED: n_embed, UnitKind.BLOCK: n_block, UnitKind.HEAD: n_head}
     tokens = d.batch_size * d.seq_len / machine.devices
-    gpu_s = 8 * param_count(m) * tokens / machine.gpu_flops
-    work = {UnitKind.EMBED: 0, UnitKind.BLOCK: n_block, UnitKind.HEAD: m.hidden_size * m.vocab_size}
+    # Per token and block, attention's FLOPs past the calibration, in parameter-equivalents (8 each).
+    attention = ATTENTION_COST * m.num_heads * m.head_dim * max(d.seq_len - CALIBRATION_SEQ, 0)
+    gpu_s = 8 * (param_count(m) + m.num_layers * attention) * tokens / machine.gpu_flops
+    work = {
+        UnitKind.EMBED: 0,
+        UnitKind.BLOCK: n_block + attention,
+        UnitKind.HEAD: m.hidden_size * m.vocab_size,
+    }
     total_work = sum(work[u.kind] for u in plan.units)
     forward = [FORWARD_SHARE * gpu_s * work[u.kind] / total_work for u in plan.units]
     update = plan.host_update
