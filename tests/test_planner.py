@@ -152,6 +152,20 @@ def test_refusal_says_what_was_needed_and_what_would_fit():
     # A model whose state fits no batch size.
     with pytest.raises(ConfigError, match="no data.batch_size fits, not even 1"):
         decide(cfg(**{"model.name": "llama-30b"}), h200(139))
+    # An explicit placement is not adapted, so the refusal names the fewest settings that fit it:
+    # Llama-3.1-8B's shape under full offload on an H100 box (as issue 15's fine-tune ran it).
+    full = {**ZERO3, "model.name": "llama-3.1-8b", "data.seq_len": "1024"}
+    with pytest.raises(ConfigError) as e:
+        decide(cfg(**full), h200(79.2))
+    assert str(e.value).endswith(
+        "It fits with checkpoint.async_save=false (no snapshot in host RAM during a save), "
+        "optimizer.state_dtype=bfloat16 (half the moments' bytes) and offload.two_pass_units=0 "
+        "(one-pass updates: no gradients kept pinned for a second pass)."
+    )
+    lean = {**full, "optimizer.state_dtype": "bfloat16", "checkpoint.enabled": "false"}
+    with pytest.raises(ConfigError, match=r"It fits with offload.two_pass_units=0 \(one-pass updates"):
+        decide(cfg(**lean), h200(79.2))
+    assert decide(cfg(**lean, **{"offload.two_pass_units": "0"}), h200(79.2)).plan.mode.startswith("ZeRO-3")
 
 
 def test_cost_model_matches_the_measured_steps():

@@ -70,6 +70,7 @@ these within 20%. These are predictions; measured steps vary 5-10% from machine 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import os
 import shutil
@@ -1146,8 +1147,9 @@ def _smaller(search: _Search) -> str:
 
 
 def _settings_that_fit(search: _Search) -> str:
-    """Settings that make this model fit at this batch size: no checkpoint snapshot in host RAM,
-    bf16 moments, or both."""
+    """The fewest settings that make this model fit at this batch size, of: no checkpoint snapshot in
+    host RAM, bf16 moments, and (for an explicit placement, which the planner does not adapt)
+    one-pass updates."""
     cfg, mc, whole = search.cfg, search.machine, search.whole
     changes: list[tuple[str, dict[str, dict[str, object]]]] = []
     if cfg.checkpoint.enabled and cfg.checkpoint.async_save:
@@ -1156,9 +1158,18 @@ def _settings_that_fit(search: _Search) -> str:
     if cfg.optimizer.state_dtype == "float32" and memory.optimizer_state_bytes(cfg):
         bf16 = {"optimizer": {"state_dtype": "bfloat16"}}
         changes.append(("optimizer.state_dtype=bfloat16 (half the moments' bytes)", bf16))
-    for text, sections in changes:
-        if _fits(_variant(cfg, **sections), mc, whole):
-            return f"It fits with {text}."
-    if len(changes) == 2 and _fits(_variant(cfg, **changes[0][1], **changes[1][1]), mc, whole):
-        return f"It fits with both {changes[0][0]} and {changes[1][0]}."
+    if not search.strict and cfg.offload.optimizer in ("cpu", "disk") and cfg.offload.two_pass_units == -1:
+        one_pass = {"offload": {"two_pass_units": 0}}
+        text = "offload.two_pass_units=0 (one-pass updates: no gradients kept pinned for a second pass)"
+        changes.append((text, one_pass))
+    for size in range(1, len(changes) + 1):
+        for chosen in itertools.combinations(changes, size):
+            sections: dict[str, dict[str, object]] = {}
+            for _, change in chosen:
+                for name, fields in change.items():
+                    sections[name] = {**sections.get(name, {}), **fields}
+            if _fits(_variant(cfg, **sections), mc, whole):
+                texts = [text for text, _ in chosen]
+                joined = texts[0] if size == 1 else ", ".join(texts[:-1]) + " and " + texts[-1]
+                return f"It fits with {joined}."
     return ""
