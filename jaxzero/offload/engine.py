@@ -15,6 +15,7 @@ its shardings are `jaxzero.placement.OffloadPlacement`'s.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from concurrent.futures import Future
 from functools import partial
 from pathlib import Path
@@ -142,40 +143,42 @@ def build_offload_trainer(
         scale = new_loss_scale() if fp16 else None
         return OffloadState.of_units(step, start(masters, None, started), scale)
 
+    def fresh_as_made(made: Iterator[Any]) -> OffloadState:
+        """A fresh state from each unit's masters (this process's block on the CPU backend), made one
+        at a time in forward order: a unit the accelerator or the disk keeps goes there as soon as it
+        is made, so that host RAM never holds every unit's masters at once (the plan counts only the
+        host units')."""
+        reserve_pool()  # before the first copy to the accelerator, which may stage in the pool
+        masters, started = [], {}
+        for u, m in zip(plan.units, made):
+            if u.state in (Tier.DEVICE, Tier.DISK):
+                started[u.position], m = start_unit(u, m), None
+            masters.append(m)
+        return fresh(_unflat(masters), started)
+
     def init(key: jax.Array) -> OffloadState:
         # Created on the host directly: the key moves to the CPU backend, never the state to the GPU.
         k_embed, k_blocks, k_head = keys(jax.device_put(key, where.host))
         made = [(init_unit.embed, k_embed), *((init_unit.blocks, k) for k in k_blocks)]
         made.append((init_unit.head, k_head))
-        # A unit the accelerator or the disk keeps goes there as soon as it is made, so that host RAM
-        # never holds every unit's masters at once (the plan counts only the host units').
-        reserve_pool()  # before the first copy to the accelerator, which may stage in the pool
-        masters, started = [], {}
-        for u, (f, k) in zip(plan.units, made):
-            m = f(k)
-            if u.state in (Tier.DEVICE, Tier.DISK):
-                started[u.position], m = start_unit(u, m), None
-            masters.append(m)
-        return fresh(ModelParams(masters[0], tuple(masters[1:-1]), masters[-1]), started)
+        return fresh_as_made(f(k) for f, k in made)
 
     def init_from_params(params: ModelParams) -> OffloadState:
-        # NumPy (or fully addressable) float32 masters -> this process's block on the CPU backend.
-        # Unit by unit, each source dropped once placed (the caller passes its only reference): the
+        # NumPy (or fully addressable) float32 masters -> this process's block on the CPU backend,
+        # unit by unit, each source dropped once placed (the caller passes its only reference): the
         # load peaks at the masters plus one unit, not at two or three copies of every master.
-        reserve_pool()
         sources = _flat(params)
         del params
-        masters, started = [], {}
-        for u in plan.units:
-            source, sources[u.position] = sources[u.position], None
+
+        def taken(i: int) -> Any:  # unit i's source, no longer held here
+            source, sources[i] = sources[i], None
+            return source
+
+        def on_host(source: Any) -> Any:
             rows = jax.tree.map(lambda x: np.array(np.asarray(x)[where.local_rows(np.shape(x))]), source)
-            del source
-            m = jax.device_put(rows, where.host)
-            del rows
-            if u.state in (Tier.DEVICE, Tier.DISK):
-                started[u.position], m = start_unit(u, m), None
-            masters.append(m)
-        return fresh(_unflat(masters), started)
+            return jax.device_put(rows, where.host)
+
+        return fresh_as_made(on_host(taken(u.position)) for u in plan.units)
 
     # The strategies are chosen here, once: float16 or not, overlapped or delayed.
     if fp16:

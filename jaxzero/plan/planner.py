@@ -354,8 +354,7 @@ def predict(cfg: TrainConfig, plan: OffloadPlan, machine: Machine) -> Prediction
     compute, opt = _dtype_bytes(plan.compute_dtype), memory.optimizer_state_bytes(cfg)
     # The host kernels run at the fp32-moment rate per parameter with bf16 moments too (they convert
     # as they go): time them by fp32 moments' bytes. The disk still moves the bf16 bytes.
-    fp32_moments = dataclasses.replace(cfg.optimizer, state_dtype="float32")
-    opt_time = memory.optimizer_state_bytes(dataclasses.replace(cfg, optimizer=fp32_moments))
+    opt_time = memory.optimizer_state_bytes(_variant(cfg, optimizer={"state_dtype": "float32"}))
     slowdown = 1.0 if update.fused else OPTAX_SLOWDOWN
     bw = machine.host_bw / machine.local_processes  # this process's share of the host
     first = [0.0] * len(plan.units)  # seconds of each unit's first (or only) pass
