@@ -27,8 +27,10 @@ largest of them, and, with checkpoints on, all of it, since saves and restores g
 An asynchronous checkpoint (`checkpoint.async_save`, the default) snapshots masters and optimizer
 state into host RAM while it writes: 4 + 8 more bytes per parameter of host memory during a save.
 The pinned bytes of an offloaded run live in XLA's pinned pool, which takes host RAM by regions of
-powers of two (`pinned_pool_bytes`). Activations are the saved block inputs and the larger of the
-head's and a block's backward transients (`transient_activations`); a resident run's gradients, and
+powers of two (`pinned_pool_bytes`). Activations are the saved block inputs and the head's and a block's
+backward transients (`transient_activations`): the larger of the two, or, where a block's do not fit
+the hole the head's leave below the gradient the head returns, both (`backward_phases`); a resident
+run's gradients, and
 those of the units the accelerator updates, take the place of the block inputs as the backward pass
 frees them. A GPU process holds about `GPU_PROCESS_RSS` more of its own.
 
@@ -113,6 +115,24 @@ class Transient(NamedTuple):
 
     block: int  # a block's rematerialised backward: recomputed intermediates and their gradients
     head: int  # the head's float32 logits and their gradient, and the gradient it returns
+    head_out: int  # of `head`, the gradient it returns (the hidden state's), alive past the phase
+
+
+def backward_phases(transient: Transient, head_grad: int = 0) -> int:
+    """Bytes past the saved block inputs while the backward's phases run: the head's (its transients
+    and `head_grad`, a gradient it writes that leaves at once), then each block's.
+
+    The head's outputs (the gradient it returns, `head_grad`) are allocated while its temporaries
+    are, so XLA's allocator places them past those; the temporaries' space, freed, is then a hole
+    below outputs that are still alive. A block's backward needs its temporaries in one piece: when
+    they are larger than that hole they go past the head's outputs, so the GPU must hold the hole,
+    the outputs and the block's temporaries at once (measured: llama-7b at 188,416 tokens on an H100
+    ran out of memory with 28.6 GiB free in total, 15.8 GiB in one piece, for 25.7 GiB)."""
+    head = transient.head + head_grad
+    hole = transient.head - transient.head_out
+    if transient.block <= hole:
+        return max(transient.block, head)
+    return head + transient.block
 
 
 def transient_activations(m: ModelConfig, micro_tokens: int, seq_len: int | None = None) -> Transient:
@@ -129,10 +149,11 @@ def transient_activations(m: ModelConfig, micro_tokens: int, seq_len: int | None
     block = micro_tokens * widths * compute
     seq_len = seq_len or micro_tokens
     pieces = head_pieces(max(1, micro_tokens // seq_len), seq_len, m.vocab_size)
-    head = micro_tokens // pieces * 2 * m.vocab_size * 4 + micro_tokens * m.hidden_size * compute
+    head_out = micro_tokens * m.hidden_size * compute
+    head = micro_tokens // pieces * 2 * m.vocab_size * 4 + head_out
     if pieces > 1:  # the output projection's float32 copy and the float32 sum of its gradient
         head += 2 * m.vocab_size * m.hidden_size * 4
-    return Transient(block=block, head=head)
+    return Transient(block=block, head=head, head_out=head_out)
 
 
 def _beside_late_gradients(activations: int, grads: int, transient: Transient) -> int:
@@ -192,10 +213,10 @@ def plan_memory(
     if offload.offloads_activations:
         # All but the last block's leave; at most one leaving and one coming back at a time.
         away, saved_inputs = (m.num_layers - 1) * block_input * L, min(m.num_layers, 3) * block_input
-    # The saved block inputs, and the larger of the two phases that run over them (the head's loss
-    # and gradient, then each block's backward); the phases never overlap.
+    # The saved block inputs, and the two phases that run over them (the head's loss and gradient,
+    # then each block's backward), as the allocator places them (`backward_phases`).
     transient = transient_activations(m, micro_tokens, d.seq_len)
-    activations = saved_inputs + max(transient.block, transient.head)
+    activations = saved_inputs + backward_phases(transient)
 
     saving = cfg.checkpoint.enabled and cfg.checkpoint.async_save
     snapshot = per_process(n, n_whole, 4 + opt, offload.shards_state) if saving else 0
@@ -217,7 +238,7 @@ def plan_memory(
         )
     # The head's float32 gradient is on the accelerator while the head's phase runs, and leaves.
     head_grad = per_device(n_head, unsplit[UnitKind.HEAD], 4, True)
-    activations = saved_inputs + max(transient.block, transient.head + head_grad)
+    activations = saved_inputs + backward_phases(transient, head_grad)
 
     # The delayed update keeps two copies of the compute weights (the pass reads one while the host
     # writes the next) and two steps' gradients (the next pass's land while the host still updates
@@ -266,8 +287,9 @@ def plan_memory(
     in_flight = 3 if streamed else 0  # the block computing, the one prefetched, a gradient leaving
     accelerator += in_flight * n_block * max(compute, grad)
     # The units the accelerator updates come first in the forward order: their gradients appear last
-    # in the backward pass, as it frees the block inputs.
-    activations = _beside_late_gradients(activations, device_grads if d.grad_accum == 1 else 0, transient)
+    # in the backward pass, as it frees the block inputs (not where those wait in pinned memory).
+    late = device_grads if d.grad_accum == 1 and not offload.offloads_activations else 0
+    activations = _beside_late_gradients(activations, late, transient)
     return MemoryPlan(
         host=host,
         pinned=pinned,

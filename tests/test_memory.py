@@ -287,3 +287,36 @@ def test_gradients_of_units_updated_on_the_accelerator_replace_the_block_inputs(
         memory.plan_memory(cfg(**accum, offload__device_state_units="20")).activations
         == memory.plan_memory(cfg(**accum)).activations
     )
+
+
+def test_a_block_backward_larger_than_the_heads_hole_is_counted_beside_the_head_phase():
+    """The head's outputs (the gradient it returns, its float32 weight gradient) lie past its
+    temporaries, so the space those leave is a hole; a block backward's temporaries, needed in one
+    piece, go past the outputs when they do not fit it. Short sequences: the head's phase is the
+    larger and the peak is the larger phase; one long sequence: both phases at once (llama-7b at
+    188,416 tokens ran out of memory on an H100 with the larger phase alone planned)."""
+    assert memory.backward_phases(memory.Transient(block=10, head=12, head_out=3)) == 12 + 10
+    assert memory.backward_phases(memory.Transient(block=9, head=12, head_out=3), head_grad=2) == 14
+    # llama-7b: at 32K tokens in 2,048-token sequences the block backward fits the hole; at one
+    # sequence of 188,416 tokens it does not, and the plan counts both phases.
+    m = cfg().model
+    short = memory.transient_activations(m, 16 * 2048, 2048)
+    assert short.block <= short.head - short.head_out
+    long = memory.transient_activations(m, 188416, 188416)
+    assert long.block > long.head - long.head_out
+    base = dict(offload__optimizer="cpu", offload__params="cpu", data__batch_size="1", data__seq_len="188416")
+    c = cfg(**base, model__max_seq_len="188416")
+    e, b, h = unit_param_counts(c.model)
+    saved = 32 * 188416 * m.hidden_size * 2
+    assert memory.plan_memory(c).activations == saved + long.head + 4 * h + long.block
+
+
+def test_block_inputs_in_pinned_host_leave_no_room_for_the_accelerators_late_gradients():
+    """With the block inputs in pinned memory the backward frees almost nothing on the accelerator,
+    so the gradients of the units it updates count in full (an H100 run at 155,648 tokens measured
+    8 GiB over a plan that let them replace the block inputs)."""
+    base = dict(offload__optimizer="cpu", offload__params="cpu", data__batch_size="4", data__seq_len="4096")
+    base.update(offload__activations="cpu", checkpoint__enabled="false")
+    none = memory.plan_memory(cfg(**base))
+    k = memory.plan_memory(cfg(**base, offload__device_state_units="20"))
+    assert k.activations == none.activations
