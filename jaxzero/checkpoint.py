@@ -16,7 +16,11 @@ blocked only while the state is snapshotted into host memory: the arrays it keep
 
 Restores always target the abstract state *with its placement* (`Trainer.abstract_saved_state`):
 Orbax does not record memory kinds, and a restore without a target would put host-resident state
-into accelerator memory.
+into accelerator memory. Saves and restores pass through host RAM `TRANSFER_BYTES` at a time: a
+blocking save (`checkpoint.async_save=false`) copies the arrays out in batches of that size, each
+written before the next is copied (Orbax's memory-limited save; Orbax copies host arrays too as it
+writes them), and a restore reads at most that much at once before placing it. An asynchronous
+save copies everything first (`_snapshot`).
 
 Integrity: as a save commits, the CRC-32 of every file of its items (in 64 MiB pieces) goes to
 `<step>/checksums.json`; a restore checks them first (`checkpoint.verify`). A checkpoint whose files
@@ -47,6 +51,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+# Orbax's memory-limited save is configured through these (orbax-checkpoint 0.12: not re-exported).
+from orbax.checkpoint._src.metadata.array_metadata_store import Store as _ArrayMetadataStore
+from orbax.checkpoint._src.serialization.types import SerializationStatusCallback, TransferPriority
+
 from jaxzero.config import CheckpointConfig, CheckpointError, TrainConfig
 from jaxzero.models import ModelParams, build_model
 from jaxzero.overrides import config_from_dict
@@ -62,6 +70,10 @@ ORBAX_METADATA = "_CHECKPOINT_METADATA"  # in every directory Orbax's checkpoint
 ORBAX_BARRIER_PREFIX = "jaxzero"
 ORBAX_RESTORE_BARRIER = ocp.multihost.unique_barrier_key("Checkpointer:restore", prefix=ORBAX_BARRIER_PREFIX)
 BARRIER_MISMATCH = "sync_global_devices name mismatch"  # JAX's error when processes meet at other barriers
+# A blocking save copies the accelerator's arrays to host RAM, and a restore reads arrays bound for the
+# accelerator there, at most this many bytes at a time (each array whole, one at least): a save or a
+# restore never holds every accelerator-resident unit's state in host RAM at once.
+TRANSFER_BYTES = 2 * 10**9
 
 
 class CheckpointMismatch(CheckpointError):
@@ -114,9 +126,14 @@ class Checkpointer:
     waits for pending writes. Every write failure is a `CheckpointWriteError`.
     """
 
-    def __init__(self, run_dir: str | Path, cfg: CheckpointConfig):
+    def __init__(self, run_dir: str | Path, cfg: CheckpointConfig, *, largest_array: int | None = None):
+        """`largest_array`: the bytes of the state's largest array (`largest_array_bytes` of the
+        abstract state); given, a restore reads at most `TRANSFER_BYTES` (or that array) at a time,
+        else as much as Orbax's default allows."""
         self.directory = Path(run_dir).absolute() / CHECKPOINT_DIR
         self.cfg = cfg
+        # (Orbax refuses an array that fills its limit exactly: a MiB over the largest admits it.)
+        self._restore_batch = None if largest_array is None else max(TRANSFER_BYTES, largest_array + 2**20)
         self._pool = ThreadPoolExecutor(
             max(1, min(16, os.cpu_count() or 1)), thread_name_prefix="jaxzero-ckpt"
         )
@@ -136,8 +153,38 @@ class Checkpointer:
                 ocp.AsyncOptions(post_finalization_callback=self._write_checksums) if cfg.async_save else None
             ),
         )
-        self.manager = ocp.CheckpointManager(self.directory, options=options)
+        self._streamed: frozenset[str] = frozenset()  # keys of the leaves the current save streams
+        registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+        state_handler = self._state_handler(options.multiprocessing_options)
+        registry.add("state", ocp.args.PyTreeSave, state_handler)
+        registry.add("state", ocp.args.PyTreeRestore, state_handler)
+        self.manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
         self.last_saved: int | None = None  # the newest step whose save was issued
+
+    def _state_handler(self, multiprocessing: Any) -> ocp.PyTreeCheckpointHandler:
+        """Orbax's handler of the state item. A blocking save streams the leaves `save` names in
+        `_streamed` (after the others): copied to host `TRANSFER_BYTES` at a time, each batch written
+        before the next is copied. An asynchronous save may not: its copies must all be taken before
+        `save` returns, since training then updates the arrays in place."""
+        streaming: dict[str, Any] = {}
+        if not self.cfg.async_save:
+            arrays = ocp.type_handlers.ArrayHandler(
+                callback=_StreamedKeys(self), array_metadata_store=_ArrayMetadataStore()
+            )
+            kinds = (int, float, bytes, np.number, np.ndarray, str)
+            registry = ocp.type_handlers.create_type_handler_registry(
+                *((t, ocp.type_handlers.get_type_handler(t)) for t in kinds), (jax.Array, arrays)
+            )
+            gb = TRANSFER_BYTES / 10**9  # Orbax's unit
+            streaming = {"save_device_host_concurrent_gb": gb, "type_handler_registry": registry}
+        return ocp.PyTreeCheckpointHandler(
+            restore_concurrent_gb=None if self._restore_batch is None else self._restore_batch / 10**9,
+            multiprocessing_options=multiprocessing,
+            # Copies to plain host RAM: XLA's pinned pool is sized for the training state alone, and a
+            # save's copies there fail once it is full (measured: RESOURCE_EXHAUSTED on an H100).
+            enable_pinned_host_transfer=False,
+            **streaming,
+        )
 
     # -- saving --------------------------------------------------------------------------------------
 
@@ -147,6 +194,7 @@ class Checkpointer:
         ensure_room(self.directory, state_bytes(state), f"checkpoint {step}")
         with self._failure(step):
             arrays = _snapshot(state, self._pool) if self.cfg.async_save else state
+        self._streamed = frozenset() if self.cfg.async_save else streamed_keys(arrays)
         self.wait()  # Orbax waits for the previous save anyway; waiting here names it if it failed
         with self._failure(step):
             if jax.process_index() == 0:  # one process writes the checksums (Orbax calls back there only)
@@ -154,7 +202,7 @@ class Checkpointer:
                     self._unsummed.append(step)
             self.manager.save(
                 step,
-                args=ocp.args.Composite(state=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta)),
+                args=ocp.args.Composite(state=ocp.args.PyTreeSave(arrays), meta=ocp.args.JsonSave(meta)),
                 force=True,
             )
             if not self.cfg.async_save:  # committed already: no finalization callback comes
@@ -374,7 +422,8 @@ class Checkpointer:
             restored = self.manager.restore(
                 step,
                 args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()
+                    state=ocp.args.PyTreeRestore(abstract_state, restore_args=_restore_args(abstract_state)),
+                    meta=ocp.args.JsonRestore(),
                 ),
             )
         except Exception as e:
@@ -386,6 +435,49 @@ class Checkpointer:
             raise
         check_meta(restored["meta"])
         return Restored(step=step, state=dict(restored["state"]), meta=dict(restored["meta"]))
+
+
+def _restore_args(abstract_state: Any) -> Any:
+    """Orbax's per-leaf restore arguments: each array to the sharding (and memory) of its target."""
+    return ocp.checkpoint_utils.construct_restore_args(abstract_state)
+
+
+def streamed_keys(tree: Any) -> frozenset[str]:
+    """Key paths (`jax.tree_util.keystr`) of the leaves of `tree` that a blocking save streams: every
+    array whose devices Orbax's memory-limited save can account for (by their ids among the default
+    backend's devices; host arrays of the CPU backend included where their ids are, as in one
+    process). Orbax copies even host arrays while it writes them, so these go in batches too."""
+    known = {d.id for d in jax.devices()}
+    return frozenset(
+        jax.tree_util.keystr(path)
+        for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+        if isinstance(x, jax.Array) and {d.id for d in x.sharding.device_set} <= known
+    )
+
+
+class _StreamedKeys(SerializationStatusCallback):
+    """Orbax's per-array transfer priority for a blocking save: the leaves the save streams go after
+    the others, `TRANSFER_BYTES` at a time; the others at once (as Orbax does by default)."""
+
+    def __init__(self, ckpt: Checkpointer):
+        self.ckpt = ckpt
+
+    def key_priority(self, keypath: Any) -> TransferPriority:
+        if jax.tree_util.keystr(tuple(keypath)) in self.ckpt._streamed:
+            return TransferPriority.ASYNCHRONOUS_DEPRIORITIZED
+        return TransferPriority.SYNCHRONOUS
+
+    def on_transfer_start(self, keypath: Any) -> None:
+        pass
+
+    def on_transfer_end(self, keypath: Any) -> None:
+        pass
+
+    def on_write_start(self, keypath: Any) -> None:
+        pass
+
+    def on_write_end(self, keypath: Any) -> None:
+        pass
 
 
 @dataclass(frozen=True)
@@ -429,6 +521,11 @@ class _WriteFailure:
             "Nothing half-written is left; the checkpoints listed there are complete, and a run resumes "
             "from the newest of them once the cause is fixed."
         ) from error
+
+
+def largest_array_bytes(tree: Any) -> int:
+    """Bytes of the largest array (or ShapeDtypeStruct) of a saved state, whole."""
+    return max(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
 def state_bytes(tree: Any) -> int:

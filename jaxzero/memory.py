@@ -20,10 +20,12 @@ into the next step: up to 2|4 more. The delayed update keeps two steps' gradient
 the compute weights. With `offload.activations=cpu` the blocks' saved inputs but the last's wait in
 pinned host memory, and the accelerator holds three of them at most. Units whose state
 `offload.device_state_units` keeps on the accelerator count as resident ones there: masters, state,
-weights and their gradients; on the host, with checkpoints on, their masters and state once more,
-since a save copies them to host RAM and a restore reads them there first. Units whose state
-`offload.optimizer=disk` keeps on disk hold it there; host RAM holds `disk_slots` buffers of the
-largest of them, and, with checkpoints on, all of it, since saves and restores go through RAM.)
+weights and their gradients. With checkpoints on, a blocking save copies the masters and state out
+through host RAM and a restore reads them in through it, a batch at a time
+(`jaxzero.checkpoint.TRANSFER_BYTES`): host RAM holds one batch more (an asynchronous save's
+snapshot holds them all). Units whose state `offload.optimizer=disk` keeps on disk hold it there;
+host RAM holds `disk_slots` buffers of the largest of them, and, with checkpoints on, all of it,
+since saves and restores go through RAM.)
 An asynchronous checkpoint (`checkpoint.async_save`, the default) snapshots masters and optimizer
 state into host RAM while it writes: 4 + 8 more bytes per parameter of host memory during a save.
 The pinned bytes of an offloaded run live in XLA's pinned pool, which takes host RAM by regions of
@@ -51,6 +53,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, NamedTuple
 
+from jaxzero.checkpoint import TRANSFER_BYTES
 from jaxzero.config import ConfigError, ModelConfig, TrainConfig
 from jaxzero.models.sizes import NAMED_SIZES, param_count, unit_param_counts
 from jaxzero.objective import head_pieces
@@ -220,6 +223,15 @@ def plan_memory(
 
     saving = cfg.checkpoint.enabled and cfg.checkpoint.async_save
     snapshot = per_process(n, n_whole, 4 + opt, offload.shards_state) if saving else 0
+    # A blocking save copies the masters and state through host RAM a batch at a time (the host's
+    # too: Orbax copies what it writes), and every restore reads them there the same way:
+    # `TRANSFER_BYTES`, or the largest array if larger (`jaxzero.checkpoint`). An asynchronous
+    # save's snapshot holds them all (and is larger).
+    largest = max(m.vocab_size, m.intermediate_size) * m.hidden_size * 4 // P
+    blocking = cfg.checkpoint.enabled and not saving
+    state_bytes = per_process(n, n_whole, 4 + opt, offload.shards_state)
+    through_host = min(state_bytes, max(TRANSFER_BYTES, largest)) if blocking else 0
+
     update = offload.host_update
     if update is None:
         # One micro-batch's gradients stay in the compute dtype (XLA fuses their cast to float32 into
@@ -229,7 +241,7 @@ def plan_memory(
         state += per_device(n, n_whole, opt, offload.shards_state)
         activations = _beside_late_gradients(activations, grads if d.grad_accum == 1 else 0, transient)
         return MemoryPlan(
-            host=snapshot,
+            host=snapshot + through_host,
             pinned=0,
             accelerator_state=state + grads,
             activations=activations,
@@ -255,10 +267,6 @@ def plan_memory(
             # norm is known), one shard per device; nothing of it in host RAM.
             accelerator += per_device(n_u, w_u, 4 + opt + compute + grad_u, True)
             device_grads += per_device(n_u, w_u, grad_u, True)
-            # A checkpoint save copies its masters and state to host RAM, and a restore reads them
-            # there first: the host holds them then.
-            if cfg.checkpoint.enabled:
-                host += per_process(n_u, w_u, 4 + opt, True)
             continue
         host_index += 1
         if u.state is Tier.DISK:
@@ -282,7 +290,7 @@ def plan_memory(
     pinned += two_pass + away
     host += offload.disk_slots * disk_unit
     spares = update.speculative_units * per_process(max(params.values()), max(whole), 4 + opt, True)
-    host += pinned_pool_bytes(pinned, L, pool_cap) + snapshot + spares
+    host += pinned_pool_bytes(pinned, L, pool_cap) + snapshot + spares + through_host
     streamed = offload.streamed_blocks
     in_flight = 3 if streamed else 0  # the block computing, the one prefetched, a gradient leaving
     accelerator += in_flight * n_block * max(compute, grad)

@@ -29,7 +29,14 @@ import optax
 from jax.sharding import Mesh
 
 from jaxzero import run_dir as run_dir_lib
-from jaxzero.checkpoint import CHECKPOINT_DIR, Checkpointer, export_orbax, make_meta, saved_steps
+from jaxzero.checkpoint import (
+    CHECKPOINT_DIR,
+    Checkpointer,
+    export_orbax,
+    largest_array_bytes,
+    make_meta,
+    saved_steps,
+)
 from jaxzero.config import CheckpointError, TrainConfig
 from jaxzero.data import DataState
 from jaxzero.interop import export_hf
@@ -174,9 +181,9 @@ class Trainer:
             have = f"it has checkpoints {steps}" if steps else "it has none"
             want = f"checkpoint {step}" if step is not None else "checkpoint"
             raise CheckpointError(f"no {want} to restore in {path.absolute() / CHECKPOINT_DIR}: {have}.")
-        ckpt = Checkpointer(path, self.config.checkpoint)
+        abstract = self.abstract_saved_state()
+        ckpt = Checkpointer(path, self.config.checkpoint, largest_array=largest_array_bytes(abstract))
         try:
-            abstract = self.abstract_saved_state()
             if step is None:
                 restored = ckpt.restore_latest(abstract, self.layout, self.config)
             else:

@@ -56,6 +56,7 @@ from jaxzero.checkpoint import (
     Checkpointer,
     CheckpointWriteError,
     ensure_room,
+    largest_array_bytes,
     load_masters,
     make_meta,
     state_bytes,
@@ -513,7 +514,9 @@ def train(cfg: TrainConfig, console: TextIO = sys.stdout) -> Path:
     val_batches = data.val_batches(cfg.logging.eval_batches)
     t_start = time.perf_counter()
     # The trainer's checkpoint settings: the planner may have turned the snapshot off to fit.
-    ckpt = Checkpointer(path, trainer.config.checkpoint) if run.kind is RunKind.RESUME else None
+    largest = largest_array_bytes(trainer.abstract_saved_state())  # bounds a restore's reads
+    resuming = run.kind is RunKind.RESUME
+    ckpt = Checkpointer(path, trainer.config.checkpoint, largest_array=largest) if resuming else None
     try:
         begin = start(cfg, trainer, data, ckpt, console, main_process)
     except BaseException:
@@ -536,7 +539,7 @@ def train(cfg: TrainConfig, console: TextIO = sys.stdout) -> Path:
     if main_process:
         run_dir_lib.write_atomic(path / CONFIG_FILE, cfg.to_json() + "\n")
     if ckpt is None and cfg.checkpoint.enabled:
-        ckpt = Checkpointer(path, trainer.config.checkpoint)
+        ckpt = Checkpointer(path, trainer.config.checkpoint, largest_array=largest)
     bar = ProgressBar(cfg.steps, cfg.logging.progress and main_process)
     log = LogWindow(cfg, trainer, begin, val_batches, console, bar, t_start, main_process)
     trace = StepTrace(cfg.profile.window(), _profile_dir(path), begin.first, console)

@@ -10,8 +10,10 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from jax.tree_util import keystr
 from subprocess_run import run_module, run_program
 
+from jaxzero import checkpoint as checkpoint_lib
 from jaxzero import placement
 from jaxzero.checkpoint import Checkpointer, CheckpointWriteError, make_meta
 from jaxzero.config import CheckpointError, TrainConfig
@@ -185,6 +187,57 @@ def test_changing_plans_resumes_under_the_other_trainer(tmp_path, saved_by, resu
     params, ref_params = jax.device_get(state.params), jax.device_get(ref_state.params)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
         assert np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-5
+
+
+def test_a_blocking_save_streams_the_accelerators_arrays_a_batch_at_a_time(tmp_path, monkeypatch):
+    """A blocking save copies each accelerator array to host RAM only once the batch before it is
+    written (`TRANSFER_BYTES` at a time, or one larger array alone; here 1000 bytes), and the restore
+    puts the accelerator-updated units straight back on the accelerator, bit for bit. On a CPU-only
+    machine every array is on the default backend, so every leaf is streamed."""
+    monkeypatch.setattr(checkpoint_lib, "TRANSFER_BYTES", 1000)
+    events: list[tuple[str, str]] = []
+    monkeypatch.setattr(
+        checkpoint_lib._StreamedKeys, "on_transfer_end", lambda self, k: events.append(("copied", keystr(k)))
+    )
+    monkeypatch.setattr(
+        checkpoint_lib._StreamedKeys, "on_write_end", lambda self, k: events.append(("written", keystr(k)))
+    )
+    mesh = placement.make_mesh(jax.devices()[:1])
+    offload = {"offload.optimizer": "cpu", "offload.params": "cpu", "offload.device_state_units": "2"}
+    cfg = tiny(**{"model.compute_dtype": "float32", **offload, "checkpoint.async_save": "false"})
+    trainer = build_trainer(cfg, mesh)
+    state, _ = run_steps(trainer, trainer.init(jax.random.key(0)), 1, 2, cfg)
+    ckpt = Checkpointer(tmp_path, cfg.checkpoint)
+    saved = trainer.saved_state(state)
+    ckpt.save(2, saved, make_meta(2, {"epoch": 0, "cursor": 0, "num_windows": 1}, cfg, trainer.layout, saved))
+    ckpt.wait()
+    nbytes = {keystr(path): x.nbytes for path, x in jax.tree_util.tree_flatten_with_path(saved)[0]}
+    assert {k for _, k in events} == set(nbytes)  # every leaf streamed, each copied and written once
+    assert len(events) == 2 * len(nbytes)
+    in_ram: set[str] = set()  # copied to host and not yet written: a batch under 1000 bytes, or one array
+    for what, key in events:
+        in_ram = in_ram | {key} if what == "copied" else in_ram - {key}
+        assert len(in_ram) <= 1 or sum(nbytes[k] for k in in_ram) < 1000, "\n".join(map(str, events))
+    assert max(nbytes.values()) > 10 * 1000  # so that the bound is a bound
+
+    ckpt.close()
+    abstract = trainer.abstract_saved_state()
+    ckpt = Checkpointer(tmp_path, cfg.checkpoint, largest_array=checkpoint_lib.largest_array_bytes(abstract))
+    restored = trainer.from_saved_state(ckpt.restore(2, abstract, trainer.layout, cfg).state)
+    ckpt.close()
+    # the embedding and block 0 restored straight to the accelerator's placement, block 1 to the host's
+    saved_params = abstract["params"]
+    targets = [jax.tree.leaves(t)[0].sharding for t in (saved_params.embed, saved_params.blocks[1])]
+    assert targets[0].memory_kind == "device" and isinstance(targets[1], jax.sharding.NamedSharding)
+    assert targets[1].mesh.axis_names == (placement.HOST_AXIS,)
+    on_device = [jax.tree.leaves(t)[0].sharding for t in (restored.params.embed, restored.params.blocks[0])]
+    assert all(isinstance(s, jax.sharding.NamedSharding) and s.memory_kind == "device" for s in on_device)
+    host = jax.tree.leaves(restored.params.blocks[1])[0].sharding
+    assert isinstance(host, jax.sharding.SingleDeviceSharding)
+    for tree in ("params", "opt_state"):
+        before, after = jax.device_get(getattr(state, tree)), jax.device_get(getattr(restored, tree))
+        for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
+            np.testing.assert_array_equal(a, b)
 
 
 def test_resume_on_a_different_device_count(tmp_path):

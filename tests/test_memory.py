@@ -6,6 +6,7 @@ import jax
 import pytest
 
 from jaxzero import memory
+from jaxzero.checkpoint import TRANSFER_BYTES
 from jaxzero.config import ConfigError, TrainConfig
 from jaxzero.models.sizes import param_count, unit_param_counts
 from jaxzero.overrides import apply_overrides
@@ -31,7 +32,8 @@ def test_plan_counts_bytes_per_parameter():
     assert accum.accelerator_state == 16 * n  # float32 sums over several micro-batches
     # An asynchronous checkpoint snapshots masters + AdamW state into host RAM while it writes.
     assert memory.plan_memory(cfg()).host == 12 * n
-    assert memory.plan_memory(cfg(checkpoint__async_save="false")).host == 0
+    # A blocking one copies them out a batch at a time, and a restore reads them in the same way.
+    assert memory.plan_memory(cfg(checkpoint__async_save="false")).host == TRANSFER_BYTES
     zero = memory.plan_memory(cfg(offload__optimizer="cpu", offload__two_pass_units="0"))
     # Gradients: blocks' in bf16 (one micro-batch), embedding's and head's float32 sums; and the new
     # weights' staging.
@@ -89,11 +91,14 @@ def test_units_with_state_on_the_accelerator_move_their_bytes_there():
     assert host_only.host - mixed.host == (4 + 8) * (e + 2 * b) + pool(host_only.pinned) - pool(mixed.pinned)
     # ... for the accelerator (which no longer holds the embedding's bf16 weights as a host unit's).
     assert mixed.accelerator_state - host_only.accelerator_state == on_device - 2 * e
-    # With checkpoints, a save copies their masters and state to host RAM and a restore reads them
-    # there: the host holds them then (blocking saves: no snapshot of the rest).
+    # With checkpoints, a blocking save copies the masters and state (theirs and the host's) out
+    # through host RAM and a restore reads them in through it, a batch at a time: one batch more
+    # (blocking saves: no snapshot).
     saving = dict(**base, offload__device_state_units="3", checkpoint__async_save="false")
-    with_saves = memory.plan_memory(cfg(**saving))
-    assert with_saves.host - mixed.host == (4 + 8) * (e + 2 * b)
+    assert memory.plan_memory(cfg(**saving)).host - mixed.host == TRANSFER_BYTES
+    # An asynchronous save's snapshot holds every master and state, theirs too: nothing more.
+    snapshot = memory.plan_memory(cfg(**base, offload__device_state_units="3"))
+    assert snapshot.host - mixed.host == (4 + 8) * param_count(cfg().model)
 
 
 def test_block_inputs_in_pinned_host_leave_three_on_the_accelerator():
@@ -196,7 +201,8 @@ def test_zero_stages_divide_the_plan_per_device_and_per_process():
     assert plan(4, 1, **{"parallel.zero_stage": "3"}).accelerator_state == pytest.approx(whole / 4, rel=1e-6)
     offload = {"offload.optimizer": "cpu", "offload.params": "cpu"}
     one, two = plan(1, 1, **offload), plan(2, 2, **offload)
-    state = lambda p: p.host - memory.pinned_pool_bytes(p.pinned)  # noqa: E731 - the pool is by regions
+    # the pool is by regions; a blocking save's batch is per process, whatever its share
+    state = lambda p: p.host - memory.pinned_pool_bytes(p.pinned) - TRANSFER_BYTES  # noqa: E731
     assert state(two) == pytest.approx(state(one) / 2, rel=1e-6)
     assert two.pinned == pytest.approx(one.pinned / 2, rel=1e-6)
     assert two.activations < one.activations

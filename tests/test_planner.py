@@ -136,19 +136,24 @@ def test_auto_keys_pass_validation_and_machine_keys_are_checked():
 def test_refusal_says_what_was_needed_and_what_would_fit():
     with pytest.raises(ConfigError) as e:
         decide(
-            cfg(**{"model.name": "llama-13b", "data.batch_size": "16", "checkpoint.async_save": "false"}),
+            cfg(**{"model.name": "llama-20b", "data.batch_size": "16", "checkpoint.async_save": "false"}),
             h200(139),
         )
     text = str(e.value)
-    assert "llama-13b (13.02B parameters) at 16 x 2048 tokens per step does not fit" in text
+    assert "llama-20b (19.86B parameters) at 16 x 2048 tokens per step does not fit" in text
     assert "GiB of GPU memory per device" in text and "132.0 GiB usable of 139.0 GiB" in text
     assert "of host RAM per process (118.8 GiB usable of 125.0 GiB)" in text  # 5% left free
     assert "To fit it, add more host RAM:" in text and "or a GPU with" in text
-    # A save or restore copies the GPU-state units' masters and moments to host RAM: no batch fits.
     assert "With this model no data.batch_size fits, not even 1" in text
-    assert "the largest named model that fits with these settings is llama-3.1-8b (8.03B parameters)" in text
+    # A blocking save streams the GPU-state units' masters and moments through host RAM a batch at
+    # a time, so llama-13b with float32 moments fits with checkpoints on (24 units' state on the GPU).
+    assert "the largest named model that fits with these settings is llama-13b (13.02B parameters)" in text
+    # With checkpoints on by default, llama-13b with float32 moments fits that box with blocking
+    # saves (the planner's choice: an asynchronous save's snapshot would not fit); with 90 GiB of
+    # host RAM only bfloat16 moments fit.
+    assert "checkpoint.async_save=false" in decide(cfg(**{"model.name": "llama-13b"}), h200(139)).decided
     with pytest.raises(ConfigError, match=r"It fits with optimizer.state_dtype=bfloat16"):
-        decide(cfg(**{"model.name": "llama-13b"}), h200(139))
+        decide(cfg(**{"model.name": "llama-13b"}), h200(139, 90))
     # A model whose state fits no batch size.
     with pytest.raises(ConfigError, match="no data.batch_size fits, not even 1"):
         decide(cfg(**{"model.name": "llama-30b"}), h200(139))

@@ -25,7 +25,7 @@ import numpy as np
 
 from jaxzero.config import OptimizerConfig
 from jaxzero.models import ModelParams
-from jaxzero.offload.host_memory import local_views, place
+from jaxzero.offload.host_memory import place
 from jaxzero.offload.host_optimizer import HostUnit
 from jaxzero.optim import scaled_update, unit_optimizers
 from jaxzero.placement import DEVICE, OffloadPlacement
@@ -98,14 +98,15 @@ class DeviceOptimizer:
 
     def start(self, unit: UnitPlan, local_masters: Any, local_state: Any = None) -> HostUnit:
         """The unit on the accelerator from this process's host blocks of its masters (and of its
-        optimizer state, from a checkpoint; None: a fresh state). A host sync (the copies)."""
+        optimizer state, from a checkpoint; None: a fresh state), or from global arrays a restore
+        placed as `targets` already (taken as they are). A host sync (the copies)."""
         masters_at, state_at, _ = self.targets[unit.kind]
         shapes = self._shapes[unit.kind]
-        masters = place(local_masters, masters_at, shapes)
+        masters = _placed(local_masters, masters_at, shapes)
         if local_state is None:
             state = self._init[unit.kind](masters)
         else:
-            state = place(local_state, state_at, jax.eval_shape(self._init[unit.kind], shapes))
+            state = _placed(local_state, state_at, jax.eval_shape(self._init[unit.kind], shapes))
         return HostUnit(masters, state, self._cast[unit.kind](masters))
 
     def update(
@@ -122,9 +123,13 @@ class DeviceOptimizer:
         return HostUnit(masters, state, weights)
 
 
-def rows_on_host(x: jax.Array, host: jax.sharding.Sharding) -> jax.Array:
-    """This process's rows of an accelerator array (its devices' shards one after the other, or the
-    whole of a replicated one) as one array on `host` (the CPU backend): how host state is kept, and
-    how a checkpoint sees it. Copies device to host (a host sync)."""
-    rows = local_views(x)  # of an accelerator array: a copy each
-    return jax.device_put(np.concatenate(rows) if len(rows) > 1 else rows[0], host)
+def _placed(tree: Any, targets: Any, shapes: Any) -> Any:
+    """`tree` placed by `targets`: its arrays that are there already as they are, the others (this
+    process's host blocks) copied there (`place`)."""
+
+    def one(x: Any, target: Any, shape: Any) -> Any:
+        if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(target, x.ndim):
+            return x
+        return place(x, target, shape)
+
+    return jax.tree.map(one, tree, targets, shapes)

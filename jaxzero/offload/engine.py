@@ -30,7 +30,7 @@ from jaxzero import placement as placement_lib
 from jaxzero.config import ConfigError, TrainConfig
 from jaxzero.loss_scale import init_loss_scale, update_loss_scale
 from jaxzero.models import ModelParams, build_model, init_keys
-from jaxzero.offload.device_update import DeviceOptimizer, rows_on_host
+from jaxzero.offload.device_update import DeviceOptimizer
 from jaxzero.offload.disk import DISK_DIR, DiskStats, DiskStore, OnDisk
 from jaxzero.offload.futures import OffloadState, done, weights_of
 from jaxzero.offload.host_memory import global_from_local, release, reserve_pinned
@@ -242,40 +242,72 @@ def build_offload_trainer(
         return shapes
 
     def saved_state(state: OffloadState) -> dict[str, Any]:
-        """Waits for the pending host updates (a host sync). Everything saved lives on the host: each
-        process's blocks, seen as global arrays over the processes (`OffloadPlacement.saved`)."""
+        """Waits for the pending host updates (a host sync). Host and disk units are saved from host
+        RAM, each process's blocks seen as global arrays over the processes (`OffloadPlacement.saved`);
+        the accelerator's units as they are, global arrays that the checkpoint copies out itself, a
+        few at a time (`jaxzero.checkpoint.TRANSFER_BYTES`)."""
         units = state.resolved()
         params, opt_state = units.params, units.opt_state
-        if on_device:  # this process's rows of the accelerator's units, in host RAM as the others
-            params, opt_state = (_units_on_host(tree, plan, where.host) for tree in (params, opt_state))
         if disk is not None:  # the disk units read into host RAM (a host sync: their writes are done)
             params, opt_state = _units_from_disk(params, opt_state, plan, disk, where.host)
-        local = {"step": _on_host(state.step), "params": params, "opt_state": opt_state}
-        if state.loss_scale is not None:
-            local["loss_scale"] = jax.tree.map(_on_host, state.loss_scale)
         shapes = saved_shapes()
-        return jax.tree.map(
-            lambda x, t, s: jax.make_array_from_single_device_arrays(s.shape, t, [x]),
-            local,
-            where.saved(shapes),
-            shapes,
-        )
+
+        def as_global(x: Any, sharding: Any, shape: Any) -> jax.Array:  # this process's block
+            return jax.make_array_from_single_device_arrays(shape.shape, sharding, [x])
+
+        def units_saved(tree: ModelParams, shapes_tree: ModelParams) -> ModelParams:
+            return _unflat(
+                [
+                    t if u.state is Tier.DEVICE else jax.tree.map(as_global, t, where.saved(s), s)
+                    for u, t, s in zip(plan.units, _flat(tree), _flat(shapes_tree))
+                ]
+            )
+
+        saved = {
+            "step": as_global(_on_host(state.step), where.saved(shapes["step"]), shapes["step"]),
+            "params": units_saved(params, shapes["params"]),
+            "opt_state": units_saved(opt_state, shapes["opt_state"]),
+        }
+        if state.loss_scale is not None:
+            saved["loss_scale"] = jax.tree.map(
+                lambda x, t, s: as_global(_on_host(x), t, s),
+                state.loss_scale,
+                where.saved(shapes["loss_scale"]),
+                shapes["loss_scale"],
+            )
+        return saved
 
     def _on_host(x: jax.Array) -> jax.Array:  # a replicated scalar -> this process's host copy
         return jax.device_put(np.asarray(x.addressable_data(0)), where.host)
 
     def abstract_saved_state() -> dict[str, Any]:
+        """Where a restore puts each array: host and disk units' in host RAM (this process's block),
+        the accelerator's units' straight to their place there (`DeviceOptimizer.targets`)."""
         shapes = saved_shapes()
-        return abstract_placed(shapes, where.saved(shapes))
+        placed = abstract_placed(shapes, where.saved(shapes))
+        for key, target in (("params", 0), ("opt_state", 1)):
+            units, unit_shapes = _flat(placed[key]), _flat(shapes[key])
+            for u in on_device:
+                units[u.position] = abstract_placed(unit_shapes[u.position], device.targets[u.kind][target])
+            placed[key] = _unflat(units)
+        return placed
 
     def from_saved_state(saved: dict[str, Any]) -> OffloadState:
         reserve_pool()
-        local = jax.tree.map(lambda x: x.addressable_data(0), saved)  # this process's blocks
-        step, scale = local["step"], local.get("loss_scale")
+
+        def local(tree: Any) -> Any:  # this process's blocks
+            return jax.tree.map(lambda x: x.addressable_data(0), tree)
+
+        def units_local(tree: ModelParams) -> ModelParams:  # the accelerator's units stay placed
+            kept = [t if u.state is Tier.DEVICE else local(t) for u, t in zip(plan.units, _flat(tree))]
+            return _unflat(kept)
+
+        step, scale = local(saved["step"]), local(saved.get("loss_scale"))
         if fp16:  # the step count and loss scale advance on the accelerator
             step = put(np.asarray(step), where.device)
             scale = jax.tree.map(lambda x: put(np.asarray(x), where.device), scale)
-        return OffloadState.of_units(step, start(local["params"], local["opt_state"]), scale)
+        units = start(units_local(saved["params"]), units_local(saved["opt_state"]))
+        return OffloadState.of_units(step, units, scale)
 
     def eval_loss(state: OffloadState, window: jax.Array) -> jax.Array:
         # The newest weights, each waited for when the pass reaches it.
@@ -366,10 +398,3 @@ def _units_from_disk(
     for u in plan.disk_units:
         p[u.position], o[u.position] = jax.device_put(disk.read(u.position), host)
     return _unflat(p), _unflat(o)
-
-
-def _units_on_host(tree: ModelParams, plan: OffloadPlan, host: Any) -> ModelParams:
-    """`tree` with the arrays of the units whose state is on the accelerator copied to `host` as this
-    process's rows (`rows_on_host`; a host sync), the others as they are."""
-    on_host = lambda t: jax.tree.map(lambda x: rows_on_host(x, host), t)  # noqa: E731
-    return _unflat([on_host(t) if u.state is Tier.DEVICE else t for u, t in zip(plan.units, _flat(tree))])
