@@ -70,9 +70,8 @@ ORBAX_METADATA = "_CHECKPOINT_METADATA"  # in every directory Orbax's checkpoint
 ORBAX_BARRIER_PREFIX = "jaxzero"
 ORBAX_RESTORE_BARRIER = ocp.multihost.unique_barrier_key("Checkpointer:restore", prefix=ORBAX_BARRIER_PREFIX)
 BARRIER_MISMATCH = "sync_global_devices name mismatch"  # JAX's error when processes meet at other barriers
-# A blocking save copies the accelerator's arrays to host RAM, and a restore reads arrays bound for the
-# accelerator there, at most this many bytes at a time (each array whole, one at least): a save or a
-# restore never holds every accelerator-resident unit's state in host RAM at once.
+# A blocking save copies the arrays it writes to host RAM, and a restore reads them there, at most this
+# many bytes at a time (each array whole, one at least): neither holds a second copy of the state.
 TRANSFER_BYTES = 2 * 10**9
 
 
