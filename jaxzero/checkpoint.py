@@ -418,10 +418,12 @@ class Checkpointer:
         metadata. Orbax's restore ends in a barrier (a collective): a process whose restore raised
         before it joins it there, so that the collectives of every process stay in step."""
         try:
+            # each array to the sharding (and memory kind) of its target
+            targets = ocp.checkpoint_utils.construct_restore_args(abstract_state)
             restored = self.manager.restore(
                 step,
                 args=ocp.args.Composite(
-                    state=ocp.args.PyTreeRestore(abstract_state, restore_args=_restore_args(abstract_state)),
+                    state=ocp.args.PyTreeRestore(abstract_state, restore_args=targets),
                     meta=ocp.args.JsonRestore(),
                 ),
             )
@@ -434,11 +436,6 @@ class Checkpointer:
             raise
         check_meta(restored["meta"])
         return Restored(step=step, state=dict(restored["state"]), meta=dict(restored["meta"]))
-
-
-def _restore_args(abstract_state: Any) -> Any:
-    """Orbax's per-leaf restore arguments: each array to the sharding (and memory) of its target."""
-    return ocp.checkpoint_utils.construct_restore_args(abstract_state)
 
 
 def streamed_keys(tree: Any) -> frozenset[str]:
@@ -465,18 +462,6 @@ class _StreamedKeys(SerializationStatusCallback):
         if jax.tree_util.keystr(tuple(keypath)) in self.ckpt._streamed:
             return TransferPriority.ASYNCHRONOUS_DEPRIORITIZED
         return TransferPriority.SYNCHRONOUS
-
-    def on_transfer_start(self, keypath: Any) -> None:
-        pass
-
-    def on_transfer_end(self, keypath: Any) -> None:
-        pass
-
-    def on_write_start(self, keypath: Any) -> None:
-        pass
-
-    def on_write_end(self, keypath: Any) -> None:
-        pass
 
 
 @dataclass(frozen=True)
@@ -522,14 +507,19 @@ class _WriteFailure:
         ) from error
 
 
+def _leaf_bytes(tree: Any) -> list[int]:
+    """Bytes of each array (or ShapeDtypeStruct) of `tree`, whole."""
+    return [int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)]
+
+
 def largest_array_bytes(tree: Any) -> int:
     """Bytes of the largest array (or ShapeDtypeStruct) of a saved state, whole."""
-    return max(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+    return max(_leaf_bytes(tree))
 
 
 def state_bytes(tree: Any) -> int:
     """Bytes of the arrays (or ShapeDtypeStructs) of a saved state: about the size of its checkpoint."""
-    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+    return sum(_leaf_bytes(tree))
 
 
 def ensure_room(directory: Path, nbytes: int, what: str) -> None:

@@ -509,12 +509,13 @@ def train(cfg: TrainConfig, console: TextIO = sys.stdout) -> Path:
         print("\n".join(f"jaxzero: {line}" for line in decision.table().splitlines()), file=console)
     for note in notes:
         print(note, file=console)
+    abstract = trainer.abstract_saved_state()  # what a checkpoint of this run holds
     if cfg.checkpoint.enabled:  # a first checkpoint that cannot fit is refused before any training
-        ensure_room(path, state_bytes(trainer.abstract_saved_state()), "a checkpoint of this run")
+        ensure_room(path, state_bytes(abstract), "a checkpoint of this run")
     val_batches = data.val_batches(cfg.logging.eval_batches)
     t_start = time.perf_counter()
     # The trainer's checkpoint settings: the planner may have turned the snapshot off to fit.
-    largest = largest_array_bytes(trainer.abstract_saved_state())  # bounds a restore's reads
+    largest = largest_array_bytes(abstract)  # bounds a restore's reads
     resuming = run.kind is RunKind.RESUME
     ckpt = Checkpointer(path, trainer.config.checkpoint, largest_array=largest) if resuming else None
     try:

@@ -15,7 +15,7 @@ its shardings are `jaxzero.placement.OffloadPlacement`'s.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from functools import partial
 from pathlib import Path
@@ -256,12 +256,10 @@ def build_offload_trainer(
             return jax.make_array_from_single_device_arrays(shape.shape, sharding, [x])
 
         def units_saved(tree: ModelParams, shapes_tree: ModelParams) -> ModelParams:
-            return _unflat(
-                [
-                    t if u.state is Tier.DEVICE else jax.tree.map(as_global, t, where.saved(s), s)
-                    for u, t, s in zip(plan.units, _flat(tree), _flat(shapes_tree))
-                ]
-            )
+            def one(u: UnitPlan, t: Any, s: Any) -> Any:
+                return t if u.state is Tier.DEVICE else jax.tree.map(as_global, t, where.saved(s), s)
+
+            return _map_units(plan, one, tree, shapes_tree)
 
         saved = {
             "step": as_global(_on_host(state.step), where.saved(shapes["step"]), shapes["step"]),
@@ -286,10 +284,11 @@ def build_offload_trainer(
         shapes = saved_shapes()
         placed = abstract_placed(shapes, where.saved(shapes))
         for key, target in (("params", 0), ("opt_state", 1)):
-            units, unit_shapes = _flat(placed[key]), _flat(shapes[key])
-            for u in on_device:
-                units[u.position] = abstract_placed(unit_shapes[u.position], device.targets[u.kind][target])
-            placed[key] = _unflat(units)
+
+            def one(u: UnitPlan, p: Any, s: Any, target: int = target) -> Any:
+                return abstract_placed(s, device.targets[u.kind][target]) if u.state is Tier.DEVICE else p
+
+            placed[key] = _map_units(plan, one, placed[key], shapes[key])
         return placed
 
     def from_saved_state(saved: dict[str, Any]) -> OffloadState:
@@ -299,8 +298,7 @@ def build_offload_trainer(
             return jax.tree.map(lambda x: x.addressable_data(0), tree)
 
         def units_local(tree: ModelParams) -> ModelParams:  # the accelerator's units stay placed
-            kept = [t if u.state is Tier.DEVICE else local(t) for u, t in zip(plan.units, _flat(tree))]
-            return _unflat(kept)
+            return _map_units(plan, lambda u, t: t if u.state is Tier.DEVICE else local(t), tree)
 
         step, scale = local(saved["step"]), local(saved.get("loss_scale"))
         if fp16:  # the step count and loss scale advance on the accelerator
@@ -358,6 +356,11 @@ def _flat(tree: ModelParams) -> list[Any]:
 
 def _unflat(units: list[Any]) -> ModelParams:
     return ModelParams(units[0], tuple(units[1:-1]), units[-1])
+
+
+def _map_units(plan: OffloadPlan, f: Callable[..., Any], *trees: ModelParams) -> ModelParams:
+    """`f(unit, *its subtrees)` for each unit of `plan`, over trees with a subtree per unit."""
+    return _unflat([f(u, *ts) for u, *ts in zip(plan.units, *map(_flat, trees))])
 
 
 def _merged(submitted: Submitted, on_accelerator: list[HostUnit | None]) -> Submitted:
