@@ -19,13 +19,13 @@ DMA away, and every unit may be in flight at once. Two-pass updates keep their u
 into the next step: up to 2|4 more. The delayed update keeps two steps' gradients and two copies of
 the compute weights. With `offload.activations=cpu` the blocks' saved inputs but the last's wait in
 pinned host memory, and the accelerator holds three of them at most. Units whose state
-`offload.device_state_units` keeps on the accelerator count as resident ones there: masters, state,
-weights and their gradients. With checkpoints on, a blocking save copies the masters and state out
-through host RAM and a restore reads them in through it, a batch at a time
-(`jaxzero.checkpoint.TRANSFER_BYTES`): host RAM holds one batch more (an asynchronous save's
-snapshot holds them all). Units whose state `offload.optimizer=disk` keeps on disk hold it there;
-host RAM holds `disk_slots` buffers of the largest of them, and, with checkpoints on, all of it,
-since saves and restores go through RAM.)
+`offload.device_state_units` keeps on the accelerator count as resident ones there: masters, state
+and their gradients, and a compute-dtype cast of the largest of them while it computes. With
+checkpoints on, a blocking save copies the masters and state out through host RAM and a restore
+reads them in through it, a batch at a time (`jaxzero.checkpoint.TRANSFER_BYTES`): host RAM holds
+one batch more (an asynchronous save's snapshot holds them all). Units whose state
+`offload.optimizer=disk` keeps on disk hold it there; host RAM holds `disk_slots` buffers of the
+largest of them, and, with checkpoints on, all of it, since saves and restores go through RAM.)
 An asynchronous checkpoint (`checkpoint.async_save`, the default) snapshots masters and optimizer
 state into host RAM while it writes: 4 + 8 more bytes per parameter of host memory during a save.
 The pinned bytes of an offloaded run live in XLA's pinned pool, which takes host RAM by regions of
@@ -256,17 +256,19 @@ def plan_memory(
     # writes the next) and two steps' gradients (the next pass's land while the host still updates
     # from the previous ones).
     copies = 2 if update.mode is UpdateMode.DELAYED else 1
-    host = pinned = accelerator = two_pass = device_grads = disk = disk_unit = 0
+    host = pinned = accelerator = two_pass = device_grads = device_cast = disk = disk_unit = 0
     # Two-pass updates take the first host units in forward order (after those on the accelerator).
     host_index = -1
     for u in offload.units:
         n_u, w_u = params[u.kind], unsplit[u.kind]
         grad_u = grad if u.kind is UnitKind.BLOCK else 4  # embedding and head gradients: float32 sums
         if u.state is Tier.DEVICE:
-            # Updated on the accelerator: masters, state, weights and the gradient (kept until the
-            # norm is known), one shard per device; nothing of it in host RAM.
-            accelerator += per_device(n_u, w_u, 4 + opt + compute + grad_u, True)
+            # Updated on the accelerator: masters, state and the gradient (kept until the norm is
+            # known), one shard per device; nothing of it in host RAM. The passes read the masters,
+            # casting one unit at a time to the compute dtype, whole (below).
+            accelerator += per_device(n_u, w_u, 4 + opt + grad_u, True)
             device_grads += per_device(n_u, w_u, grad_u, True)
+            device_cast = max(device_cast, n_u * compute)
             continue
         host_index += 1
         if u.state is Tier.DISK:
@@ -293,7 +295,7 @@ def plan_memory(
     host += pinned_pool_bytes(pinned, L, pool_cap) + snapshot + spares + through_host
     streamed = offload.streamed_blocks
     in_flight = 3 if streamed else 0  # the block computing, the one prefetched, a gradient leaving
-    accelerator += in_flight * n_block * max(compute, grad)
+    accelerator += in_flight * n_block * max(compute, grad) + device_cast
     # The units the accelerator updates come first in the forward order: their gradients appear last
     # in the backward pass, as it frees the block inputs (not where those wait in pinned memory).
     late = device_grads if d.grad_accum == 1 and not offload.offloads_activations else 0

@@ -78,13 +78,14 @@ def test_plan_counts_bytes_per_parameter():
 
 
 def test_units_with_state_on_the_accelerator_move_their_bytes_there():
-    """The first K units' masters (4), AdamW state (8), bf16 weights (2) and gradients (blocks' bf16,
-    embedding's float32) count on the accelerator, and none of theirs on the host or pinned."""
+    """The first K units' masters (4), AdamW state (8) and gradients (blocks' bf16, embedding's
+    float32) count on the accelerator, with one bf16 cast of the largest of them (the passes read the
+    masters), and none of theirs on the host or pinned."""
     e, b, h = unit_param_counts(cfg().model)
     base = dict(offload__optimizer="cpu", offload__params="cpu", offload__two_pass_units="0")
     host_only = memory.plan_memory(cfg(**base, checkpoint__enabled="false"))
     mixed = memory.plan_memory(cfg(**base, offload__device_state_units="3", checkpoint__enabled="false"))
-    on_device = (4 + 8 + 2 + 4) * e + 2 * (4 + 8 + 2 + 2) * b  # the embedding and blocks 0-1
+    on_device = (4 + 8 + 4) * e + 2 * (4 + 8 + 2) * b + 2 * max(e, b)  # the embedding and blocks 0-1
     # They left the pinned memory (gradients and staged or streamed weights) and the host state...
     assert host_only.pinned - mixed.pinned == (4 + 2) * e + 2 * (2 + 2) * b
     pool = memory.pinned_pool_bytes

@@ -146,14 +146,15 @@ def test_refusal_says_what_was_needed_and_what_would_fit():
     assert "To fit it, add more host RAM:" in text and "or a GPU with" in text
     assert "With this model no data.batch_size fits, not even 1" in text
     # A blocking save streams the GPU-state units' masters and moments through host RAM a batch at
-    # a time, so llama-13b with float32 moments fits with checkpoints on (24 units' state on the GPU).
-    assert "the largest named model that fits with these settings is llama-13b (13.02B parameters)" in text
+    # a time, and those units keep no bf16 copy beside their masters, so qwen2.5-14b with float32
+    # moments fits with checkpoints on.
+    assert "the largest named model that fits with these settings is qwen2.5-14b (14.77B parameters)" in text
     # With checkpoints on by default, llama-13b with float32 moments fits that box with blocking
-    # saves (the planner's choice: an asynchronous save's snapshot would not fit); with 90 GiB of
+    # saves (the planner's choice: an asynchronous save's snapshot would not fit); with 60 GiB of
     # host RAM only bfloat16 moments fit.
     assert "checkpoint.async_save=false" in decide(cfg(**{"model.name": "llama-13b"}), h200(139)).decided
     with pytest.raises(ConfigError, match=r"It fits with optimizer.state_dtype=bfloat16"):
-        decide(cfg(**{"model.name": "llama-13b"}), h200(139, 90))
+        decide(cfg(**{"model.name": "llama-13b"}), h200(139, 60))
     # A model whose state fits no batch size.
     with pytest.raises(ConfigError, match="no data.batch_size fits, not even 1"):
         decide(cfg(**{"model.name": "llama-30b"}), h200(139))
@@ -326,13 +327,13 @@ def test_build_trainer_leaves_an_explicit_placement_to_the_memory_check(monkeypa
 
 
 def test_the_disk_tier_takes_the_fewest_last_units_only_where_nothing_else_fits():
-    """llama-20b at 32K tokens with bf16 moments and no checkpoints on one H200 box: GPU and host RAM
-    together fall short (the refusal says what disk would do); with 64 GiB of free disk the planner
-    puts the state of the fewest units that make it fit there, the last ones in forward order, and
-    predicts the step the disk's traffic bounds."""
+    """llama-20b at 32K tokens with bf16 moments and no checkpoints on an H200 box with 90 GiB of host
+    RAM: GPU and host RAM together fall short (the refusal says what disk would do); with 64 GiB of
+    free disk the planner puts the state of the fewest units that make it fit there, the last ones in
+    forward order, and predicts the step the disk's traffic bounds."""
     c = cfg(**{"model.name": "llama-20b", "data.batch_size": "16", "optimizer.state_dtype": "bfloat16",
                "checkpoint.enabled": "false"})  # fmt: skip
-    box = h200(139)
+    box = h200(139, 90)
     with pytest.raises(ConfigError, match="more free local disk"):
         decide(c, box)
     d = decide(c, dataclasses.replace(box, disk_bytes=64 * GiB))
@@ -341,15 +342,19 @@ def test_the_disk_tier_takes_the_fewest_last_units_only_where_nothing_else_fits(
     assert disk and [u.position for u in disk] == list(range(units - len(disk), units))
     assert d.config.offload.optimizer == "disk" and d.config.offload.disk_units == len(disk)
     assert 0 < d.memory.disk <= 64 * GiB and "state local disk (read, updated on CPU" in d.table()
-    assert d.prediction.disk_s > d.prediction.gpu_s  # ~2 GB/s of disk for ~60 GB a step
+    assert d.prediction.disk_s > d.prediction.gpu_s  # ~2 GB/s of disk for ~30 GB a step
     # One unit fewer on disk does not fit the host.
     fewer = dataclasses.replace(
         d.config, offload=dataclasses.replace(d.config.offload, disk_units=len(disk) - 1)
     )
     need = plan_memory(fewer, resolve_plan(fewer))
     assert need.host + memory.GPU_PROCESS_RSS > box.host_usable
-    # A model that fits without the disk never uses it, whatever disk there is.
+    # A model that fits without the disk never uses it, whatever disk there is, and a disk path
+    # given for the planner to use goes unused.
     assert not decide(cfg(), dataclasses.replace(h200(40), disk_bytes=64 * GiB)).plan.disk_units
+    with_path = cfg(**{"offload.disk_path": "/never/written"})
+    no_disk = decide(with_path, dataclasses.replace(h200(40), disk_bytes=64 * GiB))
+    assert not no_disk.plan.disk_units and not no_disk.config.offload.disk_path
     # Saves and restores go through host RAM: with checkpoints on, the disk saves none of it.
     on = dataclasses.replace(c, checkpoint=dataclasses.replace(c.checkpoint, enabled=True))
     with pytest.raises(ConfigError):

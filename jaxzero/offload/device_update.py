@@ -12,7 +12,10 @@ rule), then the unit's optax transformation without clipping (`build_optimizer(.
 Under float16 a step whose norm is not finite keeps the unit as it was, as the host update skips it.
 
 Arrays are one shard per device (`OffloadPlacement.split`), as the host keeps its state: the masters
-and optimizer state in float32 (moments in `optimizer.state_dtype`), the weights in the compute dtype.
+and optimizer state in float32 (moments in `optimizer.state_dtype`). No compute-dtype copy is kept:
+the passes read the float32 masters and cast them as they use them (`StreamedModel`), as the resident
+trainer does, which saves the accelerator 2 bytes per parameter of these units (bf16) for a cast of one
+unit at a time.
 """
 
 from __future__ import annotations
@@ -51,7 +54,6 @@ class DeviceOptimizer:
         plan = placement.plan
         self.placement = placement
         self.masters_shape = masters_shape
-        compute = jnp.dtype(plan.compute_dtype)
         skips_nonfinite = plan.host_update is not None and plan.host_update.skips_nonfinite
         max_norm = np.float32(cfg.grad_clip)
         txs = unit_optimizers(cfg, total_steps, masters_shape)
@@ -62,16 +64,14 @@ class DeviceOptimizer:
         }
         self._update: dict[UnitKind, Any] = {}
         self._init: dict[UnitKind, Any] = {}
-        self._cast: dict[UnitKind, Any] = {}
-        self.targets: dict[UnitKind, tuple[Any, Any, Any]] = {}  # masters, opt_state, weights shardings
+        self.targets: dict[UnitKind, tuple[Any, Any]] = {}  # masters, opt_state shardings
 
         for kind in {u.kind for u in plan.units if u.state is Tier.DEVICE}:
             tx = getattr(txs, kind.value)
             shapes = self._shapes[kind]
             masters_at = placement.split(shapes, DEVICE)
             state_at = placement.split(jax.eval_shape(tx.init, shapes), DEVICE)
-            weights_at = placement.split(shapes, DEVICE)
-            self.targets[kind] = (masters_at, state_at, weights_at)
+            self.targets[kind] = (masters_at, state_at)
 
             def update(masters, opt_state, grads, norm, scale, tx=tx):
                 # The host's multiplier, in the same float32 operations (`HostOptimizer.grad_multiplier`).
@@ -84,43 +84,39 @@ class DeviceOptimizer:
                     new_masters, new_state = jax.tree.map(
                         lambda a, b: jnp.where(keep, a, b), (new_masters, new_state), (masters, opt_state)
                     )
-                weights = jax.tree.map(lambda p: p.astype(compute), new_masters)
-                return new_masters, new_state, weights
+                return new_masters, new_state
 
             # Masters and state are updated in place (donated).
-            self._update[kind] = jax.jit(
-                update, donate_argnums=(0, 1), out_shardings=(masters_at, state_at, weights_at)
-            )
+            self._update[kind] = jax.jit(update, donate_argnums=(0, 1), out_shardings=(masters_at, state_at))
             self._init[kind] = jax.jit(tx.init, out_shardings=state_at)
-            self._cast[kind] = jax.jit(
-                lambda p: jax.tree.map(lambda x: x.astype(compute), p), out_shardings=weights_at
-            )
 
     def start(self, unit: UnitPlan, local_masters: Any, local_state: Any = None) -> HostUnit:
         """The unit on the accelerator from this process's host blocks of its masters (and of its
         optimizer state, from a checkpoint; None: a fresh state), or from global arrays a restore
-        placed as `targets` already (taken as they are). A host sync (the copies)."""
-        masters_at, state_at, _ = self.targets[unit.kind]
+        placed as `targets` already (taken as they are). A host sync (the copies). The unit's weights
+        are its masters (float32; the passes cast them)."""
+        masters_at, state_at = self.targets[unit.kind]
         shapes = self._shapes[unit.kind]
         masters = _placed(local_masters, masters_at, shapes)
         if local_state is None:
             state = self._init[unit.kind](masters)
         else:
             state = _placed(local_state, state_at, jax.eval_shape(self._init[unit.kind], shapes))
-        return HostUnit(masters, state, self._cast[unit.kind](masters))
+        return HostUnit(masters, state, masters)
 
     def update(
         self, unit: UnitPlan, arrays: HostUnit, grads: Any, norm: jax.Array, scale: jax.Array
     ) -> HostUnit:
         """One optimizer step of `unit` (asynchronous: issued, not waited for).
 
-        arrays: its masters and optimizer state on the accelerator (consumed) and weights (dropped).
+        arrays: its masters (also its weights) and optimizer state on the accelerator, consumed:
+                donated, so the update reuses their memory once the passes that read them are done.
         grads:  its gradient sums on the accelerator, one shard per device (compute dtype or float32).
         norm:   the global norm of the mean gradient; scale: the loss scale (1 but under float16);
                 float32 scalars on the accelerator.
         """
-        masters, state, weights = self._update[unit.kind](arrays.params, arrays.opt_state, grads, norm, scale)
-        return HostUnit(masters, state, weights)
+        masters, state = self._update[unit.kind](arrays.params, arrays.opt_state, grads, norm, scale)
+        return HostUnit(masters, state, masters)
 
 
 def _placed(tree: Any, targets: Any, shapes: Any) -> Any:

@@ -215,10 +215,7 @@ def build_offload_trainer(
         for u in on_device:
             k = u.position
             old = units[k].result()
-            updated[k] = device.update(u, old, g[k], norm, loss_scale)
-            # The old weights go now (once the pass that read them is done), not when the caller
-            # drops the old state: the accelerator never holds two copies.
-            release(old.weights)
+            updated[k] = device.update(u, old, g[k], norm, loss_scale)  # donates the old masters
         return updated
 
     def step(state: OffloadState, batch: jax.Array) -> tuple[OffloadState, StepMetrics]:

@@ -1,6 +1,9 @@
 """The per-block streaming schedule: forward, loss, and a rematerialised backward, one block at a time.
 
-Compute-dtype weights of streamed blocks live in the accelerator's `pinned_host` memory. One step:
+Compute-dtype weights of streamed blocks live in the accelerator's `pinned_host` memory. Units whose
+state the accelerator keeps and updates pass their float32 masters as their weights: every compiled
+unit casts its weights to the compute dtype before it gathers and uses them, which is the resident
+trainer's arithmetic and costs one unit's compute-dtype copy while it runs. One step:
 
     forward   x = embed(tokens); for i in 0..L-1: fetch block i+1 (async); save x; x = block_i(x)
     head      loss and dL/dx for every micro-batch
@@ -39,6 +42,7 @@ import jax.numpy as jnp
 
 from jaxzero import objective
 from jaxzero.models import Model, ModelParams
+from jaxzero.models.layers import cast_tree
 from jaxzero.offload.host_memory import copy_to
 from jaxzero.offload.timeline import StepClock, span
 from jaxzero.placement import DEVICE, PINNED_HOST, OffloadPlacement, batch_rows_sharding
@@ -147,9 +151,14 @@ class StreamedModel:
         self._copy_in = placement.split(shapes.blocks[0], DEVICE)  # a streamed block's accelerator copy
         self.offloads_activations = placement.plan.offloads_activations
         mesh = placement.mesh
-        # Constraining weights to whole arrays all-gathers their shards; constraining gradient sums
-        # to one shard per device reduce-scatters them.
-        gather = scatter = jax.lax.with_sharding_constraint
+        compute = jnp.dtype(placement.plan.compute_dtype)
+        scatter = jax.lax.with_sharding_constraint
+
+        def gather(w, whole_sharding):
+            """The weights in the compute dtype (float32 masters are cast first, so the gather moves
+            the narrow copy), whole: constraining weights to whole arrays all-gathers their shards;
+            constraining gradient sums to one shard per device (`scatter`) reduce-scatters them."""
+            return jax.lax.with_sharding_constraint(cast_tree(w, compute), whole_sharding)
 
         def rows(x):  # activations: micro-batch rows split over the devices
             return jax.lax.with_sharding_constraint(x, batch_rows_sharding(mesh, x.ndim))

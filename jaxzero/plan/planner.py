@@ -533,6 +533,8 @@ def _apply(cfg: TrainConfig, option: _Option) -> TrainConfig | None:
         cfg.offload,
         optimizer="disk" if option.disk_units else option.optimizer,
         disk_units=option.disk_units or -1,
+        # A disk path given for the planner to use, where it places nothing on disk, goes unused.
+        disk_path=cfg.offload.disk_path if option.disk_units else "",
         params=option.params,
         device_state_units=option.device_state_units,
         resident_blocks=option.resident_blocks,
@@ -840,7 +842,8 @@ class Decision:
         if need.disk:
             lines.append(
                 f"  local disk      {_gib(need.disk * mc.local_processes)} of {_gib(mc.disk_bytes)} free "
-                f"(masters and optimizer state of {len(self.plan.disk_units)} units, "
+                f"(masters and optimizer state of {len(self.plan.disk_units)} "
+                f"unit{'s' if len(self.plan.disk_units) != 1 else ''}, "
                 f"{cfg.offload.disk_path or 'under the run directory'})"
             )
         flops = 8 * param_count(m) * tokens / p.step_s / mc.devices / 1e12
