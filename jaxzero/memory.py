@@ -75,6 +75,10 @@ GPU_PROCESS_RSS = 5 * GiB
 # holds them with the allocator's fragmentation; a region filled to the brim (99.4%: BENCHMARKS.md)
 # grew a second one.
 POOL_SLACK = Fraction(1, 50)
+# A run whose pinned arrays fill more of the start-up region than this grows a second region as large
+# (clipped by the cap): regions filled to 99.4% and to 96% by the plan's pinned bytes (the second:
+# llama-20b on one H200) both grew one, the run's pinned peak being a few percent above the count.
+POOL_FILL = Fraction(9, 10)
 # On a CPU backend, where one RAM holds everything: an asynchronous save holds the writer's buffers
 # besides the snapshot, and XLA:CPU keeps buffers of its own beside the state.
 CPU_SNAPSHOT_ALLOWANCE = Fraction(3, 2)
@@ -223,10 +227,11 @@ def plan_memory(
 
     saving = cfg.checkpoint.enabled and cfg.checkpoint.async_save
     snapshot = per_process(n, n_whole, 4 + opt, offload.shards_state) if saving else 0
-    # A blocking save copies the masters and state through host RAM a batch at a time (the host's
-    # too: Orbax copies what it writes), and every restore reads them there the same way:
-    # `TRANSFER_BYTES`, or the largest array if larger (`jaxzero.checkpoint`). An asynchronous
-    # save's snapshot holds them all (and is larger).
+    # A blocking save copies the accelerator's masters and state through host RAM a batch at a time,
+    # and every restore reads them there the same way: `TRANSFER_BYTES`, or the largest array if
+    # larger (`jaxzero.checkpoint`). Orbax also copies host arrays as it writes them: 60-93% of them
+    # measured at once (BENCHMARKS.md), counted whole (below). An asynchronous save's
+    # snapshot holds them all.
     largest = max(m.vocab_size, m.intermediate_size) * m.hidden_size * 4 // P
     blocking = cfg.checkpoint.enabled and not saving
     state_bytes = per_process(n, n_whole, 4 + opt, offload.shards_state)
@@ -289,6 +294,8 @@ def plan_memory(
             two_pass += per_process(n_u, w_u, grad_u, True, copies=L)
         if u.state is Tier.HOST or cfg.checkpoint.enabled:
             host += per_process(n_u, w_u, 4 + opt, True)  # masters and optimizer state
+        if blocking:  # Orbax's copy of what a blocking save writes from host RAM
+            host += per_process(n_u, w_u, 4 + opt, True)
     pinned += two_pass + away
     host += offload.disk_slots * disk_unit
     spares = update.speculative_units * per_process(max(params.values()), max(whole), 4 + opt, True)
@@ -413,7 +420,8 @@ def pinned_pool_bytes(pinned: int, local_devices: int = 1, cap: int | None = Non
     over `local_devices` (`host_memory.reserve_pinned`): each device's share grows the pool by one
     region, a power of two from `POOL_FIRST_REGION` up, clipped by what the cap leaves (`cap`, bytes:
     by default the one `configure_pinned_pool` sets for this `pinned`). The run's pinned arrays then
-    live inside those regions."""
+    live inside those regions, unless they fill more than `POOL_FILL` of one: then the pool grows a
+    second region as large, as far as the cap lets it."""
     if not pinned:
         return 0
     cap = pinned_pool_cap_gb(pinned) * GiB if cap is None else cap
@@ -421,7 +429,8 @@ def pinned_pool_bytes(pinned: int, local_devices: int = 1, cap: int | None = Non
     region = POOL_FIRST_REGION
     while region < share:
         region *= 2
-    return min(local_devices * region, cap)
+    regions = 2 if -(-pinned // local_devices) > POOL_FILL * region else 1
+    return min(local_devices * regions * region, cap)
 
 
 def pinned_pool_cap() -> int | None:

@@ -196,14 +196,16 @@ def _one_device_batch(cfg: TrainConfig) -> TrainConfig:
 def _size_pinned_pool(cfg: TrainConfig) -> None:
     """Size XLA's pinned host pool before JAX starts (`memory.configure_pinned_pool`): for the
     offload plan `cfg` names, its whole need (which bounds any process's share); for one the
-    planner will decide once it sees the devices, the largest pinned need among the placements it
-    may choose."""
+    planner will decide once it sees the devices, the need of the placement it decides for the GPU
+    it will see, where that can be told before JAX starts (`machine.gpu_gib`, or one GPU that
+    `nvidia-smi` reports), else the largest pinned need among the placements it may choose. (A pool
+    sized for the largest may grow far past what the decided placement pins: the plan counts it.)"""
     if planner.concrete(cfg):
         plan = resolve_plan(cfg)
         if plan.host_update is not None:
             memory.configure_pinned_pool(memory.plan_memory(cfg, plan))
         return
-    largest = planner.largest_pinned_need(cfg)
+    largest = _decided_before_backend(cfg) or planner.largest_pinned_need(cfg)
     if largest is None or not largest.pinned:
         return
     try:
@@ -212,6 +214,24 @@ def _size_pinned_pool(cfg: TrainConfig) -> None:
         # A pool fixed already (by the user, or a running backend) may still hold the placement
         # decided: the planner counts its cap, and the decided need is checked against it below.
         pass
+
+
+def _decided_before_backend(cfg: TrainConfig) -> memory.MemoryPlan | None:
+    """The memory plan of the placement the planner decides for `cfg` on the GPU `machine.gpu_gib`
+    names or `planner.gpu_bytes_before_backend` finds, without starting JAX; None where neither tells
+    the GPU, nothing is offloaded, or the planner refuses (the run's own decision then says why)."""
+    gib = cfg.machine.gpu_gib
+    if not gib:
+        found = planner.gpu_bytes_before_backend()
+        if found is None:
+            return None
+        gib = found / memory.GiB
+    sized = dataclasses.replace(cfg, machine=dataclasses.replace(cfg.machine, gpu_gib=gib))
+    try:
+        decision = planner.decide(sized, planner.detect_machine(sized, pool_fixed=False))
+    except ConfigError:
+        return None
+    return decision.memory if decision.memory.pinned else None
 
 
 def build_resident_trainer(cfg: TrainConfig, mesh: Mesh, plan: OffloadPlan | None = None) -> Trainer:

@@ -74,6 +74,7 @@ import itertools
 import math
 import os
 import shutil
+import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -283,6 +284,36 @@ def detect_machine(
         disk_bw=disk_bw,
         sources=sources,
     )
+
+
+# What XLA's GPU allocator leaves out of a GPU's memory before taking its fraction: the CUDA context
+# (an H200's 143,771 MiB gave a 132.8 GiB limit at the 0.95 fraction: 627 MiB less than the total).
+CUDA_CONTEXT_BYTES = 640 * 2**20
+
+
+def gpu_bytes_before_backend() -> int | None:
+    """What XLA's allocator will give the one GPU this process sees, told before JAX starts (from
+    `nvidia-smi`: the GPU's total memory less the CUDA context, times XLA's memory fraction), so that
+    the run's pinned pool can be sized for the placement the planner will choose; None where it
+    cannot be told: no `nvidia-smi`, no GPU, or not exactly one GPU visible (`CUDA_VISIBLE_DEVICES`)."""
+    query = ["nvidia-smi", "--query-gpu=index,uuid,memory.total", "--format=csv,noheader,nounits"]
+    try:
+        out = subprocess.run(query, capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    rows = [[f.strip() for f in line.split(",")] for line in out.splitlines() if line.count(",") == 2]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        wanted = [v.strip() for v in visible.split(",") if v.strip()]
+        rows = [r for r in rows if any(w == r[0] or (len(w) > 3 and r[1].startswith(w)) for w in wanted)]
+    if len(rows) != 1:
+        return None
+    try:
+        total = int(float(rows[0][2])) * 2**20
+        fraction = float(os.environ.get(memory.MEM_FRACTION_ENV, "0.75"))
+    except ValueError:
+        return None
+    return int((total - CUDA_CONTEXT_BYTES) * fraction)
 
 
 def _free_disk(cfg: TrainConfig) -> int:
@@ -566,12 +597,9 @@ class _Search:
         k = o.device_state_units
         decide_k = o.optimizer == "auto" and not k and o.update == "overlapped"
         self.k_range = range(layers + 2) if decide_k else range(k, k + 1)
-        # XLA's pinned pool cap, which bounds the regions its pool grows by: fixed already, or the one
-        # the run will set (for the largest pinned need among its options, while they are open).
+        # XLA's pinned pool cap, which bounds the regions its pool grows by: fixed already, or, where
+        # the run will size it for the placement decided (`jaxzero.trainer`), each option's own.
         self.pool_cap = None if machine.pinned_limit_gb is None else int(machine.pinned_limit_gb * GiB)
-        largest = largest_pinned_need(cfg) if self.pool_cap is None and self.strict else None
-        if largest is not None and largest.pinned:
-            self.pool_cap = memory.pinned_pool_cap_gb(largest.pinned) * GiB
         r = o.resident_blocks
         self.r_range = range(layers) if o.params == "auto" and not r else range(r, r + 1)
         # Units on disk: as given with offload.optimizer=disk; with auto, the fewest that make a
