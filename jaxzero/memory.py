@@ -21,11 +21,13 @@ the compute weights. With `offload.activations=cpu` the blocks' saved inputs but
 pinned host memory, and the accelerator holds three of them at most. Units whose state
 `offload.device_state_units` keeps on the accelerator count as resident ones there: masters, state
 and their gradients, and a compute-dtype cast of the largest of them while it computes. With
-checkpoints on, a blocking save copies the masters and state out through host RAM and a restore
-reads them in through it, a batch at a time (`jaxzero.checkpoint.TRANSFER_BYTES`): host RAM holds
-one batch more (an asynchronous save's snapshot holds them all). Units whose state
-`offload.optimizer=disk` keeps on disk hold it there; host RAM holds `disk_slots` buffers of the
-largest of them, and, with checkpoints on, all of it, since saves and restores go through RAM.)
+checkpoints on, a blocking save copies the accelerator's masters and state out through host RAM and
+a restore reads them in through it, a batch at a time (`jaxzero.checkpoint.TRANSFER_BYTES`): host
+RAM holds one batch more, and, while a blocking save writes, a copy of the host's masters and state
+(Orbax copies host arrays as it writes them); an asynchronous save's snapshot holds them all.
+Units whose state `offload.optimizer=disk` keeps on disk hold it there; host RAM holds `disk_slots`
+buffers of the largest of them, and, with checkpoints on, all of it, since saves and restores go
+through RAM.)
 An asynchronous checkpoint (`checkpoint.async_save`, the default) snapshots masters and optimizer
 state into host RAM while it writes: 4 + 8 more bytes per parameter of host memory during a save.
 The pinned bytes of an offloaded run live in XLA's pinned pool, which takes host RAM by regions of
