@@ -1,26 +1,37 @@
-"""Orbax checkpoints of the whole training state, saved from where it lives and restored to where it
-belongs.
+"""Orbax checkpoints of the whole training state, written from where it lives and restored to where it
+belongs, in bounded host RAM.
 
 A checkpoint is one step directory under `<run_dir>/checkpoints/` holding two items:
 
-    state  {"step", "params", "opt_state"}, and float16's "loss_scale": int32 step, float32 masters,
-           optimizer state one optax state per unit (embedding, each block, head), whichever
-           trainer saved it
+    state  one ordinary Orbax PyTree checkpoint per part, in the order they are written:
+             state/scalars      {"step"} (int32), and float16's {"loss_scale"}
+             state/embed        {"params": float32 masters, "opt_state": the unit's optax state}
+             state/block_0000   the same for each block, ...
+             state/head         the same for the head
+           (`ocp.PyTreeCheckpointer().restore(<step>/state/block_0003)` reads one back as NumPy)
     meta   JSON: the data iterator's position, the resolved config, the trainer's layout, the step
 
 The compute-dtype weights of the offload engine are not saved: they are a cast of the masters and
-are rebuilt on restore. Saves are asynchronous and atomic (Orbax writes into a temporary directory
-and renames it when complete; a save killed half-way leaves no step directory behind). Training is
-blocked only while the state is snapshotted into host memory: the arrays it keeps updating in place
-(donated masters and optimizer state) must not change under the writer.
+are rebuilt on restore.
+
+Host RAM. A save writes one part at a time with Orbax's PyTree handler, at most
+`checkpoint.buffer_gib` of it in flight to disk at once (`save_concurrent_gb`); accelerator arrays
+are copied to host RAM one part at a time. A restore reads one part at a time, at most that much
+at once, and places each array where the target says. So a save or a restore takes at most the
+buffer plus one unit of host RAM beyond the state, whatever the model's size; nothing is copied
+whole first.
+
+Saves run on a writer thread. With `checkpoint.async_save` (the default) `save` returns at once and
+training goes on: the arrays are written from where they live, so each unit's next in-place update
+first waits at the trainer's `WriteFence` until the writer has written that unit (units are written
+in the order the next step updates them). Otherwise `save` returns once the checkpoint is
+committed. Saves are atomic either way (Orbax writes into a temporary directory and renames it
+when complete; a save killed half-way leaves no step directory behind).
 
 Restores always target the abstract state *with its placement* (`Trainer.abstract_saved_state`):
 Orbax does not record memory kinds, and a restore without a target would put host-resident state
-into accelerator memory. Saves and restores pass through host RAM `TRANSFER_BYTES` at a time: a
-blocking save (`checkpoint.async_save=false`) copies the arrays out in batches of that size, each
-written before the next is copied (Orbax's memory-limited save; Orbax copies host arrays too as it
-writes them), and a restore reads at most that much at once before placing it. An asynchronous
-save copies everything first (`_snapshot`).
+into accelerator memory. Checkpoints of the earlier layout (the whole state as one PyTree under
+`state/`) are restored too.
 
 Integrity: as a save commits, the CRC-32 of every file of its items (in 64 MiB pieces) goes to
 `<step>/checksums.json`; a restore checks them first (`checkpoint.verify`). A checkpoint whose files
@@ -37,27 +48,26 @@ import json
 import os
 import shutil
 import sys
-import threading
 import zlib
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from absl import flags
+from etils import epath
 from jax.experimental import multihost_utils
 
-# Orbax's memory-limited save is configured through these (orbax-checkpoint 0.12: not re-exported).
-from orbax.checkpoint._src.metadata.array_metadata_store import Store as _ArrayMetadataStore
-from orbax.checkpoint._src.serialization.types import SerializationStatusCallback, TransferPriority
-
 from jaxzero.config import CheckpointConfig, CheckpointError, TrainConfig
+from jaxzero.deferred import Deferred, abstract, is_deferred, pair, resolved
 from jaxzero.models import ModelParams, build_model
 from jaxzero.overrides import config_from_dict
+from jaxzero.write_fence import WriteFence
 
 CHECKPOINT_DIR = "checkpoints"
 UNREADABLE_DIR = f"{CHECKPOINT_DIR}-unreadable"  # checkpoints that failed to restore, set aside
@@ -65,14 +75,160 @@ CHECKSUMS_FILE = "checksums.json"
 CHECKSUM_PIECE = 64 << 20  # bytes per CRC-32: pieces of one file are summed in parallel
 TMP_MARKER = ".orbax-checkpoint-tmp"  # in the names of Orbax's half-written step directories
 ORBAX_METADATA = "_CHECKPOINT_METADATA"  # in every directory Orbax's checkpointers commit
+PYTREE_METADATA = "_METADATA"  # in every directory Orbax's PyTree handler writes
+SCALARS = "scalars"  # the part of the state that is not per unit: the step count, float16's loss scale
 # Orbax's barriers are named with this prefix (set on the manager), so that the name of the barrier
 # that ends Orbax's `Checkpointer.restore` is known: a process whose restore raised before it joins it.
 ORBAX_BARRIER_PREFIX = "jaxzero"
 ORBAX_RESTORE_BARRIER = ocp.multihost.unique_barrier_key("Checkpointer:restore", prefix=ORBAX_BARRIER_PREFIX)
 BARRIER_MISMATCH = "sync_global_devices name mismatch"  # JAX's error when processes meet at other barriers
-# A blocking save copies the arrays it writes to host RAM, and a restore reads them there, at most this
-# many bytes at a time (each array whole, one at least): neither holds a second copy of the state.
-TRANSFER_BYTES = 2 * 10**9
+# Orbax's switch from barriers that are device collectives to the coordination service's: a save
+# runs on a writer thread beside training, whose collectives it must not interleave with.
+ORBAX_SERVICE_BARRIERS = "experimental_orbax_use_distributed_barrier"
+
+
+class Part(NamedTuple):
+    """One part of a checkpoint's state, written (and read) as one Orbax PyTree checkpoint.
+
+    name:     its directory under `state/` (`SCALARS`, "embed", "block_0000", ..., "head").
+    position: the unit's position in the forward order (embedding 0, block i at 1 + i, head last),
+              the key of `WriteFence`; None for the scalars.
+    tree:     its arrays ({"params", "opt_state"} of a unit), or ShapeDtypeStructs to restore onto.
+    """
+
+    name: str
+    position: int | None
+    tree: Any
+
+
+def part_names(num_blocks: int) -> list[str]:
+    """The units' part names in forward order: "embed", "block_0000", ..., "head"."""
+    return ["embed", *(f"block_{i:04d}" for i in range(num_blocks)), "head"]
+
+
+def state_parts(state: dict[str, Any]) -> list[Part]:
+    """A saved state ({"step", "params", "opt_state"} and float16's "loss_scale"; params and
+    opt_state in `ModelParams` layout) as its parts, in the order a save writes them: the scalars,
+    then each unit in forward order."""
+    params, opt_state = state["params"], state["opt_state"]
+    scalars = {k: v for k, v in state.items() if k not in ("params", "opt_state")}
+    units = [
+        (params.embed, opt_state.embed),
+        *zip(params.blocks, opt_state.blocks),
+        (params.head, opt_state.head),
+    ]
+    names = part_names(len(params.blocks))
+
+    def unit(p: Any, o: Any) -> Any:  # a disk unit's halves are read together, when it is written
+        both = pair(p, o, ("params", "opt_state")) if is_deferred(p) and is_deferred(o) else None
+        return both if both is not None else {"params": p, "opt_state": o}
+
+    return [Part(SCALARS, None, scalars)] + [
+        Part(name, i, unit(p, o)) for i, (name, (p, o)) in enumerate(zip(names, units))
+    ]
+
+
+def join_parts(trees: Sequence[Any]) -> dict[str, Any]:
+    """The saved state of its parts' trees, in `state_parts`' order (inverse of `state_parts`)."""
+    scalars, *units = trees
+    unit = lambda key: [u[key] for u in units]  # noqa: E731
+    to_params = lambda xs: ModelParams(xs[0], tuple(xs[1:-1]), xs[-1])  # noqa: E731
+    return {**scalars, "params": to_params(unit("params")), "opt_state": to_params(unit("opt_state"))}
+
+
+@dataclass
+class PartsSave(ocp.args.CheckpointArgs):
+    """The `state` item's save: `parts` in order; `written(position)` once a unit's part is on disk."""
+
+    parts: Sequence[Part]
+    written: Callable[[int], None]
+
+
+@dataclass
+class PartsRestore(ocp.args.CheckpointArgs):
+    """The `state` item's restore onto `parts` (abstract trees carrying their shardings)."""
+
+    parts: Sequence[Part]
+
+
+class PartsHandler(ocp.CheckpointHandler):
+    """Orbax handler of the `state` item: each part an Orbax PyTree checkpoint in a directory of its
+    own, written and read one after another, `buffer` bytes at most in flight (see the module
+    docstring). Checkpoints of the earlier layout (one PyTree) are read whole."""
+
+    def __init__(self, buffer: int, restore_batch: int | None, multiprocessing: Any):
+        self._buffer_gb = buffer / 10**9  # Orbax's unit
+        self._restore_gb = None if restore_batch is None else restore_batch / 10**9
+        self._multiprocessing = multiprocessing
+
+    def _pytree(self) -> ocp.PyTreeCheckpointHandler:
+        return ocp.PyTreeCheckpointHandler(
+            save_concurrent_gb=self._buffer_gb,
+            restore_concurrent_gb=self._restore_gb,
+            multiprocessing_options=self._multiprocessing,
+            # Copies to plain host RAM: XLA's pinned pool is sized for the training state alone, and a
+            # save's copies there fail once it is full (measured: RESOURCE_EXHAUSTED on an H100).
+            enable_pinned_host_transfer=False,
+        )
+
+    def save(self, directory: epath.Path, args: PartsSave) -> None:
+        pytree = self._pytree()
+        for part in args.parts:
+            path = epath.Path(directory) / part.name
+            path.mkdir(parents=True, exist_ok=True)  # every process: the file system may be shared
+            tree = resolved(part.tree)  # a disk unit is read now, and dropped once written
+            pytree.save(path, args=ocp.args.PyTreeSave(tree))
+            del tree
+            if part.position is not None:
+                args.written(part.position)
+
+    def finalize(self, directory: epath.Path) -> None:
+        pytree = self._pytree()  # merges each part's per-process files (the primary process, at commit)
+        for path in sorted(p for p in epath.Path(directory).iterdir() if p.is_dir()):
+            pytree.finalize(path)
+
+    def restore(self, directory: epath.Path, args: PartsRestore) -> dict[str, Any]:
+        pytree, directory = self._pytree(), epath.Path(directory)
+        if (directory / PYTREE_METADATA).exists():  # the earlier layout: the whole state as one PyTree
+            target = join_parts([p.tree for p in args.parts])
+            targets = ocp.checkpoint_utils.construct_restore_args(target)
+            return dict(pytree.restore(directory, args=ocp.args.PyTreeRestore(target, restore_args=targets)))
+
+        def read(part: Part) -> Any:
+            targets = ocp.checkpoint_utils.construct_restore_args(part.tree)
+            return pytree.restore(
+                directory / part.name, args=ocp.args.PyTreeRestore(part.tree, restore_args=targets)
+            )
+
+        def deferred(part: Part) -> dict[str, Deferred]:  # read when the trainer places the unit
+            def both() -> tuple[Any, Any]:
+                tree = read(part)
+                return tree["params"], tree["opt_state"]
+
+            return {k: Deferred(both, i, part.tree[k]) for i, k in enumerate(("params", "opt_state"))}
+
+        scalars, *units = args.parts
+        return join_parts([read(scalars), *map(deferred, units)])
+
+    def metadata(self, directory: epath.Path) -> None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+ocp.args.register_with_handler(PartsHandler, for_save=True)(PartsSave)
+ocp.args.register_with_handler(PartsHandler, for_restore=True)(PartsRestore)
+
+
+def _service_barriers() -> None:
+    """Orbax's barriers through the coordination service, not device collectives (several processes):
+    a save's barriers then never interleave with the collectives training runs meanwhile."""
+    if jax.process_count() == 1 or ORBAX_SERVICE_BARRIERS not in flags.FLAGS:
+        return
+    if not flags.FLAGS.is_parsed():  # absl flags read unparsed raise; jaxzero parses none of its own
+        flags.FLAGS.mark_as_parsed()
+    setattr(flags.FLAGS, ORBAX_SERVICE_BARRIERS, True)
 
 
 class CheckpointMismatch(CheckpointError):
@@ -92,140 +248,100 @@ class Restored:
     meta: dict[str, Any]  # {"data_state", "config", "layout", "step"}
 
 
-def _snapshot(tree: Any, pool: ThreadPoolExecutor) -> Any:
-    """Host copies of every leaf, so an asynchronous write never sees later in-place updates.
-
-    Host-resident leaves are copied in host memory, shard by shard (each process copies its own;
-    the copy keeps the leaf's sharding over the processes); accelerator leaves are fetched to host,
-    or, spanning other processes' devices, handed to Orbax, which copies them to host before `save`
-    returns. Leaves are copied concurrently (NumPy copies release the GIL): one thread moves a
-    fraction of the host's memory bandwidth.
-    """
-
-    def copy(x):
-        with jax.transfer_guard_device_to_host("allow"):  # a deliberate copy for the checkpoint
-            if not isinstance(x, jax.Array) or (x.is_fully_addressable and len(x.sharding.device_set) == 1):
-                return np.array(x, copy=True)
-            if next(iter(x.sharding.device_set)).platform != "cpu":
-                return x if not x.is_fully_addressable else np.array(x, copy=True)
-            shards = [
-                jax.device_put(np.array(s.data, copy=True), s.data.sharding) for s in x.addressable_shards
-            ]
-            return jax.make_array_from_single_device_arrays(x.shape, x.sharding, shards)
-
-    leaves, treedef = jax.tree.flatten(tree)
-    return jax.tree.unflatten(treedef, list(pool.map(copy, leaves)))
-
-
 class Checkpointer:
     """Saves and restores training state under `<run_dir>/checkpoints` with an Orbax CheckpointManager.
 
-    Keeps the newest `keep` checkpoints, plus every `keep_every`-th step if set. `save` returns once
-    the state is snapshotted; `check` raises what a background write has failed with since; `close`
-    waits for pending writes. Every write failure is a `CheckpointWriteError`.
+    Keeps the newest `keep` checkpoints, plus every `keep_every`-th step if set. `save` hands the
+    state to the writer thread (see the module docstring); `check` raises what a background write
+    has failed with since; `close` waits for pending writes. Every write failure is a
+    `CheckpointWriteError`.
     """
 
     def __init__(self, run_dir: str | Path, cfg: CheckpointConfig, *, largest_array: int | None = None):
         """`largest_array`: the bytes of the state's largest array (`largest_array_bytes` of the
-        abstract state); given, a restore reads at most `TRANSFER_BYTES` (or that array) at a time,
-        else as much as Orbax's default allows."""
+        abstract state); given, a restore reads at most `checkpoint.buffer_gib` (or that array) at a
+        time, else as much as Orbax's default allows."""
         self.directory = Path(run_dir).absolute() / CHECKPOINT_DIR
         self.cfg = cfg
+        self.buffer = buffer_bytes(cfg)
         # (Orbax refuses an array that fills its limit exactly: a MiB over the largest admits it.)
-        self._restore_batch = None if largest_array is None else max(TRANSFER_BYTES, largest_array + 2**20)
+        restore_batch = None if largest_array is None else max(self.buffer, largest_array + 2**20)
         self._pool = ThreadPoolExecutor(
             max(1, min(16, os.cpu_count() or 1)), thread_name_prefix="jaxzero-ckpt"
         )
-        self._lock = threading.Lock()
-        self._unsummed: list[int] = []  # committed steps whose checksums are not written yet
+        # One save at a time, in the background; `_writing` is the one in progress.
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="jaxzero-ckpt-writer")
+        self._writing: Future | None = None
+        _service_barriers()
+        multiprocessing = ocp.options.MultiprocessingOptions(barrier_sync_key_prefix=ORBAX_BARRIER_PREFIX)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=cfg.keep,
             keep_period=cfg.keep_every or None,
-            enable_async_checkpointing=cfg.async_save,
+            # Orbax's own asynchronous save would copy the state first; the writer thread is ours.
+            enable_async_checkpointing=False,
             create=True,
-            multiprocessing_options=ocp.options.MultiprocessingOptions(
-                barrier_sync_key_prefix=ORBAX_BARRIER_PREFIX
-            ),
+            multiprocessing_options=multiprocessing,
             cleanup_tmp_directories=True,  # remove what a killed save left half-written
-            # Checksums once a save is committed (Orbax calls back only for asynchronous saves).
-            async_options=(
-                ocp.AsyncOptions(post_finalization_callback=self._write_checksums) if cfg.async_save else None
-            ),
         )
-        self._streamed: frozenset[str] = frozenset()  # keys of the leaves the current save streams
         registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
-        state_handler = self._state_handler(options.multiprocessing_options)
-        registry.add("state", ocp.args.PyTreeSave, state_handler)
-        registry.add("state", ocp.args.PyTreeRestore, state_handler)
+        state_handler = PartsHandler(self.buffer, restore_batch, multiprocessing)
+        registry.add("state", PartsSave, state_handler)
+        registry.add("state", PartsRestore, state_handler)
         self.manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
         self.last_saved: int | None = None  # the newest step whose save was issued
 
-    def _state_handler(self, multiprocessing: Any) -> ocp.PyTreeCheckpointHandler:
-        """Orbax's handler of the state item. A blocking save streams the leaves `save` names in
-        `_streamed` (after the others): copied to host `TRANSFER_BYTES` at a time, each batch written
-        before the next is copied. An asynchronous save may not: its copies must all be taken before
-        `save` returns, since training then updates the arrays in place."""
-        streaming: dict[str, Any] = {}
-        if not self.cfg.async_save:
-            arrays = ocp.type_handlers.ArrayHandler(
-                callback=_StreamedKeys(self), array_metadata_store=_ArrayMetadataStore()
-            )
-            kinds = (int, float, bytes, np.number, np.ndarray, str)
-            registry = ocp.type_handlers.create_type_handler_registry(
-                *((t, ocp.type_handlers.get_type_handler(t)) for t in kinds), (jax.Array, arrays)
-            )
-            gb = TRANSFER_BYTES / 10**9  # Orbax's unit
-            streaming = {"save_device_host_concurrent_gb": gb, "type_handler_registry": registry}
-        return ocp.PyTreeCheckpointHandler(
-            restore_concurrent_gb=None if self._restore_batch is None else self._restore_batch / 10**9,
-            multiprocessing_options=multiprocessing,
-            # Copies to plain host RAM: XLA's pinned pool is sized for the training state alone, and a
-            # save's copies there fail once it is full (measured: RESOURCE_EXHAUSTED on an H100).
-            enable_pinned_host_transfer=False,
-            **streaming,
-        )
-
     # -- saving --------------------------------------------------------------------------------------
 
-    def save(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> None:
-        """Save `state` ({"step", "params", "opt_state"}) and JSON `meta` as checkpoint `step`. Raises
-        `CheckpointWriteError` before writing anything if the disk lacks the room for it."""
+    def save(
+        self, step: int, state: dict[str, Any], meta: dict[str, Any], fence: WriteFence | None = None
+    ) -> None:
+        """Save `state` ({"step", "params", "opt_state"}) and JSON `meta` as checkpoint `step`, from
+        where its arrays live. With `checkpoint.async_save` and the `fence` of the trainer whose state
+        it is (`Trainer.fence`, at which its steps wait for each unit to be written), returns at once;
+        otherwise once the checkpoint is committed. Raises `CheckpointWriteError` before writing
+        anything if the disk lacks the room for it, and for a failure of the previous save."""
         ensure_room(self.directory, state_bytes(state), f"checkpoint {step}")
-        with self._failure(step):
-            arrays = _snapshot(state, self._pool) if self.cfg.async_save else state
-        self._streamed = frozenset() if self.cfg.async_save else streamed_keys(arrays)
-        self.wait()  # Orbax waits for the previous save anyway; waiting here names it if it failed
-        with self._failure(step):
-            if jax.process_index() == 0:  # one process writes the checksums (Orbax calls back there only)
-                with self._lock:
-                    self._unsummed.append(step)
-            self.manager.save(
-                step,
-                args=ocp.args.Composite(state=ocp.args.PyTreeSave(arrays), meta=ocp.args.JsonSave(meta)),
-                force=True,
-            )
-            if not self.cfg.async_save:  # committed already: no finalization callback comes
-                self._write_checksums()
+        self.wait()  # one save at a time; raises the previous one's failure
+        parts = state_parts(state)
+        background = self.cfg.async_save and fence is not None
+        fence = fence if fence is not None else WriteFence()
+        fence.begin(p.position for p in parts if p.position is not None)
         self.last_saved = step
+        self._writing = self._writer.submit(self._write, step, parts, meta, fence)
+        if not background:
+            self.wait()
+
+    def _write(self, step: int, parts: list[Part], meta: dict[str, Any], fence: WriteFence) -> None:
+        """The writer thread's save of checkpoint `step`, then its checksums; the fence is open after."""
+        try:
+            with self._failure(step):
+                args = ocp.args.Composite(state=PartsSave(parts, fence.written), meta=ocp.args.JsonSave(meta))
+                self.manager.save(step, args=args, force=True)
+                if jax.process_index() == 0:  # one process writes the checksums
+                    step_dir = self.directory / str(step)
+                    if step_dir.is_dir():
+                        write_checksums(step_dir, self._pool)
+        finally:
+            fence.finish()
 
     def check(self) -> None:
-        """Raise `CheckpointWriteError` if a background write failed since the last call (cheap)."""
-        with self._failure(self.last_saved):
-            self.manager.check_for_errors()
-            if self.last_saved is not None and not self.manager.is_saving_in_progress():
-                self.manager.wait_until_finished()  # at once: raises what a finished save failed with
+        """Raise `CheckpointWriteError` if the background save failed since the last call (cheap)."""
+        if self._writing is not None and self._writing.done():
+            self.wait()
 
     def wait(self) -> None:
-        """Block until every pending save is committed to disk."""
-        with self._failure(self.last_saved):
-            self.manager.wait_until_finished()
+        """Block until the save in progress, if any, is committed; raise its `CheckpointWriteError`."""
+        writing, self._writing = self._writing, None
+        if writing is not None:
+            writing.result()
 
     def close(self) -> None:
-        """Wait for pending saves, then release the manager and threads (also after a failure)."""
+        """Wait for the pending save, then release the manager and threads (also after a failure)."""
         try:
             self.wait()
         finally:
             self.manager.close()
+            self._writer.shutdown()
             self._pool.shutdown()
 
     def _failure(self, step: int | None):
@@ -235,20 +351,6 @@ class Checkpointer:
         """Remove the half-written step directories a failed save left (ours; never a committed one)."""
         for p in self.directory.glob(f"*{TMP_MARKER}*"):
             shutil.rmtree(p, ignore_errors=True)
-
-    def _write_checksums(self) -> None:
-        """Write `checksums.json` for the oldest save not summed yet. Orbax calls this once per
-        asynchronous save, in order, when the save's items are final but before it renames the step's
-        temporary directory, so the checksums become part of the same atomic commit; a blocking save
-        calls it right after committing."""
-        with self._lock:
-            if not self._unsummed:
-                return
-            step = self._unsummed.pop(0)
-        pending = sorted(self.directory.glob(f"{step}{TMP_MARKER}*"))
-        step_dir = pending[0] if pending else self.directory / str(step)
-        if step_dir.is_dir():
-            write_checksums(step_dir, self._pool)
 
     # -- restoring -----------------------------------------------------------------------------------
 
@@ -418,13 +520,11 @@ class Checkpointer:
         metadata. Orbax's restore ends in a barrier (a collective): a process whose restore raised
         before it joins it there, so that the collectives of every process stay in step."""
         try:
-            # each array to the sharding (and memory kind) of its target
-            targets = ocp.checkpoint_utils.construct_restore_args(abstract_state)
+            # each array to the sharding (and memory kind) of its target, one part at a time
             restored = self.manager.restore(
                 step,
                 args=ocp.args.Composite(
-                    state=ocp.args.PyTreeRestore(abstract_state, restore_args=targets),
-                    meta=ocp.args.JsonRestore(),
+                    state=PartsRestore(state_parts(abstract_state)), meta=ocp.args.JsonRestore()
                 ),
             )
         except Exception as e:
@@ -436,32 +536,6 @@ class Checkpointer:
             raise
         check_meta(restored["meta"])
         return Restored(step=step, state=dict(restored["state"]), meta=dict(restored["meta"]))
-
-
-def streamed_keys(tree: Any) -> frozenset[str]:
-    """Key paths (`jax.tree_util.keystr`) of the leaves of `tree` that a blocking save streams: every
-    array whose devices Orbax's memory-limited save can account for (by their ids among the default
-    backend's devices; host arrays of the CPU backend included where their ids are, as in one
-    process). Orbax copies even host arrays while it writes them, so these go in batches too."""
-    known = {d.id for d in jax.devices()}
-    return frozenset(
-        jax.tree_util.keystr(path)
-        for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
-        if isinstance(x, jax.Array) and {d.id for d in x.sharding.device_set} <= known
-    )
-
-
-class _StreamedKeys(SerializationStatusCallback):
-    """Orbax's per-array transfer priority for a blocking save: the leaves the save streams go after
-    the others, `TRANSFER_BYTES` at a time; the others at once (as Orbax does by default)."""
-
-    def __init__(self, ckpt: Checkpointer):
-        self.ckpt = ckpt
-
-    def key_priority(self, keypath: Any) -> TransferPriority:
-        if jax.tree_util.keystr(tuple(keypath)) in self.ckpt._streamed:
-            return TransferPriority.ASYNCHRONOUS_DEPRIORITIZED
-        return TransferPriority.SYNCHRONOUS
 
 
 @dataclass(frozen=True)
@@ -508,8 +582,8 @@ class _WriteFailure:
 
 
 def _leaf_bytes(tree: Any) -> list[int]:
-    """Bytes of each array (or ShapeDtypeStruct) of `tree`, whole."""
-    return [int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)]
+    """Bytes of each array (or ShapeDtypeStruct, or `Deferred`'s) of `tree`, whole."""
+    return [int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(abstract(tree))]
 
 
 def largest_array_bytes(tree: Any) -> int:
@@ -535,6 +609,11 @@ def ensure_room(directory: Path, nbytes: int, what: str) -> None:
             f"{_size(free)} is free. Free space there (the run's older checkpoints are deleted only after a "
             "new one is written, so delete any you do not need yourself), or set checkpoint.enabled=false."
         )
+
+
+def buffer_bytes(cfg: CheckpointConfig) -> int:
+    """Bytes a save or a restore keeps in flight between host RAM and disk (`checkpoint.buffer_gib`)."""
+    return int(cfg.buffer_gib * 2**30)
 
 
 def _size(nbytes: int) -> str:
@@ -653,7 +732,7 @@ def check_shapes(where: Path, meta: dict[str, Any], abstract_state: dict[str, An
 
 def state_shapes(tree: Any) -> dict[str, list[int]]:
     """{key path: shape} of every leaf, for the metadata and the pre-restore shape check."""
-    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    flat = jax.tree_util.tree_flatten_with_path(abstract(tree))[0]
     return {jax.tree_util.keystr(path): list(leaf.shape) for path, leaf in flat}
 
 
@@ -714,7 +793,8 @@ def export_orbax(params: ModelParams, out: str | Path, dtype: str, *, overwrite:
 
 
 def load_masters(run_dir: str | Path, step: int | None = None) -> tuple[TrainConfig, ModelParams, int]:
-    """(config, float32 NumPy masters, step) of the newest (or given) checkpoint of `run_dir`."""
+    """(config, float32 NumPy masters, step) of the newest (or given) checkpoint of `run_dir`, read
+    one unit at a time (the optimizer state is not read)."""
     ckpt_dir = Path(run_dir).absolute() / CHECKPOINT_DIR  # Orbax wants absolute paths
     steps = saved_steps(run_dir)
     if not steps:
@@ -725,13 +805,32 @@ def load_masters(run_dir: str | Path, step: int | None = None) -> tuple[TrainCon
     meta = read_meta(ckpt_dir, step)
     cfg = config_from_dict(meta["config"])
     shapes = jax.eval_shape(build_model(cfg.model).init, jax.random.key(0))
-    item = {"params": jax.tree.map(lambda s: np.zeros((), s.dtype), shapes)}
-    restore_args = {"params": jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), shapes)}
+    state_dir = ckpt_dir / str(step) / "state"
+    if (state_dir / PYTREE_METADATA).exists():  # the earlier layout: one PyTree
+        return cfg, _read_numpy(state_dir, {"params": shapes})["params"], step
+    units = [shapes.embed, *shapes.blocks, shapes.head]
+    names = part_names(len(shapes.blocks))
+    read = [_read_numpy(state_dir / name, {"params": u})["params"] for name, u in zip(names, units)]
+    return cfg, ModelParams(read[0], tuple(read[1:-1]), read[-1]), step
+
+
+def _read_numpy(path: Path, shapes: Any) -> Any:
+    """The arrays of the Orbax PyTree checkpoint at `path` that `shapes` names (a subtree of what it
+    holds, e.g. {"params": ...}), as NumPy arrays in the structure of `shapes`."""
+    item = jax.tree.map(lambda s: np.zeros((), s.dtype), shapes)
+    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), shapes)
     restored = ocp.PyTreeCheckpointer().restore(
-        ckpt_dir / str(step) / "state",
-        args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True),
+        path, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
     )
-    p = restored["params"]
-    if isinstance(p, dict):  # restored without the NamedTuple type
-        p = ModelParams(p["embed"], tuple(p["blocks"]), p["head"])
-    return cfg, p, step
+    return jax.tree.unflatten(jax.tree.structure(shapes), jax.tree.leaves(restored))
+
+
+def read_saved_state(step_dir: str | Path) -> dict[str, Any]:
+    """Every array of checkpoint `step_dir` (`<run_dir>/checkpoints/<step>`) as NumPy, whole, in the
+    saved state's layout ({"step", "params", "opt_state"}, params and opt_state as `ModelParams`): for
+    inspection and tests; a training process restores through `Checkpointer` instead."""
+    state_dir = Path(step_dir).absolute() / "state"
+    if (state_dir / PYTREE_METADATA).exists():
+        return dict(ocp.PyTreeCheckpointer().restore(state_dir))
+    names = [SCALARS, *part_names(len(list(state_dir.glob("block_*"))))]
+    return join_parts([ocp.PyTreeCheckpointer().restore(state_dir / name) for name in names])

@@ -226,9 +226,12 @@ class CheckpointConfig:
     keep_every: int = 0  # also keep every keep_every-th step's; 0: none
     # Verify each checkpoint's files against checksums written at save before restoring from it.
     verify: bool = True
-    # Snapshot to host RAM, write in the background; false: block, no copy. With offload.* on auto the
-    # planner turns it off where only that fits, and says so.
+    # Write in the background while training goes on (each unit's next update waits until the writer
+    # has written it); false: the step that saves waits until the checkpoint is committed.
     async_save: bool = True
+    # Host RAM a save or a restore keeps in flight to or from disk, beyond one unit's arrays: the
+    # whole of what checkpointing adds to a run's host RAM, whatever the model's size.
+    buffer_gib: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -599,6 +602,11 @@ def validate(cfg: TrainConfig, num_devices: int | None = None) -> None:
         ck.every >= 0 and ck.keep >= 1 and ck.keep_every >= 0,
         f"checkpoint.every={ck.every} and checkpoint.keep_every={ck.keep_every} must be >= 0, "
         f"checkpoint.keep={ck.keep} >= 1.",
+    )
+    need(
+        math.isfinite(ck.buffer_gib) and ck.buffer_gib >= 1 / 64,
+        f"checkpoint.buffer_gib={ck.buffer_gib} must be a finite number >= 0.015625 (16 MiB): the host RAM "
+        "a save or a restore keeps in flight to or from disk (default 2).",
     )
     for f in dataclasses.fields(cfg.machine):
         value = getattr(cfg.machine, f.name)

@@ -20,16 +20,12 @@ into the next step: up to 2|4 more. The delayed update keeps two steps' gradient
 the compute weights. With `offload.activations=cpu` the blocks' saved inputs but the last's wait in
 pinned host memory, and the accelerator holds three of them at most. Units whose state
 `offload.device_state_units` keeps on the accelerator count as resident ones there: masters, state
-and their gradients, and a compute-dtype cast of the largest of them while it computes. With
-checkpoints on, a blocking save copies the accelerator's masters and state out through host RAM and
-a restore reads them in through it, a batch at a time (`jaxzero.checkpoint.TRANSFER_BYTES`): host
-RAM holds one batch more, and, while a blocking save writes, a copy of the host's masters and state
-(Orbax copies host arrays as it writes them); an asynchronous save's snapshot holds them all.
-Units whose state `offload.optimizer=disk` keeps on disk hold it there; host RAM holds `disk_slots`
-buffers of the largest of them, and, with checkpoints on, all of it, since saves and restores go
-through RAM.)
-An asynchronous checkpoint (`checkpoint.async_save`, the default) snapshots masters and optimizer
-state into host RAM while it writes: 4 + 8 more bytes per parameter of host memory during a save.
+and their gradients, and a compute-dtype cast of the largest of them while it computes. Units
+whose state `offload.optimizer=disk` keeps on disk hold it there; host RAM holds `disk_slots`
+buffers of the largest of them.)
+With checkpoints on, a save or a restore, asynchronous or not, adds `checkpoint_bytes` to host RAM:
+the checkpoint buffer (`checkpoint.buffer_gib`), one unit's masters and state (a part is copied
+from the accelerator, or read from disk, whole; `jaxzero.checkpoint`), and `SAVE_WORKING_BYTES`.
 The pinned bytes of an offloaded run live in XLA's pinned pool, which takes host RAM by regions of
 powers of two (`pinned_pool_bytes`). Activations are the saved block inputs and the head's and a block's
 backward transients (`transient_activations`): the larger of the two, or, where a block's do not fit
@@ -55,7 +51,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, NamedTuple
 
-from jaxzero.checkpoint import TRANSFER_BYTES
+from jaxzero.checkpoint import buffer_bytes
 from jaxzero.config import ConfigError, ModelConfig, TrainConfig
 from jaxzero.models.sizes import NAMED_SIZES, param_count, unit_param_counts
 from jaxzero.objective import head_pieces
@@ -81,9 +77,11 @@ POOL_SLACK = Fraction(1, 50)
 # (clipped by the cap): regions filled to 99.4% and to 96% by the plan's pinned bytes (the second:
 # llama-20b on one H200) both grew one, the run's pinned peak being a few percent above the count.
 POOL_FILL = Fraction(9, 10)
-# On a CPU backend, where one RAM holds everything: an asynchronous save holds the writer's buffers
-# besides the snapshot, and XLA:CPU keeps buffers of its own beside the state.
-CPU_SNAPSHOT_ALLOWANCE = Fraction(3, 2)
+# On a CPU backend, where one RAM holds everything, XLA:CPU keeps buffers of its own beside the state.
+CPU_HOST_ALLOWANCE = Fraction(3, 2)
+# Orbax's and TensorStore's working memory during a save or a restore, beside the buffer and the unit
+# it holds: up to 53 MB measured on the CPU (`tests/programs/checkpoint_rss.py`, BENCHMARKS.md).
+SAVE_WORKING_BYTES = 128 * 2**20
 CPU_STATE_ALLOWANCE = Fraction(5, 4)
 
 
@@ -108,6 +106,15 @@ class MemoryPlan:
             f"{self.accelerator_state / GiB:.1f} GiB state + ~{self.activations / GiB:.1f} GiB "
             f"activations{disk}"
         )
+
+
+def checkpoint_bytes(cfg: TrainConfig, largest_unit: int, state: int) -> int:
+    """Host RAM a save or a restore adds (0 with checkpoints off): the checkpoint buffer
+    (`checkpoint.buffer_gib`) and the largest unit's masters and state (`largest_unit` bytes in this
+    process), each at most the whole `state`, and Orbax's and TensorStore's working memory."""
+    if not cfg.checkpoint.enabled:
+        return 0
+    return min(state, buffer_bytes(cfg.checkpoint)) + min(state, largest_unit) + SAVE_WORKING_BYTES
 
 
 def optimizer_state_bytes(cfg: TrainConfig) -> int:
@@ -227,17 +234,10 @@ def plan_memory(
     transient = transient_activations(m, micro_tokens, d.seq_len)
     activations = saved_inputs + backward_phases(transient)
 
-    saving = cfg.checkpoint.enabled and cfg.checkpoint.async_save
-    snapshot = per_process(n, n_whole, 4 + opt, offload.shards_state) if saving else 0
-    # A blocking save copies the accelerator's masters and state through host RAM a batch at a time,
-    # and every restore reads them there the same way: `TRANSFER_BYTES`, or the largest array if
-    # larger (`jaxzero.checkpoint`). Orbax also copies host arrays as it writes them: 60-93% of them
-    # measured at once (BENCHMARKS.md), counted whole (below). An asynchronous save's
-    # snapshot holds them all.
-    largest = max(m.vocab_size, m.intermediate_size) * m.hidden_size * 4 // P
-    blocking = cfg.checkpoint.enabled and not saving
+    # A save or a restore: the checkpoint buffer and one unit's masters and state (`checkpoint_bytes`).
+    units = {kind: per_process(params[kind], unsplit[kind], 4 + opt, offload.shards_state) for kind in params}
     state_bytes = per_process(n, n_whole, 4 + opt, offload.shards_state)
-    through_host = min(state_bytes, max(TRANSFER_BYTES, largest)) if blocking else 0
+    saving = checkpoint_bytes(cfg, max(units.values()), state_bytes)
 
     update = offload.host_update
     if update is None:
@@ -248,7 +248,7 @@ def plan_memory(
         state += per_device(n, n_whole, opt, offload.shards_state)
         activations = _beside_late_gradients(activations, grads if d.grad_accum == 1 else 0, transient)
         return MemoryPlan(
-            host=snapshot + through_host,
+            host=saving,
             pinned=0,
             accelerator_state=state + grads,
             activations=activations,
@@ -280,8 +280,8 @@ def plan_memory(
         host_index += 1
         if u.state is Tier.DISK:
             # Masters and state on disk; in RAM while read ahead, updated or written back (one of
-            # the `disk_slots` buffers, each as large as the largest disk unit), and, with
-            # checkpoints on, all of them at a save or a restore, which go through host RAM.
+            # the `disk_slots` buffers, each as large as the largest disk unit); a save or a restore
+            # reads one unit at a time (`checkpoint_bytes`).
             state_u = per_process(n_u, w_u, 4 + opt, True)
             disk, disk_unit = disk + state_u, max(disk_unit, state_u)
         # One shard per device of everything the host keeps or writes: 1/P of it in each process
@@ -294,14 +294,12 @@ def plan_memory(
         pinned += copies * per_process(n_u, w_u, grad_u, True, copies=L)
         if host_index < update.two_pass.max_units:  # gradients kept until the second pass, a step on
             two_pass += per_process(n_u, w_u, grad_u, True, copies=L)
-        if u.state is Tier.HOST or cfg.checkpoint.enabled:
+        if u.state is Tier.HOST:
             host += per_process(n_u, w_u, 4 + opt, True)  # masters and optimizer state
-        if blocking:  # Orbax's copy of what a blocking save writes from host RAM
-            host += per_process(n_u, w_u, 4 + opt, True)
     pinned += two_pass + away
     host += offload.disk_slots * disk_unit
     spares = update.speculative_units * per_process(max(params.values()), max(whole), 4 + opt, True)
-    host += pinned_pool_bytes(pinned, L, pool_cap) + snapshot + spares + through_host
+    host += pinned_pool_bytes(pinned, L, pool_cap) + saving + spares
     streamed = offload.streamed_blocks
     in_flight = 3 if streamed else 0  # the block computing, the one prefetched, a gradient leaving
     accelerator += in_flight * n_block * max(compute, grad) + device_cast
@@ -404,8 +402,8 @@ def check_host_fits(
                 else ""
             )
             + (
-                ", or set checkpoint.async_save=false (no snapshot copy)."
-                if cfg.checkpoint.async_save
+                f", or lower checkpoint.buffer_gib (now {cfg.checkpoint.buffer_gib})."
+                if cfg.checkpoint.enabled
                 else "."
             )
         )
@@ -586,7 +584,7 @@ def check_fits(cfg: TrainConfig, need: MemoryPlan, device: Any, sharing: int = 1
 
     def ram(p: MemoryPlan) -> int:  # this process's devices are its RAM too
         local = p.devices // p.processes
-        return int(p.host * CPU_SNAPSHOT_ALLOWANCE + local * p.accelerator_state * CPU_STATE_ALLOWANCE)
+        return int(p.host * CPU_HOST_ALLOWANCE + local * p.accelerator_state * CPU_STATE_ALLOWANCE)
 
     total = ram(need)
     if total > available:
@@ -597,7 +595,7 @@ def check_fits(cfg: TrainConfig, need: MemoryPlan, device: Any, sharing: int = 1
             f"and device state, {need.describe()}, with XLA's and the checkpoint writer's buffers), but "
             f"{available / GiB:.1f} GiB is available{_shared(sharing)}.{far} "
             "Otherwise: choose a smaller model, an optimizer with less state (optimizer.name=lion or sgd), "
-            "optimizer.state_dtype=bfloat16, or checkpoint.async_save=false (no snapshot copy)."
+            "or optimizer.state_dtype=bfloat16."
         )
     estimate = total + need.activations * need.devices // need.processes  # this process's devices
     if estimate > available:

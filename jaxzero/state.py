@@ -43,6 +43,7 @@ from jaxzero.interop import export_hf
 from jaxzero.models import Model, ModelParams
 from jaxzero.placement import process_count
 from jaxzero.plan import OffloadPlan
+from jaxzero.write_fence import WriteFence
 
 
 class TrainState(NamedTuple):
@@ -135,6 +136,9 @@ class Trainer:
     # Releases what the trainer holds outside its states (the disk tier's working files): call once
     # training is over; its states are then unusable.
     close: Callable[[], None] = lambda: None
+    # Where `step` waits for a checkpoint being written from its state before changing it in place:
+    # pass it to `Checkpointer.save` (`jaxzero.write_fence`).
+    fence: WriteFence = dataclasses.field(default_factory=WriteFence)
 
     def evaluate(self, state: Any, batches: Sequence[np.ndarray]) -> float:
         """Mean loss of `state` over validation batches, each int32 (B, seq_len + 1): this process's

@@ -380,6 +380,8 @@ class LogWindow:
             **rates,
             "gpu_peak_gib": accelerator_peak_gib(list(self.trainer.mesh.local_devices)),  # this process's
             "host_rss_gib": host_rss_gib(),
+            # seconds during which an update waited for a checkpoint being written from its arrays
+            "checkpoint_wait_s": self.trainer.fence.take_blocked_seconds(),
         }
         if step == self.first:
             record["compile_s"] = time.perf_counter() - self.t_start  # init or restore, compile, first step
@@ -514,7 +516,6 @@ def train(cfg: TrainConfig, console: TextIO = sys.stdout) -> Path:
         ensure_room(path, state_bytes(abstract), "a checkpoint of this run")
     val_batches = data.val_batches(cfg.logging.eval_batches)
     t_start = time.perf_counter()
-    # The trainer's checkpoint settings: the planner may have turned the snapshot off to fit.
     largest = largest_array_bytes(abstract)  # bounds a restore's reads
     resuming = run.kind is RunKind.RESUME
     ckpt = Checkpointer(path, trainer.config.checkpoint, largest_array=largest) if resuming else None
@@ -560,11 +561,14 @@ def train(cfg: TrainConfig, console: TextIO = sys.stdout) -> Path:
             stop = stop_requested(step)
             if ckpt is not None and cfg.checkpoint.enabled and (stop or checkpoint_due(cfg, step)):
                 saved = trainer.saved_state(state)
-                ckpt.save(step, saved, make_meta(step, batches.state.to_dict(), cfg, trainer.layout, saved))
+                meta = make_meta(step, batches.state.to_dict(), cfg, trainer.layout, saved)
+                ckpt.save(step, saved, meta, trainer.fence)  # written while the next steps run
             if stop:
                 bar.clear()
                 raise Preempted(_stopped_message(stop, step, ckpt, cfg), _exit_code(stop))
             bar.update(step)
+        if ckpt is not None:
+            ckpt.wait()  # host sync: the last save may still read the trainer's arrays and disk files
     except (TrainingError, CheckpointWriteError):
         _close_quietly(ckpt)  # the last good checkpoint is committed; nothing non-finite is saved
         raise

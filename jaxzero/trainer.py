@@ -32,6 +32,7 @@ from jax.sharding import Mesh
 
 from jaxzero import memory, placement
 from jaxzero.config import ConfigError, TrainConfig, resolve_batch, validate
+from jaxzero.deferred import resolved
 from jaxzero.loss_scale import all_finite, init_loss_scale, update_loss_scale
 from jaxzero.models import Model, ModelParams, build_model
 from jaxzero.models.sizes import param_count
@@ -48,6 +49,7 @@ from jaxzero.overrides import apply_overrides
 from jaxzero.plan import OffloadPlan, planner, resolve_plan
 from jaxzero.plan.planner import Decision
 from jaxzero.state import StepMetrics, Trainer, TrainState, abstract_placed, with_checks
+from jaxzero.write_fence import WriteFence
 
 
 def averaged_grads(
@@ -277,6 +279,7 @@ def build_resident_trainer(cfg: TrainConfig, mesh: Mesh, plan: OffloadPlan | Non
         return saved if state.loss_scale is None else {**saved, "loss_scale": state.loss_scale}
 
     def from_saved(saved: dict[str, Any]) -> TrainState:
+        saved = resolved(saved)  # every unit straight to its place on the accelerator
         opt_state = join_opt_state(saved["opt_state"], shapes.opt_state, clipped)
         return TrainState(saved["step"], saved["params"], opt_state, saved.get("loss_scale"))
 
@@ -311,12 +314,18 @@ def build_resident_trainer(cfg: TrainConfig, mesh: Mesh, plan: OffloadPlan | Non
         )
         return new, StepMetrics(loss, global_norm(grads), lr, ls.scale, ~ok)
 
-    step = jax.jit(
+    jitted_step = jax.jit(
         train_step_fp16 if fp16 else train_step,
         in_shardings=(state_sharding, batch_sharding),
         out_shardings=(state_sharding, placement.replicated(mesh)),
         donate_argnums=(0,),
     )
+    fence = WriteFence()
+
+    def step(state: TrainState, batch: jax.Array) -> tuple[TrainState, StepMetrics]:
+        fence.wait_all()  # the step donates every array a checkpoint being written may still read
+        return jitted_step(state, batch)
+
     eval_loss = jax.jit(
         lambda state, window: loss_fn(model, state.params, window),
         in_shardings=(state_sharding, placement.eval_batch_sharding(mesh)),
@@ -338,4 +347,5 @@ def build_resident_trainer(cfg: TrainConfig, mesh: Mesh, plan: OffloadPlan | Non
         saved_state=lambda state: to_saved(state),
         abstract_saved_state=lambda: to_saved(abstract_placed(shapes, state_sharding)),
         from_saved_state=from_saved,
+        fence=fence,
     )

@@ -10,13 +10,13 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from jax.tree_util import keystr
 from subprocess_run import run_module, run_program
 
 from jaxzero import checkpoint as checkpoint_lib
 from jaxzero import placement
 from jaxzero.checkpoint import Checkpointer, CheckpointWriteError, make_meta
 from jaxzero.config import CheckpointError, TrainConfig
+from jaxzero.deferred import resolved
 from jaxzero.overrides import apply_overrides
 from jaxzero.trainer import build_trainer
 
@@ -189,36 +189,45 @@ def test_changing_plans_resumes_under_the_other_trainer(tmp_path, saved_by, resu
         assert np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-5
 
 
-def test_a_blocking_save_streams_the_accelerators_arrays_a_batch_at_a_time(tmp_path, monkeypatch):
-    """A blocking save copies each accelerator array to host RAM only once the batch before it is
-    written (`TRANSFER_BYTES` at a time, or one larger array alone; here 1000 bytes), and the restore
-    puts the accelerator-updated units straight back on the accelerator, bit for bit. On a CPU-only
-    machine every array is on the default backend, so every leaf is streamed."""
-    monkeypatch.setattr(checkpoint_lib, "TRANSFER_BYTES", 1000)
-    events: list[tuple[str, str]] = []
+def copied(tree):
+    """NumPy copies of every array of `tree` (`np.asarray` of a host array is a view of it)."""
+    return jax.tree.map(lambda x: np.array(x, copy=True), jax.device_get(resolved(tree)))
+
+
+MIXED = {"offload.optimizer": "cpu", "offload.params": "cpu", "offload.device_state_units": "2"}
+
+
+def test_a_save_writes_one_part_at_a_time_and_restores_each_unit_where_it_lives(tmp_path, monkeypatch):
+    """A save writes the scalars, then each unit in forward order, one Orbax PyTree each, releasing
+    each unit at the fence once written; the restore puts the accelerator-updated units straight back
+    on the accelerator and the others on the host, bit for bit, and each part reads back alone."""
+    writes: list[str] = []
+    save = checkpoint_lib.ocp.PyTreeCheckpointHandler.save
     monkeypatch.setattr(
-        checkpoint_lib._StreamedKeys, "on_transfer_end", lambda self, k: events.append(("copied", keystr(k)))
-    )
-    monkeypatch.setattr(
-        checkpoint_lib._StreamedKeys, "on_write_end", lambda self, k: events.append(("written", keystr(k)))
+        checkpoint_lib.ocp.PyTreeCheckpointHandler,
+        "save",
+        lambda self, directory, args: (writes.append(Path(directory).name), save(self, directory, args=args)),
     )
     mesh = placement.make_mesh(jax.devices()[:1])
-    offload = {"offload.optimizer": "cpu", "offload.params": "cpu", "offload.device_state_units": "2"}
-    cfg = tiny(**{"model.compute_dtype": "float32", **offload, "checkpoint.async_save": "false"})
+    cfg = tiny(**{"model.compute_dtype": "float32", **MIXED, "checkpoint.async_save": "false"})
     trainer = build_trainer(cfg, mesh)
     state, _ = run_steps(trainer, trainer.init(jax.random.key(0)), 1, 2, cfg)
     ckpt = Checkpointer(tmp_path, cfg.checkpoint)
     saved = trainer.saved_state(state)
-    ckpt.save(2, saved, make_meta(2, {"epoch": 0, "cursor": 0, "num_windows": 1}, cfg, trainer.layout, saved))
-    ckpt.wait()
-    nbytes = {keystr(path): x.nbytes for path, x in jax.tree_util.tree_flatten_with_path(saved)[0]}
-    assert {k for _, k in events} == set(nbytes)  # every leaf streamed, each copied and written once
-    assert len(events) == 2 * len(nbytes)
-    in_ram: set[str] = set()  # copied to host and not yet written: a batch under 1000 bytes, or one array
-    for what, key in events:
-        in_ram = in_ram | {key} if what == "copied" else in_ram - {key}
-        assert len(in_ram) <= 1 or sum(nbytes[k] for k in in_ram) < 1000, "\n".join(map(str, events))
-    assert max(nbytes.values()) > 10 * 1000  # so that the bound is a bound
+    released: list[int] = []
+    fence = checkpoint_lib.WriteFence()
+    fence.written = lambda position, w=fence.written: (released.append(position), w(position))
+    ckpt.save(
+        2, saved, make_meta(2, {"epoch": 0, "cursor": 0, "num_windows": 1}, cfg, trainer.layout, saved), fence
+    )
+    assert not fence.pending()  # a blocking save returns committed
+    assert writes == ["scalars", "embed", "block_0000", "block_0001", "head"]
+    assert released == [0, 1, 2, 3]
+    block = ocp.PyTreeCheckpointer().restore(tmp_path / "checkpoints" / "2" / "state" / "block_0001")
+    for a, b in zip(
+        jax.tree.leaves(block["params"]), jax.tree.leaves(jax.device_get(state.params.blocks[1]))
+    ):
+        np.testing.assert_array_equal(a, b)
 
     ckpt.close()
     abstract = trainer.abstract_saved_state()
@@ -238,6 +247,69 @@ def test_a_blocking_save_streams_the_accelerators_arrays_a_batch_at_a_time(tmp_p
         before, after = jax.device_get(getattr(state, tree)), jax.device_get(getattr(restored, tree))
         for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
             np.testing.assert_array_equal(a, b)
+
+
+# the embedding's state on the accelerator, the blocks' in host RAM, the head's on disk
+THREE_TIERS = {
+    **MIXED,
+    "offload.optimizer": "disk",
+    "offload.device_state_units": "1",
+    "offload.disk_units": "1",
+}
+
+
+@pytest.mark.parametrize("layout", ["resident", "mixed", "three-tiers"])
+def test_training_goes_on_during_an_asynchronous_save_and_the_checkpoint_is_the_saved_step(
+    tmp_path, monkeypatch, layout
+):
+    """An asynchronous save returns at once and steps run while it writes (slowed here to 0.3 s a
+    part, so that they overlap), updating the arrays it writes from in place: each unit's update
+    waits at the fence until it is written, so the checkpoint holds step 2's state exactly, and a
+    resume from it equals the uninterrupted run bitwise."""
+    save = checkpoint_lib.ocp.PyTreeCheckpointHandler.save
+    monkeypatch.setattr(
+        checkpoint_lib.ocp.PyTreeCheckpointHandler,
+        "save",
+        lambda self, directory, args: (time.sleep(0.3), save(self, directory, args=args)),
+    )
+    mesh = placement.make_mesh(jax.devices()[:1])
+    tiers = {
+        "resident": {},
+        "mixed": MIXED,
+        "three-tiers": {**THREE_TIERS, "offload.disk_path": str(tmp_path)},
+    }
+    cfg = tiny(**{"model.compute_dtype": "float32", **tiers[layout]})
+    trainer = build_trainer(cfg, mesh)
+    state, _ = run_steps(trainer, trainer.init(jax.random.key(0)), 1, 2, cfg)
+    expected = copied(trainer.saved_state(state))  # host arrays change in place: copies
+    ckpt = Checkpointer(tmp_path, cfg.checkpoint)
+    saved = trainer.saved_state(state)
+    t0 = time.perf_counter()
+    ckpt.save(
+        2,
+        saved,
+        make_meta(2, {"epoch": 0, "cursor": 0, "num_windows": 1}, cfg, trainer.layout, saved),
+        trainer.fence,
+    )
+    assert time.perf_counter() - t0 < 0.3 and trainer.fence.pending()  # returned before writing
+    state, _ = run_steps(trainer, state, 3, 4, cfg)  # updates in place while the save writes
+    assert trainer.fence.take_blocked_seconds() > 0  # some update waited for the writer
+    ckpt.wait()
+    final = copied(trainer.saved_state(state))
+    written = checkpoint_lib.read_saved_state(tmp_path / "checkpoints" / "2")
+    for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(written), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(final), jax.tree.leaves(written)))
+
+    resumed = build_trainer(cfg, mesh)
+    abstract = resumed.abstract_saved_state()
+    restored = resumed.from_saved_state(ckpt.restore(2, abstract, resumed.layout, cfg).state)
+    ckpt.close()
+    again, _ = run_steps(resumed, restored, 3, 4, cfg)
+    for a, b in zip(jax.tree.leaves(final), jax.tree.leaves(copied(resumed.saved_state(again)))):
+        np.testing.assert_array_equal(a, b)
+    trainer.close()
+    resumed.close()
 
 
 def test_resume_on_a_different_device_count(tmp_path):
@@ -365,13 +437,29 @@ def test_a_save_that_fails_is_one_error_and_leaves_nothing_half_written(tmp_path
 
 
 def test_a_background_save_that_failed_is_reported_at_the_next_check(tmp_path, monkeypatch):
+    """A background save that fails part-way opens the fence (training never waits for it again),
+    leaves nothing half-written, and is raised by the next `check` with its cause."""
     cfg, trainer, ckpt = two_checkpoints(tmp_path)
     ckpt.check()  # nothing failed
-    failure = OSError(13, "Permission denied")
-    monkeypatch.setattr(ckpt.manager, "wait_until_finished", lambda: (_ for _ in ()).throw(failure))
-    with pytest.raises(CheckpointWriteError, match=r"checkpoint 2 .*Permission denied \(errno 13\)"):
+    save = checkpoint_lib.ocp.PyTreeCheckpointHandler.save
+
+    def failing(self, directory, args):
+        if Path(directory).name == "block_0001":
+            raise OSError(13, "Permission denied")
+        return save(self, directory, args=args)
+
+    monkeypatch.setattr(checkpoint_lib.ocp.PyTreeCheckpointHandler, "save", failing)
+    state = trainer.init(jax.random.key(0))
+    saved = trainer.saved_state(state)
+    ckpt.save(3, saved, make_meta(3, META, cfg, trainer.layout, saved), trainer.fence)
+    trainer.fence.wait_all()  # opened by the failure, not held
+    deadline = time.time() + 60
+    while ckpt._writing is not None and not ckpt._writing.done() and time.time() < deadline:
+        time.sleep(0.05)
+    with pytest.raises(CheckpointWriteError, match=r"checkpoint 3 .*Permission denied \(errno 13\)"):
         ckpt.check()
     monkeypatch.undo()
+    assert ckpt.steps() == [1, 2] and not list(ckpt.directory.glob("*tmp*"))
     ckpt.close()
 
 

@@ -30,6 +30,7 @@ import threading
 import time
 import uuid
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -319,16 +320,27 @@ class DiskStore:
         self._release(buffer)
         written.set_result(None)
 
+    def reader(self, position: int) -> Callable[[], Any]:
+        """A function that reads unit `position`'s (params, opt_state) as they are now, once the
+        pending write-back of the last update is done, into NumPy arrays of a buffer of their own (not
+        one of the slots the next step's reads take): for a checkpoint, written while training goes
+        on. The unit's next update must not start before it has been read."""
+        settled = self._current.get(position)
+        layout = self._layouts[position]
+
+        def read() -> Any:
+            if settled is not None:
+                settled.result()
+            buffer = mmap.mmap(-1, _aligned(layout.nbytes))  # page-aligned, as direct I/O needs
+            self._transfer(position, buffer, layout.nbytes, write=False)
+            return layout.views(memoryview(buffer))
+
+        return read
+
     def read(self, position: int) -> Any:
         """A copy of unit `position`'s (params, opt_state), as NumPy arrays of their own (waits for its
-        pending write-back). For checkpoints, between steps."""
-        self._settled(position)
-        buffer = self._buffer()
-        try:
-            self._transfer(position, buffer, self._layouts[position].nbytes, write=False)
-            return jax.tree.map(np.array, self._layouts[position].views(memoryview(buffer)))
-        finally:
-            self._release(buffer)
+        pending write-back). Between steps."""
+        return self.reader(position)()
 
     def take_stats(self) -> DiskStats:
         """Disk traffic since the last call."""

@@ -28,6 +28,7 @@ from jax.sharding import Mesh
 
 from jaxzero import placement as placement_lib
 from jaxzero.config import ConfigError, TrainConfig
+from jaxzero.deferred import Deferred, resolved
 from jaxzero.loss_scale import init_loss_scale, update_loss_scale
 from jaxzero.models import ModelParams, build_model, init_keys
 from jaxzero.offload.device_update import DeviceOptimizer
@@ -41,6 +42,7 @@ from jaxzero.offload.timeline import StepClock
 from jaxzero.optim import build_optimizer
 from jaxzero.plan import OffloadPlan, Tier, UnitPlan, UpdateMode, resolve_plan
 from jaxzero.state import StepMetrics, Trainer, abstract_placed
+from jaxzero.write_fence import WriteFence
 
 
 def build_offload_trainer(
@@ -72,7 +74,8 @@ def build_offload_trainer(
     streamed = StreamedModel(model, where, cfg.data.grad_accum, prefetch=plan.prefetch)
     fp16 = plan.compute_dtype == "float16"  # dynamic loss scaling
     clock = StepClock()
-    pipeline = UpdatePipeline(host, plan, clock, disk)
+    fence = WriteFence()  # a checkpoint being written from the units' arrays (`jaxzero.write_fence`)
+    pipeline = UpdatePipeline(host, plan, clock, disk, fence)
     # Masters are created unit by unit on the host: one compiled block init serves every block, and
     # the transient memory is one unit, not a second copy of the model.
     keys = jax.jit(partial(init_keys, num_layers=cfg.model.num_layers), out_shardings=where.host)
@@ -215,6 +218,7 @@ def build_offload_trainer(
         for u in on_device:
             k = u.position
             old = units[k].result()
+            fence.wait(k)  # host sync with a checkpoint writer, during a save: the update donates them
             updated[k] = device.update(u, old, g[k], norm, loss_scale)  # donates the old masters
         return updated
 
@@ -239,29 +243,51 @@ def build_offload_trainer(
         return shapes
 
     def saved_state(state: OffloadState) -> dict[str, Any]:
-        """Waits for the pending host updates (a host sync). Host and disk units are saved from host
-        RAM, each process's blocks seen as global arrays over the processes (`OffloadPlacement.saved`);
-        the accelerator's units as they are, global arrays that the checkpoint copies out itself, a
-        few at a time (`jaxzero.checkpoint.TRANSFER_BYTES`)."""
+        """Waits for the pending host updates (a host sync). Host units are saved from host RAM, each
+        process's blocks seen as global arrays over the processes (`OffloadPlacement.saved`); the
+        accelerator's units as they are, global arrays that the checkpoint copies out one unit at a
+        time; disk units as `Deferred` reads (`jaxzero.deferred.resolved` reads them)."""
         units = state.resolved()
         params, opt_state = units.params, units.opt_state
-        if disk is not None:  # the disk units read into host RAM (a host sync: their writes are done)
-            params, opt_state = _units_from_disk(params, opt_state, plan, disk, where.host)
         shapes = saved_shapes()
 
         def as_global(x: Any, sharding: Any, shape: Any) -> jax.Array:  # this process's block
             return jax.make_array_from_single_device_arrays(shape.shape, sharding, [x])
 
+        def on_disk(u: UnitPlan, s_params: Any, s_opt: Any) -> tuple[Deferred, Deferred]:
+            """A disk unit's masters and state, read (together) when a checkpoint writes them."""
+            read = disk.reader(u.position)  # as of now: its last update's write-back first
+
+            def both() -> tuple[Any, Any]:
+                p, o = jax.device_put(read(), where.host)
+                return (
+                    jax.tree.map(as_global, p, where.saved(s_params), s_params),
+                    jax.tree.map(as_global, o, where.saved(s_opt), s_opt),
+                )
+
+            return Deferred(both, 0, s_params), Deferred(both, 1, s_opt)
+
         def units_saved(tree: ModelParams, shapes_tree: ModelParams) -> ModelParams:
             def one(u: UnitPlan, t: Any, s: Any) -> Any:
-                return t if u.state is Tier.DEVICE else jax.tree.map(as_global, t, where.saved(s), s)
+                if u.state is Tier.DEVICE or t is None:  # None: a disk unit, read below
+                    return t
+                return jax.tree.map(as_global, t, where.saved(s), s)
 
             return _map_units(plan, one, tree, shapes_tree)
 
+        p_saved = units_saved(_map_units(plan, _no_disk, params), shapes["params"])
+        o_saved = units_saved(_map_units(plan, _no_disk, opt_state), shapes["opt_state"])
+        if disk is not None:  # read when written: host RAM holds one disk unit at a time
+            p_flat, o_flat = _flat(p_saved), _flat(o_saved)
+            for u, sp, so in zip(plan.units, _flat(shapes["params"]), _flat(shapes["opt_state"])):
+                if u.state is Tier.DISK:
+                    p_flat[u.position], o_flat[u.position] = on_disk(u, sp, so)
+            p_saved, o_saved = _unflat(p_flat), _unflat(o_flat)
+
         saved = {
             "step": as_global(_on_host(state.step), where.saved(shapes["step"]), shapes["step"]),
-            "params": units_saved(params, shapes["params"]),
-            "opt_state": units_saved(opt_state, shapes["opt_state"]),
+            "params": p_saved,
+            "opt_state": o_saved,
         }
         if state.loss_scale is not None:
             saved["loss_scale"] = jax.tree.map(
@@ -294,14 +320,26 @@ def build_offload_trainer(
         def local(tree: Any) -> Any:  # this process's blocks
             return jax.tree.map(lambda x: x.addressable_data(0), tree)
 
-        def units_local(tree: ModelParams) -> ModelParams:  # the accelerator's units stay placed
-            return _map_units(plan, lambda u, t: t if u.state is Tier.DEVICE else local(t), tree)
-
         step, scale = local(saved["step"]), local(saved.get("loss_scale"))
         if fp16:  # the step count and loss scale advance on the accelerator
             step = put(np.asarray(step), where.device)
             scale = jax.tree.map(lambda x: put(np.asarray(x), where.device), scale)
-        units = start(units_local(saved["params"]), units_local(saved["opt_state"]))
+        # Unit by unit in forward order, each read now if the restore deferred it: a unit the
+        # accelerator or the disk keeps goes there before the next is read, so host RAM never holds
+        # those units all at once.
+        params, opt_state = _flat(saved["params"]), _flat(saved["opt_state"])
+        del saved
+        masters, states, started = [], [], {}
+        for u in plan.units:
+            p, o = resolved((params[u.position], opt_state[u.position]))
+            params[u.position] = opt_state[u.position] = None
+            if u.state is not Tier.DEVICE:  # the accelerator's units stay placed
+                p, o = local(p), local(o)
+            if u.state in (Tier.DEVICE, Tier.DISK):
+                started[u.position], p, o = start_unit(u, p, o), None, None
+            masters.append(p)
+            states.append(o)
+        units = start(_unflat(masters), _unflat(states), started)
         return OffloadState.of_units(step, units, scale)
 
     def eval_loss(state: OffloadState, window: jax.Array) -> jax.Array:
@@ -343,6 +381,7 @@ def build_offload_trainer(
         from_saved_state=from_saved_state,
         timings=timings,
         close=disk.close if disk is not None else _nothing,
+        fence=fence,
     )
 
 
@@ -389,12 +428,6 @@ def _disk_store(cfg: TrainConfig, plan: OffloadPlan) -> DiskStore:
     return DiskStore(base, [u.position for u in plan.disk_units], plan.disk_slots)
 
 
-def _units_from_disk(
-    params: ModelParams, opt_state: ModelParams, plan: OffloadPlan, disk: DiskStore, host: Any
-) -> tuple[ModelParams, ModelParams]:
-    """`params` and `opt_state` with each disk unit's read from disk into arrays of the CPU backend
-    (`host`), the others as they are. Blocking."""
-    p, o = _flat(params), _flat(opt_state)
-    for u in plan.disk_units:
-        p[u.position], o[u.position] = jax.device_put(disk.read(u.position), host)
-    return _unflat(p), _unflat(o)
+def _no_disk(u: UnitPlan, tree: Any) -> Any:
+    """A unit's subtree, or None for a disk unit (its `OnDisk` markers are not arrays)."""
+    return None if u.state is Tier.DISK else tree

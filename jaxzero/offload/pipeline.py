@@ -61,6 +61,7 @@ from jaxzero.offload.host_optimizer import HostOptimizer, HostUnit, UnitUpdate
 from jaxzero.offload.timeline import StepClock, span
 from jaxzero.offload.two_pass import TwoPassCounter
 from jaxzero.plan import HostUpdate, OffloadPlan, Tier, UnitKind, UnitPlan, UpdateMode
+from jaxzero.write_fence import WriteFence
 
 
 class Submitted(NamedTuple):
@@ -128,7 +129,12 @@ class UpdatePipeline:
     """Submits each step's per-unit host updates; see the module docstring."""
 
     def __init__(
-        self, host: HostOptimizer, plan: OffloadPlan, clock: StepClock, disk: DiskStore | None = None
+        self,
+        host: HostOptimizer,
+        plan: OffloadPlan,
+        clock: StepClock,
+        disk: DiskStore | None = None,
+        fence: WriteFence | None = None,
     ):
         policy: HostUpdate | None = plan.host_update
         if policy is None:
@@ -138,6 +144,8 @@ class UpdatePipeline:
         self.policy = policy
         self.clock = clock
         self.disk = disk  # where the disk units' state is read from and written back to
+        # A checkpoint being written from the units' arrays: each unit's update waits until it is written.
+        self.fence = fence if fence is not None else WriteFence()
         self.two_pass = TwoPassCounter(policy.two_pass)
         # Units whose state is on the accelerator come first in forward order and are not the host's:
         # the two-pass count starts at the first host unit.
@@ -204,6 +212,8 @@ class UpdatePipeline:
     def _task(self, job: UnitJob) -> HostUnit:
         """`_run`, making sure the weights Future never waits forever: it gets `_run`'s error."""
         try:
+            with span("wait_checkpoint", job.unit.position):
+                self.fence.wait(job.unit.position)  # host sync with a checkpoint writer, during a save
             return self._run(job)
         except BaseException as e:
             if not job.weights.done():

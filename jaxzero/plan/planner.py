@@ -21,13 +21,11 @@ The candidates (only keys the user left open are decided; explicit ones are hono
 updates keep gradients in pinned memory a step longer. `offload.activations` left at none becomes cpu
 (block inputs wait in pinned host memory) for an offloaded placement that fits only so: the copies
 cost link time, (L - 1) block inputs each way per step, which the cost model's link term counts.
-When nothing fits, and checkpoints are on and asynchronous, the search runs once more with blocking
-saves (`checkpoint.async_save=false`: no snapshot of the masters and moments in host RAM) before it
-refuses. K, R, the two-pass count and the activations' place are decided only while the mode is
+K, R, the two-pass count and the activations' place are decided only while the mode is
 (`offload.params` or `offload.optimizer` auto, `resident_blocks` / `device_state_units` left at 0).
 
 Fit: the accelerator must hold its state plus the activation estimate per device; the host, the plan's
-host bytes per process (XLA's pinned pool, the checkpoint snapshot and the process's own
+host bytes per process (XLA's pinned pool, what a checkpoint save adds and the process's own
 `memory.GPU_PROCESS_RSS` included) within 95% of its share of the host's RAM (`HOST_HEADROOM`); where
 XLA's pinned pool is already fixed, its cap must hold the pinned need (`memory.configure_pinned_pool`'s
 rule). On a CPU-only backend the "accelerator" is host RAM, counted as `memory.check_fits` does there.
@@ -630,7 +628,7 @@ class _Search:
         local = mc.devices // mc.processes
         if mc.gpu_bytes is None:  # one RAM holds everything, counted as `memory.check_fits` does
             state = int(
-                need.host * memory.CPU_SNAPSHOT_ALLOWANCE
+                need.host * memory.CPU_HOST_ALLOWANCE
                 + local * need.accelerator_state * memory.CPU_STATE_ALLOWANCE
             )
             gpu_need = gpu_short = state_short = 0
@@ -826,11 +824,6 @@ class Decision:
             f"placement: {self.plan.mode} ({chosen})",
         ]
         lines += [f"  {label}: {text}" for label, text in _unit_runs(self.plan, accel)]
-        if cfg.checkpoint.enabled and not cfg.checkpoint.async_save:
-            lines.append(
-                "  checkpoints: written while training waits (checkpoint.async_save=false: no snapshot of "
-                "the state in host RAM)"
-            )
         if self.plan.offloads_activations:
             lines.append(
                 "  block inputs: wait for the backward pass in pinned host memory (all but the last)"
@@ -854,13 +847,13 @@ class Decision:
                 lines.append(f"  pinned host     {_gib(need.pinned)} (part of host RAM; {pool})")
             lines.append(
                 f"  host RAM        {_gib(need.host + memory.GPU_PROCESS_RSS)} of {_gib(mc.host_usable)} "
-                "(per process: masters and optimizer state, XLA's pinned pool, checkpoint snapshot, and "
+                "(per process: masters and optimizer state, XLA's pinned pool, a checkpoint's buffer, and "
                 f"{_gib(memory.GPU_PROCESS_RSS)} for the process itself; {HOST_HEADROOM:.0%} of the RAM "
                 "left free)"
             )
         else:
             local = mc.devices // mc.processes
-            ram = need.host * memory.CPU_SNAPSHOT_ALLOWANCE + local * (
+            ram = need.host * memory.CPU_HOST_ALLOWANCE + local * (
                 need.accelerator_state * memory.CPU_STATE_ALLOWANCE + need.activations
             )
             lines.append(
@@ -959,13 +952,8 @@ def decide(cfg: TrainConfig, machine: Machine, whole: tuple[int, int, int] = (0,
     what would fit (a batch size, a named model size, more host RAM or a larger GPU, settings)."""
     search = _Search(cfg, machine, whole)
     fitting = search.fitting()
-    refused = search
-    blocking = _blocking(search)
-    if not fitting and blocking is not None:
-        search = _Search(blocking, machine, whole)
-        fitting = search.fitting()
     if not fitting:
-        raise ConfigError(_refusal(refused))
+        raise ConfigError(_refusal(search))
     fastest = min(search.predict(e).step_s for e in fitting)
     as_fast = [e for e in fitting if search.predict(e).step_s <= fastest * (1 + PREFER_SIMPLER)]
     chosen = min(as_fast, key=lambda e: e.option.rank)
@@ -982,8 +970,6 @@ def decide(cfg: TrainConfig, machine: Machine, whole: tuple[int, int, int] = (0,
         for k in DECIDED_KEYS
         if getattr(given, k) == "auto" or getattr(given, k) != getattr(placed, k)
     )
-    if chosen.cfg.checkpoint.async_save != cfg.checkpoint.async_save:
-        decided += ("checkpoint.async_save=false",)
     return Decision(chosen.cfg, chosen.plan, chosen.need, search.predict(chosen), machine, decided, warning)
 
 
@@ -1034,27 +1020,13 @@ def _variant(cfg: TrainConfig, **sections: dict[str, object]) -> TrainConfig:
     )
 
 
-def _blocking(search: _Search) -> TrainConfig | None:
-    """The search's config with blocking checkpoint saves, where the planner may choose them: before
-    refusing, saves that make training wait keep no snapshot of the masters and moments in host RAM
-    (12 bytes per parameter for AdamW); a save then costs time once, not memory every step."""
-    cfg, ck = search.cfg, search.cfg.checkpoint
-    if not (search.strict and ck.enabled and ck.async_save):
-        return None
-    return dataclasses.replace(cfg, checkpoint=dataclasses.replace(ck, async_save=False))
-
-
 def _fits(cfg: TrainConfig, machine: Machine, whole: tuple[int, int, int] = (0, 0, 0)) -> bool:
-    """Whether `decide` would find a placement for `cfg` (blocking saves included, where it may)."""
+    """Whether `decide` would find a placement for `cfg`."""
     try:
         validate(cfg)
     except ConfigError:
         return False
-    search = _Search(cfg, machine, whole)
-    blocking = _blocking(search)
-    return search.fits_somehow() or (
-        blocking is not None and _Search(blocking, machine, whole).fits_somehow()
-    )
+    return _Search(cfg, machine, whole).fits_somehow()
 
 
 def _refusal(search: _Search) -> str:
@@ -1177,14 +1149,10 @@ def _smaller(search: _Search) -> str:
 
 
 def _settings_that_fit(search: _Search) -> str:
-    """The fewest settings that make this model fit at this batch size, of: no checkpoint snapshot in
-    host RAM, bf16 moments, and (for an explicit placement, which the planner does not adapt)
-    one-pass updates."""
+    """The fewest settings that make this model fit at this batch size, of: bf16 moments, and (for
+    an explicit placement, which the planner does not adapt) one-pass updates."""
     cfg, mc, whole = search.cfg, search.machine, search.whole
     changes: list[tuple[str, dict[str, dict[str, object]]]] = []
-    if cfg.checkpoint.enabled and cfg.checkpoint.async_save:
-        no_snapshot = {"checkpoint": {"async_save": False}}
-        changes.append(("checkpoint.async_save=false (no snapshot in host RAM during a save)", no_snapshot))
     if cfg.optimizer.state_dtype == "float32" and memory.optimizer_state_bytes(cfg):
         bf16 = {"optimizer": {"state_dtype": "bfloat16"}}
         changes.append(("optimizer.state_dtype=bfloat16 (half the moments' bytes)", bf16))
