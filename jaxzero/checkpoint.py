@@ -76,6 +76,7 @@ CHECKSUM_PIECE = 64 << 20  # bytes per CRC-32: pieces of one file are summed in 
 TMP_MARKER = ".orbax-checkpoint-tmp"  # in the names of Orbax's half-written step directories
 ORBAX_METADATA = "_CHECKPOINT_METADATA"  # in every directory Orbax's checkpointers commit
 PYTREE_METADATA = "_METADATA"  # in every directory Orbax's PyTree handler writes
+IN_FLIGHT_MAX = 2**30  # bytes a save keeps in flight to disk at most (`in_flight_bytes`)
 SCALARS = "scalars"  # the part of the state that is not per unit: the step count, float16's loss scale
 # Orbax's barriers are named with this prefix (set on the manager), so that the name of the barrier
 # that ends Orbax's `Checkpointer.restore` is known: a process whose restore raised before it joins it.
@@ -138,9 +139,11 @@ def join_parts(trees: Sequence[Any]) -> dict[str, Any]:
 
 @dataclass
 class PartsSave(ocp.args.CheckpointArgs):
-    """The `state` item's save: `parts` in order; `written(position)` once a unit's part is on disk."""
+    """The `state` item's save: `parts` in order, read at their turn (`start(position)` first: a part
+    may be replaced by a copy until then), `written(position)` once a unit's part is on disk."""
 
-    parts: Sequence[Part]
+    parts: list[Part]
+    start: Callable[[int], None]
     written: Callable[[int], None]
 
 
@@ -156,8 +159,8 @@ class PartsHandler(ocp.CheckpointHandler):
     own, written and read one after another, `buffer` bytes at most in flight (see the module
     docstring). Checkpoints of the earlier layout (one PyTree) are read whole."""
 
-    def __init__(self, buffer: int, restore_batch: int | None, multiprocessing: Any):
-        self._buffer_gb = buffer / 10**9  # Orbax's unit
+    def __init__(self, in_flight: int, restore_batch: int | None, multiprocessing: Any):
+        self._buffer_gb = in_flight / 10**9  # Orbax's unit
         self._restore_gb = None if restore_batch is None else restore_batch / 10**9
         self._multiprocessing = multiprocessing
 
@@ -173,13 +176,17 @@ class PartsHandler(ocp.CheckpointHandler):
 
     def save(self, directory: epath.Path, args: PartsSave) -> None:
         pytree = self._pytree()
-        for part in args.parts:
+        for i in range(len(args.parts)):
+            if args.parts[i].position is not None:
+                args.start(args.parts[i].position)
+            part = args.parts[i]  # after `start`: the unit as it is now, or the copy made of it
             path = epath.Path(directory) / part.name
             path.mkdir(parents=True, exist_ok=True)  # every process: the file system may be shared
             tree = resolved(part.tree)  # a disk unit is read now, and dropped once written
             pytree.save(path, args=ocp.args.PyTreeSave(tree))
             del tree
             if part.position is not None:
+                args.parts[i] = part._replace(tree=None)  # a copy's bytes go with it
                 args.written(part.position)
 
     def finalize(self, directory: epath.Path) -> None:
@@ -284,7 +291,7 @@ class Checkpointer:
             cleanup_tmp_directories=True,  # remove what a killed save left half-written
         )
         registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
-        state_handler = PartsHandler(self.buffer, restore_batch, multiprocessing)
+        state_handler = PartsHandler(in_flight_bytes(cfg), restore_batch, multiprocessing)
         registry.add("state", PartsSave, state_handler)
         registry.add("state", PartsRestore, state_handler)
         self.manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
@@ -305,7 +312,8 @@ class Checkpointer:
         parts = state_parts(state)
         background = self.cfg.async_save and fence is not None
         fence = fence if fence is not None else WriteFence()
-        fence.begin(p.position for p in parts if p.position is not None)
+        sizes = {p.position: state_bytes(p.tree) for p in parts if p.position is not None}
+        fence.begin(sizes, self.buffer - in_flight_bytes(self.cfg), partial(_copy_part, parts))
         self.last_saved = step
         self._writing = self._writer.submit(self._write, step, parts, meta, fence)
         if not background:
@@ -315,7 +323,8 @@ class Checkpointer:
         """The writer thread's save of checkpoint `step`, then its checksums; the fence is open after."""
         try:
             with self._failure(step):
-                args = ocp.args.Composite(state=PartsSave(parts, fence.written), meta=ocp.args.JsonSave(meta))
+                state = PartsSave(parts, fence.start, fence.written)
+                args = ocp.args.Composite(state=state, meta=ocp.args.JsonSave(meta))
                 self.manager.save(step, args=args, force=True)
                 if jax.process_index() == 0:  # one process writes the checksums
                     step_dir = self.directory / str(step)
@@ -612,8 +621,42 @@ def ensure_room(directory: Path, nbytes: int, what: str) -> None:
 
 
 def buffer_bytes(cfg: CheckpointConfig) -> int:
-    """Bytes a save or a restore keeps in flight between host RAM and disk (`checkpoint.buffer_gib`)."""
+    """Host RAM a save or a restore takes beyond one unit (`checkpoint.buffer_gib`)."""
     return int(cfg.buffer_gib * 2**30)
+
+
+def in_flight_bytes(cfg: CheckpointConfig) -> int:
+    """Of the buffer, what a save or a restore keeps in flight to or from disk: half of it, at most
+    1 GiB; a save holds copies of units the next step updates before the writer has written them in
+    the rest (`WriteFence`)."""
+    return min(buffer_bytes(cfg) // 2, IN_FLIGHT_MAX)
+
+
+def _copy_part(parts: list[Part], position: int) -> bool:
+    """Replace the unit at `position` in a save's `parts` with host copies of its arrays, so that
+    training may update the arrays in place while the writer has still to write them. False where a
+    copy would take a detour (accelerator arrays: the writer copies those to host RAM itself)."""
+    i = next(i for i, p in enumerate(parts) if p.position == position)
+    if is_deferred(parts[i].tree):  # a disk unit: read now, into arrays of its own
+        parts[i] = parts[i]._replace(tree=resolved(parts[i].tree))
+        return True
+    tree = parts[i].tree
+
+    def on_cpu(x: Any) -> bool:
+        return isinstance(x, jax.Array) and all(d.platform == "cpu" for d in x.sharding.device_set)
+
+    if not all(on_cpu(x) or isinstance(x, np.ndarray) for x in jax.tree.leaves(tree)):
+        return False
+
+    def copy(x: Any) -> Any:  # each process copies its own shards; the copy keeps the sharding
+        if isinstance(x, np.ndarray):
+            return np.array(x, copy=True)
+        with jax.transfer_guard("allow"):  # a deliberate copy, in host RAM
+            shards = [jax.device_put(np.array(s.data, copy=True), s.device) for s in x.addressable_shards]
+        return jax.make_array_from_single_device_arrays(x.shape, x.sharding, shards)
+
+    parts[i] = parts[i]._replace(tree=jax.tree.map(copy, tree))
+    return True
 
 
 def _size(nbytes: int) -> str:

@@ -259,19 +259,32 @@ THREE_TIERS = {
 
 
 @pytest.mark.parametrize("layout", ["resident", "mixed", "three-tiers"])
+@pytest.mark.parametrize("room", ["copies", "waits"])
 def test_training_goes_on_during_an_asynchronous_save_and_the_checkpoint_is_the_saved_step(
-    tmp_path, monkeypatch, layout
+    tmp_path, monkeypatch, layout, room
 ):
     """An asynchronous save returns at once and steps run while it writes (slowed here to 0.3 s a
-    part, so that they overlap), updating the arrays it writes from in place: each unit's update
-    waits at the fence until it is written, so the checkpoint holds step 2's state exactly, and a
-    resume from it equals the uninterrupted run bitwise."""
+    part, so that they overlap), updating the arrays it writes from in place. A unit the writer has
+    not written is copied into the checkpoint buffer before its update (`copies`: the offloaded
+    host and disk units; the accelerator's wait), or, with no room, its update waits (`waits`): either
+    way the checkpoint holds step 2's state exactly, and a resume from it equals the uninterrupted
+    run bitwise."""
     save = checkpoint_lib.ocp.PyTreeCheckpointHandler.save
     monkeypatch.setattr(
         checkpoint_lib.ocp.PyTreeCheckpointHandler,
         "save",
         lambda self, directory, args: (time.sleep(0.3), save(self, directory, args=args)),
     )
+    copies: list[int] = []
+    copy_part = checkpoint_lib._copy_part
+    if room == "waits":
+        monkeypatch.setattr(checkpoint_lib, "_copy_part", lambda parts, position: False)
+    else:
+        monkeypatch.setattr(
+            checkpoint_lib,
+            "_copy_part",
+            lambda parts, position: copy_part(parts, position) and (copies.append(position) or True),
+        )
     mesh = placement.make_mesh(jax.devices()[:1])
     tiers = {
         "resident": {},
@@ -293,7 +306,11 @@ def test_training_goes_on_during_an_asynchronous_save_and_the_checkpoint_is_the_
     )
     assert time.perf_counter() - t0 < 0.3 and trainer.fence.pending()  # returned before writing
     state, _ = run_steps(trainer, state, 3, 4, cfg)  # updates in place while the save writes
-    assert trainer.fence.take_blocked_seconds() > 0  # some update waited for the writer
+    if room == "waits" or layout == "resident":  # the resident step updates every unit at once
+        assert trainer.fence.take_blocked_seconds() > 0.3  # its updates waited for the writer
+    else:  # the host and disk units were copied for the writer (on a GPU the accelerator's wait)
+        host_units = [u.position for u in trainer.plan.units if u.state.value != "device"]
+        assert set(host_units) <= set(copies), (copies, host_units)
     ckpt.wait()
     final = copied(trainer.saved_state(state))
     written = checkpoint_lib.read_saved_state(tmp_path / "checkpoints" / "2")

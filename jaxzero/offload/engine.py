@@ -218,7 +218,7 @@ def build_offload_trainer(
         for u in on_device:
             k = u.position
             old = units[k].result()
-            fence.wait(k)  # host sync with a checkpoint writer, during a save: the update donates them
+            fence.release(k)  # host sync with a checkpoint writer, during a save: the update donates them
             updated[k] = device.update(u, old, g[k], norm, loss_scale)  # donates the old masters
         return updated
 

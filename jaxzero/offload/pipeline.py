@@ -213,7 +213,7 @@ class UpdatePipeline:
         """`_run`, making sure the weights Future never waits forever: it gets `_run`'s error."""
         try:
             with span("wait_checkpoint", job.unit.position):
-                self.fence.wait(job.unit.position)  # host sync with a checkpoint writer, during a save
+                self.fence.release(job.unit.position)  # host sync with a checkpoint writer, during a save
             return self._run(job)
         except BaseException as e:
             if not job.weights.done():
