@@ -169,6 +169,9 @@ class PartsHandler(ocp.CheckpointHandler):
             save_concurrent_gb=self._buffer_gb,
             restore_concurrent_gb=self._restore_gb,
             multiprocessing_options=self._multiprocessing,
+            # Uncompressed: training weights compress by under a tenth, and compressing took 2.3x the
+            # CPU time of the write, which the host update needs (BENCHMARKS.md, issue 26).
+            use_compression=False,
             # Copies to plain host RAM: XLA's pinned pool is sized for the training state alone, and a
             # save's copies there fail once it is full (measured: RESOURCE_EXHAUSTED on an H100).
             enable_pinned_host_transfer=False,

@@ -7,7 +7,8 @@ the writer. Each run is its own process, sampled every 0.2 s (`/proc/<pid>/statu
 A RUN is `name:override,override,...` applied to `--config` (default configs/llama-3.4b-offload.toml),
 e.g. `bf16-saves:optimizer.state_dtype=bfloat16,checkpoint.enabled=true,checkpoint.every=10,steps=30`.
 A name starting with `resume-` reuses the run directory of the name after it (`resume-fp32` resumes
-`fp32`). Run directories go under --out; each run's stdout and stderr too. Prints a table last.
+`fp32`). Run directories go under /tmp/jaxzero-bench, removed after each run unless a later one
+resumes it; each run's stdout and stderr under --out. Prints a table last.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -80,6 +82,9 @@ def main() -> None:
             }
         )
         print(json.dumps(rows[-1]), flush=True)
+        resumed_next = any(r.partition(":")[0] == f"resume-{run_dir.name}" for r in args.runs)
+        if not resumed_next:  # the disk holds few checkpoints of this size: the next run needs room
+            shutil.rmtree(run_dir, ignore_errors=True)
     (out / "runs.json").write_text(json.dumps(rows, indent=1))
     keys = list(rows[0])
     print(" | ".join(keys))
