@@ -46,6 +46,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import shutil
 import sys
 import zlib
@@ -74,6 +75,7 @@ UNREADABLE_DIR = f"{CHECKPOINT_DIR}-unreadable"  # checkpoints that failed to re
 CHECKSUMS_FILE = "checksums.json"
 CHECKSUM_PIECE = 64 << 20  # bytes per CRC-32: pieces of one file are summed in parallel
 TMP_MARKER = ".orbax-checkpoint-tmp"  # in the names of Orbax's half-written step directories
+TMP_SUFFIX = re.escape(TMP_MARKER) + r"[^/]*"  # of a temporary directory's name, to its end
 ORBAX_METADATA = "_CHECKPOINT_METADATA"  # in every directory Orbax's checkpointers commit
 PYTREE_METADATA = "_METADATA"  # in every directory Orbax's PyTree handler writes
 IN_FLIGHT_MAX = 2**30  # bytes a save keeps in flight to disk at most (`in_flight_bytes`)
@@ -159,7 +161,16 @@ class PartsHandler(ocp.CheckpointHandler):
     own, written and read one after another, `buffer` bytes at most in flight (see the module
     docstring). Checkpoints of the earlier layout (one PyTree) are read whole."""
 
-    def __init__(self, in_flight: int, restore_batch: int | None, multiprocessing: Any):
+    def __init__(
+        self,
+        in_flight: int,
+        restore_batch: int | None,
+        multiprocessing: Any,
+        finalized: Callable[[Path], None] = lambda step_dir: None,
+    ):
+        """`finalized(step_dir)`: called with the step's temporary directory once every item of a save
+        is written, before Orbax commits it (on the primary process)."""
+        self._finalized = finalized
         self._buffer_gb = in_flight / 10**9  # Orbax's unit
         self._restore_gb = None if restore_batch is None else restore_batch / 10**9
         self._multiprocessing = multiprocessing
@@ -196,6 +207,7 @@ class PartsHandler(ocp.CheckpointHandler):
         pytree = self._pytree()  # merges each part's per-process files (the primary process, at commit)
         for path in sorted(p for p in epath.Path(directory).iterdir() if p.is_dir()):
             pytree.finalize(path)
+        self._finalized(Path(directory).parent)
 
     def restore(self, directory: epath.Path, args: PartsRestore) -> dict[str, Any]:
         pytree, directory = self._pytree(), epath.Path(directory)
@@ -294,7 +306,9 @@ class Checkpointer:
             cleanup_tmp_directories=True,  # remove what a killed save left half-written
         )
         registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
-        state_handler = PartsHandler(in_flight_bytes(cfg), restore_batch, multiprocessing)
+        # Checksums as the save commits: part of the same atomic rename (see `write_checksums`).
+        checksums = partial(write_checksums, pool=self._pool)
+        state_handler = PartsHandler(in_flight_bytes(cfg), restore_batch, multiprocessing, checksums)
         registry.add("state", PartsSave, state_handler)
         registry.add("state", PartsRestore, state_handler)
         self.manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
@@ -329,10 +343,6 @@ class Checkpointer:
                 state = PartsSave(parts, fence.start, fence.written)
                 args = ocp.args.Composite(state=state, meta=ocp.args.JsonSave(meta))
                 self.manager.save(step, args=args, force=True)
-                if jax.process_index() == 0:  # one process writes the checksums
-                    step_dir = self.directory / str(step)
-                    if step_dir.is_dir():
-                        write_checksums(step_dir, self._pool)
         finally:
             fence.finish()
 
@@ -623,6 +633,30 @@ def ensure_room(directory: Path, nbytes: int, what: str) -> None:
         )
 
 
+def checkpoints_on_disk(cfg: CheckpointConfig, existing: int, saves: int) -> int:
+    """How many checkpoints are on disk at once at most while a run with `existing` checkpoints makes
+    `saves` more: the `checkpoint.keep` newest, and the one being written before the oldest of them is
+    deleted."""
+    return min(cfg.keep + 1, existing + saves) if saves else existing
+
+
+def ensure_disk_room(directory: Path, size: int, cfg: CheckpointConfig, saves: int) -> None:
+    """Raise `CheckpointWriteError`, before training, if the file system holding `directory` cannot
+    hold the checkpoints (each `size` bytes) a run keeps at once while it makes `saves` more saves
+    (`checkpoints_on_disk`), counting the room its checkpoints already there take."""
+    steps = [p for p in directory.iterdir() if p.name.isdigit()] if directory.is_dir() else []
+    have = sum(f.stat().st_size for p in steps for f in p.rglob("*") if f.is_file())
+    count = checkpoints_on_disk(cfg, len(steps), saves)
+    if count * size - have > 0:
+        ensure_room(
+            directory,
+            count * size - have,
+            f"this run's checkpoints ({count} of {_size(size)} at once at most: the newest checkpoint.keep="
+            f"{cfg.keep} and the one being written before the oldest is deleted; a lower checkpoint.keep "
+            "needs less)",
+        )
+
+
 def buffer_bytes(cfg: CheckpointConfig) -> int:
     """Host RAM a save or a restore takes beyond one unit (`checkpoint.buffer_gib`)."""
     return int(cfg.buffer_gib * 2**30)
@@ -707,7 +741,9 @@ def _piece_crc(path: Path, offset: int) -> int:
 
 
 def file_checksums(step_dir: Path, pool: ThreadPoolExecutor) -> dict[str, list[int]]:
-    """{file path relative to `step_dir`: [size, CRC-32 of each 64 MiB piece...]}, pieces in parallel."""
+    """{file path relative to `step_dir`: [size, CRC-32 of each 64 MiB piece...]}, pieces in parallel.
+    Paths are named as committed: summed before Orbax renames its temporary item directories, a
+    path drops their temporary suffix."""
     files = _files(step_dir)
     jobs = {
         (p, off): pool.submit(_piece_crc, p, off)
@@ -717,12 +753,13 @@ def file_checksums(step_dir: Path, pool: ThreadPoolExecutor) -> dict[str, list[i
     out: dict[str, list[int]] = {}
     for p in files:
         crcs = [f.result() for (q, _), f in jobs.items() if q == p]
-        out[str(p.relative_to(step_dir))] = [p.stat().st_size, *crcs]
+        out[re.sub(TMP_SUFFIX, "", str(p.relative_to(step_dir)))] = [p.stat().st_size, *crcs]
     return out
 
 
 def write_checksums(step_dir: Path, pool: ThreadPoolExecutor) -> None:
-    """Write `checksums.json` for the files of a committed checkpoint, atomically."""
+    """Write `checksums.json` for the files of a checkpoint whose items are final (called as Orbax
+    commits it, in its temporary directory, so that the checksums commit with it), atomically."""
     tmp = step_dir / f".{CHECKSUMS_FILE}.tmp"
     tmp.write_text(json.dumps(file_checksums(step_dir, pool)))
     os.replace(tmp, step_dir / CHECKSUMS_FILE)

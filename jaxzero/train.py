@@ -31,6 +31,7 @@ for each step: step, log (every `logging.log_every` steps), save, stop.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import json
@@ -53,12 +54,14 @@ from jax.experimental import multihost_utils
 from jaxzero import distributed, objective
 from jaxzero import run_dir as run_dir_lib
 from jaxzero.checkpoint import (
+    CHECKPOINT_DIR,
     Checkpointer,
     CheckpointWriteError,
-    ensure_room,
+    ensure_disk_room,
     largest_array_bytes,
     load_masters,
     make_meta,
+    saved_steps,
     state_bytes,
 )
 from jaxzero.config import ConfigError, TrainConfig, resolve_batch, validate
@@ -512,8 +515,10 @@ def train(cfg: TrainConfig, console: TextIO = sys.stdout) -> Path:
     for note in notes:
         print(note, file=console)
     abstract = trainer.abstract_saved_state()  # what a checkpoint of this run holds
-    if cfg.checkpoint.enabled:  # a first checkpoint that cannot fit is refused before any training
-        ensure_room(path, state_bytes(abstract), "a checkpoint of this run")
+    if cfg.checkpoint.enabled:  # checkpoints that cannot fit the disk are refused before any training
+        first = max(saved_steps(path), default=0) + 1  # a resume saves from the newest checkpoint on
+        saves = sum(checkpoint_due(cfg, step) for step in range(first, cfg.steps + 1))
+        ensure_disk_room(path / CHECKPOINT_DIR, state_bytes(abstract), cfg.checkpoint, saves)
     val_batches = data.val_batches(cfg.logging.eval_batches)
     t_start = time.perf_counter()
     largest = largest_array_bytes(abstract)  # bounds a restore's reads
@@ -720,7 +725,10 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingError as e:
         code = _fail("training stopped", e, EXIT_TRAINING)
     except CheckpointWriteError as e:
-        log = Path(cfg.run_dir) / run_dir_lib.ERROR_FILE if cfg is not None else None
+        log = Path(cfg.run_dir) / run_dir_lib.ERROR_FILE if cfg is not None and cfg.run_dir else None
+        if log is not None and log.parent.is_dir():  # the cause's traceback, beside the writers' own
+            with contextlib.suppress(OSError), open(log, "a") as f:
+                f.write("".join(traceback.format_exception(e)) + "\n")
         details = f" (the writers' own errors: {log})" if log is not None and log.exists() else ""
         code = _fail("checkpoint error", f"{e}{details}", EXIT_TRAINING)
     except Preempted as e:

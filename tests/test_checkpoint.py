@@ -44,8 +44,7 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 def final_params(run_dir: Path, step: int) -> list[np.ndarray]:
     """The saved masters of checkpoint `step`, read back as NumPy (no placement needed to compare)."""
-    path = run_dir / "checkpoints" / str(step) / "state"
-    tree = ocp.PyTreeCheckpointer().restore(path)
+    tree = checkpoint_lib.read_saved_state(run_dir / "checkpoints" / str(step))
     return [np.asarray(x) for x in jax.tree.leaves(tree["params"])]
 
 
@@ -327,6 +326,69 @@ def test_training_goes_on_during_an_asynchronous_save_and_the_checkpoint_is_the_
         np.testing.assert_array_equal(a, b)
     trainer.close()
     resumed.close()
+
+
+# A model whose saved state (0.7 GB) is 11 times the checkpoint buffer (64 MiB), with every tier in
+# use: the embedding and two blocks' state on the accelerator, four units' on disk, the rest in RAM.
+RSS_RUN = [
+    "--model.num_layers=16",
+    "--model.hidden_size=512",
+    "--model.intermediate_size=1536",
+    "--model.num_heads=8",
+    "--model.num_kv_heads=8",
+    "--model.vocab_size=4096",
+    "--data.seq_len=32",
+    "--data.batch_size=2",
+    "--checkpoint.buffer_gib=0.0625",
+    "--offload.optimizer=disk",
+    "--offload.params=cpu",
+    "--offload.device_state_units=3",
+    "--offload.disk_units=4",
+]
+
+
+@pytest.mark.slow  # fresh processes, measured
+def test_a_save_and_a_restore_take_the_buffer_and_one_unit_of_host_ram_whatever_the_state(tmp_path):
+    """Measured in fresh processes (`tests/programs/checkpoint_rss.py`, peak RSS), not mocked: a
+    blocking save, an asynchronous save while steps run (against the same steps without one), and a
+    restore into a state the trainer can step (against a fresh state's RSS) each add at most what the
+    plan counts for them (`memory.checkpoint_bytes`: the buffer, one unit, Orbax's working memory),
+    a fraction of the state."""
+    from jaxzero.memory import SAVE_WORKING_BYTES
+
+    run = [*RSS_RUN, f"--offload.disk_path={tmp_path / 'disk'}"]
+
+    def measure(mode: str, run_dir: str = "run") -> dict:
+        proc = run_program("checkpoint_rss.py", mode, str(tmp_path / run_dir), *run, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    blocking = measure("blocking")
+    bound = blocking["buffer"] + blocking["unit"] + SAVE_WORKING_BYTES
+    assert blocking["state"] > 10 * blocking["buffer"] and bound < blocking["state"] / 2
+    assert blocking["save"] <= bound, blocking
+    fresh, restored = measure("init"), measure("restore")
+    assert restored["restore"] - fresh["init"] <= bound, (restored, fresh)
+    background = measure("async", "run-async")
+    assert background["save"] <= bound, background
+
+
+def test_a_run_whose_checkpoints_cannot_fit_the_disk_is_refused_before_training(tmp_path, monkeypatch):
+    """With checkpoint.keep=K a run holds K checkpoints and the one being written at once: the room for
+    that many (less what its checkpoints there take already) is checked before training, with the
+    numbers and the setting that needs less."""
+    cfg = apply_overrides(TrainConfig(), {"checkpoint.keep": "2"}).checkpoint
+    size = 10 * 2**20
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 0, 25 * 2**20))
+    checkpoint_lib.ensure_disk_room(tmp_path / "checkpoints", size, cfg, saves=1)  # one: 10 MiB
+    checkpoint_lib.ensure_disk_room(tmp_path / "checkpoints", size, cfg, saves=2)  # two: 20 MiB
+    with pytest.raises(
+        CheckpointWriteError, match=r"3 of 10\.0 MiB at once .* checkpoint.keep=2 .*25\.0 MiB"
+    ):
+        checkpoint_lib.ensure_disk_room(tmp_path / "checkpoints", size, cfg, saves=5)
+    (tmp_path / "checkpoints" / "4").mkdir(parents=True)  # a checkpoint of the run already there
+    (tmp_path / "checkpoints" / "4" / "data").write_bytes(bytes(size))
+    checkpoint_lib.ensure_disk_room(tmp_path / "checkpoints", size, cfg, saves=5)  # 30 MiB less its 10
 
 
 def test_resume_on_a_different_device_count(tmp_path):

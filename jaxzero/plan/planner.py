@@ -867,6 +867,14 @@ class Decision:
                 f"unit{'s' if len(self.plan.disk_units) != 1 else ''}, "
                 f"{cfg.offload.disk_path or 'under the run directory'})"
             )
+        if cfg.checkpoint.enabled:
+            size = param_count(m) * (4 + memory.optimizer_state_bytes(cfg))
+            count = cfg.checkpoint.keep + 1
+            lines.append(
+                f"  checkpoints     {_gib(size)} each, {_gib(count * size)} of disk under run_dir at most "
+                f"(checkpoint.keep={cfg.checkpoint.keep} and the next); a save or a restore adds "
+                f"{_gib(memory.checkpoint_bytes(cfg, 0, size) + _largest_unit_bytes(cfg))} of host RAM"
+            )
         flops = 8 * param_count(m) * tokens / p.step_s / mc.devices / 1e12
         lines += [
             f"predicted step: {p.step_s:.3g} s ({tokens / p.step_s:,.0f} tokens/s, {flops:.3g} TFLOP/s (8N) "
@@ -1171,3 +1179,8 @@ def _settings_that_fit(search: _Search) -> str:
                 joined = texts[0] if size == 1 else ", ".join(texts[:-1]) + " and " + texts[-1]
                 return f"It fits with {joined}."
     return ""
+
+
+def _largest_unit_bytes(cfg: TrainConfig) -> int:
+    """Masters and optimizer state of the model's largest unit (embedding, a block or the head)."""
+    return max(unit_param_counts(cfg.model)) * (4 + memory.optimizer_state_bytes(cfg))

@@ -19,8 +19,8 @@ def disk_usage(path):
     return shutil._ntuple_diskusage(total, used, 1000 if full else free)
 
 
-def save_then_fill(self, step, state, meta):
-    save(self, step, state, meta)
+def save_then_fill(self, step, state, meta, *fence):
+    save(self, step, state, meta, *fence)
     full.append(step)
 
 

@@ -14,8 +14,8 @@ kill_at = int(sys.argv[1])
 save = checkpoint.Checkpointer.save
 
 
-def save_then_die(self, step, state, meta):
-    save(self, step, state, meta)
+def save_then_die(self, step, state, meta, *fence):
+    save(self, step, state, meta, *fence)
     if step == kill_at:
         os.kill(os.getpid(), signal.SIGKILL)
 
