@@ -865,9 +865,9 @@ def export_orbax(params: ModelParams, out: str | Path, dtype: str, *, overwrite:
     np_dtype = np.dtype(jax.numpy.dtype(dtype))
     cast = lambda tree: jax.tree.map(lambda x: np.asarray(x).astype(np_dtype), tree)  # noqa: E731
     blocks = list(params.blocks)
-    for i in range(len(blocks)):  # replace each float32 block as it is cast: one copy of the model
-        blocks[i] = cast(blocks[i])
-    tree = ModelParams(cast(params.embed), tuple(blocks), cast(params.head))
+    for i in range(len(blocks)):  # replace each float32 block as it is cast (read now if deferred)
+        blocks[i] = cast(resolved(blocks[i]))
+    tree = ModelParams(cast(resolved(params.embed)), tuple(blocks), cast(resolved(params.head)))
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(out, tree, force=overwrite)
     checkpointer.wait_until_finished()  # host sync: committed before the process exits
@@ -878,6 +878,13 @@ def export_orbax(params: ModelParams, out: str | Path, dtype: str, *, overwrite:
 def load_masters(run_dir: str | Path, step: int | None = None) -> tuple[TrainConfig, ModelParams, int]:
     """(config, float32 NumPy masters, step) of the newest (or given) checkpoint of `run_dir`, read
     one unit at a time (the optimizer state is not read)."""
+    cfg, params, step = masters_by_unit(run_dir, step)
+    return cfg, resolved(params), step
+
+
+def masters_by_unit(run_dir: str | Path, step: int | None = None) -> tuple[TrainConfig, ModelParams, int]:
+    """As `load_masters`, but each unit a `Deferred`, read (as float32 NumPy) when resolved: an export
+    holds one unit in host RAM at a time. A checkpoint of the earlier one-PyTree layout is read whole."""
     ckpt_dir = Path(run_dir).absolute() / CHECKPOINT_DIR  # Orbax wants absolute paths
     steps = saved_steps(run_dir)
     if not steps:
@@ -893,7 +900,11 @@ def load_masters(run_dir: str | Path, step: int | None = None) -> tuple[TrainCon
         return cfg, _read_numpy(state_dir, {"params": shapes})["params"], step
     units = [shapes.embed, *shapes.blocks, shapes.head]
     names = part_names(len(shapes.blocks))
-    read = [_read_numpy(state_dir / name, {"params": u})["params"] for name, u in zip(names, units)]
+
+    def unit(name: str, u: Any) -> Deferred:
+        return Deferred(lambda: (_read_numpy(state_dir / name, {"params": u})["params"],), 0, u)
+
+    read = [unit(name, u) for name, u in zip(names, units)]
     return cfg, ModelParams(read[0], tuple(read[1:-1]), read[-1]), step
 
 

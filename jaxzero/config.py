@@ -226,11 +226,12 @@ class CheckpointConfig:
     keep_every: int = 0  # also keep every keep_every-th step's; 0: none
     # Verify each checkpoint's files against checksums written at save before restoring from it.
     verify: bool = True
-    # Write in the background while training goes on (each unit's next update waits until the writer
-    # has written it); false: the step that saves waits until the checkpoint is committed.
+    # Write in the background while training goes on (a unit the next step updates before the writer
+    # has written it is copied into the buffer, or its update waits); false: the step that saves
+    # waits until the checkpoint is committed.
     async_save: bool = True
-    # Host RAM a save or a restore keeps in flight to or from disk, beyond one unit's arrays: the
-    # whole of what checkpointing adds to a run's host RAM, whatever the model's size.
+    # Host RAM a save or a restore takes beyond one unit's arrays, whatever the model's size: up to
+    # 1 GiB in flight to or from disk, the rest for copies of units training reaches before the writer.
     buffer_gib: float = 2.0
 
 

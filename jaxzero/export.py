@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jaxzero.checkpoint import export_orbax, load_masters
+from jaxzero.checkpoint import export_orbax, masters_by_unit
 from jaxzero.config import ConfigError
 from jaxzero.interop import export_hf
 
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     try:
-        cfg, params, step = load_masters(args.run_dir, args.step)
+        cfg, params, step = masters_by_unit(args.run_dir, args.step)  # read one unit at a time
         if args.format == "hf":
             files = export_hf(
                 params,

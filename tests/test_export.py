@@ -55,6 +55,37 @@ def test_hf_export_loads_in_transformers_with_matching_logits(trained, name):
     assert np.linalg.norm(ours - theirs) / np.linalg.norm(theirs) < 1e-4
 
 
+def test_hf_export_reads_the_checkpoint_one_unit_at_a_time(trained, tmp_path, monkeypatch):
+    """`masters_by_unit` defers every unit; the export reads each only when it writes it, so host RAM
+    holds one unit of the masters at a time, and the files equal an export of the whole masters."""
+    from jaxzero import checkpoint as checkpoint_lib
+    from jaxzero.interop import export_hf
+
+    cfg, lazy, step = checkpoint_lib.masters_by_unit(trained / "llama-tiny")
+    units = [lazy.embed, *lazy.blocks, lazy.head]
+    assert step == 6 and all(type(u).__name__ == "Deferred" for u in units)
+    events: list[str] = []
+    read = checkpoint_lib._read_numpy
+    monkeypatch.setattr(
+        checkpoint_lib, "_read_numpy", lambda path, shapes: (events.append(path.name), read(path, shapes))[1]
+    )
+    write = export_hf.__globals__["SafetensorsWriter"].write
+    monkeypatch.setattr(
+        export_hf.__globals__["SafetensorsWriter"],
+        "write",
+        lambda self, name, a: (events.append("write"), write(self, name, a))[1],
+    )
+    export_hf(lazy, cfg.model, tmp_path / "lazy", dtype="float32")
+    reads = [e for e in events if e != "write"]
+    assert reads == ["embed", "block_0000", "block_0001", "head"]
+    assert all("write" in events[events.index(a) : events.index(b)] for a, b in zip(reads, reads[1:]))
+    monkeypatch.undo()
+    _, whole, _ = load_masters(trained / "llama-tiny")
+    export_hf(whole, cfg.model, tmp_path / "whole", dtype="float32")
+    for f in ("model.safetensors", "config.json"):
+        assert (tmp_path / "lazy" / f).read_bytes() == (tmp_path / "whole" / f).read_bytes()
+
+
 def test_orbax_export_holds_params_only_in_the_requested_dtype(trained):
     out = trained / "llama-orbax"
     proc = run("jaxzero.export", "--run_dir=llama-tiny", f"--out={out}", "--format=orbax", cwd=trained)

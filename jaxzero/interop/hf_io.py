@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from jaxzero.config import CheckpointError, ConfigError, ModelConfig
+from jaxzero.deferred import abstract, resolved
 from jaxzero.interop.hf_config_map import CONFIG_NAME, EXPORT_DTYPES, hf_config, model_config_from_hf
 from jaxzero.interop.hf_names import (
     BASE_PREFIX,
@@ -104,7 +105,8 @@ def export_hf(
     """Write `params` as a transformers checkpoint in `out_dir`; returns the written paths.
 
     params: a `cfg`-shaped ModelParams; leaves float32/bfloat16, NumPy or jax arrays on any device
-        (each unit is fetched with `jax.device_get` when it is written).
+        (each unit is fetched with `jax.device_get` when it is written), or a unit a
+        `jaxzero.deferred.Deferred`, read when it is written (`checkpoint.masters_by_unit`).
     dtype: "bfloat16" (default), "float32" or "float16", the dtype of the written tensors (rounded to
         nearest even, as torch's `.to()` does) and of config.json's `dtype`.
     max_shard_bytes: if the tensors total more than this, they are split into
@@ -123,7 +125,7 @@ def export_hf(
         raise ValueError(f"max_shard_bytes={max_shard_bytes} must be >= 1.")
     np_dtype = EXPORT_DTYPES[dtype]
     units = hf_units(cfg)
-    _check_params(params, cfg, units)
+    _check_params(abstract(params), cfg, units)
     config = hf_config(cfg, dtype)
 
     out = Path(out_dir)
@@ -157,7 +159,7 @@ def export_hf(
     current = -1
     try:
         for unit, tree in zip(units, unit_trees(params)):
-            host = jax.device_get(tree)  # one unit on the host at a time
+            host = jax.device_get(resolved(tree))  # one unit on the host at a time (read now if deferred)
             for t in unit.tensors:
                 k = shard_of[t.hf_name]
                 if k != current:  # shards hold consecutive tensors: finish the last one, start the next
