@@ -4,6 +4,7 @@ trainer it builds on this machine (CPU)."""
 
 import dataclasses
 import os
+import re
 
 import jax
 import numpy as np
@@ -167,9 +168,9 @@ def test_refusal_says_what_was_needed_and_what_would_fit():
     full = {**ZERO3, "model.name": "llama-3.1-8b", "data.seq_len": "1024"}
     with pytest.raises(ConfigError) as e:
         decide(cfg(**full), h200(79.2))
-    assert str(e.value).endswith(
+    assert (
         "It fits with optimizer.state_dtype=bfloat16 (half the moments' bytes) and offload.two_pass_units=0 "
-        "(one-pass updates: no gradients kept pinned for a second pass)."
+        "(one-pass updates: no gradients kept pinned for a second pass)." in str(e.value)
     )
     fitted = {**full, "optimizer.state_dtype": "bfloat16", "offload.two_pass_units": "0"}
     assert decide(cfg(**fitted), h200(79.2)).plan.mode.startswith("ZeRO-3")
@@ -282,7 +283,7 @@ def test_cpu_backend_plans_with_host_ram_as_the_device_memory():
     assert machine.gpu_bytes is None and machine.kind == "CPU" and machine.pinned_limit_gb is None
     assert decide(TrainConfig(), machine).plan.mode == "resident"
     small = dataclasses.replace(machine, host_bytes=1 * GiB)
-    with pytest.raises(ConfigError, match="of RAM on this CPU-only machine .* more RAM"):
+    with pytest.raises(ConfigError, match="more RAM .* of RAM on this CPU-only machine"):
         decide(cfg(), small)
 
 
@@ -400,3 +401,29 @@ def test_the_pinned_pool_is_sized_for_the_placement_decided_before_jax_starts(tm
     # No GPU to be told of: the largest need sizes it, as before.
     monkeypatch.setenv("PATH", str(tmp_path / "none"))
     assert trainer_lib._decided_before_backend(c) is None
+
+
+@pytest.mark.parametrize(
+    "over, box",
+    [
+        ({"model.name": "llama-20b", "data.batch_size": "16"}, (139, 125)),  # fp32 moments, one H200
+        ({**ZERO3, "model.name": "llama-3.1-8b", "data.seq_len": "1024"}, (79.2, 125)),  # explicit, H100
+        ({"model.name": "llama-13b"}, (139, 60)),
+    ],
+)
+def test_a_refusal_leads_with_settings_that_fit_when_applied(over, box):
+    """A refusal's first advice is the fewest settings of the run that make it fit (`key=value`),
+    before a smaller batch or more memory; applied to the same config, they plan. It never names a
+    placement that needs more GPU memory than the machine has."""
+    with pytest.raises(ConfigError) as e:
+        decide(cfg(**over), h200(*box))
+    text = str(e.value)
+    advice = text.split(". It fits with ", 1)[1].split(". ", 1)[0]
+    assert text.index("It fits with") < min(
+        (text.index(s) for s in ("With this model", "To fit it") if s in text), default=len(text)
+    )
+    settings = dict(re.findall(r"([a-z_]+\.[a-z_]+)=(\S+) \(", advice))
+    assert settings and decide(cfg(**over, **settings), h200(*box)).plan is not None
+    usable = h200(*box).gpu_usable
+    for needed in re.findall(r"needs ([\d.]+) GiB of GPU memory per device", text):
+        assert float(needed) * GiB <= usable

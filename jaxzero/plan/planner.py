@@ -1049,7 +1049,10 @@ def _refusal(search: _Search) -> str:
     head += " in any placement the planner may choose" if search.strict else " as configured"
     if not frontier:
         return head + "."
-    closest = min(frontier, key=lambda e: e.shortfall)
+    # The closest placement that the GPU holds (where one does): a placement that needs more GPU
+    # memory than the machine has is no advice.
+    on_this_gpu = [e for e in frontier if mc.gpu_bytes is None or e.gpu_need <= mc.gpu_usable]
+    closest = min(on_this_gpu or frontier, key=lambda e: e.shortfall)
     need = closest.need
     if mc.gpu_bytes is not None:
         needs = (
@@ -1069,12 +1072,14 @@ def _refusal(search: _Search) -> str:
             f"of {_gib(mc.host_share)})"
         )
     which = f"the closest placement, {_label(closest)}," if len(frontier) > 1 else _label(closest)
-    text = [f"{head}: {which} needs {needs}."]
-    text.append(_tiers(search, frontier))
+    # The fewest changes first, in the order a user would rather make them: settings of this run
+    # (bf16 moments, one-pass updates), a smaller batch, then disk room or more memory.
+    text = [f"{head}."]
+    text.append(_settings_that_fit(search))
     text.append(_smaller(search))
-    settings = _settings_that_fit(search)
-    if settings:
-        text.append(settings)
+    text.append(_tiers(search, frontier))
+    if on_this_gpu or mc.gpu_bytes is None:
+        text.append(f"For the record, {which} needs {needs}.")
     return " ".join(t for t in text if t)
 
 
