@@ -118,7 +118,8 @@ class Trainer:
     mesh: Mesh
     optimizer: optax.GradientTransformation  # the update (the offload engine applies it per unit)
     init: Callable[[jax.Array], Any]  # PRNG key -> state in its final placement
-    init_from_params: Callable[[ModelParams], Any]  # float32 host (NumPy) masters -> fresh state, placed
+    # float32 host (NumPy) masters, or units `Deferred` until placed -> fresh state, placed
+    init_from_params: Callable[[ModelParams], Any]
     step: Callable[[Any, jax.Array], tuple[Any, StepMetrics]]  # (state, batch) -> (state, metrics)
     eval_loss: Callable[[Any, jax.Array], jax.Array]  # (state, int32 (B, S+1)) -> float32 scalar
     put_batch: Callable[[np.ndarray], jax.Array]  # host (A, mb, S+1) -> sharded device array

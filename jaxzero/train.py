@@ -67,7 +67,7 @@ from jaxzero.checkpoint import (
 from jaxzero.config import ConfigError, TrainConfig, resolve_batch, validate
 from jaxzero.data import BatchIterator, Data, DataShard, DataState, build_data
 from jaxzero.decode import Generator, Sampling
-from jaxzero.interop import load_hf_into
+from jaxzero.interop import load_hf_by_unit
 from jaxzero.metrics import (
     MetricsLog,
     ProgressBar,
@@ -267,7 +267,8 @@ def start(
         print(f"jaxzero: resumed from {ckpt.directory / str(restored.step)}", file=console)
         return Start(state, restored.step + 1, batches, restored.step)
     if cfg.model.init_from:
-        state = trainer.init_from_params(load_hf_into(cfg.model, cfg.model.init_from))
+        # each unit read from the files as it is placed: host RAM holds one at a time
+        state = trainer.init_from_params(load_hf_by_unit(cfg.model, cfg.model.init_from))
         print(f"jaxzero: initialised from the Hugging Face checkpoint {cfg.model.init_from}", file=console)
         return Start(state, 1, data.train_iter(), None)
     return Start(trainer.init(jax.random.key(cfg.seed)), 1, data.train_iter(), None)

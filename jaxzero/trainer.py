@@ -338,7 +338,7 @@ def build_resident_trainer(cfg: TrainConfig, mesh: Mesh, plan: OffloadPlan | Non
         mesh=mesh,
         optimizer=tx,
         init=jax.jit(init_state, out_shardings=state_sharding),
-        init_from_params=lambda params: start_from(jax.device_put(params, state_sharding.params)),
+        init_from_params=lambda params: start_from(jax.device_put(resolved(params), state_sharding.params)),
         step=step,
         eval_loss=eval_loss,
         put_batch=partial(placement.put_train_batch, mesh=mesh),

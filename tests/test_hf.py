@@ -683,3 +683,39 @@ def test_sliding_windows() -> None:
                 TrainConfig(), model=windowed, data=dataclasses.replace(TrainConfig().data, seq_len=16)
             )
         )
+
+
+def test_an_import_reads_each_unit_when_the_trainer_places_it(jax_params: dict, tmp_path: Path) -> None:
+    """`load_hf_by_unit` checks every name and shape from the headers at once, then reads a unit's
+    tensors only when the offload trainer places it (one unit in host RAM at a time), in forward
+    order; the state equals one made from the whole masters, bit for bit."""
+    from jaxzero import placement
+    from jaxzero.config import TrainConfig
+    from jaxzero.interop import hf_io, load_hf_by_unit
+    from jaxzero.overrides import apply_overrides
+    from jaxzero.trainer import build_trainer
+
+    cfg, params = LLAMA, jax_params["llama"]
+    export_hf(params, cfg, tmp_path / "ckpt", dtype="float32")
+    opened: list[int] = []
+    open_weights = hf_io._open_weights
+    hf_io._open_weights = lambda ckpt: (opened.append(1), open_weights(ckpt))[1]
+    try:
+        lazy = load_hf_by_unit(cfg, tmp_path / "ckpt")
+        assert len(opened) == 1  # the headers, checked; no unit read yet
+        run = apply_overrides(
+            dataclasses.replace(TrainConfig(), model=cfg),
+            {
+                "offload.optimizer": "cpu",
+                "offload.params": "cpu",
+                "data.seq_len": "8",
+                "data.batch_size": "2",
+            },
+        )
+        trainer = build_trainer(run, placement.make_mesh(jax.devices()[:1]))
+        state = trainer.init_from_params(lazy)
+        assert len(opened) == 1 + cfg.num_layers + 2  # then each unit, once
+    finally:
+        hf_io._open_weights = open_weights
+    for a, b in zip(jax.tree.leaves(jax.device_get(state.params)), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(a, np.asarray(b))

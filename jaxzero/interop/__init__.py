@@ -4,6 +4,7 @@
     model = transformers.AutoModelForCausalLM.from_pretrained("out/")
     cfg, params = import_hf("some-hf-checkpoint/")  # float32 NumPy ModelParams
     params = load_hf_into(run_cfg, "some-hf-checkpoint/")  # same, checked against a run's config
+    params = load_hf_by_unit(run_cfg, "some-hf-checkpoint/")  # same, each unit read when placed
 
 `hf_names` maps each parameter to its HF tensor name and layout, `hf_config_map` translates config.json to
 and from ModelConfig, `hf_io` reads and writes checkpoint directories, and `safetensors` is the file
@@ -11,7 +12,7 @@ format (NumPy only; neither transformers nor the `safetensors` package is needed
 """
 
 from jaxzero.interop.hf_config_map import EXPORT_DTYPES, hf_config, model_config_from_hf
-from jaxzero.interop.hf_io import export_hf, import_hf, load_hf_into
+from jaxzero.interop.hf_io import export_hf, import_hf, load_hf_by_unit, load_hf_into
 from jaxzero.interop.hf_names import hf_tensor_names
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "hf_config",
     "hf_tensor_names",
     "import_hf",
+    "load_hf_by_unit",
     "load_hf_into",
     "model_config_from_hf",
 ]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ import jax
 import numpy as np
 
 from jaxzero.config import CheckpointError, ConfigError, ModelConfig
-from jaxzero.deferred import abstract, resolved
+from jaxzero.deferred import Deferred, abstract, resolved
 from jaxzero.interop.hf_config_map import CONFIG_NAME, EXPORT_DTYPES, hf_config, model_config_from_hf
 from jaxzero.interop.hf_names import (
     BASE_PREFIX,
@@ -250,6 +251,12 @@ def _open_weights(ckpt: Path) -> tuple[dict[str, SafetensorsReader], list[Safete
 
 def _read_params(cfg: ModelConfig, ckpt: Path) -> ModelParams:
     """float32 NumPy ModelParams of `cfg`'s shape from the safetensors of `ckpt`, unit by unit."""
+    return resolved(_params_by_unit(cfg, ckpt))
+
+
+def _params_by_unit(cfg: ModelConfig, ckpt: Path) -> ModelParams:
+    """`_read_params`, each unit a `Deferred` read when resolved (every name, shape and dtype checked
+    from the files' headers now, before any data is read)."""
     units = hf_units(cfg)
     where, readers = _open_weights(ckpt)
     try:
@@ -294,21 +301,36 @@ def _read_params(cfg: ModelConfig, ckpt: Path) -> ModelParams:
                 f"{cfg.hidden_size}, tie_embeddings={cfg.tie_embeddings}):\n  " + "\n  ".join(parts)
             )
 
-        trees: list[dict[str, Any]] = []
-        for unit in units:
+    finally:
+        for r in readers:
+            r.close()
+
+    def read(unit: HFUnit) -> tuple[dict[str, Any]]:  # one unit's tensors, its files opened for it
+        where, readers = _open_weights(ckpt)
+        try:
             tree: dict[str, Any] = {}
             for t in unit.tensors:
                 name = found[t.hf_name]
                 stored = where[name][name]  # a memory-mapped view: read as it is converted
                 # Always a fresh, writable float32 array that owns its memory, never a view of the file.
-                set_path(
-                    tree, t.path, np.array(stored.T if t.transpose else stored, dtype=np.float32, order="C")
-                )
-            trees.append(tree)
-    finally:
-        for r in readers:
-            r.close()
+                array = np.array(stored.T if t.transpose else stored, dtype=np.float32, order="C")
+                set_path(tree, t.path, array)
+            return (tree,)
+        finally:
+            for r in readers:
+                r.close()
+
+    shapes = [{} if not unit.tensors else _shapes_tree(unit) for unit in units]
+    trees = [Deferred(partial(read, unit), 0, shape) for unit, shape in zip(units, shapes)]
     return ModelParams(embed=trees[0], blocks=tuple(trees[1:-1]), head=trees[-1])
+
+
+def _shapes_tree(unit: HFUnit) -> dict[str, Any]:
+    """The unit's tree of float32 ShapeDtypeStructs, as `_params_by_unit` reads it."""
+    tree: dict[str, Any] = {}
+    for t in unit.tensors:
+        set_path(tree, t.path, jax.ShapeDtypeStruct(t.shape, np.float32))
+    return tree
 
 
 def import_hf(path: str | os.PathLike[str]) -> tuple[ModelConfig, ModelParams]:
@@ -359,6 +381,25 @@ def load_hf_into(
     run's own and are not compared.
     """
     ckpt = Path(path)
+    _check_hf_config(cfg, ckpt, check_numerics)
+    # `cfg` now equals the checkpoint's config in every field that shapes the tensors.
+    return _read_params(cfg, ckpt)
+
+
+def load_hf_by_unit(
+    cfg: ModelConfig, path: str | os.PathLike[str], *, check_numerics: bool = True
+) -> ModelParams:
+    """`load_hf_into`, each unit a `jaxzero.deferred.Deferred` read (as float32 NumPy) when resolved:
+    `Trainer.init_from_params` places each before the next is read, so host RAM holds one unit of the
+    checkpoint at a time. Every check is made now."""
+    ckpt = Path(path)
+    _check_hf_config(cfg, ckpt, check_numerics)
+    return _params_by_unit(cfg, ckpt)
+
+
+def _check_hf_config(cfg: ModelConfig, ckpt: Path, check_numerics: bool) -> None:
+    """Raise ConfigError naming every field in which the checkpoint's config differs from `cfg`
+    (see `load_hf_into`)."""
     hf = model_config_from_hf(ckpt)
     names = list(_SHAPE_FIELDS) + ["intermediate_size"]
     if cfg.family == "llama" and hf.family == "llama":
@@ -383,5 +424,3 @@ def load_hf_into(
             + "\n  ".join(bad)
             + f"\nUse a config of the checkpoint's shape (model_config_from_hf, or {overrides})."
         )
-    # `cfg` now equals the checkpoint's config in every field that shapes the tensors.
-    return _read_params(cfg, ckpt)

@@ -177,8 +177,10 @@ def build_offload_trainer(
             source, sources[i] = sources[i], None
             return source
 
-        def on_host(source: Any) -> Any:
-            rows = jax.tree.map(lambda x: np.array(np.asarray(x)[where.local_rows(np.shape(x))]), source)
+        def on_host(source: Any) -> Any:  # a deferred unit is read now
+            rows = jax.tree.map(
+                lambda x: np.array(np.asarray(x)[where.local_rows(np.shape(x))]), resolved(source)
+            )
             return jax.device_put(rows, where.host)
 
         return fresh_as_made(on_host(taken(u.position)) for u in plan.units)
