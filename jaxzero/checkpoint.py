@@ -307,8 +307,9 @@ class Checkpointer:
         )
         registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
         # Checksums as the save commits: part of the same atomic rename (see `write_checksums`).
-        checksums = partial(write_checksums, pool=self._pool)
-        state_handler = PartsHandler(in_flight_bytes(cfg), restore_batch, multiprocessing, checksums)
+        state_handler = PartsHandler(
+            in_flight_bytes(cfg), restore_batch, multiprocessing, self._write_checksums
+        )
         registry.add("state", PartsSave, state_handler)
         registry.add("state", PartsRestore, state_handler)
         self.manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
@@ -368,6 +369,10 @@ class Checkpointer:
 
     def _failure(self, step: int | None):
         return _WriteFailure(self, step)
+
+    def _write_checksums(self, step_dir: Path) -> None:
+        """`checksums.json` of the save being committed in `step_dir` (its temporary directory)."""
+        write_checksums(step_dir, self._pool)
 
     def _remove_partial_saves(self) -> None:
         """Remove the half-written step directories a failed save left (ours; never a committed one)."""

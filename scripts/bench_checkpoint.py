@@ -6,7 +6,7 @@ host-resident offload state.
 Builds the ZeRO-3 offload trainer (masters and AdamW state in host RAM), takes one step, then saves
 through `jaxzero.checkpoint.Checkpointer`, alternating saves with and without `checksums.json` (the
 checksum pass runs inside Orbax's commit, so "committed" includes it): "blocked" is the time `save`
-holds the training loop (the host snapshot), "committed" the time until the checkpoint is final;
+holds the training loop, "committed" the time until the checkpoint is final;
 throughput counts the bytes of masters + optimizer state. A blocking save
 (checkpoint.async_save=false) is timed too. Then restores the last checkpoint alternately with and
 without `checkpoint.verify`. Prints one JSON line per measurement and a table.
@@ -32,7 +32,7 @@ from jaxzero.trainer import build_trainer
 class WithoutChecksums(Checkpointer):
     """The same saves without their checksum pass, for the side-by-side cost."""
 
-    def _write_checksums(self) -> None:
+    def _write_checksums(self, step_dir) -> None:
         pass
 
 
@@ -80,7 +80,7 @@ def main() -> None:
         ckpt = (Checkpointer if checksums else WithoutChecksums)(args.dir, ck_cfg)
         meta = make_meta(i + 1, {"epoch": 0, "cursor": 0, "num_windows": 1}, cfg, trainer.layout, saved)
         t = time.perf_counter()
-        ckpt.save(i + 1, saved, meta)
+        ckpt.save(i + 1, saved, meta, trainer.fence)  # with the fence: asynchronous where configured
         blocked = time.perf_counter() - t
         ckpt.wait()  # host sync: until committed
         total = time.perf_counter() - t
