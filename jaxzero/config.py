@@ -607,7 +607,7 @@ def validate(cfg: TrainConfig, num_devices: int | None = None) -> None:
     need(
         math.isfinite(ck.buffer_gib) and ck.buffer_gib >= 1 / 64,
         f"checkpoint.buffer_gib={ck.buffer_gib} must be a finite number >= 0.015625 (16 MiB): the host RAM "
-        "a save or a restore keeps in flight to or from disk (default 2).",
+        "a save or a restore takes beyond one unit (default 2).",
     )
     for f in dataclasses.fields(cfg.machine):
         value = getattr(cfg.machine, f.name)
