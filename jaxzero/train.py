@@ -63,6 +63,7 @@ from jaxzero.checkpoint import (
     make_meta,
     saved_steps,
     state_bytes,
+    trim_host_heap,
 )
 from jaxzero.config import ConfigError, TrainConfig, resolve_batch, validate
 from jaxzero.data import BatchIterator, Data, DataShard, DataState, build_data
@@ -261,6 +262,7 @@ def start(
         restored = ckpt.restore_latest(trainer.abstract_saved_state(), trainer.layout, cfg, check_meta)
     if restored is not None:
         state = trainer.from_saved_state(restored.state)
+        trim_host_heap()  # the restore's read buffers, freed, go back to the kernel
         batches = data.train_iter(DataState.from_dict(restored.meta["data_state"]))
         if main_process:
             run_dir_lib.truncate_metrics(Path(cfg.run_dir) / METRICS_FILE, restored.step)
