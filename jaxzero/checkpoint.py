@@ -14,17 +14,18 @@ A checkpoint is one step directory under `<run_dir>/checkpoints/` holding two it
 The compute-dtype weights of the offload engine are not saved: they are a cast of the masters and
 are rebuilt on restore.
 
-Host RAM. A save writes one part at a time with Orbax's PyTree handler, at most
-`checkpoint.buffer_gib` of it in flight to disk at once (`save_concurrent_gb`); accelerator arrays
-are copied to host RAM one part at a time. A restore reads one part at a time, at most that much
-at once, and places each array where the target says. So a save or a restore takes at most the
-buffer plus one unit of host RAM beyond the state, whatever the model's size; nothing is copied
-whole first.
+Host RAM. A save writes one part at a time with Orbax's PyTree handler, at most half of
+`checkpoint.buffer_gib` (1 GiB at most) in flight to disk at once (`save_concurrent_gb`);
+accelerator arrays are copied to host RAM one part at a time. A restore reads one part at a time,
+at most the buffer at once, and places each array where the target says. So a save or a restore
+takes at most the buffer plus one unit of host RAM beyond the state, whatever the model's size;
+nothing is copied whole first.
 
 Saves run on a writer thread. With `checkpoint.async_save` (the default) `save` returns at once and
-training goes on: the arrays are written from where they live, so each unit's next in-place update
-first waits at the trainer's `WriteFence` until the writer has written that unit (units are written
-in the order the next step updates them). Otherwise `save` returns once the checkpoint is
+training goes on: the arrays are written from where they live, so before each unit's next in-place
+update the trainer passes its `WriteFence`: a unit the writer has not reached is copied into the
+rest of the buffer, or, with no room, the update waits until it is written (units are written in the
+order the next step updates them). Otherwise `save` returns once the checkpoint is
 committed. Saves are atomic either way (Orbax writes into a temporary directory and renames it
 when complete; a save killed half-way leaves no step directory behind).
 
@@ -159,8 +160,8 @@ class PartsRestore(ocp.args.CheckpointArgs):
 
 class PartsHandler(ocp.CheckpointHandler):
     """Orbax handler of the `state` item: each part an Orbax PyTree checkpoint in a directory of its
-    own, written and read one after another, `buffer` bytes at most in flight (see the module
-    docstring). Checkpoints of the earlier layout (one PyTree) are read whole."""
+    own, written and read one after another, `in_flight` bytes at most in flight to disk (see the
+    module docstring). Checkpoints of the earlier layout (one PyTree) are read whole."""
 
     def __init__(
         self,
@@ -172,13 +173,13 @@ class PartsHandler(ocp.CheckpointHandler):
         """`finalized(step_dir)`: called with the step's temporary directory once every item of a save
         is written, before Orbax commits it (on the primary process)."""
         self._finalized = finalized
-        self._buffer_gb = in_flight / 10**9  # Orbax's unit
+        self._in_flight_gb = in_flight / 10**9  # Orbax's unit
         self._restore_gb = None if restore_batch is None else restore_batch / 10**9
         self._multiprocessing = multiprocessing
 
     def _pytree(self) -> ocp.PyTreeCheckpointHandler:
         return ocp.PyTreeCheckpointHandler(
-            save_concurrent_gb=self._buffer_gb,
+            save_concurrent_gb=self._in_flight_gb,
             restore_concurrent_gb=self._restore_gb,
             multiprocessing_options=self._multiprocessing,
             # Uncompressed: training weights compress by under a tenth, and compressing took 2.3x the
@@ -323,7 +324,7 @@ class Checkpointer:
     ) -> None:
         """Save `state` ({"step", "params", "opt_state"}) and JSON `meta` as checkpoint `step`, from
         where its arrays live. With `checkpoint.async_save` and the `fence` of the trainer whose state
-        it is (`Trainer.fence`, at which its steps wait for each unit to be written), returns at once;
+        it is (`Trainer.fence`, which each step passes before changing a unit), returns at once;
         otherwise once the checkpoint is committed. Raises `CheckpointWriteError` before writing
         anything if the disk lacks the room for it, and for a failure of the previous save."""
         ensure_room(self.directory, state_bytes(state), f"checkpoint {step}")
@@ -339,7 +340,8 @@ class Checkpointer:
             self.wait()
 
     def _write(self, step: int, parts: list[Part], meta: dict[str, Any], fence: WriteFence) -> None:
-        """The writer thread's save of checkpoint `step`, then its checksums; the fence is open after."""
+        """The writer thread's save of checkpoint `step` (its checksums written as it commits); the
+        fence is open after, whatever happened."""
         try:
             with self._failure(step):
                 state = PartsSave(parts, fence.start, fence.written)

@@ -320,8 +320,7 @@ def _params_by_unit(cfg: ModelConfig, ckpt: Path) -> ModelParams:
             for r in readers:
                 r.close()
 
-    shapes = [{} if not unit.tensors else _shapes_tree(unit) for unit in units]
-    trees = [Deferred(partial(read, unit), 0, shape) for unit, shape in zip(units, shapes)]
+    trees = [Deferred(partial(read, unit), 0, _shapes_tree(unit)) for unit in units]
     return ModelParams(embed=trees[0], blocks=tuple(trees[1:-1]), head=trees[-1])
 
 

@@ -127,37 +127,21 @@ def build_offload_trainer(
         release((masters, opt_state))
         return HostUnit(OnDisk(u.position), OnDisk(u.position), weights)
 
-    def start(
-        masters: ModelParams, opt_state: ModelParams | None, started: dict[int, HostUnit] | None = None
-    ) -> ModelParams:
-        """Every unit as a `HostUnit` (`start_unit`), but those `started` has already (by position)."""
-        reserve_pool()
-        started = started or {}
-        states = _flat(opt_state) if opt_state is not None else [None] * len(plan.units)
-        units = [
-            started[u.position] if u.position in started else start_unit(u, m, o)
-            for u, m, o in zip(plan.units, _flat(masters), states)
-        ]
+    def start_as_made(made: Iterator[tuple[Any, Any]]) -> ModelParams:
+        """Every unit as a `HostUnit` (`start_unit`) from its (masters, optimizer state or None:
+        fresh), this process's blocks, made one at a time in forward order: a unit the accelerator or
+        the disk keeps goes there as soon as it is made, so that host RAM never holds every unit's
+        masters at once (the plan counts only the host units')."""
+        reserve_pool()  # before the first copy to the accelerator, which may stage in the pool
+        units = [start_unit(u, m, o) for u, (m, o) in zip(plan.units, made)]
         # Host units' weights are cast and placed in the background, all at once.
         return _unflat([u._replace(weights=_result(u.weights)) for u in units])
 
-    def fresh(masters: ModelParams, started: dict[int, HostUnit] | None = None) -> OffloadState:
+    def fresh_as_made(made: Iterator[Any]) -> OffloadState:
+        """A fresh state from each unit's masters, made one at a time (`start_as_made`)."""
         step = put(np.zeros((), np.int32), where.device) if fp16 else jax.device_put(np.int32(0), where.host)
         scale = new_loss_scale() if fp16 else None
-        return OffloadState.of_units(step, start(masters, None, started), scale)
-
-    def fresh_as_made(made: Iterator[Any]) -> OffloadState:
-        """A fresh state from each unit's masters (this process's block on the CPU backend), made one
-        at a time in forward order: a unit the accelerator or the disk keeps goes there as soon as it
-        is made, so that host RAM never holds every unit's masters at once (the plan counts only the
-        host units')."""
-        reserve_pool()  # before the first copy to the accelerator, which may stage in the pool
-        masters, started = [], {}
-        for u, m in zip(plan.units, made):
-            if u.state in (Tier.DEVICE, Tier.DISK):
-                started[u.position], m = start_unit(u, m), None
-            masters.append(m)
-        return fresh(_unflat(masters), started)
+        return OffloadState.of_units(step, start_as_made((m, None) for m in made), scale)
 
     def init(key: jax.Array) -> OffloadState:
         # Created on the host directly: the key moves to the CPU backend, never the state to the GPU.
@@ -326,22 +310,15 @@ def build_offload_trainer(
         if fp16:  # the step count and loss scale advance on the accelerator
             step = put(np.asarray(step), where.device)
             scale = jax.tree.map(lambda x: put(np.asarray(x), where.device), scale)
-        # Unit by unit in forward order, each read now if the restore deferred it: a unit the
-        # accelerator or the disk keeps goes there before the next is read, so host RAM never holds
-        # those units all at once.
         params, opt_state = _flat(saved["params"]), _flat(saved["opt_state"])
         del saved
-        masters, states, started = [], [], {}
-        for u in plan.units:
+
+        def taken(u: UnitPlan) -> tuple[Any, Any]:  # read now if the restore deferred it; not held here
             p, o = resolved((params[u.position], opt_state[u.position]))
             params[u.position] = opt_state[u.position] = None
-            if u.state is not Tier.DEVICE:  # the accelerator's units stay placed
-                p, o = local(p), local(o)
-            if u.state in (Tier.DEVICE, Tier.DISK):
-                started[u.position], p, o = start_unit(u, p, o), None, None
-            masters.append(p)
-            states.append(o)
-        units = start(_unflat(masters), _unflat(states), started)
+            return (p, o) if u.state is Tier.DEVICE else (local(p), local(o))  # the accelerator's placed
+
+        units = start_as_made(taken(u) for u in plan.units)
         return OffloadState.of_units(step, units, scale)
 
     def eval_loss(state: OffloadState, window: jax.Array) -> jax.Array:

@@ -144,7 +144,8 @@ class UpdatePipeline:
         self.policy = policy
         self.clock = clock
         self.disk = disk  # where the disk units' state is read from and written back to
-        # A checkpoint being written from the units' arrays: each unit's update waits until it is written.
+        # A checkpoint being written from the units' arrays: each unit's update passes it first (the unit
+        # written, or copied for the writer; else the update waits).
         self.fence = fence if fence is not None else WriteFence()
         self.two_pass = TwoPassCounter(policy.two_pass)
         # Units whose state is on the accelerator come first in forward order and are not the host's:

@@ -873,7 +873,7 @@ class Decision:
             lines.append(
                 f"  checkpoints     {_gib(size)} each, {_gib(count * size)} of disk under run_dir at most "
                 f"(checkpoint.keep={cfg.checkpoint.keep} and the next); a save or a restore adds "
-                f"{_gib(memory.checkpoint_bytes(cfg, 0, size) + _largest_unit_bytes(cfg))} of host RAM"
+                f"{_gib(memory.checkpoint_bytes(cfg, _largest_unit_bytes(cfg), size))} of host RAM"
             )
         flops = 8 * param_count(m) * tokens / p.step_s / mc.devices / 1e12
         lines += [
