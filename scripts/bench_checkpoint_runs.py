@@ -7,7 +7,12 @@ the writer. Each run is its own process, sampled every 0.2 s (`/proc/<pid>/statu
 A RUN is `name:override,override,...` applied to `--config` (default configs/llama-3.4b-offload.toml),
 e.g. `bf16-saves:optimizer.state_dtype=bfloat16,checkpoint.enabled=true,checkpoint.every=10,steps=30`.
 A name starting with `resume-` reuses the run directory of the name after it (`resume-fp32` resumes
-`fp32`). Run directories go under /tmp/jaxzero-bench, removed after each run unless a later one
+`fp32`); `resume-fp32@10` first removes that run's checkpoints after step 10, so that it resumes from
+10 (the disk may hold too few checkpoints to keep it with `checkpoint.keep`). `--nproc=N` starts each
+run through `python -m jaxzero.launch --nproc=N`; the peak RSS is then each process's (its
+`per_process` `host_rss_gib`, the kernel's high-water mark), and losses of the steps logged are printed
+so that a resumed run's can be compared with the run it resumes.
+Run directories go under /tmp/jaxzero-bench, removed after each run unless a later one
 resumes it; each run's stdout and stderr under --out. Prints a table last.
 """
 
@@ -40,10 +45,18 @@ def sample(proc: subprocess.Popen) -> tuple[int, float]:
     return peak, time.perf_counter() - start
 
 
+def per_process_peak(records: list[dict]) -> list[float] | None:
+    """Each process's peak RSS, GiB, from a several-process run's records; None for one process."""
+    rss = [r["per_process"]["host_rss_gib"] for r in records if "per_process" in r]
+    return [round(max(p[i] for p in rss), 1) for i in range(len(rss[0]))] if rss else None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--config", default="configs/llama-3.4b-offload.toml")
+    ap.add_argument("--nproc", type=int, default=1)
+    ap.add_argument("--keep_run_dirs", action="store_true", help="for a resume in a later call")
     ap.add_argument("runs", nargs="+")
     args = ap.parse_args()
     out = Path(args.out)
@@ -51,18 +64,30 @@ def main() -> None:
     rows = []
     for run in args.runs:
         name, _, overrides = run.partition(":")
+        name, _, resume_step = name.partition("@")
         run_dir = Path("/tmp/jaxzero-bench") / name.removeprefix("resume-")
-        cmd = [sys.executable, "-m", "jaxzero.train", f"--config={args.config}", f"--run_dir={run_dir}"]
+        if resume_step:  # this benchmark's own checkpoints, newer than the step to resume from
+            for newer in (run_dir / "checkpoints").glob("[0-9]*"):
+                if int(newer.name) > int(resume_step):
+                    shutil.rmtree(newer)
+        train = [sys.executable, "-m", "jaxzero.train"]
+        if args.nproc > 1:
+            train = [sys.executable, "-m", "jaxzero.launch", f"--nproc={args.nproc}", "--"]
+        cmd = [*train, f"--config={args.config}", f"--run_dir={run_dir}"]
         cmd += [f"--{o}" for o in overrides.split(",") if o]
+        metrics = run_dir / "metrics.jsonl"
+        before = len(metrics.read_text().splitlines()) if metrics.exists() else 0  # a resumed run appends
         with open(out / f"{name}.out", "w") as stdout, open(out / f"{name}.err", "w") as stderr:
             proc = subprocess.Popen(cmd, stdout=stdout, stderr=stderr)
             peak, wall = sample(proc)
         text = (out / f"{name}.out").read_text() + (out / f"{name}.err").read_text()
         plan = re.search(r"host RAM\s+([\d.]+) GiB of ([\d.]+) GiB", text)
         records = []
-        metrics = run_dir / "metrics.jsonl"
         if metrics.exists():
-            records = [json.loads(line) for line in metrics.read_text().splitlines()]
+            records = [json.loads(line) for line in metrics.read_text().splitlines()[before:]]
+            if resume_step:  # it rewrote the records after the step it resumed from
+                records = [json.loads(line) for line in metrics.read_text().splitlines()]
+                records = [r for r in records if r["step"] > int(resume_step)]
         timed = [r for r in records if r.get("step_s") is not None]
         step_s = sorted(r["step_s"] for r in timed)[len(timed) // 2] if timed else float("nan")
         tokens = [r["tokens_per_s"] for r in records if r.get("tokens_per_s")]
@@ -71,19 +96,22 @@ def main() -> None:
                 "run": name,
                 "exit": proc.returncode,
                 "wall_s": round(wall, 1),
-                "peak_rss_gib": round(peak / GiB, 1),
+                "peak_rss_gib": per_process_peak(records) or round(peak / GiB, 1),
                 "plan_host_gib": float(plan.group(1)) if plan else None,
                 "median_step_s": round(step_s, 3),
                 # over the run: equal windows of steps, so the harmonic mean of their rates
                 "tokens_per_s": round(len(tokens) / sum(1 / t for t in tokens)) if tokens else None,
                 "checkpoint_wait_s": round(sum(r.get("checkpoint_wait_s", 0) for r in records), 1),
                 "saved": sorted(int(p.name) for p in (run_dir / "checkpoints").glob("[0-9]*")),
-                "last_loss": records[-1]["loss"] if records else None,
+                "losses": {r["step"]: r["loss"] for r in records if r.get("loss") is not None},
             }
         )
         print(json.dumps(rows[-1]), flush=True)
-        resumed_next = any(r.partition(":")[0] == f"resume-{run_dir.name}" for r in args.runs)
-        if not resumed_next:  # the disk holds few checkpoints of this size: the next run needs room
+        resumed_next = any(
+            r.partition(":")[0].partition("@")[0] == f"resume-{run_dir.name}" for r in args.runs
+        )
+        # The disk holds few checkpoints of this size: the next run needs room.
+        if not (resumed_next or args.keep_run_dirs):
             shutil.rmtree(run_dir, ignore_errors=True)
     (out / "runs.json").write_text(json.dumps(rows, indent=1))
     keys = list(rows[0])
