@@ -462,6 +462,12 @@ def validate(cfg: TrainConfig, num_devices: int | None = None) -> None:
             "data.source=tokens needs data.path=DIR, a directory holding train.bin "
             "(nanoGPT format: a flat array of uint16 or uint32 token ids).",
         )
+    need(
+        d.source == "tokens" or not d.path,
+        f"data.path={d.path!r} is read only with data.source=tokens, but data.source={d.source}: the run "
+        f"would train on the {d.source} data, not on {d.path!r}. Add --data.source=tokens to train on "
+        "its train.bin, or drop data.path.",
+    )
     if num_devices is not None:
         need(
             d.micro_batch_size == 0,

@@ -255,6 +255,8 @@ def format_record(rec: dict[str, Any], device: str = "GPU") -> str:
         v = rec.get(key)
         if v is not None:
             parts.append(f"{label} {f.format(v)}")
+        elif key == "loss" and rec.get("loss_tokens") == 0:
+            parts.append("loss - (every target masked)")
     line = " | ".join(parts)
     if rec.get("step_s") is not None:  # the offload engine's breakdown, per step
         line += f"\n    step {rec['step_s']:.3f}s: " + " | ".join(

@@ -45,6 +45,19 @@ def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Sche
     return optax.join_schedules([ramp, after], [warmup])
 
 
+def warmup_warning(cfg: OptimizerConfig, steps: int, schedule_steps: int) -> str | None:
+    """A warning with the numbers when a run of `steps` steps ends before its warmup does (its peak
+    learning rate never applies), else None. `schedule_steps` is the schedule's length."""
+    if cfg.warmup_steps < steps:
+        return None
+    last = float(learning_rate_schedule(cfg, schedule_steps)(steps - 1))  # the last update's count
+    return (
+        f"optimizer.warmup_steps={cfg.warmup_steps} >= steps={steps}: the learning rate never reaches "
+        f"optimizer.lr={cfg.lr:g}; the last step's is {last:.3g} ({last / cfg.lr:.0%} of it). Lower "
+        f"optimizer.warmup_steps (e.g. --optimizer.warmup_steps={steps // 10}) or raise steps."
+    )
+
+
 def weight_decay_mask(params: ModelParams, decay_all: bool = False) -> ModelParams:
     """True where weight decay applies: matrices (ndim >= 2) in blocks and head; embeddings, norm
     scales and biases are excluded. With `decay_all` every leaf decays. Works on arrays or

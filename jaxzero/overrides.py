@@ -41,9 +41,14 @@ def _coerce(key: str, raw: Any, typ: Any) -> Any:
     origin = get_origin(typ)
     if origin is Literal:
         choices = get_args(typ)
-        if raw not in choices:
+        if raw in choices:
+            return raw
+        # Names are case-insensitive (optimizer.name=AdamW is adamw); stored as written in the choices.
+        folded = raw.lower() if isinstance(raw, str) else raw
+        same = [c for c in choices if isinstance(c, str) and c.lower() == folded]
+        if not same:
             raise ConfigError(f"{key}={raw!r} is not one of {list(choices)}.")
-        return raw
+        return same[0]
     if origin in (types.UnionType, typing.Union):
         raise TypeError(f"unsupported annotation for {key}: {typ}")  # no optional fields by design
     if typ is bool:

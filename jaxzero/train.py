@@ -79,6 +79,7 @@ from jaxzero.metrics import (
     peak_tflops,
 )
 from jaxzero.models.sizes import flops_per_token, param_count
+from jaxzero.optim import warmup_warning
 from jaxzero.overrides import Layered, help_text, layer, split_args
 from jaxzero.profiling import StepTrace
 from jaxzero.run_dir import CONFIG_FILE, METRICS_FILE, PROFILE_DIR, SUMMARY_FILE, TENSORBOARD_DIR, RunKind
@@ -377,7 +378,8 @@ class LogWindow:
         last = values[-1]
         record = {
             "step": step,
-            "loss": float(last.loss),
+            # null for a step whose every target is masked: its mean over no targets is no loss
+            "loss": float(last.loss) if int(counted[-1]) else None,
             "lr": float(last.lr),
             "grad_norm": float(last.grad_norm),
             # the last step's targets counted in its loss, and those marked not-a-target (prompts)
@@ -490,6 +492,9 @@ def train(cfg: TrainConfig, console: TextIO = sys.stdout) -> Path:
         cfg = resumed
     cfg = dataclasses.replace(cfg, run_dir=str(path))
     validate(cfg)
+    short_warmup = warmup_warning(cfg.optimizer, cfg.steps, cfg.schedule_steps)
+    if short_warmup:
+        notes.append(f"jaxzero: warning: {short_warmup}")
     # Checks the mesh and memory, and decides the offload keys left on auto; allocates and compiles
     # nothing. `cfg` stays as the user wrote it (config.json keeps "auto"); `trainer.config` is decided.
     trainer, decision = decide_and_build(cfg)

@@ -18,6 +18,12 @@ from jaxzero.overrides import apply_overrides, parse_args
             "data.batch_size=10 must be a positive multiple of",
         ),
         (["--data.source=tokens"], "data.source=tokens needs data.path=DIR"),
+        (
+            ["--data.path=/data/owt"],
+            "data.path='/data/owt' is read only with data.source=tokens, but data.source=builtin",
+        ),
+        (["--data.path=d", "--data.source=synthetic"], "Add --data.source=tokens to train on its train.bin"),
+        (["--optimizer.name=adamx"], "optimizer.name='adamx' is not one of ['adamw', 'adam', 'lion', 'sgd']"),
         (["--optimizer.lr=0"], "optimizer.lr=0.0 must be > 0"),
         (["--optimizer.b2=1.0"], "must be in [0, 1)"),
         (["--optimizer.grad_clip=-1"], "optimizer.grad_clip=-1.0 must be >= 0"),
@@ -68,3 +74,11 @@ def test_mesh_divisibility_checked_with_device_count():
     validate(cfg)
     with pytest.raises(ConfigError, match="4 devices of the data axis; e.g. data.batch_size=8"):
         validate(cfg, num_devices=4)
+
+
+@pytest.mark.parametrize("written, name", [("Adam", "adam"), ("ADAMW", "adamw"), ("Lion", "lion")])
+def test_choices_are_case_insensitive(written, name):
+    """DeepSpeed and PyTorch spell optimizers `Adam`, `AdamW`: a choice matches whatever its case, and
+    the config holds the canonical spelling (config.json, the resume guard)."""
+    assert parse_args([f"--optimizer.name={written}"]).optimizer.name == name
+    assert parse_args(["--model.compute_dtype=BFloat16"]).model.compute_dtype == "bfloat16"

@@ -6,9 +6,15 @@ import numpy as np
 import optax
 import pytest
 
-from jaxzero.config import ConfigError, TrainConfig
+from jaxzero.config import ConfigError, OptimizerConfig, TrainConfig
 from jaxzero.models import build_model
-from jaxzero.optim import build_optimizer, clip_by_norm, learning_rate_schedule, weight_decay_mask
+from jaxzero.optim import (
+    build_optimizer,
+    clip_by_norm,
+    learning_rate_schedule,
+    warmup_warning,
+    weight_decay_mask,
+)
 from jaxzero.overrides import apply_overrides
 
 FP32 = {"model.compute_dtype": "float32", "model.num_layers": "2", "data.seq_len": "32"}
@@ -66,3 +72,17 @@ def test_optimizer_names_build():
     with pytest.raises(ConfigError, match="optimizer.name=adam has no weight decay"):
         build_optimizer(cfg_with(optimizer__name="adam").optimizer, 10)
     build_optimizer(cfg_with(optimizer__name="adam", optimizer__weight_decay=0).optimizer, 10)
+
+
+def test_a_run_shorter_than_its_warmup_is_warned_with_the_numbers():
+    """steps=5 with the default 20 warmup steps never reaches the peak learning rate: the warning says
+    what the last step's rate is; a run past its warmup gets none."""
+    cfg = OptimizerConfig(lr=3e-3, warmup_steps=20)
+    text = warmup_warning(cfg, steps=5, schedule_steps=5)
+    assert text == (
+        "optimizer.warmup_steps=20 >= steps=5: the learning rate never reaches optimizer.lr=0.003; the "
+        "last step's is 0.0006 (20% of it). Lower optimizer.warmup_steps (e.g. "
+        "--optimizer.warmup_steps=0) or raise steps."
+    )
+    assert warmup_warning(cfg, steps=20, schedule_steps=20) is not None  # step 20 applies count 19
+    assert warmup_warning(cfg, steps=21, schedule_steps=21) is None

@@ -314,6 +314,41 @@ def test_fine_tuning_end_to_end_counts_the_completions_in_the_metrics(tmp_path):
     assert "val_loss" in recs[-1]
 
 
+def test_a_step_whose_every_target_is_masked_logs_no_loss(tmp_path):
+    """Long prompts, one-token completions and short windows: some steps count no target. Their record
+    holds `loss: null` (a mean over no targets is no loss, not 0.0) and the console says why."""
+    import io
+
+    from jaxzero import train as train_lib
+    from jaxzero.config import TrainConfig
+    from jaxzero.overrides import apply_overrides
+
+    records = [{"prompt": f"Q{i}: " + "x" * 60, "completion": "y"} for i in range(40)]
+    (tmp_path / "ft.jsonl").write_text("\n".join(json.dumps(r) for r in records))
+    prepare([str(tmp_path / "ft.jsonl")], tmp_path / "data", sft=True, val_docs=4, progress=False)
+    over = {
+        "steps": "8",
+        "data.source": "tokens",
+        "data.path": str(tmp_path / "data"),
+        "data.seq_len": "8",
+        "data.batch_size": "4",
+        "model.num_layers": "1",
+        "logging.log_every": "1",
+        "logging.progress": "false",
+        "logging.samples": "0",
+        "checkpoint.enabled": "false",
+        "run_dir": str(tmp_path / "run"),
+    }
+    console = io.StringIO()
+    path = train_lib.train(apply_overrides(TrainConfig(), over), console)
+    recs = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+    empty = [r for r in recs if r["loss_tokens"] == 0]
+    assert empty and len(empty) < len(recs), [r["loss_tokens"] for r in recs]
+    assert all(r["loss"] is None for r in empty)
+    assert all(isinstance(r["loss"], float) for r in recs if r["loss_tokens"])
+    assert f"step {empty[0]['step']} | loss - (every target masked) |" in console.getvalue()
+
+
 def test_loss_masks_that_do_not_match_their_token_files_are_refused(tmp_path):
     (tmp_path / "ft.jsonl").write_text(
         "\n".join(json.dumps({"prompt": "ab" * 9, "completion": "c"}) for _ in range(9))
