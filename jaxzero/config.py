@@ -243,6 +243,9 @@ class LoggingConfig:
     eval_every: int = 100  # 0 disables periodic validation; a final validation always runs
     eval_batches: int = 4  # batches of the validation loss
     progress: bool = True  # a one-line progress bar on stderr
+    # The placement plan at start: auto: one line when it is obvious (state on the devices, every
+    # memory at most half full), the planner's table otherwise; full: always the table.
+    plan: Literal["auto", "full"] = "auto"
     peak_tflops: float = 0.0  # accelerator peak for MFU; 0 = look up from the device kind
     # Continuations printed at the end of a run on the built-in corpus (from its last checkpoint), so
     # that a first run shows what the model learned; 0: none.

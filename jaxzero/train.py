@@ -519,7 +519,9 @@ def train(cfg: TrainConfig, console: TextIO = sys.stdout) -> Path:
         file=console,
     )
     if decision is not None:
-        print("\n".join(f"jaxzero: {line}" for line in decision.table().splitlines()), file=console)
+        full = cfg.logging.plan == "full" or not decision.obvious()
+        plan = decision.table() if full else f"{decision.line()} (--logging.plan=full: the planner's table)"
+        print("\n".join(f"jaxzero: {line}" for line in plan.splitlines()), file=console)
     for note in notes:
         print(note, file=console)
     abstract = trainer.abstract_saved_state()  # what a checkpoint of this run holds

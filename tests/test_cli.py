@@ -67,6 +67,9 @@ def test_trains_and_writes_run_dir(first_run):
     assert "val_loss" in recs[3] and "val_loss" in recs[-1] and "val_loss" not in recs[2]
     assert recs[-1]["loss"] < recs[0]["loss"] - 1.0, "loss must fall visibly"
     assert "step 30 | loss" in proc.stdout
+    # An obvious plan is one line, in the words of the device that runs.
+    assert "jaxzero: plan: resident (decided" in proc.stdout and "machine (" not in proc.stdout
+    assert "GPU" not in proc.stdout
 
 
 def test_same_seed_same_losses_and_offload_agrees(first_run):

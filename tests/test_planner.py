@@ -427,3 +427,22 @@ def test_a_refusal_leads_with_settings_that_fit_when_applied(over, box):
     usable = h200(*box).gpu_usable
     for needed in re.findall(r"needs ([\d.]+) GiB of GPU memory per device", text):
         assert float(needed) * GiB <= usable
+
+
+def test_an_obvious_plan_is_one_line_in_the_words_of_the_device_that_runs():
+    """The tiny default on a CPU backend: one line, no GPU words; the table on request says CPU too.
+    A GPU placement that offloads, or one that fills most of a memory, is not obvious."""
+    cpu = Machine(None, 22 * GiB, 10e9, 10e9, 42e9, 0.1e12, kind="CPU")
+    tiny = decide(apply_overrides(TrainConfig(), {}), cpu)
+    assert tiny.obvious()
+    assert re.fullmatch(
+        r"plan: resident \(decided offload.params=none, offload.optimizer=none\); [\d.]+ GiB of 20.9 GiB "
+        r"RAM; predicted [\d.]+ s per step, bound by CPU compute",
+        tiny.line(),
+    ), tiny.line()
+    table = tiny.table()
+    assert "GPU" not in table and "bottleneck: CPU compute" in table and "a CPU backend's" in table
+    assert decide(cfg(), h200(139)).obvious()  # resident, a third of the card
+    assert decide(cfg(), h200(80)).obvious() is False  # resident, but 60% of the card: worth a table
+    assert "GPU memory" in decide(cfg(), h200(139)).line()
+    assert decide(cfg(**ZERO3), h200(139)).obvious() is False  # the host updates: worth a table

@@ -807,6 +807,44 @@ class Decision:
     def bottleneck(self) -> str:
         return self.prediction.bottleneck
 
+    # A placement is obvious (a one-line plan at start) when everything stays on the devices and
+    # fills at most this share of each memory: a person reading it has nothing to decide.
+    OBVIOUS_FILL = 0.5
+
+    def obvious(self) -> bool:
+        """Whether one line says it all: resident state, no warning, every memory at most half full."""
+        if self.plan.host_update is not None or self.warning or self.memory.disk:
+            return False
+        fills = [self._ram_needed() / self.machine.host_usable]
+        if self.machine.gpu_bytes is not None:
+            fills.append((self.memory.accelerator_state + self.memory.activations) / self.machine.gpu_usable)
+        return max(fills) <= self.OBVIOUS_FILL
+
+    def _ram_needed(self) -> int:
+        """Host RAM of one process: on a GPU, the host state and the process; on a CPU backend, the
+        host and device state with their allowances and the activations."""
+        mc, need = self.machine, self.memory
+        if mc.gpu_bytes is not None:
+            return need.host + memory.GPU_PROCESS_RSS
+        local = mc.devices // mc.processes
+        return int(
+            need.host * memory.CPU_HOST_ALLOWANCE
+            + local * (need.accelerator_state * memory.CPU_STATE_ALLOWANCE + need.activations)
+        )
+
+    def line(self) -> str:
+        """The plan in one line: placement, the fullest memory, the predicted step."""
+        word = _device_word(self.machine)
+        chosen = f"decided {', '.join(self.decided)}" if self.decided else "as configured"
+        memories = [f"{_gib(self._ram_needed())} of {_gib(self.machine.host_usable)} RAM"]
+        if self.machine.gpu_bytes is not None:
+            gpu = self.memory.accelerator_state + self.memory.activations
+            memories.insert(0, f"{_gib(gpu)} of {_gib(self.machine.gpu_usable)} {word} memory")
+        return (
+            f"plan: {self.plan.mode} ({chosen}); {', '.join(memories)}; predicted "
+            f"{self.step_s:.3g} s per step, bound by {_in_words(self.bottleneck, word)}"
+        )
+
     def table(self) -> str:
         """What the planner chose and why, for a person: the units by tier, memory against capacity,
         the predicted step and its bottleneck, and the machine's figures with their sources."""
@@ -814,6 +852,7 @@ class Decision:
         m, d = cfg.model, cfg.data
         tokens = d.batch_size * d.seq_len
         accel = "GPU" if mc.gpu_bytes is not None else "CPU device"
+        word = _device_word(mc)
         where = f"{mc.devices} device{'s' * (mc.devices > 1)} in {mc.processes} process"
         where += "es" * (mc.processes > 1)
         chosen = f"decided {', '.join(self.decided)}" if self.decided else "as configured"
@@ -852,13 +891,9 @@ class Decision:
                 "left free)"
             )
         else:
-            local = mc.devices // mc.processes
-            ram = need.host * memory.CPU_HOST_ALLOWANCE + local * (
-                need.accelerator_state * memory.CPU_STATE_ALLOWANCE + need.activations
-            )
             lines.append(
-                f"  RAM             {_gib(int(ram))} of {_gib(mc.host_usable)} (CPU backend: host and device "
-                "state with XLA's and the checkpoint writer's buffers, and activations)"
+                f"  RAM             {_gib(self._ram_needed())} of {_gib(mc.host_usable)} (CPU backend: host "
+                "and device state with XLA's and the checkpoint writer's buffers, and activations)"
             )
         if need.disk:
             lines.append(
@@ -878,12 +913,12 @@ class Decision:
         flops = 8 * param_count(m) * tokens / p.step_s / mc.devices / 1e12
         lines += [
             f"predicted step: {p.step_s:.3g} s ({tokens / p.step_s:,.0f} tokens/s, {flops:.3g} TFLOP/s (8N) "
-            f"per device); bottleneck: {p.bottleneck}",
-            f"  GPU compute {p.gpu_s:.3g} s + host update before the forward {p.exposed_s:.3g} s, link "
+            f"per device); bottleneck: {_in_words(p.bottleneck, word)}",
+            f"  {word} compute {p.gpu_s:.3g} s + host update before the forward {p.exposed_s:.3g} s, link "
             f"{p.link_s:.3g} s, host update {p.host_s:.3g} s"
             + (f", disk {p.disk_s:.3g} s" if self.plan.disk_units else "")
             if self.plan.host_update is not None
-            else f"  GPU compute {p.gpu_s:.3g} s; nothing crosses the link or waits for the host",
+            else f"  {word} compute {p.gpu_s:.3g} s; nothing crosses the link or waits for the host",
         ]
         if self.warning:
             lines.append(f"  {self.warning}")
@@ -932,9 +967,31 @@ def _unit_runs(plan: OffloadPlan, accel: str) -> list[tuple[str, str]]:
     return out
 
 
+def _device_word(mc: Machine) -> str:
+    """What the plan calls the accelerator: a GPU, or a CPU backend's devices."""
+    return "GPU" if mc.gpu_bytes is not None else "CPU"
+
+
+def _in_words(bottleneck: str, word: str) -> str:
+    """The cost model's bottleneck name ("GPU compute", ...) for the device that runs."""
+    return bottleneck.replace("GPU", word)
+
+
 def _machine_rows(mc: Machine) -> list[str]:
     s = mc.sources
-    first = "GPU memory   " + (f"{_gib(mc.gpu_bytes)} per device" if mc.gpu_bytes is not None else "none")
+    if mc.gpu_bytes is None:  # no GPU words for a CPU backend
+        cpu = f"{mc.h2d / GB:.0f} GB/s between host and device memory, a copy in RAM"
+        return [
+            "devices      a CPU backend's: their arrays are in host RAM",
+            f"host RAM     {_gib(mc.host_bytes)} ({s.get('host_gib', '-')})",
+            f"CPU cores    {mc.cores} ({s.get('cores', '-')})",
+            f"copies       {cpu} ({s.get('h2d_gbps', '-')})",
+            f"host update  {mc.host_bw / GB:.0f} GB/s of host memory traffic ({s.get('host_gbps', '-')})",
+            f"compute      {mc.gpu_flops / 1e12:.3g} TFLOP/s (8N) per device ({s.get('gpu_tflops', '-')})",
+            f"local disk   {_gib(mc.disk_bytes)} free ({s.get('disk_gib', '-')}), "
+            f"{mc.disk_bw / GB:.1f} GB/s read and written together ({s.get('disk_gbps', '-')})",
+        ]
+    first = f"GPU memory   {_gib(mc.gpu_bytes)} per device"
     link = f"({s.get('h2d_gbps', '-')})"
     if s.get("h2d_gbps") != s.get("d2h_gbps"):
         link = f"({s.get('h2d_gbps', '-')}, back: {s.get('d2h_gbps', '-')})"
