@@ -27,6 +27,7 @@ one that fails on its own exits at once (`stop`), so that a launcher sees it and
 
 from __future__ import annotations
 
+import gc
 import inspect
 import os
 import sys
@@ -39,6 +40,7 @@ import jax
 # JAX has no public API for its coordination service's barriers and key-value store, which need no
 # backend and take a timeout; Orbax's multihost utilities use this same client.
 from jax._src import distributed as jax_distributed
+from jax.extend import backend as jax_backend
 
 from jaxzero.config import ConfigError
 
@@ -199,6 +201,11 @@ def stop(failed_with: int | None = None) -> None:
         sys.stderr.flush()
         os._exit(failed_with)
     try:
+        # The GPU client watches the other tasks through the coordination service: ended first (its
+        # arrays collected), its watch stops quietly, not with GRPC CANCELLED / UNAVAILABLE lines
+        # from every process as the service shuts down under it.
+        gc.collect()
+        jax_backend.clear_backends()
         jax.distributed.shutdown()
     except Exception as e:  # noqa: BLE001 - whatever the runtime raises, the exit status stands
         print(f"jaxzero: warning: jax.distributed did not shut down cleanly: {e}", file=sys.stderr)

@@ -64,6 +64,20 @@ _POLL_S = 0.1  # how often the launcher looks at its processes
 _PR_SET_PDEATHSIG = 1  # prctl(2): the signal a child gets when its parent dies
 
 
+# Gloo (the CPU backend's cross-process collectives) prints this to stdout from C++ for every process
+# as the first collective connects, where no setting reaches it: passed on only when a peer is missing.
+_GLOO_CONNECTED = re.compile(
+    r"\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. Expected number of "
+    r"connected peer ranks is : (\d+)"
+)
+
+
+def _says_nothing(line: str) -> bool:
+    """Whether `line` is third-party output that tells a user nothing (a complete Gloo connection)."""
+    gloo = _GLOO_CONNECTED.fullmatch(line.strip())
+    return gloo is not None and gloo.group(1) == gloo.group(2)
+
+
 class UsageError(ValueError):
     """The launcher's command line or the machine does not allow the launch; the message says why."""
 
@@ -317,8 +331,9 @@ class Launcher:
         for raw in iter(source.readline, b""):
             line = raw.decode(errors="replace").rstrip("\n")
             with self.lock:
-                sink.write(f"[{rank}] {line}\n")
-                sink.flush()
+                if not _says_nothing(line):  # still in the rank's log
+                    sink.write(f"[{rank}] {line}\n")
+                    sink.flush()
                 if log is not None:
                     log.write(raw if raw.endswith(b"\n") else raw + b"\n")
         source.close()

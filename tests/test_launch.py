@@ -132,6 +132,7 @@ def test_two_processes_train_as_one_through_a_preemption_and_a_resume(tmp_path: 
     out, _ = second.communicate(timeout=300)
     assert second.returncode == 0, out[-3000:]
     assert "[0] jaxzero: resumed from" in out and "[0] jaxzero: done: step 6" in out
+    assert "[Gloo]" not in out and "CANCELLED" not in out  # third-party lines that say nothing
     assert not [
         ln for ln in out.splitlines() if ln.startswith("[1] step") or ln.startswith("[1] jaxzero: done")
     ]
@@ -419,3 +420,10 @@ def test_a_checkpoint_unusable_on_one_process_is_skipped_by_every_process(tmp_pa
     assert sorted(p.name for p in (run / "checkpoints-unreadable").iterdir()) == ["2", "3"]
     assert sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == [3, 4, 5]
     assert [r["step"] for r in _records(run)] == list(range(1, 6))
+
+
+def test_only_third_party_lines_that_say_nothing_are_held_back() -> None:
+    connected = "[Gloo] Rank 1 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1"
+    assert launch._says_nothing(connected)
+    assert not launch._says_nothing(connected.replace("connected to 1", "connected to 0"))  # a peer missing
+    assert not launch._says_nothing("jaxzero: done: step 6")
