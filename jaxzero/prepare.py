@@ -43,7 +43,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import numpy as np
 
@@ -395,30 +395,45 @@ def _check_outputs(out: Path, recipe: Recipe, overwrite: bool) -> bool:
 
 
 class _Progress:
-    """One stderr line, rewritten at most twice a second."""
+    """Progress on stderr: on a terminal one line, rewritten at most twice a second and erased at the
+    end (the summary that follows says the same); in a log a line every `LOG_EVERY_S` seconds."""
 
-    def __init__(self) -> None:
+    LOG_EVERY_S = 30.0
+
+    def __init__(self, stream: TextIO = sys.stderr) -> None:
+        self.stream = stream
+        self.tty = stream.isatty()
         self.start = self.last = time.monotonic()
         self.docs = self.tokens = self.chars = 0
+        self.width = 0  # of the line on the terminal
 
     def add(self, items: list[Any], encoded: list[tuple[np.ndarray, Any]]) -> None:
         self.docs += len(items)
         self.chars += sum(len(t) if isinstance(t, str) else t.chars for t in items)
         self.tokens += sum(ids.size for ids, _ in encoded)
         now = time.monotonic()
-        if now - self.last >= 0.5:
+        if now - self.last >= (0.5 if self.tty else self.LOG_EVERY_S):
             self.last = now
-            self.show("\r")
+            self.show()
 
-    def show(self, lead: str) -> None:
+    def show(self) -> None:
         s = max(time.monotonic() - self.start, 1e-9)
-        print(
-            f"{lead}jaxzero.prepare: {self.docs:,} documents, {self.tokens:,} tokens "
-            f"({self.chars / s / 1e6:.1f} M characters/s)",
-            end="",
-            file=sys.stderr,
-            flush=True,
+        line = (
+            f"jaxzero.prepare: {self.docs:,} documents, {self.tokens:,} tokens "
+            f"({self.chars / s / 1e6:.1f} M characters/s)"
         )
+        if self.tty:
+            self.width = max(self.width, len(line))
+            self.stream.write(f"\r{line}")
+        else:
+            self.stream.write(f"{line}\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        """Erase the terminal's line, for the summary to take its place."""
+        if self.tty and self.width:
+            self.stream.write("\r" + " " * self.width + "\r")
+            self.stream.flush()
 
 
 def prepare(
@@ -553,8 +568,7 @@ def prepare(
         for t in temps.values():
             t.unlink(missing_ok=True)
         if shown:
-            shown.show("\r")
-            print(file=sys.stderr)
+            shown.close()
     return meta
 
 

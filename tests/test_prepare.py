@@ -3,6 +3,7 @@ Hugging Face tokenizer; reruns, refusals and errors naming the file and line."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from pathlib import Path
@@ -365,3 +366,32 @@ def test_loss_masks_that_do_not_match_their_token_files_are_refused(tmp_path):
     mask.unlink()
     with pytest.raises(DataError, match=r"holds val\.mask\.bin but no train\.mask\.bin"):
         load_token_files(tmp_path / "d", **kwargs)
+
+
+class _Stream(io.StringIO):
+    def __init__(self, tty: bool):
+        super().__init__()
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+@pytest.mark.parametrize("tty", [True, False])
+def test_progress_is_not_printed_twice(tty, monkeypatch):
+    """On a terminal the progress line is rewritten and erased at the end (the summary says the same);
+    in a log, a line every 30 s and nothing at the end."""
+    from jaxzero.prepare import _Progress
+
+    clock = iter([0.0, 1.0, 31.0, 32.0, 70.0])
+    monkeypatch.setattr("jaxzero.prepare.time.monotonic", lambda: next(clock))
+    stream = _Stream(tty)
+    shown = _Progress(stream)
+    for _ in range(2):
+        shown.add(["abc"], [(np.zeros(3), None)])
+    shown.close()
+    out = stream.getvalue()
+    if tty:
+        assert out.count("jaxzero.prepare: ") == 2 and out.endswith("\r") and "\n" not in out
+    else:
+        assert out == "jaxzero.prepare: 2 documents, 6 tokens (0.0 M characters/s)\n"
