@@ -8,9 +8,21 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
+# The test session's persistent compilation cache (conftest.py), shared with every program the tests
+# start: they compile the same tiny programs again and again. Numba's kernels are cached on disk by
+# jaxzero itself (`host_kernels._load`), for every process.
+COMPILATION_CACHE = {
+    "JAX_COMPILATION_CACHE_DIR": os.path.join(
+        os.environ.get("TMPDIR", "/tmp"), f"jaxzero-test-cache-{os.getuid()}"
+    ),
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+}
+
+
 def user_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # no fake devices: a plain run
-    env.update(PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", **extra)
+    env.update(PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", **COMPILATION_CACHE, **extra)
     return env
 
 
