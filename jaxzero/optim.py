@@ -50,7 +50,7 @@ def warmup_warning(cfg: OptimizerConfig, steps: int, schedule_steps: int) -> str
     learning rate never applies), else None. `schedule_steps` is the schedule's length."""
     if cfg.warmup_steps < steps:
         return None
-    last = float(learning_rate_schedule(cfg, schedule_steps)(steps - 1))  # the last update's count
+    last = float(learning_rate_schedule(cfg, schedule_steps)(jnp.asarray(steps - 1)))  # last update's count
     return (
         f"optimizer.warmup_steps={cfg.warmup_steps} >= steps={steps}: the learning rate never reaches "
         f"optimizer.lr={cfg.lr:g}; the last step's is {last:.3g} ({last / cfg.lr:.0%} of it). Lower "

@@ -86,3 +86,5 @@ def test_a_run_shorter_than_its_warmup_is_warned_with_the_numbers():
     )
     assert warmup_warning(cfg, steps=20, schedule_steps=20) is not None  # step 20 applies count 19
     assert warmup_warning(cfg, steps=21, schedule_steps=21) is None
+    log = OptimizerConfig(lr=1e-3, warmup_steps=10, warmup_type="log")  # DeepSpeed's log warmup
+    assert "the last step's is 0.000699 (70% of it)" in warmup_warning(log, steps=5, schedule_steps=5)
