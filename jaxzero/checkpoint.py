@@ -66,6 +66,7 @@ from absl import flags
 from etils import epath
 from jax.experimental import multihost_utils
 
+from jaxzero import export_dir
 from jaxzero.config import CheckpointConfig, CheckpointError, TrainConfig
 from jaxzero.deferred import Deferred, abstract, is_deferred, pair, resolved
 from jaxzero.models import ModelParams, build_model
@@ -78,7 +79,7 @@ CHECKSUMS_FILE = "checksums.json"
 CHECKSUM_PIECE = 64 << 20  # bytes per CRC-32: pieces of one file are summed in parallel
 TMP_MARKER = ".orbax-checkpoint-tmp"  # in the names of Orbax's half-written step directories
 TMP_SUFFIX = re.escape(TMP_MARKER) + r"[^/]*"  # of a temporary directory's name, to its end
-ORBAX_METADATA = "_CHECKPOINT_METADATA"  # in every directory Orbax's checkpointers commit
+ORBAX_STAGE = ".orbax-export"  # where an Orbax export is written, inside its directory, before moving up
 PYTREE_METADATA = "_METADATA"  # in every directory Orbax's PyTree handler writes
 IN_FLIGHT_MAX = 2**30  # bytes a save keeps in flight to disk at most (`in_flight_bytes`)
 SCALARS = "scalars"  # the part of the state that is not per unit: the step count, float16's loss scale
@@ -868,30 +869,44 @@ def read_meta(directory: str | Path, step: int) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {Path(directory) / str(step)} has unreadable metadata: {e}") from e
 
 
-def export_orbax(params: ModelParams, out: str | Path, dtype: str, *, overwrite: bool = False) -> Path:
+def export_orbax(
+    params: ModelParams,
+    out: str | Path,
+    dtype: str,
+    *,
+    overwrite: bool = False,
+    source: dict[str, Any] | None = None,
+) -> Path:
     """Save `params` cast to `dtype` as an Orbax checkpoint at `out`, casting one unit at a time.
-    `overwrite` replaces an existing Orbax checkpoint there; any other existing path is an error."""
+    `out` must be new, empty or an earlier jaxzero export (`jaxzero.export_dir`: `overwrite` replaces
+    a finished one; anything else is refused with or without it). Orbax writes into a directory of
+    its own inside `out`, whose entries then move up into `out`, beside the export's marker; `source`
+    (e.g. run_dir and step) is recorded in the marker."""
     out = Path(out).absolute()
-    if out.exists():
-        if not overwrite:
-            raise FileExistsError(
-                f"{out} exists; choose a new directory, or pass overwrite=True (--overwrite) to replace it."
-            )
-        if not (out / ORBAX_METADATA).is_file():
-            raise FileExistsError(
-                f"{out} is not an Orbax checkpoint (no {ORBAX_METADATA}), so it is not replaced; choose "
-                "a new directory."
-            )
     np_dtype = np.dtype(jax.numpy.dtype(dtype))
     cast = lambda tree: jax.tree.map(lambda x: np.asarray(x).astype(np_dtype), tree)  # noqa: E731
-    blocks = list(params.blocks)
-    for i in range(len(blocks)):  # replace each float32 block as it is cast (read now if deferred)
-        blocks[i] = cast(resolved(blocks[i]))
-    tree = ModelParams(cast(resolved(params.embed)), tuple(blocks), cast(resolved(params.head)))
-    checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(out, tree, force=overwrite)
-    checkpointer.wait_until_finished()  # host sync: committed before the process exits
-    checkpointer.close()
+    with export_dir.writing(
+        out, format="orbax", dtype=dtype, files=[ORBAX_STAGE], overwrite=overwrite, source=source
+    ) as export:  # refuses a directory holding anything but an earlier export, before writing
+        blocks = list(params.blocks)
+        for i in range(len(blocks)):  # replace each float32 block as it is cast (read now if deferred)
+            blocks[i] = cast(resolved(blocks[i]))
+        tree = ModelParams(cast(resolved(params.embed)), tuple(blocks), cast(resolved(params.head)))
+        checkpointer = ocp.StandardCheckpointer()
+        checkpointer.save(out / ORBAX_STAGE, tree)
+        checkpointer.wait_until_finished()  # host sync: committed before the process exits
+        checkpointer.close()
+        entries = sorted(p.name for p in (out / ORBAX_STAGE).iterdir())
+        clash = [e for e in entries if (out / e).exists() or (out / e).is_symlink()]
+        if clash:  # files put beside an earlier export by hand are never replaced
+            raise export_dir.ExportRefused(
+                f"{out} holds {clash}, which the export did not write and Orbax's checkpoint needs: remove "
+                "them yourself, or choose a new directory (--out)."
+            )
+        for e in entries:
+            os.replace(out / ORBAX_STAGE / e, out / e)
+        (out / ORBAX_STAGE).rmdir()
+        export.finish(entries)
     return out
 
 

@@ -7,14 +7,21 @@ checkpoint. No optimizer state is read or written. Only the master weights are r
 partial restore), as host NumPy arrays, and they are converted one unit (embedding, block, head) at
 a time, so the model is never held twice in RAM.
 
+`--out` must be new, empty, or an earlier export (the `.jaxzero-export` marker each export writes
+says which files are its own): `--overwrite` replaces a finished export, an unfinished one (a killed
+export) is replaced anyway, and a directory holding anything else is refused with or without it
+(`jaxzero.export_dir`). Refusals exit 2 and write nothing.
+
 To fine-tune from a Hugging Face checkpoint instead: `python -m jaxzero.train --model.name=hf:DIR`.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
+from jaxzero import export_dir
 from jaxzero.checkpoint import export_orbax, masters_by_unit
 from jaxzero.config import ConfigError
 from jaxzero.interop import export_hf
@@ -27,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--run_dir", required=True, help="a training run directory with checkpoints/")
-    ap.add_argument("--out", required=True, help="a new directory for the export")
+    ap.add_argument("--out", required=True, help="a new or empty directory, or an earlier export")
     ap.add_argument("--format", choices=("hf", "orbax"), default="hf")
     ap.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default="bfloat16")
     ap.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
@@ -35,11 +42,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--overwrite",
         action="store_true",
-        help="replace an earlier export in --out (hf: its config.json and weights; orbax: the checkpoint)",
+        help="replace a finished earlier export in --out (the files its .jaxzero-export lists, only those)",
     )
     args = ap.parse_args(argv)
     try:
+        earlier = export_dir.check(args.out, args.overwrite)  # a refusal comes before the checkpoint is read
+        if earlier.record is not None and not earlier.finished:
+            print(
+                f"jaxzero: {args.out} holds an unfinished export (killed midway): replacing it",
+                file=sys.stderr,
+            )
         cfg, params, step = masters_by_unit(args.run_dir, args.step)  # read one unit at a time
+        source = {"run_dir": os.path.abspath(args.run_dir), "step": step}
         if args.format == "hf":
             files = export_hf(
                 params,
@@ -48,17 +62,21 @@ def main(argv: list[str] | None = None) -> int:
                 dtype=args.dtype,
                 max_shard_bytes=int(args.max_shard_gb * 2**30),
                 overwrite=args.overwrite,
+                source=source,
             )
             print(
                 f"jaxzero: exported step {step} of {args.run_dir} as Hugging Face {args.dtype}: "
                 f"{', '.join(str(f) for f in files)}"
             )
         else:
-            out = export_orbax(params, args.out, args.dtype, overwrite=args.overwrite)
+            out = export_orbax(params, args.out, args.dtype, overwrite=args.overwrite, source=source)
             print(f"jaxzero: exported step {step} of {args.run_dir} as Orbax {args.dtype}: {out}")
     except (ConfigError, FileExistsError) as e:
         print(f"jaxzero: export error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # the disk (full, not writable): one line; the export removed what it wrote
+        print(f"jaxzero: export failed: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -237,8 +237,10 @@ def split_args(argv: list[str]) -> Arguments:
 
 def layer(base: TrainConfig, args: Arguments) -> Layered:
     """`base` with a preset's overrides, then a DeepSpeed config's, then the command line's, applied
-    (unvalidated). A CLI `model.name` replaces the preset's whole model section before the DeepSpeed
-    config (which may set its compute dtype) and the CLI's other keys apply."""
+    (unvalidated, but for the values the DeepSpeed config set: one jaxzero refuses is refused here in
+    the file's own keys, `deepspeed.check`). A CLI `model.name` replaces the preset's whole model
+    section before the DeepSpeed config (which may set its compute dtype) and the CLI's other keys
+    apply."""
     cfg = apply_overrides(base, args.preset)
     cli = dict(args.cli)
     if "model.name" in cli:
@@ -249,7 +251,10 @@ def layer(base: TrainConfig, args: Arguments) -> Layered:
         translation = deepspeed.translate(args.deepspeed, apply_overrides(cfg, cli), source)
         check_overrides(translation.overrides, source)
         cfg = apply_overrides(cfg, translation.overrides)
-    return Layered(apply_overrides(cfg, cli), translation)
+    cfg = apply_overrides(cfg, cli)
+    if translation is not None:
+        deepspeed.check(translation, cfg)
+    return Layered(cfg, translation)
 
 
 def parse_args(argv: list[str]) -> TrainConfig:

@@ -209,8 +209,9 @@ class Trainer:
     ) -> Path:
         """Write the state's weights for inference: `format="hf"` a transformers checkpoint
         (`config.json` + safetensors), `"orbax"` the parameters alone; `dtype` bfloat16, float32 or
-        float16. `overwrite` replaces an earlier export in `out_dir` (else FileExistsError). Returns
-        `out_dir`. The state is not consumed."""
+        float16. `out_dir` must be new, empty or an earlier export (`jaxzero.export_dir`): `overwrite`
+        replaces a finished one, and anything else is refused (FileExistsError) with or without it.
+        Returns `out_dir`. The state is not consumed."""
         ensure_live(state)
         if format not in ("hf", "orbax"):
             raise ValueError(f"format={format!r} is not one of 'hf', 'orbax'.")

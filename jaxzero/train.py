@@ -51,7 +51,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxzero import distributed, objective
+from jaxzero import deepspeed, distributed, objective
 from jaxzero import run_dir as run_dir_lib
 from jaxzero.checkpoint import (
     CHECKPOINT_DIR,
@@ -465,9 +465,12 @@ class LogWindow:
         self.file.close()
 
 
-def train(cfg: TrainConfig, console: TextIO = sys.stdout) -> Path:
+def train(
+    cfg: TrainConfig, console: TextIO = sys.stdout, translation: deepspeed.Translation | None = None
+) -> Path:
     """Run training as configured; returns the (absolute) run directory. Raises ConfigError,
-    TrainingError, CheckpointWriteError or Preempted.
+    TrainingError, CheckpointWriteError or Preempted. `translation`: the DeepSpeed file `cfg` was
+    built with, whose batch keys are then refused in its own words for the devices found.
 
     Nothing is written until the config is validated, the run directory inspected, the data checked,
     the memory planned and the state initialised or restored; `config.json` is then written atomically."""
@@ -497,7 +500,12 @@ def train(cfg: TrainConfig, console: TextIO = sys.stdout) -> Path:
         notes.append(f"jaxzero: warning: {short_warmup}")
     # Checks the mesh and memory, and decides the offload keys left on auto; allocates and compiles
     # nothing. `cfg` stays as the user wrote it (config.json keeps "auto"); `trainer.config` is decided.
-    trainer, decision = decide_and_build(cfg)
+    try:
+        trainer, decision = decide_and_build(cfg)
+    except ConfigError:
+        if translation is not None:  # the DeepSpeed file's batch keys for these GPUs, in its words
+            deepspeed.check(translation, cfg, jax.device_count())
+        raise
     cfg = resolve_batch(cfg, jax.device_count())  # DeepSpeed's batch rule, now that the devices are known
     if run.kind is RunKind.RESUME:
         run_dir_lib.check_resume(cfg, run.saved, path)  # the batch sizes, resolved
@@ -729,7 +737,7 @@ def main(argv: list[str] | None = None) -> int:
         if not jax.distributed.is_initialized():  # one process: SIGTERM and Ctrl-C set a flag per step
             restore_handlers = install_stop_handlers()
         # Process 0 prints the run's progress and metrics; every process prints its errors (stderr).
-        train(cfg, sys.stdout if processes is None or processes.index == 0 else _Discard())
+        train(cfg, sys.stdout if processes is None or processes.index == 0 else _Discard(), layered.deepspeed)
     except ConfigError as e:
         code = _fail("config error", e, EXIT_CONFIG)
     except TrainingError as e:

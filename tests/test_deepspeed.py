@@ -181,7 +181,7 @@ def test_batch_rule_broken_is_refused_with_the_arithmetic():
     cfg = _with_data({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4})
     with pytest.raises(ConfigError, match=r"30 / 16 is not a whole number.*e\.g\. 32"):
         resolve_batch(cfg, 4)
-    with pytest.raises(ConfigError, match="gradient_accumulation_steps: given without"):
+    with pytest.raises(ConfigError, match="gradient_accumulation_steps: 4 is given without"):
         translate({"gradient_accumulation_steps": 4})
 
 
@@ -346,3 +346,224 @@ def test_batch_keys_validated_before_the_devices_are_known():
     with pytest.raises(ConfigError, match="resolve_batch"):
         validate(unresolved, num_devices=4)
     assert resolve_batch(cfg, 4) is cfg  # nothing to derive: the config as it is
+
+
+# ---------------------------------------------------------------------------------------------------
+# Refusals of the file's values in the file's words: its path, its keys and values, the arithmetic
+# ---------------------------------------------------------------------------------------------------
+
+
+def refusal(tmp_path: Path, ds: dict, *argv: str) -> str:
+    """The one-line refusal of `--deepspeed=FILE` holding `ds` (FILE's path at its start, checked)."""
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(ds))
+    with pytest.raises(ConfigError) as e:
+        configure(f"--deepspeed={path}", *argv)
+    message = str(e.value)
+    assert message.startswith(f"--deepspeed={path}: ") and "\n" not in message, message
+    return message[len(f"--deepspeed={path}: ") :]
+
+
+@pytest.mark.parametrize(
+    "ds, says",
+    [
+        (
+            {TB: 1, GAS: 4},
+            "train_batch_size=1 must equal train_micro_batch_size_per_gpu x gradient_accumulation_steps=4 x "
+            "GPUs, so train_micro_batch_size_per_gpu = 1 / (4 x GPUs) is not a whole number on any number of "
+            "GPUs: make train_batch_size a multiple of 4 (e.g. 4), or change gradient_accumulation_steps.",
+        ),
+        (
+            {TB: 10, MB: 2, GAS: 2},
+            "train_batch_size=10 must equal train_micro_batch_size_per_gpu=2 x gradient_accumulation_steps=2 "
+            "x GPUs = 4 x GPUs, and 10 is not a multiple of 4",
+        ),
+        (
+            {TB: 30, MB: 4},
+            "train_batch_size=30 must equal train_micro_batch_size_per_gpu=4 x gradient_accumulation_steps x "
+            "GPUs, so gradient_accumulation_steps = 30 / (4 x GPUs) is not a whole number",
+        ),
+        ({"optimizer": {"type": "AdamW", "params": {"lr": -1}}}, "optimizer.params.lr=-1 must be > 0."),
+        ({"optimizer": {"type": "AdamW", "params": {"lr": float("inf")}}}, "lr=Infinity must be a finite"),
+        (
+            {"optimizer": {"type": "Adam", "params": {"betas": [0.9, 1.5]}}},
+            "optimizer.params.betas=[0.9, 1.5] must hold betas in [0, 1).",
+        ),
+        ({"optimizer": {"type": "Adam", "params": {"eps": 0}}}, "optimizer.params.eps=0 must be > 0"),
+        (
+            {"optimizer": {"type": "AdamW", "params": {"weight_decay": -0.1}}},
+            "weight_decay=-0.1 must be >= 0.",
+        ),
+        ({"optimizer": {"type": "SGD", "params": {"momentum": 1}}}, "momentum=1 must be in [0, 1)."),
+        (
+            {"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 0}}},
+            "scheduler.params.warmup_max_lr=0 must be > 0.",
+        ),
+        (
+            {"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 9, "cos_min_ratio": 2}}},
+            "scheduler.params.cos_min_ratio=2 must be in [0, 1]",
+        ),
+        (
+            {
+                "scheduler": {
+                    "type": "WarmupCosineLR",
+                    "params": {"total_num_steps": 9, "warmup_min_ratio": -1},
+                }
+            },
+            "scheduler.params.warmup_min_ratio=-1 must be in [0, 1]",
+        ),
+        (
+            {"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 0}}},
+            'scheduler.params.total_num_steps: 0 must be >= 1 ("auto": the run\'s steps).',
+        ),
+        (
+            {"fp16": {"enabled": True, "initial_scale_power": 70}},
+            "fp16.initial_scale_power=70 must be in [0, 64]",
+        ),
+        (
+            {"fp16": {"enabled": True, "initial_scale_power": 2, "min_loss_scale": 16}},
+            "fp16.initial_scale_power=2 starts the loss scale at 2**2 = 4, below fp16.min_loss_scale=16: "
+            "raise initial_scale_power to at least 4, or lower min_loss_scale.",
+        ),
+        ({"fp16": {"enabled": True, "hysteresis": 0}}, "fp16.hysteresis=0 must be >= 1."),
+        ({"fp16": {"enabled": True, "loss_scale_window": 0}}, "fp16.loss_scale_window=0 must be >= 1."),
+        ({"fp16": {"enabled": True, "min_loss_scale": 0}}, "fp16.min_loss_scale=0 must be > 0."),
+        (
+            {"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}},
+            "fp16.fp16_master_weights_and_grads: true: jaxzero's masters are float32",
+        ),
+        (
+            {"fp16": {"enabled": True}, "bf16": {"enabled": True}},
+            "fp16.enabled: true, and bf16.enabled is true: fp16 and bf16 are both enabled",
+        ),
+        (
+            {"optimizer": {"type": "Adam", "params": {"amsgrad": True}}},
+            "optimizer.params.amsgrad: true: AMSGrad is not offered; set it false.",
+        ),
+        (
+            {"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}},
+            'zero_optimization.offload_optimizer.device="cpu" needs ZeRO stage 1, 2 or 3 (as in DeepSpeed: '
+            "the offloaded state is one shard per GPU), but zero_optimization.stage=0.",
+        ),
+        (
+            {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.01}}},
+            "zero_optimization.offload_optimizer.ratio=0.01 keeps round((1 - ratio) x 6 units) = 6 units' "
+            "optimizer state on the GPU: all of the model's units (embedding, 4 blocks, head)",
+        ),
+        (
+            {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "ratio": 0.5}}},
+            'zero_optimization.offload_optimizer.ratio: 0.5 applies with device "cpu" only; '
+            'offload_optimizer.device is "nvme".',
+        ),
+        (
+            {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},
+            'zero_optimization.offload_param: device "cpu" without offload_optimizer',
+        ),
+        (
+            {
+                "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}},
+                "fp16": {"enabled": True},
+            },
+            'zero_optimization.offload_optimizer.device="nvme" needs the fused host update, which updates '
+            "the state read from disk in place, but with fp16.enabled=true the update is optax's on XLA:CPU.",
+        ),
+        (
+            {"zero_optimization": {"stage": 2}, "activation_checkpointing": {"cpu_checkpointing": True}},
+            "activation_checkpointing.cpu_checkpointing=true needs the offload engine, which keeps block "
+            "inputs in host memory while the optimizer state is offloaded, but "
+            "zero_optimization.offload_optimizer (left out).",
+        ),
+        (
+            {"activation_checkpointing": {"cpu_checkpointing": True}},
+            "activation_checkpointing.cpu_checkpointing=true needs the offload engine, which keeps block "
+            "inputs in host memory while the optimizer state is offloaded, but zero_optimization (left out). "
+            'Add zero_optimization.offload_optimizer with device "cpu", or set cpu_checkpointing false.',
+        ),
+    ],
+)
+def test_a_refusal_of_the_files_value_names_its_keys_and_values(tmp_path, ds, says):
+    message = refusal(tmp_path, ds)
+    assert says in message, message
+    jaxzero_keys = [k for k in ("data.", "optimizer.lr=", "offload.", "parallel.", "model.") if k in message]
+    assert not jaxzero_keys, f"{message} names jaxzero's keys {jaxzero_keys}"
+
+
+def test_a_value_the_command_line_changed_is_named_as_jaxzeros(tmp_path):
+    # The file's own value, changed on the command line: nothing of the file to refuse.
+    configure(*_file(tmp_path, {"optimizer": {"type": "AdamW", "params": {"lr": -1}}}), "--optimizer.lr=1e-4")
+    # A combination of the file's value and the command line's names each as its source writes it.
+    message = refusal(
+        tmp_path,
+        {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+        "--parallel.zero_stage=0",
+    )
+    assert 'zero_optimization.offload_optimizer.device="cpu" needs ZeRO stage 1, 2 or 3' in message
+    assert "but parallel.zero_stage=0." in message
+    message = refusal(tmp_path, {TB: 8, GAS: 2}, "--data.grad_accum=3")
+    assert message.startswith(
+        "train_batch_size=8 must equal train_micro_batch_size_per_gpu x data.grad_accum=3"
+    )
+    # A refusal of the command line's values alone stays jaxzero's.
+    with pytest.raises(ConfigError, match=r"^optimizer\.lr=-1\.0 must be > 0\.$"):
+        configure(*_file(tmp_path, {"zero_optimization": {"stage": 2}}), "--optimizer.lr=-1")
+
+
+def test_other_refusals_of_the_files_keys_carry_them(tmp_path):
+    """A rule not phrased in DeepSpeed's words still names the file's keys that it read."""
+    message = refusal(tmp_path, {"zero_optimization": {"stage": 2}}, "--offload.resident_blocks=1")
+    assert message == (
+        "offload.resident_blocks only applies with offload.params=cpu (got offload.params=none). (from the "
+        "file: zero_optimization.offload_param (left out) as offload.params)"
+    )
+
+
+def _file(tmp_path: Path, ds: dict) -> list[str]:
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(ds))
+    return [f"--deepspeed={path}"]
+
+
+@pytest.mark.parametrize(
+    "ds, says",
+    [
+        (
+            {TB: 6, MB: 1, GAS: 2, "zero_optimization": {"stage": 0}},
+            "train_batch_size=6 must equal train_micro_batch_size_per_gpu=1 x gradient_accumulation_steps=2 "
+            "x 4 GPUs = 8: change one of them (on 4 GPUs, train_batch_size=8), or leave one out to have it "
+            "derived.",
+        ),
+        (
+            {TB: 8, GAS: 4, "zero_optimization": {"stage": 0}},
+            "train_batch_size=8 must equal train_micro_batch_size_per_gpu x gradient_accumulation_steps=4 x "
+            "4 GPUs, so train_micro_batch_size_per_gpu = 8 / (4 x 4 GPUs) = 8 / 16 is not a whole number: "
+            "make train_batch_size a multiple of 16 (e.g. 16), or change gradient_accumulation_steps.",
+        ),
+        (
+            {TB: 12, MB: 2, "zero_optimization": {"stage": 0}},
+            "so gradient_accumulation_steps = 12 / (2 x 4 GPUs) = 12 / 8 is not a whole number: make "
+            "train_batch_size a multiple of 8 (e.g. 16), or change train_micro_batch_size_per_gpu.",
+        ),
+    ],
+)
+def test_the_batch_rule_for_the_gpus_found_in_the_files_words(tmp_path, capsys, ds, says):
+    """Consistent for some GPU count, refused for the 4 devices the tests run on: `python -m
+    jaxzero.train` in-process, exit 2, nothing written."""
+    from jaxzero import train as train_lib  # the program: imported by its test only
+
+    run_dir = tmp_path / "run"
+    code = train_lib.main([*_file(tmp_path, ds), f"--run_dir={run_dir}", "--data.seq_len=16"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert f"jaxzero: config error: --deepspeed={tmp_path / 'ds_config.json'}: " in err and says in err, err
+    assert not run_dir.exists()
+
+
+def test_the_planner_refuses_the_batch_in_the_files_words(tmp_path, capsys):
+    from jaxzero.plan.__main__ import main as plan_main  # the program: imported by its test only
+
+    ds = {TB: 6, MB: 1, GAS: 2, "zero_optimization": {"stage": 0}}
+    assert plan_main([*_file(tmp_path, ds), "--machine.gpu_gib=80", "--machine.host_gib=64"]) == 2
+    assert (
+        "train_batch_size=6 must equal train_micro_batch_size_per_gpu=1 x gradient_accumulation_steps=2 x 1 "
+        "GPU = 2" in capsys.readouterr().err
+    )

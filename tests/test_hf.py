@@ -532,7 +532,11 @@ def test_sharded_export(jax_params: dict, tmp_path: Path) -> None:
     with pytest.raises(FileExistsError, match="pass overwrite=True"):
         export_hf(params, cfg, tmp_path / "ckpt")
     export_hf(params, cfg, tmp_path / "ckpt", overwrite=True)
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        ".jaxzero-export",  # the export's marker (jaxzero.export_dir)
+        "config.json",
+        "model.safetensors",
+    ]
 
 
 def test_hf_config_round_trip() -> None:

@@ -118,7 +118,7 @@ def test_export_writes_what_import_reads_back_and_replaces_only_when_asked(tmp_p
     trainer.export(state, tmp_path / "orbax", format="orbax", overwrite=True)
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("mine")
-    with pytest.raises(FileExistsError, match="is not an Orbax checkpoint"):
+    with pytest.raises(FileExistsError, match="is not a jaxzero export"):
         trainer.export(state, tmp_path / "mine", format="orbax", overwrite=True)
     assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["notes.txt"]
 

@@ -183,6 +183,8 @@ def _read_config_json(path: Path) -> dict[str, Any]:
         d = json.loads(file.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ConfigError(f"{file} is not valid JSON: {e}") from e
+    except OSError as e:
+        raise ConfigError(f"{file} cannot be read ({e.strerror or e}): check its permissions.") from e
     if not isinstance(d, dict):
         raise ConfigError(f"{file} holds a JSON {type(d).__name__}, expected an object.")
     return d

@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxzero import export_dir
 from jaxzero.config import CheckpointError, ConfigError, ModelConfig
 from jaxzero.deferred import Deferred, abstract, resolved
 from jaxzero.interop.hf_config_map import CONFIG_NAME, EXPORT_DTYPES, hf_config, model_config_from_hf
@@ -33,12 +34,11 @@ from jaxzero.interop.hf_names import (
     set_path,
     unit_trees,
 )
-from jaxzero.interop.safetensors import SafetensorsReader, SafetensorsWriter, TensorSpec
+from jaxzero.interop.safetensors import SafetensorsError, SafetensorsReader, SafetensorsWriter, TensorSpec
 from jaxzero.models import ModelParams
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
-_SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 
 # Stored dtypes import reads (and converts to float32); integer or float8 tensors mean a quantized
 # checkpoint whose scales jaxzero does not model.
@@ -78,16 +78,6 @@ def _check_params(params: ModelParams, cfg: ModelConfig, units: list[HFUnit]) ->
         )
 
 
-def _existing_outputs(out: Path) -> list[Path]:
-    if not out.is_dir():
-        return []
-    return sorted(
-        p
-        for p in out.iterdir()
-        if p.name in (CONFIG_NAME, WEIGHTS_NAME, INDEX_NAME) or _SHARD_RE.match(p.name)
-    )
-
-
 def _write_json(path: Path, obj: Any) -> None:
     tmp = path.with_name(path.name + ".partial")
     tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
@@ -102,6 +92,7 @@ def export_hf(
     max_shard_bytes: int = 5 * 2**30,
     *,
     overwrite: bool = False,
+    source: dict[str, Any] | None = None,
 ) -> list[Path]:
     """Write `params` as a transformers checkpoint in `out_dir`; returns the written paths.
 
@@ -113,12 +104,14 @@ def export_hf(
     max_shard_bytes: if the tensors total more than this, they are split into
         `model-0000i-of-0000N.safetensors` files of at most this size (a single larger tensor gets a
         shard of its own) plus `model.safetensors.index.json`; otherwise one `model.safetensors`.
-    overwrite: replace an existing checkpoint in `out_dir` (its config.json, model*.safetensors and
-        index are deleted first, so no stale shard survives); without it, existing files are an error.
+    overwrite: replace an earlier export in `out_dir` (the files its marker lists are deleted first,
+        so no stale shard survives). `out_dir` must be new, empty or an earlier jaxzero export; anything
+        else is refused (`jaxzero.export_dir.ExportRefused`, a FileExistsError) with or without it.
+    source: what is exported (e.g. {"run_dir": ..., "step": ...}), recorded in the export's marker.
 
-    Returns [config.json, weight file(s)..., index (when sharded)]. The files are written unit by unit:
-    the host holds one unit in the target dtype at a time besides `params` itself. If anything fails,
-    the files this call wrote are removed.
+    Returns [config.json, weight file(s)..., index (when sharded)]; the directory also holds the marker
+    `.jaxzero-export`. The files are written unit by unit: the host holds one unit in the target dtype
+    at a time besides `params` itself. If anything fails, the files this call wrote are removed.
     """
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"dtype={dtype!r} is not one of {list(EXPORT_DTYPES)}.")
@@ -128,17 +121,6 @@ def export_hf(
     units = hf_units(cfg)
     _check_params(abstract(params), cfg, units)
     config = hf_config(cfg, dtype)
-
-    out = Path(out_dir)
-    existing = _existing_outputs(out)
-    if existing and not overwrite:
-        raise FileExistsError(
-            f"{out} already holds a checkpoint ({', '.join(p.name for p in existing)}); "
-            "pass overwrite=True (--overwrite) to replace it, or choose another directory."
-        )
-    out.mkdir(parents=True, exist_ok=True)
-    for p in existing:
-        p.unlink()
 
     # Plan the shards: consecutive tensors in save order, greedily packed (what transformers does).
     shards: list[list[TensorSpec]] = [[]]
@@ -153,8 +135,41 @@ def export_hf(
             shard_bytes += spec.nbytes
     n = len(shards)
     files = [WEIGHTS_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    shard_of = {spec.name: k for k, specs in enumerate(shards) for spec in specs}
 
+    out = Path(out_dir)
+    names = [CONFIG_NAME, *files, *([INDEX_NAME] if n > 1 else [])]
+    with export_dir.writing(
+        out, format="hf", dtype=dtype, files=names, overwrite=overwrite, source=source
+    ) as export:  # refuses a directory holding anything but an earlier export, before writing
+        written = _write_shards(out, params, units, np_dtype, shards, files)
+        if n > 1:
+            index = {
+                "metadata": {
+                    "total_size": sum(s.nbytes for specs in shards for s in specs),
+                    "total_parameters": sum(int(np.prod(s.shape)) for specs in shards for s in specs),
+                },
+                "weight_map": {spec.name: files[k] for k, specs in enumerate(shards) for spec in specs},
+            }
+            _write_json(out / INDEX_NAME, index)
+            written.append(out / INDEX_NAME)
+        # config.json last: a directory with a config.json holds a complete checkpoint.
+        _write_json(out / CONFIG_NAME, config)
+        export.finish([CONFIG_NAME, *(p.name for p in written)])
+    return [out / CONFIG_NAME, *written]
+
+
+def _write_shards(
+    out: Path,
+    params: ModelParams,
+    units: list[HFUnit],
+    np_dtype: Any,
+    shards: list[list[TensorSpec]],
+    files: list[str],
+) -> list[Path]:
+    """Write the weight files `files` (shard k holding `shards[k]`) in `out`, casting to `np_dtype`,
+    one unit of `params` on the host at a time; the paths written. On an exception the unfinished file
+    is deleted (the caller's `export_dir.writing` deletes the finished ones)."""
+    shard_of = {spec.name: k for k, specs in enumerate(shards) for spec in specs}
     written: list[Path] = []
     writer: SafetensorsWriter | None = None
     current = -1
@@ -179,25 +194,11 @@ def export_hf(
         assert writer is not None
         written.append(writer.close())
         writer = None
-        if n > 1:
-            index = {
-                "metadata": {
-                    "total_size": sum(s.nbytes for specs in shards for s in specs),
-                    "total_parameters": sum(int(np.prod(s.shape)) for specs in shards for s in specs),
-                },
-                "weight_map": {spec.name: files[k] for k, specs in enumerate(shards) for spec in specs},
-            }
-            _write_json(out / INDEX_NAME, index)
-            written.append(out / INDEX_NAME)
-        # config.json last: a directory with a config.json holds a complete checkpoint.
-        _write_json(out / CONFIG_NAME, config)
     except BaseException:
         if writer is not None:
             writer.abort()
-        for p in written:
-            p.unlink(missing_ok=True)
         raise
-    return [out / CONFIG_NAME, *written]
+    return written
 
 
 # -------------------------------------------------------------------------------------------------
@@ -205,16 +206,37 @@ def export_hf(
 # -------------------------------------------------------------------------------------------------
 
 
+def _reader(path: Path) -> SafetensorsReader:
+    """An open reader of `path`. A file that is truncated, corrupt or unreadable raises CheckpointError
+    (a ConfigError: a refusal before training, exit 2) naming the file and what is wrong with it."""
+    try:
+        return SafetensorsReader(path)
+    except SafetensorsError as e:
+        raise CheckpointError(str(e)) from e
+    except OSError as e:
+        raise CheckpointError(
+            f"{path} cannot be read ({e.strerror or e}): check its permissions, or download it again."
+        ) from e
+
+
 def _open_weights(ckpt: Path) -> tuple[dict[str, SafetensorsReader], list[SafetensorsReader]]:
-    """({tensor name: reader of the file holding it}, all readers) of a checkpoint directory."""
+    """({tensor name: reader of the file holding it}, all readers) of a checkpoint directory; a file
+    that cannot be read raises CheckpointError naming it."""
     index_file, single = ckpt / INDEX_NAME, ckpt / WEIGHTS_NAME
     if index_file.is_file():
         try:
             index = json.loads(index_file.read_text())
             weight_map = index["weight_map"]
-        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, OSError) as e:
+            if isinstance(e, KeyError | TypeError):
+                what = "it holds no 'weight_map' object"
+            elif isinstance(e, OSError):
+                what = f"it cannot be read: {e.strerror or e}"
+            else:
+                what = f"not valid JSON: {e}"
             raise CheckpointError(
-                f"{index_file} is not a valid index (needs a 'weight_map' object): {e}"
+                f"{index_file} is not a valid index ({what}): the download is incomplete or the file "
+                "damaged; download it again."
             ) from e
         if not isinstance(weight_map, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
@@ -227,7 +249,7 @@ def _open_weights(ckpt: Path) -> tuple[dict[str, SafetensorsReader], list[Safete
         readers: dict[str, SafetensorsReader] = {}
         try:
             for f in shard_files:
-                readers[f] = SafetensorsReader(ckpt / f)
+                readers[f] = _reader(ckpt / f)
             absent = [f"{n} (in {f})" for n, f in weight_map.items() if n not in readers[f]]
             if absent:
                 raise CheckpointError(f"{index_file} lists tensors its shard files do not contain: {absent}.")
@@ -237,7 +259,7 @@ def _open_weights(ckpt: Path) -> tuple[dict[str, SafetensorsReader], list[Safete
             raise
         return {n: readers[f] for n, f in weight_map.items()}, list(readers.values())
     if single.is_file():
-        reader = SafetensorsReader(single)
+        reader = _reader(single)
         return {n: reader for n in reader}, [reader]
     others = sorted(p.name for p in ckpt.glob("*.bin")) + sorted(p.name for p in ckpt.glob("*.pt*"))
     hint = (
@@ -345,7 +367,7 @@ def import_hf(path: str | os.PathLike[str]) -> tuple[ModelConfig, ModelParams]:
     """
     ckpt = Path(path)
     if not ckpt.is_dir():
-        raise FileNotFoundError(f"HF checkpoint directory {str(ckpt)!r} does not exist.")
+        raise CheckpointError(f"HF checkpoint directory {str(ckpt)!r} does not exist.")
     cfg = model_config_from_hf(ckpt)
     return cfg, _read_params(cfg, ckpt)
 

@@ -115,7 +115,8 @@ def _parse_header(path: Path, raw: bytes, buffer_size: int) -> tuple[dict[str, T
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise SafetensorsError(
-            f"{path}: the header is not valid UTF-8 JSON ({e}); the file is corrupt."
+            f"{path}: the header is not valid UTF-8 JSON ({e}): the file is corrupt or not safetensors; "
+            "download or export it again."
         ) from e
     if not isinstance(header, dict):
         raise SafetensorsError(f"{path}: the header is a JSON {type(header).__name__}, expected an object.")
@@ -157,12 +158,20 @@ def _parse_header(path: Path, raw: bytes, buffer_size: int) -> tuple[dict[str, T
                 f"{path}: tensor {name!r} ({code}, shape {shape}) needs {expected} bytes but its "
                 f"data_offsets {offsets} span {end - begin}; the header is corrupt."
             )
-        if end > buffer_size:
-            raise SafetensorsError(
-                f"{path}: tensor {name!r} ends at data offset {end} but the file holds only {buffer_size} "
-                "data bytes after its header: the file is truncated (re-download or re-export it)."
-            )
         tensors[name] = TensorInfo(name, code, tuple(shape), begin, end)
+
+    # A header whose tensors reach past the end of the file: the usual sign of a download or copy cut
+    # short, so the message gives the whole file's sizes, which the user can compare with the source's.
+    cut = sorted((t for t in tensors.values() if t.end > buffer_size), key=lambda t: t.begin)
+    if cut:
+        data_start = 8 + len(raw)
+        last = max(t.end for t in tensors.values())
+        raise SafetensorsError(
+            f"{path}: the header lists {len(tensors)} tensors ending at byte {data_start + last}, but the "
+            f"file has {data_start + buffer_size} bytes (tensor {cut[0].name!r} ends at data offset "
+            f"{cut[0].end} but the file holds only {buffer_size} data bytes after its header): the file is "
+            "truncated, an incomplete download or copy; download or export it again."
+        )
 
     # The spec requires the tensors to tile the buffer exactly; a hole or an overlap means a corrupt
     # header (and an overlap would let two names alias the same bytes).

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import sys
 
-from jaxzero import memory
+from jaxzero import deepspeed, memory
 from jaxzero.config import ConfigError, TrainConfig, resolve_batch, validate
 from jaxzero.overrides import help_text, layer, split_args
 from jaxzero.plan.planner import decide, detect_machine
@@ -47,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
             memory.claim_accelerator_memory()  # the run's share of the card, as the trainer sets it
             devices = _device_count()
+        if layered.deepspeed is not None:  # the file's batch keys, refused in its words for these devices
+            deepspeed.check(layered.deepspeed, cfg, devices)
         cfg = resolve_batch(cfg, devices)
         # The run sizes XLA's pinned pool to its placement when it starts: not a limit here.
         decision = decide(cfg, detect_machine(cfg, devices=devices, pool_fixed=False))
