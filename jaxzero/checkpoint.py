@@ -364,13 +364,16 @@ class Checkpointer:
             writing.result()
 
     def close(self) -> None:
-        """Wait for the pending save, then release the manager and threads (also after a failure)."""
+        """Wait for the pending save, then release the manager and threads (also after a failure, and
+        the threads also if the manager's close raises: a failed save's error must not keep them)."""
         try:
             self.wait()
         finally:
-            self.manager.close()
-            self._writer.shutdown()
-            self._pool.shutdown()
+            try:
+                self.manager.close()
+            finally:
+                self._writer.shutdown()
+                self._pool.shutdown()
 
     def _failure(self, step: int | None):
         return _WriteFailure(self, step)
@@ -379,10 +382,12 @@ class Checkpointer:
         """`checksums.json` of the save being committed in `step_dir` (its temporary directory)."""
         write_checksums(step_dir, self._pool)
 
-    def _remove_partial_saves(self) -> None:
-        """Remove the half-written step directories a failed save left (ours; never a committed one)."""
+    def _remove_partial_saves(self) -> list[Path]:
+        """Remove the half-written step directories a failed save left (ours; never a committed one);
+        returns those that could not be removed (the cause of the failure may forbid it too)."""
         for p in self.directory.glob(f"*{TMP_MARKER}*"):
             shutil.rmtree(p, ignore_errors=True)
+        return sorted(self.directory.glob(f"*{TMP_MARKER}*"))
 
     # -- restoring -----------------------------------------------------------------------------------
 
@@ -604,12 +609,18 @@ class _WriteFailure:
     def __exit__(self, kind, error, tb) -> bool:
         if error is None or isinstance(error, CheckpointWriteError | KeyboardInterrupt):
             return False
-        self.ckpt._remove_partial_saves()
+        left = self.ckpt._remove_partial_saves()
         what = f"checkpoint {self.step}" if self.step is not None else "a checkpoint"
+        partial = (
+            "Nothing half-written is left"
+            if not left
+            else f"The half-written {', '.join(p.name for p in left)} could not be removed (Orbax's names "
+            "for unfinished saves: never restored, and removed by the run that resumes)"
+        )
         raise CheckpointWriteError(
-            f"could not write {what} to {self.ckpt.directory}: {describe_write_error(error)}. "
-            "Nothing half-written is left; the checkpoints listed there are complete, and a run resumes "
-            "from the newest of them once the cause is fixed."
+            f"could not write {what} to {self.ckpt.directory}: {describe_write_error(error)}. {partial}; "
+            "the checkpoints listed there are complete, and a run resumes from the newest of them once the "
+            "cause is fixed."
         ) from error
 
 
@@ -734,8 +745,12 @@ def describe_write_error(error: BaseException) -> str:
         if isinstance(e, OSError) and e.errno:
             return f"{os.strerror(e.errno)} (errno {e.errno})"
     text = " ".join(str(e) for e in chain)
+    code = re.search(r"os_error_code='?(\d+)", text)  # TensorStore's own errors carry the OS's number
+    if code and int(code.group(1)):
+        return f"{os.strerror(int(code.group(1)))} (errno {code.group(1)})"
     for errno_name, message in (
         ("ENOSPC", "No space left on device"),
+        ("EPERM", "Operation not permitted"),
         ("EACCES", "Permission denied"),
         ("EROFS", "Read-only file system"),
         ("EDQUOT", "Disk quota exceeded"),

@@ -44,7 +44,7 @@ from jax.extend import backend as jax_backend
 
 from jaxzero.config import ConfigError
 
-__all__ = ["Processes", "agree", "barrier", "detect", "initialize_arguments", "start", "stop"]
+__all__ = ["Processes", "agree", "barrier", "detect", "index", "initialize_arguments", "start", "stop"]
 
 COORDINATOR = "JAX_COORDINATOR_ADDRESS"
 NUM_PROCESSES = "JAX_NUM_PROCESSES"
@@ -217,6 +217,12 @@ def barrier(name: str, timeout_s: int) -> None:
     client = jax_distributed.global_state.client
     if client is not None:
         client.wait_at_barrier(f"jaxzero/{name}", timeout_s * 1000)
+
+
+def index() -> int:
+    """This process's id in the run (0 for one process), read from JAX's runtime without starting a
+    backend (which a GPU process would otherwise start early, taking GPU memory)."""
+    return jax_distributed.global_state.process_id if jax_distributed.global_state.client is not None else 0
 
 
 def agree(name: str, text: str, timeout_s: int) -> str:

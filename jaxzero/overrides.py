@@ -188,21 +188,36 @@ def load_preset(path: str | Path) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Arguments:
-    """A command line's settings, nothing applied yet: a TOML preset's dotted overrides, a DeepSpeed
-    config (parsed JSON, `jaxzero.deepspeed`), and the `--section.key=value` overrides."""
+    """A command line's settings, nothing applied yet: a TOML preset's dotted overrides (read from
+    `preset_path`, as given), a DeepSpeed config (parsed JSON, `jaxzero.deepspeed`), and the
+    `--section.key=value` overrides."""
 
     preset: dict[str, Any] = field(default_factory=dict)
     cli: dict[str, Any] = field(default_factory=dict)
     deepspeed: dict[str, Any] | None = None
     deepspeed_path: str = ""
+    preset_path: str = ""
+
+
+COMMAND_LINE = "the command line"  # `Layered.sources`' name of a key set by `--section.key=value`
+DEEPSPEED_SOURCE = "--deepspeed="  # `Layered.sources`' name of a key a DeepSpeed file set: this and its path
+
+
+def set_by_preset(source: str) -> bool:
+    """Whether a `Layered.sources` value is a preset's path: a file of jaxzero's own keys (a DeepSpeed
+    file's keys are its own, translated)."""
+    return source != COMMAND_LINE and not source.startswith(DEEPSPEED_SOURCE)
 
 
 @dataclass(frozen=True)
 class Layered:
-    """A config built from `Arguments`, and how its DeepSpeed config was read (None without one)."""
+    """A config built from `Arguments`, how its DeepSpeed config was read (None without one), and
+    `sources`: where each key the arguments set came from (the preset's path as given,
+    `--deepspeed=PATH`, or `COMMAND_LINE`; the last layer that set it). A key absent was left as it was."""
 
     config: TrainConfig
     deepspeed: Translation | None = None
+    sources: dict[str, str] = field(default_factory=dict)
 
 
 def split_args(argv: list[str]) -> Arguments:
@@ -211,7 +226,7 @@ def split_args(argv: list[str]) -> Arguments:
     ConfigError for an argument of another form, or a preset or DeepSpeed file that cannot be read."""
     preset: dict[str, Any] = {}
     cli: dict[str, Any] = {}
-    ds, ds_path = None, ""
+    ds, ds_path, preset_path = None, "", ""
     seen: dict[str, str] = {}
     for arg in argv:
         if not arg.startswith("--") or "=" not in arg:
@@ -227,12 +242,12 @@ def split_args(argv: list[str]) -> Arguments:
             )
         seen[key] = value
         if key == "config":
-            preset = load_preset(value)
+            preset, preset_path = load_preset(value), value
         elif key == "deepspeed":
             ds, ds_path = deepspeed.load(value), value
         else:
             cli[key] = value
-    return Arguments(preset, cli, ds, ds_path)
+    return Arguments(preset, cli, ds, ds_path, preset_path)
 
 
 def layer(base: TrainConfig, args: Arguments) -> Layered:
@@ -242,19 +257,22 @@ def layer(base: TrainConfig, args: Arguments) -> Layered:
     section before the DeepSpeed config (which may set its compute dtype) and the CLI's other keys
     apply."""
     cfg = apply_overrides(base, args.preset)
+    sources = dict.fromkeys(args.preset, args.preset_path or "the preset")
     cli = dict(args.cli)
     if "model.name" in cli:
         cfg = apply_overrides(cfg, {"model.name": cli.pop("model.name")})
     translation = None
     if args.deepspeed is not None:
-        source = f"--deepspeed={args.deepspeed_path}"
+        source = f"{DEEPSPEED_SOURCE}{args.deepspeed_path}"
         translation = deepspeed.translate(args.deepspeed, apply_overrides(cfg, cli), source)
         check_overrides(translation.overrides, source)
         cfg = apply_overrides(cfg, translation.overrides)
+        sources.update(dict.fromkeys(translation.overrides, source))
+    sources.update(dict.fromkeys(args.cli, COMMAND_LINE))
     cfg = apply_overrides(cfg, cli)
     if translation is not None:
         deepspeed.check(translation, cfg)
-    return Layered(cfg, translation)
+    return Layered(cfg, translation, sources)
 
 
 def parse_args(argv: list[str]) -> TrainConfig:

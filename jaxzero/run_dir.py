@@ -10,10 +10,12 @@ now is. A jaxzero run directory holds
     tensorboard/       the records as TensorBoard event files (`logging.tensorboard`); a resume adds a file
     profile/           JAX profiler traces (`profile.steps`)
     previous-attempts/ files of attempts that stopped before their first checkpoint, kept aside
+    trainer.lock       while a trainer runs there: its lock, naming it (`jaxzero.run_lock`)
 
 `inspect_run_dir` says what a directory is before anything is written: new (absent or empty), a run to
 resume (it has checkpoints), a run to start over (it stopped before its first checkpoint), or refused
 (a finished run without checkpoints, or a directory that is not a jaxzero run: never written into).
+`hold` takes the directory for one trainer before it decides (two trainers never both start "new").
 """
 
 from __future__ import annotations
@@ -24,13 +26,15 @@ import enum
 import json
 import os
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from jaxzero.checkpoint import CHECKPOINT_DIR, UNREADABLE_DIR, saved_steps
 from jaxzero.config import ConfigError, TrainConfig
-from jaxzero.overrides import all_keys, config_from_dict
+from jaxzero.overrides import all_keys, config_from_dict, set_by_preset
+from jaxzero.run_lock import LOCK_FILE, RunLock, lock_run_dir
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
@@ -52,6 +56,7 @@ RUN_FILES = (
     TENSORBOARD_DIR,
     PROFILE_DIR,
     PLOTS_DIR,
+    LOCK_FILE,
 )
 # Keys a resumed run may change: they change how it runs or reports, not what it computes.
 RESUMABLE = (
@@ -115,15 +120,16 @@ def inspect_run_dir(path: Path) -> RunDir:
         return RunDir(path, RunKind.NEW, None)
     if not path.is_dir():
         raise ConfigError(f"run_dir {str(path)!r} is a file; pass a directory (new or a jaxzero run).")
-    # Hidden temporary files of `write_atomic` (a process killed mid-write) are ours too.
-    entries = sorted(p.name for p in path.iterdir() if not (p.name.startswith(".") and ".tmp-" in p.name))
+    # Hidden temporary files of `write_atomic` (a process killed mid-write) are ours too, and so are
+    # the `.nfs*` names an NFS client gives a file removed while open (the lock file, as it is released).
+    entries = sorted(p.name for p in path.iterdir() if not _transient(p.name))
     saved = read_saved_config(path)
     foreign = [e for e in entries if e not in RUN_FILES]
     if saved is None:
         # Without a jaxzero config.json, only what jaxzero's own stopped attempts leave is ours: an
-        # empty checkpoints/, previous-attempts/, checkpoints-unreadable/, error.log.
+        # empty checkpoints/, previous-attempts/, checkpoints-unreadable/, error.log, trainer.lock.
         checkpoints = path / CHECKPOINT_DIR
-        ours = set(entries) <= {ATTEMPTS_DIR, UNREADABLE_DIR, ERROR_FILE, CHECKPOINT_DIR}
+        ours = set(entries) <= {ATTEMPTS_DIR, UNREADABLE_DIR, ERROR_FILE, CHECKPOINT_DIR, LOCK_FILE}
         if ours and (not checkpoints.is_dir() or not any(checkpoints.iterdir())):
             return RunDir(path, RunKind.RESTART if (path / ERROR_FILE).exists() else RunKind.NEW, None)
         foreign = foreign or [e for e in entries if e in (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE)]
@@ -150,6 +156,27 @@ def inspect_run_dir(path: Path) -> RunDir:
             "overwritten: pass a new --run_dir."
         )
     return RunDir(path, RunKind.RESTART, saved)
+
+
+def _transient(name: str) -> bool:
+    return name.startswith(".") and (".tmp-" in name or name.startswith(".nfs"))
+
+
+def hold(path: Path, owner: bool = True) -> RunLock:
+    """Hold the run directory `path` for this trainer until the lock is released (`jaxzero.run_lock`:
+    one trainer per directory; created if absent), once `inspect_run_dir` has found it one jaxzero may
+    write into: a foreign or finished directory is refused before the lock file is written there.
+    Raises ConfigError, naming the trainer that holds it, or why it cannot be written. Decide what the
+    directory is with `inspect_run_dir` after this, not before: another trainer may have changed it.
+    `owner=False` (the processes of a job other than process 0) holds nothing."""
+    inspect_run_dir(path)
+    return lock_run_dir(path, owner)
+
+
+def shown(path: Path) -> str:
+    """`path` as a user types it: relative to the working directory when inside it (`runs/x`)."""
+    relative = os.path.relpath(path)
+    return str(path) if relative.startswith("..") else relative
 
 
 def _check_creatable(path: Path) -> None:
@@ -196,9 +223,12 @@ def _get(cfg: TrainConfig, key: str) -> Any:
 BATCH_KEYS = ("data.batch_size", "data.grad_accum", "data.micro_batch_size")
 
 
-def check_resume(cfg: TrainConfig, saved: TrainConfig, path: Path) -> TrainConfig:
+def check_resume(
+    cfg: TrainConfig, saved: TrainConfig, path: Path, sources: Mapping[str, str] | None = None
+) -> TrainConfig:
     """`cfg` for resuming the run saved as `saved` in `path`, or ConfigError naming every setting that
-    would make it a different run (whatever set it: command line, preset or library call).
+    would make it a different run (whatever set it: command line, preset or library call), and the
+    preset that set it where `sources` (`overrides.Layered.sources`) says one did.
 
     A resume that changes `steps` keeps the learning-rate schedule the run started with (its length
     stays `saved.schedule_steps`) unless `optimizer.decay_steps` says otherwise."""
@@ -212,11 +242,21 @@ def check_resume(cfg: TrainConfig, saved: TrainConfig, path: Path) -> TrainConfi
         if not k.startswith(RESUMABLE) and k not in deferred and _get(cfg, k) != _get(saved, k)
     ]
     if different:
-        changes = ", ".join(f"{k} ({_get(saved, k)!r} -> {_get(cfg, k)!r})" for k in different)
+        # A preset's value is named with the preset: given again on resume it applies on top of the
+        # saved config, so an edited preset, not the command line, is what changed the run.
+        files = {k: s for k, s in (sources or {}).items() if k in different and set_by_preset(s)}
+        changes = ", ".join(
+            f"{k} ({_get(saved, k)!r} -> {_get(cfg, k)!r}{f' from {files[k]}' if k in files else ''})"
+            for k in different
+        )
         may = ", ".join(f"{k}*" if k.endswith(".") else k for k in RESUMABLE if k != "run_dir")
+        fix = "start a new --run_dir for a different run"
+        for file in dict.fromkeys(files.values()):
+            keys = ", ".join(k for k in files if files[k] == file)
+            fix = f"drop {keys} from {file} (or resume without it), or {fix}"
         raise ConfigError(
             f"run_dir {str(path)!r} holds a checkpointed run; resuming it cannot change {changes}. Only "
-            f"{may} may change; start a new --run_dir for a different run."
+            f"{may} may change; {fix}."
         )
     if cfg.optimizer.decay_steps == 0 and cfg.steps != saved.schedule_steps:  # keep the length
         optimizer = dataclasses.replace(cfg.optimizer, decay_steps=saved.schedule_steps)

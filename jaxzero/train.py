@@ -4,7 +4,8 @@ model. `--deepspeed` reads a DeepSpeed config file (`jaxzero.deepspeed`).
 With no arguments it trains the tiny Llama on the built-in byte-level corpus on whatever JAX backend is
 present. `--help` lists every key with its type, default and meaning.
 
-The run directory (`run_dir`, relative to the working directory; printed absolute) receives the
+The run directory (`run_dir`, relative to the working directory; printed absolute; without it a new
+`runs/<model.name>-<UTC time>`, printed with the `--run_dir=` that resumes it) receives the
 resolved `config.json`, `metrics.jsonl` (one JSON object per logged step; its fields are listed in the
 README, the offload engine's per-step breakdown in `jaxzero.state.BREAKDOWN`), the same records as
 TensorBoard event files under `tensorboard/` (`logging.tensorboard`), a profiler trace of the steps
@@ -12,27 +13,33 @@ TensorBoard event files under `tensorboard/` (`logging.tensorboard`), a profiler
 completes, `summary.json`. What happens to a directory that already exists is `jaxzero.run_dir`'s
 rule: a run with checkpoints resumes from the newest good one (only `steps`, `logging.*`,
 `checkpoint.*`, `offload.*`, `parallel.*`, `machine.*`, `profile.*`, `optimizer.decay_steps` and
-`data.check_tokens` may change), a run that stopped before its first checkpoint starts over, and
-anything else is refused.
+`data.check_tokens` may change; a refusal names the preset that set a key), a run that stopped
+before its first checkpoint starts over, and anything else is refused. One trainer runs in a
+directory at a time: it holds `trainer.lock` there (a POSIX lock, which NFS honours across hosts,
+released by the kernel however the process ends), and a second is refused at once naming the holder's
+host, pid and start time.
 
 SIGTERM, or a first Ctrl-C, saves a checkpoint at the next step boundary and exits with status 3 (130
 for Ctrl-C; with several processes, joined through `jax.distributed`, every process stops at the same
 step). A second Ctrl-C stops at once. Exit status 1: training failed (a non-finite loss, a checkpoint
-that cannot be written); 2: the config or the input is wrong. Every error is one line on stderr.
+that cannot be written); 2: the config or the input is wrong, or the run directory is in use by another
+trainer or cannot be written. Every error is one line on stderr, and a failed run ends within seconds
+of it (`leave_within`), whatever threads a failed save leaves behind.
 
 Several processes (`python -m jaxzero.launch`, SLURM's srun, mpirun, or JAX's variables: see
 `jaxzero.distributed`) join before anything else and train one model on one global batch, each reading
 its rows of it. Process 0 writes `config.json`, `metrics.jsonl` and `summary.json` and prints the
 progress; every process writes its part of the checkpoints and prints its own errors.
 
-The loop reads top to bottom: config -> run directory -> trainer -> data -> state (init or restore) ->
-for each step: step, log (every `logging.log_every` steps), save, stop.
+The loop reads top to bottom: config -> run directory (held, then inspected) -> trainer -> data ->
+state (init or restore) -> for each step: step, log (every `logging.log_every` steps), save, stop.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import io
 import json
 import logging
@@ -43,7 +50,8 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -108,7 +116,8 @@ class Preempted(RuntimeError):
 class BackgroundErrorLog:
     """While installed, errors that background threads and callbacks report on their own (Orbax's
     writer threads and TensorStore's callbacks after a failed save, which `Checkpointer` reports as
-    one line) go to `<run_dir>/error.log` instead of flooding stderr. Process-wide hooks: the program
+    one line) go to `<run_dir>/error.log` instead of flooding stderr, and so do the warnings about the
+    coroutines a failed save never ran (Orbax's per-item saves). Process-wide hooks: the program
     installs them, never the library."""
 
     LOGGERS = ("absl", "asyncio", "orbax")
@@ -131,7 +140,24 @@ class BackgroundErrorLog:
             "unraisablehook": sys.unraisablehook,
             "loggers": [(logging.getLogger(n), logging.getLogger(n).propagate) for n in self.LOGGERS],
             "handler": handler,
+            "showwarning": warnings.showwarning,
         }
+        shown = warnings.showwarning
+
+        def showwarning(
+            message: Warning | str,
+            category: type[Warning],
+            filename: str,
+            lineno: int,
+            file: TextIO | None = None,
+            line: str | None = None,
+        ) -> None:
+            if issubclass(category, RuntimeWarning) and "was never awaited" in str(message):
+                self.write(warnings.formatwarning(message, category, filename, lineno, line))
+            else:
+                shown(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = showwarning
         threading.excepthook = lambda a: self.write(
             f"in thread {a.thread.name if a.thread else '?'}:\n"
             + "".join(traceback.format_exception(a.exc_type, a.exc_value, a.exc_traceback))
@@ -147,6 +173,10 @@ class BackgroundErrorLog:
     def uninstall(self) -> None:
         if not self.saved:
             return
+        # What a failed save left unreferenced (its coroutines, its exceptions' frames) is finalised
+        # now, while its warnings still go to the log, not at the interpreter's exit onto stderr.
+        gc.collect()
+        warnings.showwarning = self.saved["showwarning"]
         threading.excepthook = self.saved["excepthook"]
         sys.unraisablehook = self.saved["unraisablehook"]
         for logger, propagate in self.saved["loggers"]:
@@ -466,20 +496,48 @@ class LogWindow:
 
 
 def train(
-    cfg: TrainConfig, console: TextIO = sys.stdout, translation: deepspeed.Translation | None = None
+    cfg: TrainConfig,
+    console: TextIO = sys.stdout,
+    translation: deepspeed.Translation | None = None,
+    sources: Mapping[str, str] | None = None,
 ) -> Path:
-    """Run training as configured; returns the (absolute) run directory. Raises ConfigError,
-    TrainingError, CheckpointWriteError or Preempted. `translation`: the DeepSpeed file `cfg` was
-    built with, whose batch keys are then refused in its own words for the devices found.
+    """Run training as configured; returns the (absolute) run directory. Raises ConfigError (also for
+    a run directory another trainer holds), TrainingError, CheckpointWriteError or Preempted.
+    `translation`: the DeepSpeed file `cfg` was built with, whose batch keys are then refused in its
+    own words for the devices found. `sources`: where each setting came from (`Layered.sources`): a
+    refused resume names the preset that set a key, and a run_dir no argument named (the time-stamped
+    default) is printed with the `--run_dir=` that resumes it.
 
-    Nothing is written until the config is validated, the run directory inspected, the data checked,
-    the memory planned and the state initialised or restored; `config.json` is then written atomically."""
+    One trainer runs in a run directory at a time: it holds the directory's lock (`jaxzero.run_lock`)
+    from before it decides what the directory is until it returns or raises. Nothing else is written
+    until the config is validated, the run directory inspected, the data checked, the memory planned
+    and the state initialised or restored; `config.json` is then written atomically."""
     path = run_dir_lib.locate(cfg.run_dir, cfg.model.name)
-    run = run_dir_lib.inspect_run_dir(path)  # refuses a foreign or a finished directory before anything
+    defaulted = not cfg.run_dir or (sources is not None and "run_dir" not in sources)
+    with run_dir_lib.hold(path, owner=distributed.index() == 0):  # released on every way out
+        return _train_held(cfg, path, console, translation, sources or {}, defaulted)
+
+
+def _train_held(
+    cfg: TrainConfig,
+    path: Path,
+    console: TextIO,
+    translation: deepspeed.Translation | None,
+    sources: Mapping[str, str],
+    defaulted: bool,
+) -> Path:
+    """`train` in the run directory `path`, which this trainer holds."""
+    run = run_dir_lib.inspect_run_dir(path)  # what it is now that no other trainer can change it
+    if defaulted:  # rerunning the same command would start another run: say how to come back to this one
+        print(
+            f"jaxzero: run_dir {run_dir_lib.shown(path)} ({_KINDS[run.kind]}); to resume it: add "
+            f"--run_dir={run_dir_lib.shown(path)}",
+            file=console,
+        )
     notes = []
     cfg = run_dir_lib.resolve_paths(cfg)
     if run.kind is RunKind.RESUME:
-        resumed = run_dir_lib.check_resume(cfg, run.saved, path)  # the guard, whatever set the keys
+        resumed = run_dir_lib.check_resume(cfg, run.saved, path, sources)  # the guard, whatever set the keys
         if resumed.optimizer.decay_steps != cfg.optimizer.decay_steps:
             notes.append(
                 f"jaxzero: steps {run.saved.steps} -> {cfg.steps}: the learning-rate schedule keeps the "
@@ -508,7 +566,7 @@ def train(
         raise
     cfg = resolve_batch(cfg, jax.device_count())  # DeepSpeed's batch rule, now that the devices are known
     if run.kind is RunKind.RESUME:
-        run_dir_lib.check_resume(cfg, run.saved, path)  # the batch sizes, resolved
+        run_dir_lib.check_resume(cfg, run.saved, path, sources)  # the batch sizes, resolved
     # Every process has looked at the run directory before process 0 writes anything into it.
     distributed.barrier("run directory inspected", cfg.parallel.timeout_s)
     main_process = jax.process_index() == 0  # writes the run's files; every process checkpoints
@@ -588,7 +646,7 @@ def train(
                 ckpt.save(step, saved, meta, trainer.fence)  # written while the next steps run
             if stop:
                 bar.clear()
-                raise Preempted(_stopped_message(stop, step, ckpt, cfg), _exit_code(stop))
+                raise Preempted(_stopped_message(stop, step, ckpt, cfg, defaulted), _exit_code(stop))
             bar.update(step)
         if ckpt is not None:
             ckpt.wait()  # host sync: the last save may still read the trainer's arrays and disk files
@@ -643,9 +701,22 @@ def print_samples(cfg: TrainConfig, console: TextIO) -> None:
 _counted_targets = jax.jit(objective.counted_targets)
 
 
-def _stopped_message(reason: str, step: int, ckpt: Checkpointer | None, cfg: TrainConfig) -> str:
+# What the run directory is, in the line that says how to resume a time-stamped default one.
+_KINDS = {RunKind.NEW: "new", RunKind.RESUME: "resuming", RunKind.RESTART: "starting over"}
+
+
+def _stopped_message(
+    reason: str, step: int, ckpt: Checkpointer | None, cfg: TrainConfig, defaulted: bool = False
+) -> str:
+    """The line a stopped run ends with; for a `defaulted` (time-stamped) run_dir the argument to add,
+    as the start said: rerunning the same command would start another run."""
     if ckpt is None or not cfg.checkpoint.enabled:
         return f"{reason} at step {step}; checkpoint.enabled=false, so nothing was saved."
+    if defaulted:
+        return (
+            f"{reason}: saved a checkpoint at step {step} in {ckpt.directory}; to resume it: add "
+            f"--run_dir={run_dir_lib.shown(Path(cfg.run_dir))} to the command."
+        )
     return (
         f"{reason}: saved a checkpoint at step {step} in {ckpt.directory}; rerun with "
         f"--run_dir={cfg.run_dir} to resume."
@@ -714,6 +785,10 @@ def configure(argv: list[str]) -> Layered:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`python -m jaxzero.train`: train as `argv` (default: the command line) says; returns the exit
+    status. Without `argv` the process is the program's own, and after a failure it ends within
+    `EXIT_GRACE_S` seconds whatever threads are left (`leave_within`); a caller's argv never ends it."""
+    program = argv is None
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__ + help_text())
@@ -737,7 +812,8 @@ def main(argv: list[str] | None = None) -> int:
         if not jax.distributed.is_initialized():  # one process: SIGTERM and Ctrl-C set a flag per step
             restore_handlers = install_stop_handlers()
         # Process 0 prints the run's progress and metrics; every process prints its errors (stderr).
-        train(cfg, sys.stdout if processes is None or processes.index == 0 else _Discard(), layered.deepspeed)
+        console = sys.stdout if processes is None or processes.index == 0 else _Discard()
+        train(cfg, console, layered.deepspeed, layered.sources)
     except ConfigError as e:
         code = _fail("config error", e, EXIT_CONFIG)
     except TrainingError as e:
@@ -762,6 +838,8 @@ def main(argv: list[str] | None = None) -> int:
             restore_handlers()
     if processes is not None:  # stops together (done, preempted, Ctrl-C) leave together; a failure at once
         distributed.stop(None if code in (0, EXIT_PREEMPTED, EXIT_INTERRUPTED) else code)
+    if program and code != 0:  # the outcome is printed and the run's files closed
+        leave_within(code)
     return code
 
 
@@ -820,6 +898,27 @@ def _environment_error(
         except OSError:
             pass
     return f"{type(error).__name__}: {text}{where}.{hint}"
+
+
+# After a failure the interpreter's exit still joins every non-daemon thread, and one a library left
+# waiting on work the failure cut short (Orbax's commit threads wait up to its 300 s coordination
+# timeout for signals a failed save never sends) would hold the process long after its error line.
+EXIT_GRACE_S = 5.0
+
+
+def leave_within(code: int, grace_s: float = EXIT_GRACE_S) -> None:
+    """Make sure the process ends with `code` at most `grace_s` seconds from now: if the interpreter's
+    ordinary exit (threads joined, exit hooks run) takes longer, a watchdog ends it with `code`, output
+    flushed (`os._exit`). The program's exit after a failure only, once the outcome is printed and the
+    run's files are closed: a library never ends its caller's process."""
+
+    def watchdog() -> None:
+        time.sleep(grace_s)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+    threading.Thread(target=watchdog, name="jaxzero-exit-watchdog", daemon=True).start()
 
 
 if __name__ == "__main__":

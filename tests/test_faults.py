@@ -4,8 +4,10 @@ The directory named is the one used; nothing outside it is written; a failure le
 checkpoint usable, says what happened in one line, and rerunning the same command goes on."""
 
 import json
+import re
 import shutil
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -64,7 +66,11 @@ def test_the_resume_guard_holds_for_presets_too(tmp_path):
     changed.write_text('run_dir = "r"\nsteps = 6\n[optimizer]\nlr = 1e-5\nwarmup_steps = 3\n')
     refused = cli(*RUN, f"--config={changed}", cwd=tmp_path)
     assert refused.returncode == 2 and no_traceback(refused.stderr)
-    assert "cannot change optimizer.lr (0.003 -> 1e-05), optimizer.warmup_steps (20 -> 3)" in refused.stderr
+    assert (
+        f"cannot change optimizer.lr (0.003 -> 1e-05 from {changed}), optimizer.warmup_steps (20 -> 3 from "
+        f"{changed})" in refused.stderr
+    )
+    assert f"drop optimizer.lr, optimizer.warmup_steps from {changed} (or resume" in refused.stderr
     assert (tmp_path / "r" / "config.json").read_text() == config  # untouched
     again = cli(*RUN, f"--config={preset}", "--steps=6", cwd=tmp_path)  # the same preset: resumes
     assert again.returncode == 0 and "resuming" in again.stdout, again.stderr[-2000:]
@@ -99,6 +105,57 @@ def test_a_failure_before_training_writes_nothing_and_the_rerun_works(tmp_path):
     assert ok.returncode == 0, ok.stderr[-2000:]
 
 
+def wait_for_records(run_dir: Path, count: int) -> None:
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < count):
+        time.sleep(0.2)
+
+
+def test_a_second_trainer_on_a_run_dir_is_refused_at_once_and_the_first_goes_on(tmp_path):
+    first = cli(*RUN, "--steps=100000", "--run_dir=r", cwd=tmp_path, wait=False)
+    try:
+        wait_for_records(tmp_path / "r", 2)
+        config = (tmp_path / "r" / "config.json").read_text()
+        second = cli(*RUN, "--steps=5", "--run_dir=r", cwd=tmp_path)
+        first.send_signal(signal.SIGTERM)  # the first stops as it would have: a checkpoint, exit 3
+        out, err = first.communicate(timeout=120)
+    finally:
+        first.kill()
+    assert second.returncode == 2 and second.stdout == "", second.stdout[-2000:]  # before any work
+    lines = second.stderr.strip().splitlines()
+    assert len(lines) == 1 and re.fullmatch(
+        rf"jaxzero: config error: run_dir {re.escape(str(tmp_path / 'r'))} is in use by the trainer started "
+        rf"\d{{4}}-\d\d-\d\dT\d\d:\d\d:\d\dZ on host {re.escape(socket.gethostname())}, pid {first.pid}; "
+        r"wait for it to end or pass another --run_dir\.",
+        lines[0],
+    ), lines
+    assert first.returncode == 3 and "preempted: SIGTERM: saved a checkpoint" in err, err[-2000:]
+    assert (tmp_path / "r" / "config.json").read_text() == config
+    assert not (tmp_path / "r" / "previous-attempts").exists()
+    steps = [r["step"] for r in records(tmp_path / "r")]
+    assert steps == list(range(1, len(steps) + 1))  # one trainer's records, none interleaved
+    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == [
+        "checkpoints", "config.json", "metrics.jsonl", "tensorboard"
+    ]  # fmt: skip
+
+
+def test_a_save_the_file_system_does_not_permit_ends_the_run_within_seconds(tmp_path):
+    """EPERM where Orbax creates the save's directory, and a thread the failure leaves waiting for ever:
+    one line naming the checkpoint and the cause, exit 1, and the process ends within seconds."""
+    args = [*RUN, "--steps=4", "--checkpoint.every=2", "--run_dir=r"]
+    proc = run_program("checkpoint_dir_not_permitted.py", *args, cwd=tmp_path, wait=False)
+    try:
+        line = proc.stderr.readline()  # the error, printed once the run has failed
+        proc.wait(timeout=30)  # then the end, within seconds; without the bounded exit, never
+    finally:
+        proc.kill()
+    rest = proc.stderr.read()
+    assert proc.returncode == 1 and rest == "", rest[-2000:]
+    assert line.startswith("jaxzero: checkpoint error: could not write checkpoint 2 to"), line
+    assert "Operation not permitted (errno 1). Nothing half-written is left" in line
+
+
 def test_a_run_killed_before_its_first_checkpoint_starts_over_on_rerun(tmp_path):
     args = [*RUN, "--steps=100000", "--run_dir=r"]
     proc = cli(*args, cwd=tmp_path, wait=False)
@@ -109,8 +166,10 @@ def test_a_run_killed_before_its_first_checkpoint_starts_over_on_rerun(tmp_path)
     proc.kill()
     proc.wait()
     partial = metrics.read_text()
+    assert f'"pid": {proc.pid}' in (tmp_path / "r" / "trainer.lock").read_text()  # its lock died with it
     rerun = cli(*args[:-2], "--steps=3", "--run_dir=r", cwd=tmp_path)
     assert rerun.returncode == 0 and "starting over" in rerun.stdout, rerun.stderr[-2000:]
+    assert not (tmp_path / "r" / "trainer.lock").exists()  # released by the rerun as it ended
     kept = list((tmp_path / "r" / "previous-attempts").glob("*/metrics.jsonl"))
     assert len(kept) == 1 and kept[0].read_text() == partial  # kept aside, not deleted
     assert [r["step"] for r in records(tmp_path / "r")] == [1, 2, 3]

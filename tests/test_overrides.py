@@ -6,7 +6,17 @@ from pathlib import Path
 import pytest
 
 from jaxzero.config import SECTIONS, ConfigError, TrainConfig
-from jaxzero.overrides import all_keys, config_from_dict, field_meanings, help_text, parse_args
+from jaxzero.overrides import (
+    COMMAND_LINE,
+    all_keys,
+    config_from_dict,
+    field_meanings,
+    help_text,
+    layer,
+    parse_args,
+    set_by_preset,
+    split_args,
+)
 
 
 def test_defaults_are_valid_and_keys_listed():
@@ -44,6 +54,22 @@ def test_preset_then_cli(tmp_path):
     cfg = parse_args([f"--config={preset}", "--data.seq_len=32"])
     assert cfg.steps == 11 and cfg.model.family == "gpt2" and cfg.model.num_layers == 3
     assert cfg.data.seq_len == 32
+
+
+def test_each_key_set_is_traced_to_the_layer_that_set_it_last(tmp_path):
+    preset = tmp_path / "p.toml"
+    preset.write_text("steps = 11\n[data]\nseq_len = 64\n")
+    ds = tmp_path / "ds.json"
+    ds.write_text('{"train_micro_batch_size_per_gpu": 2}')
+    args = split_args([f"--config={preset}", f"--deepspeed={ds}", "--data.seq_len=32", "--seed=3"])
+    sources = layer(TrainConfig(), args).sources
+    assert sources["steps"] == str(preset)  # as given
+    assert sources["data.micro_batch_size"] == f"--deepspeed={ds}"
+    assert sources["data.seq_len"] == sources["seed"] == COMMAND_LINE  # the command line wins
+    assert "run_dir" not in sources  # left as it was: the time-stamped default
+    # A refused resume names the preset a key came from; a DeepSpeed file's keys are its own, translated.
+    by_preset = [set_by_preset(sources[k]) for k in ("steps", "data.micro_batch_size", "seed")]
+    assert by_preset == [True, False, False]
 
 
 def test_config_json_round_trip():

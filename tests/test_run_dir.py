@@ -8,7 +8,7 @@ import pytest
 
 from jaxzero import run_dir as rd
 from jaxzero.config import ConfigError, TrainConfig
-from jaxzero.overrides import apply_overrides
+from jaxzero.overrides import apply_overrides, layer, split_args
 from jaxzero.run_dir import RunKind
 
 
@@ -41,6 +41,36 @@ def test_what_a_directory_is(tmp_path):
     assert run.kind is RunKind.RESUME and run.saved == saved
     jaxzero_run(tmp_path / "stopped", checkpoint=False)
     assert rd.inspect_run_dir(tmp_path / "stopped").kind is RunKind.RESTART
+
+
+def test_the_lock_file_a_killed_trainer_leaves_is_ours(tmp_path):
+    """A trainer killed at once leaves its trainer.lock alone; one killed later leaves it in its run."""
+    (tmp_path / "bare").mkdir()
+    (tmp_path / "bare" / rd.LOCK_FILE).write_text('{"host": "h", "pid": 1, "started": "x"}')
+    (tmp_path / "bare" / ".nfs000000000001").write_text("")  # NFS's name for it, removed while open
+    assert rd.inspect_run_dir(tmp_path / "bare").kind is RunKind.NEW
+    jaxzero_run(tmp_path / "stopped", checkpoint=False)
+    (tmp_path / "stopped" / rd.LOCK_FILE).write_text("")
+    assert rd.inspect_run_dir(tmp_path / "stopped").kind is RunKind.RESTART
+    jaxzero_run(tmp_path / "resume")
+    (tmp_path / "resume" / rd.LOCK_FILE).write_text("")
+    assert rd.inspect_run_dir(tmp_path / "resume").kind is RunKind.RESUME
+
+
+def test_hold_refuses_a_foreign_directory_before_writing_its_lock(tmp_path):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="is not a jaxzero run"):
+        rd.hold(tmp_path / "mine")
+    assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["notes.txt"]
+    with rd.hold(tmp_path / "new"):
+        assert rd.inspect_run_dir(tmp_path / "new").kind is RunKind.NEW  # its own lock file: still new
+
+
+def test_a_run_dir_is_shown_as_typed_when_under_the_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert rd.shown(rd.locate("runs/x", "m")) == "runs/x"
+    assert rd.shown(tmp_path.parent / "y") == str(tmp_path.parent / "y")
 
 
 @pytest.mark.parametrize(
@@ -130,6 +160,20 @@ def test_the_resume_guard_names_every_changed_setting(tmp_path):
         },
     )
     assert rd.check_resume(allowed, saved, tmp_path / "r").offload.optimizer == "cpu"
+
+
+def test_the_resume_guard_names_the_preset_that_set_a_key(tmp_path):
+    """A preset given again on resume applies on top of the saved config: the key it changed is named
+    with the file, so that the user edits the preset, not the command line."""
+    saved = jaxzero_run(tmp_path / "r", **{"optimizer.lr": "1e-4"})
+    (tmp_path / "x.toml").write_text("[optimizer]\nlr = 3e-4\n")
+    layered = layer(saved, split_args([f"--config={tmp_path / 'x.toml'}", "--data.batch_size=4"]))
+    with pytest.raises(ConfigError) as refused:
+        rd.check_resume(layered.config, saved, tmp_path / "r", layered.sources)
+    message = str(refused.value)
+    assert "cannot change data.batch_size (16 -> 4), optimizer.lr (0.0001 -> 0.0003 from " in message
+    assert f"0.0003 from {tmp_path / 'x.toml'}). Only steps" in message  # the command line's: no file
+    assert f"drop optimizer.lr from {tmp_path / 'x.toml'} (or resume without it)" in message
 
 
 def test_a_resume_that_extends_steps_keeps_the_schedule(tmp_path):

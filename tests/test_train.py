@@ -1,8 +1,11 @@
 """The training program's pieces in-process: configuring a resume, the summary, the causes it names."""
 
+import errno
 import io
 import json
+import os
 import warnings
+from pathlib import Path
 
 import jax.numpy as jnp
 import pytest
@@ -10,6 +13,7 @@ import pytest
 from jaxzero import train as train_lib
 from jaxzero.config import ConfigError, TrainConfig
 from jaxzero.overrides import apply_overrides
+from jaxzero.run_lock import LOCK_FILE
 from jaxzero.state import StepMetrics
 
 TINY = {
@@ -70,6 +74,49 @@ def test_no_validation_split_means_no_val_loss_and_no_warning(tmp_path):
         path = train_lib.train(tiny(tmp_path, **{"data.val_fraction": "0"}), io.StringIO())
     records = [json.loads(ln) for ln in (path / "metrics.jsonl").read_text().splitlines()]
     assert all("val_loss" not in r for r in records)
+
+
+def test_a_default_run_dir_says_how_to_resume_it_at_the_start_and_when_stopped(tmp_path, monkeypatch):
+    """Without --run_dir the run goes to runs/<model>-<UTC time>: rerunning the same command would start
+    another run, so the start and the stop name the argument that resumes this one (and it does)."""
+    monkeypatch.chdir(tmp_path)
+    layered = train_lib.configure([f"--{k}={v}" for k, v in TINY.items()])
+    name = Path(layered.config.run_dir).name
+    monkeypatch.setattr(train_lib._STOP, "reason", "SIGTERM")  # as if it came during step 1
+    console = io.StringIO()
+    with pytest.raises(train_lib.Preempted) as stopped:
+        train_lib.train(layered.config, console, layered.deepspeed, layered.sources)
+    hint = f"to resume it: add --run_dir=runs/{name}"
+    assert console.getvalue().splitlines()[0] == f"jaxzero: run_dir runs/{name} (new); {hint}"
+    checkpoints = tmp_path / "runs" / name / "checkpoints"
+    saved = f"SIGTERM: saved a checkpoint at step 1 in {checkpoints}"
+    assert str(stopped.value) == f"{saved}; {hint} to the command."
+    monkeypatch.setattr(train_lib._STOP, "reason", None)
+    again = train_lib.configure([f"--run_dir=runs/{name}"])
+    resumed = io.StringIO()
+    train_lib.train(again.config, resumed, again.deepspeed, again.sources)
+    assert f"resumed from {checkpoints / '1'}" in resumed.getvalue()
+    assert "to resume it" not in resumed.getvalue()  # a run_dir named is resumed by the same command
+
+
+def test_a_read_only_run_dir_is_one_line_and_exit_2_before_any_work(tmp_path, monkeypatch, capsys):
+    run = tmp_path / "r"
+    run.mkdir()
+    real = os.open
+
+    def read_only(path, *args, **kwargs):  # a directory on a read-only file system (root ignores chmod)
+        if os.fspath(path).endswith(LOCK_FILE):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), os.fspath(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", read_only)
+    code = train_lib.main([f"--run_dir={run}", "--steps=2"])
+    out, err = capsys.readouterr()
+    assert code == 2 and err.splitlines() == [
+        f"jaxzero: config error: run_dir {run} cannot be written: Read-only file system (errno 30, EROFS). "
+        "Pass a --run_dir on a file system you can write to, or make it writable."
+    ]
+    assert out == "" and list(run.iterdir()) == []  # before the model, the data or the plan
 
 
 def metrics(lr: float, norm: float) -> StepMetrics:
