@@ -27,12 +27,12 @@ one that fails on its own exits at once (`stop`), so that a launcher sees it and
 
 from __future__ import annotations
 
-import gc
 import inspect
 import os
 import sys
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TextIO
 
 import jax
@@ -40,7 +40,6 @@ import jax
 # JAX has no public API for its coordination service's barriers and key-value store, which need no
 # backend and take a timeout; Orbax's multihost utilities use this same client.
 from jax._src import distributed as jax_distributed
-from jax.extend import backend as jax_backend
 
 from jaxzero.config import ConfigError
 
@@ -190,25 +189,33 @@ def start(
     return processes
 
 
-def stop(failed_with: int | None = None) -> None:
+def stop(failed_with: int | None = None, chatter: Path | None = None) -> None:
     """Leave the runtime `start` started. `failed_with` None: the processes stop together (done, or
     preempted at one step), so JAX's clean shutdown, whose exit barrier waits for the others; a failure
     there only warns. Else this process failed alone: it exits at once with that status (output
     flushed), since the exit barrier would hold it for `parallel.timeout_s` waiting for processes that
-    are not stopping; the launcher, or JAX's heartbeat check, then stops the others."""
+    are not stopping; the launcher, or JAX's heartbeat check, then stops the others.
+
+    `chatter`: a file (the run's error log) that takes this process's stderr from the clean shutdown
+    on, for good: the GPU client's task watch reports the coordination service going away as GRPC
+    warnings from C++ (`WatchTasksAsync failed ... CANCELLED`, then `UNAVAILABLE` once a second until
+    the process ends), which no setting of JAX turns off and which tell a user nothing."""
     if failed_with is not None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(failed_with)
+    warn = sys.stderr
+    if chatter is not None and chatter.parent.is_dir():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        warn = os.fdopen(os.dup(2), "w")  # the real stderr, for this function's own warning
+        target = os.open(chatter, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(target, 2)
+        os.close(target)
     try:
-        # The GPU client watches the other tasks through the coordination service: ended first (its
-        # arrays collected), its watch stops quietly, not with GRPC CANCELLED / UNAVAILABLE lines
-        # from every process as the service shuts down under it.
-        gc.collect()
-        jax_backend.clear_backends()
         jax.distributed.shutdown()
     except Exception as e:  # noqa: BLE001 - whatever the runtime raises, the exit status stands
-        print(f"jaxzero: warning: jax.distributed did not shut down cleanly: {e}", file=sys.stderr)
+        print(f"jaxzero: warning: jax.distributed did not shut down cleanly: {e}", file=warn, flush=True)
 
 
 def barrier(name: str, timeout_s: int) -> None:

@@ -11,6 +11,7 @@ now is. A jaxzero run directory holds
     profile/           JAX profiler traces (`profile.steps`)
     previous-attempts/ files of attempts that stopped before their first checkpoint, kept aside
     trainer.lock       while a trainer runs there: its lock, naming it (`jaxzero.run_lock`)
+    error.log          tracebacks of errors, and the runtime's own messages as several processes end
 
 `inspect_run_dir` says what a directory is before anything is written: new (absent or empty), a run to
 resume (it has checkpoints), a run to start over (it stopped before its first checkpoint), or refused
@@ -39,7 +40,7 @@ from jaxzero.run_lock import LOCK_FILE, RunLock, lock_run_dir
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
-ERROR_FILE = "error.log"  # the traceback of an error the run stopped with
+ERROR_FILE = "error.log"  # tracebacks of errors, and what the runtime prints as several processes shut down
 ATTEMPTS_DIR = "previous-attempts"
 TENSORBOARD_DIR = "tensorboard"  # TensorBoard event files of the records (`jaxzero.metrics.TensorBoardLog`)
 PROFILE_DIR = "profile"  # JAX profiler traces (`jaxzero.profiling.StepTrace`)

@@ -119,3 +119,23 @@ def test_start_passes_what_jax_accepts_and_nothing_for_one_process(
 def test_barrier_and_agree_are_nothing_for_one_process() -> None:
     distributed.barrier("alone", 1)
     assert distributed.agree("run_dir", "runs/x", 1) == "runs/x"
+
+
+def test_a_clean_stop_sends_the_runtimes_shutdown_chatter_to_the_error_log(tmp_path) -> None:
+    """From the clean shutdown on, what C++ writes to stderr (the GPU client's GRPC warnings as the
+    coordination service goes away) lands in the run's error log, not on the user's terminal."""
+    import subprocess
+    import sys
+
+    from subprocess_run import user_env
+
+    code = (
+        "import os, sys; from pathlib import Path; from jaxzero import distributed; "
+        "print('before', file=sys.stderr, flush=True); "
+        f"distributed.stop(chatter=Path({str(tmp_path / 'error.log')!r})); "
+        "os.write(2, b'W pjrt_client.cc WatchTasksAsync failed: CANCELLED\\n')"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], env=user_env(), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == "before\n"
+    assert (tmp_path / "error.log").read_text() == "W pjrt_client.cc WatchTasksAsync failed: CANCELLED\n"
