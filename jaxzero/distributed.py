@@ -189,6 +189,10 @@ def start(
     return processes
 
 
+# The first line of what `stop` sends to the error log: what follows is not an error of the run.
+SHUTDOWN_HEADER = "jaxzero: the runtime's messages as this process shut down (not errors of the run):\n"
+
+
 def stop(failed_with: int | None = None, chatter: Path | None = None) -> None:
     """Leave the runtime `start` started. `failed_with` None: the processes stop together (done, or
     preempted at one step), so JAX's clean shutdown, whose exit barrier waits for the others; a failure
@@ -210,6 +214,7 @@ def stop(failed_with: int | None = None, chatter: Path | None = None) -> None:
         sys.stderr.flush()
         warn = os.fdopen(os.dup(2), "w")  # the real stderr, for this function's own warning
         target = os.open(chatter, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.write(target, SHUTDOWN_HEADER.encode())
         os.dup2(target, 2)
         os.close(target)
     try:
