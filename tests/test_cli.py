@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 from subprocess_run import REPO, run_module, user_env
 
+from jaxzero import train as train_lib
+
 pytestmark = pytest.mark.slow  # end to end: `python -m jaxzero.train` in subprocesses
 
 TINY = [
@@ -91,7 +93,7 @@ def test_same_seed_same_losses_and_offload_agrees(first_run):
     assert "host update" in off.stdout and "CPU compute" in off.stdout  # the real device: CPU here
 
 
-def test_refuses_to_overwrite_and_reports_bad_config(first_run):
+def test_refuses_to_overwrite_and_reports_bad_config(first_run, monkeypatch, capsys):
     cwd, _ = first_run
     before = (cwd / "a" / "metrics.jsonl").read_text()
     # A checkpointed, finished run is resumed: there is nothing left to do, and nothing is lost.
@@ -102,13 +104,15 @@ def test_refuses_to_overwrite_and_reports_bad_config(first_run):
     proc = train(*TINY, "--checkpoint.enabled=false", "--run_dir=nock", cwd=cwd)
     assert proc.returncode == 0, proc.stderr[-2000:]
     before = (cwd / "nock" / "metrics.jsonl").read_text()
-    proc = train(*TINY, "--run_dir=nock", cwd=cwd)
-    assert proc.returncode == 2 and "already holds a run" in proc.stderr
+    assert train_lib.main([*TINY, f"--run_dir={cwd / 'nock'}"]) == 2
+    assert "already holds a run" in capsys.readouterr().err
     assert (cwd / "nock" / "metrics.jsonl").read_text() == before
-    proc = train("--optimizer.learning_rate=1", cwd=cwd)
-    assert proc.returncode == 2 and "unknown config key 'optimizer.learning_rate'" in proc.stderr
-    proc = train("--data.source=tokens", "--data.path=/nonexistent", cwd=cwd)
-    assert proc.returncode == 2 and "/nonexistent" in proc.stderr
+    # Refusals come before any backend starts: in-process, as in the CLI's own process.
+    monkeypatch.chdir(cwd)
+    assert train_lib.main(["--optimizer.learning_rate=1"]) == 2
+    assert "unknown config key 'optimizer.learning_rate'" in capsys.readouterr().err
+    assert train_lib.main(["--data.source=tokens", "--data.path=/nonexistent"]) == 2
+    assert "/nonexistent" in capsys.readouterr().err
 
 
 def test_nan_loss_stops_with_a_clear_error(tmp_path):
