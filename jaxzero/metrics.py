@@ -17,16 +17,24 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import resource
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
-from jaxzero.state import BREAKDOWN, BREAKDOWN_COUNTS, BREAKDOWN_DISK, BREAKDOWN_TIMES
+from jaxzero.config import TrainConfig
+from jaxzero.models.sizes import flops_per_token
+from jaxzero.outcome import TrainingError
+from jaxzero.run_dir import METRICS_FILE, TENSORBOARD_DIR
+from jaxzero.state import BREAKDOWN, BREAKDOWN_COUNTS, BREAKDOWN_DISK, BREAKDOWN_TIMES, StepMetrics, Trainer
 
 # Dense bf16 tensor-core peaks in TFLOP/s by device kind substring (vendor datasheets, SXM parts).
 PEAK_BF16_TFLOPS = {
@@ -307,3 +315,162 @@ class ProgressBar:
         if self.enabled:
             self.stream.write("\n")
             self.stream.flush()
+
+
+def job_peak(per_device: float | None, devices: int) -> float | None:
+    """The whole job's peak TFLOP/s (MFU is the job's model FLOP/s over it), from one device's."""
+    return None if per_device is None else per_device * devices
+
+
+class LogWindow:
+    """The steps since the last log line. Their metrics stay on the device until a line is due (the
+    first step, every `logging.log_every` steps, validation steps and the last step); then one host
+    sync reads them all and one record goes to `metrics.jsonl`, the console and (`logging.tensorboard`)
+    TensorBoard's event files."""
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        trainer: Trainer,
+        first: int,
+        diagnose: Callable[[int, StepMetrics, list[float]], str],
+        val_batches: list[np.ndarray],
+        console: TextIO,
+        bar: ProgressBar,
+        t_start: float,
+        main_process: bool = True,
+    ):
+        self.cfg, self.trainer, self.val_batches = cfg, trainer, val_batches
+        self.first = first
+        self.diagnose = diagnose  # (step, its metrics, recent finite gradient norms) -> the likely cause
+        self.bar = bar  # cleared before each record, so the line is not printed over it
+        self.t_start = t_start  # before init or restore: the first record's compile_s counts from here
+        device = trainer.mesh.devices.flat[0].platform.upper()  # the breakdown names the real device
+        # Every process reads the metrics (and validates: collectives); the main process writes them.
+        self.path = Path(cfg.run_dir) / METRICS_FILE
+        events = None
+        if main_process and cfg.logging.tensorboard:  # from the first step this run logs (a resume's)
+            events = TensorBoardLog(Path(cfg.run_dir) / TENSORBOARD_DIR, first_step=first)
+        self.file = MetricsLog(
+            self.path if main_process else Path(os.devnull), console, device=device, tensorboard=events
+        )
+        self.last: dict[str, Any] = {}  # the newest record
+        self.grad_norms: list[float] = []  # finite gradient norms of the steps read so far (the last few)
+        self.throughput = Throughput(
+            cfg.data.batch_size * cfg.data.seq_len,
+            flops_per_token(cfg.model, cfg.data.seq_len),
+            job_peak(peak_tflops(trainer.mesh.devices.flat[0], cfg.logging.peak_tflops), trainer.mesh.size),
+        )
+        self.pending: list[tuple[int, StepMetrics]] = []
+        self.counted: list[jax.Array] = []  # per pending step: targets its loss counted (device scalars)
+        self.t_window = time.perf_counter()  # start of the steps the next record covers
+        self.skipped_steps = 0  # float16: steps whose update was skipped for overflow, in this process
+
+    def add(self, step: int, metrics: StepMetrics, counted: jax.Array) -> None:
+        self.pending.append((step, metrics))
+        self.counted.append(counted)
+        self.throughput.add_step()
+
+    def _is_eval(self, step: int) -> bool:
+        every = self.cfg.logging.eval_every
+        return step == self.cfg.steps or (every > 0 and step % every == 0)
+
+    def due(self, step: int) -> bool:
+        return step == self.first or step % self.cfg.logging.log_every == 0 or self._is_eval(step)
+
+    def write(self, step: int, state: Any) -> None:
+        """Read the window's metrics (a host sync), validate if due, and write the record. Raises
+        TrainingError for a non-finite loss, or float16 overflowing at the minimum loss scale."""
+        values, counted = jax.device_get(
+            ([m for _, m in self.pending], self.counted)
+        )  # host sync: scalars only
+        later = step > self.first
+        rates = self.throughput.read() if later else {"tokens_per_s": None, "tflops": None, "mfu": None}
+        last = values[-1]
+        record = {
+            "step": step,
+            # null for a step whose every target is masked: its mean over no targets is no loss
+            "loss": float(last.loss) if int(counted[-1]) else None,
+            "lr": float(last.lr),
+            "grad_norm": float(last.grad_norm),
+            # the last step's targets counted in its loss, and those marked not-a-target (prompts)
+            "loss_tokens": int(counted[-1]),
+            "masked_tokens": self.cfg.data.batch_size * self.cfg.data.seq_len - int(counted[-1]),
+            **rates,
+            "gpu_peak_gib": accelerator_peak_gib(list(self.trainer.mesh.local_devices)),  # this process's
+            "host_rss_gib": host_rss_gib(),
+            # seconds during which an update waited for a checkpoint being written from its arrays
+            "checkpoint_wait_s": self.trainer.fence.take_blocked_seconds(),
+        }
+        if step == self.first:
+            record["compile_s"] = time.perf_counter() - self.t_start  # init or restore, compile, first step
+        now = time.perf_counter()
+        if self.trainer.timings is not None:  # offload: where the steps' time went
+            breakdown = self.trainer.timings(now - self.t_window, len(self.pending))
+            if later:
+                record["step_s"] = (now - self.t_window) / len(self.pending)
+                record.update({k.key: breakdown[k.key] for k in BREAKDOWN})
+        self.t_window = now
+        if jax.process_count() > 1:
+            self._across_processes(record)
+        if last.loss_scale is not None:  # float16: overflowing steps are skipped, not failures
+            self._float16(record, values)
+        bad = [(s, v) for (s, _), v in zip(self.pending, values) if not math.isfinite(float(v.loss))]
+        if self._is_eval(step) and not bad and len(self.val_batches):  # none: data.val_fraction=0
+            record["val_loss"] = self.trainer.evaluate(state, self.val_batches)  # a host sync
+        self.bar.clear()
+        self.file.write(record)
+        self.last = record
+        if bad:  # the last good checkpoint stays; nothing non-finite is saved
+            s, v = bad[0]
+            norms = self.grad_norms + [float(w.grad_norm) for (t, _), w in zip(self.pending, values) if t < s]
+            raise TrainingError(
+                f"loss became {float(v.loss)} at step {s} (metrics so far in {self.path}, the last "
+                "good checkpoint kept). Likely cause: "
+                + self.diagnose(s, v, [g for g in norms if math.isfinite(g)])
+            )
+        self.grad_norms = (self.grad_norms + [float(v.grad_norm) for v in values])[-8:]
+        self.pending.clear()
+        self.counted.clear()
+        self.throughput.restart()
+
+    def _across_processes(self, record: dict[str, Any]) -> None:
+        """Every process's figures into `record` (`per_process`: a list per key, by process index), and
+        the step time and breakdown of the slowest process as the record's own (`slowest_process`).
+        A collective (every process writes at the same steps) and a host sync."""
+        keys = [
+            k for k in ("step_s", *(b.key for b in BREAKDOWN), "host_rss_gib", "gpu_peak_gib") if k in record
+        ]
+        mine = np.array([np.nan if record[k] is None else record[k] for k in keys], np.float64)
+        every = np.asarray(multihost_utils.process_allgather(mine)).reshape(jax.process_count(), len(keys))
+        record["per_process"] = {
+            k: [None if math.isnan(v) else float(v) for v in every[:, j]] for j, k in enumerate(keys)
+        }
+        if "step_s" in keys:
+            slowest = int(np.nanargmax(every[:, keys.index("step_s")]))
+            record["slowest_process"] = slowest
+            for j, k in enumerate(keys):
+                if k not in ("host_rss_gib", "gpu_peak_gib"):
+                    record[k] = float(every[slowest, j])
+
+    def _float16(self, record: dict[str, Any], values: list[StepMetrics]) -> None:
+        """Count the window's skipped steps into `record`; stop (as DeepSpeed does) if one overflowed
+        with the loss scale already at its minimum."""
+        min_scale = self.cfg.fp16.min_loss_scale
+        self.skipped_steps += sum(bool(v.skipped) for v in values)
+        record.update(loss_scale=float(values[-1].loss_scale), skipped_steps=self.skipped_steps)
+        at_min = [
+            s
+            for (s, _), v in zip(self.pending, values)
+            if bool(v.skipped) and float(v.loss_scale) <= min_scale
+        ]
+        if at_min:
+            self.file.write(record)
+            raise TrainingError(
+                f"float16 gradients overflowed at step {at_min[0]} with the loss scale already at "
+                f"fp16.min_loss_scale={min_scale} (DeepSpeed stops here too). Try "
+                "model.compute_dtype=bfloat16, a lower optimizer.lr, or a lower fp16.min_loss_scale."
+            )
+
+    def close(self) -> None:
+        self.file.close()

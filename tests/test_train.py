@@ -10,6 +10,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import pytest
 
+from jaxzero import loop, stopping
 from jaxzero import train as train_lib
 from jaxzero.config import ConfigError, TrainConfig
 from jaxzero.overrides import apply_overrides
@@ -82,7 +83,7 @@ def test_a_default_run_dir_says_how_to_resume_it_at_the_start_and_when_stopped(t
     monkeypatch.chdir(tmp_path)
     layered = train_lib.configure([f"--{k}={v}" for k, v in TINY.items()])
     name = Path(layered.config.run_dir).name
-    monkeypatch.setattr(train_lib._STOP, "reason", "SIGTERM")  # as if it came during step 1
+    monkeypatch.setattr(stopping._STOP, "reason", "SIGTERM")  # as if it came during step 1
     console = io.StringIO()
     with pytest.raises(train_lib.Preempted) as stopped:
         train_lib.train(layered.config, console, layered.deepspeed, layered.sources)
@@ -91,7 +92,7 @@ def test_a_default_run_dir_says_how_to_resume_it_at_the_start_and_when_stopped(t
     checkpoints = tmp_path / "runs" / name / "checkpoints"
     saved = f"SIGTERM: saved a checkpoint at step 1 in {checkpoints}"
     assert str(stopped.value) == f"{saved}; {hint} to the command."
-    monkeypatch.setattr(train_lib._STOP, "reason", None)
+    monkeypatch.setattr(stopping._STOP, "reason", None)
     again = train_lib.configure([f"--run_dir=runs/{name}"])
     resumed = io.StringIO()
     train_lib.train(again.config, resumed, again.deepspeed, again.sources)
@@ -125,17 +126,17 @@ def metrics(lr: float, norm: float) -> StepMetrics:
 
 def test_a_non_finite_loss_is_blamed_on_what_the_facts_point_to(tmp_path):
     cfg = tiny(tmp_path, **{"data.source": "tokens", "data.path": "d", "data.check_tokens": "false"})
-    fresh = train_lib.Start(None, 1, None, None)
-    first = train_lib.nonfinite_cause(cfg, 1, metrics(0.0, float("nan")), fresh, [])
+    fresh = loop.Start(None, 1, None, None)
+    first = loop.nonfinite_cause(cfg, 1, metrics(0.0, float("nan")), fresh, [])
     assert "no update had changed the freshly initialised weights" in first
     assert "data.check_tokens=false" in first  # the unchecked data is the suspect, not lr
-    resumed = train_lib.Start(None, 41, None, 40)
-    after_restore = train_lib.nonfinite_cause(cfg, 41, metrics(1e-3, float("nan")), resumed, [])
+    resumed = loop.Start(None, 41, None, 40)
+    after_restore = loop.nonfinite_cause(cfg, 41, metrics(1e-3, float("nan")), resumed, [])
     assert (
         "first step after restoring checkpoint 40" in after_restore
         and "checkpoints/40 aside" in after_restore
     )
-    diverged = train_lib.nonfinite_cause(cfg, 47, metrics(3e-3, 1e6), fresh, [2.0, 80.0, 9e4])
+    diverged = loop.nonfinite_cause(cfg, 47, metrics(3e-3, 1e6), fresh, [2.0, 80.0, 9e4])
     assert (
         "diverged after 46 updates at lr 0.003" in diverged
         and "recent gradient norms 2, 80, 9e+04" in diverged
