@@ -415,29 +415,56 @@ def validate_model(m: ModelConfig) -> None:
         )
 
 
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
 def validate(cfg: TrainConfig, num_devices: int | None = None) -> None:
-    """Raise ConfigError for impossible combinations. `num_devices` adds the mesh checks when known."""
-    m, d, o = cfg.model, cfg.data, cfg.optimizer
+    """Raise ConfigError for impossible values and combinations, section by section, before anything
+    is built. `num_devices` adds the mesh checks when known."""
+    _need(cfg.steps >= 1, f"steps={cfg.steps} must be >= 1.")
+    _validate_finite(cfg)
+    validate_model(cfg.model)
+    _validate_model_numerics(cfg.model)
+    _validate_data(cfg, num_devices)
+    _validate_optimizer(cfg.optimizer)
+    _validate_offload(cfg)
+    _validate_parallel(cfg)
+    _validate_fp16(cfg.fp16)
+    _validate_logging(cfg)
+    _validate_checkpoint(cfg.checkpoint)
+    _validate_machine(cfg.machine)
 
-    def need(cond: bool, msg: str) -> None:
-        if not cond:
-            raise ConfigError(msg)
 
-    need(cfg.steps >= 1, f"steps={cfg.steps} must be >= 1.")
-    for section in (cfg.model, d, o, cfg.fp16, cfg.logging):  # no setting is meaningful at inf or nan
+def _validate_finite(cfg: TrainConfig) -> None:
+    """No setting is meaningful at inf or nan."""
+    for section in (cfg.model, cfg.data, cfg.optimizer, cfg.fp16, cfg.logging):
         for f in dataclasses.fields(section):
             value = getattr(section, f.name)
             if isinstance(value, float) and not math.isfinite(value):
                 name = next(k for k, v in SECTIONS.items() if isinstance(section, v))
                 raise ConfigError(f"{name}.{f.name}={value} must be a finite number.")
-    validate_model(m)
-    need(d.seq_len >= 2, f"data.seq_len={d.seq_len} must be >= 2.")
-    need(
+
+
+def _validate_model_numerics(m: ModelConfig) -> None:
+    """The model's numerical constants."""
+    _need(m.rope_theta > 0, f"model.rope_theta={m.rope_theta} must be > 0.")
+    _need(m.norm_eps > 0, f"model.norm_eps={m.norm_eps} must be > 0.")
+    _need(m.init_std > 0, f"model.init_std={m.init_std} must be > 0.")
+
+
+def _validate_data(cfg: TrainConfig, num_devices: int | None) -> None:
+    """The data section: lengths, the batch rule, the source and its path; with `num_devices`, the
+    micro-batch's rows over the mesh."""
+    m, d = cfg.model, cfg.data
+    _need(d.seq_len >= 2, f"data.seq_len={d.seq_len} must be >= 2.")
+    _need(
         d.seq_len <= m.max_seq_len,
         f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}; lower data.seq_len or "
         "raise model.max_seq_len.",
     )
-    need(
+    _need(
         not m.sliding_window or d.seq_len <= m.sliding_window,
         f"data.seq_len={d.seq_len} exceeds model.sliding_window={m.sliding_window}: jaxzero attends over "
         "the whole sequence, which equals this model's windowed attention only within one window. "
@@ -445,85 +472,91 @@ def validate(cfg: TrainConfig, num_devices: int | None = None) -> None:
     )
     batch = {"data.batch_size": d.batch_size, "data.grad_accum": d.grad_accum}
     batch["data.micro_batch_size"] = d.micro_batch_size
-    need(
+    _need(
         all(v >= 0 for v in batch.values()) and sum(v == 0 for v in batch.values()) <= 1,
         f"{_show(batch)}: each must be >= 1, except one of them 0 to be derived from the others "
         "(batch_size = micro_batch_size x grad_accum x devices).",
     )
     if d.micro_batch_size == 0:
-        need(
+        _need(
             d.batch_size % d.grad_accum == 0,
             f"data.batch_size={d.batch_size} must be a positive multiple of data.grad_accum={d.grad_accum}.",
         )
-    need(0.0 <= d.val_fraction < 0.5, f"data.val_fraction={d.val_fraction} must be in [0, 0.5).")
-    need(m.rope_theta > 0, f"model.rope_theta={m.rope_theta} must be > 0.")
-    need(m.norm_eps > 0, f"model.norm_eps={m.norm_eps} must be > 0.")
-    need(m.init_std > 0, f"model.init_std={m.init_std} must be > 0.")
+    _need(0.0 <= d.val_fraction < 0.5, f"data.val_fraction={d.val_fraction} must be in [0, 0.5).")
     if d.source == "tokens":
-        need(
+        _need(
             d.path != "",
             "data.source=tokens needs data.path=DIR, a directory holding train.bin "
             "(nanoGPT format: a flat array of uint16 or uint32 token ids).",
         )
-    need(
+    _need(
         d.source == "tokens" or not d.path,
         f"data.path={d.path!r} is read only with data.source=tokens, but data.source={d.source}: the run "
         f"would train on the {d.source} data, not on {d.path!r}. Add --data.source=tokens to train on "
         "its train.bin, or drop data.path.",
     )
     if num_devices is not None:
-        need(
+        _need(
             d.micro_batch_size == 0,
             f"{_show(batch)} is not resolved for the {num_devices} devices: pass the config through "
             "jaxzero.config.resolve_batch(cfg, num_devices) first (python -m jaxzero.train does).",
         )
         micro = d.batch_size // d.grad_accum
-        need(
+        _need(
             micro % num_devices == 0,
             f"the micro-batch data.batch_size/data.grad_accum = {d.batch_size}/{d.grad_accum} = {micro} "
             f"must be divisible by the {num_devices} devices of the data axis; e.g. data.batch_size="
             f"{-(-micro // num_devices) * num_devices * d.grad_accum}.",
         )
-    need(o.lr > 0, f"optimizer.lr={o.lr} must be > 0.")
-    need(0 <= o.warmup_steps, f"optimizer.warmup_steps={o.warmup_steps} must be >= 0.")
-    need(o.decay_steps >= 0, f"optimizer.decay_steps={o.decay_steps} must be >= 0 (0: the run's steps).")
-    need(o.eps > 0, f"optimizer.eps={o.eps} must be > 0 (it keeps Adam's division finite).")
-    need(0.0 <= o.momentum < 1.0, f"optimizer.momentum={o.momentum} must be in [0, 1).")
-    need(
+
+
+def _validate_optimizer(o: OptimizerConfig) -> None:
+    """The update rule's hyperparameters and schedule."""
+    _need(o.lr > 0, f"optimizer.lr={o.lr} must be > 0.")
+    _need(0 <= o.warmup_steps, f"optimizer.warmup_steps={o.warmup_steps} must be >= 0.")
+    _need(o.decay_steps >= 0, f"optimizer.decay_steps={o.decay_steps} must be >= 0 (0: the run's steps).")
+    _need(o.eps > 0, f"optimizer.eps={o.eps} must be > 0 (it keeps Adam's division finite).")
+    _need(0.0 <= o.momentum < 1.0, f"optimizer.momentum={o.momentum} must be in [0, 1).")
+    _need(
         0.0 <= o.warmup_start_ratio <= 1.0,
         f"optimizer.warmup_start_ratio={o.warmup_start_ratio} must be in [0, 1].",
     )
-    need(0.0 <= o.min_lr_ratio <= 1.0, f"optimizer.min_lr_ratio={o.min_lr_ratio} must be in [0, 1].")
-    need(0.0 <= o.b1 < 1.0 and 0.0 <= o.b2 < 1.0, f"optimizer.b1={o.b1}, b2={o.b2} must be in [0, 1).")
-    need(o.weight_decay >= 0, f"optimizer.weight_decay={o.weight_decay} must be >= 0.")
-    need(o.grad_clip >= 0, f"optimizer.grad_clip={o.grad_clip} must be >= 0 (0 disables clipping).")
-    need(
+    _need(0.0 <= o.min_lr_ratio <= 1.0, f"optimizer.min_lr_ratio={o.min_lr_ratio} must be in [0, 1].")
+    _need(0.0 <= o.b1 < 1.0 and 0.0 <= o.b2 < 1.0, f"optimizer.b1={o.b1}, b2={o.b2} must be in [0, 1).")
+    _need(o.weight_decay >= 0, f"optimizer.weight_decay={o.weight_decay} must be >= 0.")
+    _need(o.grad_clip >= 0, f"optimizer.grad_clip={o.grad_clip} must be >= 0 (0 disables clipping).")
+
+
+def _validate_offload(cfg: TrainConfig) -> None:
+    """Where state lives: each offload key, then the combinations of explicit values."""
+    m = cfg.model
+    _need(
         cfg.offload.resident_blocks >= 0,
         f"offload.resident_blocks={cfg.offload.resident_blocks} must be >= 0.",
     )
-    need(
+    _need(
         cfg.offload.speculative_units >= 0,
         f"offload.speculative_units={cfg.offload.speculative_units} must be >= 0 (0 disables speculation).",
     )
-    need(
+    _need(
         cfg.offload.host_threads >= 0,
         f"offload.host_threads={cfg.offload.host_threads} must be >= 0 (0: a core each but one).",
     )
-    need(
+    _need(
         cfg.offload.two_pass_units >= -1,
         f"offload.two_pass_units={cfg.offload.two_pass_units} must be >= -1 (-1: adaptive; 0: none).",
     )
-    need(
+    _need(
         cfg.offload.resident_blocks <= m.num_layers,
         f"offload.resident_blocks={cfg.offload.resident_blocks} exceeds model.num_layers={m.num_layers}.",
     )
-    need(
+    _need(
         0 <= cfg.offload.device_state_units < m.num_layers + 2,
         f"offload.device_state_units={cfg.offload.device_state_units} must be in [0, {m.num_layers + 1}]: "
         f"the model has {m.num_layers + 2} units (embedding, {m.num_layers} blocks, head), and with every "
         "unit's state on the accelerator use offload.optimizer=none.",
     )
-    need(
+    _need(
         cfg.offload.disk_units >= -1,
         f"offload.disk_units={cfg.offload.disk_units} must be >= -1 (-1: every unit the host updates).",
     )
@@ -567,12 +600,16 @@ def validate(cfg: TrainConfig, num_devices: int | None = None) -> None:
             "offload.params=cpu needs offload.optimizer=cpu: streamed weights are updated "
             "from host-resident fp32 masters (DeepSpeed's ZeRO-3 offload pairs them too)."
         )
+
+
+def _validate_parallel(cfg: TrainConfig) -> None:
+    """The ZeRO stage and the join timeout, and the stage each offload needs."""
     par = cfg.parallel
-    need(
+    _need(
         -1 <= par.zero_stage <= 3,
         f"parallel.zero_stage={par.zero_stage} must be 0, 1, 2 or 3 (-1: auto).",
     )
-    need(par.timeout_s >= 1, f"parallel.timeout_s={par.timeout_s} must be >= 1.")
+    _need(par.timeout_s >= 1, f"parallel.timeout_s={par.timeout_s} must be >= 1.")
     if cfg.offload.params == "cpu" and par.zero_stage in (0, 1, 2):
         raise ConfigError(
             f"offload.params=cpu needs parallel.zero_stage=3 (got {par.zero_stage}): streamed weights "
@@ -584,43 +621,57 @@ def validate(cfg: TrainConfig, num_devices: int | None = None) -> None:
             "host-resident optimizer "
             "state is kept as one shard per device, as DeepSpeed's offload_optimizer needs stage 1, 2 or 3."
         )
-    f16 = cfg.fp16
-    need(
+
+
+def _validate_fp16(f16: FP16Config) -> None:
+    """Dynamic loss scaling."""
+    _need(
         f16.loss_scale_window >= 1 and f16.hysteresis >= 1 and f16.min_loss_scale > 0,
         f"fp16.loss_scale_window={f16.loss_scale_window} and fp16.hysteresis={f16.hysteresis} must be >= 1, "
         f"fp16.min_loss_scale={f16.min_loss_scale} > 0.",
     )
-    need(
+    _need(
         0 <= f16.initial_scale_power <= 64 and 2.0**f16.initial_scale_power >= f16.min_loss_scale,
         f"fp16.initial_scale_power={f16.initial_scale_power} must be in [0, 64] and give a scale >= "
         f"fp16.min_loss_scale={f16.min_loss_scale}.",
     )
+
+
+def _validate_logging(cfg: TrainConfig) -> None:
+    """Logging's frequencies and the profiled window."""
     lg = cfg.logging
-    need(lg.log_every >= 1, f"logging.log_every={lg.log_every} must be >= 1.")
-    need(lg.eval_every >= 0, f"logging.eval_every={lg.eval_every} must be >= 0.")
-    need(lg.eval_batches >= 1, f"logging.eval_batches={lg.eval_batches} must be >= 1.")
-    need(lg.peak_tflops >= 0, f"logging.peak_tflops={lg.peak_tflops} must be >= 0 (0: from the device).")
+    _need(lg.log_every >= 1, f"logging.log_every={lg.log_every} must be >= 1.")
+    _need(lg.eval_every >= 0, f"logging.eval_every={lg.eval_every} must be >= 0.")
+    _need(lg.eval_batches >= 1, f"logging.eval_batches={lg.eval_batches} must be >= 1.")
+    _need(lg.peak_tflops >= 0, f"logging.peak_tflops={lg.peak_tflops} must be >= 0 (0: from the device).")
     window = cfg.profile.window()  # ConfigError for a malformed or empty window
-    need(
+    _need(
         window is None or window.stop - 1 <= cfg.steps,
         f"profile.steps={cfg.profile.steps!r} traces up to step {window.stop - 1 if window else 0}, past the "
         f"run's last step (steps={cfg.steps}): B - 1 is the last step traced, so B must be at most "
         f"{cfg.steps + 1}.",
     )
-    ck = cfg.checkpoint
-    need(
+
+
+def _validate_checkpoint(ck: CheckpointConfig) -> None:
+    """How often checkpoints are saved and kept, and the save buffer."""
+    _need(
         ck.every >= 0 and ck.keep >= 1 and ck.keep_every >= 0,
         f"checkpoint.every={ck.every} and checkpoint.keep_every={ck.keep_every} must be >= 0, "
         f"checkpoint.keep={ck.keep} >= 1.",
     )
-    need(
+    _need(
         math.isfinite(ck.buffer_gib) and ck.buffer_gib >= 1 / 64,
         f"checkpoint.buffer_gib={ck.buffer_gib} must be a finite number >= 0.015625 (16 MiB): the host RAM "
         "a save or a restore takes beyond one unit (default 2).",
     )
-    for f in dataclasses.fields(cfg.machine):
-        value = getattr(cfg.machine, f.name)
-        need(
+
+
+def _validate_machine(machine: MachineConfig) -> None:
+    """The planner's machine figures (0: detect)."""
+    for f in dataclasses.fields(machine):
+        value = getattr(machine, f.name)
+        _need(
             math.isfinite(value) and value >= 0,
             f"machine.{f.name}={value} must be a finite number >= 0 (0: detect, or the default for the "
             "detected device).",
