@@ -47,10 +47,10 @@ from __future__ import annotations
 import ctypes
 import datetime
 import json
+import logging
 import os
 import re
 import shutil
-import sys
 import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -67,11 +67,13 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from jaxzero import export_dir
-from jaxzero.config import CheckpointConfig, CheckpointError, TrainConfig
+from jaxzero.config import CheckpointConfig, CheckpointError, TrainConfig, buffer_bytes
 from jaxzero.deferred import Deferred, abstract, is_deferred, pair, resolved
 from jaxzero.models import ModelParams, build_model
 from jaxzero.overrides import config_from_dict
 from jaxzero.write_fence import WriteFence
+
+log = logging.getLogger(__name__)  # the library speaks through logging (`jaxzero.console`)
 
 CHECKPOINT_DIR = "checkpoints"
 UNREADABLE_DIR = f"{CHECKPOINT_DIR}-unreadable"  # checkpoints that failed to restore, set aside
@@ -438,17 +440,13 @@ class Checkpointer:
                             f"{failure.text}"
                         )
                 if jax.process_count() == 1:
-                    print(
-                        f"jaxzero: checkpoint {where} is unreadable ({failed[0].text}); trying the previous "
-                        "one.",
-                        file=sys.stderr,
+                    log.warning(
+                        f"checkpoint {where} is unreadable ({failed[0].text}); trying the previous one."
                     )
                 else:
                     causes = "; ".join(f"on process {f.process} ({f.text})" for f in failed)
-                    print(
-                        f"jaxzero: checkpoint {where} is unreadable {causes}; every process tries the "
-                        "previous one.",
-                        file=sys.stderr,
+                    log.warning(
+                        f"checkpoint {where} is unreadable {causes}; every process tries the previous one."
                     )
                 unreadable.append(step)
                 continue
@@ -472,11 +470,10 @@ class Checkpointer:
             return steps
         listed = [json.loads(text) for text in _allgather_text(json.dumps(steps))]
         if any(other != listed[0] for other in listed):
-            print(
-                "jaxzero: the processes list different checkpoints ("
+            log.warning(
+                "the processes list different checkpoints ("
                 + "; ".join(f"process {i}: {s}" for i, s in enumerate(listed))
-                + "); using process 0's.",
-                file=sys.stderr,
+                + "); using process 0's."
             )
         return listed[0]
 
@@ -522,7 +519,7 @@ class Checkpointer:
                     target = target.with_name(f"{bad}-{stamp}")
                 target.parent.mkdir(exist_ok=True)
                 shutil.move(self.directory / str(bad), target)
-                print(f"jaxzero: moved unreadable checkpoint {bad} to {target}", file=sys.stderr)
+                log.warning(f"moved unreadable checkpoint {bad} to {target}")
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices(f"jaxzero: checkpoints {steps} set aside")
         self.manager.reload()
@@ -540,10 +537,9 @@ class Checkpointer:
         if self.cfg.verify:
             verify_checksums(self.directory / str(step), self._pool)
         if meta.get("layout") != layout:  # allowed: the saved optimizer state is per unit either way
-            print(
-                f"jaxzero: checkpoint {step} was saved by the {meta.get('layout')} trainer; resuming under "
-                f"the {layout} trainer.",
-                file=sys.stderr,
+            log.info(
+                f"checkpoint {step} was saved by the {meta.get('layout')} trainer; resuming under the "
+                f"{layout} trainer."
             )
         check_shapes(self.directory / str(step), meta, abstract_state, run)
 
@@ -678,11 +674,6 @@ def ensure_disk_room(directory: Path, size: int, cfg: CheckpointConfig, saves: i
         )
 
 
-def buffer_bytes(cfg: CheckpointConfig) -> int:
-    """Host RAM a save or a restore takes beyond one unit (`checkpoint.buffer_gib`)."""
-    return int(cfg.buffer_gib * 2**30)
-
-
 def in_flight_bytes(cfg: CheckpointConfig) -> int:
     """Of the buffer, what a save or a restore keeps in flight to or from disk: half of it, at most
     1 GiB; a save holds copies of units the next step updates before the writer has written them in
@@ -807,10 +798,7 @@ def verify_checksums(step_dir: Path, pool: ThreadPoolExecutor) -> None:
     stopped right after the save committed) is restored unverified, with a note."""
     path = step_dir / CHECKSUMS_FILE
     if not path.exists():
-        print(
-            f"jaxzero: checkpoint {step_dir} has no {CHECKSUMS_FILE}; restoring it unverified.",
-            file=sys.stderr,
-        )
+        log.warning(f"checkpoint {step_dir} has no {CHECKSUMS_FILE}; restoring it unverified.")
         return
     try:
         expected = json.loads(path.read_text())

@@ -130,7 +130,7 @@ class FP16Config:
 @dataclass(frozen=True)
 class OffloadConfig:
     """Where state lives, in DeepSpeed's vocabulary: `none` keeps it on the accelerator, `cpu` in host RAM,
-    `auto` lets the planner (`jaxzero.plan.planner`) choose for this model on this machine.
+    `auto` lets the planner (`jaxzero.plan.search`) choose for this model on this machine.
 
     The planner decides only what is left to it: `params` and `optimizer` when `auto`, and with them
     `resident_blocks`, `device_state_units` (when 0) and `two_pass_units` (when -1: it may turn it to 0
@@ -233,6 +233,12 @@ class CheckpointConfig:
     # Host RAM a save or a restore takes beyond one unit's arrays, whatever the model's size: up to
     # 1 GiB in flight to or from disk, the rest for copies of units training reaches before the writer.
     buffer_gib: float = 2.0
+
+
+def buffer_bytes(cfg: CheckpointConfig) -> int:
+    """`checkpoint.buffer_gib` in bytes: the host RAM a save or a restore takes beyond one unit (read
+    by the checkpointer, which keeps to it, and by the memory plan, which counts it)."""
+    return int(cfg.buffer_gib * 2**30)
 
 
 @dataclass(frozen=True)

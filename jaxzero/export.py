@@ -24,10 +24,12 @@ import sys
 from jaxzero import export_dir
 from jaxzero.checkpoint import export_orbax, masters_by_unit
 from jaxzero.config import ConfigError
+from jaxzero.console import to_stderr
 from jaxzero.interop import export_hf
 
 
 def main(argv: list[str] | None = None) -> int:
+    to_stderr()  # the library's messages as `jaxzero: ...` lines
     ap = argparse.ArgumentParser(
         prog="python -m jaxzero.export",
         description=__doc__,

@@ -17,6 +17,7 @@ import sys
 
 from jaxzero.checkpoint import load_masters
 from jaxzero.config import CheckpointError, ConfigError, TrainConfig
+from jaxzero.console import to_stderr
 from jaxzero.data import DataError
 from jaxzero.decode import Generator, Sampling
 from jaxzero.interop import import_hf
@@ -24,6 +25,7 @@ from jaxzero.tokenizer import codec_for
 
 
 def main(argv: list[str] | None = None) -> int:
+    to_stderr()  # the library's messages as `jaxzero: ...` lines
     ap = argparse.ArgumentParser(
         prog="python -m jaxzero.generate",
         description=__doc__,

@@ -23,6 +23,7 @@ pinned host memory, and the accelerator holds three of them at most. Units whose
 and their gradients, and a compute-dtype cast of the largest of them while it computes. Units
 whose state `offload.optimizer=disk` keeps on disk hold it there; host RAM holds `disk_slots`
 buffers of the largest of them.)
+Every element counts `dtype_bytes` of its dtype: float32 4, bfloat16 and float16 2.
 With checkpoints on, a save or a restore, asynchronous or not, adds `checkpoint_bytes` to host RAM:
 the checkpoint buffer (`checkpoint.buffer_gib`), one unit's masters and state (a part is copied
 from the accelerator, or read from disk, whole; `jaxzero.checkpoint`), and `SAVE_WORKING_BYTES`.
@@ -32,57 +33,44 @@ backward transients (`transient_activations`): the larger of the two, or, where 
 the hole the head's leave below the gradient the head returns, both (`backward_phases`); a resident
 run's gradients, and
 those of the units the accelerator updates, take the place of the block inputs as the backward pass
-frees them. A GPU process holds about `GPU_PROCESS_RSS` more of its own.
+frees them. A GPU process holds about `GPU_PROCESS_RSS` more of its own (`host_ram_need`).
 
 Over a mesh of D devices in P processes (`devices`, `processes`), the figures are per process (host
 RAM, pinned) and per device (accelerator): what the ZeRO stage shards divides by D on the
 accelerator and by P on the host; activations divide by D. An array whose first axis does not
 divide by D is whole everywhere (`whole`), counted so.
 
-Where each unit's arrays live comes from the offload plan (`jaxzero.plan`); this module only counts.
+Where each unit's arrays live comes from the offload plan (`jaxzero.plan`); the measured constants
+from `jaxzero.plan.calibration`. This module only counts, and checks counts against capacities it is
+given: what the process's environment and the machine say is read by `jaxzero.runtime`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from fractions import Fraction
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
-from jaxzero.checkpoint import buffer_bytes
-from jaxzero.config import ConfigError, ModelConfig, TrainConfig
+from jaxzero.config import ConfigError, ModelConfig, TrainConfig, buffer_bytes
 from jaxzero.models.sizes import NAMED_SIZES, param_count, unit_param_counts
 from jaxzero.objective import head_pieces
 from jaxzero.plan import OffloadPlan, Tier, UnitKind, UpdateMode, resolve_plan
+from jaxzero.plan.calibration import (
+    CPU_HOST_ALLOWANCE,
+    CPU_STATE_ALLOWANCE,
+    GPU_PROCESS_RSS,
+    POOL_FILL,
+    POOL_FIRST_REGION,
+    POOL_SLACK,
+    SAVE_WORKING_BYTES,
+    GiB,
+)
 
-GiB = 2**30
-PINNED_POOL_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
-MEM_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
-ACCELERATOR_FRACTION = "0.95"  # of each GPU's memory for XLA (`claim_accelerator_memory`)
-PINNED_POOL_DEFAULT_GB = 64  # XLA's GPU client default cap on pinned_host allocations
-OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "lion": 4, "sgd": 4}
-# XLA's pinned pool is a BFC allocator that grows by regions of 2 MiB doubled until one holds the
-# request, each at most what its cap leaves; jaxzero's start-up reservation makes one such region.
-POOL_FIRST_REGION = 2 * 2**20
-# What a GPU process holds in host RAM besides its arrays and pools (the CUDA context, XLA, Python):
-# the RSS of resident runs, whose state is all on the GPU (BENCHMARKS.md, issue 14).
-GPU_PROCESS_RSS = 5 * GiB
-# The start-up reservation asks for this much more than the pinned arrays, so that the region it makes
-# holds them with the allocator's fragmentation; a region filled to the brim (99.4%: BENCHMARKS.md)
-# grew a second one.
-POOL_SLACK = Fraction(1, 50)
-# A run whose pinned arrays fill more of the start-up region than this grows a second region as large
-# (clipped by the cap): regions filled to 99.4% and to 96% by the plan's pinned bytes (the second:
-# llama-20b on one H200) both grew one, the run's pinned peak being a few percent above the count.
-POOL_FILL = Fraction(9, 10)
-# On a CPU backend, where one RAM holds everything, XLA:CPU keeps buffers of its own beside the state.
-CPU_HOST_ALLOWANCE = Fraction(3, 2)
-# Orbax's and TensorStore's working memory during a save or a restore, beside the buffer and the unit
-# it holds: up to 53 MB measured on the CPU (`tests/programs/checkpoint_rss.py`, BENCHMARKS.md).
-SAVE_WORKING_BYTES = 128 * 2**20
-CPU_STATE_ALLOWANCE = Fraction(5, 4)
+# Bytes per element of each dtype a config or a plan names (`dtype_bytes`).
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Arrays of optimizer state per parameter, each of `optimizer.state_dtype` (`optimizer_state_bytes`).
+OPTIMIZER_MOMENTS = {"adamw": 2, "adam": 2, "lion": 1, "sgd": 1}
 
 
 @dataclass(frozen=True)
@@ -108,6 +96,19 @@ class MemoryPlan:
         )
 
 
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of `dtype` ("float32", "bfloat16" or "float16", as `model.compute_dtype`,
+    `optimizer.state_dtype` and a plan's `grad_dtype` name it): 4, 2, 2. The one rule every byte count
+    of jaxzero's state uses."""
+    try:
+        return DTYPE_BYTES[dtype]
+    except KeyError:
+        raise ValueError(
+            f"no byte count for dtype {dtype!r}: jaxzero counts {', '.join(DTYPE_BYTES)}; add it to "
+            "memory.DTYPE_BYTES if it is to be stored"
+        ) from None
+
+
 def checkpoint_bytes(cfg: TrainConfig, largest_unit: int, state: int) -> int:
     """Host RAM a save or a restore adds (0 with checkpoints off): the checkpoint buffer
     (`checkpoint.buffer_gib`) and the largest unit's masters and state (`largest_unit` bytes in this
@@ -117,13 +118,18 @@ def checkpoint_bytes(cfg: TrainConfig, largest_unit: int, state: int) -> int:
     return min(state, buffer_bytes(cfg.checkpoint)) + min(state, largest_unit) + SAVE_WORKING_BYTES
 
 
-def optimizer_state_bytes(cfg: TrainConfig) -> int:
-    """Optimizer state bytes per parameter: AdamW's two moments 8 (4 in bfloat16), Lion's and SGD's
-    momentum 4 (2), plain SGD none."""
-    opt = OPTIMIZER_STATE_BYTES.get(cfg.optimizer.name, 8)
+def optimizer_moments(cfg: TrainConfig) -> int:
+    """Arrays of optimizer state per parameter: AdamW's and Adam's two moments, Lion's and SGD's
+    momentum one, plain SGD (momentum 0) none."""
     if cfg.optimizer.name == "sgd" and cfg.optimizer.momentum == 0:
         return 0
-    return opt // 2 if cfg.optimizer.state_dtype == "bfloat16" else opt
+    return OPTIMIZER_MOMENTS.get(cfg.optimizer.name, 2)
+
+
+def optimizer_state_bytes(cfg: TrainConfig) -> int:
+    """Optimizer state bytes per parameter: `optimizer_moments` in `optimizer.state_dtype` (AdamW 8,
+    4 in bfloat16; Lion and SGD 4, 2; plain SGD none)."""
+    return optimizer_moments(cfg) * dtype_bytes(cfg.optimizer.state_dtype)
 
 
 class Transient(NamedTuple):
@@ -142,8 +148,8 @@ def backward_phases(transient: Transient, head_grad: int = 0) -> int:
     are, so XLA's allocator places them past those; the temporaries' space, freed, is then a hole
     below outputs that are still alive. A block's backward needs its temporaries in one piece: when
     they are larger than that hole they go past the head's outputs, so the GPU must hold the hole,
-    the outputs and the block's temporaries at once (measured: llama-7b at 188,416 tokens on an H100
-    ran out of memory with 28.6 GiB free in total, 15.8 GiB in one piece, for 25.7 GiB)."""
+    the outputs and the block's temporaries at once (BENCHMARKS.md, "2026-11-25 (fourth session): the
+    longest llama-7b sequence on one H100, with and without the activation tier")."""
     head = transient.head + head_grad
     hole = transient.head - transient.head_out
     if transient.block <= hole:
@@ -153,13 +159,13 @@ def backward_phases(transient: Transient, head_grad: int = 0) -> int:
 
 def transient_activations(m: ModelConfig, micro_tokens: int, seq_len: int | None = None) -> Transient:
     """The transient terms of the activation estimate for `micro_tokens` tokens of one micro-batch on
-    one device, fitted to the temporaries XLA compiles for them on an H200 (within 6% for the
-    3.4B-20B Llamas; `scripts/bench_activations.py` prints both): a block's backward holds its q, k, v
-    and their gradients, two more of the width of the hidden state, and four of the MLP's; the
-    head's, the float32 logits and their gradient (of one piece of each sequence where the loss
-    runs in pieces: `objective.head_pieces`, for sequences of `seq_len`, with then the output
+    one device, fitted to the temporaries XLA compiles for them (BENCHMARKS.md, "What a step's
+    transients take on the GPU"; `scripts/bench_activations.py` prints both): a block's backward
+    holds its q, k, v and their gradients, two more of the width of the hidden state, and four of the
+    MLP's; the head's, the float32 logits and their gradient (of one piece of each sequence where the
+    loss runs in pieces: `objective.head_pieces`, for sequences of `seq_len`, with then the output
     projection in float32 and its float32 gradient sum), and the gradient it returns."""
-    compute = 2 if m.compute_dtype == "bfloat16" else 4
+    compute = dtype_bytes(m.compute_dtype)
     kv = m.hidden_size * m.num_kv_heads // m.num_heads
     widths = 2 * (m.hidden_size + 2 * kv) + 2 * m.hidden_size + 4 * m.intermediate_size
     block = micro_tokens * widths * compute
@@ -218,8 +224,7 @@ def plan_memory(
         return ((count - whole_count) // P + whole_count * copies) * nbytes
 
     opt = optimizer_state_bytes(cfg)
-    compute = 2 if m.compute_dtype == "bfloat16" else 4
-    grad = 2 if offload.grad_dtype == "bfloat16" else 4
+    compute, grad = dtype_bytes(m.compute_dtype), dtype_bytes(offload.grad_dtype)
 
     tokens = d.batch_size * d.seq_len // D  # per step and device, all micro-batches
     micro_tokens = tokens // d.grad_accum
@@ -320,29 +325,6 @@ def plan_memory(
     )
 
 
-def _proc_bytes(path: str, key: str) -> int | None:
-    """The `key:` line of a /proc file in kB, as bytes; None where there is none."""
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def host_memory_available() -> int:
-    """Bytes of host RAM available to this process now (MemAvailable), or total RAM if unknown."""
-    available = _proc_bytes("/proc/meminfo", "MemAvailable")
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if available is None else available
-
-
-def process_rss() -> int:
-    """Bytes this process holds in RAM now (VmRSS), or 0 if unknown."""
-    return _proc_bytes("/proc/self/status", "VmRSS") or 0
-
-
 def largest_fitting(
     cfg: TrainConfig, fits: Callable[[MemoryPlan], bool], devices: int = 1, processes: int = 1
 ) -> str | None:
@@ -374,13 +356,24 @@ def _far_from(
     return f" The gap is {need / max(available, 1):.0f}x, more than any setting below closes: {fitting}."
 
 
-def check_host_fits(
-    cfg: TrainConfig, need: MemoryPlan, available: int | None = None, sharing: int = 1
-) -> None:
-    """Raise ConfigError if the host state will not fit in host RAM, of which this process may count
-    on 1/`sharing` (the processes of its run on this host each need as much). Nothing has been
-    allocated yet."""
-    available = (host_memory_available() if available is None else available) // sharing
+def host_ram_need(need: MemoryPlan, cpu_backend: bool, activations: bool = True) -> int:
+    """Bytes of host RAM one process of the run holds: the rule the planner and the CPU check both
+    fit against host RAM. On a GPU, the plan's host bytes and the process itself (`GPU_PROCESS_RSS`).
+    On a CPU backend, where one RAM holds everything, the host state and this process's devices'
+    state with XLA:CPU's and the checkpoint writer's buffers (`CPU_HOST_ALLOWANCE`,
+    `CPU_STATE_ALLOWANCE`), and with `activations` those devices' activations too."""
+    if not cpu_backend:
+        return need.host + GPU_PROCESS_RSS
+    local = need.devices // need.processes
+    state = int(need.host * CPU_HOST_ALLOWANCE + local * need.accelerator_state * CPU_STATE_ALLOWANCE)
+    return state + (local * need.activations if activations else 0)
+
+
+def check_host_fits(cfg: TrainConfig, need: MemoryPlan, available: int, sharing: int = 1) -> None:
+    """Raise ConfigError if the host state will not fit the `available` bytes of host RAM, of which
+    this process may count on 1/`sharing` (the processes of its run on this host each need as much).
+    Nothing has been allocated yet."""
+    available //= sharing
     if need.host > available:
         far = _far_from(cfg, need, need.host, available, lambda p: p.host <= available)
         raise ConfigError(
@@ -407,133 +400,6 @@ def check_host_fits(
                 else "."
             )
         )
-
-
-def pinned_pool_cap_gb(pinned: int) -> int:
-    """The pool jaxzero gives a run of `pinned` bytes when it starts JAX: 25% and 2 GB more, in the
-    GB figure XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB takes (which XLA reads as GiB)."""
-    return -(-pinned * 5 // (4 * 10**9)) + 2
-
-
-def pinned_pool_bytes(pinned: int, local_devices: int = 1, cap: int | None = None) -> int:
-    """Host RAM that XLA's pinned pool takes once `pinned` bytes are reserved in it at start-up, split
-    over `local_devices` (`host_memory.reserve_pinned`): each device's share grows the pool by one
-    region, a power of two from `POOL_FIRST_REGION` up, clipped by what the cap leaves (`cap`, bytes:
-    by default the one `configure_pinned_pool` sets for this `pinned`). The run's pinned arrays then
-    live inside those regions, unless they fill more than `POOL_FILL` of one: then the pool grows a
-    second region as large, as far as the cap lets it."""
-    if not pinned:
-        return 0
-    cap = pinned_pool_cap_gb(pinned) * GiB if cap is None else cap
-    share = -(-pinned_pool_reservation_bytes(pinned) // local_devices)
-    region = POOL_FIRST_REGION
-    while region < share:
-        region *= 2
-    regions = 2 if -(-pinned // local_devices) > POOL_FILL * region else 1
-    return min(local_devices * regions * region, cap)
-
-
-def pinned_pool_cap() -> int | None:
-    """XLA's pinned pool cap in bytes where the environment fixes it (set by the user, or by
-    `configure_pinned_pool`), else None."""
-    value = os.environ.get(PINNED_POOL_ENV)
-    return int(float(value) * GiB) if value else None
-
-
-def pinned_pool_minimum_gb(need: MemoryPlan) -> int:
-    """The smallest pinned pool a run of `need` may have, in GB: its pinned bytes plus 10% and 2 GB."""
-    return -(-need.pinned * 11 // (10 * 10**9)) + 2
-
-
-def configure_pinned_pool(need: MemoryPlan) -> int | None:
-    """Size XLA's pinned host pool for `need` before the GPU backend starts; return the cap in GB.
-
-    XLA's GPU client caps `pinned_host` allocations at `XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB` (64 GB by
-    default) and fails with RESOURCE_EXHAUSTED past it, mid-run. Below the cap the pool grows on demand
-    by regions that double in size, so it can come to hold nearly twice what the run uses. When JAX has
-    not started and the user has not set the variable, it is set here to this run's pool: the need's
-    pinned bytes plus 25% and 2 GB (`pinned_pool_cap_gb`), which also bounds the region the start-up
-    reservation makes (`pinned_pool_bytes`, what `plan_memory` counts). A user-set cap is kept if it is
-    at least the run's minimum (10% and 2 GB over the need); a smaller one, or a running backend whose
-    default cap is too small, is an error that says what to set. (XLA reads the variable in GiB, so each
-    cap holds about 7% more than the GB figures here.)
-    """
-    need_gb = pinned_pool_minimum_gb(need)
-    current = os.environ.get(PINNED_POOL_ENV)
-    if current is not None:
-        if float(current) < need_gb:
-            if current == _pool_set_here.get(PINNED_POOL_ENV):  # an earlier run in this process set it
-                raise ConfigError(
-                    f"this run needs {need_gb} GB of pinned host memory, but this process's pool was "
-                    f"sized to {current} GB for an earlier run ({PINNED_POOL_ENV} was set by jaxzero "
-                    f"then). Run it in a new process, or set {PINNED_POOL_ENV}={need_gb} before JAX starts."
-                )
-            raise ConfigError(
-                f"{PINNED_POOL_ENV}={current} is below the {need_gb} GB of pinned host memory this run needs "
-                f"({need.describe()}). Set {PINNED_POOL_ENV}={need_gb} or unset it."
-            )
-        return int(float(current))
-    if _backends_started():
-        if need_gb <= PINNED_POOL_DEFAULT_GB:
-            return PINNED_POOL_DEFAULT_GB
-        raise ConfigError(
-            f"this run needs {need_gb} GB of pinned host memory, over XLA's default "
-            f"{PINNED_POOL_DEFAULT_GB} GB pool, and JAX has already started its backends. Set "
-            f"{PINNED_POOL_ENV}={need_gb} in the environment before JAX starts (e.g. before the first "
-            "jax.devices() call)."
-        )
-    pool_gb = max(need_gb, pinned_pool_cap_gb(need.pinned))
-    os.environ[PINNED_POOL_ENV] = _pool_set_here[PINNED_POOL_ENV] = str(pool_gb)
-    return pool_gb
-
-
-_pool_set_here: dict[str, str] = {}  # what `configure_pinned_pool` set in this process's environment
-
-
-def pinned_pool_reservation_bytes(pinned: int) -> int:
-    """What the start-up reservation asks of the pool for `pinned` bytes of arrays: `POOL_SLACK` more."""
-    return int(pinned * (1 + POOL_SLACK))
-
-
-def pinned_pool_reservation(need: MemoryPlan, platform: str) -> int:
-    """Bytes an offloaded run allocates (and frees) in XLA's pinned host pool as it initialises: the
-    need's pinned bytes on a GPU; 0 elsewhere (the CPU backend's `pinned_host` memory is plain host
-    memory, with no pool).
-
-    XLA's GPU client grows the pool on demand by regions that double in size, each page-locked as
-    it is created, which stalls the step that creates it for seconds. One allocation of what the
-    run will hold creates the region at start-up instead (a copy of that many bytes: seconds), and
-    the steady state then allocates inside it. The region is capped by the pool's size
-    (`configure_pinned_pool`), and made a little larger than the need (`POOL_SLACK`)."""
-    return pinned_pool_reservation_bytes(need.pinned) if platform == "gpu" else 0
-
-
-def claim_accelerator_memory() -> None:
-    """Before JAX starts its backend: let XLA's GPU allocator take 95% of each GPU's memory instead of
-    its default 75% (35 GiB of an H200 left idle), so that the planner and the run see the card; the
-    rest holds the CUDA context and cuDNN's and NCCL's workspaces. A fraction the user set is kept."""
-    if not _backends_started():
-        os.environ.setdefault(MEM_FRACTION_ENV, ACCELERATOR_FRACTION)
-
-
-def _backends_started() -> bool:
-    """Whether JAX has started its backends (after which XLA's pinned pool cap is fixed)."""
-    try:
-        # Imported here: a private module, so that its move costs this fallback, not jaxzero's import.
-        from jax._src import xla_bridge
-
-        return bool(xla_bridge.backends_are_initialized())
-    except (ImportError, AttributeError):  # private API moved: assume the worst and ask the user
-        return True
-
-
-def accelerator_capacity(device) -> int | None:
-    """Bytes the allocator may use on `device` (a CPU "accelerator" has the host's free RAM), or None
-    where the backend does not say."""
-    if device.platform == "cpu":
-        return host_memory_available()
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    return stats.get("bytes_limit") if stats else None
 
 
 def check_accelerator_fits(cfg: TrainConfig, need: MemoryPlan, capacity: int | None) -> str | None:
@@ -567,28 +433,19 @@ def check_accelerator_fits(cfg: TrainConfig, need: MemoryPlan, capacity: int | N
     return None
 
 
-def _shared(sharing: int) -> str:
-    return f" to each of the {sharing} processes on this host" if sharing > 1 else ""
+def check_cpu_fits(cfg: TrainConfig, need: MemoryPlan, available: int, sharing: int = 1) -> str | None:
+    """On a CPU backend, where the "accelerator" is host RAM too: raise ConfigError if the host's and
+    this process's devices' state (`host_ram_need`) will not fit the `available` bytes of RAM, of
+    which this process may count on 1/`sharing`; return a warning if only the activation estimate
+    does not."""
+    available //= sharing
 
+    def state(p: MemoryPlan) -> int:  # this process's devices are its RAM too
+        return host_ram_need(p, cpu_backend=True, activations=False)
 
-def check_fits(cfg: TrainConfig, need: MemoryPlan, device: Any, sharing: int = 1) -> str | None:
-    """Raise ConfigError if `need` does not fit this machine, with the numbers and what to change;
-    return a warning if only the activation estimate does not. `sharing`: the processes of this run
-    on this host, each needing as much host RAM. On a CPU backend the "accelerator" is host RAM too,
-    so the host's and the device's bytes must fit together."""
-    if device.platform != "cpu":
-        if need.host:
-            check_host_fits(cfg, need, sharing=sharing)
-        return check_accelerator_fits(cfg, need, accelerator_capacity(device))
-    available = host_memory_available() // sharing
-
-    def ram(p: MemoryPlan) -> int:  # this process's devices are its RAM too
-        local = p.devices // p.processes
-        return int(p.host * CPU_HOST_ALLOWANCE + local * p.accelerator_state * CPU_STATE_ALLOWANCE)
-
-    total = ram(need)
+    total = state(need)
     if total > available:
-        far = _far_from(cfg, need, total, available, lambda p: ram(p) <= available)
+        far = _far_from(cfg, need, total, available, lambda p: state(p) <= available)
         raise ConfigError(
             f"{cfg.model.name} with offload.optimizer={cfg.offload.optimizer}, offload.params="
             f"{cfg.offload.params} needs about {total / GiB:.1f} GiB of RAM on this CPU-only machine (host "
@@ -597,7 +454,7 @@ def check_fits(cfg: TrainConfig, need: MemoryPlan, device: Any, sharing: int = 1
             "Otherwise: choose a smaller model, an optimizer with less state (optimizer.name=lion or sgd), "
             "or optimizer.state_dtype=bfloat16."
         )
-    estimate = total + need.activations * need.devices // need.processes  # this process's devices
+    estimate = host_ram_need(need, cpu_backend=True)  # with this process's devices' activations
     if estimate > available:
         return (
             f"warning: estimated use {estimate / GiB:.1f} GiB exceeds the "
@@ -605,3 +462,54 @@ def check_fits(cfg: TrainConfig, need: MemoryPlan, device: Any, sharing: int = 1
             "data.seq_len, or raise data.grad_accum."
         )
     return None
+
+
+def _shared(sharing: int) -> str:
+    return f" to each of the {sharing} processes on this host" if sharing > 1 else ""
+
+
+def pinned_pool_cap_gb(pinned: int) -> int:
+    """The pool jaxzero gives a run of `pinned` bytes when it starts JAX: 25% and 2 GB more, in the
+    GB figure XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB takes (which XLA reads as GiB)."""
+    return -(-pinned * 5 // (4 * 10**9)) + 2
+
+
+def pinned_pool_bytes(pinned: int, local_devices: int = 1, cap: int | None = None) -> int:
+    """Host RAM that XLA's pinned pool takes once `pinned` bytes are reserved in it at start-up, split
+    over `local_devices` (`host_memory.reserve_pinned`): each device's share grows the pool by one
+    region, a power of two from `POOL_FIRST_REGION` up, clipped by what the cap leaves (`cap`, bytes:
+    by default the one `runtime.configure_pinned_pool` sets for this `pinned`). The run's pinned
+    arrays then live inside those regions, unless they fill more than `POOL_FILL` of one: then the
+    pool grows a second region as large, as far as the cap lets it."""
+    if not pinned:
+        return 0
+    cap = pinned_pool_cap_gb(pinned) * GiB if cap is None else cap
+    share = -(-pinned_pool_reservation_bytes(pinned) // local_devices)
+    region = POOL_FIRST_REGION
+    while region < share:
+        region *= 2
+    regions = 2 if -(-pinned // local_devices) > POOL_FILL * region else 1
+    return min(local_devices * regions * region, cap)
+
+
+def pinned_pool_minimum_gb(need: MemoryPlan) -> int:
+    """The smallest pinned pool a run of `need` may have, in GB: its pinned bytes plus 10% and 2 GB."""
+    return -(-need.pinned * 11 // (10 * 10**9)) + 2
+
+
+def pinned_pool_reservation_bytes(pinned: int) -> int:
+    """What the start-up reservation asks of the pool for `pinned` bytes of arrays: `POOL_SLACK` more."""
+    return int(pinned * (1 + POOL_SLACK))
+
+
+def pinned_pool_reservation(need: MemoryPlan, platform: str) -> int:
+    """Bytes an offloaded run allocates (and frees) in XLA's pinned host pool as it initialises: the
+    need's pinned bytes on a GPU; 0 elsewhere (the CPU backend's `pinned_host` memory is plain host
+    memory, with no pool).
+
+    XLA's GPU client grows the pool on demand by regions that double in size, each page-locked as
+    it is created, which stalls the step that creates it for seconds. One allocation of what the
+    run will hold creates the region at start-up instead (a copy of that many bytes: seconds), and
+    the steady state then allocates inside it. The region is capped by the pool's size
+    (`runtime.configure_pinned_pool`), and made a little larger than the need (`POOL_SLACK`)."""
+    return pinned_pool_reservation_bytes(need.pinned) if platform == "gpu" else 0

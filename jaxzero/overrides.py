@@ -16,8 +16,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
+import logging
 import re
-import sys
 import tomllib
 import types
 import typing
@@ -30,6 +30,8 @@ from jaxzero.config import SECTIONS, TOP_LEVEL_KEYS, ConfigError, ModelConfig, T
 from jaxzero.deepspeed import Translation
 from jaxzero.interop import model_config_from_hf
 from jaxzero.models.sizes import named_model_config
+
+log = logging.getLogger(__name__)  # the library speaks through logging (`jaxzero.console`)
 
 
 def _field_types(cls: type) -> dict[str, Any]:
@@ -236,10 +238,7 @@ def split_args(argv: list[str]) -> Arguments:
             )
         key, _, value = arg[2:].partition("=")
         if key in seen:  # the last wins, as scripts that append overrides expect, but not silently
-            print(
-                f"jaxzero: --{key} is given twice ({seen[key]!r}, then {value!r}): using {value!r}.",
-                file=sys.stderr,
-            )
+            log.warning(f"--{key} is given twice ({seen[key]!r}, then {value!r}): using {value!r}.")
         seen[key] = value
         if key == "config":
             preset, preset_path = load_preset(value), value

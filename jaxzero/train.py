@@ -6,8 +6,8 @@ present. `--help` lists every key with its type, default and meaning.
 
 The run directory (`run_dir`, relative to the working directory; printed absolute; without it a new
 `runs/<model.name>-<UTC time>`, printed with the `--run_dir=` that resumes it) receives the
-resolved `config.json`, `metrics.jsonl` (one JSON object per logged step; its fields are listed in the
-README, the offload engine's per-step breakdown in `jaxzero.state.BREAKDOWN`), the same records as
+resolved `config.json`, `metrics.jsonl` (one JSON object per logged step; its fields are listed in
+docs/watching.md, the offload engine's per-step breakdown in `jaxzero.state.BREAKDOWN`), the same records as
 TensorBoard event files under `tensorboard/` (`logging.tensorboard`), a profiler trace of the steps
 `profile.steps` names under `profile/`, Orbax checkpoints under `checkpoints/` and, when the run
 completes, `summary.json`. What happens to a directory that already exists is `jaxzero.run_dir`'s
@@ -61,6 +61,7 @@ from jaxzero.checkpoint import (
     CheckpointWriteError,
 )
 from jaxzero.config import ConfigError, TrainConfig, validate
+from jaxzero.console import to_stderr
 from jaxzero.loop import train
 from jaxzero.outcome import (
     EXIT_CONFIG,
@@ -184,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m jaxzero.train`: train as `argv` (default: the command line) says; returns the exit
     status. Without `argv` the process is the program's own, and after a failure it ends within
     `EXIT_GRACE_S` seconds whatever threads are left (`leave_within`); a caller's argv never ends it."""
+    to_stderr()  # the library's messages as `jaxzero: ...` lines
     program = argv is None
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):

@@ -1,7 +1,7 @@
 """`build_trainer`: a `Trainer` built once from a `TrainConfig`, and the resident trainer.
 
 This is the library API. Offload keys left on `auto` are decided for the mesh's devices by the
-planner (`jaxzero.plan.planner`); the config is then resolved into an offload plan
+planner (`jaxzero.plan.search`); the config is then resolved into an offload plan
 (`jaxzero.plan`), checked against host and accelerator memory (`jaxzero.memory`), and the plan
 picks the trainer: whether weights are resident or streamed from host memory is decided here, when
 the step function is built, never inside it:
@@ -19,7 +19,7 @@ tested against.
 from __future__ import annotations
 
 import dataclasses
-import sys
+import logging
 from functools import partial
 from typing import Any
 
@@ -30,7 +30,7 @@ import optax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from jaxzero import memory, placement
+from jaxzero import memory, placement, runtime
 from jaxzero.config import ConfigError, TrainConfig, resolve_batch, validate
 from jaxzero.deferred import resolved
 from jaxzero.loss_scale import all_finite, init_loss_scale, update_loss_scale
@@ -46,10 +46,13 @@ from jaxzero.optim import (
     split_opt_state,
 )
 from jaxzero.overrides import apply_overrides
-from jaxzero.plan import OffloadPlan, planner, resolve_plan
-from jaxzero.plan.planner import Decision
+from jaxzero.plan import OffloadPlan, resolve_plan, search
+from jaxzero.plan.machine import Machine, detect_machine, gpu_bytes_before_backend
+from jaxzero.plan.report import Decision
 from jaxzero.state import StepMetrics, Trainer, TrainState, abstract_placed, with_checks
 from jaxzero.write_fence import WriteFence
+
+log = logging.getLogger(__name__)  # the library speaks through logging (`jaxzero.console`)
 
 
 def averaged_grads(
@@ -93,7 +96,7 @@ def build_trainer(cfg: TrainConfig | None = None, mesh: Mesh | None = None, **ov
 
     `cfg` defaults to the built-in default run; keyword `overrides` change single keys, with `__` for
     the dot: `build_trainer(model__name="gpt2-tiny", offload__optimizer="cpu")`. Offload keys left on
-    `auto` (the default) are decided here by the planner (`jaxzero.plan.planner`) for the mesh's
+    `auto` (the default) are decided here by the planner (`jaxzero.plan.search`) for the mesh's
     devices, and `trainer.config` is the decided config. Nothing is allocated or compiled here;
     `trainer.init` and the first `trainer.step` do that. A run that cannot fit in host or accelerator
     memory fails here with the numbers (`jaxzero.memory`, or the planner's refusal). The trainer's
@@ -110,7 +113,7 @@ def decide_and_build(cfg: TrainConfig, mesh: Mesh | None = None) -> tuple[Traine
     `cfg` names its placement itself): `python -m jaxzero.train` prints the decision's table."""
     validate(cfg)
     if mesh is None:  # before the first backend call, if this is it: XLA fixes its pools then
-        memory.claim_accelerator_memory()
+        runtime.claim_accelerator_memory()
         _size_pinned_pool(_one_device_batch(cfg))
     mesh = mesh if mesh is not None else placement.make_mesh()
     cfg = resolve_batch(cfg, mesh.size)
@@ -121,30 +124,27 @@ def decide_and_build(cfg: TrainConfig, mesh: Mesh | None = None) -> tuple[Traine
     shapes = jax.eval_shape(build_model(cfg.model).init, jax.random.key(0))
     whole = placement.whole_params(shapes, mesh.size)
     decision = None
-    if not planner.concrete(cfg):
-        machine = planner.detect_machine(
-            cfg, device, devices=mesh.size, processes=processes, local_processes=sharing
-        )
-        decision = planner.decide(cfg, _agreed(machine), whole)
+    if not search.concrete(cfg):
+        machine = detect_machine(cfg, device, devices=mesh.size, processes=processes, local_processes=sharing)
+        decision = search.decide(cfg, _agreed(machine), whole)
         cfg = decision.config
     plan = resolve_plan(cfg)
     need = memory.plan_memory(
-        cfg, plan, devices=mesh.size, processes=processes, whole=whole, pool_cap=memory.pinned_pool_cap()
+        cfg, plan, devices=mesh.size, processes=processes, whole=whole, pool_cap=runtime.pinned_pool_cap()
     )
     unsplit = whole[0] + cfg.model.num_layers * whole[1] + whole[2]
     if mesh.size > 1 and (plan.zero_stage or plan.host_update) and unsplit > 0.1 * param_count(cfg.model):
-        print(
-            f"jaxzero: warning: on {mesh.size} devices {unsplit / param_count(cfg.model):.0%} of the "
+        log.warning(
+            f"warning: on {mesh.size} devices {unsplit / param_count(cfg.model):.0%} of the "
             "parameters are in arrays whose first axis does not divide by the device count, so every "
             "device (and process) keeps them whole; a device count dividing model.hidden_size, "
-            "model.intermediate_size and model.vocab_size splits them.",
-            file=sys.stderr,
+            "model.intermediate_size and model.vocab_size splits them."
         )
     if plan.host_update is not None:  # this process's share (a no-op if the pool was sized above)
-        memory.configure_pinned_pool(need)
-    warning = memory.check_fits(cfg, need, device, sharing=sharing)
+        runtime.configure_pinned_pool(need)
+    warning = runtime.check_fits(cfg, need, device, sharing=sharing)
     if warning:
-        print(f"jaxzero: {warning}", file=sys.stderr)
+        log.warning(warning)
     if plan.host_update is not None:
         reserve = memory.pinned_pool_reservation(need, device.platform)
         trainer = build_offload_trainer(cfg, mesh, plan=plan, pinned_reserve=reserve)
@@ -153,7 +153,7 @@ def decide_and_build(cfg: TrainConfig, mesh: Mesh | None = None) -> tuple[Traine
     return with_checks(trainer), decision
 
 
-def _agreed(machine: planner.Machine) -> planner.Machine:
+def _agreed(machine: Machine) -> Machine:
     """`machine` with each figure a process may see differently (free memory, cores) at its least
     over the run's processes, per process: every process then decides the same placement. (A
     collective with several processes: every process calls it.)"""
@@ -196,22 +196,22 @@ def _one_device_batch(cfg: TrainConfig) -> TrainConfig:
 
 
 def _size_pinned_pool(cfg: TrainConfig) -> None:
-    """Size XLA's pinned host pool before JAX starts (`memory.configure_pinned_pool`): for the
+    """Size XLA's pinned host pool before JAX starts (`runtime.configure_pinned_pool`): for the
     offload plan `cfg` names, its whole need (which bounds any process's share); for one the
     planner will decide once it sees the devices, the need of the placement it decides for the GPU
     it will see, where that can be told before JAX starts (`machine.gpu_gib`, or one GPU that
     `nvidia-smi` reports), else the largest pinned need among the placements it may choose. (A pool
     sized for the largest may grow far past what the decided placement pins: the plan counts it.)"""
-    if planner.concrete(cfg):
+    if search.concrete(cfg):
         plan = resolve_plan(cfg)
         if plan.host_update is not None:
-            memory.configure_pinned_pool(memory.plan_memory(cfg, plan))
+            runtime.configure_pinned_pool(memory.plan_memory(cfg, plan))
         return
-    largest = _decided_before_backend(cfg) or planner.largest_pinned_need(cfg)
+    largest = _decided_before_backend(cfg) or search.largest_pinned_need(cfg)
     if largest is None or not largest.pinned:
         return
     try:
-        memory.configure_pinned_pool(largest)
+        runtime.configure_pinned_pool(largest)
     except ConfigError:
         # A pool fixed already (by the user, or a running backend) may still hold the placement
         # decided: the planner counts its cap, and the decided need is checked against it below.
@@ -220,17 +220,17 @@ def _size_pinned_pool(cfg: TrainConfig) -> None:
 
 def _decided_before_backend(cfg: TrainConfig) -> memory.MemoryPlan | None:
     """The memory plan of the placement the planner decides for `cfg` on the GPU `machine.gpu_gib`
-    names or `planner.gpu_bytes_before_backend` finds, without starting JAX; None where neither tells
+    names or `machine.gpu_bytes_before_backend` finds, without starting JAX; None where neither tells
     the GPU, nothing is offloaded, or the planner refuses (the run's own decision then says why)."""
     gib = cfg.machine.gpu_gib
     if not gib:
-        found = planner.gpu_bytes_before_backend()
+        found = gpu_bytes_before_backend()
         if found is None:
             return None
         gib = found / memory.GiB
     sized = dataclasses.replace(cfg, machine=dataclasses.replace(cfg.machine, gpu_gib=gib))
     try:
-        decision = planner.decide(sized, planner.detect_machine(sized, pool_fixed=False))
+        decision = search.decide(sized, detect_machine(sized, pool_fixed=False))
     except ConfigError:
         return None
     return decision.memory if decision.memory.pinned else None

@@ -15,7 +15,7 @@ Cases
            resident, zero-offload (offload.optimizer=cpu), zero3-offload (+ offload.params=cpu)
 
 FLOP accounting: "TFLOP/s (8N)" counts 8 x params x tokens (forward, recomputed forward, backward), the
-figure the DeepSpeed comparison in shared/design/measurements.md uses; "model TFLOP/s" is jaxzero's
+figure BENCHMARKS.md's DeepSpeed comparisons use; "model TFLOP/s" is jaxzero's
 metrics accounting (6 x matmul params + attention, no recompute). The link bound for streaming is
 2 x (streamed bf16 bytes) / measured host-to-device bandwidth.
 """
@@ -258,12 +258,14 @@ def run_step_case(case: str, args) -> dict:
 def _predicted(trainer) -> dict:
     import jax
 
-    from jaxzero import memory, placement
+    from jaxzero import memory, placement, runtime
     from jaxzero.models import build_model
-    from jaxzero.plan import planner
+    from jaxzero.plan.calibration import GPU_PROCESS_RSS
+    from jaxzero.plan.cost import predict
+    from jaxzero.plan.machine import detect_machine
 
     mesh = trainer.mesh
-    machine = planner.detect_machine(
+    machine = detect_machine(
         trainer.config,
         mesh.local_devices[0],
         devices=mesh.size,
@@ -277,15 +279,15 @@ def _predicted(trainer) -> dict:
         devices=mesh.size,
         processes=placement.process_count(mesh),
         whole=placement.whole_params(shapes, mesh.size),
-        pool_cap=memory.pinned_pool_cap(),
+        pool_cap=runtime.pinned_pool_cap(),
     )
-    own = memory.GPU_PROCESS_RSS if mesh.local_devices[0].platform == "gpu" else 0
+    own = GPU_PROCESS_RSS if mesh.local_devices[0].platform == "gpu" else 0
     return {
         "plan_gpu_gib": (need.accelerator_state + need.activations) / 2**30,
         # the process's RSS: its arrays and pools, and what a GPU process holds of its own
         "plan_host_gib": (need.host + own) / 2**30,
         # The planner's cost model for the same placement on the machine it detects (or machine.*).
-        "plan_step_s": planner.predict(trainer.config, trainer.plan, machine).step_s,
+        "plan_step_s": predict(trainer.config, trainer.plan, machine).step_s,
         "plan": trainer.plan.describe(trainer.config.optimizer.name, f"{mesh.size} devices"),
     }
 

@@ -354,7 +354,7 @@ def test_a_save_and_a_restore_take_the_buffer_and_one_unit_of_host_ram_whatever_
     restore into a state the trainer can step (against a fresh state's RSS) each add at most what the
     plan counts for them (`memory.checkpoint_bytes`: the buffer, one unit, Orbax's working memory),
     a fraction of the state."""
-    from jaxzero.memory import SAVE_WORKING_BYTES
+    from jaxzero.plan.calibration import SAVE_WORKING_BYTES
 
     run = [*RSS_RUN, f"--offload.disk_path={tmp_path / 'disk'}"]
 
@@ -477,11 +477,11 @@ def test_saves_in_quick_succession_each_get_their_checksums(tmp_path):
     ckpt.close()
 
 
-def test_every_part_of_a_checkpoint_falls_back_the_same_way(tmp_path, capsys):
+def test_every_part_of_a_checkpoint_falls_back_the_same_way(tmp_path, caplog):
     cfg, trainer, ckpt = two_checkpoints(tmp_path)
     (ckpt.directory / "2" / "meta" / "metadata").unlink()  # the metadata gone
     restored = ckpt.restore_latest(trainer.abstract_saved_state(), trainer.layout, cfg)
-    assert restored.step == 1 and "unreadable metadata" in capsys.readouterr().err
+    assert restored.step == 1 and "unreadable metadata" in caplog.text
 
     # A data-loader state the data cannot take: the checkpoint is set aside too.
     def bad_loader(meta):

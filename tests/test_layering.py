@@ -100,7 +100,20 @@ def test_the_directions_of_the_layers():
         # The plan's resolution is below the memory check; the planner, which counts each placement's
         # memory, is above it (and below the engines), and `python -m jaxzero.plan` is a program.
         "jaxzero.plan": {"jaxzero.offload", "jaxzero.placement", "jaxzero.memory", "jaxzero.trainer"},
-        "jaxzero.plan.planner": {"jaxzero.offload", "jaxzero.placement", "jaxzero.trainer"},
+        **{
+            f"jaxzero.plan.{m}": {"jaxzero.offload", "jaxzero.placement", "jaxzero.trainer"}
+            for m in ("machine", "cost", "candidates", "search", "report")
+        },
+        # The calibration is data; the memory plan only counts: no Orbax, no process environment, no
+        # engine.
+        "jaxzero.plan.calibration": {"jaxzero"},
+        "jaxzero.memory": {
+            "jaxzero.checkpoint",
+            "jaxzero.runtime",
+            "jaxzero.offload",
+            "jaxzero.trainer",
+            "jaxzero.decode",
+        },
     }
     edges = graph()
     for layer, names in forbidden.items():

@@ -5,10 +5,11 @@ import os
 import jax
 import pytest
 
-from jaxzero import memory
+from jaxzero import memory, runtime
 from jaxzero.config import ConfigError, TrainConfig
 from jaxzero.models.sizes import param_count, unit_param_counts
 from jaxzero.overrides import apply_overrides
+from jaxzero.plan.calibration import SAVE_WORKING_BYTES
 
 GiB = 2**30
 RESIDENT = {"offload.optimizer": "none", "offload.params": "none"}
@@ -30,7 +31,7 @@ def test_plan_counts_bytes_per_parameter():
     accum = memory.plan_memory(cfg(checkpoint__enabled="false", data__grad_accum="2"))
     assert accum.accelerator_state == 16 * n  # float32 sums over several micro-batches
     # A save (asynchronous or not) or a restore: the checkpoint buffer and one unit's masters + AdamW.
-    buffer, unit = 2 * GiB + memory.SAVE_WORKING_BYTES, 12 * max(e, b, h)
+    buffer, unit = 2 * GiB + SAVE_WORKING_BYTES, 12 * max(e, b, h)
     assert memory.plan_memory(cfg()).host == buffer + unit
     assert memory.plan_memory(cfg(checkpoint__async_save="false")).host == buffer + unit
     assert memory.plan_memory(cfg(checkpoint__buffer_gib="0.5")).host == buffer - 3 * GiB // 2 + unit
@@ -96,9 +97,9 @@ def test_units_with_state_on_the_accelerator_move_their_bytes_there():
     # the model's size: arrays are written from where they live, no copy of the state.
     for mode in ("true", "false"):
         saving = dict(**base, offload__device_state_units="3", checkpoint__async_save=mode)
-        assert memory.plan_memory(
-            cfg(**saving)
-        ).host - mixed.host == 2 * GiB + memory.SAVE_WORKING_BYTES + 12 * max(e, b, h)
+        assert memory.plan_memory(cfg(**saving)).host - mixed.host == 2 * GiB + SAVE_WORKING_BYTES + 12 * max(
+            e, b, h
+        )
 
 
 def test_block_inputs_in_pinned_host_leave_three_on_the_accelerator():
@@ -139,17 +140,17 @@ def test_accelerator_too_small_is_refused_with_a_hint():
 def test_pinned_pool_is_sized_or_the_user_is_told(monkeypatch):
     big = memory.MemoryPlan(host=0, pinned=100 * 10**9, accelerator_state=0, activations=0)
     small = memory.MemoryPlan(host=0, pinned=10 * 10**9, accelerator_state=0, activations=0)
-    monkeypatch.delenv(memory.PINNED_POOL_ENV, raising=False)
+    monkeypatch.delenv(runtime.PINNED_POOL_ENV, raising=False)
     jax.devices()  # the backend is running, as it is in any session that already used JAX
-    assert memory.configure_pinned_pool(small) == memory.PINNED_POOL_DEFAULT_GB
+    assert runtime.configure_pinned_pool(small) == runtime.PINNED_POOL_DEFAULT_GB
     # Raising the cap after the backend started is impossible: the error says what to set.
     with pytest.raises(ConfigError, match=r"needs 112 GB of pinned host memory.*_MEMORY_LIMIT_GB=112 in"):
-        memory.configure_pinned_pool(big)
-    monkeypatch.setenv(memory.PINNED_POOL_ENV, "80")
+        runtime.configure_pinned_pool(big)
+    monkeypatch.setenv(runtime.PINNED_POOL_ENV, "80")
     with pytest.raises(ConfigError, match="XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=80 is below the 112 GB"):
-        memory.configure_pinned_pool(big)
-    monkeypatch.setenv(memory.PINNED_POOL_ENV, "120")
-    assert memory.configure_pinned_pool(big) == 120
+        runtime.configure_pinned_pool(big)
+    monkeypatch.setenv(runtime.PINNED_POOL_ENV, "120")
+    assert runtime.configure_pinned_pool(big) == 120
 
 
 def test_the_pinned_pool_is_grown_at_start_on_gpus_only():
@@ -165,18 +166,18 @@ def test_pinned_pool_is_capped_at_the_plan_when_jaxzero_starts_the_backend(monke
     """Before JAX starts, the cap is set to the run's pool (plan + 25% + 2 GB) even under XLA's 64 GB
     default, so that the pool's doubling regions cannot hold more than the plan allows."""
     plan = memory.MemoryPlan(host=0, pinned=20 * 10**9, accelerator_state=0, activations=0)
-    monkeypatch.setattr(memory, "_backends_started", lambda: False)
-    monkeypatch.setattr(memory, "_pool_set_here", {})
-    monkeypatch.delenv(memory.PINNED_POOL_ENV, raising=False)
-    assert memory.configure_pinned_pool(plan) == 27  # 1.25 x 20 + 2 (the minimum is 1.1 x 20 + 2 = 24)
-    assert os.environ[memory.PINNED_POOL_ENV] == "27"
+    monkeypatch.setattr(runtime, "_backends_started", lambda: False)
+    monkeypatch.setattr(runtime, "_pool_set_here", {})
+    monkeypatch.delenv(runtime.PINNED_POOL_ENV, raising=False)
+    assert runtime.configure_pinned_pool(plan) == 27  # 1.25 x 20 + 2 (the minimum is 1.1 x 20 + 2 = 24)
+    assert os.environ[runtime.PINNED_POOL_ENV] == "27"
     # A second, larger run in the same process meets the pool sized for the first: it is told so.
     big = memory.MemoryPlan(host=0, pinned=40 * 10**9, accelerator_state=0, activations=0)
     with pytest.raises(ConfigError, match=r"sized to 27 GB for an earlier run.*in a new process"):
-        memory.configure_pinned_pool(big)
-    assert memory.configure_pinned_pool(plan) == 27  # one that fits uses it
-    monkeypatch.setenv(memory.PINNED_POOL_ENV, "40")  # a user's cap that is enough stands
-    assert memory.configure_pinned_pool(plan) == 40
+        runtime.configure_pinned_pool(big)
+    assert runtime.configure_pinned_pool(plan) == 27  # one that fits uses it
+    monkeypatch.setenv(runtime.PINNED_POOL_ENV, "40")  # a user's cap that is enough stands
+    assert runtime.configure_pinned_pool(plan) == 40
 
 
 def test_bf16_moments_cut_host_state_from_12_to_8_bytes_per_parameter():
@@ -202,7 +203,7 @@ def test_zero_stages_divide_the_plan_per_device_and_per_process():
     offload = {"offload.optimizer": "cpu", "offload.params": "cpu"}
     one, two = plan(1, 1, **offload), plan(2, 2, **offload)
     # the pool is by regions; a checkpoint's buffer is per process, whatever its share
-    state = lambda p: p.host - memory.pinned_pool_bytes(p.pinned) - 2 * GiB - memory.SAVE_WORKING_BYTES  # noqa: E731
+    state = lambda p: p.host - memory.pinned_pool_bytes(p.pinned) - 2 * GiB - SAVE_WORKING_BYTES  # noqa: E731
     assert state(two) == pytest.approx(state(one) / 2, rel=1e-6)
     assert two.pinned == pytest.approx(one.pinned / 2, rel=1e-6)
     assert two.activations < one.activations

@@ -103,9 +103,15 @@ def test_parse_error_messages(args, message):
     assert message in str(e.value)
 
 
-def test_a_key_given_twice_takes_the_last_value_and_says_so(capsys):
+def test_a_key_given_twice_takes_the_last_value_and_says_so(caplog, capsys):
+    """The library says so through logging (`jaxzero.overrides`); the programs show it on stderr."""
     assert parse_args(["--steps=10", "--steps=20"]).steps == 20
-    assert "--steps is given twice ('10', then '20'): using '20'." in capsys.readouterr().err
+    assert "--steps is given twice ('10', then '20'): using '20'." in caplog.text
+    assert capsys.readouterr().err == ""  # a library prints nothing of its own
+    from jaxzero.plan.__main__ import main as plan_main  # a program: its messages on stderr
+
+    assert plan_main(["--steps=10", "--steps=20"]) == 0
+    assert "jaxzero: --steps is given twice ('10', then '20'): using '20'." in capsys.readouterr().err
 
 
 def test_bad_toml(tmp_path):

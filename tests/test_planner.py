@@ -10,16 +10,19 @@ import jax
 import numpy as np
 import pytest
 
-from jaxzero import memory, placement
+from jaxzero import memory, placement, runtime
 from jaxzero import trainer as trainer_lib
 from jaxzero.config import ConfigError, TrainConfig, validate
 from jaxzero.data import build_data
 from jaxzero.memory import GiB, plan_memory
 from jaxzero.models.sizes import unit_param_counts
 from jaxzero.overrides import apply_overrides
-from jaxzero.plan import Tier, planner, resolve_plan
+from jaxzero.plan import Tier, resolve_plan, search
 from jaxzero.plan.__main__ import main as plan_main
-from jaxzero.plan.planner import H200, Machine, concrete, decide, detect_machine, predict
+from jaxzero.plan.calibration import CUDA_CONTEXT_BYTES, GPU_PROCESS_RSS, SAVE_WORKING_BYTES
+from jaxzero.plan.cost import predict
+from jaxzero.plan.machine import H200, Machine, detect_machine, gpu_bytes_before_backend
+from jaxzero.plan.search import concrete, decide
 from jaxzero.trainer import build_trainer
 
 BENCH = {"model.name": "llama-3.4b-bench", "data.seq_len": "2048", "data.batch_size": "8"}
@@ -74,7 +77,7 @@ def test_two_pass_updates_are_turned_off_when_only_that_fits():
     assert decide(cfg(), h200(30, 50)).config.offload.two_pass_units == -1
     d = decide(cfg(), h200(30, 40))
     assert d.config.offload.two_pass_units == 0 and "offload.two_pass_units=0" in d.decided
-    assert d.memory.host + memory.GPU_PROCESS_RSS <= 0.95 * 40 * GiB
+    assert d.memory.host + GPU_PROCESS_RSS <= 0.95 * 40 * GiB
     assert d.plan.host_update.two_pass.max_units == 0
     # Asked for explicitly, adaptive two-pass updates stay: the explicit placement does not fit.
     with pytest.raises(ConfigError, match="as configured"):
@@ -113,7 +116,7 @@ def test_a_checkpoint_costs_its_buffer_and_one_unit_in_either_mode():
     assert on.memory.host == blocking.memory.host
     unit = 12 * max(unit_param_counts(on.config.model))  # masters + AdamW of the largest unit
     state = lambda d: d.memory.host - memory.pinned_pool_bytes(d.memory.pinned)  # noqa: E731
-    assert state(on) - state(off) == 2 * GiB + memory.SAVE_WORKING_BYTES + unit
+    assert state(on) - state(off) == 2 * GiB + SAVE_WORKING_BYTES + unit
 
 
 def test_explicit_settings_are_honoured():
@@ -182,13 +185,15 @@ def test_refusal_says_what_was_needed_and_what_would_fit():
 
 def test_cost_model_matches_the_measured_steps():
     """The model against BENCHMARKS.md's steps on one H200 (the defaults' box), within 20%: a fixed
-    tolerance, documented in `jaxzero.plan.planner`. Each case is (overrides, measured s/step)."""
+    tolerance, documented in `jaxzero.plan.cost`. Each case is (overrides, measured s/step)."""
     machine = detect_machine(
         cfg(**{"machine.gpu_gib": "139", "machine.host_gib": "125", "machine.cores": "16"})
     )
     assert (machine.h2d, machine.host_bw, machine.gpu_flops) == (H200.link, H200.host_bw, H200.flops)
     big = {"data.batch_size": "16"}
     bf16_7b = {"model.name": "llama-7b", "optimizer.state_dtype": "bfloat16", "offload.two_pass_units": "0"}
+    # Each case's measurement and its source: BENCHMARKS.md, "Calibration: the cost model against
+    # measured steps".
     cases = [
         (RESIDENT, 0.774),  # issue 2
         (ZERO_OFFLOAD, 1.20),  # 1.15-1.25 s, issue 4's repeat runs
@@ -196,10 +201,10 @@ def test_cost_model_matches_the_measured_steps():
         ({**ZERO3, "offload.two_pass_units": "0"}, 1.34),  # one pass: 1.28-1.39 s
         ({**ZERO3, "offload.update": "delayed"}, 0.84),  # 0.815-0.863 s
         ({**ZERO3, "optimizer.grad_clip": "0"}, 1.029),  # issue 13, one GPU without clipping
-        ({**RESIDENT, **big}, 1.455),  # 32K tokens, measurements.md
+        ({**RESIDENT, **big}, 1.455),  # 32K tokens
         ({**ZERO3, **big}, 1.762),
         ({**ZERO_OFFLOAD, **big}, 1.723),
-        ({**ZERO3, **big, **bf16_7b}, 3.55),  # the 6.7B model, measurements.md
+        ({**ZERO3, **big, **bf16_7b}, 3.55),  # the 6.7B model
         ({**ZERO3, **bf16_7b}, 2.769),  # at 16K tokens, issue 4
         ({**RESIDENT, **big, "model.name": "llama-7b"}, 2.89),
     ]
@@ -243,13 +248,13 @@ def test_the_bottleneck_is_named():
 
 
 def test_the_pinned_pool_sized_before_jax_starts_holds_any_choice():
-    largest = planner.largest_pinned_need(cfg())
+    largest = search.largest_pinned_need(cfg())
     # ZeRO-3 offload with the block inputs in pinned memory: what pins the most
     most = cfg(**ZERO3, **{"offload.activations": "cpu"})
     assert largest is not None and largest.pinned == plan_memory(most).pinned
     for gpu in (60, 14):
         assert decide(cfg(), h200(gpu)).memory.pinned <= largest.pinned
-    assert planner.largest_pinned_need(cfg(**{"offload.optimizer": "none"})) is None
+    assert search.largest_pinned_need(cfg(**{"offload.optimizer": "none"})) is None
 
 
 def test_a_fixed_pinned_pool_is_a_limit():
@@ -327,7 +332,7 @@ def test_build_trainer_leaves_an_explicit_placement_to_the_memory_check(monkeypa
     def no_planner(*args, **kwargs):
         raise AssertionError("the planner ran for an explicit placement")
 
-    monkeypatch.setattr(planner, "decide", no_planner)
+    monkeypatch.setattr(search, "decide", no_planner)
     trainer = build_trainer(tiny(**ZERO3), placement.make_mesh(jax.devices()[:1]))
     assert trainer.plan.mode == "ZeRO-3 offload"
 
@@ -354,7 +359,7 @@ def test_the_disk_tier_takes_the_fewest_last_units_only_where_nothing_else_fits(
         d.config, offload=dataclasses.replace(d.config.offload, disk_units=len(disk) - 1)
     )
     need = plan_memory(fewer, resolve_plan(fewer))
-    assert need.host + memory.GPU_PROCESS_RSS > box.host_usable
+    assert need.host + GPU_PROCESS_RSS > box.host_usable
     # A model that fits without the disk never uses it, whatever disk there is, and a disk path
     # given for the planner to use goes unused.
     assert not decide(cfg(), dataclasses.replace(h200(40), disk_bytes=64 * GiB)).plan.disk_units
@@ -364,7 +369,7 @@ def test_the_disk_tier_takes_the_fewest_last_units_only_where_nothing_else_fits(
     # Saves and restores read the disk units one at a time: with checkpoints on, the disk keeps them.
     on = dataclasses.replace(c, checkpoint=dataclasses.replace(c.checkpoint, enabled=True))
     saving = decide(on, dataclasses.replace(box, disk_bytes=64 * GiB))
-    assert saving.plan.disk_units and saving.memory.host + memory.GPU_PROCESS_RSS <= box.host_usable
+    assert saving.plan.disk_units and saving.memory.host + GPU_PROCESS_RSS <= box.host_usable
 
 
 def test_the_pinned_pool_is_sized_for_the_placement_decided_before_jax_starts(tmp_path, monkeypatch):
@@ -376,15 +381,15 @@ def test_the_pinned_pool_is_sized_for_the_placement_decided_before_jax_starts(tm
     smi.write_text("#!/bin/sh\necho '0, GPU-5f3a0c, 143771'\necho '1, GPU-77e1b2, 81559'\n")
     smi.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
-    monkeypatch.setenv(memory.MEM_FRACTION_ENV, "0.95")
+    monkeypatch.setenv(runtime.MEM_FRACTION_ENV, "0.95")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    monkeypatch.delenv(memory.PINNED_POOL_ENV, raising=False)  # not fixed yet, as before JAX starts
-    assert planner.gpu_bytes_before_backend() is None  # two GPUs visible: the mesh decides
+    monkeypatch.delenv(runtime.PINNED_POOL_ENV, raising=False)  # not fixed yet, as before JAX starts
+    assert gpu_bytes_before_backend() is None  # two GPUs visible: the mesh decides
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-77e1")
-    assert planner.gpu_bytes_before_backend() == int((81559 * 2**20 - planner.CUDA_CONTEXT_BYTES) * 0.95)
+    assert gpu_bytes_before_backend() == int((81559 * 2**20 - CUDA_CONTEXT_BYTES) * 0.95)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
-    h200_bytes = int((143771 * 2**20 - planner.CUDA_CONTEXT_BYTES) * 0.95)
-    assert planner.gpu_bytes_before_backend() == h200_bytes
+    h200_bytes = int((143771 * 2**20 - CUDA_CONTEXT_BYTES) * 0.95)
+    assert gpu_bytes_before_backend() == h200_bytes
     assert abs(h200_bytes / GiB - 132.8) < 0.05  # what XLA's allocator gave the H200 at 0.95
 
     lean = {"model.name": "llama-20b", "data.batch_size": "16", "optimizer.state_dtype": "bfloat16",
@@ -394,9 +399,9 @@ def test_the_pinned_pool_is_sized_for_the_placement_decided_before_jax_starts(tm
     on_gpu = dataclasses.replace(c, machine=dataclasses.replace(c.machine, gpu_gib=h200_bytes / GiB))
     decided = decide(on_gpu, detect_machine(on_gpu, pool_fixed=False))
     assert need == decided.memory and decided.plan.device_state_units > 0
-    assert need.pinned < planner.largest_pinned_need(c).pinned / 3
+    assert need.pinned < search.largest_pinned_need(c).pinned / 3
     # With the pool capped for it, the run's own decision (its backend running) is the same one.
-    monkeypatch.setenv(memory.PINNED_POOL_ENV, str(memory.pinned_pool_cap_gb(need.pinned)))
+    monkeypatch.setenv(runtime.PINNED_POOL_ENV, str(memory.pinned_pool_cap_gb(need.pinned)))
     assert decide(on_gpu, detect_machine(on_gpu)).decided == decided.decided
     # No GPU to be told of: the largest need sizes it, as before.
     monkeypatch.setenv("PATH", str(tmp_path / "none"))

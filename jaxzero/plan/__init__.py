@@ -219,12 +219,12 @@ class OffloadPlan:
 def resolve_plan(cfg: TrainConfig) -> OffloadPlan:
     """The plan of `cfg`, whose fields each hold a valid value (`validate` checks the combinations;
     this reads the config and the host's core count, nothing else). `auto` settings must have been
-    decided first (`jaxzero.plan.planner.decide`; `build_trainer` does)."""
+    decided first (`jaxzero.plan.search.decide`; `build_trainer` does)."""
     o, m = cfg.offload, cfg.model
     if "auto" in (o.params, o.optimizer):
         raise ValueError(
             f"resolve_plan needs decided offload settings (offload.params={o.params}, offload.optimizer="
-            f"{o.optimizer}): decide them with jaxzero.plan.planner.decide(cfg, machine) first "
+            f"{o.optimizer}): decide them with jaxzero.plan.search.decide(cfg, machine) first "
             "(build_trainer does), or set both explicitly."
         )
     num_layers = m.num_layers

@@ -2,7 +2,7 @@
 state would live.
 
 Takes the arguments of `python -m jaxzero.train` (the same parsing, presets and checks) and prints
-what the planner (`jaxzero.plan.planner`) decides for that run on this machine, or on the machine
+what the planner (`jaxzero.plan.search`) decides for that run on this machine, or on the machine
 `--machine.*` describes: every unit's tier, memory against capacity, the predicted step and its
 bottleneck, and the figures it used. It allocates nothing on any accelerator. With
 `--machine.gpu_gib` it starts no JAX backend at all (a GPU of that size, one device); without it, it
@@ -21,15 +21,18 @@ from __future__ import annotations
 import os
 import sys
 
-from jaxzero import deepspeed, memory
+from jaxzero import deepspeed, runtime
 from jaxzero.config import ConfigError, TrainConfig, resolve_batch, validate
+from jaxzero.console import to_stderr
 from jaxzero.overrides import help_text, layer, split_args
-from jaxzero.plan.planner import decide, detect_machine
+from jaxzero.plan.machine import detect_machine
+from jaxzero.plan.search import decide
 
 EXIT_CONFIG = 2
 
 
 def main(argv: list[str] | None = None) -> int:
+    to_stderr()  # the library's messages as `jaxzero: ...` lines
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__ + help_text())
@@ -45,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
             # Reading a device's memory must not take it: no preallocation in this process (set
             # before JAX starts its backend, below).
             os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-            memory.claim_accelerator_memory()  # the run's share of the card, as the trainer sets it
+            runtime.claim_accelerator_memory()  # the run's share of the card, as the trainer sets it
             devices = _device_count()
         if layered.deepspeed is not None:  # the file's batch keys, refused in its words for these devices
             deepspeed.check(layered.deepspeed, cfg, devices)

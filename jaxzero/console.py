@@ -1,0 +1,30 @@
+"""How the library speaks: through Python's `logging`, under the `jaxzero` logger (`jaxzero.trainer`,
+`jaxzero.checkpoint`, ...), never by printing. A researcher embedding jaxzero silences or captures it
+as any library (`logging.getLogger("jaxzero").setLevel(logging.ERROR)`); without configuration,
+Python shows its warnings on stderr. The programs (`python -m jaxzero.train` and the others) call
+`to_stderr`, so that their users read each message as one `jaxzero: ...` line."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+
+class _Line(logging.Handler):
+    """Each record as `jaxzero: <message>` on the stderr of the moment (a test's captured one too)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            print(f"jaxzero: {record.getMessage()}", file=sys.stderr, flush=True)
+        except Exception:  # noqa: BLE001 - logging never raises into the caller
+            self.handleError(record)
+
+
+def to_stderr(level: int = logging.INFO) -> None:
+    """Show the library's messages of `level` and above as `jaxzero: ...` lines on stderr (once per
+    process, whoever calls it again)."""
+    logger = logging.getLogger("jaxzero")
+    if not any(isinstance(h, _Line) for h in logger.handlers):
+        logger.addHandler(_Line())
+    logger.setLevel(level)
+    logger.propagate = False  # not also through the root logger's own stderr handler

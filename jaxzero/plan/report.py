@@ -1,0 +1,394 @@
+"""What the planner decided, for a person: the `Decision` with its table (`python -m jaxzero.plan`,
+`logging.plan=full`) and its one-line summary, and the text of a refusal when nothing fits.
+
+Nothing here decides: `jaxzero.plan.search` chooses, and hands this module what it found.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from jaxzero import memory, runtime
+from jaxzero.config import TrainConfig
+from jaxzero.memory import MemoryPlan
+from jaxzero.models.sizes import NAMED_SIZES, param_count, unit_param_counts
+from jaxzero.plan import OffloadPlan, Tier, UnitKind, UnitPlan
+from jaxzero.plan.calibration import GB, GPU_HEADROOM, GPU_PROCESS_RSS, HOST_HEADROOM, GiB
+from jaxzero.plan.candidates import Candidate
+from jaxzero.plan.cost import Prediction
+from jaxzero.plan.machine import Machine
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Where this run's state lives, why, and how fast it is predicted to be."""
+
+    config: TrainConfig  # the user's config with every auto key decided
+    plan: OffloadPlan  # `resolve_plan(config)`
+    memory: MemoryPlan  # `memory.plan_memory` of it on `machine`
+    prediction: Prediction  # the step predicted, with its parts
+    machine: Machine  # what was planned for
+    decided: tuple[str, ...]  # "offload.key=value" of each key the planner set
+    warning: str | None = None  # an explicit placement whose activations may not fit
+
+    @property
+    def step_s(self) -> float:
+        """Predicted seconds per optimizer step."""
+        return self.prediction.step_s
+
+    @property
+    def bottleneck(self) -> str:
+        return self.prediction.bottleneck
+
+    # A placement is obvious (a one-line plan at start) when everything stays on the devices and
+    # fills at most this share of each memory: a person reading it has nothing to decide.
+    OBVIOUS_FILL = 0.5
+
+    def obvious(self) -> bool:
+        """Whether one line says it all: resident state, no warning, every memory at most half full."""
+        if self.plan.host_update is not None or self.warning or self.memory.disk:
+            return False
+        fills = [self._ram_needed() / self.machine.host_usable]
+        if self.machine.gpu_bytes is not None:
+            fills.append((self.memory.accelerator_state + self.memory.activations) / self.machine.gpu_usable)
+        return max(fills) <= self.OBVIOUS_FILL
+
+    def _ram_needed(self) -> int:
+        """Host RAM of one process (`memory.host_ram_need`): on a GPU, the host state and the process;
+        on a CPU backend, the host and device state with their allowances and the activations."""
+        return memory.host_ram_need(self.memory, cpu_backend=self.machine.gpu_bytes is None)
+
+    def line(self) -> str:
+        """The plan in one line: placement, the fullest memory, the predicted step."""
+        word = _device_word(self.machine)
+        chosen = f"decided {', '.join(self.decided)}" if self.decided else "as configured"
+        memories = [f"{_gib(self._ram_needed())} of {_gib(self.machine.host_usable)} RAM"]
+        if self.machine.gpu_bytes is not None:
+            gpu = self.memory.accelerator_state + self.memory.activations
+            memories.insert(0, f"{_gib(gpu)} of {_gib(self.machine.gpu_usable)} {word} memory")
+        return (
+            f"plan: {self.plan.mode} ({chosen}); {', '.join(memories)}; predicted "
+            f"{self.step_s:.3g} s per step, bound by {_in_words(self.bottleneck, word)}"
+        )
+
+    def table(self) -> str:
+        """What the planner chose and why, for a person: the units by tier, memory against capacity,
+        the predicted step and its bottleneck, and the machine's figures with their sources."""
+        cfg, mc, need, p = self.config, self.machine, self.memory, self.prediction
+        m, d = cfg.model, cfg.data
+        tokens = d.batch_size * d.seq_len
+        accel = "GPU" if mc.gpu_bytes is not None else "CPU device"
+        word = _device_word(mc)
+        where = f"{mc.devices} device{'s' * (mc.devices > 1)} in {mc.processes} process"
+        where += "es" * (mc.processes > 1)
+        chosen = f"decided {', '.join(self.decided)}" if self.decided else "as configured"
+        lines = [
+            f"plan for {m.name}: {_count(param_count(m))} parameters, {d.batch_size} x {d.seq_len} = "
+            f"{tokens:,} tokens per step, {cfg.optimizer.name} ({cfg.optimizer.state_dtype} moments), "
+            f"{where}",
+            f"placement: {self.plan.mode} ({chosen})",
+        ]
+        lines += [f"  {label}: {text}" for label, text in _unit_runs(self.plan, accel)]
+        if self.plan.offloads_activations:
+            lines.append(
+                "  block inputs: wait for the backward pass in pinned host memory (all but the last)"
+            )
+        lines.append("memory, needed of available:")
+        if mc.gpu_bytes is not None:
+            gpu = need.accelerator_state + need.activations
+            lines.append(
+                f"  GPU per device  {_gib(gpu)} of {_gib(mc.gpu_usable)} (state "
+                f"{_gib(need.accelerator_state)}, activations ~{_gib(need.activations)})"
+            )
+            pool = (
+                "XLA's pool sized to it when jaxzero starts JAX"
+                if mc.pinned_limit_gb is None
+                else (
+                    f"of XLA's {mc.pinned_limit_gb:g} GB pool, which needs "
+                    f"{memory.pinned_pool_minimum_gb(need)} GB"
+                )
+            )
+            if need.pinned:
+                lines.append(f"  pinned host     {_gib(need.pinned)} (part of host RAM; {pool})")
+            lines.append(
+                f"  host RAM        {_gib(self._ram_needed())} of {_gib(mc.host_usable)} "
+                "(per process: masters and optimizer state, XLA's pinned pool, a checkpoint's buffer, and "
+                f"{_gib(GPU_PROCESS_RSS)} for the process itself; {HOST_HEADROOM:.0%} of the RAM "
+                "left free)"
+            )
+        else:
+            lines.append(
+                f"  RAM             {_gib(self._ram_needed())} of {_gib(mc.host_usable)} (CPU backend: host "
+                "and device state with XLA's and the checkpoint writer's buffers, and activations)"
+            )
+        if need.disk:
+            lines.append(
+                f"  local disk      {_gib(need.disk * mc.local_processes)} of {_gib(mc.disk_bytes)} free "
+                f"(masters and optimizer state of {len(self.plan.disk_units)} "
+                f"unit{'s' if len(self.plan.disk_units) != 1 else ''}, "
+                f"{cfg.offload.disk_path or 'under the run directory'})"
+            )
+        if cfg.checkpoint.enabled:
+            size = param_count(m) * (4 + memory.optimizer_state_bytes(cfg))
+            count = cfg.checkpoint.keep + 1
+            lines.append(
+                f"  checkpoints     {_gib(size)} each, {_gib(count * size)} of disk under run_dir at most "
+                f"(checkpoint.keep={cfg.checkpoint.keep} and the next); a save or a restore adds "
+                f"{_gib(memory.checkpoint_bytes(cfg, _largest_unit_bytes(cfg), size))} of host RAM"
+            )
+        flops = 8 * param_count(m) * tokens / p.step_s / mc.devices / 1e12
+        lines += [
+            f"predicted step: {p.step_s:.3g} s ({tokens / p.step_s:,.0f} tokens/s, {flops:.3g} TFLOP/s (8N) "
+            f"per device); bottleneck: {_in_words(p.bottleneck, word)}",
+            f"  {word} compute {p.gpu_s:.3g} s + host update before the forward {p.exposed_s:.3g} s, link "
+            f"{p.link_s:.3g} s, host update {p.host_s:.3g} s"
+            + (f", disk {p.disk_s:.3g} s" if self.plan.disk_units else "")
+            if self.plan.host_update is not None
+            else f"  {word} compute {p.gpu_s:.3g} s; nothing crosses the link or waits for the host",
+        ]
+        if self.warning:
+            lines.append(f"  {self.warning}")
+        defaults = f" (defaults: {mc.sources['defaults']})" if "defaults" in mc.sources else ""
+        lines += [f"machine{defaults}:"] + [f"  {row}" for row in _machine_rows(mc)]
+        lines.append(
+            "These are predictions (the cost model of jaxzero/plan/cost.py, within 20% of the steps "
+            "measured in BENCHMARKS.md), not measurements."
+        )
+        return "\n".join(lines)
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / GiB:.1f} GiB"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 10**9 else f"{n / 1e6:.2f}M"
+
+
+def _unit_runs(plan: OffloadPlan, accel: str) -> list[tuple[str, str]]:
+    """(units, where they live) for each run of consecutive units that live alike, in forward order:
+    ("embed, blocks 0-3", "weights GPU, state GPU (updated on GPU)")."""
+    runs: list[list[UnitPlan]] = []
+    for u in plan.units:
+        if runs and (runs[-1][0].weights, runs[-1][0].state) == (u.weights, u.state):
+            runs[-1].append(u)
+        else:
+            runs.append([u])
+    out = []
+    for run in runs:
+        names = ["embed"] if run[0].kind is UnitKind.EMBED else []
+        blocks = [u.block for u in run if u.kind is UnitKind.BLOCK]
+        if blocks:
+            names.append(f"block {blocks[0]}" if len(blocks) == 1 else f"blocks {blocks[0]}-{blocks[-1]}")
+        if run[-1].kind is UnitKind.HEAD:
+            names.append("head")
+        u = run[0]
+        weights = accel if u.weights is Tier.DEVICE else "streamed from pinned host"
+        state = {
+            Tier.DEVICE: f"{accel} (updated on {accel})",
+            Tier.HOST: "host RAM (updated on CPU)",
+            Tier.DISK: "local disk (read, updated on CPU, written back)",
+        }[u.state]
+        out.append((", ".join(names), f"weights {weights}, state {state}"))
+    return out
+
+
+def _device_word(mc: Machine) -> str:
+    """What the plan calls the accelerator: a GPU, or a CPU backend's devices."""
+    return "GPU" if mc.gpu_bytes is not None else "CPU"
+
+
+def _in_words(bottleneck: str, word: str) -> str:
+    """The cost model's bottleneck name ("GPU compute", ...) for the device that runs."""
+    return bottleneck.replace("GPU", word)
+
+
+def _machine_rows(mc: Machine) -> list[str]:
+    s = mc.sources
+    if mc.gpu_bytes is None:  # no GPU words for a CPU backend
+        cpu = f"{mc.h2d / GB:.0f} GB/s between host and device memory, a copy in RAM"
+        return [
+            "devices      a CPU backend's: their arrays are in host RAM",
+            f"host RAM     {_gib(mc.host_bytes)} ({s.get('host_gib', '-')})",
+            f"CPU cores    {mc.cores} ({s.get('cores', '-')})",
+            f"copies       {cpu} ({s.get('h2d_gbps', '-')})",
+            f"host update  {mc.host_bw / GB:.0f} GB/s of host memory traffic ({s.get('host_gbps', '-')})",
+            f"compute      {mc.gpu_flops / 1e12:.3g} TFLOP/s (8N) per device ({s.get('gpu_tflops', '-')})",
+            f"local disk   {_gib(mc.disk_bytes)} free ({s.get('disk_gib', '-')}), "
+            f"{mc.disk_bw / GB:.1f} GB/s read and written together ({s.get('disk_gbps', '-')})",
+        ]
+    first = f"GPU memory   {_gib(mc.gpu_bytes)} per device"
+    link = f"({s.get('h2d_gbps', '-')})"
+    if s.get("h2d_gbps") != s.get("d2h_gbps"):
+        link = f"({s.get('h2d_gbps', '-')}, back: {s.get('d2h_gbps', '-')})"
+    share = f", {_gib(mc.host_share)} per process" if mc.local_processes > 1 else ""
+    return [
+        f"{first} ({s.get('gpu_gib', '-')})",
+        f"host RAM     {_gib(mc.host_bytes)}{share} ({s.get('host_gib', '-')})",
+        f"CPU cores    {mc.cores} ({s.get('cores', '-')})",
+        f"link         {mc.h2d / GB:.0f} GB/s to the device, {mc.d2h / GB:.0f} GB/s back {link}",
+        f"host update  {mc.host_bw / GB:.0f} GB/s of host memory traffic ({s.get('host_gbps', '-')})",
+        f"compute      {mc.gpu_flops / 1e12:.3g} TFLOP/s (8N) per device ({s.get('gpu_tflops', '-')})",
+        f"local disk   {_gib(mc.disk_bytes)} free ({s.get('disk_gib', '-')}), "
+        f"{mc.disk_bw / GB:.1f} GB/s read "
+        f"and written together ({s.get('disk_gbps', '-')})",
+    ]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Refusals: what would fit instead
+# ---------------------------------------------------------------------------------------------------
+
+
+def refusal(
+    cfg: TrainConfig,
+    mc: Machine,
+    strict: bool,
+    frontier: list[Candidate],
+    settings: list[str],
+    batch: int | None,
+    smallest_batch: int,
+    largest_model: str | None,
+) -> str:
+    """Why nothing fits `mc`, in numbers, and what would: the text of the planner's ConfigError.
+    `strict`: the placement was the planner's to choose; `frontier`: the placements a refusal reasons
+    from (every mode, K and two-pass setting at the fewest resident blocks); `settings`: the fewest
+    settings of the run that make it fit ("key=value (why)"); `batch`: the largest data.batch_size
+    that fits, None where none from `smallest_batch` up does; `largest_model`: the largest named
+    model of the family that fits."""
+    m, d = cfg.model, cfg.data
+    head = (
+        f"{m.name} ({_count(param_count(m))} parameters) at {d.batch_size} x {d.seq_len} tokens per "
+        f"step does not fit this machine"
+    )
+    head += " in any placement the planner may choose" if strict else " as configured"
+    if not frontier:
+        return head + "."
+    # The closest placement that the GPU holds (where one does): a placement that needs more GPU
+    # memory than the machine has is no advice.
+    on_this_gpu = [e for e in frontier if mc.gpu_bytes is None or e.gpu_need <= mc.gpu_usable]
+    closest = min(on_this_gpu or frontier, key=lambda e: e.shortfall)
+    need = closest.need
+    if mc.gpu_bytes is not None:
+        needs = (
+            f"{_gib(closest.gpu_need)} of GPU memory per device (state {_gib(need.accelerator_state)}, "
+            f"activations ~{_gib(need.activations)}; {_gib(mc.gpu_usable)} usable of "
+            f"{_gib(mc.gpu_bytes)}) and "
+            f"{_gib(closest.host_need)} of host RAM per process ({_gib(mc.host_usable)} usable of "
+            f"{_gib(mc.host_share)})"
+        )
+        if closest.pool_short:
+            pool_gb = memory.pinned_pool_minimum_gb(need)
+            needs += f" and {pool_gb} GB of XLA's pinned pool ({mc.pinned_limit_gb:g} GB)"
+    else:
+        needs = (
+            f"about {_gib(closest.host_need)} of RAM on this CPU-only machine (host and device state with "
+            f"XLA's and the checkpoint writer's buffers, and activations; {_gib(mc.host_usable)} usable "
+            f"of {_gib(mc.host_share)})"
+        )
+    which = f"the closest placement, {_label(closest)}," if len(frontier) > 1 else _label(closest)
+    # The fewest changes first, in the order a user would rather make them: settings of this run
+    # (bf16 moments, one-pass updates), a smaller batch, then disk room or more memory.
+    text = [f"{head}."]
+    text.append(_settings_text(settings))
+    text.append(_smaller_text(cfg, batch, smallest_batch, largest_model))
+    text.append(_tiers(mc, strict, frontier))
+    if on_this_gpu or mc.gpu_bytes is None:
+        text.append(f"For the record, {which} needs {needs}.")
+    return " ".join(t for t in text if t)
+
+
+def _settings_text(settings: list[str]) -> str:
+    """ "It fits with a, b and c." for the settings that make the run fit; "" for none."""
+    if not settings:
+        return ""
+    joined = settings[0] if len(settings) == 1 else ", ".join(settings[:-1]) + " and " + settings[-1]
+    return f"It fits with {joined}."
+
+
+def _smaller_text(cfg: TrainConfig, batch: int | None, smallest_batch: int, largest_model: str | None) -> str:
+    """The largest data.batch_size that fits with this model, and the largest named model size of
+    its family that fits with these settings."""
+    d = cfg.data
+    text = (
+        f"With this model data.batch_size={batch} fits ({batch * d.seq_len:,} tokens per step)"
+        if batch
+        else f"With this model no data.batch_size fits, not even {smallest_batch}"
+    )
+    if largest_model:
+        return (
+            f"{text}; the largest named model that fits with these settings is {largest_model} "
+            f"({_count(param_count(NAMED_SIZES[largest_model]))} parameters)."
+        )
+    return f"{text}; no named {cfg.model.family} model fits with these settings at data.seq_len={d.seq_len}."
+
+
+def _label(e: Candidate) -> str:
+    o = e.cfg.offload
+    keys = f"offload.optimizer={o.optimizer}, offload.params={o.params}"
+    if o.optimizer == "disk":
+        keys += f", offload.disk_units={o.disk_units}"
+    if o.optimizer in ("cpu", "disk"):
+        keys += f", offload.device_state_units={o.device_state_units}"
+        keys += f", offload.two_pass_units={o.two_pass_units}"
+    if o.params == "cpu":
+        keys += f", offload.resident_blocks={o.resident_blocks}"
+    if o.activations == "cpu":
+        keys += ", offload.activations=cpu"
+    return f"{e.plan.mode} ({keys})"
+
+
+def _with_headroom(need: int) -> int:
+    """The host RAM whose usable part (`Machine.host_usable`) holds `need` bytes."""
+    return math.ceil(need / (1 - HOST_HEADROOM))
+
+
+def _tiers(mc: Machine, strict: bool, frontier: list[Candidate]) -> str:
+    """What memory to add, each alone: host RAM for a placement the accelerator holds, a larger
+    accelerator for one host RAM holds."""
+    local = mc.local_processes
+    if mc.gpu_bytes is None:
+        ram = _with_headroom(min(e.host_need for e in frontier) * local)
+        return f"To fit it, add memory: {_gib(ram - mc.host_bytes)} more RAM ({_gib(ram)} in all)."
+    options = []
+    gpu_ok = [
+        e
+        for e in frontier
+        if not (e.gpu_short if strict else e.state_short) and not (e.pool_short or e.disk_short)
+    ]
+    if gpu_ok:
+        ram = _with_headroom(min(e.host_need for e in gpu_ok) * local)
+        options.append(f"more host RAM: {_gib(ram - mc.host_bytes)} more ({_gib(ram)} in all)")
+    host_ok = [
+        e
+        for e in frontier
+        if not (e.host_short if strict else e.host_state_short) and not (e.pool_short or e.disk_short)
+    ]
+    if host_ok:
+        gpu = min(
+            math.ceil(e.gpu_need / (1 - GPU_HEADROOM)) if strict else e.need.accelerator_state
+            for e in host_ok
+        )
+        options.append(f"a GPU with {_gib(gpu)} of memory")
+    disk_only = [e for e in frontier if e.disk_short and not (e.gpu_short or e.host_short or e.pool_short)]
+    if disk_only:
+        need = min(e.need.disk * local for e in disk_only)
+        options.append(
+            f"more free local disk: {_gib(need)} at offload.disk_path ({_gib(mc.disk_bytes)} free)"
+        )
+    pool_only = [e for e in frontier if e.pool_short and not (e.gpu_short or e.host_short)]
+    if pool_only:
+        gb = min(memory.pinned_pool_minimum_gb(e.need) for e in pool_only)
+        options.append(f"a larger pinned pool: {runtime.PINNED_POOL_ENV}={gb} (set before JAX starts)")
+    if not options:
+        return (
+            "Neither more host RAM alone nor a larger GPU alone makes any placement fit: both are needed, "
+            "or a smaller model."
+        )
+    return f"To fit it, add {' or '.join(options)}."
+
+
+def _largest_unit_bytes(cfg: TrainConfig) -> int:
+    """Masters and optimizer state of the model's largest unit (embedding, a block or the head)."""
+    return max(unit_param_counts(cfg.model)) * (4 + memory.optimizer_state_bytes(cfg))

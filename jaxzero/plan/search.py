@@ -1,0 +1,341 @@
+"""The placement planner's search: for this config on this machine, where every unit's weights and
+state live.
+
+`offload.params=auto` and `offload.optimizer=auto` (the defaults) leave the placement to `decide`,
+which runs before anything is allocated. It enumerates the placements the config leaves open, keeps
+those that fit the accelerator's memory and host RAM (`jaxzero.plan.candidates`), predicts each one's
+step time (`jaxzero.plan.cost`), and picks the fastest: among placements predicted within 1% of the
+fastest, the simplest (resident, then ZeRO-Offload, then ZeRO-3 offload; adaptive two-pass updates;
+the fewest units with state on the accelerator; the fewest resident blocks).
+
+    machine = detect_machine(cfg, device)       # jaxzero.plan.machine; or Machine(...)
+    decision = decide(cfg, machine)             # ConfigError, with what would fit, if nothing does
+    decision.config                             # cfg with every auto key decided
+    print(decision.table())                     # jaxzero.plan.report
+
+The candidates (only keys the user left open are decided; explicit ones are honoured):
+- resident: `offload.optimizer=none`, `offload.params=none`;
+- ZeRO-Offload: `offload.optimizer=cpu`, `offload.params=none`, with `offload.device_state_units`
+  K = 0 .. num_layers + 1 (the first K units in forward order keep masters and state on the GPU);
+- ZeRO-3 offload: `offload.optimizer=cpu`, `offload.params=cpu`, with `offload.resident_blocks` R and K.
+`offload.two_pass_units` left at -1 (adaptive) becomes 0 for a placement that fits only so: two-pass
+updates keep gradients in pinned memory a step longer. `offload.activations` left at none becomes cpu
+(block inputs wait in pinned host memory) for an offloaded placement that fits only so: the copies
+cost link time, (L - 1) block inputs each way per step, which the cost model's link term counts.
+Where nothing fits and the optimizer is left open, the fewest last units whose state goes to the
+local disk (`offload.optimizer=disk`) that make one fit. K, R, the two-pass count, the activations'
+place and the disk units are decided only while the mode is (`offload.params` or `offload.optimizer`
+auto, `resident_blocks` / `device_state_units` left at 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable
+
+from jaxzero import memory
+from jaxzero.config import ConfigError, TrainConfig, validate
+from jaxzero.memory import MemoryPlan
+from jaxzero.models.sizes import NAMED_SIZES, param_count
+from jaxzero.plan import resolve_plan
+from jaxzero.plan.candidates import Candidate, Option, evaluate, place
+from jaxzero.plan.cost import Prediction, predict
+from jaxzero.plan.machine import Machine
+from jaxzero.plan.report import Decision, refusal
+
+# A placement must be predicted this much faster than a simpler one to be chosen over it: the model
+# is good to ~20%, so smaller gains are not worth more memory or more moving parts.
+PREFER_SIMPLER = 0.01
+# The offload keys a decision may set (`Decision.decided` names those it did).
+DECIDED_KEYS = (
+    "params",
+    "optimizer",
+    "resident_blocks",
+    "device_state_units",
+    "two_pass_units",
+    "activations",
+    "disk_units",
+)
+
+
+def concrete(cfg: TrainConfig) -> bool:
+    """Whether `cfg` names its placement itself (no `auto` offload key): `resolve_plan` reads it as
+    is, and `build_trainer` does not call the planner."""
+    return "auto" not in (cfg.offload.params, cfg.offload.optimizer)
+
+
+def decide(cfg: TrainConfig, machine: Machine, whole: tuple[int, int, int] = (0, 0, 0)) -> Decision:
+    """The placement of `cfg` on `machine`: every key `cfg` leaves open decided (see the module
+    docstring), the fastest predicted placement that fits. `whole`: as `memory.plan_memory`'s, the
+    parameters no ZeRO stage splits over the machine's devices. Raises ConfigError, before anything
+    is allocated, if nothing fits: what the closest placement needs against what is available, and
+    what would fit (a batch size, a named model size, more host RAM or a larger GPU, settings)."""
+    search = _Search(cfg, machine, whole)
+    fitting = search.fitting()
+    if not fitting:
+        raise ConfigError(_refusal(search))
+    fastest = min(search.predict(e).step_s for e in fitting)
+    as_fast = [e for e in fitting if search.predict(e).step_s <= fastest * (1 + PREFER_SIMPLER)]
+    chosen = min(as_fast, key=lambda e: e.option.rank)
+    warning = None
+    # Only an explicit placement is chosen with its state fitting and its activations not.
+    if chosen.gpu_short or chosen.host_short:
+        warning = (
+            "warning: the activation estimate does not fit beside the state; if the run runs out of "
+            "memory, lower data.batch_size or data.seq_len, or raise data.grad_accum."
+        )
+    given, placed = cfg.offload, chosen.cfg.offload
+    decided = tuple(  # what the planner set: the auto keys, and any other it changed
+        f"offload.{k}={getattr(placed, k)}"
+        for k in DECIDED_KEYS
+        if getattr(given, k) == "auto" or getattr(given, k) != getattr(placed, k)
+    )
+    return Decision(chosen.cfg, chosen.plan, chosen.need, search.predict(chosen), machine, decided, warning)
+
+
+def largest_pinned_need(cfg: TrainConfig) -> MemoryPlan | None:
+    """Of the placements `decide` may choose for `cfg`, the memory plan with the most pinned host
+    memory (one process's whole need), or None if none offloads: what XLA's pinned pool must be able
+    to hold when it is sized before JAX starts, which is before the planner can see the devices. (The
+    least state on the accelerator and the most streamed: every other option pins no more.)"""
+    o = cfg.offload
+    if o.optimizer == "none":
+        return None
+    for params in ("cpu", "none"):  # ZeRO-3 pins at least what ZeRO-Offload does, where it is allowed
+        if o.params not in ("auto", params) or (params == "none" and o.resident_blocks):
+            continue
+        # Block inputs in pinned memory, where the planner may put them, pin the most.
+        act = "cpu" if o.activations == "none" and not concrete(cfg) else o.activations
+        option = Option("cpu", params, o.device_state_units, o.resident_blocks, o.two_pass_units, act)
+        placed = place(cfg, option)
+        if placed is not None:
+            return memory.plan_memory(placed, resolve_plan(placed))
+    return None
+
+
+class _Search:
+    """The options one config leaves open on one machine, each evaluated once."""
+
+    def __init__(self, cfg: TrainConfig, machine: Machine, whole: tuple[int, int, int] = (0, 0, 0)):
+        self.cfg, self.machine, self.whole = cfg, machine, whole
+        self.strict = not concrete(cfg)  # a placement the planner chooses must hold its activations
+        self._evaluated: dict[Option, Candidate | None] = {}
+        self._predicted: dict[Option, Prediction] = {}
+        o, layers = cfg.offload, cfg.model.num_layers
+        # Keys are decided only while the mode is: an explicit mode keeps its explicit meaning.
+        self.two_pass = (-1, 0) if self.strict and o.two_pass_units == -1 else (o.two_pass_units,)
+        # Block inputs move to pinned memory only where the accelerator cannot hold them (they cost
+        # link time), and only while the mode is decided (the key left at its default, none).
+        self.activations = ("none", "cpu") if self.strict and o.activations == "none" else (o.activations,)
+        k = o.device_state_units
+        decide_k = o.optimizer == "auto" and not k and o.update == "overlapped"
+        self.k_range = range(layers + 2) if decide_k else range(k, k + 1)
+        r = o.resident_blocks
+        self.r_range = range(layers) if o.params == "auto" and not r else range(r, r + 1)
+        # Units on disk: as given with offload.optimizer=disk; with auto, the fewest that make a
+        # placement fit, searched only when none fits without (the disk is the slowest tier).
+        self.disk_fixed = o.disk_units if o.optimizer == "disk" else 0
+        self.disk_search = o.optimizer == "auto" and self.strict and o.update == "overlapped"
+        self.modes: list[tuple[str, str]] = []  # (offload.optimizer, offload.params)
+        if o.optimizer in ("auto", "none") and o.params != "cpu" and not (k or r):
+            self.modes.append(("none", "none"))
+        if o.optimizer != "none" and o.params != "cpu" and not r:
+            self.modes.append(("cpu", "none"))
+        if o.optimizer != "none" and o.params != "none":
+            self.modes.append(("cpu", "cpu"))
+
+    def evaluate(self, option: Option) -> Candidate | None:
+        """`option` evaluated, or None where the config's other settings rule it out (`validate`)."""
+        if option not in self._evaluated:
+            self._evaluated[option] = evaluate(self.cfg, option, self.machine, self.whole)
+        return self._evaluated[option]
+
+    def predict(self, e: Candidate) -> Prediction:
+        if e.option not in self._predicted:
+            self._predicted[e.option] = predict(e.cfg, e.plan, self.machine)
+        return self._predicted[e.option]
+
+    def at(
+        self, optimizer: str, params: str, k: int, r: int, disk: int | None = None, *, disk_fits: bool = True
+    ) -> list[Candidate]:
+        """The options of one (mode, K, R, units on disk) that fit: with the user's two-pass setting,
+        or, with it left adaptive, with 0 where adaptive does not fit. `disk_fits=False`: whether
+        they fit but for the local disk."""
+        disk = self.disk_fixed if disk is None or optimizer != "cpu" else disk
+        for act in self.activations if optimizer == "cpu" else ("none",):
+            for tp in self.two_pass:
+                e = self.evaluate(Option(optimizer, params, k, r, tp, act, disk if optimizer == "cpu" else 0))
+                if e is not None and e.fits(self.strict, disk_fits):
+                    return [e]
+        return []
+
+    def _overflows(self, optimizer: str, params: str, k: int, r: int) -> bool:
+        """Whether (mode, K, R) overflows the accelerator under every two-pass setting."""
+        acts = self.activations if optimizer == "cpu" else ("none",)
+        disk = self.disk_fixed if optimizer == "cpu" else 0
+        options = [
+            self.evaluate(Option(optimizer, params, k, r, tp, a, disk)) for tp in self.two_pass for a in acts
+        ]
+        shorts = [e.gpu_short if self.strict else e.state_short for e in options if e is not None]
+        return bool(shorts) and all(shorts)
+
+    def fitting(self) -> list[Candidate]:
+        """The options that fit worth comparing: per mode and K, the most resident blocks that fit
+        and the fewest predicted as fast. (Accelerator memory grows with K and R, host memory falls
+        with K, and the predicted step falls with both: binary searches, not every pair.) Where
+        none fits and the planner may use the disk: per mode and K, the fewest units on disk that
+        fit (host memory falls with them; the accelerator's does not change)."""
+        out: list[Candidate] = []
+        for optimizer, params in self.modes:
+            ks = self.k_range if optimizer == "cpu" else range(1)
+            for k in ks:
+                found = self._fitting_at(optimizer, params, k, None)
+                if found is None:
+                    break  # more units with state on the accelerator overflow it more
+                out += found
+        if out or not self.disk_search:
+            return out
+        for optimizer, params in self.modes:
+            if optimizer != "cpu":
+                continue
+            rs = self.r_range if params == "cpu" else range(1)
+            for k in self.k_range:
+                units = self.cfg.model.num_layers + 2 - k
+                if not self.at(optimizer, params, k, rs[0], units, disk_fits=False):
+                    continue  # not even with every host unit on disk (host RAM falls with them)
+                fewest = _first(
+                    range(1, units + 1),
+                    lambda d: bool(self.at(optimizer, params, k, rs[0], d, disk_fits=False)),  # noqa: B023
+                )
+                out += self._fitting_at(optimizer, params, k, fewest) or []
+        return out
+
+    def _fitting_at(self, optimizer: str, params: str, k: int, disk: int | None) -> list[Candidate] | None:
+        """`fitting`'s options for one mode, K and number of disk units; None where the accelerator
+        overflows at the fewest resident blocks."""
+        rs = self.r_range if params == "cpu" else range(1)
+        rmax = _last(rs, lambda r: bool(self.at(optimizer, params, k, r, disk)))
+        if rmax is None:
+            return None if self._overflows(optimizer, params, k, rs[0]) else []
+        best = self.at(optimizer, params, k, rmax, disk)
+        limit = self.predict(best[0]).step_s * (1 + PREFER_SIMPLER)
+
+        def as_fast(r: int) -> bool:
+            return any(self.predict(e).step_s <= limit for e in self.at(optimizer, params, k, r, disk))
+
+        return best + self.at(optimizer, params, k, _first(range(rs[0], rmax + 1), as_fast), disk)
+
+    def frontier(self) -> list[Candidate]:
+        """Every mode, K and two-pass setting at the fewest resident blocks (for that K, the least
+        accelerator memory; host memory does not depend on R): what a refusal reasons from."""
+        out = []
+        for optimizer, params in self.modes:
+            r = self.r_range[0] if params == "cpu" else 0
+            for k in self.k_range if optimizer == "cpu" else range(1):
+                disks = {self.disk_fixed if optimizer == "cpu" else 0}
+                if optimizer == "cpu" and self.disk_search:
+                    disks.add(-1)  # every host unit's state on disk: the least host RAM
+                for tp in self.two_pass:
+                    for act in self.activations if optimizer == "cpu" else ("none",):
+                        for disk in sorted(disks):
+                            e = self.evaluate(Option(optimizer, params, k, r, tp, act, disk))
+                            if e is not None:
+                                out.append(e)
+        return out
+
+    def fits_somehow(self) -> bool:
+        return any(e.fits(self.strict) for e in self.frontier())
+
+
+def _last(values: range, ok: Callable[[int], bool]) -> int | None:
+    """The largest of `values` for which `ok` holds, `ok` holding on a prefix of them; None if on none."""
+    if not len(values) or not ok(values[0]):
+        return None
+    lo, hi = 0, len(values) - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if ok(values[mid]) else (lo, mid - 1)
+    return values[lo]
+
+
+def _first(values: range, ok: Callable[[int], bool]) -> int:
+    """The smallest of `values` for which `ok` holds, `ok` holding on a suffix of them that ends with
+    the last."""
+    lo, hi = 0, len(values) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if ok(values[mid]) else (mid + 1, hi)
+    return values[lo]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Refusals: what would fit instead (`report.refusal` says it)
+# ---------------------------------------------------------------------------------------------------
+
+
+def _refusal(search: _Search) -> str:
+    """Why nothing fits, in numbers, and what would: the fewest settings of this run, a smaller batch
+    or a smaller named model, then more memory (`report.refusal` words it)."""
+    cfg, mc = search.cfg, search.machine
+    d = cfg.data
+    unit = d.grad_accum * mc.devices  # batch sizes validate accepts on this many devices
+    frontier = search.frontier()
+    if not frontier:  # no placement to reason from: the refusal's first sentence alone
+        return refusal(cfg, mc, search.strict, frontier, [], None, unit, None)
+    batch = _last(range(unit, d.batch_size, unit), lambda b: _fits(_variant(cfg, data={"batch_size": b}), mc))
+    settings = _settings_that_fit(search)
+    return refusal(cfg, mc, search.strict, frontier, settings, batch, unit, _largest_model(search))
+
+
+def _variant(cfg: TrainConfig, **sections: dict[str, object]) -> TrainConfig:
+    """`cfg` with fields of some sections replaced: `_variant(cfg, data={"batch_size": 8})`."""
+    return dataclasses.replace(
+        cfg, **{name: dataclasses.replace(getattr(cfg, name), **fields) for name, fields in sections.items()}
+    )
+
+
+def _fits(cfg: TrainConfig, machine: Machine, whole: tuple[int, int, int] = (0, 0, 0)) -> bool:
+    """Whether `decide` would find a placement for `cfg`."""
+    try:
+        validate(cfg)
+    except ConfigError:
+        return False
+    return _Search(cfg, machine, whole).fits_somehow()
+
+
+def _largest_model(search: _Search) -> str | None:
+    """The largest named model size of the config's family that fits with its other settings."""
+    cfg, mc = search.cfg, search.machine
+    best = None
+    for name, model in sorted(NAMED_SIZES.items(), key=lambda kv: param_count(kv[1])):
+        if model.family != cfg.model.family or cfg.data.seq_len > model.max_seq_len:
+            continue
+        other = dataclasses.replace(model, compute_dtype=cfg.model.compute_dtype)
+        if _fits(dataclasses.replace(cfg, model=other), mc):
+            best = name
+    return best
+
+
+def _settings_that_fit(search: _Search) -> list[str]:
+    """The fewest settings that make this model fit at this batch size, each as "key=value (why)", of:
+    bf16 moments, and (for an explicit placement, which the planner does not adapt) one-pass updates;
+    none where no combination does."""
+    cfg, mc, whole = search.cfg, search.machine, search.whole
+    changes: list[tuple[str, dict[str, dict[str, object]]]] = []
+    if cfg.optimizer.state_dtype == "float32" and memory.optimizer_state_bytes(cfg):
+        bf16 = {"optimizer": {"state_dtype": "bfloat16"}}
+        changes.append(("optimizer.state_dtype=bfloat16 (half the moments' bytes)", bf16))
+    if not search.strict and cfg.offload.optimizer in ("cpu", "disk") and cfg.offload.two_pass_units == -1:
+        one_pass = {"offload": {"two_pass_units": 0}}
+        text = "offload.two_pass_units=0 (one-pass updates: no gradients kept pinned for a second pass)"
+        changes.append((text, one_pass))
+    for size in range(1, len(changes) + 1):
+        for chosen in itertools.combinations(changes, size):
+            sections: dict[str, dict[str, object]] = {}
+            for _, change in chosen:
+                for name, fields in change.items():
+                    sections[name] = {**sections.get(name, {}), **fields}
+            if _fits(_variant(cfg, **sections), mc, whole):
+                return [text for text, _ in chosen]
+    return []
