@@ -1,6 +1,7 @@
 """Building a config: presets, `--section.key=value` overrides, types and names, before validation."""
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -103,8 +104,11 @@ def test_parse_error_messages(args, message):
     assert message in str(e.value)
 
 
-def test_a_key_given_twice_takes_the_last_value_and_says_so(caplog, capsys):
+def test_a_key_given_twice_takes_the_last_value_and_says_so(caplog, capsys, monkeypatch):
     """The library says so through logging (`jaxzero.overrides`); the programs show it on stderr."""
+    jaxzero_log = logging.getLogger("jaxzero")  # as a library's user finds it: no program's handler yet
+    monkeypatch.setattr(jaxzero_log, "handlers", [])
+    monkeypatch.setattr(jaxzero_log, "propagate", True)
     assert parse_args(["--steps=10", "--steps=20"]).steps == 20
     assert "--steps is given twice ('10', then '20'): using '20'." in caplog.text
     assert capsys.readouterr().err == ""  # a library prints nothing of its own

@@ -11,12 +11,12 @@ import sys
 import jax
 import orbax.checkpoint as ocp
 
-from jaxzero import checkpoint, train
+from jaxzero import checkpoint, loop, train
 from jaxzero.config import CheckpointError
 
 verify_checksums = checkpoint.verify_checksums
 manager_restore = ocp.CheckpointManager.restore
-start = train.start
+start = loop.start
 
 
 def verify_fails_for_3_on_process_1(step_dir, pool):
@@ -39,5 +39,5 @@ def start_and_say_where(*args, **kwargs):
 
 checkpoint.verify_checksums = verify_fails_for_3_on_process_1
 ocp.CheckpointManager.restore = restore_fails_for_2_on_process_1
-train.start = start_and_say_where
+loop.start = start_and_say_where
 sys.exit(train.main(sys.argv[1:]))
