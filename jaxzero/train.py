@@ -235,10 +235,12 @@ def main(argv: list[str] | None = None) -> int:
         if restore_handlers is not None:
             restore_handlers()
     if processes is not None:  # stops together (done, preempted, Ctrl-C) leave together; a failure at once
+        together = code in (0, EXIT_PREEMPTED, EXIT_INTERRUPTED)
         # Only GPU clients watch the other tasks and report the coordination service's end on stderr.
-        gpu = jax.default_backend() == "gpu"
-        log = Path(cfg.run_dir) / run_dir_lib.ERROR_FILE if gpu and cfg is not None and cfg.run_dir else None
-        distributed.stop(None if code in (0, EXIT_PREEMPTED, EXIT_INTERRUPTED) else code, chatter=log)
+        # Asked only after a run that got that far (its backend started), never starting one to ask.
+        gpu = together and cfg is not None and cfg.run_dir and jax.default_backend() == "gpu"
+        log = Path(cfg.run_dir) / run_dir_lib.ERROR_FILE if gpu else None
+        distributed.stop(None if together else code, chatter=log)
     if program and code != 0:  # the outcome is printed and the run's files closed
         leave_within(code)
     return code
