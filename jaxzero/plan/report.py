@@ -51,7 +51,7 @@ class Decision:
             return False
         fills = [self._ram_needed() / self.machine.host_usable]
         if self.machine.gpu_bytes is not None:
-            fills.append((self.memory.accelerator_state + self.memory.activations) / self.machine.gpu_usable)
+            fills.append(self._gpu_needed() / self.machine.gpu_usable)
         return max(fills) <= self.OBVIOUS_FILL
 
     def _ram_needed(self) -> int:
@@ -59,14 +59,17 @@ class Decision:
         on a CPU backend, the host and device state with their allowances and the activations."""
         return memory.host_ram_need(self.memory, cpu_backend=self.machine.gpu_bytes is None)
 
+    def _gpu_needed(self) -> int:
+        """Accelerator memory per device: the state kept there and the activations."""
+        return self.memory.accelerator_state + self.memory.activations
+
     def line(self) -> str:
         """The plan in one line: placement, the fullest memory, the predicted step."""
         word = _device_word(self.machine)
         chosen = f"decided {', '.join(self.decided)}" if self.decided else "as configured"
         memories = [f"{_gib(self._ram_needed())} of {_gib(self.machine.host_usable)} RAM"]
         if self.machine.gpu_bytes is not None:
-            gpu = self.memory.accelerator_state + self.memory.activations
-            memories.insert(0, f"{_gib(gpu)} of {_gib(self.machine.gpu_usable)} {word} memory")
+            memories.insert(0, f"{_gib(self._gpu_needed())} of {_gib(self.machine.gpu_usable)} {word} memory")
         return (
             f"plan: {self.plan.mode} ({chosen}); {', '.join(memories)}; predicted "
             f"{self.step_s:.3g} s per step, bound by {_in_words(self.bottleneck, word)}"
@@ -96,7 +99,7 @@ class Decision:
             )
         lines.append("memory, needed of available:")
         if mc.gpu_bytes is not None:
-            gpu = need.accelerator_state + need.activations
+            gpu = self._gpu_needed()
             lines.append(
                 f"  GPU per device  {_gib(gpu)} of {_gib(mc.gpu_usable)} (state "
                 f"{_gib(need.accelerator_state)}, activations ~{_gib(need.activations)})"
