@@ -84,10 +84,11 @@ def main() -> None:
         plan = re.search(r"host RAM\s+([\d.]+) GiB of ([\d.]+) GiB", text)
         records = []
         if metrics.exists():
-            records = [json.loads(line) for line in metrics.read_text().splitlines()[before:]]
-            if resume_step:  # it rewrote the records after the step it resumed from
-                records = [json.loads(line) for line in metrics.read_text().splitlines()]
+            records = [json.loads(line) for line in metrics.read_text().splitlines()]
+            if resume_step:  # it dropped the records after the step it resumed from, then appended
                 records = [r for r in records if r["step"] > int(resume_step)]
+            else:
+                records = records[before:]
         timed = [r for r in records if r.get("step_s") is not None]
         step_s = sorted(r["step_s"] for r in timed)[len(timed) // 2] if timed else float("nan")
         tokens = [r["tokens_per_s"] for r in records if r.get("tokens_per_s")]

@@ -279,34 +279,37 @@ def test_bad_fine_tuning_records_name_the_line(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_fine_tuning_end_to_end_counts_the_completions_in_the_metrics(tmp_path):
-    """prepare --sft, then train on it in-process: metrics.jsonl counts the step's loss targets and
-    its masked ones, and they add up to the step's tokens."""
-    import io
-
+def _train_on_examples(tmp_path, records, val_docs: int, console, over: dict[str, str]) -> list[dict]:
+    """`prepare --sft` of `records`, then a 1-block model trained on them in-process (one record per
+    step, `over` on top); the metrics records."""
     from jaxzero import train as train_lib
     from jaxzero.config import TrainConfig
     from jaxzero.overrides import apply_overrides
 
-    rng = np.random.default_rng(0)
-    records = [
-        {"prompt": f"Q{i}: " + "x" * int(rng.integers(5, 40)), "completion": f" A{i}."} for i in range(200)
-    ]
     (tmp_path / "ft.jsonl").write_text("\n".join(json.dumps(r) for r in records))
-    prepare([str(tmp_path / "ft.jsonl")], tmp_path / "data", sft=True, val_docs=40, progress=False)
-    over = {
-        "steps": "4",
+    prepare([str(tmp_path / "ft.jsonl")], tmp_path / "data", sft=True, val_docs=val_docs, progress=False)
+    settings = {
         "data.source": "tokens",
         "data.path": str(tmp_path / "data"),
-        "data.seq_len": "32",
         "data.batch_size": "4",
         "model.num_layers": "1",
         "logging.log_every": "1",
         "logging.progress": "false",
         "run_dir": str(tmp_path / "run"),
+        **over,
     }
-    path = train_lib.train(apply_overrides(TrainConfig(), over), io.StringIO())
-    recs = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+    path = train_lib.train(apply_overrides(TrainConfig(), settings), console)
+    return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_fine_tuning_end_to_end_counts_the_completions_in_the_metrics(tmp_path):
+    """prepare --sft, then train on it in-process: metrics.jsonl counts the step's loss targets and
+    its masked ones, and they add up to the step's tokens."""
+    rng = np.random.default_rng(0)
+    records = [
+        {"prompt": f"Q{i}: " + "x" * int(rng.integers(5, 40)), "completion": f" A{i}."} for i in range(200)
+    ]
+    recs = _train_on_examples(tmp_path, records, 40, io.StringIO(), {"steps": "4", "data.seq_len": "32"})
     steps = [r for r in recs if "loss_tokens" in r]
     assert len(steps) == 4
     for r in steps:
@@ -318,31 +321,10 @@ def test_fine_tuning_end_to_end_counts_the_completions_in_the_metrics(tmp_path):
 def test_a_step_whose_every_target_is_masked_logs_no_loss(tmp_path):
     """Long prompts, one-token completions and short windows: some steps count no target. Their record
     holds `loss: null` (a mean over no targets is no loss, not 0.0) and the console says why."""
-    import io
-
-    from jaxzero import train as train_lib
-    from jaxzero.config import TrainConfig
-    from jaxzero.overrides import apply_overrides
-
     records = [{"prompt": f"Q{i}: " + "x" * 60, "completion": "y"} for i in range(40)]
-    (tmp_path / "ft.jsonl").write_text("\n".join(json.dumps(r) for r in records))
-    prepare([str(tmp_path / "ft.jsonl")], tmp_path / "data", sft=True, val_docs=4, progress=False)
-    over = {
-        "steps": "8",
-        "data.source": "tokens",
-        "data.path": str(tmp_path / "data"),
-        "data.seq_len": "8",
-        "data.batch_size": "4",
-        "model.num_layers": "1",
-        "logging.log_every": "1",
-        "logging.progress": "false",
-        "logging.samples": "0",
-        "checkpoint.enabled": "false",
-        "run_dir": str(tmp_path / "run"),
-    }
     console = io.StringIO()
-    path = train_lib.train(apply_overrides(TrainConfig(), over), console)
-    recs = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+    over = {"steps": "8", "data.seq_len": "8", "logging.samples": "0", "checkpoint.enabled": "false"}
+    recs = _train_on_examples(tmp_path, records, 4, console, over)
     empty = [r for r in recs if r["loss_tokens"] == 0]
     assert empty and len(empty) < len(recs), [r["loss_tokens"] for r in recs]
     assert all(r["loss"] is None for r in empty)
