@@ -33,7 +33,8 @@ backward transients (`transient_activations`): the larger of the two, or, where 
 the hole the head's leave below the gradient the head returns, both (`backward_phases`); a resident
 run's gradients, and
 those of the units the accelerator updates, take the place of the block inputs as the backward pass
-frees them. A GPU process holds about `GPU_PROCESS_RSS` more of its own (`host_ram_need`).
+frees them. A GPU process holds about `GPU_PROCESS_RSS` more of its own per GPU it drives, and an
+offloaded one `OFFLOAD_PROCESS_RSS` more (`process_allowance`, `host_ram_need`).
 
 Over a mesh of D devices in P processes (`devices`, `processes`), the figures are per process (host
 RAM, pinned) and per device (accelerator): what the ZeRO stage shards divides by D on the
@@ -60,6 +61,7 @@ from jaxzero.plan.calibration import (
     CPU_HOST_ALLOWANCE,
     CPU_STATE_ALLOWANCE,
     GPU_PROCESS_RSS,
+    OFFLOAD_PROCESS_RSS,
     POOL_FILL,
     POOL_FIRST_REGION,
     POOL_SLACK,
@@ -356,14 +358,21 @@ def _far_from(
     return f" The gap is {need / max(available, 1):.0f}x, more than any setting below closes: {fitting}."
 
 
+def process_allowance(need: MemoryPlan) -> int:
+    """Host RAM a GPU process of the run holds besides the plan's arrays and pools: `GPU_PROCESS_RSS`
+    per GPU it drives, and `OFFLOAD_PROCESS_RSS` where it updates state on the host."""
+    local = need.devices // need.processes
+    return local * GPU_PROCESS_RSS + (OFFLOAD_PROCESS_RSS if need.pinned else 0)
+
+
 def host_ram_need(need: MemoryPlan, cpu_backend: bool, activations: bool = True) -> int:
     """Bytes of host RAM one process of the run holds: the rule the planner and the CPU check both
-    fit against host RAM. On a GPU, the plan's host bytes and the process itself (`GPU_PROCESS_RSS`).
+    fit against host RAM. On a GPU, the plan's host bytes and the process itself (`process_allowance`).
     On a CPU backend, where one RAM holds everything, the host state and this process's devices'
     state with XLA:CPU's and the checkpoint writer's buffers (`CPU_HOST_ALLOWANCE`,
     `CPU_STATE_ALLOWANCE`), and with `activations` those devices' activations too."""
     if not cpu_backend:
-        return need.host + GPU_PROCESS_RSS
+        return need.host + process_allowance(need)
     local = need.devices // need.processes
     state = int(need.host * CPU_HOST_ALLOWANCE + local * need.accelerator_state * CPU_STATE_ALLOWANCE)
     return state + (local * need.activations if activations else 0)

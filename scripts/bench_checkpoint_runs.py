@@ -1,6 +1,7 @@
 """Runs `python -m jaxzero.train` as a user does, with and without checkpoints, and reports what the
 saves cost: peak host RSS against the plan's figure, seconds per step, seconds training waited for
-the writer. Each run is its own process, sampled every 0.2 s (`/proc/<pid>/status`).
+the writer. Each run is its own process, sampled every 0.2 s (`/proc/<pid>/status`): its peak RSS,
+the anonymous, file and shared parts at the peak, and its largest mappings (`<name>.smaps`).
 
     python scripts/bench_checkpoint_runs.py --out=DIR RUN [RUN ...]
 
@@ -30,19 +31,46 @@ from pathlib import Path
 GiB = 2**30
 
 
-def sample(proc: subprocess.Popen) -> tuple[int, float]:
-    """(peak RSS bytes, seconds) of a running process, sampled until it exits."""
-    peak, start = 0, time.perf_counter()
+def sample(proc: subprocess.Popen, smaps: Path) -> tuple[int, float, dict[str, float]]:
+    """(peak RSS bytes, seconds, the RSS's parts at its peak in GiB) of a running process, sampled
+    until it exits; at each new peak (1 GiB past the last one kept) its largest mappings go to
+    `smaps`, so that what grew can be named."""
+    peak, kept, parts, start = 0, 0, {}, time.perf_counter()
     status = Path(f"/proc/{proc.pid}/status")
     while proc.poll() is None:
         try:
-            for line in status.read_text().splitlines():
-                if line.startswith(("VmHWM:", "VmRSS:")):
-                    peak = max(peak, int(line.split()[1]) * 1024)
+            fields = dict(line.split(":", 1) for line in status.read_text().splitlines() if ":" in line)
         except OSError:
             break
+        rss = int(fields.get("VmRSS", "0 kB").split()[0]) * 1024
+        if rss > peak:
+            peak = rss
+            parts = {
+                k: round(int(fields[k].split()[0]) / 2**20, 1)
+                for k in ("RssAnon", "RssFile", "RssShmem")
+                if k in fields
+            }
+            if rss > kept + GiB:
+                kept = rss
+                try:
+                    smaps.write_text(largest_mappings(Path(f"/proc/{proc.pid}/smaps").read_text()))
+                except OSError:
+                    pass
         time.sleep(0.2)
-    return peak, time.perf_counter() - start
+    return peak, time.perf_counter() - start, parts
+
+
+def largest_mappings(text: str, count: int = 25) -> str:
+    """The `count` mappings of a /proc/<pid>/smaps text with the most resident memory, one per line."""
+    rows, head = [], ""
+    for line in text.splitlines():
+        first = line.split()[0] if line.split() else ""
+        if not first.endswith(":"):
+            head = line
+        elif first == "Rss:":
+            rows.append((int(line.split()[1]), head))
+    rows.sort(reverse=True)
+    return "\n".join(f"{kb / 2**20:8.2f} GiB  {h}" for kb, h in rows[:count]) + "\n"
 
 
 def per_process_peak(records: list[dict]) -> list[float] | None:
@@ -73,14 +101,19 @@ def main() -> None:
         train = [sys.executable, "-m", "jaxzero.train"]
         if args.nproc > 1:
             train = [sys.executable, "-m", "jaxzero.launch", f"--nproc={args.nproc}", "--"]
-        cmd = [*train, f"--config={args.config}", f"--run_dir={run_dir}"]
-        cmd += [f"--{o}" for o in overrides.split(",") if o]
+        flags = [f"--config={args.config}", *(f"--{o}" for o in overrides.split(",") if o)]
+        cmd = [*train, *flags, f"--run_dir={run_dir}", "--logging.plan=full"]
         metrics = run_dir / "metrics.jsonl"
         before = len(metrics.read_text().splitlines()) if metrics.exists() else 0  # a resumed run appends
         with open(out / f"{name}.out", "w") as stdout, open(out / f"{name}.err", "w") as stderr:
             proc = subprocess.Popen(cmd, stdout=stdout, stderr=stderr)
-            peak, wall = sample(proc)
+            peak, wall, parts = sample(proc, out / f"{name}.smaps")
         text = (out / f"{name}.out").read_text() + (out / f"{name}.err").read_text()
+        if args.nproc == 1:  # the plan's table, for this machine (a run prints it only where it decided)
+            planned = subprocess.run(
+                [sys.executable, "-m", "jaxzero.plan", *flags], capture_output=True, text=True
+            )
+            text = planned.stdout + text
         plan = re.search(r"host RAM\s+([\d.]+) GiB of ([\d.]+) GiB", text)
         records = []
         if metrics.exists():
@@ -98,6 +131,7 @@ def main() -> None:
                 "exit": proc.returncode,
                 "wall_s": round(wall, 1),
                 "peak_rss_gib": per_process_peak(records) or round(peak / GiB, 1),
+                "rss_parts_gib": parts,
                 "plan_host_gib": float(plan.group(1)) if plan else None,
                 "median_step_s": round(step_s, 3),
                 # over the run: equal windows of steps, so the harmonic mean of their rates

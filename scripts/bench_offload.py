@@ -260,7 +260,6 @@ def _predicted(trainer) -> dict:
 
     from jaxzero import memory, placement, runtime
     from jaxzero.models import build_model
-    from jaxzero.plan.calibration import GPU_PROCESS_RSS
     from jaxzero.plan.cost import predict
     from jaxzero.plan.machine import detect_machine
 
@@ -281,7 +280,7 @@ def _predicted(trainer) -> dict:
         whole=placement.whole_params(shapes, mesh.size),
         pool_cap=runtime.pinned_pool_cap(),
     )
-    own = GPU_PROCESS_RSS if mesh.local_devices[0].platform == "gpu" else 0
+    own = memory.process_allowance(need) if mesh.local_devices[0].platform == "gpu" else 0
     return {
         "plan_gpu_gib": (need.accelerator_state + need.activations) / 2**30,
         # the process's RSS: its arrays and pools, and what a GPU process holds of its own

@@ -68,9 +68,12 @@ HOST_HEADROOM = 0.05
 # BENCHMARKS.md, "Calibration: headroom"
 GPU_HEADROOM = 0.05
 
-# What a GPU process holds in host RAM besides its arrays and pools (CUDA context, XLA, Python).
-# BENCHMARKS.md, "Calibration: the process and XLA's pinned pool"
+# What a GPU process holds in host RAM besides its arrays and pools (CUDA context, XLA, Python), per
+# GPU it drives. BENCHMARKS.md, "Calibration: the process and XLA's pinned pool"
 GPU_PROCESS_RSS = 5 * GiB
+# What an offloaded GPU process holds besides that: the host update's threads and their buffers, XLA's
+# CPU client, the batch pipeline. BENCHMARKS.md, "Calibration: the process and XLA's pinned pool"
+OFFLOAD_PROCESS_RSS = 5 * GiB
 # XLA's pinned pool grows by regions of this size doubled until one holds the request.
 # BENCHMARKS.md, "Calibration: the process and XLA's pinned pool"
 POOL_FIRST_REGION = 2 * MiB

@@ -14,7 +14,7 @@ from jaxzero.config import TrainConfig
 from jaxzero.memory import MemoryPlan
 from jaxzero.models.sizes import NAMED_SIZES, param_count, unit_param_counts
 from jaxzero.plan import OffloadPlan, Tier, UnitKind, UnitPlan
-from jaxzero.plan.calibration import GB, GPU_HEADROOM, GPU_PROCESS_RSS, HOST_HEADROOM, GiB
+from jaxzero.plan.calibration import GB, GPU_HEADROOM, HOST_HEADROOM, GiB
 from jaxzero.plan.candidates import Candidate
 from jaxzero.plan.cost import Prediction
 from jaxzero.plan.machine import Machine
@@ -117,8 +117,8 @@ class Decision:
             lines.append(
                 f"  host RAM        {_gib(self._ram_needed())} of {_gib(mc.host_usable)} "
                 "(per process: masters and optimizer state, XLA's pinned pool, a checkpoint's buffer, and "
-                f"{_gib(GPU_PROCESS_RSS)} for the process itself; {HOST_HEADROOM:.0%} of the RAM "
-                "left free)"
+                f"{_gib(memory.process_allowance(need))} for the process itself; "
+                f"{HOST_HEADROOM:.0%} of the RAM left free)"
             )
         else:
             lines.append(
