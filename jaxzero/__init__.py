@@ -7,15 +7,47 @@ The library API in one screen:
     data = build_data(cfg.data, cfg.model.vocab_size, cfg.seed)
     state = trainer.init(jax.random.key(cfg.seed))
     state, metrics = trainer.step(state, trainer.put_batch(next(data.train_iter())))
+    save_state(trainer, state, "runs/x", step=1)   # restore_state, export_state: jaxzero.state_io
+
+Each name is imported from its module on first use: Python runs this file before any submodule, so
+importing it eagerly would load every layer (Orbax, the exporters, the argument parser) into a
+program that asks for one of them (`import jaxzero.offload.engine` loads no Orbax).
 """
 
-from jaxzero.config import ConfigError, TrainConfig
-from jaxzero.data import build_data
-from jaxzero.models import ModelParams, build_model
-from jaxzero.overrides import apply_overrides, parse_args
-from jaxzero.plan import OffloadPlan, resolve_plan
-from jaxzero.state import StepMetrics, Trainer, TrainState
-from jaxzero.trainer import build_trainer
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # for type checkers and editors; at run time `__getattr__` imports on first use
+    from jaxzero.config import ConfigError, TrainConfig
+    from jaxzero.data import build_data
+    from jaxzero.models import ModelParams, build_model
+    from jaxzero.overrides import apply_overrides, parse_args
+    from jaxzero.plan import OffloadPlan, resolve_plan
+    from jaxzero.state import StepMetrics, Trainer, TrainState
+    from jaxzero.state_io import export_state, restore_state, save_state
+    from jaxzero.trainer import build_trainer
+
+# The public names (`__all__`) and the module that defines each.
+_HOMES = {
+    "ConfigError": "jaxzero.config",
+    "TrainConfig": "jaxzero.config",
+    "build_data": "jaxzero.data",
+    "ModelParams": "jaxzero.models",
+    "build_model": "jaxzero.models",
+    "apply_overrides": "jaxzero.overrides",
+    "parse_args": "jaxzero.overrides",
+    "OffloadPlan": "jaxzero.plan",
+    "resolve_plan": "jaxzero.plan",
+    "StepMetrics": "jaxzero.state",
+    "Trainer": "jaxzero.state",
+    "TrainState": "jaxzero.state",
+    "export_state": "jaxzero.state_io",
+    "restore_state": "jaxzero.state_io",
+    "save_state": "jaxzero.state_io",
+    "build_trainer": "jaxzero.trainer",
+}
 
 __all__ = [
     "ConfigError",
@@ -29,6 +61,23 @@ __all__ = [
     "build_data",
     "build_model",
     "build_trainer",
+    "export_state",
     "parse_args",
     "resolve_plan",
+    "restore_state",
+    "save_state",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """The public name `name` (`__all__`), imported from its module on first use (PEP 562); any other
+    name is an AttributeError, as Python's import system expects of a submodule not yet imported."""
+    if name not in _HOMES:
+        raise AttributeError(f"module 'jaxzero' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOMES[name]), name)  # on first use: see the docstring
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

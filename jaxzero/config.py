@@ -1,18 +1,19 @@
-"""Configuration: one frozen dataclass per concern, composed into `TrainConfig`, its validation, and
-the error types.
+"""Configuration: one frozen dataclass per concern, composed into `TrainConfig`, the named model sizes,
+and the error types.
 
 This module is a leaf: it imports nothing of jaxzero, so every other module may import it. The
 dataclass defaults are the built-in default run (a tiny Llama on bundled bytes). How a config is built
 from presets and `--section.key=value` overrides is `jaxzero.overrides`; every cross-field rule is
-checked by `validate` before anything is compiled or allocated.
+checked by `jaxzero.config_checks.validate` before anything is compiled or allocated.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import InitVar, dataclass, field
+from types import MappingProxyType
 from typing import Any, Literal
 
 
@@ -25,45 +26,193 @@ class CheckpointError(ConfigError):
     reports it as bad input (exit status 2)."""
 
 
+class _ByName:
+    """The default of a ModelConfig field that a named size sets: filled in from `model.name`'s size."""
+
+    def __repr__(self) -> str:
+        return "<model.name's>"
+
+
+_BY_NAME: Any = _ByName()
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """Transformer shape and numerics. Masters are always float32; `compute_dtype` is the matmul dtype."""
+    """Transformer shape and numerics. Masters are always float32; `compute_dtype` is the matmul dtype.
+
+    `name` picks the shape wherever a ModelConfig is made. A named size (`SIZE_SHAPES`) sets every
+    field whose default reads `_BY_NAME`; each of those given alongside the name overrides that one
+    field, as `--model.name=NAME --model.KEY=VALUE` does: `ModelConfig(name="llama-7b", num_layers=2)`
+    is Llama 2 7B cut to two blocks, and every field given (a saved config.json) is kept as given.
+    `dataclasses.replace(m, name=NAME)` moves to NAME's shape, keeping the fields in which `m` differs
+    from its own named size (a field given to that same call with the old size's value follows the new
+    name; give both at once as `ModelConfig(name=NAME, ...)`). Any other name labels a shape of your
+    own: the fields given, llama-tiny's for the rest; with none given, the name is refused as unknown.
+    An `hf:DIR` name is a Hugging Face checkpoint whose shape is in its files, which a ModelConfig
+    never reads: `jaxzero.interop.model_config_from_hf` builds it (`--model.name=hf:DIR` calls it).
+    """
 
     name: str = "llama-tiny"  # a named size (sets every other model.* key) or hf:DIR, a HF checkpoint
-    family: Literal["llama", "gpt2"] = "llama"  # the architecture
-    vocab_size: int = 256  # rows of the token embedding; every token id must be below it
-    hidden_size: int = 128  # width of the residual stream
-    num_layers: int = 4  # transformer blocks
-    num_heads: int = 4  # attention (query) heads
-    num_kv_heads: int = 2  # grouped-query attention; == num_heads is plain multi-head attention
-    intermediate_size: int = 384  # MLP width (SwiGLU for llama, GELU for gpt2)
-    max_seq_len: int = 1024  # longest sequence (gpt2: rows of the position table)
-    tie_embeddings: bool = False  # the output head reuses the token embedding (gpt2 always does)
-    rope_theta: float = 10000.0  # rotary embedding base (llama)
+    family: Literal["llama", "gpt2"] = _BY_NAME  # the architecture
+    vocab_size: int = _BY_NAME  # rows of the token embedding; every token id must be below it
+    hidden_size: int = _BY_NAME  # width of the residual stream
+    num_layers: int = _BY_NAME  # transformer blocks
+    num_heads: int = _BY_NAME  # attention (query) heads
+    num_kv_heads: int = _BY_NAME  # grouped-query attention; == num_heads is plain multi-head attention
+    intermediate_size: int = _BY_NAME  # MLP width (SwiGLU for llama, GELU for gpt2)
+    max_seq_len: int = _BY_NAME  # longest sequence (gpt2: rows of the position table)
+    tie_embeddings: bool = _BY_NAME  # the output head reuses the token embedding (gpt2 always does)
+    rope_theta: float = _BY_NAME  # rotary embedding base (llama)
     # Rotary frequency scaling (transformers' rope_type): default (none), linear (positions / factor),
     # or llama3 (Llama 3.1+: low frequencies / factor, high kept, the band between interpolated).
-    rope_type: Literal["default", "linear", "llama3"] = "default"
-    rope_factor: float = 1.0  # linear and llama3
-    rope_low_freq_factor: float = 1.0  # llama3
-    rope_high_freq_factor: float = 4.0  # llama3
-    rope_original_max_len: int = 8192  # llama3: the context length pretraining used
-    attention_bias: bool = False  # biases on the q, k and v projections (Qwen2)
+    rope_type: Literal["default", "linear", "llama3"] = _BY_NAME
+    rope_factor: float = _BY_NAME  # linear and llama3
+    rope_low_freq_factor: float = _BY_NAME  # llama3
+    rope_high_freq_factor: float = _BY_NAME  # llama3
+    rope_original_max_len: int = _BY_NAME  # llama3: the context length pretraining used
+    attention_bias: bool = _BY_NAME  # biases on the q, k and v projections (Qwen2)
     # Sliding-window attention's window (Mistral v0.1, some Qwen2): 0 is none. Attention is computed
     # in full, which equals the windowed attention only while data.seq_len <= the window.
-    sliding_window: int = 0
+    sliding_window: int = _BY_NAME
     # The transformers model_type an export writes: "" is the family's own (llama, gpt2); Llama-family
     # checkpoints imported as qwen2 or mistral keep theirs.
-    hf_model_type: Literal["", "llama", "qwen2", "mistral", "gpt2"] = ""
-    norm_eps: float = 1e-5  # epsilon of RMSNorm / LayerNorm
+    hf_model_type: Literal["", "llama", "qwen2", "mistral", "gpt2"] = _BY_NAME
+    norm_eps: float = _BY_NAME  # epsilon of RMSNorm / LayerNorm
     init_std: float = 0.02  # standard deviation of the random init of matrices
     # matmul and activation dtype (masters are float32); float16 adds dynamic loss scaling
     compute_dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
     attention_impl: Literal["auto", "xla", "cudnn"] = "auto"  # auto: cuDNN on GPU when it applies, else XLA
     init_from: str = ""  # a Hugging Face safetensors directory to start from (set by model.name=hf:DIR)
+    # Not a field (not saved, not compared): the name whose shape the other fields hold. Only
+    # dataclasses.replace passes it, reading it from the instance it copies (set by __post_init__).
+    _shape_of: InitVar[str | None] = None
+
+    def __post_init__(self, _shape_of: str | None) -> None:
+        size = SIZE_SHAPES.get(self.name)
+        if _shape_of is not None and _shape_of != self.name:
+            # dataclasses.replace gave a new name: the copied fields still at the old named size's
+            # values follow the name, the others are the old config's own settings and stay (all of
+            # them under a name of no size).
+            old = SIZE_SHAPES.get(_shape_of)
+            follow = [k for k in SIZE_FIELDS if old is not None and getattr(self, k) == old[k]]
+            source = size
+        else:  # constructed: the fields not given follow the name (a name of no size: llama-tiny's)
+            follow = [k for k in SIZE_FIELDS if getattr(self, k) is _BY_NAME]
+            source = SIZE_SHAPES["llama-tiny"] if size is None else size
+        if size is None and len(follow) == len(SIZE_FIELDS):  # no shape of its own to go with the name
+            raise ConfigError(_not_a_size(self.name))
+        if source is not None:
+            for k in follow:
+                object.__setattr__(self, k, source[k])
+        object.__setattr__(self, "_shape_of", self.name)  # what dataclasses.replace passes on
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+
+def _not_a_size(name: str) -> str:
+    """The refusal of a ModelConfig named `name`, no named size, with no shape given."""
+    if name.startswith("hf:"):
+        return (
+            f"model.name={name!r} is a Hugging Face checkpoint, whose shape is in its config.json, which "
+            "a ModelConfig does not read: build it with jaxzero.interop.model_config_from_hf(DIR) (as "
+            "--model.name=hf:DIR does), or give the shape's fields with the name."
+        )
+    return (
+        f"unknown model.name {name!r}. Valid names: {', '.join(SIZE_SHAPES)}. A shape of your own takes "
+        "any other name with its fields given, e.g. ModelConfig(name='mine', hidden_size=256, num_layers=8)."
+    )
+
+
+# The named sizes' shapes (published or released checkpoints'; parameter counts in
+# `jaxzero.models.sizes`): the fields of _ROW, then the settings in which a size differs from _REST.
+_ROW = (
+    "family",
+    "vocab_size",
+    "hidden_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "intermediate_size",
+    "max_seq_len",
+    "tie_embeddings",
+    "rope_theta",
+    "norm_eps",
+)
+# fmt: off
+_ROWS: dict[str, tuple[Any, ...]] = {
+    # name               family   vocab   hidden layers heads kv  mlp    context tied   theta eps
+    # Tiny shapes for tests and the default run.
+    "llama-tiny":       ("llama", 256,    128,   4,     4,    2,  384,   1024,   False, 1e4,  1e-5),
+    "gpt2-tiny":        ("gpt2",  256,    128,   4,     4,    4,  512,   1024,   True,  1e4,  1e-5),
+    # OpenAI GPT-2 (HF gpt2, gpt2-medium, gpt2-large, gpt2-xl): context 1024, MLP 4D, tied.
+    "gpt2-small":       ("gpt2",  50257,  768,   12,    12,   12, 3072,  1024,   True,  1e4,  1e-5),
+    "gpt2-medium":      ("gpt2",  50257,  1024,  24,    16,   16, 4096,  1024,   True,  1e4,  1e-5),
+    "gpt2-large":       ("gpt2",  50257,  1280,  36,    20,   20, 5120,  1024,   True,  1e4,  1e-5),
+    "gpt2-xl":          ("gpt2",  50257,  1600,  48,    25,   25, 6400,  1024,   True,  1e4,  1e-5),
+    # Llama 3.2 1B / 3B (tied) with plain RoPE, to train from scratch (the released checkpoints'
+    # rope scaling is llama-3.2-1b / llama-3.2-3b).
+    "llama-1b":         ("llama", 128256, 2048,  16,    32,   8,  8192,  131072, True,  5e5,  1e-5),
+    "llama-3b":         ("llama", 128256, 3072,  28,    24,   8,  8192,  131072, True,  5e5,  1e-5),
+    # Llama 2 7B / 13B (untied, multi-head).
+    "llama-7b":         ("llama", 32000,  4096,  32,    32,   32, 11008, 4096,   False, 1e4,  1e-5),
+    "llama-13b":        ("llama", 32000,  5120,  40,    40,   40, 13824, 4096,   False, 1e4,  1e-5),
+    # InternLM2-20B's Llama-style shape.
+    "llama-20b":        ("llama", 92544,  6144,  48,    48,   8,  16384, 32768,  False, 1e6,  1e-5),
+    # LLaMA-1 "30B" (33B).
+    "llama-30b":        ("llama", 32000,  6656,  60,    52,   52, 17920, 2048,   False, 1e4,  1e-6),
+    # The shape benchmarked against DeepSpeed: Llama 3.2 3B's trunk, multi-head, Llama 2's vocabulary.
+    "llama-3.4b-bench": ("llama", 32000,  3072,  28,    24,   24, 8192,  4096,   False, 1e4,  1e-5),
+    # Released checkpoints (`model.name=hf:DIR` loads their weights): Meta's Llama 3.1 8B, 3.2 1B / 3B,
+    "llama-3.1-8b":     ("llama", 128256, 4096,  32,    32,   8,  14336, 131072, False, 5e5,  1e-5),
+    "llama-3.2-1b":     ("llama", 128256, 2048,  16,    32,   8,  8192,  131072, True,  5e5,  1e-5),
+    "llama-3.2-3b":     ("llama", 128256, 3072,  28,    24,   8,  8192,  131072, True,  5e5,  1e-5),
+    # Qwen2.5 0.5B, 7B, 14B,
+    "qwen2.5-0.5b":     ("llama", 151936, 896,   24,    14,   2,  4864,  32768,  True,  1e6,  1e-6),
+    "qwen2.5-7b":       ("llama", 152064, 3584,  28,    28,   4,  18944, 131072, False, 1e6,  1e-6),
+    "qwen2.5-14b":      ("llama", 152064, 5120,  48,    40,   8,  13824, 131072, False, 1e6,  1e-5),
+    # and Mistral 7B v0.3 (no sliding window).
+    "mistral-7b":       ("llama", 32768,  4096,  32,    32,   8,  14336, 32768,  False, 1e6,  1e-5),
+}
+# fmt: on
+# The other size fields: llama-tiny's, and every size's except where _DIFFERENT says.
+_REST: dict[str, Any] = dict(
+    rope_type="default",
+    rope_factor=1.0,
+    rope_low_freq_factor=1.0,
+    rope_high_freq_factor=4.0,
+    rope_original_max_len=8192,
+    attention_bias=False,
+    sliding_window=0,
+    hf_model_type="",
+)
+# Llama 3.1's rope scaling (transformers' "llama3"), each size with its own factor.
+_LLAMA3_ROPE = dict(
+    rope_type="llama3", rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_len=8192
+)
+_QWEN2 = dict(attention_bias=True, hf_model_type="qwen2")  # q, k, v biases
+_DIFFERENT: dict[str, dict[str, Any]] = {
+    "llama-3.1-8b": {**_LLAMA3_ROPE, "rope_factor": 8.0},
+    "llama-3.2-1b": {**_LLAMA3_ROPE, "rope_factor": 32.0},
+    "llama-3.2-3b": {**_LLAMA3_ROPE, "rope_factor": 32.0},
+    "qwen2.5-0.5b": _QWEN2,
+    "qwen2.5-7b": _QWEN2,
+    "qwen2.5-14b": _QWEN2,
+    "mistral-7b": {"hf_model_type": "mistral"},
+}
+
+SIZE_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.default is _BY_NAME)
+"""The ModelConfig fields a named size sets (those whose default is the size's)."""
+
+SIZE_SHAPES: Mapping[str, Mapping[str, Any]] = MappingProxyType(
+    {
+        name: MappingProxyType({**_REST, **dict(zip(_ROW, row)), **_DIFFERENT.get(name, {})})
+        for name, row in _ROWS.items()
+    }
+)
+"""Every named size's value of each of `SIZE_FIELDS`, read-only; the keys are the valid values of
+`model.name` (`jaxzero.models.sizes.NAMED_SIZES` holds them as ModelConfigs)."""
 
 
 @dataclass(frozen=True)
@@ -73,7 +222,8 @@ class DataConfig:
     `batch_size` is the global number of sequences per optimizer step, over all devices and all
     `grad_accum` micro-batches; each sequence is `seq_len` inputs plus one shifted target. As in
     DeepSpeed, batch_size = micro_batch_size x grad_accum x devices of the data axis: one of the three
-    may be 0 and is derived from the others when the devices are known (`resolve_batch`).
+    may be 0 and is derived from the others when the devices are known
+    (`jaxzero.config_checks.resolve_batch`).
     """
 
     # builtin: bytes of Python's standard library; tokens: nanoGPT .bin files; synthetic: random ids
@@ -342,379 +492,3 @@ SECTIONS: dict[str, type] = {
     "profile": ProfileConfig,
 }
 TOP_LEVEL_KEYS = ("steps", "seed", "run_dir")
-
-
-# ---------------------------------------------------------------------------------------------------
-# Cross-field validation: runs before any array is allocated or any function compiled.
-# ---------------------------------------------------------------------------------------------------
-
-
-def validate_model(m: ModelConfig) -> None:
-    """Raise ConfigError if `m` describes no valid transformer of its family. Used by `validate` and by
-    the models themselves (they are also built without a TrainConfig)."""
-    for k in (
-        "vocab_size",
-        "hidden_size",
-        "num_layers",
-        "num_heads",
-        "num_kv_heads",
-        "intermediate_size",
-        "max_seq_len",
-    ):
-        if getattr(m, k) < 1:
-            raise ConfigError(f"model.{k}={getattr(m, k)} must be >= 1.")
-    if m.hidden_size % m.num_heads:
-        raise ConfigError(
-            f"model.hidden_size={m.hidden_size} must be divisible by model.num_heads={m.num_heads}."
-        )
-    if m.num_heads % m.num_kv_heads:
-        raise ConfigError(
-            f"model.num_heads={m.num_heads} must be divisible by model.num_kv_heads={m.num_kv_heads} "
-            "(each key/value head serves a whole group of query heads)."
-        )
-    if m.family == "llama" and m.head_dim % 2:
-        raise ConfigError(
-            f"rotary embeddings need an even head_dim; got {m.head_dim} "
-            f"(hidden_size={m.hidden_size} / num_heads={m.num_heads})."
-        )
-    if m.family == "gpt2" and m.num_kv_heads != m.num_heads:
-        raise ConfigError(
-            f"gpt2 uses multi-head attention: model.num_kv_heads={m.num_kv_heads} must equal "
-            f"model.num_heads={m.num_heads}."
-        )
-    if m.family == "gpt2":
-        llama_only = {
-            "rope_type": "default",
-            "attention_bias": False,
-            "sliding_window": 0,
-        }
-        bad = [f"model.{k}={getattr(m, k)!r}" for k, v in llama_only.items() if getattr(m, k) != v]
-        if bad:
-            raise ConfigError(f"{', '.join(bad)}: Llama-family settings; gpt2 has none of them.")
-    hf_types = {"llama": ("", "llama", "qwen2", "mistral"), "gpt2": ("", "gpt2")}[m.family]
-    if m.hf_model_type not in hf_types:
-        raise ConfigError(
-            f"model.hf_model_type={m.hf_model_type!r} cannot describe a {m.family} model; one of {hf_types}."
-        )
-    if m.hf_model_type == "qwen2" and not m.attention_bias:
-        raise ConfigError(
-            "model.hf_model_type='qwen2' needs model.attention_bias=true (Qwen2 biases q, k, v)."
-        )
-    if m.attention_bias and m.hf_model_type in ("llama", "mistral"):
-        raise ConfigError(
-            f"model.attention_bias=true has no {m.hf_model_type} counterpart in transformers "
-            "(LlamaConfig's attention_bias also biases o_proj); use model.hf_model_type=qwen2 or ''."
-        )
-    if m.rope_type != "default" and m.rope_factor < 1:
-        raise ConfigError(
-            f"model.rope_factor={m.rope_factor} must be >= 1 with model.rope_type={m.rope_type}."
-        )
-    if m.rope_type == "llama3" and not (0 < m.rope_low_freq_factor < m.rope_high_freq_factor):
-        raise ConfigError(
-            f"model.rope_type=llama3 needs 0 < model.rope_low_freq_factor < model.rope_high_freq_factor; "
-            f"got {m.rope_low_freq_factor} and {m.rope_high_freq_factor}."
-        )
-    if m.rope_original_max_len < 1 or m.sliding_window < 0:
-        raise ConfigError(
-            f"model.rope_original_max_len={m.rope_original_max_len} must be >= 1 and "
-            f"model.sliding_window={m.sliding_window} >= 0."
-        )
-
-
-def _need(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ConfigError(msg)
-
-
-def validate(cfg: TrainConfig, num_devices: int | None = None) -> None:
-    """Raise ConfigError for impossible values and combinations, section by section, before anything
-    is built. `num_devices` adds the mesh checks when known."""
-    _need(cfg.steps >= 1, f"steps={cfg.steps} must be >= 1.")
-    _validate_finite(cfg)
-    validate_model(cfg.model)
-    _validate_model_numerics(cfg.model)
-    _validate_data(cfg, num_devices)
-    _validate_optimizer(cfg.optimizer)
-    _validate_offload(cfg)
-    _validate_parallel(cfg)
-    _validate_fp16(cfg.fp16)
-    _validate_logging(cfg)
-    _validate_checkpoint(cfg.checkpoint)
-    _validate_machine(cfg.machine)
-
-
-def _validate_finite(cfg: TrainConfig) -> None:
-    """No setting is meaningful at inf or nan."""
-    for section in (cfg.model, cfg.data, cfg.optimizer, cfg.fp16, cfg.logging):
-        for f in dataclasses.fields(section):
-            value = getattr(section, f.name)
-            if isinstance(value, float) and not math.isfinite(value):
-                name = next(k for k, v in SECTIONS.items() if isinstance(section, v))
-                raise ConfigError(f"{name}.{f.name}={value} must be a finite number.")
-
-
-def _validate_model_numerics(m: ModelConfig) -> None:
-    """The model's numerical constants."""
-    _need(m.rope_theta > 0, f"model.rope_theta={m.rope_theta} must be > 0.")
-    _need(m.norm_eps > 0, f"model.norm_eps={m.norm_eps} must be > 0.")
-    _need(m.init_std > 0, f"model.init_std={m.init_std} must be > 0.")
-
-
-def _validate_data(cfg: TrainConfig, num_devices: int | None) -> None:
-    """The data section: lengths, the batch rule, the source and its path; with `num_devices`, the
-    micro-batch's rows over the mesh."""
-    m, d = cfg.model, cfg.data
-    _need(d.seq_len >= 2, f"data.seq_len={d.seq_len} must be >= 2.")
-    _need(
-        d.seq_len <= m.max_seq_len,
-        f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}; lower data.seq_len or "
-        "raise model.max_seq_len.",
-    )
-    _need(
-        not m.sliding_window or d.seq_len <= m.sliding_window,
-        f"data.seq_len={d.seq_len} exceeds model.sliding_window={m.sliding_window}: jaxzero attends over "
-        "the whole sequence, which equals this model's windowed attention only within one window. "
-        f"Lower data.seq_len to at most {m.sliding_window}.",
-    )
-    batch = {"data.batch_size": d.batch_size, "data.grad_accum": d.grad_accum}
-    batch["data.micro_batch_size"] = d.micro_batch_size
-    _need(
-        all(v >= 0 for v in batch.values()) and sum(v == 0 for v in batch.values()) <= 1,
-        f"{_show(batch)}: each must be >= 1, except one of them 0 to be derived from the others "
-        "(batch_size = micro_batch_size x grad_accum x devices).",
-    )
-    if d.micro_batch_size == 0:
-        _need(
-            d.batch_size % d.grad_accum == 0,
-            f"data.batch_size={d.batch_size} must be a positive multiple of data.grad_accum={d.grad_accum}.",
-        )
-    _need(0.0 <= d.val_fraction < 0.5, f"data.val_fraction={d.val_fraction} must be in [0, 0.5).")
-    if d.source == "tokens":
-        _need(
-            d.path != "",
-            "data.source=tokens needs data.path=DIR, a directory holding train.bin "
-            "(nanoGPT format: a flat array of uint16 or uint32 token ids).",
-        )
-    _need(
-        d.source == "tokens" or not d.path,
-        f"data.path={d.path!r} is read only with data.source=tokens, but data.source={d.source}: the run "
-        f"would train on the {d.source} data, not on {d.path!r}. Add --data.source=tokens to train on "
-        "its train.bin, or drop data.path.",
-    )
-    if num_devices is not None:
-        _need(
-            d.micro_batch_size == 0,
-            f"{_show(batch)} is not resolved for the {num_devices} devices: pass the config through "
-            "jaxzero.config.resolve_batch(cfg, num_devices) first (python -m jaxzero.train does).",
-        )
-        micro = d.batch_size // d.grad_accum
-        _need(
-            micro % num_devices == 0,
-            f"the micro-batch data.batch_size/data.grad_accum = {d.batch_size}/{d.grad_accum} = {micro} "
-            f"must be divisible by the {num_devices} devices of the data axis; e.g. data.batch_size="
-            f"{-(-micro // num_devices) * num_devices * d.grad_accum}.",
-        )
-
-
-def _validate_optimizer(o: OptimizerConfig) -> None:
-    """The update rule's hyperparameters and schedule."""
-    _need(o.lr > 0, f"optimizer.lr={o.lr} must be > 0.")
-    _need(0 <= o.warmup_steps, f"optimizer.warmup_steps={o.warmup_steps} must be >= 0.")
-    _need(o.decay_steps >= 0, f"optimizer.decay_steps={o.decay_steps} must be >= 0 (0: the run's steps).")
-    _need(o.eps > 0, f"optimizer.eps={o.eps} must be > 0 (it keeps Adam's division finite).")
-    _need(0.0 <= o.momentum < 1.0, f"optimizer.momentum={o.momentum} must be in [0, 1).")
-    _need(
-        0.0 <= o.warmup_start_ratio <= 1.0,
-        f"optimizer.warmup_start_ratio={o.warmup_start_ratio} must be in [0, 1].",
-    )
-    _need(0.0 <= o.min_lr_ratio <= 1.0, f"optimizer.min_lr_ratio={o.min_lr_ratio} must be in [0, 1].")
-    _need(0.0 <= o.b1 < 1.0 and 0.0 <= o.b2 < 1.0, f"optimizer.b1={o.b1}, b2={o.b2} must be in [0, 1).")
-    _need(o.weight_decay >= 0, f"optimizer.weight_decay={o.weight_decay} must be >= 0.")
-    _need(o.grad_clip >= 0, f"optimizer.grad_clip={o.grad_clip} must be >= 0 (0 disables clipping).")
-
-
-def _validate_offload(cfg: TrainConfig) -> None:
-    """Where state lives: each offload key, then the combinations of explicit values."""
-    m = cfg.model
-    _need(
-        cfg.offload.resident_blocks >= 0,
-        f"offload.resident_blocks={cfg.offload.resident_blocks} must be >= 0.",
-    )
-    _need(
-        cfg.offload.speculative_units >= 0,
-        f"offload.speculative_units={cfg.offload.speculative_units} must be >= 0 (0 disables speculation).",
-    )
-    _need(
-        cfg.offload.host_threads >= 0,
-        f"offload.host_threads={cfg.offload.host_threads} must be >= 0 (0: a core each but one).",
-    )
-    _need(
-        cfg.offload.two_pass_units >= -1,
-        f"offload.two_pass_units={cfg.offload.two_pass_units} must be >= -1 (-1: adaptive; 0: none).",
-    )
-    _need(
-        cfg.offload.resident_blocks <= m.num_layers,
-        f"offload.resident_blocks={cfg.offload.resident_blocks} exceeds model.num_layers={m.num_layers}.",
-    )
-    _need(
-        0 <= cfg.offload.device_state_units < m.num_layers + 2,
-        f"offload.device_state_units={cfg.offload.device_state_units} must be in [0, {m.num_layers + 1}]: "
-        f"the model has {m.num_layers + 2} units (embedding, {m.num_layers} blocks, head), and with every "
-        "unit's state on the accelerator use offload.optimizer=none.",
-    )
-    _need(
-        cfg.offload.disk_units >= -1,
-        f"offload.disk_units={cfg.offload.disk_units} must be >= -1 (-1: every unit the host updates).",
-    )
-    # The combination rules below bind explicit values only: the planner decides an `auto` key
-    # consistently with the others (e.g. offload.params=cpu makes an auto offload.optimizer cpu).
-    if cfg.offload.device_state_units and cfg.offload.optimizer == "none":
-        raise ConfigError(
-            "offload.device_state_units only applies with offload.optimizer=cpu "
-            f"(got offload.optimizer={cfg.offload.optimizer}): without it every unit's state is on the "
-            "accelerator."
-        )
-    if cfg.offload.optimizer in ("none", "cpu") and (cfg.offload.disk_units != -1 or cfg.offload.disk_path):
-        raise ConfigError(
-            f"offload.disk_units={cfg.offload.disk_units} and offload.disk_path={cfg.offload.disk_path!r} "
-            "only "
-            f"apply with offload.optimizer=disk (or auto; got {cfg.offload.optimizer})."
-        )
-    if cfg.offload.optimizer == "disk" and cfg.offload.disk_units == 0:
-        raise ConfigError(
-            "offload.optimizer=disk with offload.disk_units=0 keeps no unit on disk: use "
-            "offload.optimizer=cpu, or set offload.disk_units=K (the last K host-updated units) or -1 (all)."
-        )
-    if cfg.offload.activations == "cpu" and cfg.offload.optimizer == "none":
-        raise ConfigError(
-            "offload.activations=cpu needs the offload engine (offload.optimizer=cpu, with "
-            "offload.device_state_units to keep some units' state on the accelerator): the resident "
-            "trainer keeps its activations in accelerator memory."
-        )
-    if cfg.offload.device_state_units and cfg.offload.update == "delayed":
-        raise ConfigError(
-            "offload.device_state_units needs offload.update=overlapped: units updated on the accelerator "
-            "cannot run one update behind (set offload.device_state_units=0 for the delayed update)."
-        )
-    if cfg.offload.resident_blocks and cfg.offload.params == "none":
-        raise ConfigError(
-            "offload.resident_blocks only applies with offload.params=cpu "
-            f"(got offload.params={cfg.offload.params})."
-        )
-    if cfg.offload.params == "cpu" and cfg.offload.optimizer == "none":
-        raise ConfigError(
-            "offload.params=cpu needs offload.optimizer=cpu: streamed weights are updated "
-            "from host-resident fp32 masters (DeepSpeed's ZeRO-3 offload pairs them too)."
-        )
-
-
-def _validate_parallel(cfg: TrainConfig) -> None:
-    """The ZeRO stage and the join timeout, and the stage each offload needs."""
-    par = cfg.parallel
-    _need(
-        -1 <= par.zero_stage <= 3,
-        f"parallel.zero_stage={par.zero_stage} must be 0, 1, 2 or 3 (-1: auto).",
-    )
-    _need(par.timeout_s >= 1, f"parallel.timeout_s={par.timeout_s} must be >= 1.")
-    if cfg.offload.params == "cpu" and par.zero_stage in (0, 1, 2):
-        raise ConfigError(
-            f"offload.params=cpu needs parallel.zero_stage=3 (got {par.zero_stage}): streamed weights "
-            "are kept as one shard per device, as DeepSpeed's offload_param needs ZeRO stage 3."
-        )
-    if cfg.offload.optimizer in ("cpu", "disk") and par.zero_stage == 0:
-        raise ConfigError(
-            f"offload.optimizer={cfg.offload.optimizer} needs parallel.zero_stage >= 1 (got 0): "
-            "host-resident optimizer "
-            "state is kept as one shard per device, as DeepSpeed's offload_optimizer needs stage 1, 2 or 3."
-        )
-
-
-def _validate_fp16(f16: FP16Config) -> None:
-    """Dynamic loss scaling."""
-    _need(
-        f16.loss_scale_window >= 1 and f16.hysteresis >= 1 and f16.min_loss_scale > 0,
-        f"fp16.loss_scale_window={f16.loss_scale_window} and fp16.hysteresis={f16.hysteresis} must be >= 1, "
-        f"fp16.min_loss_scale={f16.min_loss_scale} > 0.",
-    )
-    _need(
-        0 <= f16.initial_scale_power <= 64 and 2.0**f16.initial_scale_power >= f16.min_loss_scale,
-        f"fp16.initial_scale_power={f16.initial_scale_power} must be in [0, 64] and give a scale >= "
-        f"fp16.min_loss_scale={f16.min_loss_scale}.",
-    )
-
-
-def _validate_logging(cfg: TrainConfig) -> None:
-    """Logging's frequencies and the profiled window."""
-    lg = cfg.logging
-    _need(lg.log_every >= 1, f"logging.log_every={lg.log_every} must be >= 1.")
-    _need(lg.eval_every >= 0, f"logging.eval_every={lg.eval_every} must be >= 0.")
-    _need(lg.eval_batches >= 1, f"logging.eval_batches={lg.eval_batches} must be >= 1.")
-    _need(lg.peak_tflops >= 0, f"logging.peak_tflops={lg.peak_tflops} must be >= 0 (0: from the device).")
-    window = cfg.profile.window()  # ConfigError for a malformed or empty window
-    _need(
-        window is None or window.stop - 1 <= cfg.steps,
-        f"profile.steps={cfg.profile.steps!r} traces up to step {window.stop - 1 if window else 0}, past the "
-        f"run's last step (steps={cfg.steps}): B - 1 is the last step traced, so B must be at most "
-        f"{cfg.steps + 1}.",
-    )
-
-
-def _validate_checkpoint(ck: CheckpointConfig) -> None:
-    """How often checkpoints are saved and kept, and the save buffer."""
-    _need(
-        ck.every >= 0 and ck.keep >= 1 and ck.keep_every >= 0,
-        f"checkpoint.every={ck.every} and checkpoint.keep_every={ck.keep_every} must be >= 0, "
-        f"checkpoint.keep={ck.keep} >= 1.",
-    )
-    _need(
-        math.isfinite(ck.buffer_gib) and ck.buffer_gib >= 1 / 64,
-        f"checkpoint.buffer_gib={ck.buffer_gib} must be a finite number >= 0.015625 (16 MiB): the host RAM "
-        "a save or a restore takes beyond one unit (default 2).",
-    )
-
-
-def _validate_machine(machine: MachineConfig) -> None:
-    """The planner's machine figures (0: detect)."""
-    for f in dataclasses.fields(machine):
-        value = getattr(machine, f.name)
-        _need(
-            math.isfinite(value) and value >= 0,
-            f"machine.{f.name}={value} must be a finite number >= 0 (0: detect, or the default for the "
-            "detected device).",
-        )
-
-
-def _show(values: dict[str, int]) -> str:
-    return ", ".join(f"{k}={v}" for k, v in values.items())
-
-
-def resolve_batch(cfg: TrainConfig, num_devices: int) -> TrainConfig:
-    """`cfg` with data.batch_size and data.grad_accum filled in for `num_devices` devices of the data
-    axis, and data.micro_batch_size 0 (implied): DeepSpeed's rule batch_size = micro_batch_size x
-    grad_accum x devices, the key given as 0 derived from the other two. ConfigError, with the
-    arithmetic, when all three are given and disagree or the derived one is not a whole number."""
-    d = cfg.data
-    m, g, b = d.micro_batch_size, d.grad_accum, d.batch_size
-    given = _show({"data.batch_size": b, "data.grad_accum": g, "data.micro_batch_size": m})
-    if m == 0:
-        return cfg
-    if b == 0:
-        b = m * g * num_devices
-    elif g == 0:
-        if b % (m * num_devices):
-            raise ConfigError(
-                f"{given}: data.grad_accum = batch_size / (micro_batch_size x {num_devices} devices) = "
-                f"{b} / {m * num_devices} is not a whole number. Make data.batch_size a multiple of "
-                f"{m * num_devices}, e.g. {-(-b // (m * num_devices)) * m * num_devices}."
-            )
-        g = b // (m * num_devices)
-    elif b != m * g * num_devices:
-        raise ConfigError(
-            f"{given}: data.batch_size must equal micro_batch_size x grad_accum x devices = "
-            f"{m} x {g} x {num_devices} = {m * g * num_devices} (DeepSpeed's train_batch_size = "
-            "train_micro_batch_size_per_gpu x gradient_accumulation_steps x data-parallel size). "
-            "Change one of them, or give one as 0 to derive it."
-        )
-    return dataclasses.replace(
-        cfg, data=dataclasses.replace(d, batch_size=b, grad_accum=g, micro_batch_size=0)
-    )

@@ -248,3 +248,14 @@ def agree(name: str, text: str, timeout_s: int) -> str:
     if jax_distributed.global_state.process_id == 0:
         client.key_value_set(key, text)
     return client.blocking_key_value_get(key, timeout_s * 1000)
+
+
+def gather(name: str, text: str, timeout_s: int) -> list[str]:
+    """Every process's `text`, in process order, in every process, waiting at most `timeout_s` seconds
+    for them; `[text]` for one process. Starts no backend (the coordination service carries it)."""
+    client = jax_distributed.global_state.client
+    if client is None:
+        return [text]
+    mine, count = jax_distributed.global_state.process_id, jax_distributed.global_state.num_processes
+    client.key_value_set(f"jaxzero/{name}/{mine}", text)
+    return [client.blocking_key_value_get(f"jaxzero/{name}/{i}", timeout_s * 1000) for i in range(count)]

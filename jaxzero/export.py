@@ -22,7 +22,7 @@ import os
 import sys
 
 from jaxzero import export_dir
-from jaxzero.checkpoint import export_orbax, masters_by_unit
+from jaxzero.checkpoint_masters import export_orbax, masters_by_unit
 from jaxzero.config import ConfigError
 from jaxzero.console import to_stderr
 from jaxzero.interop import export_hf

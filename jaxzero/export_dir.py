@@ -1,10 +1,10 @@
 """The directory an export writes into: a new or empty one, or an earlier jaxzero export; never anything
 else, `--overwrite` or not.
 
-An export (`jaxzero.interop.export_hf`, `jaxzero.checkpoint.export_orbax`, `python -m jaxzero.export`,
-`Trainer.export`) writes the marker `.jaxzero-export` first, a small JSON object naming what it exports
-(format, dtype, `run_dir` and step when known, start time) and the files it writes, and marks it
-finished last. The marker is what makes a directory an export of jaxzero's:
+An export (`jaxzero.interop.export_hf`, `jaxzero.checkpoint_masters.export_orbax`, `python -m
+jaxzero.export`, `jaxzero.state_io.export_state`) writes the marker `.jaxzero-export` first, a small
+JSON object naming what it exports (format, dtype, `run_dir` and step when known, start time) and the
+files it writes, and marks it finished last. The marker is what makes a directory an export of jaxzero's:
 
 - new, or empty: written.
 - holding anything without the marker (a Hugging Face download, an export jaxzero made before markers,

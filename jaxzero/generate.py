@@ -15,10 +15,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jaxzero.checkpoint import load_masters
+from jaxzero.checkpoint_masters import load_masters
 from jaxzero.config import CheckpointError, ConfigError, TrainConfig
 from jaxzero.console import to_stderr
-from jaxzero.data import DataError
+from jaxzero.data.types import DataError
 from jaxzero.decode import Generator, Sampling
 from jaxzero.interop import import_hf
 from jaxzero.tokenizer import codec_for

@@ -244,8 +244,8 @@ def split_cores(cores: Sequence[int], nproc: int) -> list[list[int]]:
 def _prepare_child(cores: Sequence[int]) -> None:
     """In the child, before exec: get SIGKILL when the launcher dies (Linux), so that no process of a
     killed launcher keeps its GPUs; run on `cores` only (none: every core). Host-update threads of
-    several processes on every core each oversubscribe the machine: measured on 2 H200s, 1.63 s
-    per step unbound against 1.24 s with 16 threads each (BENCHMARKS.md)."""
+    several processes each on every core oversubscribe the machine and slow every process's step
+    (BENCHMARKS.md, "Two GPUs: ZeRO-3 offload over a mesh (issue 13)")."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):

@@ -12,7 +12,7 @@ import dataclasses
 import json
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -21,20 +21,14 @@ import numpy as np
 
 from jaxzero import deepspeed, distributed, objective
 from jaxzero import run_dir as run_dir_lib
-from jaxzero.checkpoint import (
-    CHECKPOINT_DIR,
-    Checkpointer,
-    CheckpointWriteError,
-    ensure_disk_room,
-    largest_array_bytes,
-    load_masters,
-    make_meta,
-    saved_steps,
-    state_bytes,
-    trim_host_heap,
-)
-from jaxzero.config import ConfigError, TrainConfig, resolve_batch, validate
-from jaxzero.data import BatchIterator, Data, DataShard, DataState, build_data
+from jaxzero.checkpoint import Checkpointer, trim_host_heap
+from jaxzero.checkpoint_disk import CheckpointWriteError, ensure_disk_room
+from jaxzero.checkpoint_layout import CHECKPOINT_DIR, largest_array_bytes, make_meta, saved_steps, state_bytes
+from jaxzero.checkpoint_masters import load_masters
+from jaxzero.config import ConfigError, TrainConfig
+from jaxzero.config_checks import resolve_batch, validate
+from jaxzero.data.build import build_data
+from jaxzero.data.types import BatchIterator, Data, DataShard, DataState
 from jaxzero.decode import Generator, Sampling
 from jaxzero.interop import load_hf_by_unit
 from jaxzero.metrics import (
@@ -49,6 +43,7 @@ from jaxzero.outcome import (
     Preempted,
     TrainingError,
 )
+from jaxzero.plan.report import Decision
 from jaxzero.profiling import StepTrace
 from jaxzero.run_dir import CONFIG_FILE, METRICS_FILE, PROFILE_DIR, SUMMARY_FILE, RunKind
 from jaxzero.state import StepMetrics, Trainer
@@ -146,13 +141,16 @@ def train(
     console: TextIO = sys.stdout,
     translation: deepspeed.Translation | None = None,
     sources: Mapping[str, str] | None = None,
+    prepare: Callable[[TrainConfig], Decision] | None = None,
 ) -> Path:
     """Run training as configured; returns the (absolute) run directory. Raises ConfigError (also for
     a run directory another trainer holds), TrainingError, CheckpointWriteError or Preempted.
     `translation`: the DeepSpeed file `cfg` was built with, whose batch keys are then refused in its
     own words for the devices found. `sources`: where each setting came from (`Layered.sources`): a
     refused resume names the preset that set a key, and a run_dir no argument named (the time-stamped
-    default) is printed with the `--run_dir=` that resumes it.
+    default) is printed with the `--run_dir=` that resumes it. `prepare`: how the program decides the
+    placement of the run's config (checked against its run directory) before JAX starts
+    (`jaxzero.preflight.prepare`); without it, the trainer decides on the running backend's devices.
 
     One trainer runs in a run directory at a time: it holds the directory's lock (`jaxzero.run_lock`)
     from before it decides what the directory is until it returns or raises. Nothing else is written
@@ -161,7 +159,7 @@ def train(
     path = run_dir_lib.locate(cfg.run_dir, cfg.model.name)
     defaulted = not cfg.run_dir or (sources is not None and "run_dir" not in sources)
     with run_dir_lib.hold(path, owner=distributed.index() == 0):  # released on every way out
-        return _train_held(cfg, path, console, translation, sources or {}, defaulted)
+        return _train_held(cfg, path, console, translation, sources or {}, defaulted, prepare)
 
 
 def _resolved(
@@ -197,6 +195,7 @@ def _train_held(
     translation: deepspeed.Translation | None,
     sources: Mapping[str, str],
     defaulted: bool,
+    prepare: Callable[[TrainConfig], Decision] | None,
 ) -> Path:
     """`train` in the run directory `path`, which this trainer holds: what the directory is, the config
     checked against it, the trainer built, the data checked, the state initialised or restored; then
@@ -213,10 +212,12 @@ def _train_held(
     short_warmup = warmup_warning(cfg.optimizer, cfg.steps, cfg.schedule_steps)
     if short_warmup:
         notes.append(f"jaxzero: warning: {short_warmup}")
-    # Checks the mesh and memory, and decides the offload keys left on auto; allocates and compiles
-    # nothing. `cfg` stays as the user wrote it (config.json keeps "auto"); `trainer.config` is decided.
+    # Decides the offload keys left on auto (before JAX starts, where the program prepares it), checks
+    # the mesh and memory; allocates and compiles nothing. `cfg` stays as the user wrote it
+    # (config.json keeps "auto"); `trainer.config` is decided.
     try:
-        trainer, decision = decide_and_build(cfg)
+        decision = prepare(cfg) if prepare is not None else None
+        trainer, decision = decide_and_build(cfg, decision=decision)
     except ConfigError:
         if translation is not None:  # the DeepSpeed file's batch keys for these GPUs, in its words
             deepspeed.check(translation, cfg, jax.device_count())
@@ -241,10 +242,13 @@ def _train_held(
         f"jaxzero: run_dir {path}: {what}",
         file=console,
     )
-    if decision is not None:
+    if decision.decided or cfg.logging.plan == "full":  # an explicit placement's table on request
         full = cfg.logging.plan == "full" or not decision.obvious()
         plan = decision.table() if full else f"{decision.line()} (--logging.plan=full: the planner's table)"
         print("\n".join(f"jaxzero: {line}" for line in plan.splitlines()), file=console)
+    slow_saves = decision.save_warning()
+    if slow_saves:
+        notes.append(f"jaxzero: {slow_saves}")
     for note in notes:
         print(note, file=console)
     abstract = trainer.abstract_saved_state()  # what a checkpoint of this run holds

@@ -201,8 +201,8 @@ class TensorBoardLog:
     The writer hands each event to a thread of its own, which writes it and flushes the file (an
     fsync) at most `FLUSH_S` seconds later: a crash loses at most the last second's events (their
     records are in `metrics.jsonl`), and `close`, on every way out of `train`, writes them all. The
-    training loop never waits for the disk: `SummaryWriter.flush` from it would fsync (milliseconds)
-    without waiting for the thread's queue, so it would cost the loop and promise nothing more."""
+    training loop never waits for the disk: `SummaryWriter.flush` from it would fsync (a wait on the
+    disk) without waiting for the thread's queue, so it would cost the loop and promise nothing more."""
 
     FLUSH_S = 1
     # Events queued for the writer thread before `add_scalar` blocks: several records' worth (a record
@@ -229,13 +229,13 @@ class TensorBoardLog:
 
 def _summary_writer_class() -> type:
     """`tensorboardX.SummaryWriter`, imported without PyTorch: tensorboardX imports torch when it is
-    installed, only to accept its tensors (we write floats), which would cost a training process ~2.5 s
-    and ~190 MiB of RSS."""
+    installed, only to accept its tensors (we write floats), which would cost a training process the
+    start-up time and the RSS of importing PyTorch."""
     blocked = "torch" not in sys.modules
     if blocked:
         sys.modules["torch"] = None  # type: ignore[assignment]  # `import torch` raises ImportError
     try:
-        # Here, not at the top: only the process that writes event files pays for the import (0.3 s).
+        # Here, not at the top: only the process that writes event files pays for the import.
         from tensorboardX import SummaryWriter
     finally:
         if blocked:

@@ -1,7 +1,11 @@
 """The optimizer: an Optax transformation built from `OptimizerConfig`.
 
 The same transformation runs on the accelerator (resident training) and on the host (offloaded
-optimizer): placement is decided elsewhere, this module only says *what* the update is.
+optimizer): placement is decided elsewhere, this module only says *what* the update is. A researcher's
+own transformation (`build_trainer(..., optimizer=tx)`) takes the named optimizer's place (`custom`):
+jaxzero still clips by the global norm (`optimizer.grad_clip`) before it, and the offload engine
+applies it to each unit's parameters separately, so it must be per-parameter (elementwise, as optax's
+adam, adamw, lion and sgd are, schedules included).
 
     tx = build_optimizer(cfg.optimizer, total_steps=cfg.schedule_steps)
     lr = learning_rate_schedule(cfg.optimizer, total_steps)(step)
@@ -45,6 +49,16 @@ def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Sche
     return optax.join_schedules([ramp, after], [warmup])
 
 
+def reported_rate(
+    cfg: OptimizerConfig, total_steps: int, custom: optax.GradientTransformation | None = None
+) -> optax.Schedule:
+    """The learning rate a step's metrics report: `learning_rate_schedule`'s, or float32 NaN for a
+    researcher's own transformation, whose rate (if it has one) jaxzero cannot read."""
+    if custom is None:
+        return learning_rate_schedule(cfg, total_steps)
+    return lambda count: jnp.full((), jnp.nan, jnp.float32)
+
+
 def warmup_warning(cfg: OptimizerConfig, steps: int, schedule_steps: int) -> str | None:
     """A warning with the numbers when a run of `steps` steps ends before its warmup does (its peak
     learning rate never applies), else None. `schedule_steps` is the schedule's length."""
@@ -73,15 +87,24 @@ def weight_decay_mask(params: ModelParams, decay_all: bool = False) -> ModelPara
 
 
 def build_optimizer(
-    cfg: OptimizerConfig, total_steps: int, *, clip: bool = True, mask: Any = None
+    cfg: OptimizerConfig,
+    total_steps: int,
+    *,
+    clip: bool = True,
+    mask: Any = None,
+    custom: optax.GradientTransformation | None = None,
 ) -> optax.GradientTransformation:
-    """Global-norm clipping (if `clip` and `grad_clip > 0`) followed by the named optimizer.
+    """Global-norm clipping (if `clip` and `grad_clip > 0`) followed by the named optimizer, or by
+    `custom` (a researcher's own transformation: then only `cfg.grad_clip` is read).
 
     The transformation expects float32 gradients and float32 master params. By default they are whole
     `ModelParams` and the weight-decay mask is `weight_decay_mask`; pass `mask` (a pytree of bools
     matching the params) to apply it to one unit of a model, e.g. a single block. Clipping needs the
     whole gradient, so per-unit users pass `clip=False` and clip with `clip_by_norm`.
     """
+    if custom is not None:  # clipped as the named ones are, so the state's layout is theirs
+        clipping = clip and cfg.grad_clip > 0
+        return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), custom) if clipping else custom
     lr = learning_rate_schedule(cfg, total_steps)
     if mask is None:
         mask = lambda p: weight_decay_mask(p, cfg.decay_norms_biases_embeddings)  # noqa: E731
@@ -119,10 +142,18 @@ def build_optimizer(
     return opt
 
 
-def unit_optimizers(cfg: OptimizerConfig, total_steps: int, masters_shape: ModelParams) -> ModelParams:
+def unit_optimizers(
+    cfg: OptimizerConfig,
+    total_steps: int,
+    masters_shape: ModelParams,
+    custom: optax.GradientTransformation | None = None,
+) -> ModelParams:
     """The transformation of each kind of unit, for updating one unit at a time: `ModelParams(embed,
     blocks, head)` with one transformation for every block, each with its unit's weight-decay mask
-    and without clipping (the caller scales by the global norm: `scaled_update`)."""
+    and without clipping (the caller scales by the global norm: `scaled_update`). With `custom`, that
+    transformation for every unit, applied to each unit's parameters alone."""
+    if custom is not None:
+        return ModelParams(embed=custom, blocks=custom, head=custom)
     mask = weight_decay_mask(masters_shape, cfg.decay_norms_biases_embeddings)
     return ModelParams(
         embed=build_optimizer(cfg, total_steps, clip=False, mask=mask.embed),
@@ -184,16 +215,20 @@ def _is_params(x: Any) -> bool:
     return isinstance(x, ModelParams)
 
 
-def split_opt_state(state: Any, clipped: bool) -> ModelParams:
+def split_opt_state(state: Any, clipped: bool, num_blocks: int | None = None) -> ModelParams:
     """Whole-model optax state (of `build_optimizer(..., clip=clipped)`) -> per-unit states in
     `ModelParams` layout. Param-shaped parts are sliced per unit; scalars (step counts) are shared.
-    Works on arrays and on ShapeDtypeStructs."""
+    Works on arrays and on ShapeDtypeStructs. `num_blocks`: the model's blocks, needed only for a
+    state holding nothing param-shaped (e.g. SGD without momentum: every unit shares it whole)."""
     inner = state[1] if clipped else state  # chain(clip_by_global_norm, opt): (EmptyState, opt state)
 
     def unit(select):
         return jax.tree.map(lambda x: select(x) if _is_params(x) else x, inner, is_leaf=_is_params)
 
-    blocks = len(next(x for x in jax.tree.leaves(inner, is_leaf=_is_params) if _is_params(x)).blocks)
+    shaped = [x for x in jax.tree.leaves(inner, is_leaf=_is_params) if _is_params(x)]
+    if not shaped and num_blocks is None:
+        raise ValueError("an optimizer state holding nothing param-shaped needs num_blocks to be split")
+    blocks = len(shaped[0].blocks) if shaped else num_blocks
     return ModelParams(
         embed=unit(lambda p: p.embed),
         blocks=tuple(unit(lambda p, i=i: p.blocks[i]) for i in range(blocks)),

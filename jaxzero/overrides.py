@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 from jaxzero import deepspeed
-from jaxzero.config import SECTIONS, TOP_LEVEL_KEYS, ConfigError, ModelConfig, TrainConfig, validate
+from jaxzero.config import SECTIONS, TOP_LEVEL_KEYS, ConfigError, ModelConfig, TrainConfig
+from jaxzero.config_checks import validate
 from jaxzero.deepspeed import Translation
 from jaxzero.interop import model_config_from_hf
 from jaxzero.models.sizes import named_model_config
@@ -35,7 +36,9 @@ log = logging.getLogger(__name__)  # the library speaks through logging (`jaxzer
 
 
 def _field_types(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+    """{field: its annotation} of a config dataclass: its fields only (not ModelConfig's InitVar)."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
 def _coerce(key: str, raw: Any, typ: Any) -> Any:
@@ -282,7 +285,9 @@ def parse_args(argv: list[str]) -> TrainConfig:
 
 
 def config_from_dict(d: dict[str, Any]) -> TrainConfig:
-    """Rebuild a TrainConfig from `TrainConfig.to_dict()` output (e.g. a run's config.json)."""
+    """Rebuild a TrainConfig from `TrainConfig.to_dict()` output (e.g. a run's config.json). Its model
+    section gives every field, and a ModelConfig keeps each field given: a named size with fields
+    changed loads as saved."""
     flat = _flatten_toml(d)
     model_keys = {k: v for k, v in flat.items() if k.startswith("model.")}
     rest = {k: v for k, v in flat.items() if not k.startswith("model.")}

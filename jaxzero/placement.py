@@ -27,7 +27,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxzero.config import ConfigError
+from jaxzero.config import ConfigError, ModelConfig
+from jaxzero.models.sizes import unit_param_shapes
 from jaxzero.plan import OffloadPlan, Tier, UnitPlan
 
 DATA_AXIS = "data"
@@ -91,6 +92,17 @@ def whole_params(shapes: Any, num_devices: int) -> tuple[int, int, int]:
     if num_devices == 1:
         return (0, 0, 0)
     return count(shapes.embed), count(shapes.blocks[0]), count(shapes.head)
+
+
+def whole_params_of(model: ModelConfig, num_devices: int) -> tuple[int, int, int]:
+    """`whole_params` of the model `model` configures, from its shapes alone
+    (`models.sizes.unit_param_shapes`): no JAX, so it serves before JAX starts."""
+    if num_devices == 1:
+        return (0, 0, 0)
+    units = unit_param_shapes(model)
+    return tuple(
+        sum(int(np.prod(shape)) for shape in unit if shard_spec(shape, num_devices) == P()) for unit in units
+    )
 
 
 def zero_shardings(mesh: Mesh, shapes: Any, sharded: bool, memory_kind: str = DEVICE) -> Any:

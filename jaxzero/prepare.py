@@ -30,30 +30,27 @@ Documents are encoded in parallel over `--workers` processes (default: the cores
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
-import glob
 import hashlib
 import json
-import multiprocessing
 import os
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 import numpy as np
 
-from jaxzero.data import DataError
+from jaxzero.data.chat_template import ChatTemplate
+from jaxzero.data.documents import expand_inputs
+from jaxzero.data.encoding import encoded_chunks
+from jaxzero.data.types import DataError
 from jaxzero.tokenizer import META_NAME, ByteTokenizer, HFTokenizer, default_eot_id, tokenizer_file
 
 OUTPUTS = ("train.bin", "val.bin", "train.mask.bin", "val.mask.bin", META_NAME)
-# Documents per task handed to a worker: large enough to amortise the pickling, small enough that
-# the progress line moves and the ordered results do not pile up in memory.
-_CHUNK_DOCS = 256
 
 
 @dataclass(frozen=True)
@@ -67,297 +64,6 @@ class Recipe:
     eot_id: int
     val_docs: int
     sft: bool = False
-
-
-# ---------------------------------------------------------------------------------------------------
-# Documents
-# ---------------------------------------------------------------------------------------------------
-
-
-def expand_inputs(patterns: Sequence[str]) -> list[Path]:
-    """The files the globs match, each pattern's sorted, in pattern order, without repeats."""
-    files: list[Path] = []
-    for pattern in patterns:
-        matched = sorted(glob.glob(pattern, recursive=True))
-        if not matched:
-            raise DataError(f"--input={pattern!r} matches no file.")
-        for m in matched:
-            p = Path(m)
-            if p.is_dir():
-                raise DataError(
-                    f"--input={pattern!r} matches the directory {m}; give files or a glob of files."
-                )
-            if p not in files:
-                files.append(p)
-    return files
-
-
-def read_documents(path: Path, text_field: str) -> Iterator[str]:
-    """The documents of one input file; DataError naming the file (and line or row) on bad input."""
-    try:
-        if path.suffix == ".jsonl":
-            for line_no, record in _json_lines(path):
-                text = record.get(text_field)
-                if not isinstance(text, str):
-                    raise DataError(
-                        f"{path}:{line_no}: no text field {text_field!r} (a string) in this record "
-                        f"(it has {sorted(record)}); set --text_field."
-                    )
-                yield text
-        elif path.suffix == ".parquet":
-            yield from _parquet_documents(path, text_field)
-        else:
-            data = path.read_bytes()
-            try:
-                yield data.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}).") from e
-    except OSError as e:
-        raise DataError(f"{path}: cannot be read: {e.strerror or e}.") from e
-
-
-def _parquet_documents(path: Path, text_field: str) -> Iterator[str]:
-    try:
-        import pyarrow.parquet as pq  # optional (jaxzero[prepare]): only Parquet inputs need it
-    except ImportError as e:
-        raise DataError(
-            f"{path}: reading Parquet needs pyarrow: pip install 'jaxzero[prepare]' (or pip install pyarrow)."
-        ) from e
-    try:
-        pf = pq.ParquetFile(path)
-    except Exception as e:  # pyarrow's ArrowInvalid and friends
-        raise DataError(f"{path}: not a Parquet file pyarrow reads: {e}") from e
-    if text_field not in pf.schema_arrow.names:
-        raise DataError(
-            f"{path}: no column {text_field!r} (it has {pf.schema_arrow.names}); set --text_field."
-        )
-    row = 0
-    for batch in pf.iter_batches(columns=[text_field]):
-        for text in batch.column(0).to_pylist():
-            row += 1
-            if not isinstance(text, str):
-                raise DataError(f"{path}: row {row}: {text_field!r} is {text!r}, not a string.")
-            yield text
-
-
-@dataclass(frozen=True)
-class Example:
-    """One fine-tuning record: prompt and completion, or chat messages; `where` is its file:line."""
-
-    where: str
-    prompt: str = ""
-    completion: str = ""
-    messages: list[dict[str, str]] | None = None
-
-    @property
-    def chars(self) -> int:
-        if self.messages is None:
-            return len(self.prompt) + len(self.completion)
-        return sum(len(m["content"]) for m in self.messages)
-
-
-def read_examples(path: Path) -> Iterator[Example]:
-    """The fine-tuning examples of a JSONL file; DataError naming the file and line on bad records."""
-    if path.suffix != ".jsonl":
-        raise DataError(f"{path}: --sft reads JSONL records (.jsonl), one example per line.")
-    for line_no, record in _json_lines(path):
-        where = f"{path}:{line_no}"
-        if "messages" in record:
-            msgs = record["messages"]
-            ok = (
-                isinstance(msgs, list)
-                and msgs
-                and all(
-                    isinstance(m, dict)
-                    and isinstance(m.get("role"), str)
-                    and isinstance(m.get("content"), str)
-                    for m in msgs
-                )
-            )
-            if not ok or not any(m["role"] == "assistant" for m in msgs):
-                raise DataError(
-                    f'{where}: messages must be a list of {{"role": str, "content": str}} with at least '
-                    "one assistant turn (what the loss trains)."
-                )
-            yield Example(where, messages=[{"role": m["role"], "content": m["content"]} for m in msgs])
-        elif isinstance(record.get("prompt"), str) and isinstance(record.get("completion"), str):
-            yield Example(where, prompt=record["prompt"], completion=record["completion"])
-        else:
-            raise DataError(
-                f'{where}: a fine-tuning record holds "prompt" and "completion" strings, or '
-                f'"messages"; this one has {sorted(record)}.'
-            )
-
-
-def _json_lines(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    with path.open("rb") as f:
-        for line_no, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            try:
-                record = json.loads(raw)
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise DataError(f"{path}:{line_no}: not a JSON object: {e}") from e
-            if not isinstance(record, dict):
-                raise DataError(f"{path}:{line_no}: not a JSON object but a {type(record).__name__}.")
-            yield line_no, record
-
-
-class ChatTemplate:
-    """A checkpoint's Jinja chat template, rendered as transformers' apply_chat_template renders it
-    (sandboxed, trim_blocks and lstrip_blocks, `raise_exception`, `tojson`, the special tokens)."""
-
-    def __init__(self, source: str, special: dict[str, str]) -> None:
-        try:
-            import jinja2.ext  # optional (jaxzero[prepare]): only chat-formatted fine-tuning data needs it
-            from jinja2.sandbox import ImmutableSandboxedEnvironment  # with the line above
-        except ImportError as e:
-            raise DataError("rendering a chat template needs jinja2: pip install 'jaxzero[prepare]'.") from e
-
-        def raise_exception(message: str) -> None:
-            raise jinja2.exceptions.TemplateError(message)
-
-        env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-        )
-        env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(
-            x, ensure_ascii=False, indent=indent, **kw
-        )
-        env.globals["raise_exception"] = raise_exception
-        env.globals["strftime_now"] = lambda fmt: time.strftime(fmt)
-        self.template = env.from_string(source)
-        self.special = special
-        self.source = source
-
-    def __reduce__(self) -> Any:  # workers rebuild it from the source
-        return (ChatTemplate, (self.source, self.special))
-
-    @classmethod
-    def of(cls, tokenizer_json: Path) -> ChatTemplate | None:
-        """The template of the tokenizer_config.json beside `tokenizer_json`, or None without one."""
-        config = tokenizer_json.parent / "tokenizer_config.json"
-        if not config.is_file():
-            return None
-        d = json.loads(config.read_text())
-        source = d.get("chat_template")
-        if isinstance(source, list):  # [{"name": "default", "template": ...}, ...]
-            source = next((t["template"] for t in source if t.get("name") == "default"), None)
-        if not isinstance(source, str):
-            return None
-        special = {}
-        for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
-            v = d.get(key)
-            v = v.get("content") if isinstance(v, dict) else v
-            if isinstance(v, str):
-                special[key] = v
-        return cls(source, special)
-
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
-        return self.template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **self.special
-        )
-
-    def spans(self, messages: list[dict[str, str]], where: str) -> list[tuple[str, int]]:
-        """The rendered conversation cut into (text, counted) spans: each assistant turn counted (1),
-        the text around it not (0). A turn's span is what rendering it adds after the conversation
-        before it with the generation prompt, so the prompt's header stays uncounted."""
-        spans: list[tuple[str, int]] = []
-        done = ""
-        for i, m in enumerate(messages):
-            if m["role"] != "assistant":
-                continue
-            before = self.render(messages[:i], add_generation_prompt=True)
-            through = self.render(messages[: i + 1])
-            if not (before.startswith(done) and through.startswith(before)):
-                raise DataError(
-                    f"{where}: the chat template does not render this conversation turn by turn "
-                    "(an earlier rendering is not a prefix of a later one), so its assistant turns "
-                    "cannot be told apart; write prompt/completion records instead."
-                )
-            spans += [(before[len(done) :], 0), (through[len(before) :], 1)]
-            done = through
-        rest = self.render(messages)[len(done) :]
-        return [(t, c) for t, c in spans + [(rest, 0)] if t]
-
-
-def _chunks(files: Sequence[Path], text_field: str, sft: bool) -> Iterator[list[Any]]:
-    chunk: list[Any] = []
-    for path in files:
-        for doc in read_examples(path) if sft else read_documents(path, text_field):
-            chunk.append(doc)
-            if len(chunk) == _CHUNK_DOCS:
-                yield chunk
-                chunk = []
-    if chunk:
-        yield chunk
-
-
-class Encoder:
-    """Documents, or fine-tuning examples, to (ids, marks): ids end with the end-of-text id; marks is
-    None for documents, else uint8 per id (1: a target the loss counts)."""
-
-    def __init__(self, tokenizer: str, eot: int, sft: bool, chat: ChatTemplate | None) -> None:
-        self.tok = ByteTokenizer() if tokenizer == "bytes" else HFTokenizer(Path(tokenizer))
-        self.eot, self.sft, self.chat = eot, sft, chat
-
-    def __call__(self, items: list[Any]) -> list[tuple[np.ndarray, np.ndarray | None]]:
-        if not self.sft:
-            eot = np.asarray([self.eot], np.uint32)
-            return [(np.concatenate([ids, eot]), None) for ids in self.tok.encode(items)]
-        return [self._example(item) for item in items]
-
-    def _example(self, example: Example) -> tuple[np.ndarray, np.ndarray]:
-        if example.messages is None:
-            prompt, completion = self.tok.encode([example.prompt, example.completion])
-            parts = [(prompt, 0), (completion, 1), (np.asarray([self.eot]), 1)]
-        else:
-            if self.chat is None:
-                raise DataError(
-                    f"{example.where}: a messages record needs the tokenizer's chat_template "
-                    "(tokenizer_config.json); this tokenizer has none. Write prompt/completion records."
-                )
-            spans = self.chat.spans(example.messages, example.where)
-            encoded = self.tok.encode([text for text, _ in spans])
-            parts = [(ids, counted) for ids, (_, counted) in zip(encoded, spans)]
-            parts.append((np.asarray([self.eot]), 0))  # the separator; the template ends each turn
-        ids = np.concatenate([p.astype(np.uint32) for p, _ in parts])
-        marks = np.concatenate([np.full(p.size, c, np.uint8) for p, c in parts])
-        return ids, marks
-
-
-# Each worker process holds one Encoder, built by the pool's initializer.
-_WORKER: Encoder | None = None
-
-
-def _init_worker(*args: Any) -> None:
-    global _WORKER
-    # one thread per worker process: the processes are the parallelism
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _WORKER = Encoder(*args)
-
-
-def _encode_chunk(items: list[Any]) -> list[tuple[np.ndarray, np.ndarray | None]]:
-    assert _WORKER is not None
-    return _WORKER(items)
-
-
-def _in_order(pool: Any, chunks: Iterator[list[Any]], ahead: int) -> Iterator[tuple[list[Any], list[Any]]]:
-    """(items, encoded) of each chunk, in input order, with at most `ahead` chunks read and not yet
-    written: the inputs are never read into memory whole."""
-    pending: collections.deque[tuple[list[Any], Any]] = collections.deque()
-    for chunk in chunks:
-        pending.append((chunk, pool.apply_async(_encode_chunk, (chunk,))))
-        if len(pending) >= ahead:
-            texts, result = pending.popleft()
-            yield texts, result.get()
-    while pending:
-        texts, result = pending.popleft()
-        yield texts, result.get()
-
-
-# ---------------------------------------------------------------------------------------------------
-# The run
-# ---------------------------------------------------------------------------------------------------
 
 
 def _sha256(path: Path) -> str:
@@ -508,32 +214,18 @@ def prepare(
     try:
         with contextlib.ExitStack() as stack:
             files_out = {name: stack.enter_context(t.open("wb")) for name, t in temps.items()}
-            chunks = _chunks(files, text_field, sft)
-            pool = None
-            if workers == 1:
-                encoder = Encoder(*encoder_args)
-                results: Iterator[tuple[list[Any], list[Any]]] = ((c, encoder(c)) for c in chunks)
-            else:
-                # spawn, not fork: a library caller may run JAX, whose threads a fork would copy mid-lock
-                pool = multiprocessing.get_context("spawn").Pool(
-                    workers, initializer=_init_worker, initargs=encoder_args
-                )
-                results = _in_order(pool, chunks, 4 * workers)
-            try:
-                for items, encoded in results:
-                    for ids, marks in encoded:
-                        split = "val" if counts["val"][0] < val_docs else "train"
-                        files_out[f"{split}.bin"].write(ids.astype(dtype).tobytes())
-                        if marks is not None:
-                            files_out[f"{split}.mask.bin"].write(marks.tobytes())
-                        counts[split][0] += 1
-                        counts[split][1] += ids.size
-                        counts[split][2] += ids.size if marks is None else int(marks.sum())
-                    if shown:
-                        shown.add(items, encoded)
-            finally:
-                if pool is not None:
-                    pool.terminate()
+            results = stack.enter_context(encoded_chunks(files, text_field, sft, encoder_args, workers))
+            for items, encoded in results:
+                for ids, marks in encoded:
+                    split = "val" if counts["val"][0] < val_docs else "train"
+                    files_out[f"{split}.bin"].write(ids.astype(dtype).tobytes())
+                    if marks is not None:
+                        files_out[f"{split}.mask.bin"].write(marks.tobytes())
+                    counts[split][0] += 1
+                    counts[split][1] += ids.size
+                    counts[split][2] += ids.size if marks is None else int(marks.sum())
+                if shown:
+                    shown.add(items, encoded)
         if counts["train"][0] == 0:
             raise DataError(
                 f"no training documents: the inputs hold {counts['val'][0]} documents and --val_docs="

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jaxzero.checkpoint import CHECKPOINT_DIR, UNREADABLE_DIR, saved_steps
+from jaxzero.checkpoint_layout import CHECKPOINT_DIR, UNREADABLE_DIR, saved_steps
 from jaxzero.config import ConfigError, TrainConfig
 from jaxzero.overrides import all_keys, config_from_dict, set_by_preset
 from jaxzero.run_lock import LOCK_FILE, RunLock, lock_run_dir

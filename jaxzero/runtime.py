@@ -37,7 +37,7 @@ def pinned_pool_cap() -> int | None:
     return int(float(value) * GiB) if value else None
 
 
-def configure_pinned_pool(need: MemoryPlan) -> int | None:
+def configure_pinned_pool(need: MemoryPlan) -> int:
     """Size XLA's pinned host pool for `need` before the GPU backend starts; return the cap in GB.
 
     XLA's GPU client caps `pinned_host` allocations at `XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB` (64 GB by
@@ -45,11 +45,22 @@ def configure_pinned_pool(need: MemoryPlan) -> int | None:
     by regions that double in size, so it can come to hold nearly twice what the run uses. When JAX has
     not started and the user has not set the variable, it is set here to this run's pool: the need's
     pinned bytes plus 25% and 2 GB (`memory.pinned_pool_cap_gb`), which also bounds the region the
-    start-up reservation makes (`memory.pinned_pool_bytes`, what `plan_memory` counts). A user-set cap
-    is kept if it is at least the run's minimum (10% and 2 GB over the need); a smaller one, or a
-    running backend whose default cap is too small, is an error that says what to set. (XLA reads the
-    variable in GiB, so each cap holds about 7% more than the GB figures here.)
+    start-up reservation makes (`memory.pinned_pool_bytes`, what `plan_memory` counts). Otherwise the
+    cap XLA has is checked (`check_pinned_pool`). (XLA reads the variable in GiB, so each cap holds
+    about 7% more than the GB figures here.) For the programs (`jaxzero.preflight.prepare`): a
+    library that sizes nothing calls `check_pinned_pool`.
     """
+    if os.environ.get(PINNED_POOL_ENV) is not None or backends_started():
+        return check_pinned_pool(need)
+    pool_gb = max(pinned_pool_minimum_gb(need), pinned_pool_cap_gb(need.pinned))
+    os.environ[PINNED_POOL_ENV] = _pool_set_here[PINNED_POOL_ENV] = str(pool_gb)
+    return pool_gb
+
+
+def check_pinned_pool(need: MemoryPlan) -> int:
+    """The cap in GB of the pinned pool XLA has (or will have) for this process: the one the
+    environment sets, else XLA's default; raises ConfigError where it is below the run's minimum
+    (10% and 2 GB over the need's pinned bytes), saying what to set. Sets nothing."""
     need_gb = pinned_pool_minimum_gb(need)
     current = os.environ.get(PINNED_POOL_ENV)
     if current is not None:
@@ -65,18 +76,14 @@ def configure_pinned_pool(need: MemoryPlan) -> int | None:
                 f"({need.describe()}). Set {PINNED_POOL_ENV}={need_gb} or unset it."
             )
         return int(float(current))
-    if _backends_started():
-        if need_gb <= PINNED_POOL_DEFAULT_GB:
-            return PINNED_POOL_DEFAULT_GB
+    if need_gb > PINNED_POOL_DEFAULT_GB:
         raise ConfigError(
             f"this run needs {need_gb} GB of pinned host memory, over XLA's default "
-            f"{PINNED_POOL_DEFAULT_GB} GB pool, and JAX has already started its backends. Set "
-            f"{PINNED_POOL_ENV}={need_gb} in the environment before JAX starts (e.g. before the first "
-            "jax.devices() call)."
+            f"{PINNED_POOL_DEFAULT_GB} GB pool. Size the pool before JAX starts: call "
+            f"jaxzero.preflight.prepare(cfg) before the first JAX call (as python -m jaxzero.train does), "
+            f"or set {PINNED_POOL_ENV}={need_gb} in the environment."
         )
-    pool_gb = max(need_gb, pinned_pool_cap_gb(need.pinned))
-    os.environ[PINNED_POOL_ENV] = _pool_set_here[PINNED_POOL_ENV] = str(pool_gb)
-    return pool_gb
+    return PINNED_POOL_DEFAULT_GB
 
 
 _pool_set_here: dict[str, str] = {}  # what `configure_pinned_pool` set in this process's environment
@@ -87,11 +94,11 @@ def claim_accelerator_memory() -> None:
     its default 75% (a quarter of the card left idle), so that the planner and the run see the card;
     the rest holds the CUDA context and cuDNN's and NCCL's workspaces. A fraction the user set is
     kept."""
-    if not _backends_started():
+    if not backends_started():
         os.environ.setdefault(MEM_FRACTION_ENV, ACCELERATOR_FRACTION)
 
 
-def _backends_started() -> bool:
+def backends_started() -> bool:
     """Whether JAX has started its backends (after which XLA's pinned pool cap is fixed)."""
     try:
         # Imported here: a private module, so that its move costs this fallback, not jaxzero's import.

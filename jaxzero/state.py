@@ -1,14 +1,17 @@
 """The types every trainer shares: `Trainer` (the contract), `TrainState`, `StepMetrics`, and the keys
 of the per-step breakdown that the offload engine measures.
 
-    trainer = build_trainer(cfg)                 # jaxzero.trainer
+    trainer = build_trainer(cfg)                     # jaxzero.trainer
     state = trainer.init(jax.random.key(cfg.seed))
-    for batch in batches:                        # int32 numpy (grad_accum, micro_batch, seq_len + 1)
+    for batch in batches:                            # int32 numpy (grad_accum, micro_batch, seq_len + 1)
         state, metrics = trainer.step(state, trainer.put_batch(batch))
-    trainer.evaluate(state, val_batches)         # float, mean loss over (B, seq_len + 1) batches
-    trainer.save(state, "runs/x", step=100)      # Orbax checkpoint under runs/x/checkpoints/100
-    state, step, data_state = trainer.restore("runs/x")
-    trainer.export(state, "export/x")            # Hugging Face safetensors
+    trainer.evaluate(state, val_batches)             # float, mean loss over (B, seq_len + 1) batches
+    save_state(trainer, state, "runs/x", step=100)   # jaxzero.state_io: runs/x/checkpoints/100
+    state, step, data_state = restore_state(trainer, "runs/x")
+    export_state(trainer, state, "export/x")         # Hugging Face safetensors
+
+This module holds types only: saving, restoring and exporting a state are I/O, in `jaxzero.state_io`,
+so that the engines that build a `Trainer` load no Orbax, run directory or exporter.
 
 Ownership: `step` consumes the state it is given, in every mode (its accelerator buffers are donated,
 or its host arrays are updated in place); keep only the state it returns. Reading a consumed state
@@ -20,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
@@ -28,18 +30,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from jaxzero import run_dir as run_dir_lib
-from jaxzero.checkpoint import (
-    CHECKPOINT_DIR,
-    Checkpointer,
-    export_orbax,
-    largest_array_bytes,
-    make_meta,
-    saved_steps,
-)
-from jaxzero.config import CheckpointError, TrainConfig
-from jaxzero.data import DataState
-from jaxzero.interop import export_hf
+from jaxzero.config import TrainConfig
 from jaxzero.models import Model, ModelParams
 from jaxzero.placement import process_count
 from jaxzero.plan import OffloadPlan
@@ -138,7 +129,7 @@ class Trainer:
     # training is over; its states are then unusable.
     close: Callable[[], None] = lambda: None
     # Where `step` waits for a checkpoint being written from its state before changing it in place:
-    # pass it to `Checkpointer.save` (`jaxzero.write_fence`).
+    # pass it to `jaxzero.checkpoint.Checkpointer.save` (`jaxzero.write_fence`).
     fence: WriteFence = dataclasses.field(default_factory=WriteFence)
 
     def evaluate(self, state: Any, batches: Sequence[np.ndarray]) -> float:
@@ -148,85 +139,6 @@ class Trainer:
         ensure_live(state)
         losses = [self.eval_loss(state, self.put_eval_batch(b)) for b in batches]
         return float(np.mean(jax.device_get(losses)))  # host sync
-
-    def save(self, state: Any, directory: str | Path, step: int, data_state: DataState | None = None) -> Path:
-        """Save `state` as checkpoint `step` of the run directory `directory` (Orbax, blocking,
-        checksummed), writing its `config.json` if it has none: `python -m jaxzero.train
-        --run_dir=DIRECTORY` resumes from it. `data_state` is the batch iterator's position
-        (`batches.state`), if any. Returns the checkpoint's directory; the state is not consumed.
-        Raises ConfigError for a directory that is not a jaxzero run or holds another run's, and
-        ValueError for a step saved already."""
-        ensure_live(state)
-        path = run_dir_lib.locate(str(directory), self.config.model.name)
-        run = run_dir_lib.inspect_run_dir(path)
-        if run.saved is not None:
-            run_dir_lib.check_resume(self.config, run.saved, path)  # the same run, or refused
-        if step in saved_steps(path):
-            raise ValueError(f"{path / CHECKPOINT_DIR / str(step)} exists already: save under another step.")
-        path.mkdir(parents=True, exist_ok=True)
-        if run.saved is None:
-            config = dataclasses.replace(run_dir_lib.resolve_paths(self.config), run_dir=str(path))
-            run_dir_lib.write_atomic(path / run_dir_lib.CONFIG_FILE, config.to_json() + "\n")
-        ckpt = Checkpointer(path, dataclasses.replace(self.config.checkpoint, async_save=False))
-        try:
-            saved = self.saved_state(state)
-            position = {} if data_state is None else data_state.to_dict()
-            ckpt.save(step, saved, make_meta(step, position, self.config, self.layout, saved))
-        finally:
-            ckpt.close()
-        return ckpt.directory / str(step)
-
-    def restore(self, directory: str | Path, step: int | None = None) -> tuple[Any, int, DataState | None]:
-        """(state, step, data_state) of checkpoint `step` (default: the newest good one) of the run
-        directory `directory`, the state in this trainer's placement; data_state is None where none
-        was saved. Raises CheckpointError if there is no such checkpoint or it holds another model."""
-        path = Path(directory)
-        steps = saved_steps(path)
-        if not steps or (step is not None and step not in steps):
-            have = f"it has checkpoints {steps}" if steps else "it has none"
-            want = f"checkpoint {step}" if step is not None else "checkpoint"
-            raise CheckpointError(f"no {want} to restore in {path.absolute() / CHECKPOINT_DIR}: {have}.")
-        abstract = self.abstract_saved_state()
-        ckpt = Checkpointer(path, self.config.checkpoint, largest_array=largest_array_bytes(abstract))
-        try:
-            if step is None:
-                restored = ckpt.restore_latest(abstract, self.layout, self.config)
-            else:
-                restored = ckpt.restore(step, abstract, self.layout, self.config)
-        finally:
-            ckpt.close()
-        position = restored.meta.get("data_state") or None
-        data_state = None if position is None else DataState.from_dict(position)
-        return self.from_saved_state(restored.state), restored.step, data_state
-
-    def export(
-        self,
-        state: Any,
-        out_dir: str | Path,
-        format: str = "hf",
-        dtype: str = "bfloat16",
-        overwrite: bool = False,
-    ) -> Path:
-        """Write the state's weights for inference: `format="hf"` a transformers checkpoint
-        (`config.json` + safetensors), `"orbax"` the parameters alone; `dtype` bfloat16, float32 or
-        float16. `out_dir` must be new, empty or an earlier export (`jaxzero.export_dir`): `overwrite`
-        replaces a finished one, and anything else is refused (FileExistsError) with or without it.
-        Returns `out_dir`. The state is not consumed."""
-        ensure_live(state)
-        if format not in ("hf", "orbax"):
-            raise ValueError(f"format={format!r} is not one of 'hf', 'orbax'.")
-        if process_count(self.mesh) > 1:
-            raise ValueError(
-                "export runs in one process: each of this run's processes holds only part of the weights. "
-                "Save a checkpoint (trainer.save) and export it from one process: python -m jaxzero.export "
-                "--run_dir=DIR --out=OUT."
-            )
-        masters = jax.device_get(state.params)  # float32, one host copy
-        if format == "hf":
-            export_hf(masters, self.config.model, out_dir, dtype=dtype, overwrite=overwrite)
-        else:
-            export_orbax(masters, out_dir, dtype, overwrite=overwrite)
-        return Path(out_dir)
 
     @property
     def strategy(self) -> str:

@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from jaxzero.config import ConfigError, TrainConfig
-from jaxzero.data import BUILTIN_SEPARATOR, BUILTIN_VOCAB_SIZE, DataError
+from jaxzero.data.sources import BUILTIN_SEPARATOR, BUILTIN_VOCAB_SIZE
+from jaxzero.data.types import DataError
 
 # The recipe `jaxzero.prepare` writes beside its token files.
 META_NAME = "prepare.json"

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import io
 import logging
@@ -55,12 +56,11 @@ from typing import Any, TextIO
 
 import jax
 
-from jaxzero import distributed
+from jaxzero import distributed, preflight
 from jaxzero import run_dir as run_dir_lib
-from jaxzero.checkpoint import (
-    CheckpointWriteError,
-)
-from jaxzero.config import ConfigError, TrainConfig, validate
+from jaxzero.checkpoint_disk import CheckpointWriteError
+from jaxzero.config import ConfigError, TrainConfig
+from jaxzero.config_checks import validate
 from jaxzero.console import to_stderr
 from jaxzero.loop import train
 from jaxzero.outcome import (
@@ -191,8 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__ + help_text())
         return 0
-    # Random init of a large model compiles in seconds instead of minutes with the threefry kernel
-    # (identical values); process-wide, so it is set here by the program, not by the library.
+    # Random init of a large model compiles far faster with the threefry kernel (identical values: XLA
+    # otherwise unrolls every draw); process-wide, so it is set here by the program, not by the library.
     jax.config.update("jax_threefry_gpu_kernel_lowering", True)
     processes, restore_handlers, cfg, background, code = None, None, None, None, 0
     try:
@@ -211,7 +211,9 @@ def main(argv: list[str] | None = None) -> int:
             restore_handlers = install_stop_handlers()
         # Process 0 prints the run's progress and metrics; every process prints its errors (stderr).
         console = sys.stdout if processes is None or processes.index == 0 else _Discard()
-        train(cfg, console, layered.deepspeed, layered.sources)
+        # The placement is decided, and XLA's pools sized for it, before JAX starts (`jaxzero.preflight`).
+        decide = functools.partial(preflight.prepare, processes=processes)
+        train(cfg, console, layered.deepspeed, layered.sources, prepare=decide)
     except ConfigError as e:
         code = _fail("config error", e, EXIT_CONFIG)
     except TrainingError as e:

@@ -2,7 +2,7 @@
 
 For each model and micro-batch, compiles the two largest transient phases of a step: a block's
 rematerialised backward (recompute + vjp) and the head's loss + vjp, written here as the bodies of
-`StreamedModel.block_bwd` and `StreamedModel.head_grad` (its loss in pieces where the engine's
+`UnitPrograms.block_bwd` and `UnitPrograms.head_grad` (its loss in pieces where the engine's
 is: `objective.head_loss`) for one micro-batch on one device (without
 their mesh constraints, which one device does not need). `memory_analysis()` of each
 compiled program gives its temporary buffers (the transient activations the memory plan estimates),
@@ -41,11 +41,11 @@ def measure(name: str, tokens: int, seq: int) -> dict:
     x = jax.ShapeDtypeStruct((mb, seq, mcfg.hidden_size), dtype)
     window = jax.ShapeDtypeStruct((mb, seq + 1), jnp.int32)
 
-    def block_bwd(w, xa, dya):  # StreamedModel.block_bwd with one micro-batch
+    def block_bwd(w, xa, dya):  # UnitPrograms.block_bwd with one micro-batch
         _, vjp = jax.vjp(model.block, w, xa)
         return vjp(dya)
 
-    def head_grad(hw, ew, xa, wa):  # StreamedModel.head_grad's per-micro-batch body
+    def head_grad(hw, ew, xa, wa):  # UnitPrograms.head_grad's per-micro-batch body
         def f(hw, ew, xa):
             return head_loss(model, hw, ew, xa, wa, jnp.float32(1.0 / wa[:, 1:].size))
 

@@ -23,7 +23,8 @@ import time
 import jax
 import numpy as np
 
-from jaxzero.checkpoint import Checkpointer, make_meta
+from jaxzero.checkpoint import Checkpointer
+from jaxzero.checkpoint_layout import make_meta
 from jaxzero.config import TrainConfig
 from jaxzero.overrides import apply_overrides
 from jaxzero.trainer import build_trainer

@@ -96,7 +96,7 @@ def run_grad_case(case: str, args) -> dict:
     from jaxzero.offload.streaming import StreamedModel
     from jaxzero.overrides import apply_overrides
     from jaxzero.plan import resolve_plan
-    from jaxzero.trainer import averaged_grads
+    from jaxzero.resident import averaged_grads
 
     params_mode = "cpu" if case.startswith("stream") else "none"
     over = {"model.name": args.model, "data.seq_len": str(args.seq), "data.grad_accum": "1"}

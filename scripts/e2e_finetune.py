@@ -13,7 +13,7 @@ Stages, each in its own process (so each sizes its own accelerator memory and pi
               updated on the CPU) with bf16 moments and one-pass updates, which 8B needs on a
               125 GiB host (fp32 moments need 159 GiB: `python -m jaxzero.plan` says so); checkpoints
               off (an 8B checkpoint would not fit the lent disk beside the rest); then
-              `trainer.export` of the trained weights (`OUT/tuned`);
+              `export_state` of the trained weights (`OUT/tuned`);
   4. compare: transformers loads `OUT/tuned`; its float32 logits on held-out windows against
               jaxzero's float32 forward of the same files.
   5. report:  prints the loss curve's ends, the times and the logit agreement; writes `OUT/e2e.json`.
@@ -57,6 +57,7 @@ def stage_train(args: argparse.Namespace) -> None:
     from jaxzero.data import build_data
     from jaxzero.interop import load_hf_into
     from jaxzero.overrides import parse_args
+    from jaxzero.state_io import export_state
     from jaxzero.trainer import build_trainer
 
     out = Path(args.out)
@@ -93,7 +94,7 @@ def stage_train(args: argparse.Namespace) -> None:
     first = min(s for s in marks if s > 1)  # steady state: from the first mark after the compile
     steady = (marks[cfg.steps] - marks[first]) / max(cfg.steps - first, 1)
     val = trainer.evaluate(state, data.val_batches(2))
-    trainer.export(state, out / "tuned", dtype="float32")
+    export_state(trainer, state, out / "tuned", dtype="float32")
     np.save(out / "val_windows.npy", data.val_batches(1)[0][:2])
     gpu = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import re
 
+from jaxzero import preflight
 from jaxzero.config import ConfigError
 from jaxzero.overrides import parse_args
-from jaxzero.plan.machine import detect_machine
-from jaxzero.plan.search import decide
 
 MODELS = ("llama-3.4b-bench", "llama-7b", "llama-13b", "llama-20b")
 GPUS = (("H200", 133), ("H100", 75))
@@ -23,7 +22,7 @@ def cell(args: list[str]) -> str:
     """One decision in brief: placement, predicted step, bottleneck; or the refusal's first advice."""
     cfg = parse_args(args)
     try:
-        d = decide(cfg, detect_machine(cfg, pool_fixed=False))
+        d = preflight.decide(cfg)  # as `python -m jaxzero.plan` and the run decide
     except ConfigError as e:
         text = str(e)
         fits = re.search(r"It fits with (\S+?)=(\S+)", text)

@@ -14,11 +14,15 @@ from subprocess_run import run_module, run_program
 
 from jaxzero import checkpoint as checkpoint_lib
 from jaxzero import placement
-from jaxzero.checkpoint import Checkpointer, CheckpointWriteError, make_meta
+from jaxzero.checkpoint import Checkpointer
+from jaxzero.checkpoint_disk import CheckpointWriteError, ensure_disk_room
+from jaxzero.checkpoint_layout import largest_array_bytes, make_meta
+from jaxzero.checkpoint_masters import read_saved_state
 from jaxzero.config import CheckpointError, TrainConfig
 from jaxzero.deferred import resolved
 from jaxzero.overrides import apply_overrides
 from jaxzero.trainer import build_trainer
+from jaxzero.write_fence import WriteFence
 
 RUN = [
     "--steps=12",
@@ -44,7 +48,7 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 def final_params(run_dir: Path, step: int) -> list[np.ndarray]:
     """The saved masters of checkpoint `step`, read back as NumPy (no placement needed to compare)."""
-    tree = checkpoint_lib.read_saved_state(run_dir / "checkpoints" / str(step))
+    tree = read_saved_state(run_dir / "checkpoints" / str(step))
     return [np.asarray(x) for x in jax.tree.leaves(tree["params"])]
 
 
@@ -201,9 +205,9 @@ def test_a_save_writes_one_part_at_a_time_and_restores_each_unit_where_it_lives(
     each unit at the fence once written; the restore puts the accelerator-updated units straight back
     on the accelerator and the others on the host, bit for bit, and each part reads back alone."""
     writes: list[str] = []
-    save = checkpoint_lib.ocp.PyTreeCheckpointHandler.save
+    save = ocp.PyTreeCheckpointHandler.save
     monkeypatch.setattr(
-        checkpoint_lib.ocp.PyTreeCheckpointHandler,
+        ocp.PyTreeCheckpointHandler,
         "save",
         lambda self, directory, args: (writes.append(Path(directory).name), save(self, directory, args=args)),
     )
@@ -214,7 +218,7 @@ def test_a_save_writes_one_part_at_a_time_and_restores_each_unit_where_it_lives(
     ckpt = Checkpointer(tmp_path, cfg.checkpoint)
     saved = trainer.saved_state(state)
     released: list[int] = []
-    fence = checkpoint_lib.WriteFence()
+    fence = WriteFence()
     fence.written = lambda position, w=fence.written: (released.append(position), w(position))
     ckpt.save(
         2, saved, make_meta(2, {"epoch": 0, "cursor": 0, "num_windows": 1}, cfg, trainer.layout, saved), fence
@@ -230,7 +234,7 @@ def test_a_save_writes_one_part_at_a_time_and_restores_each_unit_where_it_lives(
 
     ckpt.close()
     abstract = trainer.abstract_saved_state()
-    ckpt = Checkpointer(tmp_path, cfg.checkpoint, largest_array=checkpoint_lib.largest_array_bytes(abstract))
+    ckpt = Checkpointer(tmp_path, cfg.checkpoint, largest_array=largest_array_bytes(abstract))
     restored = trainer.from_saved_state(ckpt.restore(2, abstract, trainer.layout, cfg).state)
     ckpt.close()
     # the embedding and block 0 restored straight to the accelerator's placement, block 1 to the host's
@@ -268,9 +272,9 @@ def test_training_goes_on_during_an_asynchronous_save_and_the_checkpoint_is_the_
     host and disk units; the accelerator's wait), or, with no room, its update waits (`waits`): either
     way the checkpoint holds step 2's state exactly, and a resume from it equals the uninterrupted
     run bitwise."""
-    save = checkpoint_lib.ocp.PyTreeCheckpointHandler.save
+    save = ocp.PyTreeCheckpointHandler.save
     monkeypatch.setattr(
-        checkpoint_lib.ocp.PyTreeCheckpointHandler,
+        ocp.PyTreeCheckpointHandler,
         "save",
         lambda self, directory, args: (time.sleep(0.3), save(self, directory, args=args)),
     )
@@ -312,7 +316,7 @@ def test_training_goes_on_during_an_asynchronous_save_and_the_checkpoint_is_the_
         assert set(host_units) <= set(copies), (copies, host_units)
     ckpt.wait()
     final = copied(trainer.saved_state(state))
-    written = checkpoint_lib.read_saved_state(tmp_path / "checkpoints" / "2")
+    written = read_saved_state(tmp_path / "checkpoints" / "2")
     for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(written), strict=True):
         np.testing.assert_array_equal(a, b)
     assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(final), jax.tree.leaves(written)))
@@ -380,15 +384,15 @@ def test_a_run_whose_checkpoints_cannot_fit_the_disk_is_refused_before_training(
     cfg = apply_overrides(TrainConfig(), {"checkpoint.keep": "2"}).checkpoint
     size = 10 * 2**20
     monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 0, 25 * 2**20))
-    checkpoint_lib.ensure_disk_room(tmp_path / "checkpoints", size, cfg, saves=1)  # one: 10 MiB
-    checkpoint_lib.ensure_disk_room(tmp_path / "checkpoints", size, cfg, saves=2)  # two: 20 MiB
+    ensure_disk_room(tmp_path / "checkpoints", size, cfg, saves=1)  # one: 10 MiB
+    ensure_disk_room(tmp_path / "checkpoints", size, cfg, saves=2)  # two: 20 MiB
     with pytest.raises(
         CheckpointWriteError, match=r"3 of 10\.0 MiB at once .* checkpoint.keep=2 .*25\.0 MiB"
     ):
-        checkpoint_lib.ensure_disk_room(tmp_path / "checkpoints", size, cfg, saves=5)
+        ensure_disk_room(tmp_path / "checkpoints", size, cfg, saves=5)
     (tmp_path / "checkpoints" / "4").mkdir(parents=True)  # a checkpoint of the run already there
     (tmp_path / "checkpoints" / "4" / "data").write_bytes(bytes(size))
-    checkpoint_lib.ensure_disk_room(tmp_path / "checkpoints", size, cfg, saves=5)  # 30 MiB less its 10
+    ensure_disk_room(tmp_path / "checkpoints", size, cfg, saves=5)  # 30 MiB less its 10
 
 
 def test_resume_on_a_different_device_count(tmp_path):
@@ -520,14 +524,14 @@ def test_a_background_save_that_failed_is_reported_at_the_next_check(tmp_path, m
     leaves nothing half-written, and is raised by the next `check` with its cause."""
     cfg, trainer, ckpt = two_checkpoints(tmp_path)
     ckpt.check()  # nothing failed
-    save = checkpoint_lib.ocp.PyTreeCheckpointHandler.save
+    save = ocp.PyTreeCheckpointHandler.save
 
     def failing(self, directory, args):
         if Path(directory).name == "block_0001":
             raise OSError(13, "Permission denied")
         return save(self, directory, args=args)
 
-    monkeypatch.setattr(checkpoint_lib.ocp.PyTreeCheckpointHandler, "save", failing)
+    monkeypatch.setattr(ocp.PyTreeCheckpointHandler, "save", failing)
     state = trainer.init(jax.random.key(0))
     saved = trainer.saved_state(state)
     ckpt.save(3, saved, make_meta(3, META, cfg, trainer.layout, saved), trainer.fence)

@@ -1,9 +1,16 @@
-"""Config validation: every cross-field rule gives its clear message, before anything is built."""
+"""Config validation: every cross-field rule gives its clear message, before anything is built; and
+named sizes resolve wherever a ModelConfig is made."""
+
+import dataclasses
+import json
 
 import pytest
 
-from jaxzero.config import ConfigError, TrainConfig, validate
-from jaxzero.overrides import apply_overrides, parse_args
+from jaxzero import memory
+from jaxzero.config import CheckpointConfig, ConfigError, ModelConfig, OffloadConfig, TrainConfig
+from jaxzero.config_checks import validate
+from jaxzero.models.sizes import named_model_config, param_count
+from jaxzero.overrides import apply_overrides, config_from_dict, parse_args
 
 
 @pytest.mark.parametrize(
@@ -82,3 +89,73 @@ def test_choices_are_case_insensitive(written, name):
     the config holds the canonical spelling (config.json, the resume guard)."""
     assert parse_args([f"--optimizer.name={written}"]).optimizer.name == name
     assert parse_args(["--model.compute_dtype=BFloat16"]).model.compute_dtype == "bfloat16"
+
+
+# Named sizes resolve wherever a ModelConfig is made, as `--model.name=NAME` resolves them.
+LLAMA_7B_PARAMS = 6_738_415_616  # Llama 2 7B (tests/test_models.py checks every published count)
+
+
+def test_a_named_model_config_has_the_named_shape():
+    m = ModelConfig(name="llama-7b")
+    assert (m.num_layers, m.hidden_size, m.num_heads, m.vocab_size) == (32, 4096, 32, 32000)
+    assert m == parse_args(["--model.name=llama-7b"]).model == named_model_config("llama-7b")
+    assert dataclasses.replace(ModelConfig(), name="llama-7b") == m
+    assert ModelConfig() == named_model_config("llama-tiny")
+
+
+def test_explicit_fields_override_a_named_size_as_on_the_command_line():
+    """A field given with a name wins over the size's, whatever its value (the toy's included)."""
+    for over in ({"num_layers": 2}, {"num_layers": 4}, {"tie_embeddings": False}):
+        args = [f"--model.{k}={v}" for k, v in over.items()]
+        cli = parse_args(["--model.name=llama-1b", *args]).model
+        assert ModelConfig(name="llama-1b", **over) == cli
+        assert all(getattr(cli, k) == v for k, v in over.items())
+    # replace() moves to the new name's shape, keeping what the old config changed of its own size.
+    cut = dataclasses.replace(ModelConfig(name="llama-7b", num_layers=2), name="llama-13b")
+    assert (cut.num_layers, cut.hidden_size) == (2, 5120)
+    # A shape of your own under a name of your own: the fields given, llama-tiny's for the rest.
+    mine = ModelConfig(name="mine", num_layers=2)
+    assert (mine.num_layers, mine.hidden_size) == (2, ModelConfig().hidden_size)
+
+
+def test_a_train_config_of_a_named_model_plans_its_parameters():
+    cfg = TrainConfig(
+        model=ModelConfig(name="llama-7b"),
+        offload=OffloadConfig(params="none", optimizer="none"),
+        checkpoint=CheckpointConfig(enabled=False),
+    )
+    assert param_count(cfg.model) == LLAMA_7B_PARAMS
+    # masters 4 + AdamW 8 + gradients 2 bytes per parameter (tests/test_memory.py's accounting)
+    assert memory.plan_memory(cfg).accelerator_state == 14 * LLAMA_7B_PARAMS
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        ModelConfig(name="llama-7b"),
+        ModelConfig(name="llama-3.1-8b", num_layers=2, compute_dtype="float32"),
+        ModelConfig(name="llama-1b", tie_embeddings=False),
+        ModelConfig(name="mine", hidden_size=64, num_heads=2),
+    ],
+    ids=lambda m: m.name,
+)
+def test_a_named_size_round_trips_through_config_json(model):
+    cfg = TrainConfig(model=model)
+    assert config_from_dict(json.loads(cfg.to_json())) == cfg
+    assert "_shape_of" not in cfg.to_dict()["model"]  # config.json holds the fields only
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda: ModelConfig(name="llama-7B"), lambda: dataclasses.replace(ModelConfig(), name="llama-7B")],
+    ids=["constructed", "replaced"],
+)
+def test_an_unknown_name_is_refused_with_the_valid_ones(make):
+    with pytest.raises(ConfigError, match="unknown model.name 'llama-7B'. Valid names: llama-tiny, "):
+        make()
+
+
+def test_an_hf_name_is_left_to_the_parser():
+    """A ModelConfig reads no file: an hf:DIR name without its shape says what builds it."""
+    with pytest.raises(ConfigError, match="model_config_from_hf"):
+        ModelConfig(name="hf:/no/such/checkpoint")

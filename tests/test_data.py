@@ -20,9 +20,11 @@ from jaxzero.data import (
     DataError,
     DataShard,
     DataState,
+    batches,
     build_data,
     load_builtin_corpus,
     load_token_files,
+    sources,
     write_tokens,
 )
 
@@ -388,9 +390,9 @@ def test_a_process_reads_only_its_own_windows(tmp_path: Path, monkeypatch: pytes
     cfg = _cfg(d, batch_size=8, grad_accum=2)
     ids = next(build_data(cfg, BIG_VOCAB, seed=0).train_iter())[:, :, 0] // 8  # (2, 4) window ids
     read: list[int] = []
-    gather = data_mod._gather_windows
+    gather = batches._gather_windows
     monkeypatch.setattr(
-        data_mod, "_gather_windows", lambda t, w, s, c=None: read.extend(w.tolist()) or gather(t, w, s, c)
+        batches, "_gather_windows", lambda t, w, s, c=None: read.extend(w.tolist()) or gather(t, w, s, c)
     )
     data = build_data(cfg, BIG_VOCAB, seed=0, shard=DataShard(1, 2))
     next(data.train_iter())
@@ -499,7 +501,7 @@ def test_token_id_not_below_vocab(tmp_path: Path) -> None:
 
 def test_vocab_check_is_bounded_but_samples_the_tail(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With data.check_tokens=false the check reads a bounded sample, the tail included."""
-    monkeypatch.setattr(data_mod, "_VOCAB_CHECK_TOKENS", 400)  # 4 chunks of 100 over 10,000 tokens
+    monkeypatch.setattr(sources, "_VOCAB_CHECK_TOKENS", 400)  # 4 chunks of 100 over 10,000 tokens
     tokens = np.zeros(10_000, dtype=np.int64)
     tokens[-1] = 999
     write_tokens(tmp_path / "train.bin", tokens, "uint16")
@@ -511,8 +513,8 @@ def test_vocab_check_is_bounded_but_samples_the_tail(tmp_path: Path, monkeypatch
 
 
 def test_vocab_check_reads_every_token_by_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(data_mod, "_VOCAB_CHECK_TOKENS", 400)
-    monkeypatch.setattr(data_mod, "_FULL_CHECK_CHUNK", 1_000)  # several chunks over 10,000 tokens
+    monkeypatch.setattr(sources, "_VOCAB_CHECK_TOKENS", 400)
+    monkeypatch.setattr(sources, "_FULL_CHECK_CHUNK", 1_000)  # several chunks over 10,000 tokens
     tokens = np.zeros(10_000, dtype=np.int64)
     tokens[5_000] = 999  # where the sample does not look
     write_tokens(tmp_path / "train.bin", tokens, "uint16")

@@ -15,7 +15,8 @@ import pytest
 from subprocess_run import run_module
 
 from jaxzero import deepspeed
-from jaxzero.config import ConfigError, TrainConfig, resolve_batch, validate
+from jaxzero.config import ConfigError, TrainConfig
+from jaxzero.config_checks import resolve_batch, validate
 from jaxzero.optim import learning_rate_schedule
 from jaxzero.overrides import apply_overrides, layer, split_args
 

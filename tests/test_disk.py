@@ -25,6 +25,7 @@ from jaxzero.deferred import resolved
 from jaxzero.models import build_model
 from jaxzero.offload.disk import DiskStore
 from jaxzero.plan import Tier, resolve_plan
+from jaxzero.state_io import restore_state, save_state
 from jaxzero.trainer import build_trainer
 
 HOST = {"offload.optimizer": "cpu", "offload.params": "cpu"}
@@ -100,10 +101,10 @@ def test_a_restored_disk_run_matches_the_uninterrupted_one(tmp_path):
     state = first.init(jax.random.key(0))
     for _, b in batches[:2]:
         state, _ = first.step(state, first.put_batch(b))
-    first.save(state, tmp_path / "run", 2)
+    save_state(first, state, tmp_path / "run", 2)
     first.close()
     second = build_trainer(cfg, mesh)
-    state, step, _ = second.restore(tmp_path / "run")
+    state, step, _ = restore_state(second, tmp_path / "run")
     assert step == 2
     for _, b in batches[2:]:
         state, _ = second.step(state, second.put_batch(b))

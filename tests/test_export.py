@@ -11,7 +11,7 @@ import torch
 import transformers
 from subprocess_run import run_module
 
-from jaxzero.checkpoint import load_masters
+from jaxzero.checkpoint_masters import load_masters
 from jaxzero.models import build_model, forward
 
 pytestmark = pytest.mark.slow  # trains through the CLI, then exports
@@ -58,16 +58,18 @@ def test_hf_export_loads_in_transformers_with_matching_logits(trained, name):
 def test_hf_export_reads_the_checkpoint_one_unit_at_a_time(trained, tmp_path, monkeypatch):
     """`masters_by_unit` defers every unit; the export reads each only when it writes it, so host RAM
     holds one unit of the masters at a time, and the files equal an export of the whole masters."""
-    from jaxzero import checkpoint as checkpoint_lib
+    from jaxzero import checkpoint_masters
     from jaxzero.interop import export_hf
 
-    cfg, lazy, step = checkpoint_lib.masters_by_unit(trained / "llama-tiny")
+    cfg, lazy, step = checkpoint_masters.masters_by_unit(trained / "llama-tiny")
     units = [lazy.embed, *lazy.blocks, lazy.head]
     assert step == 6 and all(type(u).__name__ == "Deferred" for u in units)
     events: list[str] = []
-    read = checkpoint_lib._read_numpy
+    read = checkpoint_masters._read_numpy
     monkeypatch.setattr(
-        checkpoint_lib, "_read_numpy", lambda path, shapes: (events.append(path.name), read(path, shapes))[1]
+        checkpoint_masters,
+        "_read_numpy",
+        lambda path, shapes: (events.append(path.name), read(path, shapes))[1],
     )
     write = export_hf.__globals__["SafetensorsWriter"].write
     monkeypatch.setattr(

@@ -17,7 +17,7 @@ import pytest
 from jaxzero import export as export_lib
 from jaxzero import export_dir
 from jaxzero import train as train_lib
-from jaxzero.checkpoint import export_orbax
+from jaxzero.checkpoint_masters import export_orbax
 from jaxzero.config import TrainConfig
 from jaxzero.interop import export_hf, import_hf
 from jaxzero.interop.safetensors import SafetensorsWriter

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from jaxzero import placement
-from jaxzero.checkpoint import Checkpointer, make_meta
+from jaxzero.checkpoint import Checkpointer
+from jaxzero.checkpoint_layout import make_meta
 from jaxzero.config import FP16Config, TrainConfig
 from jaxzero.data import build_data
 from jaxzero.loss_scale import init_loss_scale, update_loss_scale

@@ -673,7 +673,8 @@ def test_sliding_windows() -> None:
         model_config_from_hf({**qwen2, "use_sliding_window": True, "sliding_window": 8}).sliding_window == 8
     )
 
-    from jaxzero.config import TrainConfig, validate
+    from jaxzero.config import TrainConfig
+    from jaxzero.config_checks import validate
 
     windowed = dataclasses.replace(MISTRAL, sliding_window=8, max_seq_len=64)
     validate(

@@ -355,7 +355,7 @@ def test_two_processes_with_blocking_saves_restore_every_checkpoint_and_resume(t
 
     import jax  # the checkpoints restore in this process too, on one device
 
-    from jaxzero import build_trainer, placement
+    from jaxzero import build_trainer, placement, restore_state
 
     trainer = build_trainer(
         mesh=placement.make_mesh(jax.devices()[:1]),
@@ -367,7 +367,7 @@ def test_two_processes_with_blocking_saves_restore_every_checkpoint_and_resume(t
     positions = []
     for step in (2, 4, 5):
         json.loads((checkpoints / str(step) / "checksums.json").read_text())  # written, whole
-        state, restored_step, data_state = trainer.restore(tmp_path / "run", step=step)
+        state, restored_step, data_state = restore_state(trainer, tmp_path / "run", step=step)
         assert restored_step == step and int(jax.device_get(state.step)) == step
         assert data_state is not None
         positions.append((data_state.epoch, data_state.cursor))

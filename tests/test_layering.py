@@ -1,10 +1,17 @@
 """The package's layering, read from its source: no import circles, imports at the top of modules, and
 the directions docs/architecture.md promises (config is a leaf, models know nothing of placement, the
-offload engine nothing of Orbax, logging or the CLI, nothing imports the programs)."""
+offload engine and the trainer contract nothing of Orbax, run directories, the exporters, logging or
+the CLI, nothing imports the programs). A direction holds for everything a module loads: the modules it
+imports, theirs in turn, and the packages above each (Python runs a package's `__init__` first); one
+import of `jaxzero.offload.engine` in a fresh process confirms it for Orbax."""
 
 from __future__ import annotations
 
 import ast
+import functools
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "jaxzero"
@@ -39,12 +46,60 @@ def imported(module: str, node: ast.AST) -> list[str]:
     return out
 
 
-def graph() -> dict[str, set[str]]:
+def runtime_nodes(tree: ast.AST) -> list[ast.AST]:
+    """Every node of `tree` but those under `if TYPE_CHECKING:`, which never run (type hints only)."""
+    out, todo = [], [tree]
+    while todo:
+        node = todo.pop()
+        out.append(node)
+        for child in ast.iter_child_nodes(node):
+            test = child.test if isinstance(child, ast.If) else None
+            if isinstance(test, ast.Name | ast.Attribute) and ast.unparse(test).endswith("TYPE_CHECKING"):
+                todo.extend(child.orelse)
+            else:
+                todo.append(child)
+    return out
+
+
+@functools.cache
+def graph() -> dict[str, frozenset[str]]:
+    """{module: the jaxzero modules it imports}, anywhere in it (inside functions too: they run when
+    called), type-checking-only imports left out."""
     edges: dict[str, set[str]] = {m: set() for m in MODULES}
     for m, path in MODULES.items():
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in runtime_nodes(ast.parse(path.read_text())):
             edges[m].update(imported(m, node))
-    return edges
+    return {m: frozenset(ns) for m, ns in edges.items()}
+
+
+def packages_above(module: str) -> list[str]:
+    """The packages Python runs before `module`: "jaxzero.offload.engine" -> jaxzero, jaxzero.offload."""
+    parts = module.split(".")
+    return [p for p in (".".join(parts[:i]) for i in range(1, len(parts))) if p in MODULES]
+
+
+@functools.cache
+def loads(module: str) -> dict[str, str | None]:
+    """{every jaxzero module that the imports of `module` load: the one it was reached from}
+    (`module` itself: None), so that `chain` can say how a forbidden module is reached. The packages
+    above `module` count only where something else loads them (the package `jaxzero` loads nothing
+    itself: `test_the_directions_of_the_layers`)."""
+    edges, seen, todo = graph(), {module: None}, [module]
+    while todo:
+        m = todo.pop(0)
+        for n in sorted(edges[m] | (set(packages_above(m)) if m != module else set())):
+            if n not in seen:
+                seen[n] = m
+                todo.append(n)
+    return seen
+
+
+def chain(module: str, target: str) -> str:
+    """How importing `module` loads `target`: "a -> b -> target"."""
+    via, path = loads(module), [target]
+    while via[path[-1]] is not None:
+        path.append(via[path[-1]])
+    return " -> ".join(reversed(path))
 
 
 def test_no_import_circles():
@@ -81,22 +136,45 @@ def test_imports_inside_functions_say_why():
     assert not silent, f"imports inside functions without a reason: {silent}"
 
 
-def depends(prefix: str) -> set[str]:
-    edges = graph()
-    return {n for m, ns in edges.items() if m == prefix or m.startswith(prefix + ".") for n in ns}
+# What the run's side of the house is made of, which the engines and the contract must not load.
+STORAGE = {
+    "jaxzero.checkpoint",
+    "jaxzero.checkpoint_layout",
+    "jaxzero.checkpoint_handler",
+    "jaxzero.checkpoint_disk",
+    "jaxzero.checkpoint_masters",
+    "jaxzero.state_io",
+    "jaxzero.run_dir",
+    "jaxzero.run_lock",
+}
+CONFIG_BUILDING = {"jaxzero.interop", "jaxzero.overrides", "jaxzero.deepspeed"}  # the CLI, the HF exporter
+THE_RUN = {"jaxzero.metrics", "jaxzero.loop"}
+ENGINES = {"jaxzero.offload", "jaxzero.trainer", "jaxzero.decode"}
+PROGRAMS = {
+    "jaxzero.train",
+    "jaxzero.export",
+    "jaxzero.generate",
+    "jaxzero.prepare",
+    "jaxzero.launch",
+    "jaxzero.plan.__main__",
+    "jaxzero.plot",
+}
+
+
+def in_layer(module: str, layer: str) -> bool:
+    return module == layer or module.startswith(layer + ".")
 
 
 def test_the_directions_of_the_layers():
     assert graph()["jaxzero.config"] == set(), "config is a leaf"
     forbidden = {
+        # The package's names are imported on first use: importing any module loads no other layer.
+        "jaxzero": {"jaxzero"},
         "jaxzero.models": {"jaxzero.plan", "jaxzero.placement", "jaxzero.memory", "jaxzero.offload"},
-        "jaxzero.offload": {
-            "jaxzero.checkpoint",
-            "jaxzero.run_dir",
-            "jaxzero.metrics",
-            "jaxzero.train",
-            "jaxzero.overrides",
-        },
+        # The engine and the contract every trainer returns: no Orbax, run directory, exporter, CLI,
+        # logging of the run or program (saving, restoring and exporting are `jaxzero.state_io`'s).
+        "jaxzero.offload": STORAGE | CONFIG_BUILDING | THE_RUN | PROGRAMS,
+        "jaxzero.state": STORAGE | CONFIG_BUILDING | THE_RUN | PROGRAMS | ENGINES | {"jaxzero.data"},
         # The plan's resolution is below the memory check; the planner, which counts each placement's
         # memory, is above it (and below the engines), and `python -m jaxzero.plan` is a program.
         "jaxzero.plan": {"jaxzero.offload", "jaxzero.placement", "jaxzero.memory", "jaxzero.trainer"},
@@ -107,27 +185,30 @@ def test_the_directions_of_the_layers():
         # The calibration is data; the memory plan only counts: no Orbax, no process environment, no
         # engine.
         "jaxzero.plan.calibration": {"jaxzero"},
-        "jaxzero.memory": {
-            "jaxzero.checkpoint",
-            "jaxzero.runtime",
-            "jaxzero.offload",
-            "jaxzero.trainer",
-            "jaxzero.decode",
-        },
+        "jaxzero.memory": STORAGE | ENGINES | {"jaxzero.runtime"},
     }
-    edges = graph()
+    wrong = []
     for layer, names in forbidden.items():
-        imports = edges[layer] if layer == "jaxzero.plan" else depends(layer)  # the package's own module
-        wrong = {n for n in imports if any(n == f or n.startswith(f + ".") for f in names)}
-        assert not wrong, f"{layer} imports {sorted(wrong)}"
-    programs = {
-        "jaxzero.train",
-        "jaxzero.export",
-        "jaxzero.generate",
-        "jaxzero.prepare",
-        "jaxzero.launch",
-        "jaxzero.plan.__main__",
-        "jaxzero.plot",
-    }
-    importers = {m for m, ns in edges.items() if programs & ns}
+        # A layer is its modules (`jaxzero`, `jaxzero.plan`: the package's own module, not the rest).
+        own = layer in ("jaxzero", "jaxzero.plan")
+        members = [layer] if own else [m for m in MODULES if in_layer(m, layer)]
+        for member in members:
+            via = loads(member)
+            bad = {n for n in via if n != member and any(in_layer(n, f) for f in names)}
+            # Where each path first enters what is forbidden (what that loads in turn is not listed).
+            wrong += [f"{layer}: {chain(member, n)}" for n in bad if via[n] not in bad]
+    assert not wrong, "imports against the layers:\n" + "\n".join(sorted(wrong))
+    importers = {m for m, ns in graph().items() if PROGRAMS & ns}
     assert importers == set(), f"programs are imported by {importers}"
+
+
+def test_the_engine_and_the_contract_load_no_orbax():
+    """What the source says, in a fresh process: importing the offload engine and the trainer contract
+    loads no Orbax, and none of the modules the engine must not reach."""
+    code = "import json, sys, jaxzero.offload.engine, jaxzero.state; print(json.dumps(sorted(sys.modules)))"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    loaded = json.loads(run.stdout.splitlines()[-1])
+    banned = STORAGE | CONFIG_BUILDING | THE_RUN | PROGRAMS
+    wrong = [m for m in loaded if in_layer(m, "orbax") or any(in_layer(m, b) for b in banned)]
+    assert not wrong, f"importing jaxzero.offload.engine loads {wrong}"

@@ -166,7 +166,7 @@ def test_pinned_pool_is_capped_at_the_plan_when_jaxzero_starts_the_backend(monke
     """Before JAX starts, the cap is set to the run's pool (plan + 25% + 2 GB) even under XLA's 64 GB
     default, so that the pool's doubling regions cannot hold more than the plan allows."""
     plan = memory.MemoryPlan(host=0, pinned=20 * 10**9, accelerator_state=0, activations=0)
-    monkeypatch.setattr(runtime, "_backends_started", lambda: False)
+    monkeypatch.setattr(runtime, "backends_started", lambda: False)
     monkeypatch.setattr(runtime, "_pool_set_here", {})
     monkeypatch.delenv(runtime.PINNED_POOL_ENV, raising=False)
     assert runtime.configure_pinned_pool(plan) == 27  # 1.25 x 20 + 2 (the minimum is 1.1 x 20 + 2 = 24)

@@ -308,7 +308,7 @@ def test_delayed_update_is_the_reference_shifted_by_one_step(mode):
     k-1 (w_{k-2}, with w_{-1} = w_0) and applied to the newest masters. The oracle is that rule written
     out with optax on whole parameters; the same tolerances as offload == resident."""
     from jaxzero.optim import build_optimizer
-    from jaxzero.trainer import averaged_grads
+    from jaxzero.resident import averaged_grads
 
     cfg = tiny("llama", "float32", **MODES[mode], **{"offload.update": "delayed"})
     trainer, state, losses, norms, _ = run(cfg, guard=True)

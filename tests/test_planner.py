@@ -10,18 +10,18 @@ import jax
 import numpy as np
 import pytest
 
-from jaxzero import memory, placement, runtime
-from jaxzero import trainer as trainer_lib
-from jaxzero.config import ConfigError, TrainConfig, validate
+from jaxzero import memory, placement, preflight, runtime
+from jaxzero.config import ConfigError, TrainConfig
+from jaxzero.config_checks import validate
 from jaxzero.data import build_data
 from jaxzero.memory import GiB, host_ram_need, plan_memory
 from jaxzero.models.sizes import unit_param_counts
-from jaxzero.overrides import apply_overrides
+from jaxzero.overrides import apply_overrides, parse_args
 from jaxzero.plan import Tier, resolve_plan, search
 from jaxzero.plan.__main__ import main as plan_main
 from jaxzero.plan.calibration import CUDA_CONTEXT_BYTES, SAVE_WORKING_BYTES
 from jaxzero.plan.cost import predict
-from jaxzero.plan.machine import H200, Machine, detect_machine, gpu_bytes_before_backend
+from jaxzero.plan.machine import H200, Accelerators, Machine, accelerators_before_backend, detect_machine
 from jaxzero.plan.search import concrete, decide
 from jaxzero.trainer import build_trainer
 
@@ -248,16 +248,6 @@ def test_the_bottleneck_is_named():
     assert predict(cfg(**ZERO3), resolve_plan(cfg(**ZERO3)), slow_link).bottleneck == "link"
 
 
-def test_the_pinned_pool_sized_before_jax_starts_holds_any_choice():
-    largest = search.largest_pinned_need(cfg())
-    # ZeRO-3 offload with the block inputs in pinned memory: what pins the most
-    most = cfg(**ZERO3, **{"offload.activations": "cpu"})
-    assert largest is not None and largest.pinned == plan_memory(most).pinned
-    for gpu in (60, 14):
-        assert decide(cfg(), h200(gpu)).memory.pinned <= largest.pinned
-    assert search.largest_pinned_need(cfg(**{"offload.optimizer": "none"})) is None
-
-
 def test_a_fixed_pinned_pool_is_a_limit():
     """Once XLA's pool is fixed (a backend running), a placement that needs more pinned memory does not
     fit: here adaptive two-pass updates (28 GB of pool) against a 20 GB cap."""
@@ -271,6 +261,7 @@ def test_plan_cli_prints_the_table_and_refuses_with_status_2(capsys, monkeypatch
         raise AssertionError("the plan CLI started a backend although machine.gpu_gib was given")
 
     monkeypatch.setattr(jax, "local_devices", no_backend)
+    monkeypatch.setattr(runtime, "backends_started", lambda: False)  # as in the program's fresh process
     box = ["--machine.gpu_gib=139", "--machine.host_gib=125", "--machine.cores=16"]
     assert plan_main(["--model.name=llama-7b", "--data.batch_size=8", "--data.seq_len=2048", *box]) == 0
     out = capsys.readouterr().out
@@ -374,39 +365,50 @@ def test_the_disk_tier_takes_the_fewest_last_units_only_where_nothing_else_fits(
 
 
 def test_the_pinned_pool_is_sized_for_the_placement_decided_before_jax_starts(tmp_path, monkeypatch):
-    """Before JAX starts, the GPU one process sees is told by `nvidia-smi` (a stand-in script on PATH
-    here, printing what an H200 box's prints), so the pool is sized for the placement the planner
-    will decide on it, not for the largest placement it might: a pool sized for that may grow a
-    second region of tens of GiB (a 20B run was killed for host RAM so)."""
+    """Before JAX starts, the GPUs a process will see are told by `nvidia-smi` (a stand-in script on
+    PATH here, printing what an H200 box's prints), so the run decides its placement once, on them,
+    and the pool is sized for it: a pool sized for a larger placement may grow a second region of
+    tens of GiB (a 20B run was killed for host RAM so)."""
     smi = tmp_path / "nvidia-smi"
-    smi.write_text("#!/bin/sh\necho '0, GPU-5f3a0c, 143771'\necho '1, GPU-77e1b2, 81559'\n")
+    smi.write_text(
+        "#!/bin/sh\necho '0, GPU-5f3a0c, 143771, NVIDIA H200'\n"
+        "echo '1, GPU-77e1b2, 81559, NVIDIA H100 80GB HBM3'\n"
+    )
     smi.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
-    monkeypatch.setenv(runtime.MEM_FRACTION_ENV, "0.95")
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    monkeypatch.delenv(runtime.MEM_FRACTION_ENV, raising=False)  # the programs' 0.95 is assumed
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.delenv(runtime.PINNED_POOL_ENV, raising=False)  # not fixed yet, as before JAX starts
-    assert gpu_bytes_before_backend() is None  # two GPUs visible: the mesh decides
+    both = accelerators_before_backend()
+    h100_bytes = int((81559 * 2**20 - CUDA_CONTEXT_BYTES) * 0.95)
+    assert (both.platform, both.local, both.memory) == ("gpu", 2, h100_bytes)  # the smaller of the two
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-77e1")
-    assert gpu_bytes_before_backend() == int((81559 * 2**20 - CUDA_CONTEXT_BYTES) * 0.95)
+    assert accelerators_before_backend() == Accelerators("gpu", 1, "NVIDIA H100 80GB HBM3", h100_bytes)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    h200 = accelerators_before_backend()
     h200_bytes = int((143771 * 2**20 - CUDA_CONTEXT_BYTES) * 0.95)
-    assert gpu_bytes_before_backend() == h200_bytes
+    assert h200 == Accelerators("gpu", 1, "NVIDIA H200", h200_bytes)
     assert abs(h200_bytes / GiB - 132.8) < 0.05  # what XLA's allocator gave the H200 at 0.95
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")  # JAX told to use the CPU: its devices, not the GPUs
+    assert accelerators_before_backend().platform == "cpu"
+    monkeypatch.delenv("JAX_PLATFORMS")
 
     lean = {"model.name": "llama-20b", "data.batch_size": "16", "optimizer.state_dtype": "bfloat16",
             "checkpoint.enabled": "false", "machine.host_gib": "125.7", "machine.cores": "16"}  # fmt: skip
     c = cfg(**lean)
-    need = trainer_lib._decided_before_backend(c)
+    monkeypatch.setattr(runtime, "backends_started", lambda: False)  # as in a program, before JAX starts
+    before = preflight.decide(c)  # the run's decision: on the H200 it sees
     on_gpu = dataclasses.replace(c, machine=dataclasses.replace(c.machine, gpu_gib=h200_bytes / GiB))
     decided = decide(on_gpu, detect_machine(on_gpu, pool_fixed=False))
-    assert need == decided.memory and decided.plan.device_state_units > 0
-    assert need.pinned < search.largest_pinned_need(c).pinned / 3
-    # With the pool capped for it, the run's own decision (its backend running) is the same one.
-    monkeypatch.setenv(runtime.PINNED_POOL_ENV, str(memory.pinned_pool_cap_gb(need.pinned)))
+    assert before.memory == decided.memory and before.decided == decided.decided
+    assert before.plan.device_state_units > 0 and before.machine.kind == "H200"
+    # prepare sizes the pool for it, and a later decision (its backend running) is the same one.
+    monkeypatch.setattr(runtime, "_pool_set_here", {})
+    monkeypatch.setenv(runtime.MEM_FRACTION_ENV, "0.95")
+    assert preflight.prepare(c).memory == before.memory
+    assert os.environ[runtime.PINNED_POOL_ENV] == str(memory.pinned_pool_cap_gb(before.memory.pinned))
     assert decide(on_gpu, detect_machine(on_gpu)).decided == decided.decided
-    # No GPU to be told of: the largest need sizes it, as before.
-    monkeypatch.setenv("PATH", str(tmp_path / "none"))
-    assert trainer_lib._decided_before_backend(c) is None
 
 
 @pytest.mark.parametrize(
@@ -452,3 +454,21 @@ def test_an_obvious_plan_is_one_line_in_the_words_of_the_device_that_runs():
     assert decide(cfg(), h200(80)).obvious() is False  # resident, but 60% of the card: worth a table
     assert "GPU memory" in decide(cfg(), h200(139)).line()
     assert decide(cfg(**ZERO3), h200(139)).obvious() is False  # the host updates: worth a table
+
+
+def test_saves_that_would_block_much_of_the_run_are_warned_with_an_interval_that_does_not():
+    """A save blocks training up to its writing time: the 3.37B preset with bf16 moments writes 25 GiB
+    a save (~21 s at the writer's rate) while 10 steps take ~12 s, so a save every 10 steps is warned,
+    and the interval the warning names is not."""
+    preset = ["--config=configs/llama-3.4b-offload.toml", "--optimizer.state_dtype=bfloat16",
+              "--checkpoint.enabled=true", "--machine.gpu_gib=139", "--machine.host_gib=125",
+              "--machine.cores=16"]  # fmt: skip
+    d = preflight.decide(parse_args([*preset, "--checkpoint.every=10"]))
+    assert 15 < d.save_seconds() < 25
+    warning = d.save_warning()
+    assert warning and "a save every 10 steps writes for ~" in warning
+    every = re.search(r"checkpoint.every=(\d+) or more keeps it under 5%", warning).group(1)
+    assert preflight.decide(parse_args([*preset, f"--checkpoint.every={every}"])).save_warning() is None
+    assert preflight.decide(parse_args([*preset, "--checkpoint.every=0"])).save_warning() is None
+    off = [*preset, "--checkpoint.every=10", "--checkpoint.enabled=false"]
+    assert preflight.decide(parse_args(off)).save_warning() is None

@@ -9,7 +9,8 @@ import pytest
 from test_train import tiny
 
 from jaxzero import train as train_lib
-from jaxzero.config import ConfigError, ProfileConfig, TrainConfig, validate
+from jaxzero.config import ConfigError, ProfileConfig, TrainConfig
+from jaxzero.config_checks import validate
 from jaxzero.overrides import apply_overrides, parse_args
 from jaxzero.profiling import StepTrace
 

@@ -1,5 +1,5 @@
-"""The Trainer contract as research code uses it: build with keyword overrides, step, evaluate, save,
-restore, export; batches checked; the same ownership rule in every mode."""
+"""The Trainer contract as research code uses it: build with keyword overrides, step, evaluate, then
+save, restore and export (`jaxzero.state_io`); batches checked; the same ownership rule in every mode."""
 
 import io
 import json
@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxzero import build_data, build_trainer, placement
+from jaxzero import build_data, build_trainer, export_state, placement, restore_state, save_state
 from jaxzero import run_dir as run_dir_lib
 from jaxzero.config import CheckpointError, ConfigError
 from jaxzero.interop import import_hf
@@ -39,7 +39,7 @@ def test_save_and_restore_continue_exactly(tmp_path, mode):
     state = trainer.init(jax.random.key(0))
     for _ in range(3):
         state, _ = trainer.step(state, trainer.put_batch(next(batches)))
-    path = trainer.save(state, tmp_path, step=3, data_state=batches.state)
+    path = save_state(trainer, state, tmp_path, step=3, data_state=batches.state)
     assert path == tmp_path / "checkpoints" / "3" and (path / "checksums.json").is_file()
     losses = []
     for _ in range(3):
@@ -47,7 +47,7 @@ def test_save_and_restore_continue_exactly(tmp_path, mode):
         losses.append(float(m.loss))
 
     again = build(mode)
-    restored, step, data_state = again.restore(tmp_path)
+    restored, step, data_state = restore_state(again, tmp_path)
     assert step == 3
     resumed = data.train_iter(data_state)
     more = []
@@ -65,32 +65,32 @@ def test_save_and_restore_continue_exactly(tmp_path, mode):
 
 
 def test_a_saved_directory_is_a_run_the_cli_resumes(tmp_path):
-    """`save` writes the run's config.json beside the checkpoint: `python -m jaxzero.train
+    """`save_state` writes the run's config.json beside the checkpoint: `python -m jaxzero.train
     --run_dir=DIR` (here `train`) resumes it. A saved step, another run's directory, and a foreign one
-    are refused; `restore` of what is not there names what is, and creates nothing."""
+    are refused; `restore_state` of what is not there names what is, and creates nothing."""
     trainer = build("resident")
     data = build_data(trainer.config.data, trainer.config.model.vocab_size, 0)
     batches = data.train_iter()
     state = trainer.init(jax.random.key(0))
     state, _ = trainer.step(state, trainer.put_batch(next(batches)))
     run = tmp_path / "run"
-    trainer.save(state, run, step=1, data_state=batches.state)
+    save_state(trainer, state, run, step=1, data_state=batches.state)
     assert run_dir_lib.inspect_run_dir(run).kind is run_dir_lib.RunKind.RESUME
     with pytest.raises(ValueError, match="checkpoints/1 exists already"):
-        trainer.save(state, run, step=1)
+        save_state(trainer, state, run, step=1)
     other = build_trainer(mesh=trainer.mesh, **{**TINY, "data__batch_size": 8})
     with pytest.raises(ConfigError, match=r"data.batch_size \(4 -> 8\)"):
-        other.save(other.init(jax.random.key(0)), run, step=2)
+        save_state(other, other.init(jax.random.key(0)), run, step=2)
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("mine")
     with pytest.raises(ConfigError, match="is not a jaxzero run"):
-        trainer.save(state, tmp_path / "mine", step=1)
+        save_state(trainer, state, tmp_path / "mine", step=1)
     assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["notes.txt"]
 
     with pytest.raises(CheckpointError, match=r"no checkpoint 5 to restore in .*: it has checkpoints \[1\]"):
-        trainer.restore(run, step=5)
+        restore_state(trainer, run, step=5)
     with pytest.raises(CheckpointError, match=r"no checkpoint to restore in .*/checkpoints: it has none"):
-        trainer.restore(tmp_path / "absent")
+        restore_state(trainer, tmp_path / "absent")
     assert not (tmp_path / "absent").exists()
 
     console = io.StringIO()
@@ -103,23 +103,23 @@ def test_a_saved_directory_is_a_run_the_cli_resumes(tmp_path):
 def test_export_writes_what_import_reads_back_and_replaces_only_when_asked(tmp_path):
     trainer = build("resident")
     state = trainer.init(jax.random.key(0))
-    trainer.export(state, tmp_path / "hf", dtype="float32")
+    export_state(trainer, state, tmp_path / "hf", dtype="float32")
     _, params = import_hf(tmp_path / "hf")
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(jax.device_get(state.params))):
         np.testing.assert_array_equal(a, b)
     with pytest.raises(FileExistsError, match="pass overwrite=True"):
-        trainer.export(state, tmp_path / "hf")
-    trainer.export(state, tmp_path / "hf", overwrite=True)  # bfloat16 now
+        export_state(trainer, state, tmp_path / "hf")
+    export_state(trainer, state, tmp_path / "hf", overwrite=True)  # bfloat16 now
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
 
-    trainer.export(state, tmp_path / "orbax", format="orbax")
+    export_state(trainer, state, tmp_path / "orbax", format="orbax")
     with pytest.raises(FileExistsError, match="pass overwrite=True"):
-        trainer.export(state, tmp_path / "orbax", format="orbax")
-    trainer.export(state, tmp_path / "orbax", format="orbax", overwrite=True)
+        export_state(trainer, state, tmp_path / "orbax", format="orbax")
+    export_state(trainer, state, tmp_path / "orbax", format="orbax", overwrite=True)
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("mine")
     with pytest.raises(FileExistsError, match="is not a jaxzero export"):
-        trainer.export(state, tmp_path / "mine", format="orbax", overwrite=True)
+        export_state(trainer, state, tmp_path / "mine", format="orbax", overwrite=True)
     assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["notes.txt"]
 
 
@@ -154,7 +154,7 @@ def test_a_step_consumes_its_state_in_every_mode(tmp_path, mode):
     with pytest.raises(RuntimeError, match=consumed):
         trainer.evaluate(state, [np.zeros((4, 17), np.int32)])
     with pytest.raises(RuntimeError, match=consumed):
-        trainer.save(state, tmp_path / "run", step=1)
+        save_state(trainer, state, tmp_path / "run", step=1)
     with pytest.raises(RuntimeError, match=consumed):
-        trainer.export(state, tmp_path / "hf")
+        export_state(trainer, state, tmp_path / "hf")
     assert not (tmp_path / "run").exists() and not (tmp_path / "hf").exists()

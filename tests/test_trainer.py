@@ -11,7 +11,8 @@ from jaxzero.config import TrainConfig
 from jaxzero.models import build_model
 from jaxzero.objective import loss_fn
 from jaxzero.overrides import apply_overrides
-from jaxzero.trainer import averaged_grads, build_trainer
+from jaxzero.resident import averaged_grads
+from jaxzero.trainer import build_trainer
 
 FP32 = {"model.compute_dtype": "float32", "model.num_layers": "2", "data.seq_len": "32"}
 

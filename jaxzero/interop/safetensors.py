@@ -13,9 +13,9 @@ export (`jaxzero.interop.hf_io`) must stream a model far larger than RAM one ten
 `safetensors.numpy.save_file` (a dict of whole arrays in, one file out) cannot do.
 
 Reading maps the file with `np.memmap` and hands out read-only views: nothing is read until a tensor's
-pages are touched, so opening a 10 GB shard costs no RAM. Writing takes the full list of (name, dtype,
-shape) up front, writes the header, then accepts tensors one at a time in any order, so the caller can
-convert one unit of a model, write it and drop it.
+pages are touched, so opening a shard costs no RAM, whatever its size. Writing takes the full list of
+(name, dtype, shape) up front, writes the header, then accepts tensors one at a time in any order, so
+the caller can convert one unit of a model, write it and drop it.
 
 Supported dtypes: F64, F32, F16, BF16 (`ml_dtypes.bfloat16`, which ships with JAX), F8_E4M3 / F8_E5M2
 (`ml_dtypes`), I64, I32, I16, I8, U64, U32, U16, U8 and BOOL.

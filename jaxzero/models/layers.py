@@ -26,7 +26,8 @@ import numpy as np
 from flax.core import unfreeze
 from jax.extend.backend import get_backend
 
-from jaxzero.config import ConfigError, ModelConfig, validate_model
+from jaxzero.config import ConfigError, ModelConfig
+from jaxzero.config_checks import validate_model
 
 COMPUTE_DTYPES: dict[str, jnp.dtype] = {
     "bfloat16": jnp.dtype(jnp.bfloat16),
@@ -63,7 +64,7 @@ def cast_tree(tree: Any, dtype: jnp.dtype) -> Any:
 def check_shape(config: ModelConfig, family: str) -> None:
     """Raise ConfigError if `config` cannot describe a `family` transformer.
 
-    `jaxzero.config.validate` checks the same rules for whole runs; models check them again because
+    `jaxzero.config_checks.validate` checks the same rules for whole runs; models check them again because
     they are also built directly (tests, conversion scripts) without a TrainConfig.
     """
     if config.family != family:

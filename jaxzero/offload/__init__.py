@@ -1,7 +1,12 @@
 """The offload engine: masters and optimizer state in host RAM, updated there while the accelerator
 streams the compute weights block by block.
 
-    engine.py          build_offload_trainer: the `Trainer` of an offloaded run
+    engine.py          build_offload_trainer: the `Trainer` of an offloaded run, wired from its parts
+    context.py         EngineContext: what the parts share, built once
+    state_init.py      the state made unit by unit: fresh, from masters, restored
+    step.py            the step and the evaluation loss
+    checkpointing.py   the state to and from its saved form
+    breakdown.py       the per-step breakdown (`Trainer.timings`)
     streaming.py       forward and rematerialised backward, one compiled block for every layer
     pipeline.py        the per-unit host update, in the background of the accelerator's work
     two_pass.py        how many units each step updates in two passes

@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from jaxzero.config import OptimizerConfig
 from jaxzero.models import ModelParams
@@ -41,6 +42,8 @@ class DeviceOptimizer:
 
     masters_shape: the model's float32 master shapes (`ShapeDtypeStruct`s, global).
     grad_accum:    micro-batches per step: gradients arrive as sums over them.
+    custom:        a researcher's own transformation, applied to each unit alone in place of the
+                   named one.
     """
 
     def __init__(
@@ -50,13 +53,15 @@ class DeviceOptimizer:
         masters_shape: ModelParams,
         placement: OffloadPlacement,
         grad_accum: int,
+        *,
+        custom: optax.GradientTransformation | None = None,
     ):
         plan = placement.plan
         self.placement = placement
         self.masters_shape = masters_shape
         skips_nonfinite = plan.host_update is not None and plan.host_update.skips_nonfinite
         max_norm = np.float32(cfg.grad_clip)
-        txs = unit_optimizers(cfg, total_steps, masters_shape)
+        txs = unit_optimizers(cfg, total_steps, masters_shape, custom)
         self._shapes = {
             UnitKind.EMBED: masters_shape.embed,
             UnitKind.BLOCK: masters_shape.blocks[0],

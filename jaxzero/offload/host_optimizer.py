@@ -8,8 +8,9 @@ updated in the order the next forward pass needs them (`jaxzero.offload.pipeline
     scale:      1 / (grad_accum * loss scale), times optax's clipping factor for the global norm
     update:     the fused single-pass kernels of `host_kernels` where they cover the optimizer (AdamW,
                 Adam, Lion, SGD; float32 or bfloat16 moments), in place, in chunks on all cores;
-                otherwise (or with `offload.fused_update=false`) the optax transformation itself,
-                jitted on XLA:CPU with the state donated, one unit per call, many units at once.
+                otherwise (or with `offload.fused_update=false`, or a researcher's own optax
+                transformation) the optax transformation itself, jitted on XLA:CPU with the state
+                donated, one unit per call, many units at once.
                 The fused update can also run in two passes (`update_weights`, then `commit`).
     way back:   the fused kernels write the new compute-dtype weights straight into `pinned_host`:
                 into the previous weights' buffers for streamed blocks (recycled step to step), or
@@ -44,7 +45,7 @@ from jaxzero.offload import host_kernels as hk
 from jaxzero.offload.host_kernels import Pass
 from jaxzero.offload.host_memory import PinnedStaging, copy_to, host_view, local_shards, place, release
 from jaxzero.offload.timeline import span
-from jaxzero.optim import learning_rate_schedule, scaled_update, unit_optimizers, weight_decay_mask
+from jaxzero.optim import reported_rate, scaled_update, unit_optimizers, weight_decay_mask
 from jaxzero.placement import PINNED_HOST, OffloadPlacement
 from jaxzero.plan import Tier, UnitKind, UnitPlan
 
@@ -118,6 +119,8 @@ class HostOptimizer:
                `pinned_host` (`plan.grad_dtype` for blocks, float32 for embedding and head); the
                update divides by both.
     weights:   the compute-dtype weights it writes, where `placement.written` puts each unit.
+    custom:    a researcher's own transformation, applied to each unit alone in place of the named
+               one (the plan's host update must be optax's: the fused kernels are the named ones').
     Whether the fused kernels or optax on XLA:CPU run, and on how many threads, is the offload
     plan's (`placement.plan.host_update`).
     """
@@ -129,6 +132,8 @@ class HostOptimizer:
         masters_shape: ModelParams,
         placement: OffloadPlacement,
         grad_accum: int,
+        *,
+        custom: optax.GradientTransformation | None = None,
     ):
         plan = placement.plan
         update = plan.host_update
@@ -136,19 +141,24 @@ class HostOptimizer:
             raise ValueError(
                 "the plan keeps every unit's state on the accelerator: nothing to update on the host"
             )
+        if custom is not None and update.fused:
+            raise ValueError(
+                "the fused host kernels implement only the named optimizers: a plan for an optax "
+                "transformation of one's own updates on optax's path (`context.optax_host_update`)"
+            )
         self.placement = placement
         self.masters_shape = masters_shape
         self.compute_dtype = jnp.dtype(plan.compute_dtype)
         self.grad_accum = grad_accum
         self.max_norm = cfg.grad_clip
-        self.schedule = learning_rate_schedule(cfg, total_steps)
+        self.schedule = reported_rate(cfg, total_steps, custom)
         mask = weight_decay_mask(masters_shape, cfg.decay_norms_biases_embeddings)
         self._decay = ModelParams(
             embed=jax.tree.map(lambda m: cfg.weight_decay if m else 0.0, mask.embed),
             blocks=jax.tree.map(lambda m: cfg.weight_decay if m else 0.0, mask.blocks[0]),
             head=jax.tree.map(lambda m: cfg.weight_decay if m else 0.0, mask.head),
         )
-        self.tx = unit_optimizers(cfg, total_steps, masters_shape)
+        self.tx = unit_optimizers(cfg, total_steps, masters_shape, custom)
         self.rule = hk.FusedRule.of(cfg) if update.fused else None
         self.threads = update.threads
         self.pool = PriorityPool(self.threads, "jaxzero-host-update")

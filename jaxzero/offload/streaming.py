@@ -35,10 +35,12 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from jaxzero import objective
 from jaxzero.models import Model, ModelParams
@@ -125,6 +127,129 @@ def stream_blocks(
     last = None
 
 
+@dataclass(frozen=True, eq=False)
+class UnitPrograms:
+    """The per-unit computations the streaming schedule issues, each a pure function of its arrays
+    (`StreamedModel` jits each once: one compiled block forward and one block backward serve every
+    layer). Weights arrive in their storage placement and dtype; each computation casts them to
+    `compute` and all-gathers them (`gather`); activations keep micro-batch rows split over the
+    mesh (`rows`); gradient sums leave reduce-scattered to one shard per device.
+
+    whole:          per unit kind, the shardings of whole weights (`OffloadPlacement.whole`).
+    grad_on_device: per unit kind, the shardings a gradient leaves the backward pass in.
+    tied:           the head reads the embedding (its gradient gets the head's share).
+    grad_accum:     micro-batches per step (A).
+    """
+
+    model: Model
+    whole: ModelParams
+    grad_on_device: ModelParams
+    mesh: Mesh
+    compute: jnp.dtype
+    tied: bool
+    grad_accum: int
+
+    def gather(self, w: Any, whole_sharding: Any) -> Any:
+        """The weights in the compute dtype (float32 masters are cast first, so the gather moves
+        the narrow copy), whole: constraining weights to whole arrays all-gathers their shards;
+        constraining gradient sums to one shard per device (`_scatter`) reduce-scatters them."""
+        return jax.lax.with_sharding_constraint(cast_tree(w, self.compute), whole_sharding)
+
+    def rows(self, x: jax.Array) -> jax.Array:
+        """Activations: micro-batch rows split over the devices."""
+        return jax.lax.with_sharding_constraint(x, batch_rows_sharding(self.mesh, x.ndim))
+
+    def embed(self, embed_w: Any, batch: jax.Array) -> jax.Array:
+        """(A, mb, S+1) int32 -> (A, mb, S, D) activations."""
+        m, embed_w = self.model, self.gather(embed_w, self.whole.embed)
+        return self.rows(jax.lax.map(lambda w: m.embed(embed_w, objective.decode_window(w)[0]), batch))
+
+    def block_fwd(self, w: Any, x: jax.Array) -> jax.Array:
+        """(A, mb, S, D) -> the same, through one block."""
+        m, w = self.model, self.gather(w, self.whole.blocks)
+        return self.rows(jax.lax.map(lambda xa: m.block(w, xa), x))
+
+    def head_loss(self, head_w: Any, embed_w: Any, x: jax.Array, batch: jax.Array) -> jax.Array:
+        """Float32 scalar: the step's mean over its counted targets."""
+        m = self.model
+        head_w, embed_w = self.gather(head_w, self.whole.head), self.gather(embed_w, self.whole.embed)
+        weight = objective.step_weight(batch)
+        losses = jax.lax.map(
+            lambda a: objective.head_loss(m, head_w, embed_w, a[0], a[1], weight), (x, batch)
+        )
+        return jnp.mean(losses)
+
+    def head_grad(
+        self, head_w: Any, embed_w: Any, x: jax.Array, batch: jax.Array, loss_scale: jax.Array
+    ) -> Any:
+        """-> loss, d(loss_scale * L_a)/dx_a per micro-batch (each micro-batch's weighted loss,
+        `objective.step_weight`, differentiated on its own, as the resident trainer does),
+        float32 head (and tied-embedding) gradient sums over micro-batches, the head's squared norm."""
+        m, tied = self.model, self.tied
+        head_w, embed_w = self.gather(head_w, self.whole.head), self.gather(embed_w, self.whole.embed)
+        weight = objective.step_weight(batch)
+
+        def one(xa, wa):
+            def f(hw, ew, xa):
+                return objective.head_loss(m, hw, ew, xa, wa, weight)
+
+            loss, vjp = jax.vjp(f, head_w, embed_w, xa)
+            g_head, g_embed, dx = vjp(loss_scale)  # the cotangent of the loss: 1, or float16's scale
+            return (loss, _f32(g_head), _f32(g_embed) if tied else None), dx
+
+        zeros = (
+            jnp.zeros((), jnp.float32),
+            _f32(jax.tree.map(jnp.zeros_like, head_w)),
+            _f32(jax.tree.map(jnp.zeros_like, embed_w)) if tied else None,
+        )
+        (loss, g_head, g_embed), dx = _accumulate(one, (x, batch), zeros)
+        g_head = _scatter(g_head, self.grad_on_device.head)
+        if g_embed is not None:
+            g_embed = _scatter(g_embed, self.grad_on_device.embed)
+        return loss / x.shape[0], self.rows(dx), g_head, g_embed, _sq_norm(g_head)
+
+    def block_bwd(self, w: Any, x: jax.Array, dy: jax.Array) -> tuple[jax.Array, Any, jax.Array]:
+        """Recompute block(w, x_a) and backpropagate dy_a for each micro-batch -> (dx, dw, |dw|^2)."""
+        m, w = self.model, self.gather(w, self.whole.blocks)
+
+        def one(xa, dya):
+            _, vjp = jax.vjp(m.block, w, xa)
+            return vjp(dya)
+
+        if x.shape[0] == 1:  # exact in the compute dtype; see the module docstring
+            g, dx = one(x[0], dy[0])
+            g = _scatter(g, self.grad_on_device.blocks)
+            return self.rows(dx[None]), g, _sq_norm(g)
+        g, dx = _accumulate(one, (x, dy), _f32(jax.tree.map(jnp.zeros_like, w)))
+        g = _scatter(g, self.grad_on_device.blocks)
+        return self.rows(dx), g, _sq_norm(g)
+
+    def embed_grad(
+        self, embed_w: Any, batch: jax.Array, dx: jax.Array, g_from_head: Any
+    ) -> tuple[Any, jax.Array]:
+        """The embedding's float32 gradient sum (plus the tied head's share) and its squared norm."""
+        m, embed_w = self.model, self.gather(embed_w, self.whole.embed)
+
+        def one(wa, dxa):
+            _, vjp = jax.vjp(lambda ew: m.embed(ew, objective.decode_window(wa)[0]), embed_w)
+            return vjp(dxa)[0], None
+
+        g, _ = _accumulate(one, (batch, dx), _f32(jax.tree.map(jnp.zeros_like, embed_w)))
+        g = _scatter(g, self.grad_on_device.embed)
+        if g_from_head is not None:
+            g = jax.tree.map(jnp.add, g, g_from_head)
+        return g, _sq_norm(g)
+
+    def global_norm(self, sq_norms: list[jax.Array], loss_scale: jax.Array) -> jax.Array:
+        """The norm of the mean gradient: of the sums / (A * loss_scale)."""
+        return jnp.sqrt(sum(sq_norms[1:], sq_norms[0])) / (jnp.float32(self.grad_accum) * loss_scale)
+
+
+def _scatter(g: Any, sharding: Any) -> Any:
+    """Gradient sums constrained to one shard per device: a reduce-scatter."""
+    return jax.lax.with_sharding_constraint(g, sharding)
+
+
 class StreamedModel:
     """Loss and gradients of a model whose blocks are fetched per use. Built once; holds compiled units.
 
@@ -140,111 +265,31 @@ class StreamedModel:
         self.num_layers = model.config.num_layers
         self.tied = model.config.tie_embeddings or model.config.family == "gpt2"
         self.accum = grad_accum
-        m = model
         shapes = jax.eval_shape(model.init, jax.random.key(0))  # global shapes
-        by_unit = lambda f: ModelParams(f(shapes.embed), f(shapes.blocks[0]), f(shapes.head))  # noqa: E731
-        whole = by_unit(placement.whole)
-        grad_on_device = by_unit(lambda t: placement.split(t, DEVICE))  # as a backward pass leaves them
-        self._to_host = by_unit(lambda t: placement.split(t, PINNED_HOST))  # where gradients land
+        self._to_host = _by_unit(shapes, lambda t: placement.split(t, PINNED_HOST))  # where gradients land
         # Units updated on the accelerator (`Tier.DEVICE` state) keep their gradients there.
         self._stays = [u.state is Tier.DEVICE for u in placement.plan.units]
         self._copy_in = placement.split(shapes.blocks[0], DEVICE)  # a streamed block's accelerator copy
         self.offloads_activations = placement.plan.offloads_activations
-        mesh = placement.mesh
-        compute = jnp.dtype(placement.plan.compute_dtype)
-        scatter = jax.lax.with_sharding_constraint
-
-        def gather(w, whole_sharding):
-            """The weights in the compute dtype (float32 masters are cast first, so the gather moves
-            the narrow copy), whole: constraining weights to whole arrays all-gathers their shards;
-            constraining gradient sums to one shard per device (`scatter`) reduce-scatters them."""
-            return jax.lax.with_sharding_constraint(cast_tree(w, compute), whole_sharding)
-
-        def rows(x):  # activations: micro-batch rows split over the devices
-            return jax.lax.with_sharding_constraint(x, batch_rows_sharding(mesh, x.ndim))
-
-        def embed(embed_w, batch):  # (A, mb, S+1) -> (A, mb, S, D)
-            embed_w = gather(embed_w, whole.embed)
-            return rows(jax.lax.map(lambda w: m.embed(embed_w, objective.decode_window(w)[0]), batch))
-
-        def block_fwd(w, x):  # (A, mb, S, D) -> same
-            w = gather(w, whole.blocks)
-            return rows(jax.lax.map(lambda xa: m.block(w, xa), x))
-
-        def head_loss(head_w, embed_w, x, batch):  # scalar: the step's mean over its counted targets
-            head_w, embed_w = gather(head_w, whole.head), gather(embed_w, whole.embed)
-            weight = objective.step_weight(batch)
-            losses = jax.lax.map(
-                lambda a: objective.head_loss(m, head_w, embed_w, a[0], a[1], weight), (x, batch)
-            )
-            return jnp.mean(losses)
-
-        def head_grad(head_w, embed_w, x, batch, loss_scale):
-            """-> loss, d(loss_scale * L_a)/dx_a per micro-batch (each micro-batch's weighted loss,
-            `objective.step_weight`, differentiated on its own, as the resident trainer does),
-            float32 head (and tied-embedding) gradient sums over micro-batches."""
-            head_w, embed_w = gather(head_w, whole.head), gather(embed_w, whole.embed)
-            weight = objective.step_weight(batch)
-
-            def one(xa, wa):
-                def f(hw, ew, xa):
-                    return objective.head_loss(m, hw, ew, xa, wa, weight)
-
-                loss, vjp = jax.vjp(f, head_w, embed_w, xa)
-                g_head, g_embed, dx = vjp(loss_scale)  # the cotangent of the loss: 1, or float16's scale
-                return (loss, _f32(g_head), _f32(g_embed) if self.tied else None), dx
-
-            zeros = (
-                jnp.zeros((), jnp.float32),
-                _f32(jax.tree.map(jnp.zeros_like, head_w)),
-                _f32(jax.tree.map(jnp.zeros_like, embed_w)) if self.tied else None,
-            )
-            (loss, g_head, g_embed), dx = _accumulate(one, (x, batch), zeros)
-            g_head = scatter(g_head, grad_on_device.head)
-            if g_embed is not None:
-                g_embed = scatter(g_embed, grad_on_device.embed)
-            return loss / x.shape[0], rows(dx), g_head, g_embed, _sq_norm(g_head)
-
-        def block_bwd(w, x, dy):
-            """Recompute block(w, x_a) and backpropagate dy_a for each micro-batch -> (dx, dw)."""
-            w = gather(w, whole.blocks)
-
-            def one(xa, dya):
-                _, vjp = jax.vjp(m.block, w, xa)
-                return vjp(dya)
-
-            if x.shape[0] == 1:  # exact in the compute dtype; see the module docstring
-                g, dx = one(x[0], dy[0])
-                g = scatter(g, grad_on_device.blocks)
-                return rows(dx[None]), g, _sq_norm(g)
-            g, dx = _accumulate(one, (x, dy), _f32(jax.tree.map(jnp.zeros_like, w)))
-            g = scatter(g, grad_on_device.blocks)
-            return rows(dx), g, _sq_norm(g)
-
-        def embed_grad(embed_w, batch, dx, g_from_head):
-            embed_w = gather(embed_w, whole.embed)
-
-            def one(wa, dxa):
-                _, vjp = jax.vjp(lambda ew: m.embed(ew, objective.decode_window(wa)[0]), embed_w)
-                return vjp(dxa)[0], None
-
-            g, _ = _accumulate(one, (batch, dx), _f32(jax.tree.map(jnp.zeros_like, embed_w)))
-            g = scatter(g, grad_on_device.embed)
-            if g_from_head is not None:
-                g = jax.tree.map(jnp.add, g, g_from_head)
-            return g, _sq_norm(g)
-
-        def global_norm(sq_norms, loss_scale):  # of the mean gradient: the sums / (A * loss_scale)
-            return jnp.sqrt(sum(sq_norms[1:], sq_norms[0])) / (jnp.float32(grad_accum) * loss_scale)
-
-        self._embed = jax.jit(embed)
-        self._block_fwd = jax.jit(block_fwd)
-        self._head_loss = jax.jit(head_loss)
-        self._head_grad = jax.jit(head_grad)
+        # Gradients leave a backward pass split over the devices, in device memory.
+        self.programs = programs = UnitPrograms(
+            model=model,
+            whole=_by_unit(shapes, placement.whole),
+            grad_on_device=_by_unit(shapes, lambda t: placement.split(t, DEVICE)),
+            mesh=placement.mesh,
+            compute=jnp.dtype(placement.plan.compute_dtype),
+            tied=self.tied,
+            grad_accum=grad_accum,
+        )
+        # Each jitted once, here: every call of a unit kind reuses its compiled program.
+        self._embed = jax.jit(programs.embed)
+        self._block_fwd = jax.jit(programs.block_fwd)
+        self._head_loss = jax.jit(programs.head_loss)
+        self._head_grad = jax.jit(programs.head_grad)
         # The incoming gradient is consumed here: donating it lets the outgoing one reuse its memory.
-        self._block_bwd = jax.jit(block_bwd, donate_argnums=(2,))
-        self._embed_grad = jax.jit(embed_grad)
-        self._global_norm = jax.jit(global_norm)
+        self._block_bwd = jax.jit(programs.block_bwd, donate_argnums=(2,))
+        self._embed_grad = jax.jit(programs.embed_grad)
+        self._global_norm = jax.jit(programs.global_norm)
 
     def loss(self, weights: ModelParams, batch: jax.Array) -> jax.Array:
         """Mean loss over int32 (A, mb, S+1) with weights streamed once through; float32 scalar.
@@ -304,39 +349,47 @@ class StreamedModel:
         loss, dx, g_head, g_embed_head, sq_head = self._head_grad(head_w, embed_w, x, batch, loss_scale)
         clock.computed(loss)
         del x
-        to_host, stays = self._to_host, self._stays
-
-        def leave(position: int, g: Any, target: Any) -> Any:  # async DMA to pinned_host, or stay
-            if stays[position]:
-                return g
-            with span("d2h grad", position):
-                return clock.sent(copy_to(g, target))
-
+        to_host = self._to_host
         block_grads: list[Any] = [None] * num_layers
         sq = [sq_head]
-
-        def back(i: int) -> jax.Array:  # block i's input on the accelerator (async copy back, if away)
-            x = saved[i]
-            if x.sharding.memory_kind != PINNED_HOST:
-                return x
-            with span("h2d activation", 1 + i):
-                return copy_to(x, rows)
-
-        x_next = back(num_layers - 1)
+        x_next = _back(saved, num_layers - 1, rows)
         for i in reversed(range(num_layers)):
             w = next(fetched)
-            x_i, x_next = x_next, back(i - 1) if i > 0 else None  # one block ahead of its use
+            x_i, x_next = x_next, _back(saved, i - 1, rows) if i > 0 else None  # one block ahead of its use
             dx, g, sq_i = self._block_bwd(w, x_i, dx)
             del x_i
             clock.computed(sq_i)
             sq.append(sq_i)
             saved[i] = None
-            block_grads[i] = leave(1 + i, g, to_host.blocks)  # the DMA overlaps block i-1
+            block_grads[i] = self._leave(1 + i, g, to_host.blocks, clock)  # the DMA overlaps block i-1
         g_embed, sq_embed = self._embed_grad(embed_w, batch, dx, g_embed_head)
         clock.computed(sq_embed)
         grads = ModelParams(
-            embed=leave(0, g_embed, to_host.embed),
+            embed=self._leave(0, g_embed, to_host.embed, clock),
             blocks=tuple(block_grads),
-            head=leave(num_layers + 1, g_head, to_host.head),
+            head=self._leave(num_layers + 1, g_head, to_host.head, clock),
         )
         return loss, grads, self._global_norm([*sq, sq_embed], loss_scale)
+
+    def _leave(self, position: int, g: Any, target: Any, clock: StepClock) -> Any:
+        """A unit's gradient: an async DMA to `target` in pinned_host, or kept on the accelerator
+        where its state is updated there."""
+        if self._stays[position]:
+            return g
+        with span("d2h grad", position):
+            return clock.sent(copy_to(g, target))
+
+
+def _back(saved: list[jax.Array | None], i: int, rows: Any) -> jax.Array:
+    """Block i's saved input on the accelerator: as it is, or an async copy back from pinned_host to
+    `rows` (the activations' sharding in device memory)."""
+    x = saved[i]
+    if x.sharding.memory_kind != PINNED_HOST:
+        return x
+    with span("h2d activation", 1 + i):
+        return copy_to(x, rows)
+
+
+def _by_unit(shapes: ModelParams, f: Callable[[Any], Any]) -> ModelParams:
+    """`f` of each unit kind's shapes (the first block's for every block): per kind, not per block."""
+    return ModelParams(f(shapes.embed), f(shapes.blocks[0]), f(shapes.head))

@@ -317,6 +317,7 @@ def _host_update(cfg: TrainConfig, num_units: int) -> HostUpdate:
         speculative_units=o.speculative_units if moves_work else 0,
         two_pass=TwoPass(max_units=max_units, adaptive=two_pass < 0 and max_units > 0),
         # One core stays free for the thread that issues the accelerator's work and the runtime's
-        # copy threads: with every core updating, dispatch lagged (BENCHMARKS.md, issue 13).
+        # copy threads, which otherwise queue behind the update (BENCHMARKS.md, "2026-11-23, later:
+        # what the GPU compiles, core binding, and a core for the driving thread").
         threads=o.host_threads or max(1, available_cores() - 1),
     )

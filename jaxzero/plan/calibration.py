@@ -87,6 +87,11 @@ POOL_FILL = Fraction(9, 10)
 # Orbax's and TensorStore's working memory during a save or a restore, beside the buffer and the unit.
 # BENCHMARKS.md, "Calibration: checkpoints"
 SAVE_WORKING_BYTES = 128 * MiB
+# What the checkpoint writer moves to the local disk, bytes/s per host, all its processes together.
+# BENCHMARKS.md, "Calibration: checkpoints"
+CHECKPOINT_WRITE_BPS = 1.3 * GB
+# The share of a run's time its saves may block training before the run is warned.
+SAVE_COST_WARNING = 0.05
 
 # On a CPU backend, where one RAM holds everything: the host state's and the devices' state's share
 # with XLA:CPU's and the checkpoint writer's buffers beside them.

@@ -19,7 +19,8 @@ import math
 from dataclasses import dataclass
 
 from jaxzero import memory
-from jaxzero.config import ConfigError, TrainConfig, validate
+from jaxzero.config import ConfigError, TrainConfig
+from jaxzero.config_checks import validate
 from jaxzero.memory import MemoryPlan
 from jaxzero.plan import OffloadPlan, resolve_plan
 from jaxzero.plan.calibration import GB, GiB

@@ -29,8 +29,8 @@ Per step (tokens per device T, parameters N; `Machine`'s rates):
 
 The rates and constants are `jaxzero.plan.calibration`'s; where they come from, and the measured steps
 `tests/test_planner.py` holds the model to within 20%: BENCHMARKS.md, "The planner's calibration
-(where its constants come from)". These are predictions; measured steps vary 5-10% from machine to
-machine.
+(where its constants come from)". These are predictions: measured steps vary from machine to machine
+(BENCHMARKS.md, "Calibration: the cost model against measured steps").
 """
 
 from __future__ import annotations

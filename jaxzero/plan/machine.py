@@ -1,6 +1,7 @@
 """The machine the planner plans for: its memories and rates (`Machine`), found on this host or given
 by `machine.*` (`detect_machine`), with the measured figures of a device kind where neither says
-(`DeviceDefaults`); and the GPU's memory told before JAX starts (`gpu_bytes_before_backend`).
+(`DeviceDefaults`); and the accelerators a process will train on, told before JAX starts
+(`accelerators_before_backend`) or read from a running backend (`accelerators_of`).
 
     machine = detect_machine(cfg, device)       # or Machine(...) for a box you do not have
     machine.gpu_usable, machine.host_usable     # what a chosen placement may fill
@@ -13,6 +14,7 @@ memory before JAX starts from `nvidia-smi`, the free disk from the filesystem.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from dataclasses import dataclass, field
@@ -100,30 +102,32 @@ class Machine:
         return int(self.host_share * (1 - HOST_HEADROOM))
 
 
-def _kind_of(device: jax.Device) -> DeviceDefaults:
-    if device.platform == "cpu":
+def _kind_of(accel: Accelerators) -> DeviceDefaults:
+    if accel.platform == "cpu":
         return CPU
-    name = getattr(device, "device_kind", "").upper()
+    name = accel.device_kind.upper()
     return H200 if "H200" in name else H100 if "H100" in name else OTHER_GPU
 
 
 def _kind_by_size(gpu_gib: float) -> DeviceDefaults:
-    """The kind of a GPU known only by its memory: an H200 has ~139 GiB usable, an H100 ~80."""
+    """The kind of a GPU known only by its memory: an H200 has about 139 GiB usable, an H100 about 79
+    (BENCHMARKS.md, "Calibration: the cost model against measured steps")."""
     return H200 if gpu_gib >= 100 else H100 if gpu_gib >= 60 else OTHER_GPU
 
 
 def detect_machine(
     cfg: TrainConfig,
-    device: jax.Device | None = None,
+    device: jax.Device | Accelerators | None = None,
     *,
     devices: int = 1,
     processes: int = 1,
     local_processes: int = 1,
     pool_fixed: bool = True,
 ) -> Machine:
-    """The machine to plan `cfg` for: `device`'s memory (`runtime.accelerator_capacity`) and kind,
-    this host's available RAM (`runtime.host_memory_available`) and cores, each overridden by a
-    nonzero `machine.*` key; rates not given are the device kind's defaults.
+    """The machine to plan `cfg` for: `device`'s memory and kind (a running backend's device, or the
+    `Accelerators` told before JAX starts: `accelerators_before_backend`), this host's available RAM
+    (`runtime.host_memory_available`) and cores, each overridden by a nonzero `machine.*` key; rates
+    not given are the device kind's defaults.
 
     Without `device`: with `machine.gpu_gib` given, a GPU of that size is planned for without
     starting any backend, its kind (for the default rates) taken from its size (>= 100 GiB an H200,
@@ -135,8 +139,9 @@ def detect_machine(
     mc = cfg.machine
     if device is None and not mc.gpu_gib:
         device = jax.local_devices()[0]  # starts the backend: the plan is for the device it finds
-    by_size = mc.gpu_gib and (device is None or device.platform == "cpu")
-    kind = _kind_by_size(mc.gpu_gib) if by_size else _kind_of(device)
+    accel = accelerators_of([device]) if isinstance(device, jax.Device) else device
+    by_size = mc.gpu_gib and (accel is None or accel.platform == "cpu")
+    kind = _kind_by_size(mc.gpu_gib) if by_size else _kind_of(accel)
     sources: dict[str, str] = {}
 
     def pick(name: str, given: float, scale: float, fallback: float, how: str = "default") -> float:
@@ -147,13 +152,13 @@ def detect_machine(
         gpu_bytes = None
         sources["gpu_gib"] = "a CPU backend: its device memory is host RAM"
     else:
-        capacity = runtime.accelerator_capacity(device) if device is not None else None
+        capacity = accel.memory if accel is not None else None
         if not mc.gpu_gib and capacity is None:
             raise ConfigError(
-                f"the accelerator {getattr(device, 'device_kind', device)} does not report its memory; "
+                f"the accelerator {accel.device_kind} does not report its memory; "
                 "pass --machine.gpu_gib=N (GiB per device) for the planner."
             )
-        detected = f"detected: {getattr(device, 'device_kind', device)}"
+        detected = f"detected: {accel.device_kind if accel is not None else 'nothing'}"
         gpu_bytes = int(pick("gpu_gib", mc.gpu_gib, GiB, capacity or 0, detected))
         if by_size:
             sources["gpu_gib"] += f"; {kind.kind} by its size"
@@ -184,7 +189,7 @@ def detect_machine(
         processes=processes,
         local_processes=local_processes,
         cores=cores,
-        pinned_limit_gb=_pinned_limit_gb(device, pool_fixed),
+        pinned_limit_gb=_pinned_limit_gb(accel, pool_fixed),
         kind=kind.kind,
         disk_bytes=disk_bytes,
         disk_bw=disk_bw,
@@ -192,29 +197,72 @@ def detect_machine(
     )
 
 
-def gpu_bytes_before_backend() -> int | None:
-    """What XLA's allocator will give the one GPU this process sees, told before JAX starts (from
-    `nvidia-smi`: the GPU's total memory less the CUDA context, times XLA's memory fraction), so that
-    the run's pinned pool can be sized for the placement the planner will choose; None where it
-    cannot be told: no `nvidia-smi`, no GPU, or not exactly one GPU visible (`CUDA_VISIBLE_DEVICES`)."""
-    query = ["nvidia-smi", "--query-gpu=index,uuid,memory.total", "--format=csv,noheader,nounits"]
+@dataclass(frozen=True)
+class Accelerators:
+    """The accelerators one process trains on, as far as the planner needs them: the platform ("gpu"
+    or "cpu"), how many this process drives, their kind as `jax.Device.device_kind` names it, and the
+    bytes XLA's allocator gives each (None where that is not known)."""
+
+    platform: str
+    local: int
+    device_kind: str = ""
+    memory: int | None = None
+
+
+def accelerators_of(devices: list[jax.Device]) -> Accelerators:
+    """The `Accelerators` of a running backend's local `devices` (the smallest memory among them)."""
+    sizes = [runtime.accelerator_capacity(d) for d in devices]
+    known = [m for m in sizes if m is not None]
+    first = devices[0]
+    return Accelerators(
+        first.platform, len(devices), getattr(first, "device_kind", ""), min(known) if known else None
+    )
+
+
+def accelerators_before_backend() -> Accelerators:
+    """What JAX's backend will show this process, told before it starts: the GPUs `nvidia-smi` lists
+    (those `CUDA_VISIBLE_DEVICES` names), each with the memory XLA's allocator will take (its total
+    less the CUDA context, times the memory fraction the programs give XLA); without a GPU, or with
+    `JAX_PLATFORMS` naming no GPU platform, the CPU with its device count
+    (`--xla_force_host_platform_device_count` in `XLA_FLAGS`, or `jax_num_cpu_devices`) and the
+    host's available RAM."""
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    gpus = None if platforms and not {"cuda", "gpu"} & set(platforms.lower().split(",")) else _visible_gpus()
+    if gpus:
+        try:  # the share `runtime.claim_accelerator_memory` gives XLA, unless the user set one
+            fraction = float(os.environ.get(runtime.MEM_FRACTION_ENV, runtime.ACCELERATOR_FRACTION))
+        except ValueError:
+            fraction = float(runtime.ACCELERATOR_FRACTION)
+        memory = min(int((total - CUDA_CONTEXT_BYTES) * fraction) for _, total in gpus)
+        return Accelerators("gpu", len(gpus), gpus[0][0], memory)
+    return Accelerators("cpu", _cpu_device_count(), "cpu", runtime.host_memory_available())
+
+
+def _visible_gpus() -> list[tuple[str, int]] | None:
+    """(name, total bytes) of each GPU this process will see, from `nvidia-smi`; None without it."""
+    query = ["nvidia-smi", "--query-gpu=index,uuid,memory.total,name", "--format=csv,noheader,nounits"]
     try:
         out = subprocess.run(query, capture_output=True, text=True, timeout=30, check=True).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    rows = [[f.strip() for f in line.split(",")] for line in out.splitlines() if line.count(",") == 2]
+    rows = [[f.strip() for f in line.split(",", 3)] for line in out.splitlines() if line.count(",") >= 3]
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
         wanted = [v.strip() for v in visible.split(",") if v.strip()]
         rows = [r for r in rows if any(w == r[0] or (len(w) > 3 and r[1].startswith(w)) for w in wanted)]
-    if len(rows) != 1:
-        return None
     try:
-        total = int(float(rows[0][2])) * 2**20
-        fraction = float(os.environ.get(runtime.MEM_FRACTION_ENV, "0.75"))
+        return [(r[3], int(float(r[2])) * 2**20) for r in rows]
     except ValueError:
         return None
-    return int((total - CUDA_CONTEXT_BYTES) * fraction)
+
+
+def _cpu_device_count() -> int:
+    """The CPU backend's device count its settings give before it starts."""
+    found = re.search(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
+    configured = getattr(jax.config, "jax_num_cpu_devices", -1)
+    if isinstance(configured, int) and configured > 0:
+        return configured
+    return int(found.group(1)) if found else 1
 
 
 def _free_disk(cfg: TrainConfig) -> int:
@@ -229,13 +277,13 @@ def _free_disk(cfg: TrainConfig) -> int:
         return 0
 
 
-def _pinned_limit_gb(device: jax.Device | None, pool_fixed: bool) -> float | None:
+def _pinned_limit_gb(accel: Accelerators | None, pool_fixed: bool) -> float | None:
     """XLA's pinned pool cap, GB, where it binds the run: XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB where set
-    (by the user, or by `build_trainer` before JAX started), else XLA's default where the GPU backend
-    runs already; None where jaxzero will size the pool, and on a CPU backend (no pool)."""
-    if device is not None and device.platform == "cpu":
+    (by the user, or by `jaxzero.preflight` before JAX started), else XLA's default where the GPU
+    backend runs already; None where jaxzero will size the pool, and on a CPU backend (no pool)."""
+    if accel is not None and accel.platform == "cpu":
         return None
     value = os.environ.get(runtime.PINNED_POOL_ENV)
     if value is not None:
         return float(value)
-    return float(runtime.PINNED_POOL_DEFAULT_GB) if device is not None and pool_fixed else None
+    return float(runtime.PINNED_POOL_DEFAULT_GB) if accel is not None and pool_fixed else None

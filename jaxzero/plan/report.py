@@ -14,7 +14,14 @@ from jaxzero.config import TrainConfig
 from jaxzero.memory import MemoryPlan
 from jaxzero.models.sizes import NAMED_SIZES, param_count, unit_param_counts
 from jaxzero.plan import OffloadPlan, Tier, UnitKind, UnitPlan
-from jaxzero.plan.calibration import GB, GPU_HEADROOM, HOST_HEADROOM, GiB
+from jaxzero.plan.calibration import (
+    CHECKPOINT_WRITE_BPS,
+    GB,
+    GPU_HEADROOM,
+    HOST_HEADROOM,
+    SAVE_COST_WARNING,
+    GiB,
+)
 from jaxzero.plan.candidates import Candidate
 from jaxzero.plan.cost import Prediction
 from jaxzero.plan.machine import Machine
@@ -62,6 +69,34 @@ class Decision:
     def _gpu_needed(self) -> int:
         """Accelerator memory per device: the state kept there and the activations."""
         return self.memory.accelerator_state + self.memory.activations
+
+    def save_seconds(self) -> float:
+        """Seconds one checkpoint takes to write: this host's processes' share of the masters and
+        optimizer state at the writer's rate (`CHECKPOINT_WRITE_BPS`)."""
+        cfg, mc = self.config, self.machine
+        size = param_count(cfg.model) * (4 + memory.optimizer_state_bytes(cfg))
+        return size * mc.local_processes / mc.processes / CHECKPOINT_WRITE_BPS
+
+    def save_warning(self) -> str | None:
+        """A warning where saves every `checkpoint.every` steps may block training for more than
+        `SAVE_COST_WARNING` of the run: a step waits for the writer at each unit it has not written
+        yet and the buffer does not hold, so a save may block training for up to its whole writing
+        time. Names the interval that keeps the cost under that share."""
+        ck = self.config.checkpoint
+        if not ck.enabled or ck.every <= 0:
+            return None
+        save_s, between_s = self.save_seconds(), ck.every * self.step_s
+        if save_s <= SAVE_COST_WARNING * (between_s + save_s):
+            return None
+        every = math.ceil(save_s * (1 - SAVE_COST_WARNING) / SAVE_COST_WARNING / self.step_s)
+        return (
+            f"warning: a save every {ck.every} steps writes for ~{save_s:.3g} s (at ~"
+            f"{CHECKPOINT_WRITE_BPS / GB:.2g} GB/s), while {ck.every} steps take ~{between_s:.3g} s: "
+            f"training may wait up to ~{save_s:.3g} s per save, up to "
+            f"{save_s / (between_s + save_s):.0%} of the run. checkpoint.every={every} or more keeps it "
+            f"under {SAVE_COST_WARNING:.0%}; a larger checkpoint.buffer_gib lets training copy more units "
+            "and wait less."
+        )
 
     def line(self) -> str:
         """The plan in one line: placement, the fullest memory, the predicted step."""
@@ -138,7 +173,8 @@ class Decision:
             lines.append(
                 f"  checkpoints     {_gib(size)} each, {_gib(count * size)} of disk under run_dir at most "
                 f"(checkpoint.keep={cfg.checkpoint.keep} and the next); a save or a restore adds "
-                f"{_gib(memory.checkpoint_bytes(cfg, _largest_unit_bytes(cfg), size))} of host RAM"
+                f"{_gib(memory.checkpoint_bytes(cfg, _largest_unit_bytes(cfg), size))} of host RAM; a "
+                f"save writes for ~{self.save_seconds():.3g} s at ~{CHECKPOINT_WRITE_BPS / GB:.2g} GB/s"
             )
         flops = 8 * param_count(m) * tokens / p.step_s / mc.devices / 1e12
         lines += [

@@ -35,11 +35,12 @@ import itertools
 from collections.abc import Callable
 
 from jaxzero import memory
-from jaxzero.config import ConfigError, TrainConfig, validate
-from jaxzero.memory import MemoryPlan
+from jaxzero.config import ConfigError, TrainConfig
+from jaxzero.config_checks import validate
+from jaxzero.memory import GiB
 from jaxzero.models.sizes import NAMED_SIZES, param_count
 from jaxzero.plan import resolve_plan
-from jaxzero.plan.candidates import Candidate, Option, evaluate, place
+from jaxzero.plan.candidates import Candidate, Option, evaluate
 from jaxzero.plan.cost import Prediction, predict
 from jaxzero.plan.machine import Machine
 from jaxzero.plan.report import Decision, refusal
@@ -94,24 +95,14 @@ def decide(cfg: TrainConfig, machine: Machine, whole: tuple[int, int, int] = (0,
     return Decision(chosen.cfg, chosen.plan, chosen.need, search.predict(chosen), machine, decided, warning)
 
 
-def largest_pinned_need(cfg: TrainConfig) -> MemoryPlan | None:
-    """Of the placements `decide` may choose for `cfg`, the memory plan with the most pinned host
-    memory (one process's whole need), or None if none offloads: what XLA's pinned pool must be able
-    to hold when it is sized before JAX starts, which is before the planner can see the devices. (The
-    least state on the accelerator and the most streamed: every other option pins no more.)"""
-    o = cfg.offload
-    if o.optimizer == "none":
-        return None
-    for params in ("cpu", "none"):  # ZeRO-3 pins at least what ZeRO-Offload does, where it is allowed
-        if o.params not in ("auto", params) or (params == "none" and o.resident_blocks):
-            continue
-        # Block inputs in pinned memory, where the planner may put them, pin the most.
-        act = "cpu" if o.activations == "none" and not concrete(cfg) else o.activations
-        option = Option("cpu", params, o.device_state_units, o.resident_blocks, o.two_pass_units, act)
-        placed = place(cfg, option)
-        if placed is not None:
-            return memory.plan_memory(placed, resolve_plan(placed))
-    return None
+def as_configured(cfg: TrainConfig, machine: Machine, whole: tuple[int, int, int] = (0, 0, 0)) -> Decision:
+    """The `Decision` of a placement `cfg` names itself (`concrete`): its plan, memory and predicted
+    step on `machine`, nothing decided. Whether it fits is checked where the run starts, on the
+    devices it has (`runtime.check_fits`)."""
+    plan = resolve_plan(cfg)
+    pool_cap = None if machine.pinned_limit_gb is None else int(machine.pinned_limit_gb * GiB)
+    need = memory.plan_memory(cfg, plan, machine.devices, machine.processes, whole, pool_cap)
+    return Decision(cfg, plan, need, predict(cfg, plan, machine), machine, ())
 
 
 class _Search:

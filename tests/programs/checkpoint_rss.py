@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from jaxzero import checkpoint as checkpoint_lib
-from jaxzero import placement
+from jaxzero import checkpoint_layout, placement
 from jaxzero.config import TrainConfig
 from jaxzero.overrides import apply_overrides
 from jaxzero.trainer import build_trainer
@@ -57,7 +57,7 @@ def restore(run_dir: str, cfg: TrainConfig) -> None:
     its peak RSS over the RSS before (compare with `init`'s: the state itself)."""
     trainer = build_trainer(cfg, placement.make_mesh(jax.devices()[:1]))
     abstract = trainer.abstract_saved_state()
-    largest = checkpoint_lib.largest_array_bytes(abstract)
+    largest = checkpoint_layout.largest_array_bytes(abstract)
     ckpt = checkpoint_lib.Checkpointer(run_dir, cfg.checkpoint, largest_array=largest)
     step = ckpt.steps()[-1]
     before = reset_peak()
@@ -66,7 +66,7 @@ def restore(run_dir: str, cfg: TrainConfig) -> None:
     del restored
     ckpt.close()
     jax.block_until_ready(jax.tree.leaves(trainer.saved_state(state)["params"].blocks))
-    print(json.dumps({"restore": status("VmHWM") - before, "state": checkpoint_lib.state_bytes(abstract)}))
+    print(json.dumps({"restore": status("VmHWM") - before, "state": checkpoint_layout.state_bytes(abstract)}))
     trainer.close()
 
 
@@ -93,7 +93,7 @@ def main() -> None:
 
     def save(step: int, state) -> None:
         saved = trainer.saved_state(state)
-        meta = checkpoint_lib.make_meta(
+        meta = checkpoint_layout.make_meta(
             step, {"epoch": 0, "cursor": 0, "num_windows": 1}, cfg, trainer.layout, saved
         )
         ckpt.save(step, saved, meta, trainer.fence)
@@ -102,10 +102,10 @@ def main() -> None:
     save(1, state)  # warm-up
     ckpt.wait()
     abstract = trainer.abstract_saved_state()
-    units = checkpoint_lib.state_parts(abstract)[1:]
+    units = checkpoint_layout.state_parts(abstract)[1:]
     result = {
-        "state": checkpoint_lib.state_bytes(abstract),
-        "unit": max(checkpoint_lib.state_bytes(p.tree) for p in units),
+        "state": checkpoint_layout.state_bytes(abstract),
+        "unit": max(checkpoint_layout.state_bytes(p.tree) for p in units),
         "buffer": checkpoint_lib.buffer_bytes(cfg.checkpoint),
     }
     if mode == "blocking":

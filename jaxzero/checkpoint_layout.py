@@ -1,0 +1,164 @@
+"""What a checkpoint is on disk, readable without starting Orbax: its directories, the parts its state
+is written in, its metadata, and the sizes and shapes of a saved state.
+
+A checkpoint is one step directory under `<run_dir>/checkpoints/` holding two items:
+
+    state  one ordinary Orbax PyTree checkpoint per part, in the order they are written:
+             state/scalars      {"step"} (int32), and float16's {"loss_scale"}
+             state/embed        {"params": float32 masters, "opt_state": the unit's optax state}
+             state/block_0000   the same for each block, ...
+             state/head         the same for the head
+           (`ocp.PyTreeCheckpointer().restore(<step>/state/block_0003)` reads one back as NumPy)
+    meta   JSON: the data iterator's position, the resolved config, the trainer's layout, the step
+
+beside `checksums.json` (`jaxzero.checkpoint_disk`). Checkpoints of the earlier layout hold the whole
+state as one PyTree under `state/`. The compute-dtype weights of the offload engine are not saved: they
+are a cast of the masters and are rebuilt on restore. `jaxzero.checkpoint_handler` writes and reads
+the parts, `jaxzero.checkpoint` runs saves and restores.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from jaxzero.config import CheckpointError, TrainConfig
+from jaxzero.deferred import abstract, is_deferred, pair
+from jaxzero.models import ModelParams
+
+CHECKPOINT_DIR = "checkpoints"
+UNREADABLE_DIR = f"{CHECKPOINT_DIR}-unreadable"  # checkpoints that failed to restore, set aside
+PYTREE_METADATA = "_METADATA"  # in every directory Orbax's PyTree handler writes
+SCALARS = "scalars"  # the part of the state that is not per unit: the step count, float16's loss scale
+
+
+class Part(NamedTuple):
+    """One part of a checkpoint's state, written (and read) as one Orbax PyTree checkpoint.
+
+    name:     its directory under `state/` (`SCALARS`, "embed", "block_0000", ..., "head").
+    position: the unit's position in the forward order (embedding 0, block i at 1 + i, head last),
+              the key of `WriteFence`; None for the scalars.
+    tree:     its arrays ({"params", "opt_state"} of a unit), or ShapeDtypeStructs to restore onto.
+    """
+
+    name: str
+    position: int | None
+    tree: Any
+
+
+def part_names(num_blocks: int) -> list[str]:
+    """The units' part names in forward order: "embed", "block_0000", ..., "head"."""
+    return ["embed", *(f"block_{i:04d}" for i in range(num_blocks)), "head"]
+
+
+def state_parts(state: dict[str, Any]) -> list[Part]:
+    """A saved state ({"step", "params", "opt_state"} and float16's "loss_scale"; params and
+    opt_state in `ModelParams` layout) as its parts, in the order a save writes them: the scalars,
+    then each unit in forward order."""
+    params, opt_state = state["params"], state["opt_state"]
+    scalars = {k: v for k, v in state.items() if k not in ("params", "opt_state")}
+    units = [
+        (params.embed, opt_state.embed),
+        *zip(params.blocks, opt_state.blocks),
+        (params.head, opt_state.head),
+    ]
+    names = part_names(len(params.blocks))
+
+    def unit(p: Any, o: Any) -> Any:  # a disk unit's halves are read together, when it is written
+        both = pair(p, o, ("params", "opt_state")) if is_deferred(p) and is_deferred(o) else None
+        return both if both is not None else {"params": p, "opt_state": o}
+
+    return [Part(SCALARS, None, scalars)] + [
+        Part(name, i, unit(p, o)) for i, (name, (p, o)) in enumerate(zip(names, units))
+    ]
+
+
+def join_parts(trees: Sequence[Any]) -> dict[str, Any]:
+    """The saved state of its parts' trees, in `state_parts`' order (inverse of `state_parts`)."""
+    scalars, *units = trees
+    unit = lambda key: [u[key] for u in units]  # noqa: E731
+    to_params = lambda xs: ModelParams(xs[0], tuple(xs[1:-1]), xs[-1])  # noqa: E731
+    return {**scalars, "params": to_params(unit("params")), "opt_state": to_params(unit("opt_state"))}
+
+
+def _leaf_bytes(tree: Any) -> list[int]:
+    """Bytes of each array (or ShapeDtypeStruct, or `Deferred`'s) of `tree`, whole."""
+    return [int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(abstract(tree))]
+
+
+def largest_array_bytes(tree: Any) -> int:
+    """Bytes of the largest array (or ShapeDtypeStruct) of a saved state, whole."""
+    return max(_leaf_bytes(tree))
+
+
+def state_bytes(tree: Any) -> int:
+    """Bytes of the arrays (or ShapeDtypeStructs) of a saved state: about the size of its checkpoint."""
+    return sum(_leaf_bytes(tree))
+
+
+def state_shapes(tree: Any) -> dict[str, list[int]]:
+    """{key path: shape} of every leaf, for the metadata and the pre-restore shape check."""
+    flat = jax.tree_util.tree_flatten_with_path(abstract(tree))[0]
+    return {jax.tree_util.keystr(path): list(leaf.shape) for path, leaf in flat}
+
+
+def make_meta(
+    step: int, data_state: dict[str, int], cfg: TrainConfig, layout: str, state: Any
+) -> dict[str, Any]:
+    """The JSON metadata saved with a checkpoint."""
+    return {
+        "step": step,
+        "data_state": data_state,
+        "config": cfg.to_dict(),
+        "layout": layout,
+        "shapes": state_shapes(state),
+    }
+
+
+def saved_steps(run_dir: str | Path) -> list[int]:
+    """Steps of the committed checkpoints under `<run_dir>/checkpoints`, oldest first, read from the
+    directory names without starting Orbax (a half-written save has no step-named directory)."""
+    directory = Path(run_dir) / CHECKPOINT_DIR
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) if directory.is_dir() else []
+
+
+def read_meta(directory: str | Path, step: int) -> dict[str, Any]:
+    """The JSON metadata of checkpoint `step` in the checkpoints `directory` (no arrays are read)."""
+    path = Path(directory) / str(step) / "meta" / "metadata"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"checkpoint {Path(directory) / str(step)} has unreadable metadata: {e}") from e
+
+
+class CheckpointMismatch(CheckpointError):
+    """A readable checkpoint of another run (other shapes): an error, not a reason to fall back."""
+
+
+def check_shapes(where: Path, meta: dict[str, Any], abstract_state: dict[str, Any], run: TrainConfig) -> None:
+    """Raise CheckpointError naming the mismatch when the checkpoint's arrays do not have this run's
+    shapes (a different model config), before any array is read."""
+    saved = meta.get("shapes", {})
+    expected = state_shapes(abstract_state)
+    wrong = [k for k in expected if k in saved and tuple(saved[k]) != tuple(expected[k])]
+    missing = [k for k in expected if k not in saved]
+    if not wrong and not missing:
+        return
+    saved_model = meta.get("config", {}).get("model", {})
+    fields = [
+        f"model.{k}={v!r} (this run: {getattr(run.model, k)!r})"
+        for k, v in saved_model.items()
+        if hasattr(run.model, k) and getattr(run.model, k) != v
+    ]
+    arrays = [f"{k}: {tuple(saved[k])} saved, {tuple(expected[k])} expected" for k in wrong[:3]]
+    arrays += [f"{k}: not in the checkpoint" for k in missing[:3]]
+    raise CheckpointMismatch(
+        f"checkpoint {where} does not match this run's model ({'; '.join(arrays)}). It was saved with "
+        f"{', '.join(fields) or 'another optimizer or layout'}. Resume with the config it was saved with, "
+        "or start a new run_dir."
+    )

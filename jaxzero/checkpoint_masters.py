@@ -1,0 +1,129 @@
+"""A checkpoint read outside training, and weights written for inference as Orbax: a checkpoint's
+float32 masters one unit at a time (`load_masters`, `masters_by_unit`: for export, generation and
+fine-tuning from a run), every array of it for inspection (`read_saved_state`), and parameters cast
+and saved as an Orbax export (`export_orbax`). A training process restores through
+`jaxzero.checkpoint.Checkpointer` instead.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from jaxzero import export_dir
+from jaxzero.checkpoint_layout import (
+    CHECKPOINT_DIR,
+    PYTREE_METADATA,
+    SCALARS,
+    join_parts,
+    part_names,
+    read_meta,
+    saved_steps,
+)
+from jaxzero.config import CheckpointError, TrainConfig
+from jaxzero.deferred import Deferred, resolved
+from jaxzero.models import ModelParams, build_model
+from jaxzero.overrides import config_from_dict
+
+ORBAX_STAGE = ".orbax-export"  # where an Orbax export is written, inside its directory, before moving up
+
+
+def export_orbax(
+    params: ModelParams,
+    out: str | Path,
+    dtype: str,
+    *,
+    overwrite: bool = False,
+    source: dict[str, Any] | None = None,
+) -> Path:
+    """Save `params` cast to `dtype` as an Orbax checkpoint at `out`, casting one unit at a time.
+    `out` must be new, empty or an earlier jaxzero export (`jaxzero.export_dir`: `overwrite` replaces
+    a finished one; anything else is refused with or without it). Orbax writes into a directory of
+    its own inside `out`, whose entries then move up into `out`, beside the export's marker; `source`
+    (e.g. run_dir and step) is recorded in the marker."""
+    out = Path(out).absolute()
+    np_dtype = np.dtype(jax.numpy.dtype(dtype))
+    cast = lambda tree: jax.tree.map(lambda x: np.asarray(x).astype(np_dtype), tree)  # noqa: E731
+    with export_dir.writing(
+        out, format="orbax", dtype=dtype, files=[ORBAX_STAGE], overwrite=overwrite, source=source
+    ) as export:  # refuses a directory holding anything but an earlier export, before writing
+        blocks = list(params.blocks)
+        for i in range(len(blocks)):  # replace each float32 block as it is cast (read now if deferred)
+            blocks[i] = cast(resolved(blocks[i]))
+        tree = ModelParams(cast(resolved(params.embed)), tuple(blocks), cast(resolved(params.head)))
+        checkpointer = ocp.StandardCheckpointer()
+        checkpointer.save(out / ORBAX_STAGE, tree)
+        checkpointer.wait_until_finished()  # host sync: committed before the process exits
+        checkpointer.close()
+        entries = sorted(p.name for p in (out / ORBAX_STAGE).iterdir())
+        clash = [e for e in entries if (out / e).exists() or (out / e).is_symlink()]
+        if clash:  # files put beside an earlier export by hand are never replaced
+            raise export_dir.ExportRefused(
+                f"{out} holds {clash}, which the export did not write and Orbax's checkpoint needs: remove "
+                "them yourself, or choose a new directory (--out)."
+            )
+        for e in entries:
+            os.replace(out / ORBAX_STAGE / e, out / e)
+        (out / ORBAX_STAGE).rmdir()
+        export.finish(entries)
+    return out
+
+
+def load_masters(run_dir: str | Path, step: int | None = None) -> tuple[TrainConfig, ModelParams, int]:
+    """(config, float32 NumPy masters, step) of the newest (or given) checkpoint of `run_dir`, read
+    one unit at a time (the optimizer state is not read)."""
+    cfg, params, step = masters_by_unit(run_dir, step)
+    return cfg, resolved(params), step
+
+
+def masters_by_unit(run_dir: str | Path, step: int | None = None) -> tuple[TrainConfig, ModelParams, int]:
+    """As `load_masters`, but each unit a `Deferred`, read (as float32 NumPy) when resolved: an export
+    holds one unit in host RAM at a time. A checkpoint of the earlier one-PyTree layout is read whole."""
+    ckpt_dir = Path(run_dir).absolute() / CHECKPOINT_DIR  # Orbax wants absolute paths
+    steps = saved_steps(run_dir)
+    if not steps:
+        raise CheckpointError(f"{ckpt_dir} holds no checkpoint; train with checkpoint.enabled=true first.")
+    step = steps[-1] if step is None else step
+    if step not in steps:
+        raise CheckpointError(f"{ckpt_dir} has no checkpoint for step {step}; it has steps {steps}.")
+    meta = read_meta(ckpt_dir, step)
+    cfg = config_from_dict(meta["config"])
+    shapes = jax.eval_shape(build_model(cfg.model).init, jax.random.key(0))
+    state_dir = ckpt_dir / str(step) / "state"
+    if (state_dir / PYTREE_METADATA).exists():  # the earlier layout: one PyTree
+        return cfg, _read_numpy(state_dir, {"params": shapes})["params"], step
+    units = [shapes.embed, *shapes.blocks, shapes.head]
+    names = part_names(len(shapes.blocks))
+
+    def unit(name: str, u: Any) -> Deferred:
+        return Deferred(lambda: (_read_numpy(state_dir / name, {"params": u})["params"],), 0, u)
+
+    read = [unit(name, u) for name, u in zip(names, units)]
+    return cfg, ModelParams(read[0], tuple(read[1:-1]), read[-1]), step
+
+
+def _read_numpy(path: Path, shapes: Any) -> Any:
+    """The arrays of the Orbax PyTree checkpoint at `path` that `shapes` names (a subtree of what it
+    holds, e.g. {"params": ...}), as NumPy arrays in the structure of `shapes`."""
+    item = jax.tree.map(lambda s: np.zeros((), s.dtype), shapes)
+    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), shapes)
+    restored = ocp.PyTreeCheckpointer().restore(
+        path, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
+    )
+    return jax.tree.unflatten(jax.tree.structure(shapes), jax.tree.leaves(restored))
+
+
+def read_saved_state(step_dir: str | Path) -> dict[str, Any]:
+    """Every array of checkpoint `step_dir` (`<run_dir>/checkpoints/<step>`) as NumPy, whole, in the
+    saved state's layout ({"step", "params", "opt_state"}, params and opt_state as `ModelParams`): for
+    inspection and tests; a training process restores through `Checkpointer` instead."""
+    state_dir = Path(step_dir).absolute() / "state"
+    if (state_dir / PYTREE_METADATA).exists():
+        return dict(ocp.PyTreeCheckpointer().restore(state_dir))
+    names = [SCALARS, *part_names(len(list(state_dir.glob("block_*"))))]
+    return join_parts([ocp.PyTreeCheckpointer().restore(state_dir / name) for name in names])

@@ -1,0 +1,394 @@
+"""The config's checks: `validate`, every cross-field rule of a `TrainConfig` section by section, and
+`resolve_batch`, DeepSpeed's batch rule once the devices are known.
+
+`validate` runs before any array is allocated or any function is compiled; each refusal is a
+ConfigError that names the keys, their values and the fix. The models call `validate_model` too, since
+they are also built without a TrainConfig.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from jaxzero.config import (
+    SECTIONS,
+    CheckpointConfig,
+    ConfigError,
+    FP16Config,
+    MachineConfig,
+    ModelConfig,
+    OptimizerConfig,
+    TrainConfig,
+)
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def validate(cfg: TrainConfig, num_devices: int | None = None) -> None:
+    """Raise ConfigError for impossible values and combinations, section by section, before anything
+    is built. `num_devices` adds the mesh checks when known."""
+    _need(cfg.steps >= 1, f"steps={cfg.steps} must be >= 1.")
+    _validate_finite(cfg)
+    validate_model(cfg.model)
+    _validate_model_numerics(cfg.model)
+    _validate_data(cfg, num_devices)
+    _validate_optimizer(cfg.optimizer)
+    _validate_offload(cfg)
+    _validate_parallel(cfg)
+    _validate_fp16(cfg.fp16)
+    _validate_logging(cfg)
+    _validate_checkpoint(cfg.checkpoint)
+    _validate_machine(cfg.machine)
+
+
+def validate_model(m: ModelConfig) -> None:
+    """Raise ConfigError if `m` describes no valid transformer of its family. Used by `validate` and by
+    the models themselves (they are also built without a TrainConfig)."""
+    for k in (
+        "vocab_size",
+        "hidden_size",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "intermediate_size",
+        "max_seq_len",
+    ):
+        if getattr(m, k) < 1:
+            raise ConfigError(f"model.{k}={getattr(m, k)} must be >= 1.")
+    if m.hidden_size % m.num_heads:
+        raise ConfigError(
+            f"model.hidden_size={m.hidden_size} must be divisible by model.num_heads={m.num_heads}."
+        )
+    if m.num_heads % m.num_kv_heads:
+        raise ConfigError(
+            f"model.num_heads={m.num_heads} must be divisible by model.num_kv_heads={m.num_kv_heads} "
+            "(each key/value head serves a whole group of query heads)."
+        )
+    if m.family == "llama" and m.head_dim % 2:
+        raise ConfigError(
+            f"rotary embeddings need an even head_dim; got {m.head_dim} "
+            f"(hidden_size={m.hidden_size} / num_heads={m.num_heads})."
+        )
+    if m.family == "gpt2" and m.num_kv_heads != m.num_heads:
+        raise ConfigError(
+            f"gpt2 uses multi-head attention: model.num_kv_heads={m.num_kv_heads} must equal "
+            f"model.num_heads={m.num_heads}."
+        )
+    if m.family == "gpt2":
+        llama_only = {
+            "rope_type": "default",
+            "attention_bias": False,
+            "sliding_window": 0,
+        }
+        bad = [f"model.{k}={getattr(m, k)!r}" for k, v in llama_only.items() if getattr(m, k) != v]
+        if bad:
+            raise ConfigError(f"{', '.join(bad)}: Llama-family settings; gpt2 has none of them.")
+    hf_types = {"llama": ("", "llama", "qwen2", "mistral"), "gpt2": ("", "gpt2")}[m.family]
+    if m.hf_model_type not in hf_types:
+        raise ConfigError(
+            f"model.hf_model_type={m.hf_model_type!r} cannot describe a {m.family} model; one of {hf_types}."
+        )
+    if m.hf_model_type == "qwen2" and not m.attention_bias:
+        raise ConfigError(
+            "model.hf_model_type='qwen2' needs model.attention_bias=true (Qwen2 biases q, k, v)."
+        )
+    if m.attention_bias and m.hf_model_type in ("llama", "mistral"):
+        raise ConfigError(
+            f"model.attention_bias=true has no {m.hf_model_type} counterpart in transformers "
+            "(LlamaConfig's attention_bias also biases o_proj); use model.hf_model_type=qwen2 or ''."
+        )
+    if m.rope_type != "default" and m.rope_factor < 1:
+        raise ConfigError(
+            f"model.rope_factor={m.rope_factor} must be >= 1 with model.rope_type={m.rope_type}."
+        )
+    if m.rope_type == "llama3" and not (0 < m.rope_low_freq_factor < m.rope_high_freq_factor):
+        raise ConfigError(
+            f"model.rope_type=llama3 needs 0 < model.rope_low_freq_factor < model.rope_high_freq_factor; "
+            f"got {m.rope_low_freq_factor} and {m.rope_high_freq_factor}."
+        )
+    if m.rope_original_max_len < 1 or m.sliding_window < 0:
+        raise ConfigError(
+            f"model.rope_original_max_len={m.rope_original_max_len} must be >= 1 and "
+            f"model.sliding_window={m.sliding_window} >= 0."
+        )
+
+
+def _validate_finite(cfg: TrainConfig) -> None:
+    """No setting is meaningful at inf or nan."""
+    for section in (cfg.model, cfg.data, cfg.optimizer, cfg.fp16, cfg.logging):
+        for f in dataclasses.fields(section):
+            value = getattr(section, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                name = next(k for k, v in SECTIONS.items() if isinstance(section, v))
+                raise ConfigError(f"{name}.{f.name}={value} must be a finite number.")
+
+
+def _validate_model_numerics(m: ModelConfig) -> None:
+    """The model's numerical constants."""
+    _need(m.rope_theta > 0, f"model.rope_theta={m.rope_theta} must be > 0.")
+    _need(m.norm_eps > 0, f"model.norm_eps={m.norm_eps} must be > 0.")
+    _need(m.init_std > 0, f"model.init_std={m.init_std} must be > 0.")
+
+
+def _validate_data(cfg: TrainConfig, num_devices: int | None) -> None:
+    """The data section: lengths, the batch rule, the source and its path; with `num_devices`, the
+    micro-batch's rows over the mesh."""
+    m, d = cfg.model, cfg.data
+    _need(d.seq_len >= 2, f"data.seq_len={d.seq_len} must be >= 2.")
+    _need(
+        d.seq_len <= m.max_seq_len,
+        f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}; lower data.seq_len or "
+        "raise model.max_seq_len.",
+    )
+    _need(
+        not m.sliding_window or d.seq_len <= m.sliding_window,
+        f"data.seq_len={d.seq_len} exceeds model.sliding_window={m.sliding_window}: jaxzero attends over "
+        "the whole sequence, which equals this model's windowed attention only within one window. "
+        f"Lower data.seq_len to at most {m.sliding_window}.",
+    )
+    batch = {"data.batch_size": d.batch_size, "data.grad_accum": d.grad_accum}
+    batch["data.micro_batch_size"] = d.micro_batch_size
+    _need(
+        all(v >= 0 for v in batch.values()) and sum(v == 0 for v in batch.values()) <= 1,
+        f"{_show(batch)}: each must be >= 1, except one of them 0 to be derived from the others "
+        "(batch_size = micro_batch_size x grad_accum x devices).",
+    )
+    if d.micro_batch_size == 0:
+        _need(
+            d.batch_size % d.grad_accum == 0,
+            f"data.batch_size={d.batch_size} must be a positive multiple of data.grad_accum={d.grad_accum}.",
+        )
+    _need(0.0 <= d.val_fraction < 0.5, f"data.val_fraction={d.val_fraction} must be in [0, 0.5).")
+    if d.source == "tokens":
+        _need(
+            d.path != "",
+            "data.source=tokens needs data.path=DIR, a directory holding train.bin "
+            "(nanoGPT format: a flat array of uint16 or uint32 token ids).",
+        )
+    _need(
+        d.source == "tokens" or not d.path,
+        f"data.path={d.path!r} is read only with data.source=tokens, but data.source={d.source}: the run "
+        f"would train on the {d.source} data, not on {d.path!r}. Add --data.source=tokens to train on "
+        "its train.bin, or drop data.path.",
+    )
+    if num_devices is not None:
+        _need(
+            d.micro_batch_size == 0,
+            f"{_show(batch)} is not resolved for the {num_devices} devices: pass the config through "
+            "jaxzero.config_checks.resolve_batch(cfg, num_devices) first (python -m jaxzero.train does).",
+        )
+        micro = d.batch_size // d.grad_accum
+        _need(
+            micro % num_devices == 0,
+            f"the micro-batch data.batch_size/data.grad_accum = {d.batch_size}/{d.grad_accum} = {micro} "
+            f"must be divisible by the {num_devices} devices of the data axis; e.g. data.batch_size="
+            f"{-(-micro // num_devices) * num_devices * d.grad_accum}.",
+        )
+
+
+def _validate_optimizer(o: OptimizerConfig) -> None:
+    """The update rule's hyperparameters and schedule."""
+    _need(o.lr > 0, f"optimizer.lr={o.lr} must be > 0.")
+    _need(0 <= o.warmup_steps, f"optimizer.warmup_steps={o.warmup_steps} must be >= 0.")
+    _need(o.decay_steps >= 0, f"optimizer.decay_steps={o.decay_steps} must be >= 0 (0: the run's steps).")
+    _need(o.eps > 0, f"optimizer.eps={o.eps} must be > 0 (it keeps Adam's division finite).")
+    _need(0.0 <= o.momentum < 1.0, f"optimizer.momentum={o.momentum} must be in [0, 1).")
+    _need(
+        0.0 <= o.warmup_start_ratio <= 1.0,
+        f"optimizer.warmup_start_ratio={o.warmup_start_ratio} must be in [0, 1].",
+    )
+    _need(0.0 <= o.min_lr_ratio <= 1.0, f"optimizer.min_lr_ratio={o.min_lr_ratio} must be in [0, 1].")
+    _need(0.0 <= o.b1 < 1.0 and 0.0 <= o.b2 < 1.0, f"optimizer.b1={o.b1}, b2={o.b2} must be in [0, 1).")
+    _need(o.weight_decay >= 0, f"optimizer.weight_decay={o.weight_decay} must be >= 0.")
+    _need(o.grad_clip >= 0, f"optimizer.grad_clip={o.grad_clip} must be >= 0 (0 disables clipping).")
+
+
+def _validate_offload(cfg: TrainConfig) -> None:
+    """Where state lives: each offload key, then the combinations of explicit values."""
+    m = cfg.model
+    _need(
+        cfg.offload.resident_blocks >= 0,
+        f"offload.resident_blocks={cfg.offload.resident_blocks} must be >= 0.",
+    )
+    _need(
+        cfg.offload.speculative_units >= 0,
+        f"offload.speculative_units={cfg.offload.speculative_units} must be >= 0 (0 disables speculation).",
+    )
+    _need(
+        cfg.offload.host_threads >= 0,
+        f"offload.host_threads={cfg.offload.host_threads} must be >= 0 (0: a core each but one).",
+    )
+    _need(
+        cfg.offload.two_pass_units >= -1,
+        f"offload.two_pass_units={cfg.offload.two_pass_units} must be >= -1 (-1: adaptive; 0: none).",
+    )
+    _need(
+        cfg.offload.resident_blocks <= m.num_layers,
+        f"offload.resident_blocks={cfg.offload.resident_blocks} exceeds model.num_layers={m.num_layers}.",
+    )
+    _need(
+        0 <= cfg.offload.device_state_units < m.num_layers + 2,
+        f"offload.device_state_units={cfg.offload.device_state_units} must be in [0, {m.num_layers + 1}]: "
+        f"the model has {m.num_layers + 2} units (embedding, {m.num_layers} blocks, head), and with every "
+        "unit's state on the accelerator use offload.optimizer=none.",
+    )
+    _need(
+        cfg.offload.disk_units >= -1,
+        f"offload.disk_units={cfg.offload.disk_units} must be >= -1 (-1: every unit the host updates).",
+    )
+    # The combination rules below bind explicit values only: the planner decides an `auto` key
+    # consistently with the others (e.g. offload.params=cpu makes an auto offload.optimizer cpu).
+    if cfg.offload.device_state_units and cfg.offload.optimizer == "none":
+        raise ConfigError(
+            "offload.device_state_units only applies with offload.optimizer=cpu "
+            f"(got offload.optimizer={cfg.offload.optimizer}): without it every unit's state is on the "
+            "accelerator."
+        )
+    if cfg.offload.optimizer in ("none", "cpu") and (cfg.offload.disk_units != -1 or cfg.offload.disk_path):
+        raise ConfigError(
+            f"offload.disk_units={cfg.offload.disk_units} and offload.disk_path={cfg.offload.disk_path!r} "
+            "only "
+            f"apply with offload.optimizer=disk (or auto; got {cfg.offload.optimizer})."
+        )
+    if cfg.offload.optimizer == "disk" and cfg.offload.disk_units == 0:
+        raise ConfigError(
+            "offload.optimizer=disk with offload.disk_units=0 keeps no unit on disk: use "
+            "offload.optimizer=cpu, or set offload.disk_units=K (the last K host-updated units) or -1 (all)."
+        )
+    if cfg.offload.activations == "cpu" and cfg.offload.optimizer == "none":
+        raise ConfigError(
+            "offload.activations=cpu needs the offload engine (offload.optimizer=cpu, with "
+            "offload.device_state_units to keep some units' state on the accelerator): the resident "
+            "trainer keeps its activations in accelerator memory."
+        )
+    if cfg.offload.device_state_units and cfg.offload.update == "delayed":
+        raise ConfigError(
+            "offload.device_state_units needs offload.update=overlapped: units updated on the accelerator "
+            "cannot run one update behind (set offload.device_state_units=0 for the delayed update)."
+        )
+    if cfg.offload.resident_blocks and cfg.offload.params == "none":
+        raise ConfigError(
+            "offload.resident_blocks only applies with offload.params=cpu "
+            f"(got offload.params={cfg.offload.params})."
+        )
+    if cfg.offload.params == "cpu" and cfg.offload.optimizer == "none":
+        raise ConfigError(
+            "offload.params=cpu needs offload.optimizer=cpu: streamed weights are updated "
+            "from host-resident fp32 masters (DeepSpeed's ZeRO-3 offload pairs them too)."
+        )
+
+
+def _validate_parallel(cfg: TrainConfig) -> None:
+    """The ZeRO stage and the join timeout, and the stage each offload needs."""
+    par = cfg.parallel
+    _need(
+        -1 <= par.zero_stage <= 3,
+        f"parallel.zero_stage={par.zero_stage} must be 0, 1, 2 or 3 (-1: auto).",
+    )
+    _need(par.timeout_s >= 1, f"parallel.timeout_s={par.timeout_s} must be >= 1.")
+    if cfg.offload.params == "cpu" and par.zero_stage in (0, 1, 2):
+        raise ConfigError(
+            f"offload.params=cpu needs parallel.zero_stage=3 (got {par.zero_stage}): streamed weights "
+            "are kept as one shard per device, as DeepSpeed's offload_param needs ZeRO stage 3."
+        )
+    if cfg.offload.optimizer in ("cpu", "disk") and par.zero_stage == 0:
+        raise ConfigError(
+            f"offload.optimizer={cfg.offload.optimizer} needs parallel.zero_stage >= 1 (got 0): "
+            "host-resident optimizer "
+            "state is kept as one shard per device, as DeepSpeed's offload_optimizer needs stage 1, 2 or 3."
+        )
+
+
+def _validate_fp16(f16: FP16Config) -> None:
+    """Dynamic loss scaling."""
+    _need(
+        f16.loss_scale_window >= 1 and f16.hysteresis >= 1 and f16.min_loss_scale > 0,
+        f"fp16.loss_scale_window={f16.loss_scale_window} and fp16.hysteresis={f16.hysteresis} must be >= 1, "
+        f"fp16.min_loss_scale={f16.min_loss_scale} > 0.",
+    )
+    _need(
+        0 <= f16.initial_scale_power <= 64 and 2.0**f16.initial_scale_power >= f16.min_loss_scale,
+        f"fp16.initial_scale_power={f16.initial_scale_power} must be in [0, 64] and give a scale >= "
+        f"fp16.min_loss_scale={f16.min_loss_scale}.",
+    )
+
+
+def _validate_logging(cfg: TrainConfig) -> None:
+    """Logging's frequencies and the profiled window."""
+    lg = cfg.logging
+    _need(lg.log_every >= 1, f"logging.log_every={lg.log_every} must be >= 1.")
+    _need(lg.eval_every >= 0, f"logging.eval_every={lg.eval_every} must be >= 0.")
+    _need(lg.eval_batches >= 1, f"logging.eval_batches={lg.eval_batches} must be >= 1.")
+    _need(lg.peak_tflops >= 0, f"logging.peak_tflops={lg.peak_tflops} must be >= 0 (0: from the device).")
+    window = cfg.profile.window()  # ConfigError for a malformed or empty window
+    _need(
+        window is None or window.stop - 1 <= cfg.steps,
+        f"profile.steps={cfg.profile.steps!r} traces up to step {window.stop - 1 if window else 0}, past the "
+        f"run's last step (steps={cfg.steps}): B - 1 is the last step traced, so B must be at most "
+        f"{cfg.steps + 1}.",
+    )
+
+
+def _validate_checkpoint(ck: CheckpointConfig) -> None:
+    """How often checkpoints are saved and kept, and the save buffer."""
+    _need(
+        ck.every >= 0 and ck.keep >= 1 and ck.keep_every >= 0,
+        f"checkpoint.every={ck.every} and checkpoint.keep_every={ck.keep_every} must be >= 0, "
+        f"checkpoint.keep={ck.keep} >= 1.",
+    )
+    _need(
+        math.isfinite(ck.buffer_gib) and ck.buffer_gib >= 1 / 64,
+        f"checkpoint.buffer_gib={ck.buffer_gib} must be a finite number >= 0.015625 (16 MiB): the host RAM "
+        "a save or a restore takes beyond one unit (default 2).",
+    )
+
+
+def _validate_machine(machine: MachineConfig) -> None:
+    """The planner's machine figures (0: detect)."""
+    for f in dataclasses.fields(machine):
+        value = getattr(machine, f.name)
+        _need(
+            math.isfinite(value) and value >= 0,
+            f"machine.{f.name}={value} must be a finite number >= 0 (0: detect, or the default for the "
+            "detected device).",
+        )
+
+
+def _show(values: dict[str, int]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in values.items())
+
+
+def resolve_batch(cfg: TrainConfig, num_devices: int) -> TrainConfig:
+    """`cfg` with data.batch_size and data.grad_accum filled in for `num_devices` devices of the data
+    axis, and data.micro_batch_size 0 (implied): DeepSpeed's rule batch_size = micro_batch_size x
+    grad_accum x devices, the key given as 0 derived from the other two. ConfigError, with the
+    arithmetic, when all three are given and disagree or the derived one is not a whole number."""
+    d = cfg.data
+    m, g, b = d.micro_batch_size, d.grad_accum, d.batch_size
+    given = _show({"data.batch_size": b, "data.grad_accum": g, "data.micro_batch_size": m})
+    if m == 0:
+        return cfg
+    if b == 0:
+        b = m * g * num_devices
+    elif g == 0:
+        if b % (m * num_devices):
+            raise ConfigError(
+                f"{given}: data.grad_accum = batch_size / (micro_batch_size x {num_devices} devices) = "
+                f"{b} / {m * num_devices} is not a whole number. Make data.batch_size a multiple of "
+                f"{m * num_devices}, e.g. {-(-b // (m * num_devices)) * m * num_devices}."
+            )
+        g = b // (m * num_devices)
+    elif b != m * g * num_devices:
+        raise ConfigError(
+            f"{given}: data.batch_size must equal micro_batch_size x grad_accum x devices = "
+            f"{m} x {g} x {num_devices} = {m * g * num_devices} (DeepSpeed's train_batch_size = "
+            "train_micro_batch_size_per_gpu x gradient_accumulation_steps x data-parallel size). "
+            "Change one of them, or give one as 0 to derive it."
+        )
+    return dataclasses.replace(
+        cfg, data=dataclasses.replace(d, batch_size=b, grad_accum=g, micro_batch_size=0)
+    )

@@ -1,0 +1,118 @@
+"""Before JAX starts: the machine a run will train on, the placement decided for it, and XLA's pools
+sized for that placement. A program calls `prepare` once, before its first JAX call; the trainer takes
+the decision (`build_trainer(..., decision=...)`) and never plans again.
+
+    processes = distributed.start(timeout_s)          # several processes join first (no backend)
+    decision = preflight.prepare(cfg, processes)      # decided, XLA's variables set
+    trainer = build_trainer(cfg, decision=decision)
+
+XLA reads its pinned pool's cap and its share of each GPU once, when its backend starts: the pool
+must be sized from the placement before that, and the placement needs the machine. So the machine is
+told without JAX (`plan.machine.accelerators_before_backend`: `nvidia-smi`, or the CPU backend's
+settings), the model's shapes from its config (`placement.whole_params_of`), and the processes of a
+run agree on the figures each sees through the coordination service (`distributed.gather`).
+`python -m jaxzero.plan` decides through the same path (`decide`), and sets nothing; so does
+`build_trainer` for a library caller who passes no decision, on the devices of its running backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import socket
+
+import jax
+
+from jaxzero import distributed, placement, runtime
+from jaxzero.config import TrainConfig
+from jaxzero.config_checks import resolve_batch, validate
+from jaxzero.distributed import Processes
+from jaxzero.plan import search
+from jaxzero.plan.machine import (
+    Accelerators,
+    Machine,
+    accelerators_before_backend,
+    accelerators_of,
+    detect_machine,
+)
+from jaxzero.plan.report import Decision
+
+
+def prepare(cfg: TrainConfig, processes: Processes | None = None) -> Decision:
+    """The placement of `cfg` for this run, decided before JAX starts (`decide`), and
+    XLA's variables set for it: 95% of each GPU for XLA's allocator (`runtime.claim_accelerator_memory`)
+    and the pinned pool sized to the decision (`runtime.configure_pinned_pool`). Call it once, before
+    the first JAX call (with several processes, after `distributed.start`: every process calls it).
+    Raises ConfigError where nothing fits, with what would."""
+    runtime.claim_accelerator_memory()
+    decision = decide(cfg, processes.count if processes is not None else 1)
+    if decision.plan.host_update is not None:
+        runtime.configure_pinned_pool(decision.memory)
+    return decision
+
+
+def decide(
+    cfg: TrainConfig, processes: int = 1, *, seen: Accelerators | None = None, pool_fixed: bool = False
+) -> Decision:
+    """The planner's decision for `cfg` on the machine this process trains on: `seen`, its devices
+    (default: those JAX will show, told without starting its backend, or the running backend's), with
+    `machine.*` keys overriding what is detected; each of the run's `processes` takes its share of the
+    host. An explicit placement is evaluated, not searched: its decision decides nothing. With several
+    processes every process must call it (their figures are agreed, each at its least). `pool_fixed`:
+    whether XLA's pinned pool cap is fixed for the run already (JAX started)."""
+    validate(cfg)
+    seen = _accelerators(cfg) if seen is None else seen
+    machine = _agreed(cfg, seen, processes, pool_fixed)
+    cfg = resolve_batch(cfg, machine.devices)
+    validate(cfg, num_devices=machine.devices)
+    whole = placement.whole_params_of(cfg.model, machine.devices)
+    if search.concrete(cfg):
+        return search.as_configured(cfg, machine, whole)
+    return search.decide(cfg, machine, whole)
+
+
+def local_devices(cfg: TrainConfig) -> int:
+    """How many devices this process will train on (`decide`'s count, without the planner)."""
+    seen = _accelerators(cfg)
+    return seen.local if seen is not None else 1
+
+
+def _accelerators(cfg: TrainConfig) -> Accelerators | None:
+    """What this process will train on: the running backend's devices if JAX has started (a library
+    caller's), else what it will show once it starts; None where `machine.gpu_gib` describes a GPU
+    this machine does not have (one device of that size: planning on a CPU-only machine for a GPU)."""
+    if runtime.backends_started():  # asking the running backend starts nothing
+        seen = accelerators_of(jax.local_devices())
+    else:
+        seen = accelerators_before_backend()
+    return None if cfg.machine.gpu_gib and seen.platform == "cpu" else seen
+
+
+def _agreed(cfg: TrainConfig, seen: Accelerators | None, count: int, pool_fixed: bool) -> Machine:
+    """The machine of the run: this process's figures (`detect_machine`) or, with several processes,
+    each figure a process may see differently (free memory, cores, devices) at its least over the
+    processes, so that every process decides the same placement; the processes on this host counted
+    by host name. (Through the coordination service: every process calls it.)"""
+    local = seen.local if seen is not None else 1
+    if count == 1:
+        return detect_machine(cfg, seen, devices=local, processes=1, pool_fixed=pool_fixed)
+    host = socket.gethostname()
+    hosts = distributed.gather("host", host, cfg.parallel.timeout_s)
+    here = hosts.count(host)
+    mine = detect_machine(
+        cfg, seen, devices=local * count, processes=count, local_processes=here, pool_fixed=pool_fixed
+    )
+    figures = [mine.gpu_bytes or 0, mine.host_share, mine.host_bw / here, mine.cores, local]
+    every = [
+        json.loads(t) for t in distributed.gather("machine", json.dumps(figures), cfg.parallel.timeout_s)
+    ]
+    gpu, share, bw, cores, _ = (min(column) for column in zip(*every, strict=True))
+    devices = sum(e[4] for e in every)
+    return dataclasses.replace(
+        mine,
+        gpu_bytes=None if mine.gpu_bytes is None else int(gpu),
+        host_bytes=int(share) * here,
+        host_bw=bw * here,
+        cores=int(cores),
+        devices=devices,
+    )

@@ -1,0 +1,298 @@
+"""The resident trainer (`offload.optimizer=none`): fp32 masters, optimizer state and the bf16 casts
+made inside each block all in accelerator memory; one jitted step per optimizer update. It is the
+oracle the offload engine is tested against.
+
+`build_resident_trainer` builds the parts' shared context (`ResidentContext`: the model, the optax
+transformation, the state's shapes and shardings) and wires three parts into a `Trainer`:
+
+    ResidentInit        init, init_from_params
+    ResidentStep        step, eval_loss
+    ResidentCheckpoint  saved_state, abstract_saved_state, from_saved_state
+
+The ZeRO stage of the plan says what is split over the `data` mesh axis: 0 nothing (data parallel),
+1 the optimizer state, 2 also the gradients (reduce-scattered), 3 also the parameters (FSDP:
+all-gathered per use).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh
+
+from jaxzero import placement
+from jaxzero.config import FP16Config, TrainConfig
+from jaxzero.custom import check_optimizer, model_of
+from jaxzero.deferred import resolved
+from jaxzero.loss_scale import all_finite, init_loss_scale, update_loss_scale
+from jaxzero.models import Model, ModelParams
+from jaxzero.objective import loss_fn, step_weight
+from jaxzero.optim import (
+    build_optimizer,
+    global_norm,
+    join_opt_state,
+    reported_rate,
+    split_opt_state,
+)
+from jaxzero.plan import OffloadPlan, resolve_plan
+from jaxzero.state import StepMetrics, Trainer, TrainState, abstract_placed
+from jaxzero.write_fence import WriteFence
+
+
+def averaged_grads(
+    model: Model, params: ModelParams, batch: jax.Array, scale: jax.Array | None = None
+) -> tuple[jax.Array, ModelParams]:
+    """Mean loss and float32 gradients over `grad_accum` micro-batches of int32 (A, mb, S+1).
+
+    The loss is the mean over the step's counted targets (`objective.step_weight` weighs each
+    micro-batch's sum; without not-a-target marks, the mean of the micro-batches' means). One
+    micro-batch is differentiated directly; more are summed in a `lax.scan` (one float32 gradient
+    buffer, not A of them). With a loss `scale` (float16) the gradients are those of `scale * loss`
+    (the caller unscales them); the loss returned is unscaled.
+    """
+    weight = step_weight(batch)
+    if scale is None:
+        value_and_grad = jax.value_and_grad(lambda p, window: loss_fn(model, p, window, weight))
+    else:
+
+        def scaled(p, window):
+            loss = loss_fn(model, p, window, weight)
+            return loss * scale, loss
+
+        def value_and_grad(p, window):
+            (_, loss), grads = jax.value_and_grad(scaled, has_aux=True)(p, window)
+            return loss, grads
+
+    if batch.shape[0] == 1:
+        return value_and_grad(params, batch[0])
+
+    def micro(carry, window):
+        loss, grads = value_and_grad(params, window)
+        return jax.tree.map(jnp.add, carry, (loss, grads)), None
+
+    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+    (loss, grads), _ = jax.lax.scan(micro, zeros, batch)
+    return jax.tree.map(lambda x: x / batch.shape[0], (loss, grads))
+
+
+@dataclass(frozen=True, eq=False)
+class ResidentContext:
+    """What the resident trainer's parts share, made once by `build_context`.
+
+    tx:             the optax transformation (with clipping where `optimizer.grad_clip` > 0): the
+                    named optimizer's, or the researcher's own applied to the whole model.
+    schedule:       the learning rate at a step (the metrics report it; NaN for one's own optimizer).
+    fp16:           the loss-scaling settings under float16 compute; None otherwise.
+    shapes:         the state's global shapes (`TrainState` of `ShapeDtypeStruct`s).
+    state_sharding: the state's shardings (`TrainState` of shardings; the ZeRO stage splits them).
+    grad_sharding:  the gradients' shardings (split from ZeRO stage 2: a reduce-scatter).
+    """
+
+    cfg: TrainConfig
+    plan: OffloadPlan
+    model: Model
+    mesh: Mesh
+    tx: optax.GradientTransformation
+    schedule: optax.Schedule
+    fp16: FP16Config | None
+    shapes: TrainState
+    state_sharding: TrainState
+    grad_sharding: ModelParams
+
+
+def build_context(
+    cfg: TrainConfig,
+    mesh: Mesh,
+    plan: OffloadPlan,
+    *,
+    model: Model | None = None,
+    optimizer: optax.GradientTransformation | None = None,
+) -> ResidentContext:
+    """The resident trainer's context for `plan` (every unit's state on the accelerator) over every
+    device of `mesh`: `cfg.model`'s model and `cfg.optimizer`'s transformation, or the researcher's
+    own `model` (described by `cfg.model`) and `optimizer` (`jaxzero.custom`). Allocates nothing,
+    compiles nothing."""
+    if plan.host_update is not None:
+        raise ValueError("build_resident_trainer needs a plan with accelerator-resident state")
+    model = model_of(cfg.model, model)
+    tx = build_optimizer(cfg.optimizer, cfg.schedule_steps, custom=optimizer)
+    if optimizer is not None:
+        check_optimizer(cfg, optimizer, jax.eval_shape(model.init, jax.random.key(0)))
+    fp16 = cfg.fp16 if cfg.model.compute_dtype == "float16" else None
+    shapes = jax.eval_shape(partial(init_state, model, tx, fp16), jax.random.key(0))
+    state_sharding = TrainState(
+        step=placement.replicated(mesh),
+        params=placement.zero_shardings(mesh, shapes.params, plan.shards_weights),
+        opt_state=placement.zero_shardings(mesh, shapes.opt_state, plan.shards_state),
+        loss_scale=jax.tree.map(lambda _: placement.replicated(mesh), shapes.loss_scale),
+    )
+    grad_sharding = placement.zero_shardings(mesh, shapes.params, plan.shards_grads)
+    schedule = reported_rate(cfg.optimizer, cfg.schedule_steps, optimizer)
+    return ResidentContext(cfg, plan, model, mesh, tx, schedule, fp16, shapes, state_sharding, grad_sharding)
+
+
+def fresh(
+    model: Model, tx: optax.GradientTransformation, fp16: FP16Config | None, params: ModelParams
+) -> TrainState:
+    """A fresh state at step 0 over float32 `params` (a new loss scale under float16); traced."""
+    scale = init_loss_scale(fp16) if fp16 is not None else None
+    return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), scale)
+
+
+def init_state(
+    model: Model, tx: optax.GradientTransformation, fp16: FP16Config | None, key: jax.Array
+) -> TrainState:
+    """A fresh state from a PRNG key; traced."""
+    return fresh(model, tx, fp16, model.init(key))
+
+
+class ResidentInit:
+    """`init(key)` and `init_from_params(params)`: a fresh state, placed by `ctx.state_sharding`."""
+
+    def __init__(self, ctx: ResidentContext):
+        args = (ctx.model, ctx.tx, ctx.fp16)
+        self._params_sharding = ctx.state_sharding.params
+        self.init = jax.jit(partial(init_state, *args), out_shardings=ctx.state_sharding)
+        self._start_from = jax.jit(partial(fresh, *args), out_shardings=ctx.state_sharding)
+
+    def init_from_params(self, params: ModelParams) -> TrainState:
+        """A fresh state from float32 host (NumPy) masters, or units `Deferred` until read."""
+        return self._start_from(jax.device_put(resolved(params), self._params_sharding))
+
+
+def train_step(ctx: ResidentContext, state: TrainState, batch: jax.Array) -> tuple[TrainState, StepMetrics]:
+    """One optimizer update over int32 (A, mb, S+1); traced."""
+    loss, grads = averaged_grads(ctx.model, state.params, batch)
+    grads = _split(ctx, grads)
+    updates, opt_state = ctx.tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = StepMetrics(loss, global_norm(grads), jnp.asarray(ctx.schedule(state.step), jnp.float32))
+    return TrainState(state.step + 1, params, opt_state), metrics
+
+
+def train_step_fp16(
+    ctx: ResidentContext, state: TrainState, batch: jax.Array
+) -> tuple[TrainState, StepMetrics]:
+    """float16: a scaled loss; a step that overflows keeps params, optimizer state and step count;
+    traced."""
+    ls = state.loss_scale
+    loss, grads = averaged_grads(ctx.model, state.params, batch, ls.scale)
+    grads = jax.tree.map(lambda g: g / ls.scale, _split(ctx, grads))
+    ok = all_finite(grads)
+    updates, opt_state = ctx.tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
+    lr = jnp.asarray(ctx.schedule(state.step), jnp.float32)
+    new = TrainState(
+        state.step + ok.astype(jnp.int32),
+        keep(params, state.params),
+        keep(opt_state, state.opt_state),
+        update_loss_scale(ls, ~ok, ctx.fp16),
+    )
+    return new, StepMetrics(loss, global_norm(grads), lr, ls.scale, ~ok)
+
+
+def _split(ctx: ResidentContext, grads: ModelParams) -> ModelParams:
+    """Gradients constrained to their ZeRO sharding: from stage 2 a reduce-scatter, not an all-reduce."""
+    return jax.lax.with_sharding_constraint(grads, ctx.grad_sharding)
+
+
+def eval_loss(model: Model, state: TrainState, window: jax.Array) -> jax.Array:
+    """Mean loss (float32 scalar) of `state` over int32 (B, S+1); traced."""
+    return loss_fn(model, state.params, window)
+
+
+class ResidentStep:
+    """`step(state, batch)`, one jitted update that donates the state, and `eval_loss(state, window)`.
+    `fence`: where the step waits for a checkpoint being written from the state it donates."""
+
+    def __init__(self, ctx: ResidentContext, fence: WriteFence):
+        replicated = placement.replicated(ctx.mesh)
+        self.fence = fence
+        self._jitted = jax.jit(
+            partial(train_step_fp16 if ctx.fp16 is not None else train_step, ctx),
+            in_shardings=(ctx.state_sharding, placement.train_batch_sharding(ctx.mesh)),
+            out_shardings=(ctx.state_sharding, replicated),
+            donate_argnums=(0,),
+        )
+        self.eval_loss = jax.jit(
+            partial(eval_loss, ctx.model),
+            in_shardings=(ctx.state_sharding, placement.eval_batch_sharding(ctx.mesh)),
+            out_shardings=replicated,
+        )
+
+    def step(self, state: TrainState, batch: jax.Array) -> tuple[TrainState, StepMetrics]:
+        """One optimizer update; consumes `state` (donated)."""
+        self.fence.wait_all()  # the step donates every array a checkpoint being written may still read
+        return self._jitted(state, batch)
+
+
+class ResidentCheckpoint:
+    """The resident state to and from the saved form every trainer shares: the optimizer state per
+    unit (the offload engine's layout), so a run saved by either trainer resumes under the other."""
+
+    def __init__(self, ctx: ResidentContext):
+        self.ctx = ctx
+        self._clipped = ctx.cfg.optimizer.grad_clip > 0
+        self._blocks = ctx.cfg.model.num_layers
+
+    def saved_state(self, state: TrainState) -> dict[str, Any]:
+        """`state` (or its abstract form) as {"step", "params", "opt_state"[, "loss_scale"]}."""
+        saved = {
+            "step": state.step,
+            "params": state.params,
+            "opt_state": split_opt_state(state.opt_state, self._clipped, self._blocks),
+        }
+        return saved if state.loss_scale is None else {**saved, "loss_scale": state.loss_scale}
+
+    def abstract_saved_state(self) -> dict[str, Any]:
+        """The restore target: every array straight to its place on the accelerator."""
+        return self.saved_state(abstract_placed(self.ctx.shapes, self.ctx.state_sharding))
+
+    def from_saved_state(self, saved: dict[str, Any]) -> TrainState:
+        """A state from a restored saved form (units may be `Deferred`: read now)."""
+        saved = resolved(saved)  # every unit straight to its place on the accelerator
+        opt_state = join_opt_state(saved["opt_state"], self.ctx.shapes.opt_state, self._clipped)
+        return TrainState(saved["step"], saved["params"], opt_state, saved.get("loss_scale"))
+
+
+def build_resident_trainer(
+    cfg: TrainConfig,
+    mesh: Mesh,
+    plan: OffloadPlan | None = None,
+    *,
+    model: Model | None = None,
+    optimizer: optax.GradientTransformation | None = None,
+) -> Trainer:
+    """Everything in accelerator memory; one jitted step per optimizer update. The ZeRO stage of
+    `plan` (default `resolve_plan(cfg)`, which must keep every unit's state on the accelerator) says
+    what is split over the `data` mesh axis (the module docstring). `model` and `optimizer`: the
+    researcher's own, in place of `cfg.model`'s and `cfg.optimizer`'s (`build_context`)."""
+    plan = resolve_plan(cfg) if plan is None else plan
+    ctx = build_context(cfg, mesh, plan, model=model, optimizer=optimizer)
+    start = ResidentInit(ctx)
+    steps = ResidentStep(ctx, WriteFence())
+    saved = ResidentCheckpoint(ctx)
+    return Trainer(
+        config=cfg,
+        plan=plan,
+        model=ctx.model,
+        mesh=mesh,
+        optimizer=ctx.tx,
+        init=start.init,
+        init_from_params=start.init_from_params,
+        step=steps.step,
+        eval_loss=steps.eval_loss,
+        put_batch=partial(placement.put_train_batch, mesh=mesh),
+        put_eval_batch=partial(placement.put_eval_batch, mesh=mesh),
+        layout="resident",
+        saved_state=saved.saved_state,
+        abstract_saved_state=saved.abstract_saved_state,
+        from_saved_state=saved.from_saved_state,
+        fence=steps.fence,
+    )

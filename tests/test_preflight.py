@@ -1,0 +1,88 @@
+"""The decision made once: the shapes the planner reads before JAX starts equal the model's, the
+devices are told without starting a backend, and a trainer given a decision builds from it without
+planning again (and refuses one made for another config)."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from collections import Counter
+
+import jax
+import numpy as np
+import pytest
+from subprocess_run import user_env
+
+from jaxzero import placement, preflight
+from jaxzero.config import ConfigError, ModelConfig, TrainConfig
+from jaxzero.models import build_model
+from jaxzero.models.sizes import unit_param_shapes
+from jaxzero.plan import resolve_plan, search
+from jaxzero.trainer import build_trainer, decide_and_build
+
+MODELS = [
+    ModelConfig(),
+    ModelConfig(name="llama-tiny", tie_embeddings=False),
+    ModelConfig(name="llama-tiny", attention_bias=True, num_heads=8, num_kv_heads=2, hidden_size=96),
+    ModelConfig(name="gpt2-tiny"),
+]
+
+
+@pytest.mark.parametrize("model", MODELS, ids=["tied", "untied", "biases", "gpt2"])
+def test_the_shapes_told_before_jax_starts_are_the_models(model):
+    shapes = jax.eval_shape(build_model(model).init, jax.random.key(0))
+    told = unit_param_shapes(model)
+    for unit, tree in zip(told, (shapes.embed, shapes.blocks[0], shapes.head), strict=True):
+        assert Counter(unit) == Counter(tuple(x.shape) for x in jax.tree.leaves(tree))
+    for devices in (1, 2, 3, 4, 6, 8):
+        assert placement.whole_params_of(model, devices) == placement.whole_params(shapes, devices)
+
+
+def test_a_concrete_placement_is_evaluated_not_searched():
+    cfg = dataclasses.replace(
+        TrainConfig(), offload=dataclasses.replace(TrainConfig().offload, params="cpu", optimizer="cpu")
+    )
+    decision = preflight.decide(cfg)
+    assert decision.decided == () and decision.plan == resolve_plan(decision.config)
+    assert decision.memory.pinned > 0 and decision.machine.devices == len(jax.local_devices())
+
+
+def test_a_trainer_given_a_decision_builds_from_it_without_planning_again(monkeypatch):
+    cfg = TrainConfig()  # offload keys on auto
+    decision = preflight.decide(cfg)
+    assert decision.decided  # the planner set the auto keys
+
+    def no_planning(*args, **kwargs):
+        raise AssertionError("the trainer planned again")
+
+    monkeypatch.setattr(search, "decide", no_planning)
+    trainer, used = decide_and_build(cfg, decision=decision)
+    assert used is decision and trainer.config == decision.config and trainer.plan == decision.plan
+
+
+def test_a_decision_for_another_config_is_refused_and_one_for_other_devices_redone(caplog):
+    cfg = TrainConfig()
+    decision = preflight.decide(cfg)
+    other = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, batch_size=cfg.data.batch_size * 2))
+    with pytest.raises(ConfigError, match="made for another config"):
+        build_trainer(other, decision=decision)
+    one = jax.sharding.Mesh(np.array(jax.devices()[:1]), (placement.DATA_AXIS,))
+    assert decision.machine.devices == 4  # the four fake devices of the tests
+    _, used = decide_and_build(cfg, one, decision)
+    assert used is not decision and used.machine.devices == 1
+    assert "deciding again for the mesh" in caplog.text
+
+
+def test_the_plan_program_starts_no_backend():
+    code = (
+        "from jaxzero.plan.__main__ import main\n"
+        "from jax._src import xla_bridge\n"
+        "assert main(['--model.name=llama-7b', '--machine.host_gib=125']) == 0\n"
+        "assert main(['--offload.optimizer=cpu', '--offload.params=cpu']) == 0\n"
+        "assert not xla_bridge.backends_are_initialized()\n"
+    )
+    env = user_env(XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=240)
+    assert done.returncode == 0, done.stderr
+    assert "plan for llama-7b" in done.stdout and "4 devices in 1 process" in done.stdout
