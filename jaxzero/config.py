@@ -240,6 +240,16 @@ class DataConfig:
     # Check every token id against model.vocab_size before training (a vectorised pass over the files);
     # false: check a sample of ~4M tokens spread over each file.
     check_tokens: bool = True
+    # The id that ends each document (and each fine-tuning example) in the token stream: attention stays
+    # inside a document. -1: the one the data says (prepare.json's eot_id; for nanoGPT .bin files
+    # without one, GPT-2's 50256 where model.vocab_size is GPT-2's); -2: none (one stream).
+    eot_id: int = -1
+    # Attend across document boundaries inside a sequence (what packed training did before
+    # document-aware attention); false: each token attends only within its document.
+    cross_document_attention: bool = False
+    # Fine-tuning examples (prepare --sft): pack whole examples into each row (best fit, never split);
+    # false: one example per row, padded (the padding masked out of the loss).
+    pack: bool = True
 
 
 @dataclass(frozen=True)
@@ -450,11 +460,15 @@ class ProfileConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """The whole run. `steps`, `seed` and `run_dir` are the run concern and live at the top level."""
+    """The whole run. `steps`, `seed`, `run_dir` and `determinism` are the run concern and live at the
+    top level."""
 
     steps: int = 300  # optimizer steps to run (on resume: the step to run to)
     seed: int = 0  # seeds parameter init and data order
     run_dir: str = ""  # output directory; empty: runs/<model.name>-<UTC timestamp>
+    # Deterministic GPU kernels and fixed reduction orders: two runs of one command, and a resumed run
+    # and an uninterrupted one, give bitwise the same losses and parameters (slower; see the README).
+    determinism: bool = False
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -491,4 +505,4 @@ SECTIONS: dict[str, type] = {
     "machine": MachineConfig,
     "profile": ProfileConfig,
 }
-TOP_LEVEL_KEYS = ("steps", "seed", "run_dir")
+TOP_LEVEL_KEYS = ("steps", "seed", "run_dir", "determinism")

@@ -140,6 +140,11 @@ def _validate_data(cfg: TrainConfig, num_devices: int | None) -> None:
     m, d = cfg.model, cfg.data
     _need(d.seq_len >= 2, f"data.seq_len={d.seq_len} must be >= 2.")
     _need(
+        d.eot_id in (-1, -2) or 0 <= d.eot_id < m.vocab_size,
+        f"data.eot_id={d.eot_id} must be a token id below model.vocab_size={m.vocab_size}, -1 (the one the "
+        "data says) or -2 (none: the stream is one document).",
+    )
+    _need(
         d.seq_len <= m.max_seq_len,
         f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}; lower data.seq_len or "
         "raise model.max_seq_len.",

@@ -4,7 +4,8 @@ A run's config is built in three layers, later ones winning:
 
 1. the dataclass defaults of `jaxzero.config` (the built-in default run: a tiny Llama on bundled bytes),
 2. an optional TOML preset (`--config=configs/NAME.toml`),
-3. command-line overrides `--section.key=value` (top-level keys `--steps`, `--seed`, `--run_dir`).
+3. command-line overrides `--section.key=value` (top-level keys: `--steps`, `--seed`, `--run_dir`,
+   `--determinism`).
 
 `model.name` selects a named size (`jaxzero.models.sizes`) or, as `hf:DIR`, the shape of a Hugging
 Face checkpoint (`jaxzero.interop`); every other `model.*` key then overrides one field of it. All
@@ -287,8 +288,11 @@ def parse_args(argv: list[str]) -> TrainConfig:
 def config_from_dict(d: dict[str, Any]) -> TrainConfig:
     """Rebuild a TrainConfig from `TrainConfig.to_dict()` output (e.g. a run's config.json). Its model
     section gives every field, and a ModelConfig keeps each field given: a named size with fields
-    changed loads as saved."""
+    changed loads as saved. A key the saved config lacks takes its default, except
+    `data.cross_document_attention`, which keeps the behaviour of the runs saved before it (true)."""
     flat = _flatten_toml(d)
+    # A run saved before document-aware attention existed attended across documents: it keeps doing so.
+    flat.setdefault("data.cross_document_attention", True)
     model_keys = {k: v for k, v in flat.items() if k.startswith("model.")}
     rest = {k: v for k, v in flat.items() if not k.startswith("model.")}
     cfg = dataclasses.replace(TrainConfig(), model=ModelConfig(**{k[6:]: v for k, v in model_keys.items()}))

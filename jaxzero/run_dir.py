@@ -63,6 +63,7 @@ RUN_FILES = (
 RESUMABLE = (
     "steps",
     "run_dir",
+    "determinism",  # the same arithmetic, in a fixed order
     "logging.",
     "checkpoint.",
     "offload.",
