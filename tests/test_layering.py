@@ -154,6 +154,7 @@ PROGRAMS = {
     "jaxzero.train",
     "jaxzero.export",
     "jaxzero.generate",
+    "jaxzero.eval",
     "jaxzero.prepare",
     "jaxzero.launch",
     "jaxzero.plan.__main__",

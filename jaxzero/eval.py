@@ -1,0 +1,197 @@
+"""`python -m jaxzero.eval (--run_dir=DIR [--step=N] | --hf=DIR) --data.path=TOKENS [--split=val|train]
+[--section.key=value ...]`: the loss, perplexity and target-token count of a model on a token set.
+
+Every target of the split is counted once: the split's tokens are cut into consecutive windows of
+`data.seq_len + 1` tokens that overlap by one (each window's last target is the next one's first
+input), the last one padded with tokens no loss counts; a fine-tuning set's loss masks
+(`*.mask.bin`) say which targets count, as in training. The split is the token set's `val.bin` when it
+has one, else its `train.bin` whole (`--split` chooses). The loss is computed by the trainer's own
+validation path (`Trainer.eval_loss`, the same function validation uses while training), in the
+placement the planner decides for the model on this machine (`jaxzero.preflight`); the other
+`--section.key=value` settings apply on top of the run's saved config (or, with `--hf`, the defaults),
+e.g. `--data.batch_size=32` (rows per evaluated batch) or `--data.cross_document_attention=true`.
+Only the weights are read: a checkpoint's masters, one unit at a time, or a Hugging Face checkpoint.
+
+The last line of standard output is one JSON object: `{"loss": ..., "perplexity": ..., "tokens": ...}`
+with the split, the token files and the checkpoint it evaluated. Exit status 0; 2 with one line on
+stderr for a bad argument, a missing checkpoint or token set, or a model that cannot fit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from jaxzero import preflight
+from jaxzero.checkpoint_layout import CHECKPOINT_DIR, read_meta, saved_steps
+from jaxzero.checkpoint_masters import masters_by_unit
+from jaxzero.config import CheckpointError, ConfigError, TrainConfig
+from jaxzero.console import to_stderr
+from jaxzero.data.types import DataError
+from jaxzero.interop import load_hf_by_unit
+from jaxzero.overrides import config_from_dict, layer, split_args
+from jaxzero.trainer import build_trainer
+
+EXIT_CONFIG = 2
+# Settings an evaluation does not take from the run it evaluates: it saves nothing, logs no samples,
+# reads the token files it is given, and lets the planner place the weights for this machine.
+EVAL_SETTINGS = {
+    "checkpoint.enabled": False,
+    "logging.samples": 0,
+    "logging.tensorboard": False,
+    "data.source": "tokens",
+    "offload.params": "auto",
+    "offload.optimizer": "auto",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    to_stderr()  # the library's messages as `jaxzero: ...` lines
+    ap = argparse.ArgumentParser(
+        prog="python -m jaxzero.eval",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--run_dir", help="a training run directory with checkpoints/")
+    src.add_argument("--hf", help="a Hugging Face checkpoint directory (config.json and safetensors)")
+    ap.add_argument("--step", type=int, default=None, help="--run_dir: the checkpoint (default: the newest)")
+    ap.add_argument("--split", choices=("val", "train"), default=None, help="default: val.bin if present")
+    args, rest = ap.parse_known_args(argv)
+    try:
+        cfg, source = _config(args, rest)
+        result = evaluate(cfg, source, args, args.split)
+    except ConfigError as e:  # CheckpointError and DataError are ConfigErrors
+        print(f"jaxzero: eval: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    print(
+        f"jaxzero: eval: loss {result['loss']:.4f}, perplexity {result['perplexity']:.3f} over "
+        f"{result['tokens']:,} targets of {result['split']} ({result['data']})"
+    )
+    print(json.dumps(result))
+    return 0
+
+
+def _config(args: argparse.Namespace, rest: list[str]) -> tuple[TrainConfig, str]:
+    """The config to evaluate with (the run's saved one, or the defaults with the HF checkpoint's
+    shape), the command line's settings on top, and a description of the weights' source."""
+    if args.run_dir:
+        steps = saved_steps(args.run_dir)
+        if not steps:
+            raise CheckpointError(f"{Path(args.run_dir) / CHECKPOINT_DIR} holds no checkpoint to evaluate.")
+        step = steps[-1] if args.step is None else args.step
+        if step not in steps:
+            raise CheckpointError(f"{args.run_dir} has no checkpoint {step}; it has {steps}.")
+        base = config_from_dict(read_meta(Path(args.run_dir).absolute() / CHECKPOINT_DIR, step)["config"])
+        base = dataclasses.replace(base, run_dir="")
+        source = f"{args.run_dir} step {step}"
+        args.step = step
+    else:
+        base, source = TrainConfig(), args.hf
+        rest = [f"--model.name=hf:{args.hf}", *rest]
+    layered = layer(base, split_args(rest))
+    settings = {k: v for k, v in EVAL_SETTINGS.items() if k not in layered.sources}
+    overridden = layer(layered.config, split_args([f"--{k}={v}" for k, v in settings.items()]))
+    return overridden.config, source
+
+
+def evaluate(cfg: TrainConfig, source: str, args: argparse.Namespace, split: str | None) -> dict:
+    """Loss, perplexity and counted targets of the weights `args` names over the token files of
+    `cfg.data`, one pass, every target once (see the module docstring)."""
+    d = cfg.data
+    tokens, counted, split, path = open_split(d.path, d.token_dtype, cfg.model.vocab_size, split)
+    decision = preflight.prepare(cfg)  # before JAX's backend starts: it sizes XLA's pools
+    trainer = build_trainer(cfg, decision=decision)
+    if args.run_dir:
+        params = masters_by_unit(args.run_dir, args.step)[1]
+    else:
+        params = load_hf_by_unit(cfg.model, args.hf)
+    state = trainer.init_from_params(params)
+    rows = max(d.batch_size, jax.device_count())
+    rows -= rows % jax.device_count()  # put_eval_batch splits a batch's rows over the devices
+    pad = cfg.data.eot_id if cfg.data.eot_id >= 0 else 0
+    total, targets = 0.0, 0
+    for batch in eval_windows(tokens, counted, d.seq_len, rows, pad):
+        count = int(np.sum(batch[:, 1:] >= 0))
+        if count:
+            loss = float(trainer.eval_loss(state, trainer.put_eval_batch(batch)))  # host sync
+            total, targets = total + loss * count, targets + count
+    trainer.close()
+    if not targets:
+        raise ConfigError(f"{path} has no target the loss counts: nothing to evaluate.")
+    loss = total / targets
+    return {
+        "loss": loss,
+        "perplexity": math.exp(min(loss, 700.0)),
+        "tokens": targets,
+        "split": split,
+        "data": str(path),
+        "checkpoint": source,
+    }
+
+
+def eval_windows(
+    tokens: np.ndarray, counted: np.ndarray | None, seq_len: int, rows: int, pad: int
+) -> Iterator[np.ndarray]:
+    """int32 (rows, seq_len + 1) batches of consecutive windows of `tokens` (1-D ids) overlapping by one
+    token, so that every target (every token but the first) is in exactly one window; a target
+    `counted` marks 0 (uint8 per token; None: all count) is written `~id`, as training's batches do.
+    The last window is filled with `~pad`, and the last batch with rows of it: no loss counts them.
+    Read batch by batch: the token files are never held whole."""
+    starts = range(0, max(len(tokens) - 1, 1), seq_len)
+    for first in range(0, len(starts), rows):
+        batch = np.full((rows, seq_len + 1), ~pad, np.int32)
+        for row, s in enumerate(starts[first : first + rows]):
+            piece = np.asarray(tokens[s : s + seq_len + 1], np.int32)
+            if counted is not None:
+                piece = np.where(np.asarray(counted[s : s + seq_len + 1]) > 0, piece, ~piece)
+            batch[row, : len(piece)] = piece
+        yield batch
+
+
+def open_split(
+    directory: str, token_dtype: str, vocab_size: int, split: str | None
+) -> tuple[np.ndarray, np.ndarray | None, str, Path]:
+    """(token ids, loss mask or None, the split's name, its file) of a token set's split, memory-mapped:
+    `val.bin` by default where there is one, else `train.bin` whole. Raises DataError naming what is
+    missing, or a token id the model's vocabulary does not have."""
+    root = Path(directory)
+    if not directory or not (root / "train.bin").is_file():
+        raise DataError(
+            f"--data.path={directory!r} holds no train.bin: give the directory of the token files to "
+            "evaluate on (python -m jaxzero.prepare writes them)."
+        )
+    split = split or ("val" if (root / "val.bin").is_file() else "train")
+    path = root / f"{split}.bin"
+    if not path.is_file():
+        raise DataError(f"{path} does not exist: --split=train evaluates on train.bin.")
+    itemsize = np.dtype(token_dtype).itemsize
+    if path.stat().st_size % itemsize or path.stat().st_size < 2 * itemsize:
+        raise DataError(
+            f"{path} holds {path.stat().st_size} bytes: not a file of at least two {token_dtype} tokens "
+            "(--data.token_dtype must be the dtype the files were written in)."
+        )
+    tokens = np.memmap(path, dtype=token_dtype, mode="r")
+    top = max(int(tokens[i : i + 2**24].max()) for i in range(0, len(tokens), 2**24))
+    if top >= vocab_size:
+        raise DataError(
+            f"{path} holds token id {top}, but the model's vocabulary has {vocab_size} ids: the token "
+            "set was made with another tokenizer (or --data.token_dtype is wrong)."
+        )
+    mask_path = root / f"{split}.mask.bin"
+    counted = np.memmap(mask_path, dtype=np.uint8, mode="r") if mask_path.is_file() else None
+    if counted is not None and len(counted) != len(tokens):
+        raise DataError(f"{mask_path} has {len(counted)} entries for {len(tokens)} tokens: rerun prepare.")
+    return tokens, counted, split, path
+
+
+if __name__ == "__main__":
+    sys.exit(main())
