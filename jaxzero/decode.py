@@ -5,6 +5,10 @@ once for each of the two shapes. Greedy or temperature / top-p sampling.
 Weights go to the accelerator in the compute dtype when they and the cache fit in its free memory;
 otherwise the blocks stay in pinned host memory and each is copied in when a token's pass reaches it
 (every token then moves the blocks across the link once).
+
+Documents: generation continues one prompt, read as one document: every token attends to the whole
+prompt and what follows it (no segment ids; `jaxzero.objective.document_segments` is training's and
+evaluation's). A prompt holding end-of-text ids is not split at them.
 """
 
 from __future__ import annotations

@@ -2,15 +2,16 @@
 [--section.key=value ...]`: the loss, perplexity and target-token count of a model on a token set.
 
 Every target of the split is counted once: the split's tokens are cut into consecutive windows of
-`data.seq_len + 1` tokens that overlap by one (each window's last target is the next one's first
-input), the last one padded with tokens no loss counts; a fine-tuning set's loss masks
-(`*.mask.bin`) say which targets count, as in training. The split is the token set's `val.bin` when it
-has one, else its `train.bin` whole (`--split` chooses). The loss is computed by the trainer's own
-validation path (`Trainer.eval_loss`, the same function validation uses while training), in the
-placement the planner decides for the model on this machine (`jaxzero.preflight`); the other
+`data.seq_len + 1` tokens that overlap by one (each window's last target is the next one's first input),
+the last one padded with tokens no loss counts; a fine-tuning set (with its example index, `*.idx.bin`)
+is read as training reads it, every example whole in rows, packed best fit or one per row (`data.pack`),
+each example once; its loss masks (`*.mask.bin`) say which targets count. The split is the token set's
+`val.bin` when it has one, else its `train.bin` whole (`--split` chooses). The loss is computed by the
+trainer's own validation path (`Trainer.eval_loss`, the same function validation uses while training),
+in the placement the planner decides for the model on this machine (`jaxzero.preflight`); the other
 `--section.key=value` settings apply on top of the run's saved config (or, with `--hf`, the defaults),
-e.g. `--data.batch_size=32` (rows per evaluated batch) or `--data.cross_document_attention=true`.
-Only the weights are read: a checkpoint's masters, one unit at a time, or a Hugging Face checkpoint.
+e.g. `--data.batch_size=32` (rows per evaluated batch) or `--data.cross_document_attention=true`. Only
+the weights are read: a checkpoint's masters, one unit at a time, or a Hugging Face checkpoint.
 
 The last line of standard output is one JSON object: `{"loss": ..., "perplexity": ..., "tokens": ...}`
 with the split, the token files and the checkpoint it evaluated. Exit status 0; 2 with one line on
@@ -35,6 +36,8 @@ from jaxzero.checkpoint_layout import CHECKPOINT_DIR, read_meta, saved_steps
 from jaxzero.checkpoint_masters import masters_by_unit
 from jaxzero.config import CheckpointError, ConfigError, TrainConfig
 from jaxzero.console import to_stderr
+from jaxzero.data.eot import resolve_eot_id
+from jaxzero.data.packing import every_example_rows
 from jaxzero.data.types import DataError
 from jaxzero.interop import load_hf_by_unit
 from jaxzero.overrides import config_from_dict, layer, split_args
@@ -106,6 +109,8 @@ def _config(args: argparse.Namespace, rest: list[str]) -> tuple[TrainConfig, str
 def evaluate(cfg: TrainConfig, source: str, args: argparse.Namespace, split: str | None) -> dict:
     """Loss, perplexity and counted targets of the weights `args` names over the token files of
     `cfg.data`, one pass, every target once (see the module docstring)."""
+    # attention within the token set's documents, as training's (its end-of-text id resolved)
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, eot_id=resolve_eot_id(cfg)))
     d = cfg.data
     tokens, counted, split, path = open_split(d.path, d.token_dtype, cfg.model.vocab_size, split)
     decision = preflight.prepare(cfg)  # before JAX's backend starts: it sizes XLA's pools
@@ -117,9 +122,15 @@ def evaluate(cfg: TrainConfig, source: str, args: argparse.Namespace, split: str
     state = trainer.init_from_params(params)
     rows = max(d.batch_size, jax.device_count())
     rows -= rows % jax.device_count()  # put_eval_batch splits a batch's rows over the devices
-    pad = cfg.data.eot_id if cfg.data.eot_id >= 0 else 0
+    pad = 1 if cfg.data.eot_id == 0 else 0  # not the end-of-text id: the padding is one document
     total, targets = 0.0, 0
-    for batch in eval_windows(tokens, counted, d.seq_len, rows, pad):
+    index = path.with_name(f"{split}.idx.bin")
+    if index.is_file():  # fine-tuning examples: each whole in its rows, as training reads them
+        starts = np.fromfile(index, np.uint64)
+        batches = _in_batches(every_example_rows(tokens, counted, starts, d.seq_len, d.pack, pad), rows)
+    else:
+        batches = eval_windows(tokens, counted, d.seq_len, rows, pad)
+    for batch in batches:
         count = int(np.sum(batch[:, 1:] >= 0))
         if count:
             loss = float(trainer.eval_loss(state, trainer.put_eval_batch(batch)))  # host sync
@@ -155,6 +166,19 @@ def eval_windows(
                 piece = np.where(np.asarray(counted[s : s + seq_len + 1]) > 0, piece, ~piece)
             batch[row, : len(piece)] = piece
         yield batch
+
+
+def _in_batches(blocks: Iterator[np.ndarray], rows: int) -> Iterator[np.ndarray]:
+    """The rows of `blocks` (int32 (n, width) arrays) in batches of `rows`, the last filled with rows
+    of padding (`~0`) no loss counts."""
+    pending = np.zeros((0, 0), np.int32)
+    for block in blocks:
+        pending = block if not len(pending) else np.concatenate([pending, block])
+        while len(pending) >= rows:
+            yield pending[:rows]
+            pending = pending[rows:]
+    if len(pending):
+        yield np.concatenate([pending, np.full((rows - len(pending), pending.shape[1]), ~0, np.int32)])
 
 
 def open_split(

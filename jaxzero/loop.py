@@ -28,6 +28,7 @@ from jaxzero.checkpoint_masters import load_masters
 from jaxzero.config import ConfigError, TrainConfig
 from jaxzero.config_checks import resolve_batch, validate
 from jaxzero.data.build import build_data
+from jaxzero.data.eot import resolve_eot_id
 from jaxzero.data.types import BatchIterator, Data, DataShard, DataState
 from jaxzero.decode import Generator, Sampling
 from jaxzero.interop import load_hf_by_unit
@@ -209,19 +210,23 @@ def _train_held(
         )
     cfg, notes = _resolved(cfg, run, path, sources)
     validate(cfg)
-    short_warmup = warmup_warning(cfg.optimizer, cfg.steps, cfg.schedule_steps)
-    if short_warmup:
-        notes.append(f"jaxzero: warning: {short_warmup}")
     # Decides the offload keys left on auto (before JAX starts, where the program prepares it), checks
     # the mesh and memory; allocates and compiles nothing. `cfg` stays as the user wrote it
     # (config.json keeps "auto"); `trainer.config` is decided.
     try:
-        decision = prepare(cfg) if prepare is not None else None
-        trainer, decision = decide_and_build(cfg, decision=decision)
+        # The trainer attends within documents: it is built with the data's end-of-text id resolved
+        # (config.json keeps what the user wrote, as it keeps "auto").
+        built = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, eot_id=resolve_eot_id(cfg)))
+        decision = prepare(built) if prepare is not None else None
+        trainer, decision = decide_and_build(built, decision=decision)
     except ConfigError:
         if translation is not None:  # the DeepSpeed file's batch keys for these GPUs, in its words
             deepspeed.check(translation, cfg, jax.device_count())
         raise
+    # Evaluated with JAX, so after the placement is decided and XLA's pools sized (JAX has started now).
+    short_warmup = warmup_warning(cfg.optimizer, cfg.steps, cfg.schedule_steps)
+    if short_warmup:
+        notes.append(f"jaxzero: warning: {short_warmup}")
     cfg = resolve_batch(cfg, jax.device_count())  # DeepSpeed's batch rule, now that the devices are known
     if run.kind is RunKind.RESUME:
         run_dir_lib.check_resume(cfg, run.saved, path, sources)  # the batch sizes, resolved
@@ -351,6 +356,12 @@ def _steps(run: Run, console: TextIO) -> Path:
     if ckpt is not None:
         ckpt.close()  # host sync: wait for the last asynchronous save
     if main_process:
+        if batches.truncated:  # fine-tuning examples longer than a row were cut to it
+            print(
+                f"jaxzero: {batches.truncated:,} fine-tuning examples of this run's batches were longer than "
+                f"a row (data.seq_len + 1 = {cfg.data.seq_len + 1} tokens) and were truncated to it",
+                file=console,
+            )
         finish(cfg, log.last, ckpt, time.perf_counter() - run.t_start, console)
         if cfg.logging.samples and cfg.data.source == "builtin" and ckpt is not None and ckpt.last_saved:
             print_samples(cfg, console)

@@ -159,19 +159,26 @@ def backward_phases(transient: Transient, head_grad: int = 0) -> int:
     return head + transient.block
 
 
-def transient_activations(m: ModelConfig, micro_tokens: int, seq_len: int | None = None) -> Transient:
+def transient_activations(
+    m: ModelConfig, micro_tokens: int, seq_len: int | None = None, documents: bool = False
+) -> Transient:
     """The transient terms of the activation estimate for `micro_tokens` tokens of one micro-batch on
     one device, fitted to the temporaries XLA compiles for them (BENCHMARKS.md, "What a step's
     transients take on the GPU"; `scripts/bench_activations.py` prints both): a block's backward
     holds its q, k, v and their gradients, two more of the width of the hidden state, and four of the
     MLP's; the head's, the float32 logits and their gradient (of one piece of each sequence where the
     loss runs in pieces: `objective.head_pieces`, for sequences of `seq_len`, with then the output
-    projection in float32 and its float32 gradient sum), and the gradient it returns."""
+    projection in float32 and its float32 gradient sum), and the gradient it returns. With
+    `documents` (attention kept inside each document), a block's backward also holds two float32
+    (rows, heads, seq_len, seq_len) arrays: what document-aware attention compiled to on the GPU
+    (BENCHMARKS.md, "Issue 29 on one H200: determinism, and document-aware attention's cost")."""
     compute = dtype_bytes(m.compute_dtype)
     kv = m.hidden_size * m.num_kv_heads // m.num_heads
     widths = 2 * (m.hidden_size + 2 * kv) + 2 * m.hidden_size + 4 * m.intermediate_size
     block = micro_tokens * widths * compute
     seq_len = seq_len or micro_tokens
+    if documents:
+        block += 2 * (micro_tokens // seq_len) * m.num_heads * seq_len * seq_len * 4
     pieces = head_pieces(max(1, micro_tokens // seq_len), seq_len, m.vocab_size)
     head_out = micro_tokens * m.hidden_size * compute
     head = micro_tokens // pieces * 2 * m.vocab_size * 4 + head_out
@@ -238,7 +245,8 @@ def plan_memory(
         away, saved_inputs = (m.num_layers - 1) * block_input * L, min(m.num_layers, 3) * block_input
     # The saved block inputs, and the two phases that run over them (the head's loss and gradient,
     # then each block's backward), as the allocator places them (`backward_phases`).
-    transient = transient_activations(m, micro_tokens, d.seq_len)
+    documents = not d.cross_document_attention and d.eot_id >= 0  # attention within each document
+    transient = transient_activations(m, micro_tokens, d.seq_len, documents)
     activations = saved_inputs + backward_phases(transient)
 
     # A save or a restore: the checkpoint buffer and one unit's masters and state (`checkpoint_bytes`).

@@ -6,15 +6,23 @@ negative, `~id` (= -id - 1): the token `id`, read as input as usual but not coun
 prompt token of a fine-tuning example, whose prediction is not trained). A step's loss is the mean
 cross-entropy over the targets it counts, over all its micro-batches (`step_weight`): micro-batches
 with more counted targets weigh more, as one large batch would weigh them.
+
+Documents: a window may hold several documents one after another, each ended by its end-of-text id
+(`eot_id`); the token after an end-of-text starts the next. Unless the run asks for attention across
+them (`data.cross_document_attention`), each input token attends only within its own document: its
+segment id (`document_segments`) is the count of end-of-text ids before it, and the blocks attend
+within equal ids. The id is fixed when a trainer is built (`document_eot`), never decided in a step.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from jaxzero.config import ConfigError, DataConfig
 from jaxzero.models import Model, ModelParams
 
 
@@ -23,6 +31,32 @@ def decode_window(window: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     with their not-a-target marks removed, and which targets the loss counts."""
     ids = jnp.where(window < 0, ~window, window)
     return ids[:, :-1], ids[:, 1:], window[:, 1:] >= 0
+
+
+def document_eot(data: DataConfig, model: Model) -> int | None:
+    """The end-of-text id whose documents attend only within themselves, or None for attention across
+    the whole window (`data.cross_document_attention`, or `data.eot_id` < 0: no id, one stream). A
+    static value for a trainer's step functions, read once when the trainer is built; raises
+    ConfigError where a model of one's own has no `segments` argument to its `block`."""
+    if data.cross_document_attention or data.eot_id < 0:
+        return None
+    params = inspect.signature(model.block).parameters.values()
+    if len(params) < 3 and not any(p.kind is p.VAR_POSITIONAL for p in params):
+        raise ConfigError(
+            f"data.eot_id={data.eot_id} asks for attention within each document, but the model's "
+            "block(params, x) takes no `segments` (jaxzero.models.base.Model.block): add it, or set "
+            "data.cross_document_attention=true."
+        )
+    return data.eot_id
+
+
+def document_segments(window: jax.Array, eot_id: int) -> jax.Array:
+    """int32 (..., S+1) windows -> int32 (..., S) segment ids of their inputs: at each input position,
+    how many `eot_id` tokens come strictly before it in its row (not-a-target marks read through). A
+    document ends with its end-of-text; the token after it starts the next segment."""
+    inputs = jnp.where(window < 0, ~window, window)[..., :-1]
+    ends = (inputs == eot_id).astype(jnp.int32)
+    return jnp.cumsum(ends, axis=-1, dtype=jnp.int32) - ends
 
 
 def counted_targets(batch: jax.Array) -> jax.Array:
@@ -94,16 +128,22 @@ def remat_block(model: Model):
 
 
 def loss_fn(
-    model: Model, params: ModelParams, window: jax.Array, weight: jax.Array | None = None
+    model: Model,
+    params: ModelParams,
+    window: jax.Array,
+    weight: jax.Array | None = None,
+    eot_id: int | None = None,
 ) -> jax.Array:
     """float32 scalar: `weight` times the summed cross-entropy of the counted targets of int32 window
     (B, S+1), `params` of any dtype (blocks cast to the compute dtype). `weight` None: the mean over
-    the window's counted targets."""
+    the window's counted targets. `eot_id` (static; `document_eot`): each document attends within
+    itself, its segments made once here for every block; None: attention across the window."""
     inputs, _, _ = decode_window(window)
     if weight is None:
         weight = 1.0 / jnp.maximum(counted_targets(window), 1).astype(jnp.float32)
+    segments = None if eot_id is None else document_segments(window, eot_id)
     block = remat_block(model)
     x = model.embed(params.embed, inputs)
     for p in params.blocks:
-        x = block(p, x)
+        x = block(p, x) if segments is None else block(p, x, segments)
     return head_loss(model, params.head, params.embed, x, window, weight)

@@ -26,6 +26,7 @@ import jax
 from jaxzero import distributed, placement, runtime
 from jaxzero.config import TrainConfig
 from jaxzero.config_checks import resolve_batch, validate
+from jaxzero.data.eot import FROM_DATA, resolve_eot_id
 from jaxzero.distributed import Processes
 from jaxzero.plan import search
 from jaxzero.plan.machine import (
@@ -40,10 +41,14 @@ from jaxzero.plan.report import Decision
 
 def prepare(cfg: TrainConfig, processes: Processes | None = None) -> Decision:
     """The placement of `cfg` for this run, decided before JAX starts (`decide`), and
-    XLA's variables set for it: 95% of each GPU for XLA's allocator (`runtime.claim_accelerator_memory`)
-    and the pinned pool sized to the decision (`runtime.configure_pinned_pool`). Call it once, before
-    the first JAX call (with several processes, after `distributed.start`: every process calls it).
-    Raises ConfigError where nothing fits, with what would."""
+    XLA's variables set for it: 95% of each GPU for XLA's allocator (`runtime.claim_accelerator_memory`),
+    the pinned pool sized to the decision (`runtime.configure_pinned_pool`) and, with
+    `cfg.determinism`, XLA's deterministic GPU kernels (`runtime.request_determinism`). Call it once,
+    before the first JAX call (with several processes, after `distributed.start`: every process calls
+    it). Raises ConfigError where nothing fits, with what would, or where determinism is asked for
+    after an accelerator's backend started without it."""
+    if cfg.determinism:
+        runtime.request_determinism()
     runtime.claim_accelerator_memory()
     decision = decide(cfg, processes.count if processes is not None else 1)
     if decision.plan.host_update is not None:
@@ -61,6 +66,8 @@ def decide(
     processes every process must call it (their figures are agreed, each at its least). `pool_fixed`:
     whether XLA's pinned pool cap is fixed for the run already (JAX started)."""
     validate(cfg)
+    if cfg.data.eot_id == FROM_DATA:  # whether attention stays inside documents changes the memory
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, eot_id=resolve_eot_id(cfg)))
     seen = _accelerators(cfg) if seen is None else seen
     machine = _agreed(cfg, seen, processes, pool_fixed)
     cfg = resolve_batch(cfg, machine.devices)

@@ -14,15 +14,20 @@ document is followed by the end-of-text id: `--eot_id`, else the `eos_token` of 
 Output, in `--out` only: `train.bin` (and `val.bin` with the first `--val_docs` documents), uint16 ids
 where the vocabulary fits, else uint32, and `prepare.json` saying what was read and how. Files are
 written under temporary names and renamed when complete. A rerun with the same inputs (paths, sizes,
-modification times), tokenizer and settings does nothing; with anything changed it refuses unless
-`--overwrite`, and it never replaces token files that it did not write (no `prepare.json` beside them).
+modification times), tokenizer and settings does nothing (unless a file it writes is missing, such as
+the example index of a preparation made before it existed: then it writes them again); with anything
+changed it refuses unless `--overwrite`, and it never replaces token files that it did not write (no
+`prepare.json` beside them).
 
 Fine-tuning data (`--sft`): JSONL records `{"prompt": ..., "completion": ...}` (encoded separately,
 then the end-of-text id) or `{"messages": [{"role": ..., "content": ...}, ...]}` (rendered with the
 checkpoint's `chat_template` from tokenizer_config.json, as transformers' apply_chat_template renders
-it). Examples are packed one after another; `train.mask.bin` (and `val.mask.bin`) hold one byte per
-token, 1 where the token is a target the loss counts: completions and their end-of-text, assistant
-turns; prompts, system and user turns are 0. Training reads the masks with the token files.
+it). Each example ends with the end-of-text id, and they are written one after another;
+`train.mask.bin` (and `val.mask.bin`) hold one byte per token, 1 where the token is a target the loss
+counts: completions and their end-of-text, assistant turns; prompts, system and user turns are 0;
+`train.idx.bin` (and `val.idx.bin`) hold the uint64 offset of each example's first token in its token
+file. Training reads the masks with the token files, and packs whole examples into rows by the index
+(`jaxzero.data.packing`).
 
 Documents are encoded in parallel over `--workers` processes (default: the cores), in order.
 """
@@ -50,7 +55,15 @@ from jaxzero.data.encoding import encoded_chunks
 from jaxzero.data.types import DataError
 from jaxzero.tokenizer import META_NAME, ByteTokenizer, HFTokenizer, default_eot_id, tokenizer_file
 
-OUTPUTS = ("train.bin", "val.bin", "train.mask.bin", "val.mask.bin", META_NAME)
+OUTPUTS = (
+    "train.bin",
+    "val.bin",
+    "train.mask.bin",
+    "val.mask.bin",
+    "train.idx.bin",
+    "val.idx.bin",
+    META_NAME,
+)
 
 
 @dataclass(frozen=True)
@@ -74,9 +87,10 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _check_outputs(out: Path, recipe: Recipe, overwrite: bool) -> bool:
-    """True when `out` already holds this recipe's output. Raises DataError where writing would replace
-    files this tool did not write, or an earlier preparation without `--overwrite`."""
+def _check_outputs(out: Path, recipe: Recipe, overwrite: bool, names: Sequence[str]) -> bool:
+    """True when `out` already holds this recipe's output, every one of `names` included (a preparation
+    from before the example index lacks ``*.idx.bin``: it is made again). Raises DataError where writing
+    would replace files this tool did not write, or an earlier preparation without `--overwrite`."""
     meta_path = out / META_NAME
     ours = [name for name in OUTPUTS if (out / name).exists()]
     if not ours:
@@ -91,7 +105,7 @@ def _check_outputs(out: Path, recipe: Recipe, overwrite: bool) -> bool:
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise DataError(f"{meta_path} is not valid JSON ({e}); move it away or choose another --out.") from e
     if meta.get("recipe") == json.loads(json.dumps(asdict(recipe))):
-        return True
+        return all((out / name).is_file() for name in names)
     if not overwrite:
         raise DataError(
             f"{out} holds a preparation of other inputs or settings ({META_NAME}); pass --overwrite to "
@@ -193,7 +207,11 @@ def prepare(
     out_dir = Path(out)
     if out_dir.exists() and not out_dir.is_dir():
         raise DataError(f"--out={out_dir} is a file, not a directory.")
-    if _check_outputs(out_dir, recipe, overwrite):
+    names = ["train.bin", "val.bin"]
+    if sft:
+        names += ["train.mask.bin", "val.mask.bin", "train.idx.bin", "val.idx.bin"]
+    written = [n for n in names if val_docs or not n.startswith("val")]
+    if _check_outputs(out_dir, recipe, overwrite, written):
         meta = json.loads((out_dir / META_NAME).read_text())
         if progress:
             print(
@@ -205,7 +223,6 @@ def prepare(
     out_dir.mkdir(parents=True, exist_ok=True)
 
     dtype = np.dtype(np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32)
-    names = ["train.bin", "val.bin"] + (["train.mask.bin", "val.mask.bin"] if sft else [])
     temps = {name: out_dir / f".{name}.{os.getpid()}.partial" for name in names}
     counts = {"train": [0, 0, 0], "val": [0, 0, 0]}  # documents, tokens, counted targets
     shown = _Progress() if progress else None
@@ -218,6 +235,8 @@ def prepare(
             for items, encoded in results:
                 for ids, marks in encoded:
                     split = "val" if counts["val"][0] < val_docs else "train"
+                    if sft:  # where this example starts, then the example (it ends with the eot)
+                        files_out[f"{split}.idx.bin"].write(np.uint64(counts[split][1]).tobytes())
                     files_out[f"{split}.bin"].write(ids.astype(dtype).tobytes())
                     if marks is not None:
                         files_out[f"{split}.mask.bin"].write(marks.tobytes())
@@ -239,7 +258,6 @@ def prepare(
                 split: {"documents": c[0], "tokens": c[1], "loss_tokens": c[2]} for split, c in counts.items()
             },
         }
-        written = [n for n in names if val_docs or not n.startswith("val")]
         for name in written:
             os.replace(temps[name], out_dir / name)
         for name in OUTPUTS:  # an earlier preparation's, replaced with --overwrite (_check_outputs)

@@ -31,7 +31,7 @@ from jaxzero.custom import check_optimizer, model_of
 from jaxzero.deferred import resolved
 from jaxzero.loss_scale import all_finite, init_loss_scale, update_loss_scale
 from jaxzero.models import Model, ModelParams
-from jaxzero.objective import loss_fn, step_weight
+from jaxzero.objective import document_eot, loss_fn, step_weight
 from jaxzero.optim import (
     build_optimizer,
     global_norm,
@@ -45,7 +45,11 @@ from jaxzero.write_fence import WriteFence
 
 
 def averaged_grads(
-    model: Model, params: ModelParams, batch: jax.Array, scale: jax.Array | None = None
+    model: Model,
+    params: ModelParams,
+    batch: jax.Array,
+    scale: jax.Array | None = None,
+    eot_id: int | None = None,
 ) -> tuple[jax.Array, ModelParams]:
     """Mean loss and float32 gradients over `grad_accum` micro-batches of int32 (A, mb, S+1).
 
@@ -53,15 +57,16 @@ def averaged_grads(
     micro-batch's sum; without not-a-target marks, the mean of the micro-batches' means). One
     micro-batch is differentiated directly; more are summed in a `lax.scan` (one float32 gradient
     buffer, not A of them). With a loss `scale` (float16) the gradients are those of `scale * loss`
-    (the caller unscales them); the loss returned is unscaled.
+    (the caller unscales them); the loss returned is unscaled. `eot_id` (static): each document of a
+    window attends within itself (`objective.loss_fn`).
     """
     weight = step_weight(batch)
     if scale is None:
-        value_and_grad = jax.value_and_grad(lambda p, window: loss_fn(model, p, window, weight))
+        value_and_grad = jax.value_and_grad(lambda p, window: loss_fn(model, p, window, weight, eot_id))
     else:
 
         def scaled(p, window):
-            loss = loss_fn(model, p, window, weight)
+            loss = loss_fn(model, p, window, weight, eot_id)
             return loss * scale, loss
 
         def value_and_grad(p, window):
@@ -91,6 +96,8 @@ class ResidentContext:
     shapes:         the state's global shapes (`TrainState` of `ShapeDtypeStruct`s).
     state_sharding: the state's shardings (`TrainState` of shardings; the ZeRO stage splits them).
     grad_sharding:  the gradients' shardings (split from ZeRO stage 2: a reduce-scatter).
+    eot_id:         the end-of-text id whose documents attend only within themselves, or None
+                    (`objective.document_eot`): baked into the step and evaluation programs.
     """
 
     cfg: TrainConfig
@@ -103,6 +110,7 @@ class ResidentContext:
     shapes: TrainState
     state_sharding: TrainState
     grad_sharding: ModelParams
+    eot_id: int | None
 
 
 def build_context(
@@ -133,7 +141,10 @@ def build_context(
     )
     grad_sharding = placement.zero_shardings(mesh, shapes.params, plan.shards_grads)
     schedule = reported_rate(cfg.optimizer, cfg.schedule_steps, optimizer)
-    return ResidentContext(cfg, plan, model, mesh, tx, schedule, fp16, shapes, state_sharding, grad_sharding)
+    eot_id = document_eot(cfg.data, model)
+    return ResidentContext(
+        cfg, plan, model, mesh, tx, schedule, fp16, shapes, state_sharding, grad_sharding, eot_id
+    )
 
 
 def fresh(
@@ -167,7 +178,7 @@ class ResidentInit:
 
 def train_step(ctx: ResidentContext, state: TrainState, batch: jax.Array) -> tuple[TrainState, StepMetrics]:
     """One optimizer update over int32 (A, mb, S+1); traced."""
-    loss, grads = averaged_grads(ctx.model, state.params, batch)
+    loss, grads = averaged_grads(ctx.model, state.params, batch, eot_id=ctx.eot_id)
     grads = _split(ctx, grads)
     updates, opt_state = ctx.tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
@@ -181,7 +192,7 @@ def train_step_fp16(
     """float16: a scaled loss; a step that overflows keeps params, optimizer state and step count;
     traced."""
     ls = state.loss_scale
-    loss, grads = averaged_grads(ctx.model, state.params, batch, ls.scale)
+    loss, grads = averaged_grads(ctx.model, state.params, batch, ls.scale, ctx.eot_id)
     grads = jax.tree.map(lambda g: g / ls.scale, _split(ctx, grads))
     ok = all_finite(grads)
     updates, opt_state = ctx.tx.update(grads, state.opt_state, state.params)
@@ -202,9 +213,10 @@ def _split(ctx: ResidentContext, grads: ModelParams) -> ModelParams:
     return jax.lax.with_sharding_constraint(grads, ctx.grad_sharding)
 
 
-def eval_loss(model: Model, state: TrainState, window: jax.Array) -> jax.Array:
-    """Mean loss (float32 scalar) of `state` over int32 (B, S+1); traced."""
-    return loss_fn(model, state.params, window)
+def eval_loss(model: Model, eot_id: int | None, state: TrainState, window: jax.Array) -> jax.Array:
+    """Mean loss (float32 scalar) of `state` over int32 (B, S+1), each document within itself where
+    `eot_id` is an id (static); traced."""
+    return loss_fn(model, state.params, window, eot_id=eot_id)
 
 
 class ResidentStep:
@@ -221,7 +233,7 @@ class ResidentStep:
             donate_argnums=(0,),
         )
         self.eval_loss = jax.jit(
-            partial(eval_loss, ctx.model),
+            partial(eval_loss, ctx.model, ctx.eot_id),
             in_shardings=(ctx.state_sharding, placement.eval_batch_sharding(ctx.mesh)),
             out_shardings=replicated,
         )

@@ -2,15 +2,18 @@
 
 XLA reads two environment variables when JAX starts its GPU backend, and fixes them for the process:
 the pinned host pool's cap (`PINNED_POOL_ENV`, sized here for the run: `configure_pinned_pool`) and
-the share of each GPU its allocator takes (`MEM_FRACTION_ENV`: `claim_accelerator_memory`). This
-module writes those, asks JAX whether its backends run, reads host RAM and this process's RSS from
-/proc, and a device's memory from its backend; `check_fits` checks a memory plan against what it
-reads. The counting itself is `jaxzero.memory`'s (pure functions over configs and shapes).
+the share of each GPU its allocator takes (`MEM_FRACTION_ENV`: `claim_accelerator_memory`); it parses
+`XLA_FLAGS` then too, where `--determinism=true` asks for deterministic GPU kernels
+(`request_determinism`). This module writes those, asks JAX whether its backends run, reads host RAM
+and this process's RSS from /proc, and a device's memory from its backend; `check_fits` checks a
+memory plan against what it reads. The counting itself is `jaxzero.memory`'s (pure functions over
+configs and shapes).
 """
 
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 from jaxzero.config import ConfigError, TrainConfig
@@ -26,6 +29,14 @@ from jaxzero.plan.calibration import GiB
 
 PINNED_POOL_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
 MEM_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+XLA_FLAGS_ENV = "XLA_FLAGS"
+# XLA:GPU's switches for run-to-run determinism (`request_determinism`), each set to true.
+# `xla_gpu_deterministic_ops`: scatters rewritten without atomics, reductions as trees, the first
+# (not the fastest measured) kernel of every autotuned GEMM, fusion and convolution, deterministic
+# cuDNN convolution algorithms, and cuDNN flash attention's backward pass in its deterministic mode.
+# `xla_gpu_exclude_nondeterministic_ops`: the same, and compilation fails on an op with no
+# deterministic form (select-and-scatter) instead of running it.
+DETERMINISM_FLAGS = ("xla_gpu_deterministic_ops", "xla_gpu_exclude_nondeterministic_ops")
 ACCELERATOR_FRACTION = "0.95"  # of each GPU's memory for XLA (`claim_accelerator_memory`)
 PINNED_POOL_DEFAULT_GB = 64  # XLA's GPU client default cap on pinned_host allocations
 
@@ -96,6 +107,61 @@ def claim_accelerator_memory() -> None:
     kept."""
     if not backends_started():
         os.environ.setdefault(MEM_FRACTION_ENV, ACCELERATOR_FRACTION)
+
+
+def request_determinism() -> None:
+    """Before JAX starts its backend: add XLA:GPU's determinism switches (`DETERMINISM_FLAGS`, each
+    `=true`) to `XLA_FLAGS`, after the user's flags, each once. XLA parses `XLA_FLAGS` once, when the
+    backend starts: once an accelerator's backend runs without them they cannot take effect, and this
+    raises ConfigError saying to call `jaxzero.preflight.prepare` before the first JAX call (as the
+    programs do) or to set them in the environment; as it does where the user's `XLA_FLAGS` turns
+    one off. Where they are set already, or only XLA:CPU runs (whose kernels involve no atomics and
+    no timing: deterministic as they are), it sets nothing."""
+    current = os.environ.get(XLA_FLAGS_ENV, "")
+    values = {name: _flag_value(current, name) for name in DETERMINISM_FLAGS}
+    off = [f"--{name}={v}" for name, v in values.items() if v is not None and v.lower() not in _TRUE]
+    if off:
+        raise ConfigError(
+            f"determinism=true needs XLA's deterministic GPU kernels, but {XLA_FLAGS_ENV} sets "
+            f"{' '.join(off)}: remove it, or run without --determinism."
+        )
+    missing = [f"--{name}=true" for name, v in values.items() if v is None]
+    if not missing:
+        return
+    started = started_platforms()
+    if started is None or started - {"cpu"}:
+        raise ConfigError(
+            f"determinism=true needs XLA's deterministic GPU kernels, which {XLA_FLAGS_ENV} switches on "
+            f"when JAX starts, and JAX has started already. Call jaxzero.preflight.prepare(cfg) before "
+            f"the first JAX call (as python -m jaxzero.train does), or set "
+            f"{XLA_FLAGS_ENV}='{' '.join([current.strip(), *missing]).strip()}' in the environment."
+        )
+    if not started:
+        os.environ[XLA_FLAGS_ENV] = " ".join([current.strip(), *missing]).strip()
+
+
+_TRUE = ("true", "1")  # the values XLA reads as true for a boolean flag
+
+
+def _flag_value(flags: str, name: str) -> str | None:
+    """The value `flags` (an `XLA_FLAGS` string) gives `--name` (the last one, as XLA reads them;
+    "true" for a bare `--name`), or None where it does not set it."""
+    found = re.findall(rf"(?:^|\s)--{name}(=\S*)?(?=\s|$)", flags)
+    return None if not found else (found[-1].removeprefix("=") if found[-1] else "true")
+
+
+def started_platforms() -> set[str] | None:
+    """The platforms whose JAX backends run ("cpu", "cuda", ...; empty before JAX starts), or None
+    where JAX's private API to ask has moved."""
+    try:
+        # Imported here: a private module, so that its move costs this fallback, not jaxzero's import.
+        from jax._src import xla_bridge
+
+        if not xla_bridge.backends_are_initialized():
+            return set()
+        return set(xla_bridge.backends())  # started already: this starts nothing
+    except (ImportError, AttributeError):
+        return None
 
 
 def backends_started() -> bool:

@@ -29,6 +29,7 @@ from jax.sharding import Mesh
 from jaxzero import memory, placement, preflight, runtime
 from jaxzero.config import ConfigError, TrainConfig
 from jaxzero.config_checks import resolve_batch, validate
+from jaxzero.data.eot import FROM_DATA
 from jaxzero.models import Model
 from jaxzero.models.sizes import param_count
 from jaxzero.offload import build_offload_trainer
@@ -99,7 +100,7 @@ def decide_and_build(
             "deciding again for the mesh, within the pinned pool XLA has."
         )
         decision = None
-    if decision is not None and dataclasses.replace(cfg, offload=decision.config.offload) != decision.config:
+    if decision is not None and _as_decided(cfg, decision) != decision.config:
         raise ConfigError(
             "the decision passed to build_trainer was made for another config (it differs in more than "
             "the offload keys the planner decides): decide for this one (jaxzero.preflight.prepare(cfg)) "
@@ -131,3 +132,13 @@ def decide_and_build(
     else:
         trainer = build_resident_trainer(cfg, mesh, plan, model=model, optimizer=optimizer)
     return with_checks(trainer), decision
+
+
+def _as_decided(cfg: TrainConfig, decision: Decision) -> TrainConfig:
+    """`cfg` with what a decision settles of it: the offload keys, and the end-of-text id the data
+    says where `cfg` leaves it to the data (`data.eot_id=-1`)."""
+    decided = decision.config
+    cfg = dataclasses.replace(cfg, offload=decided.offload)
+    if cfg.data.eot_id == FROM_DATA:
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, eot_id=decided.data.eot_id))
+    return cfg

@@ -125,3 +125,36 @@ def test_eval_of_the_exported_hugging_face_checkpoint_equals_the_runs(trained, t
     expected, targets = direct_loss(run, data)
     rtol, atol = TOLERANCE["float32"]
     assert from_hf["tokens"] == targets and abs(from_hf["loss"] - expected) <= atol + rtol * expected
+
+
+def test_fine_tuning_examples_packed_or_one_per_row_evaluate_alike(tmp_path, capsys):
+    """With attention inside each example, packing examples into rows changes nothing of their loss:
+    the eval of a fine-tuning set packed best fit equals one example per row, every target once."""
+    from jaxzero import prepare as prepare_lib  # the program: imported by its test only
+
+    rng = np.random.default_rng(1)
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
+
+    def text(low: int, high: int) -> str:
+        return " ".join(rng.choice(words, rng.integers(low, high)))
+
+    records = [{"prompt": text(2, 9), "completion": text(1, 6)} for _ in range(120)]
+    jsonl = tmp_path / "sft.jsonl"
+    jsonl.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    data = tmp_path / "sft"
+    assert prepare_lib.main([f"--input={jsonl}", f"--out={data}", "--sft", "--val_docs=40"]) == 0
+    assert (data / "val.idx.bin").is_file()
+    run = tmp_path / "run"
+    train = ["--data.source=tokens", f"--data.path={data}", "--data.seq_len=64", "--data.batch_size=4",
+             "--model.compute_dtype=float32", f"--run_dir={run}", "--steps=2", "--logging.samples=0",
+             "--logging.tensorboard=false"]  # fmt: skip
+    assert train_lib.main(train) == 0
+    capsys.readouterr()
+    results = []
+    for pack in ("true", "false"):
+        assert eval_lib.main([f"--run_dir={run}", f"--data.path={data}", f"--data.pack={pack}"]) == 0
+        results.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    packed, alone = results
+    rtol, atol = TOLERANCE["float32"]
+    assert packed["tokens"] == alone["tokens"] > 0
+    assert abs(packed["loss"] - alone["loss"]) <= atol + rtol * alone["loss"]

@@ -86,3 +86,30 @@ def test_the_plan_program_starts_no_backend():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=240)
     assert done.returncode == 0, done.stderr
     assert "plan for llama-7b" in done.stdout and "4 devices in 1 process" in done.stdout
+
+
+def test_the_program_decides_before_jax_starts(tmp_path):
+    """`python -m jaxzero.train` decides the placement (and sizes XLA's pools) before anything starts
+    JAX, even a run whose short warmup is warned about (the warning is computed with JAX)."""
+    code = (
+        "import sys\n"
+        "import jaxzero.preflight as preflight, jaxzero.runtime as runtime\n"
+        "decide = preflight.prepare\n"
+        "def checked(cfg, processes=None):\n"
+        "    assert not runtime.backends_started(), 'JAX started before the placement was decided'\n"
+        "    return decide(cfg, processes)\n"
+        "preflight.prepare = checked\n"
+        "from jaxzero import train\n"
+        "sys.exit(train.main(sys.argv[1:]))\n"
+    )
+    args = [
+        f"--run_dir={tmp_path / 'run'}",
+        "--steps=2",
+        "--logging.samples=0",
+        "--logging.tensorboard=false",
+    ]
+    done = subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, env=user_env(), timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert "the learning rate never reaches" in done.stdout  # the warmup warning, after the decision

@@ -231,6 +231,29 @@ def test_prompt_completion_marks_the_completion_and_its_end(tmp_path):
     np.testing.assert_array_equal(splits.train_counted, want_marks)
 
 
+def test_the_example_index_says_where_each_example_starts(tmp_path, capsys):
+    """`train.idx.bin` and `val.idx.bin`: uint64 offsets of each example's first token; the token and
+    mask files are as before. A preparation made before the index is made again, not left as it was."""
+    records = [{"prompt": "Q" * (i + 1), "completion": "A" * (2 * i + 1)} for i in range(7)]
+    (tmp_path / "ft.jsonl").write_text("\n".join(json.dumps(r) for r in records))
+    args = ([str(tmp_path / "ft.jsonl")], tmp_path / "out")
+    meta = prepare(*args, sft=True, val_docs=2, workers=1, progress=False)
+    sizes = [3 * i + 3 for i in range(7)]  # prompt, completion, end-of-text
+    for split, part in (("val", sizes[:2]), ("train", sizes[2:])):
+        starts = np.fromfile(tmp_path / "out" / f"{split}.idx.bin", np.uint64)
+        np.testing.assert_array_equal(starts, np.cumsum([0, *part[:-1]]))
+        assert meta[split]["documents"] == len(starts)
+        ids = np.fromfile(tmp_path / "out" / f"{split}.bin", np.uint16)
+        assert ids.size == sum(part) and (ids[starts[1:].astype(np.int64) - 1] == 0).all()  # eot before each
+    before = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
+    for split in ("train", "val"):
+        (tmp_path / "out" / f"{split}.idx.bin").unlink()
+    prepare(*args, sft=True, val_docs=2, workers=1, progress=False)  # no --overwrite needed
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before
+    prepare(*args, sft=True, val_docs=2, workers=1)
+    assert "up to date" in capsys.readouterr().err
+
+
 def test_chat_messages_render_as_transformers_does_and_mark_the_assistant_turns(tmp_path):
     transformers = pytest.importorskip("transformers")
     ckpt = hf_tokenizer(tmp_path / "ckpt")
@@ -319,9 +342,10 @@ def test_fine_tuning_end_to_end_counts_the_completions_in_the_metrics(tmp_path):
 
 
 def test_a_step_whose_every_target_is_masked_logs_no_loss(tmp_path):
-    """Long prompts, one-token completions and short windows: some steps count no target. Their record
-    holds `loss: null` (a mean over no targets is no loss, not 0.0) and the console says why."""
-    records = [{"prompt": f"Q{i}: " + "x" * 60, "completion": "y"} for i in range(40)]
+    """Long prompts (but every fourth), one-token completions and short rows: a long example is cut
+    before its completion, so some steps count no target. Their record holds `loss: null` (a mean over
+    no targets is no loss, not 0.0) and the console says why."""
+    records = [{"prompt": f"Q{i}: " + "x" * 60 * bool(i % 4), "completion": "y"} for i in range(40)]
     console = io.StringIO()
     over = {"steps": "8", "data.seq_len": "8", "logging.samples": "0", "checkpoint.enabled": "false"}
     recs = _train_on_examples(tmp_path, records, 4, console, over)

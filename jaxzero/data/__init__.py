@@ -23,6 +23,13 @@ Resuming. The stream position is a `DataState` (epoch, cursor, num_windows), a f
 that a checkpoint stores; `Data.train_iter(state)` continues exactly where the saved iterator was, in
 O(1) batches (it recomputes one permutation, it replays nothing).
 
+Fine-tuning examples. Token files with an example index (``train.idx.bin``, written by
+``python -m jaxzero.prepare --sft``) are batched as rows of whole examples instead of windows: packed
+best fit (``data.pack``, the default) or one per row, padded with the end-of-text id marked
+not-a-target, an example longer than a row truncated (`Data.truncated_examples`,
+`BatchIterator.truncated`); `jaxzero.data.packing` has the rules. Fine-tuning files prepared before the
+index existed are read as windows, with a warning. `resolve_eot_id` says which id ends a document.
+
 Validation. `Data.val_batches(n)` returns the same ``n`` micro-batches of fixed windows on every call,
 independent of the seed, so validation losses compare across steps and across runs.
 
@@ -45,14 +52,17 @@ Usage::
     val = data.val_batches(cfg.logging.eval_batches)   # (n, micro / count, seq_len + 1) int32
 
 The package: `types` (DataError, DataState, DataShard, TokenSplits, the Data and BatchIterator
-interfaces), `sources` (the built-in corpus, token files and their loss masks, `write_tokens`),
-`batches` (the window and synthetic streams), `build` (`build_data`). Preparing token files from
+interfaces), `sources` (the built-in corpus, token files with their loss masks and example indexes,
+`write_tokens`), `eot` (`resolve_eot_id`), `batches` (the window and synthetic streams), `packing`
+(rows of whole fine-tuning examples), `build` (`build_data`). Preparing token files from
 text, for `python -m jaxzero.prepare`: `documents` (the readers), `chat_template`, `encoding` (the
 parallel encoder); this module does not import them.
 """
 
 from jaxzero.data.batches import SyntheticData, WindowData
 from jaxzero.data.build import build_data
+from jaxzero.data.eot import resolve_eot_id
+from jaxzero.data.packing import ExampleData
 from jaxzero.data.sources import (
     BUILTIN_MAX_BYTES,
     BUILTIN_SEPARATOR,
@@ -72,11 +82,13 @@ __all__ = [
     "DataError",
     "DataShard",
     "DataState",
+    "ExampleData",
     "SyntheticData",
     "TokenSplits",
     "WindowData",
     "build_data",
     "load_builtin_corpus",
     "load_token_files",
+    "resolve_eot_id",
     "write_tokens",
 ]

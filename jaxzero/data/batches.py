@@ -44,14 +44,24 @@ def _gather_windows(
     return out
 
 
-def _seed_entropy(seed: int) -> int:
+def seed_entropy(seed: int) -> int:
     """`seed` as the non-negative int SeedSequence needs (configs allow any int, JAX accepts negatives)."""
     return seed % (1 << 64)
 
 
+def weyl_stride(count: int) -> int:
+    """The stride of the validation order over `count` items (windows, or rows of examples): ``k *
+    stride % count`` for k = 0, 1, ... is a permutation (the stride is coprime to `count`) whose every
+    prefix spreads over the whole split, not just its first documents."""
+    stride = max(1, round(count * _GOLDEN_FRACTION))
+    while count and math.gcd(stride, count) != 1:
+        stride += 1
+    return stride
+
+
 def _epoch_permutation(seed: int, epoch: int, num_windows: int) -> np.ndarray:
     """Window order of one epoch: a permutation of ``range(num_windows)`` (int64) from (seed, epoch) only."""
-    rng = np.random.default_rng(np.random.SeedSequence([_TAG_TRAIN_ORDER, _seed_entropy(seed), epoch]))
+    rng = np.random.default_rng(np.random.SeedSequence([_TAG_TRAIN_ORDER, seed_entropy(seed), epoch]))
     return rng.permutation(num_windows)
 
 
@@ -160,7 +170,7 @@ class SyntheticIterator(BatchIterator):
         return DataState(epoch=0, cursor=self._step, num_windows=0)
 
     def __next__(self) -> np.ndarray:
-        entropy = [_TAG_SYNTHETIC_TRAIN, _seed_entropy(self._seed), self._step]
+        entropy = [_TAG_SYNTHETIC_TRAIN, seed_entropy(self._seed), self._step]
         batch = np.empty((*self._row_ids.shape, self._seq_len + 1), dtype=np.int32)
         for index, row in np.ndenumerate(self._row_ids):
             rng = np.random.default_rng(np.random.SeedSequence([*entropy, int(row)]))
@@ -211,12 +221,7 @@ class WindowData(Data):
                 f"(the micro-batch). Raise data.val_fraction, provide a longer val.bin, lower "
                 "data.batch_size or data.seq_len, or set data.val_fraction=0 to train without validation."
             )
-        # Validation window order: a Weyl sequence with a stride coprime to the window count is a
-        # permutation whose every prefix spreads over the whole split (not just its first documents).
-        stride = max(1, round(self.num_val_windows * _GOLDEN_FRACTION))
-        while self.num_val_windows and math.gcd(stride, self.num_val_windows) != 1:
-            stride += 1
-        self._val_stride = stride
+        self._val_stride = weyl_stride(self.num_val_windows)
 
     @property
     def max_val_batches(self) -> int:

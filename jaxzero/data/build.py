@@ -6,6 +6,8 @@ from typing import Any
 
 from jaxzero.config import DataConfig
 from jaxzero.data.batches import SyntheticData, WindowData
+from jaxzero.data.eot import data_eot_id, prepared_eot_id
+from jaxzero.data.packing import ExampleData
 from jaxzero.data.sources import BUILTIN_VOCAB_SIZE, load_builtin_corpus, load_token_files
 from jaxzero.data.types import Data, DataError, DataShard
 
@@ -48,6 +50,9 @@ def build_data(
 
     vocab_size: the model's vocabulary. Token files are checked against it (every id, or a sample);
                 builtin bytes need it to be >= 256; synthetic tokens are drawn from it.
+
+    Token files with an example index (``train.idx.bin``, `jaxzero.prepare --sft`) give rows of whole
+    examples (`ExampleData`, ``cfg.pack``), any other data windows (`WindowData`) or random tokens.
     seed:       sets the per-epoch shuffle (and the synthetic stream); validation ignores it.
     shard:      the part of every global batch this process reads (default: all of it); a micro-batch
                 that cannot be split evenly over `shard.count` processes is a DataError (a ConfigError).
@@ -73,4 +78,26 @@ def build_data(
     # Validation is wanted when a val.bin exists (then splits.val is non-empty) or a tail was asked for;
     # only data.val_fraction=0 without val.bin means "no validation".
     val_requested = cfg.val_fraction > 0 or len(splits.val) > 0
+    if splits.train_starts is not None:  # fine-tuning examples, indexed: rows of whole examples
+        return ExampleData(
+            cfg.source,
+            splits,
+            val_requested=val_requested,
+            pack=cfg.pack,
+            pad=_pad_id(cfg, vocab_size),
+            **common,
+        )
     return WindowData(cfg.source, splits, val_requested=val_requested, **common)
+
+
+def _pad_id(cfg: DataConfig, vocab_size: int) -> int:
+    """The id that pads rows of examples: any id but the end-of-text one (`data_eot_id`, else the
+    one the examples end with, ``prepare.json``), so that a row's padding is one run after its last
+    example, which attention reads as part of that example's document: the example's tokens come
+    before it, so its loss is unchanged, and padding is never a target. (Padding of end-of-text ids
+    would make each padding token a document of its own, which cuDNN's packed attention cannot hold.)"""
+    eot = data_eot_id(cfg, vocab_size, warn=False)
+    if eot < 0:
+        prepared = prepared_eot_id(cfg.path)
+        eot = -1 if prepared is None else prepared
+    return 1 if eot == 0 else 0

@@ -1,9 +1,11 @@
 """Where tokens come from: the built-in corpus (byte tokens of this Python's standard library source)
-and nanoGPT token files (memmapped, checked against the vocabulary, with their loss-mask files);
-`write_tokens` writes such a file. Synthetic tokens have no source: `jaxzero.data.batches` draws them."""
+and nanoGPT token files (memmapped, checked against the vocabulary, with their loss-mask files and
+the index of where each fine-tuning example starts); `write_tokens` writes such a file. Synthetic
+tokens have no source: `jaxzero.data.batches` draws them."""
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import sysconfig
@@ -14,6 +16,8 @@ from typing import Literal
 import numpy as np
 
 from jaxzero.data.types import DataError, TokenSplits
+
+log = logging.getLogger(__name__)  # the library speaks through logging (`jaxzero.console`)
 
 BUILTIN_VOCAB_SIZE = 256
 # 8 MiB: ~8M byte tokens, plenty for a tiny model to learn Python's surface syntax, and quick to read
@@ -184,8 +188,9 @@ def load_token_files(
     Everything cheap is checked before any token is read: the directory and files exist, byte sizes are
     multiples of the dtype size, and each split holds at least one window of ``seq_len + 1`` tokens. Then
     every token id (`check_all`), or a bounded sample of each file, is checked against `vocab_size`.
-    Without ``val.bin`` the last `val_fraction` of ``train.bin`` is validation. Returned arrays are
-    memmap views (never loaded whole).
+    Without ``val.bin`` the last `val_fraction` of ``train.bin`` is validation (of its examples, where
+    ``train.idx.bin`` indexes them). Loss masks (``*.mask.bin``) and example indexes (``*.idx.bin``,
+    read whole) come with their token files. Returned token arrays are memmap views (never loaded whole).
     """
     if token_dtype not in _TOKEN_DTYPES:
         raise DataError(f"data.token_dtype={token_dtype!r} is not one of {list(_TOKEN_DTYPES)}.")
@@ -247,6 +252,21 @@ def load_token_files(
             f"{str(directory)!r} holds {have}.mask.bin but no {lack}.mask.bin: both splits mark the "
             "targets the loss counts, or neither does. Rerun jaxzero.prepare, or remove the one."
         )
+    train_starts = _open_starts(directory / "train.idx.bin", n_train_file)
+    val_starts = _open_starts(directory / "val.idx.bin", n_val_file) if has_val_file else None
+    if has_val_file and (train_starts is None) != (val_starts is None):
+        have, lack = ("train", "val") if val_starts is None else ("val", "train")
+        raise DataError(
+            f"{str(directory)!r} holds {have}.idx.bin but no {lack}.idx.bin: both splits index their "
+            "fine-tuning examples, or neither does. Rerun jaxzero.prepare --sft."
+        )
+    if train_marks is not None and train_starts is None:
+        log.warning(
+            "warning: %r holds fine-tuning examples prepared without train.idx.bin (where each example "
+            "starts): training reads windows that cross examples instead of packing whole examples into "
+            "rows. Rerun jaxzero.prepare --sft on it to pack them.",
+            str(directory),
+        )
 
     train_file = _open_token_file(train_path, token_dtype)
     _check_token_ids(train_file, vocab_size, train_path, token_dtype, check_all)
@@ -256,6 +276,21 @@ def load_token_files(
         _check_token_ids(val, vocab_size, val_path, token_dtype, check_all)
         train = train_file[:]
         origin = f"{str(directory)!r} train.bin + val.bin ({token_dtype}{marked})"
+    elif train_starts is not None:  # whole examples: the last val_fraction of them
+        held = int(len(train_starts) * val_fraction)
+        cut = int(train_starts[len(train_starts) - held]) if held else n_train_file
+        train, val = train_file[:cut], train_file[cut:]
+        if train_marks is not None:
+            train_marks, val_marks = train_marks[:cut], train_marks[cut:]
+        train_starts, val_starts = (
+            train_starts[: len(train_starts) - held],
+            train_starts[len(train_starts) - held :],
+        )
+        val_starts = val_starts - np.uint64(cut)
+        origin = (
+            f"{str(directory)!r} train.bin ({token_dtype}{marked}), last {val_fraction:g} of its examples "
+            "held out"
+        )
     else:
         train, val = _split_tail(train_file, val_fraction)
         if train_marks is not None:
@@ -268,6 +303,8 @@ def load_token_files(
         origin=origin,
         train_counted=train_marks,
         val_counted=val_marks,
+        train_starts=train_starts,
+        val_starts=val_starts,
     )
 
 
@@ -282,6 +319,29 @@ def _open_marks(path: Path, num_tokens: int) -> np.ndarray | None:
             "tokens: they were not written together. Rerun jaxzero.prepare."
         )
     return np.memmap(path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
+
+
+def _open_starts(path: Path, num_tokens: int) -> np.ndarray | None:
+    """The uint64 example start offsets of a token file's index (``*.idx.bin``), checked to start at 0
+    and increase within the file, read whole (8 bytes per example); None if absent."""
+    if not path.is_file():
+        return None
+    size = path.stat().st_size
+    starts = np.fromfile(path, dtype=np.uint64) if size % 8 == 0 else np.zeros(0, np.uint64)
+    empty_ok = num_tokens == 0 and size == 0
+    ordered = (
+        starts.size > 0
+        and starts[0] == 0
+        and bool(np.all(starts[1:] > starts[:-1]))
+        and int(starts[-1]) < num_tokens
+    )
+    if not (empty_ok or ordered):
+        raise DataError(
+            f"{str(path)!r} is not an index of its token file's {num_tokens:,} tokens (uint64 offsets of "
+            "each example's first token, from 0, increasing): they were not written together. Rerun "
+            "jaxzero.prepare --sft."
+        )
+    return starts
 
 
 def write_tokens(

@@ -29,12 +29,15 @@ class DataState:
 
     epoch:       index of the current pass over the windows (0-based). Always 0 for synthetic data.
     cursor:      windows of the current epoch's permutation already consumed, in ``[0, num_windows)``;
-                 for synthetic data, the number of batches already produced (the next step).
-    num_windows: windows per epoch of the data this state belongs to; 0 for synthetic data. Restoring
-                 checks it, so a checkpoint can not silently continue on different data or seq_len.
+                 for synthetic data, the number of batches already produced (the next step); for
+                 fine-tuning examples (`jaxzero.data.packing`), the examples of the epoch's rows
+                 already consumed (always the start of a row).
+    num_windows: windows per epoch of the data this state belongs to (fine-tuning examples: the
+                 examples per epoch); 0 for synthetic data. Restoring checks it, so a checkpoint can
+                 not silently continue on different data or seq_len.
 
-    The cursor counts windows, not batches, so a run may even resume with a different batch size and
-    still see every window once per epoch.
+    The cursor counts windows (or examples), not batches, so a run may even resume with a different
+    batch size and still see every window once per epoch.
     """
 
     epoch: int
@@ -112,7 +115,14 @@ class DataShard:
 
 class BatchIterator(Iterator[np.ndarray]):
     """An endless iterator of training batches ``(grad_accum, rows, seq_len + 1)`` int32, where `rows`
-    is the micro-batch (``batch_size // grad_accum``) or, with a `DataShard`, this process's rows of it."""
+    is the micro-batch (``batch_size // grad_accum``) or, with a `DataShard`, this process's rows of it.
+
+    truncated: fine-tuning examples longer than a row that the global batches this iterator produced
+               held, each cut to ``seq_len + 1`` tokens (counted in every process alike); 0 for data
+               without examples.
+    """
+
+    truncated: int = 0
 
     @property
     @abstractmethod
@@ -136,6 +146,8 @@ class TokenSplits:
     origin:     where the tokens came from, for logs.
     train_counted, val_counted: uint8 per token, 0 where the token is not a target the loss counts
                 (``train.mask.bin``, ``val.mask.bin``: a prompt of fine-tuning data); None: all are.
+    train_starts, val_starts: uint64 offset of each fine-tuning example's first token in `train` and
+                `val`, increasing from 0 (``train.idx.bin``, ``val.idx.bin``); None: a plain token stream.
     """
 
     train: np.ndarray
@@ -144,6 +156,8 @@ class TokenSplits:
     origin: str
     train_counted: np.ndarray | None = None
     val_counted: np.ndarray | None = None
+    train_starts: np.ndarray | None = None
+    val_starts: np.ndarray | None = None
 
 
 class Data(ABC):
@@ -156,9 +170,13 @@ class Data(ABC):
     micro_batch_size: ``batch_size // grad_accum``; also the batch size of validation batches.
     shard:            which part of every global batch this process reads (`DataShard`; default all).
     rows:             this process's rows of every micro-batch and validation batch, `shard.rows(...)`.
+    truncated_examples: fine-tuning examples of the training split longer than a row of
+                      ``seq_len + 1`` tokens, each truncated to one row every epoch; 0 for data
+                      without examples.
     """
 
     source: str
+    truncated_examples: int = 0
 
     def __init__(
         self,

@@ -15,7 +15,7 @@ pytrees.
 from __future__ import annotations
 
 from jaxzero.config import ModelConfig
-from jaxzero.models.base import KVCache, Model, ModelParams, forward, init_keys, init_params
+from jaxzero.models.base import KVCache, Model, ModelParams, forward, init_keys, init_params, run_block
 from jaxzero.models.gpt2 import GPT2
 from jaxzero.models.llama import Llama
 
@@ -29,6 +29,7 @@ __all__ = [
     "forward",
     "init_keys",
     "init_params",
+    "run_block",
 ]
 
 

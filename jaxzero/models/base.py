@@ -56,8 +56,11 @@ class Model(Protocol):
         """tokens int32 (B, S) -> activations (B, S, D) in the compute dtype."""
         ...
 
-    def block(self, block_params: Any, x: jax.Array) -> jax.Array:
-        """One transformer block: (B, S, D) -> (B, S, D), causal. Params may be float32 or compute dtype."""
+    def block(self, block_params: Any, x: jax.Array, segments: jax.Array | None = None) -> jax.Array:
+        """One transformer block: (B, S, D) -> (B, S, D), causal. Params may be float32 or compute dtype.
+        `segments` int32 (B, S) or None: a token attends only to earlier tokens of its own segment
+        (document). Only document-aware training passes it (`run_block`): a model of one's own may
+        leave the argument out when trained with `data.cross_document_attention=true`."""
         ...
 
     def head(self, head_params: Any, embed_params: Any, x: jax.Array) -> jax.Array:
@@ -93,9 +96,20 @@ def init_params(model: Model, key: jax.Array) -> ModelParams:
     return ModelParams(embed=model.init_embed(k_embed), blocks=blocks, head=model.init_head(k_head))
 
 
-def forward(model: Model, params: ModelParams, tokens: jax.Array) -> jax.Array:
-    """Logits (B, S, V) float32 for int32 tokens (B, S), all blocks in sequence (no remat)."""
+def run_block(model: Model, block_params: Any, x: jax.Array, segments: jax.Array | None = None) -> jax.Array:
+    """`model.block(block_params, x)`, within `segments` (int32 (B, S)) where they are given; without
+    them the block is called as the protocol's first form, so models without the argument still run."""
+    if segments is None:
+        return model.block(block_params, x)
+    return model.block(block_params, x, segments)
+
+
+def forward(
+    model: Model, params: ModelParams, tokens: jax.Array, segments: jax.Array | None = None
+) -> jax.Array:
+    """Logits (B, S, V) float32 for int32 tokens (B, S), all blocks in sequence (no remat); attention
+    within `segments` (int32 (B, S)) where given."""
     x = model.embed(params.embed, tokens)
     for p in params.blocks:
-        x = model.block(p, x)
+        x = run_block(model, p, x, segments)
     return model.head(params.head, params.embed, x)

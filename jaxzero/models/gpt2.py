@@ -65,13 +65,20 @@ class _LayerNorm(nn.Module):
 
 
 class _Attention(nn.Module):
-    """Causal self-attention, or, with a `cache` (k, v), of positions pos .. pos+S-1 over the cache
-    (returned with their keys and values written in)."""
+    """Causal self-attention (within each segment where `segments` is given), or, with a `cache`
+    (k, v), of positions pos .. pos+S-1 over the cache (returned with their keys and values written
+    in)."""
 
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, h: jax.Array, cache: KVCache | None = None, pos: jax.Array | None = None) -> Any:
+    def __call__(
+        self,
+        h: jax.Array,
+        cache: KVCache | None = None,
+        pos: jax.Array | None = None,
+        segments: jax.Array | None = None,
+    ) -> Any:
         c = self.config
         b, s, d = h.shape
         n, hd = c.num_heads, c.head_dim
@@ -80,7 +87,7 @@ class _Attention(nn.Module):
         q, k, v = (t.reshape(b, s, n, hd) for t in jnp.split(qkv, 3, axis=-1))
         out = _Conv1D(d, resid_std, name="c_proj")
         if cache is None:
-            return out(layers.causal_attention(q, k, v, c.attention_impl).reshape(b, s, d))
+            return out(layers.causal_attention(q, k, v, c.attention_impl, segments).reshape(b, s, d))
         k_cache = jax.lax.dynamic_update_slice_in_dim(cache[0], k, pos, axis=1)
         v_cache = jax.lax.dynamic_update_slice_in_dim(cache[1], v, pos, axis=1)
         o = layers.cached_attention(q, k_cache, v_cache, pos).reshape(b, s, d)
@@ -106,18 +113,25 @@ class GPT2Block(nn.Module):
         x = x + mlp.c_proj(gelu_tanh(c_fc(ln_2(x))))
 
     The residual-stream output projections (both c_proj) start with std / sqrt(2 * num_layers).
+    `segments` (B, S) int32: attention stays within each segment; not with a `cache`.
     """
 
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x: jax.Array, cache: KVCache | None = None, pos: jax.Array | None = None) -> Any:
+    def __call__(
+        self,
+        x: jax.Array,
+        cache: KVCache | None = None,
+        pos: jax.Array | None = None,
+        segments: jax.Array | None = None,
+    ) -> Any:
         c = self.config
         x = x.astype(layers.compute_dtype(c))
         attn = _Attention(c, name="attn")
         h = _LayerNorm(c.norm_eps, name="ln_1")(x)
         if cache is None:
-            x = x + attn(h)
+            x = x + attn(h, segments=segments)
         else:
             a, cache = attn(h, cache, pos)
             x = x + a
@@ -201,10 +215,12 @@ class GPT2:
         pos = embed_params["wpe"]["embedding"][:s].astype(self.dtype)
         return tok + pos[None, :, :]
 
-    def block(self, block_params: Any, x: jax.Array) -> jax.Array:
+    def block(self, block_params: Any, x: jax.Array, segments: jax.Array | None = None) -> jax.Array:
         """One `GPT2Block`, causal: (B, S, D) -> (B, S, D) compute dtype. Params may be float32
-        masters or already in the compute dtype."""
-        return GPT2Block(self.config).apply({"params": block_params}, x)
+        masters or already in the compute dtype. `segments` int32 (B, S) or None: each token attends
+        only within its segment. Only the mask changes: the learned positions (`embed`) stay those of
+        the row, as GPT-2 was pre-trained on packed text whose positions do not restart."""
+        return GPT2Block(self.config).apply({"params": block_params}, x, segments=segments)
 
     # ---------------------------------------------------------------------------------------------
     # Generation: the same units over a key/value cache

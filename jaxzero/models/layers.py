@@ -337,27 +337,131 @@ def resolve_attention_impl(requested: str, dtype: jnp.dtype, head_dim: int) -> A
     raise ConfigError(f"model.attention_impl={requested!r} is not one of ['auto', 'xla', 'cudnn'].")
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, requested_impl: str) -> jax.Array:
-    """Causal scaled dot-product attention with grouped-query heads.
+def same_segment(segments: jax.Array) -> jax.Array:
+    """bool (B, 1, S, S): query i and key j of a row are in one segment. segments int32 (B, S).
+
+    The dense mask `jax.nn.dot_product_attention` takes (with `is_causal`, which adds the causal
+    part): B * S * S bytes, made inside the attention's program.
+    """
+    return (segments[:, :, None] == segments[:, None, :])[:, None, :, :]
+
+
+def packed_document_sizes(seq_len: int, num_heads: int) -> tuple[int, ...]:
+    """The documents per row cuDNN's packed layout is compiled for, smallest first: 8, 64, 512, ...
+    (its kernels launch work for every slot, used or not, so a micro-batch runs the smallest size that
+    holds each of its rows), up to the largest whose float32 softmax statistics, (B * M, N, S), take
+    no more memory than the mask of the other path would."""
+    bound = max(1, min(seq_len, seq_len // (2 * num_heads)))
+    sizes = [8]
+    while sizes[-1] * 8 < bound:
+        sizes.append(sizes[-1] * 8)
+    return (*(m for m in sizes if m < bound), bound)
+
+
+def packed_layout_applies(num_heads: int, num_kv_heads: int) -> bool:
+    """Whether cuDNN's packed layout can run here: a Hopper or later GPU (cuDNN's rule), and a jax
+    that offsets grouped-query keys by their own head count (0.11.0 used the query's) or K == N."""
+    _, cc = _cuda_backend()
+    fixed = jax.__version_info__ >= (0, 11, 1) or num_kv_heads == num_heads
+    return cc is not None and cc >= (9, 0) and fixed
+
+
+def _document_index(segments: jax.Array) -> jax.Array:
+    """int32 (B, S): which document of its row each token is in, 0 first, for rows whose documents are
+    runs of equal segment ids."""
+    starts = jnp.concatenate([jnp.ones_like(segments[:, :1], bool), segments[:, 1:] != segments[:, :-1]], 1)
+    return jnp.cumsum(starts, axis=1, dtype=jnp.int32) - 1
+
+
+def _packed(doc: jax.Array, max_docs: int) -> tuple[jax.Array, jax.Array]:
+    """The packed layout of rows of at most `max_docs` documents (`_document_index` doc (B, S)): per
+    row (B, M) int32 document lengths and (B, M + 1) int32 start offsets, -1 past its documents."""
+    b = doc.shape[0]
+    rows = jnp.arange(b, dtype=jnp.int32)[:, None]
+    lengths = jnp.zeros((b, max_docs), jnp.int32).at[rows, doc].add(1, mode="drop")
+    first = jnp.cumsum(lengths, axis=1, dtype=jnp.int32) - lengths
+    used = lengths > 0
+    seqlen = jnp.where(used, lengths, -1)
+    offsets = jnp.concatenate([jnp.where(used, first, -1), jnp.full((b, 1), -1, jnp.int32)], axis=1)
+    return seqlen, offsets
+
+
+def _cudnn_within_segments(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array) -> jax.Array:
+    """cuDNN flash attention inside each document: the packed layout of the smallest of
+    `packed_document_sizes` that holds every row where it applies, else the segment mask as cuDNN's
+    bias; chosen on the device (`lax.switch`)."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+
+    def masked(q, k, v, doc):
+        mask = same_segment(doc)
+        return jax.nn.dot_product_attention(
+            q, k, v, mask=mask, scale=scale, is_causal=True, implementation="cudnn"
+        )
+
+    def packed(max_docs, q, k, v, doc):
+        from jax._src.cudnn import fused_attention_stablehlo as cudnn  # the packed layout: not in jax.nn
+
+        seqlen, offsets = _packed(doc, max_docs)
+        return cudnn.dot_product_attention(
+            q,
+            k,
+            v,
+            q_seqlen=seqlen,
+            kv_seqlen=seqlen,
+            q_offsets=offsets,
+            kv_offsets=offsets,
+            scale=scale,
+            mask_type=cudnn.MaskType.PADDING_CAUSAL,
+        )
+
+    doc = _document_index(segments)
+    if not packed_layout_applies(q.shape[2], k.shape[2]):
+        return masked(q, k, v, doc)
+    sizes = packed_document_sizes(q.shape[1], q.shape[2])
+    branches = [functools.partial(packed, m) for m in sizes] + [masked]
+    most = jnp.max(doc[:, -1]) + 1  # documents in the fullest row
+    return jax.lax.switch(jnp.sum(most > jnp.asarray(sizes)), branches, q, k, v, doc)
+
+
+def causal_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, requested_impl: str, segments: jax.Array | None = None
+) -> jax.Array:
+    """Causal scaled dot-product attention with grouped-query heads, optionally within segments.
 
     q (B, S, N, H), k and v (B, S, K, H), all in one dtype, N a multiple of K -> (B, S, N, H) in that
     dtype. Query head n reads key/value head n // (N // K), the HF `repeat_kv` grouping. Scale is
     1/sqrt(H); scores and softmax are float32 in both implementations.
+
+    segments: None, or int32 (B, S) segment ids that never decrease along a row, each document one run
+    (`objective.document_segments`): query i then reads key j only where j <= i and
+    segments[b, i] == segments[b, j]. XLA applies the mask `same_segment` to its float32 scores.
+    cuDNN runs its packed layout (`q_offsets`/`kv_offsets` of
+    `jax._src.cudnn.fused_attention_stablehlo.dot_product_attention`), which computes only the tiles
+    inside documents: it is compiled for static numbers of documents per row
+    (`packed_document_sizes`), so a micro-batch with a row of more documents than the largest, or a GPU
+    or jax where the layout does not apply (`packed_layout_applies`), runs cuDNN with the mask as an
+    additive bias (B, 1, S, S) instead: every causal tile computed, B * S * S bias bytes. All are
+    exact; the choice is made per call on the device (`lax.switch`).
+    `scripts/check_packed_attention.py` checks each against XLA and times them.
     """
     head_dim = q.shape[-1]
     impl = resolve_attention_impl(requested_impl, q.dtype, head_dim)
+    if impl == "cudnn" and segments is not None:
+        return _cudnn_within_segments(q, k, v, segments)
+    mask = None if segments is None else same_segment(segments)
     if impl == "xla" and q.dtype == jnp.float16:
         # XLA's CPU backend has no float16 x float16 -> float32 dot, which the XLA path asks for;
         # float16 inputs are exact in float32, so attend there and round once at the end.
         out = jax.nn.dot_product_attention(
             *(t.astype(jnp.float32) for t in (q, k, v)),
+            mask=mask,
             scale=1.0 / math.sqrt(head_dim),
             is_causal=True,
             implementation="xla",
         )
         return out.astype(jnp.float16)
     return jax.nn.dot_product_attention(
-        q, k, v, scale=1.0 / math.sqrt(head_dim), is_causal=True, implementation=impl
+        q, k, v, mask=mask, scale=1.0 / math.sqrt(head_dim), is_causal=True, implementation=impl
     )
 
 

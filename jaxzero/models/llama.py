@@ -71,13 +71,20 @@ class _RMSNorm(nn.Module):
 
 
 class _Attention(nn.Module):
-    """Causal self-attention over the sequence, or, with a `cache` (k, v), of the tokens at positions
-    pos .. pos+S-1 over the cache, which it returns with their keys and values written in."""
+    """Causal self-attention over the sequence (within each segment where `segments` is given), or,
+    with a `cache` (k, v), of the tokens at positions pos .. pos+S-1 over the cache, which it returns
+    with their keys and values written in."""
 
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, h: jax.Array, cache: KVCache | None = None, pos: jax.Array | None = None) -> Any:
+    def __call__(
+        self,
+        h: jax.Array,
+        cache: KVCache | None = None,
+        pos: jax.Array | None = None,
+        segments: jax.Array | None = None,
+    ) -> Any:
         c = self.config
         b, s, _ = h.shape
         n, k, hd = c.num_heads, c.num_kv_heads, c.head_dim
@@ -88,8 +95,14 @@ class _Attention(nn.Module):
         out = _Linear(c.hidden_size, c.init_std, name="o_proj")
         if cache is None:
             cos, sin = layers.rope_cos_sin(s, layers.rope_inv_freq(c))
+            # Rotary positions run over the whole row, not from 0 at each segment: scores depend only on
+            # the offset between query and key, which is the same either way within a segment.
             o = layers.causal_attention(
-                layers.apply_rope(q, cos, sin), layers.apply_rope(kk, cos, sin), v, c.attention_impl
+                layers.apply_rope(q, cos, sin),
+                layers.apply_rope(kk, cos, sin),
+                v,
+                c.attention_impl,
+                segments,
             )
             return out(o.reshape(b, s, n * hd))
         cos, sin = layers.rope_cos_sin(cache[0].shape[1], layers.rope_inv_freq(c))
@@ -118,19 +131,26 @@ class LlamaBlock(nn.Module):
         x = x + down_proj(silu(gate_proj(n2(x))) * up_proj(n2(x)))
 
     Its parameters are the block pytree of the module docstring; every weight is used in the compute
-    dtype, so float32 masters and compute-dtype copies give the same result.
+    dtype, so float32 masters and compute-dtype copies give the same result. `segments` (B, S) int32:
+    attention stays within each segment (`layers.causal_attention`); not with a `cache`.
     """
 
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x: jax.Array, cache: KVCache | None = None, pos: jax.Array | None = None) -> Any:
+    def __call__(
+        self,
+        x: jax.Array,
+        cache: KVCache | None = None,
+        pos: jax.Array | None = None,
+        segments: jax.Array | None = None,
+    ) -> Any:
         c = self.config
         x = x.astype(layers.compute_dtype(c))
         attn = _Attention(c, name="self_attn")
         h = _RMSNorm(c.norm_eps, name="input_layernorm")(x)
         if cache is None:
-            x = x + attn(h)
+            x = x + attn(h, segments=segments)
         else:
             a, cache = attn(h, cache, pos)
             x = x + a
@@ -192,10 +212,12 @@ class Llama:
         table = embed_params["embed_tokens"]["embedding"]
         return jnp.take(table, tokens, axis=0).astype(self.dtype)
 
-    def block(self, block_params: Any, x: jax.Array) -> jax.Array:
+    def block(self, block_params: Any, x: jax.Array, segments: jax.Array | None = None) -> jax.Array:
         """One `LlamaBlock`, causal over positions arange(S): (B, S, D) -> (B, S, D) compute dtype.
-        Params may be float32 masters or already in the compute dtype."""
-        return LlamaBlock(self.config).apply({"params": block_params}, x)
+        Params may be float32 masters or already in the compute dtype. `segments` int32 (B, S) or
+        None: each token attends only within its segment (its document); rotary positions stay
+        arange(S), which within a segment gives the scores that positions restarting at 0 give."""
+        return LlamaBlock(self.config).apply({"params": block_params}, x, segments=segments)
 
     # ---------------------------------------------------------------------------------------------
     # Generation: the same units over a key/value cache

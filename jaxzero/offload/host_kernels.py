@@ -25,6 +25,12 @@ reads these buffers while a step runs.
 
 bfloat16 is handled as its 16 bits (uint16): widening is a shift, narrowing rounds to nearest even as
 XLA's convert does.
+
+Run to run the same bits, whatever the schedule: every kernel is elementwise (no reduction, no
+atomics), each element's result a function of that element's inputs and of scalars fixed before the
+unit's update starts (the gradient multiplier from the global norm, the learning rate, the bias
+corrections). So how a unit is cut into chunks, how many threads run them and in which order they
+finish change nothing (tests/test_determinism.py); `--determinism` changes nothing here.
 """
 
 from __future__ import annotations

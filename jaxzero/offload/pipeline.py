@@ -41,6 +41,14 @@ before update t, so update t overlaps all of step t+1. Gradients are then one up
 a second copy of the compute-dtype weights.
 
 Which of these apply is the offload plan's decision (`jaxzero.plan.HostUpdate`).
+
+Determinism: timings decide only when, on which thread and into which buffers the host works (which
+units speculate: the first whose gradients land; how many take two passes: `TwoPassCounter`), never
+what it computes: a kept speculative update and a two-pass update are the one-pass update's bits,
+and the host kernels are elementwise (`host_kernels`). The global norm is summed on the accelerator,
+in unit order (`jaxzero.offload.streaming`). So the host side is reproducible as it is, and
+`--determinism` (XLA's deterministic GPU kernels, `jaxzero.runtime.request_determinism`) pins
+nothing here.
 """
 
 from __future__ import annotations

@@ -8,8 +8,10 @@ each unit's update only when it reaches that unit (`jaxzero.offload.pipeline`). 
 plan keeps on the accelerator are updated there, issued right after the gradient pass.
 
 The strategies are chosen once, when the step is built, never inside it: float16 or not
-(`LossScaling`), and which weights the next pass reads (overlapped: the new ones, waiting for each
-unit's update; delayed: those from before this update).
+(`LossScaling`), which weights the next pass reads (overlapped: the new ones, waiting for each
+unit's update; delayed: those from before this update), and whether each document of a row attends
+only within itself (`objective.document_eot`: then the batch's segment ids are made once per step, one
+small program, and every block reads them).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import numpy as np
 from jaxzero.config import FP16Config
 from jaxzero.loss_scale import LossScaleState, update_loss_scale
 from jaxzero.models import ModelParams
+from jaxzero.objective import document_eot, document_segments
 from jaxzero.offload.context import EngineContext, flat, put_everywhere, unflat
 from jaxzero.offload.futures import OffloadState, done, weights_of
 from jaxzero.offload.host_optimizer import HostUnit
@@ -50,12 +53,17 @@ class OffloadStep:
         self._scaling: LossScaling = DynamicLossScale(ctx.cfg.fp16) if ctx.fp16 else NoLossScale(ctx.where)
         delayed = ctx.plan.host_update.mode is UpdateMode.DELAYED
         self._next_read = _weights_before_update if delayed else _weights_after_update
+        eot_id = document_eot(ctx.cfg.data, ctx.model)
+        self._segments = (
+            _no_segments if eot_id is None else jax.jit(partial(document_segments, eot_id=eot_id))
+        )
 
     def step(self, state: OffloadState, batch: jax.Array) -> tuple[OffloadState, StepMetrics]:
         """One optimizer step; consumes `state` (its host arrays are updated in place)."""
         scaling = self._scaling
         loss_scale = scaling.scale_of(state)
-        loss, grads, norm = self._streamed.grads(state.read, batch, loss_scale, self._clock)
+        segments = self._segments(batch)
+        loss, grads, norm = self._streamed.grads(state.read, batch, loss_scale, self._clock, segments)
         on_accelerator = self._update_on_device(state, grads, norm, loss_scale)
         submitted = _merged(
             self._pipeline.submit(state.units, state.read, grads, norm, loss_scale), on_accelerator
@@ -68,7 +76,8 @@ class OffloadStep:
     def eval_loss(self, state: OffloadState, window: jax.Array) -> jax.Array:
         """Mean loss (float32 scalar) of `state` over int32 (B, S+1); the state is not consumed."""
         # The newest weights, each waited for when the pass reaches it.
-        return self._streamed.loss(jax.tree.map(weights_of, state.units), window[None])
+        batch = window[None]
+        return self._streamed.loss(jax.tree.map(weights_of, state.units), batch, self._segments(batch))
 
     def _update_on_device(
         self, state: OffloadState, grads: ModelParams, norm: jax.Array, loss_scale: jax.Array
@@ -144,6 +153,11 @@ def _advance_fp16(
         update_loss_scale(ls, ~jnp.isfinite(norm), cfg),
         ~jnp.isfinite(norm),
     )
+
+
+def _no_segments(batch: jax.Array) -> None:
+    """Attention across each whole row: no segment ids."""
+    return None
 
 
 def _weights_before_update(state: OffloadState, submitted: Submitted) -> ModelParams:

@@ -25,6 +25,11 @@ Micro-batches are processed layer-major: every micro-batch passes block i before
 so weights cross the link twice per optimizer step however large `grad_accum` is, and a block's
 gradient is summed over micro-batches in float32 on the accelerator before it leaves.
 
+Documents: where each document of a row attends only within itself, the caller passes the batch's
+segment ids, int32 (A, mb, S) (`objective.document_segments`, made once per step, not per block) to
+`loss` and `grads`, which hand them to every block forward and backward beside its activations; the
+block programs are then compiled with that extra input (once each, as without it).
+
 Exactness: with one micro-batch, a block's gradient leaves in the compute dtype; that is exactly the
 value the resident trainer upcasts (the gradient of `astype` is an upcast), so sending it narrow
 loses nothing. With several micro-batches the float32 sum leaves, as the resident trainer keeps it.
@@ -164,10 +169,13 @@ class UnitPrograms:
         m, embed_w = self.model, self.gather(embed_w, self.whole.embed)
         return self.rows(jax.lax.map(lambda w: m.embed(embed_w, objective.decode_window(w)[0]), batch))
 
-    def block_fwd(self, w: Any, x: jax.Array) -> jax.Array:
-        """(A, mb, S, D) -> the same, through one block."""
+    def block_fwd(self, w: Any, x: jax.Array, segments: jax.Array | None = None) -> jax.Array:
+        """(A, mb, S, D) -> the same, through one block; attention within `segments` (int32
+        (A, mb, S)) where given."""
         m, w = self.model, self.gather(w, self.whole.blocks)
-        return self.rows(jax.lax.map(lambda xa: m.block(w, xa), x))
+        if segments is None:
+            return self.rows(jax.lax.map(lambda xa: m.block(w, xa), x))
+        return self.rows(jax.lax.map(lambda a: m.block(w, *a), (x, segments)))
 
     def head_loss(self, head_w: Any, embed_w: Any, x: jax.Array, batch: jax.Array) -> jax.Array:
         """Float32 scalar: the step's mean over its counted targets."""
@@ -208,19 +216,23 @@ class UnitPrograms:
             g_embed = _scatter(g_embed, self.grad_on_device.embed)
         return loss / x.shape[0], self.rows(dx), g_head, g_embed, _sq_norm(g_head)
 
-    def block_bwd(self, w: Any, x: jax.Array, dy: jax.Array) -> tuple[jax.Array, Any, jax.Array]:
-        """Recompute block(w, x_a) and backpropagate dy_a for each micro-batch -> (dx, dw, |dw|^2)."""
+    def block_bwd(
+        self, w: Any, x: jax.Array, dy: jax.Array, segments: jax.Array | None = None
+    ) -> tuple[jax.Array, Any, jax.Array]:
+        """Recompute block(w, x_a) and backpropagate dy_a for each micro-batch -> (dx, dw, |dw|^2);
+        attention within `segments` (int32 (A, mb, S)) where given, as in the forward pass."""
         m, w = self.model, self.gather(w, self.whole.blocks)
 
-        def one(xa, dya):
-            _, vjp = jax.vjp(m.block, w, xa)
+        def one(xa, dya, *segments_a):
+            _, vjp = jax.vjp(lambda wb, xb: m.block(wb, xb, *segments_a), w, xa)
             return vjp(dya)
 
+        per_batch = (x, dy) if segments is None else (x, dy, segments)
         if x.shape[0] == 1:  # exact in the compute dtype; see the module docstring
-            g, dx = one(x[0], dy[0])
+            g, dx = one(*(t[0] for t in per_batch))
             g = _scatter(g, self.grad_on_device.blocks)
             return self.rows(dx[None]), g, _sq_norm(g)
-        g, dx = _accumulate(one, (x, dy), _f32(jax.tree.map(jnp.zeros_like, w)))
+        g, dx = _accumulate(one, per_batch, _f32(jax.tree.map(jnp.zeros_like, w)))
         g = _scatter(g, self.grad_on_device.blocks)
         return self.rows(dx), g, _sq_norm(g)
 
@@ -291,20 +303,27 @@ class StreamedModel:
         self._embed_grad = jax.jit(programs.embed_grad)
         self._global_norm = jax.jit(programs.global_norm)
 
-    def loss(self, weights: ModelParams, batch: jax.Array) -> jax.Array:
+    def loss(self, weights: ModelParams, batch: jax.Array, segments: jax.Array | None = None) -> jax.Array:
         """Mean loss over int32 (A, mb, S+1) with weights streamed once through; float32 scalar.
-        Units of `weights` may be `Future`s (see `stream_blocks`)."""
+        Units of `weights` may be `Future`s (see `stream_blocks`). `segments`: int32 (A, mb, S), each
+        document attending within itself, or None (attention across each row)."""
+        per_batch = () if segments is None else (segments,)
         embed_w = resolve(weights.embed, 0)
         x = self._embed(embed_w, batch)
         blocks = stream_blocks(
             weights.blocks, range(self.num_layers), self.placement, self._copy_in, self.prefetch
         )
         for w in blocks:
-            x = self._block_fwd(w, x)
+            x = self._block_fwd(w, x, *per_batch)
         return self._head_loss(resolve(weights.head, self.num_layers + 1), embed_w, x, batch)
 
     def grads(
-        self, weights: ModelParams, batch: jax.Array, loss_scale: jax.Array, clock: StepClock | None = None
+        self,
+        weights: ModelParams,
+        batch: jax.Array,
+        loss_scale: jax.Array,
+        clock: StepClock | None = None,
+        segments: jax.Array | None = None,
     ) -> tuple[jax.Array, ModelParams, jax.Array]:
         """Loss, gradients and their global norm over int32 (A, mb, S+1); gradients land in `pinned_host`
         (those of units whose state is on the accelerator stay there, one shard per device).
@@ -318,8 +337,11 @@ class StreamedModel:
 
         Units of `weights` may be `Future`s of their weights (`stream_blocks`): each is waited for only
         when the pass reaches it. `clock`, if given, records when each copy and computation finished.
+        `segments`: int32 (A, mb, S), each document attending within itself, or None (attention across
+        each row); every block's forward and backward reads the same array.
         """
         clock = clock or StepClock.off()
+        per_batch = () if segments is None else (segments,)
         num_layers = self.num_layers
         order = [*range(num_layers), *reversed(range(num_layers))]
         fetched = stream_blocks(
@@ -334,7 +356,7 @@ class StreamedModel:
         for i in range(num_layers):
             with clock.waiting():
                 w = next(fetched)
-            y = clock.computed(self._block_fwd(w, x))
+            y = clock.computed(self._block_fwd(w, x, *per_batch))
             # The block input is all the backward pass keeps: here, or in pinned_host (async DMA,
             # issued after the block that reads it, so it overlaps that block). The last block's
             # stays: the backward pass starts with it.
@@ -356,7 +378,7 @@ class StreamedModel:
         for i in reversed(range(num_layers)):
             w = next(fetched)
             x_i, x_next = x_next, _back(saved, i - 1, rows) if i > 0 else None  # one block ahead of its use
-            dx, g, sq_i = self._block_bwd(w, x_i, dx)
+            dx, g, sq_i = self._block_bwd(w, x_i, dx, *per_batch)
             del x_i
             clock.computed(sq_i)
             sq.append(sq_i)

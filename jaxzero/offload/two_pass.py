@@ -10,7 +10,9 @@ count grows by one only if the slack since the last second pass ended would fit 
 the mean interval between the previous step's second passes), so a count that just fits does not
 step up to one that does not.
 
-Pure bookkeeping: times are passed in (perf_counter seconds), so it is tested without threads.
+Pure bookkeeping: times are passed in (perf_counter seconds), so it is tested without threads. The
+count follows timings, so it differs run to run; the results do not (two passes give one pass's
+bits), so `--determinism` leaves it adaptive.
 """
 
 from __future__ import annotations
