@@ -472,3 +472,13 @@ def test_saves_that_would_block_much_of_the_run_are_warned_with_an_interval_that
     assert preflight.decide(parse_args([*preset, "--checkpoint.every=0"])).save_warning() is None
     off = [*preset, "--checkpoint.every=10", "--checkpoint.enabled=false"]
     assert preflight.decide(parse_args(off)).save_warning() is None
+
+
+def test_a_long_sequence_within_documents_is_advised_to_attend_across_them():
+    """Attention inside documents holds (rows, heads, S, S) arrays on the GPU: at 32K tokens a 7B model
+    cannot fit an H100 so, and the refusal's first advice, applied, plans."""
+    long = {"model.name": "llama-7b", "model.max_seq_len": "32768", "data.seq_len": "32768",
+            "data.batch_size": "1", "data.eot_id": "2"}  # fmt: skip
+    with pytest.raises(ConfigError, match=r"It fits with data.cross_document_attention=true \(attention"):
+        decide(cfg(**long), h200(79.2))
+    assert decide(cfg(**long, **{"data.cross_document_attention": "true"}), h200(79.2)).plan is not None

@@ -310,8 +310,8 @@ def _largest_model(search: _Search) -> str | None:
 
 def _settings_that_fit(search: _Search) -> list[str]:
     """The fewest settings that make this model fit at this batch size, each as "key=value (why)", of:
-    bf16 moments, and (for an explicit placement, which the planner does not adapt) one-pass updates;
-    none where no combination does."""
+    bf16 moments, (for an explicit placement, which the planner does not adapt) one-pass updates, and
+    (where attention stays inside documents) attention across them; none where no combination does."""
     cfg, mc, whole = search.cfg, search.machine, search.whole
     changes: list[tuple[str, dict[str, dict[str, object]]]] = []
     if cfg.optimizer.state_dtype == "float32" and memory.optimizer_state_bytes(cfg):
@@ -321,6 +321,13 @@ def _settings_that_fit(search: _Search) -> list[str]:
         one_pass = {"offload": {"two_pass_units": 0}}
         text = "offload.two_pass_units=0 (one-pass updates: no gradients kept pinned for a second pass)"
         changes.append((text, one_pass))
+    if not cfg.data.cross_document_attention and cfg.data.eot_id >= 0:
+        across = {"data": {"cross_document_attention": True}}
+        text = (
+            "data.cross_document_attention=true (attention across documents: the GPU holds no "
+            "(rows, heads, seq_len, seq_len) document masks)"
+        )
+        changes.append((text, across))
     for size in range(1, len(changes) + 1):
         for chosen in itertools.combinations(changes, size):
             sections: dict[str, dict[str, object]] = {}
