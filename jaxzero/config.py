@@ -373,6 +373,9 @@ class MachineConfig:
     cores: int = 0  # CPU cores of the host update (the figures above are for 16)
     disk_gib: float = 0.0  # free local disk for offload.optimizer=disk's working state, GiB
     disk_gbps: float = 0.0  # what that disk reads and writes, GB/s, reads and writes together
+    # GPUs of one host to plan for, one process each (as python -m jaxzero.launch runs them), with
+    # machine.gpu_gib: a node you do not have; 0: the GPUs this process will see
+    gpus: int = 0
 
 
 @dataclass(frozen=True)

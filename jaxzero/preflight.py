@@ -101,6 +101,11 @@ def _agreed(cfg: TrainConfig, seen: Accelerators | None, count: int, pool_fixed:
     processes, so that every process decides the same placement; the processes on this host counted
     by host name. (Through the coordination service: every process calls it.)"""
     local = seen.local if seen is not None else 1
+    if count == 1 and seen is None and cfg.machine.gpus > 1:  # a node described, one process per GPU
+        gpus = cfg.machine.gpus
+        return detect_machine(
+            cfg, None, devices=gpus, processes=gpus, local_processes=gpus, pool_fixed=pool_fixed
+        )
     if count == 1:
         return detect_machine(cfg, seen, devices=local, processes=1, pool_fixed=pool_fixed)
     host = socket.gethostname()

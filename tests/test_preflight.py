@@ -113,3 +113,29 @@ def test_the_program_decides_before_jax_starts(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert "the learning rate never reaches" in done.stdout  # the warmup warning, after the decision
+
+
+def test_a_node_of_eight_gpus_is_planned_without_one(monkeypatch):
+    """`machine.gpus` with `machine.gpu_gib`: that many GPUs of one host, one process each, share its
+    RAM; ZeRO-3 offload's host state per process falls with the GPU count and the step does not grow."""
+    from jaxzero import runtime
+    from jaxzero.overrides import parse_args
+
+    monkeypatch.setattr(runtime, "backends_started", lambda: False)  # as in a program, before JAX starts
+    box = ["--machine.gpu_gib=79.2", "--machine.host_gib=560", "--machine.cores=128"]
+    zero3 = [
+        "--model.name=llama-3.4b-bench",
+        "--data.seq_len=2048",
+        "--offload.params=cpu",
+        "--offload.optimizer=cpu",
+    ]
+    plans = {
+        g: preflight.decide(parse_args([*zero3, *box, f"--data.batch_size={8 * g}", f"--machine.gpus={g}"]))
+        for g in (1, 2, 4, 8)
+    }
+    for g, d in plans.items():
+        assert (d.machine.devices, d.machine.processes, d.machine.local_processes) == (g, g, g)
+        assert d.machine.host_share == 560 * 2**30 // g
+    hosts = [plans[g].memory.host for g in (1, 2, 4, 8)]
+    assert hosts == sorted(hosts, reverse=True) and hosts[-1] < hosts[0] / 3
+    assert plans[8].step_s <= 1.05 * plans[1].step_s
