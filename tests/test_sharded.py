@@ -198,3 +198,14 @@ def test_biased_llama3_rope_variant_sharded_over_four_devices_matches_one_device
         name = jax.tree_util.keystr(path)
         if not name.endswith("['k_proj']['bias']"):  # see test_offload.py's docstring
             assert rel(a, b) < PARAM_TOL, name
+
+
+def test_zero3_offload_on_eight_devices_matches_one_device(tmp_path):
+    """The 8-GPU node's layout on 8 fake CPU devices (a process of its own: the suite's have 4)."""
+    from subprocess_run import run_program
+
+    done = run_program(
+        "sharded_eight.py", cwd=tmp_path, env_extra={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "llama 8 devices == 1 device" in done.stdout and "gpt2 8 devices == 1 device" in done.stdout
