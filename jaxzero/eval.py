@@ -38,9 +38,9 @@ from jaxzero.config import CheckpointError, ConfigError, TrainConfig
 from jaxzero.console import to_stderr
 from jaxzero.data.eot import resolve_eot_id
 from jaxzero.data.packing import every_example_rows
-from jaxzero.data.types import DataError
+from jaxzero.data.sources import open_split
 from jaxzero.interop import load_hf_by_unit
-from jaxzero.overrides import config_from_dict, layer, split_args
+from jaxzero.overrides import apply_overrides, config_from_dict, layer, split_args
 from jaxzero.trainer import build_trainer
 
 EXIT_CONFIG = 2
@@ -102,8 +102,7 @@ def _config(args: argparse.Namespace, rest: list[str]) -> tuple[TrainConfig, str
         rest = [f"--model.name=hf:{args.hf}", *rest]
     layered = layer(base, split_args(rest))
     settings = {k: v for k, v in EVAL_SETTINGS.items() if k not in layered.sources}
-    overridden = layer(layered.config, split_args([f"--{k}={v}" for k, v in settings.items()]))
-    return overridden.config, source
+    return apply_overrides(layered.config, settings), source
 
 
 def evaluate(cfg: TrainConfig, source: str, args: argparse.Namespace, split: str | None) -> dict:
@@ -112,7 +111,7 @@ def evaluate(cfg: TrainConfig, source: str, args: argparse.Namespace, split: str
     # attention within the token set's documents, as training's (its end-of-text id resolved)
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, eot_id=resolve_eot_id(cfg)))
     d = cfg.data
-    tokens, counted, split, path = open_split(d.path, d.token_dtype, cfg.model.vocab_size, split)
+    tokens, counted, starts, split, path = open_split(d.path, d.token_dtype, cfg.model.vocab_size, split)
     decision = preflight.prepare(cfg)  # before JAX's backend starts: it sizes XLA's pools
     trainer = build_trainer(cfg, decision=decision)
     if args.run_dir:
@@ -124,9 +123,7 @@ def evaluate(cfg: TrainConfig, source: str, args: argparse.Namespace, split: str
     rows -= rows % jax.device_count()  # put_eval_batch splits a batch's rows over the devices
     pad = 1 if cfg.data.eot_id == 0 else 0  # not the end-of-text id: the padding is one document
     total, targets = 0.0, 0
-    index = path.with_name(f"{split}.idx.bin")
-    if index.is_file():  # fine-tuning examples: each whole in its rows, as training reads them
-        starts = np.fromfile(index, np.uint64)
+    if starts is not None:  # fine-tuning examples: each whole in its rows, as training reads them
         batches = _in_batches(every_example_rows(tokens, counted, starts, d.seq_len, d.pack, pad), rows)
     else:
         batches = eval_windows(tokens, counted, d.seq_len, rows, pad)
@@ -179,42 +176,6 @@ def _in_batches(blocks: Iterator[np.ndarray], rows: int) -> Iterator[np.ndarray]
             pending = pending[rows:]
     if len(pending):
         yield np.concatenate([pending, np.full((rows - len(pending), pending.shape[1]), ~0, np.int32)])
-
-
-def open_split(
-    directory: str, token_dtype: str, vocab_size: int, split: str | None
-) -> tuple[np.ndarray, np.ndarray | None, str, Path]:
-    """(token ids, loss mask or None, the split's name, its file) of a token set's split, memory-mapped:
-    `val.bin` by default where there is one, else `train.bin` whole. Raises DataError naming what is
-    missing, or a token id the model's vocabulary does not have."""
-    root = Path(directory)
-    if not directory or not (root / "train.bin").is_file():
-        raise DataError(
-            f"--data.path={directory!r} holds no train.bin: give the directory of the token files to "
-            "evaluate on (python -m jaxzero.prepare writes them)."
-        )
-    split = split or ("val" if (root / "val.bin").is_file() else "train")
-    path = root / f"{split}.bin"
-    if not path.is_file():
-        raise DataError(f"{path} does not exist: --split=train evaluates on train.bin.")
-    itemsize = np.dtype(token_dtype).itemsize
-    if path.stat().st_size % itemsize or path.stat().st_size < 2 * itemsize:
-        raise DataError(
-            f"{path} holds {path.stat().st_size} bytes: not a file of at least two {token_dtype} tokens "
-            "(--data.token_dtype must be the dtype the files were written in)."
-        )
-    tokens = np.memmap(path, dtype=token_dtype, mode="r")
-    top = max(int(tokens[i : i + 2**24].max()) for i in range(0, len(tokens), 2**24))
-    if top >= vocab_size:
-        raise DataError(
-            f"{path} holds token id {top}, but the model's vocabulary has {vocab_size} ids: the token "
-            "set was made with another tokenizer (or --data.token_dtype is wrong)."
-        )
-    mask_path = root / f"{split}.mask.bin"
-    counted = np.memmap(mask_path, dtype=np.uint8, mode="r") if mask_path.is_file() else None
-    if counted is not None and len(counted) != len(tokens):
-        raise DataError(f"{mask_path} has {len(counted)} entries for {len(tokens)} tokens: rerun prepare.")
-    return tokens, counted, split, path
 
 
 if __name__ == "__main__":

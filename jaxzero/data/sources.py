@@ -308,6 +308,31 @@ def load_token_files(
     )
 
 
+def open_split(
+    directory: str, token_dtype: str, vocab_size: int, split: str | None
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, str, Path]:
+    """(token ids, loss mask or None, example starts or None, the split's name, its file) of one split
+    of a token set, memory-mapped and checked as `load_token_files` checks them: `split`'s ``.bin``
+    whole, by default ``val.bin`` where there is one, else ``train.bin``. What an evaluation reads."""
+    root = Path(directory)
+    if not directory or not (root / "train.bin").is_file():
+        raise DataError(
+            f"--data.path={directory!r} holds no train.bin: give the directory of the token files to "
+            "evaluate on (python -m jaxzero.prepare writes them)."
+        )
+    split = split or ("val" if (root / "val.bin").is_file() else "train")
+    path = root / f"{split}.bin"
+    if not path.is_file():
+        raise DataError(f"{path} does not exist: --split=train evaluates on train.bin.")
+    n = _check_token_file_size(path, token_dtype)
+    if n < 2:
+        raise DataError(f"{path} holds {n} token(s): evaluating needs at least one target.")
+    tokens = _open_token_file(path, token_dtype)
+    _check_token_ids(tokens, vocab_size, path, token_dtype, full=True)
+    counted = _open_marks(root / f"{split}.mask.bin", n)
+    return tokens, counted, _open_starts(root / f"{split}.idx.bin", n), split, path
+
+
 def _open_marks(path: Path, num_tokens: int) -> np.ndarray | None:
     """The uint8 memmap of a token file's loss mask (1: a target the loss counts), or None if absent."""
     if not path.is_file():
