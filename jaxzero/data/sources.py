@@ -246,20 +246,18 @@ def load_token_files(
 
     train_marks = _open_marks(directory / "train.mask.bin", n_train_file)
     val_marks = _open_marks(directory / "val.mask.bin", n_val_file) if has_val_file else None
-    if has_val_file and (train_marks is None) != (val_marks is None):
-        have, lack = ("train", "val") if val_marks is None else ("val", "train")
-        raise DataError(
-            f"{str(directory)!r} holds {have}.mask.bin but no {lack}.mask.bin: both splits mark the "
-            "targets the loss counts, or neither does. Rerun jaxzero.prepare, or remove the one."
-        )
+    if has_val_file:
+        _both_or_neither(
+            directory, "mask", train_marks, val_marks, "mark the targets the loss counts",
+            "Rerun jaxzero.prepare, or remove the one.",
+        )  # fmt: skip
     train_starts = _open_starts(directory / "train.idx.bin", n_train_file)
     val_starts = _open_starts(directory / "val.idx.bin", n_val_file) if has_val_file else None
-    if has_val_file and (train_starts is None) != (val_starts is None):
-        have, lack = ("train", "val") if val_starts is None else ("val", "train")
-        raise DataError(
-            f"{str(directory)!r} holds {have}.idx.bin but no {lack}.idx.bin: both splits index their "
-            "fine-tuning examples, or neither does. Rerun jaxzero.prepare --sft."
-        )
+    if has_val_file:
+        _both_or_neither(
+            directory, "idx", train_starts, val_starts, "index their fine-tuning examples",
+            "Rerun jaxzero.prepare --sft.",
+        )  # fmt: skip
     if train_marks is not None and train_starts is None:
         log.warning(
             "warning: %r holds fine-tuning examples prepared without train.idx.bin (where each example "
@@ -306,6 +304,18 @@ def load_token_files(
         train_starts=train_starts,
         val_starts=val_starts,
     )
+
+
+def _both_or_neither(
+    directory: Path, kind: str, train: np.ndarray | None, val: np.ndarray | None, what: str, fix: str
+) -> None:
+    """Raise DataError where one split has its ``*.{kind}.bin`` file and the other does not."""
+    if (train is None) != (val is None):
+        have, lack = ("train", "val") if val is None else ("val", "train")
+        raise DataError(
+            f"{str(directory)!r} holds {have}.{kind}.bin but no {lack}.{kind}.bin: both splits {what}, "
+            f"or neither does. {fix}"
+        )
 
 
 def open_split(
