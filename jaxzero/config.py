@@ -293,9 +293,11 @@ class OffloadConfig:
     `auto` lets the planner (`jaxzero.plan.search`) choose for this model on this machine.
 
     The planner decides only what is left to it: `params` and `optimizer` when `auto`, and with them
-    `resident_blocks`, `device_state_units` (when 0) and `two_pass_units` (when -1: it may turn it to 0
-    where that alone makes a placement fit). Explicit values keep their meaning; a run whose explicit
-    settings do not fit is refused by the memory check."""
+    `resident_blocks` (when 0) and `two_pass_units` (when -1: it may turn it to 0 where that alone
+    makes a placement fit); `device_state_units` when -1, whether the mode is `auto` or explicit
+    (an explicit ZeRO-Offload or ZeRO-3 placement still gets the accelerator's spare memory for the
+    units the next forward pass needs first; 0 pins every unit's state to the host). Explicit values
+    keep their meaning; a run whose explicit settings do not fit is refused by the memory check."""
 
     # compute weights: on the accelerator (none), streamed from host RAM (cpu), or the planner's choice
     params: Literal["auto", "none", "cpu"] = "auto"
@@ -307,8 +309,10 @@ class OffloadConfig:
     # With optimizer=cpu: the first K units in forward order (embedding, block 0, 1, ...) keep their
     # fp32 masters and optimizer state in accelerator memory and are updated there, so the next
     # forward pass never waits for the host on them; their weights are on the accelerator too.
+    # -1: the planner's choice, with explicit params/optimizer too (the fewest that close the next
+    # forward pass's wait for the host, where the accelerator has room beside everything else);
     # 0: every unit's state in host RAM.
-    device_state_units: int = 0
+    device_state_units: int = -1
     # Where the backward pass's rematerialisation checkpoints (each block's input) wait between the
     # forward and the backward pass: "none" in accelerator memory; "cpu" in pinned host memory,
     # copied out as the forward pass makes them and back ahead of the backward pass that needs them

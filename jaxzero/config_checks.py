@@ -236,10 +236,10 @@ def _validate_offload(cfg: TrainConfig) -> None:
         f"offload.resident_blocks={cfg.offload.resident_blocks} exceeds model.num_layers={m.num_layers}.",
     )
     _need(
-        0 <= cfg.offload.device_state_units < m.num_layers + 2,
-        f"offload.device_state_units={cfg.offload.device_state_units} must be in [0, {m.num_layers + 1}]: "
-        f"the model has {m.num_layers + 2} units (embedding, {m.num_layers} blocks, head), and with every "
-        "unit's state on the accelerator use offload.optimizer=none.",
+        -1 <= cfg.offload.device_state_units < m.num_layers + 2,
+        f"offload.device_state_units={cfg.offload.device_state_units} must be in [-1, {m.num_layers + 1}] "
+        f"(-1: the planner's choice): the model has {m.num_layers + 2} units (embedding, {m.num_layers} "
+        "blocks, head), and with every unit's state on the accelerator use offload.optimizer=none.",
     )
     _need(
         cfg.offload.disk_units >= -1,
@@ -247,7 +247,7 @@ def _validate_offload(cfg: TrainConfig) -> None:
     )
     # The combination rules below bind explicit values only: the planner decides an `auto` key
     # consistently with the others (e.g. offload.params=cpu makes an auto offload.optimizer cpu).
-    if cfg.offload.device_state_units and cfg.offload.optimizer == "none":
+    if cfg.offload.device_state_units > 0 and cfg.offload.optimizer == "none":
         raise ConfigError(
             "offload.device_state_units only applies with offload.optimizer=cpu "
             f"(got offload.optimizer={cfg.offload.optimizer}): without it every unit's state is on the "
@@ -270,7 +270,7 @@ def _validate_offload(cfg: TrainConfig) -> None:
             "offload.device_state_units to keep some units' state on the accelerator): the resident "
             "trainer keeps its activations in accelerator memory."
         )
-    if cfg.offload.device_state_units and cfg.offload.update == "delayed":
+    if cfg.offload.device_state_units > 0 and cfg.offload.update == "delayed":
         raise ConfigError(
             "offload.device_state_units needs offload.update=overlapped: units updated on the accelerator "
             "cannot run one update behind (set offload.device_state_units=0 for the delayed update)."

@@ -12,7 +12,10 @@ Cases
            resident-units  jaxzero's per-block units, all weights resident (offload.params=none)
            stream-p1/-p2   offload.params=cpu, prefetch 1 / 2 blocks ahead
   step   whole optimizer steps through `build_trainer`, synthetic tokens:
-           resident, zero-offload (offload.optimizer=cpu), zero3-offload (+ offload.params=cpu)
+           resident, zero-offload (offload.optimizer=cpu), zero3-offload (+ offload.params=cpu), each
+           offloaded case with every unit's state on the host (offload.device_state_units=0), and
+           zero-offload-spare / zero3-spare, the same modes with the units whose state the GPU keeps
+           left to the planner (the default, -1)
 
 FLOP accounting: "TFLOP/s (8N)" counts 8 x params x tokens (forward, recomputed forward, backward), the
 figure BENCHMARKS.md's DeepSpeed comparisons use; "model TFLOP/s" is jaxzero's
@@ -38,6 +41,8 @@ STEP_CASES = [
     "resident",
     "zero-offload",
     "zero3-offload",
+    "zero-offload-spare",
+    "zero3-spare",
     "zero3-delayed",
     "zero3-optax",
     "zero3-spec0",
@@ -54,7 +59,7 @@ STEP_CASES = [
     "zero3-t14",
     "auto",
 ]
-HOST_CASES = ["host-phases"]
+HOST_CASES = ["host-phases", "host-bandwidth"]
 
 
 def _median_time(fn, reps: int) -> float:
@@ -162,22 +167,26 @@ def run_step_case(case: str, args) -> dict:
     from jaxzero.overrides import apply_overrides
     from jaxzero.trainer import build_trainer
 
-    zero3 = {"offload.optimizer": "cpu", "offload.params": "cpu"}
-    # Every case names its placement: the planner (offload.*=auto, the default) would choose its own.
-    zero_offload = {"offload.optimizer": "cpu", "offload.params": "none"}
+    # Every case names its placement: the planner (offload.*=auto, the default) would choose its own;
+    # offloaded cases keep every unit's state on the host unless named "-spare".
+    host = {"offload.device_state_units": "0"}
+    zero3 = {"offload.optimizer": "cpu", "offload.params": "cpu", **host}
+    zero_offload = {"offload.optimizer": "cpu", "offload.params": "none", **host}
     offload = {
         "resident": {"offload.optimizer": "none", "offload.params": "none"},
         # The planner's choice for this machine (offload.*=auto; machine.* may describe a smaller card).
         "auto": {},
         "zero-offload": zero_offload,
-        "zero3-offload": {"offload.optimizer": "cpu", "offload.params": "cpu"},
-        "zero3-delayed": {"offload.optimizer": "cpu", "offload.params": "cpu", "offload.update": "delayed"},
-        "zero3-optax": {"offload.optimizer": "cpu", "offload.params": "cpu", "offload.fused_update": "false"},
+        "zero3-offload": zero3,
+        "zero-offload-spare": {"offload.optimizer": "cpu", "offload.params": "none"},
+        "zero3-spare": {"offload.optimizer": "cpu", "offload.params": "cpu"},
+        "zero3-delayed": {**zero3, "offload.update": "delayed"},
+        "zero3-optax": {**zero3, "offload.fused_update": "false"},
         "zero3-spec0": {**zero3, "offload.speculative_units": "0"},
         "zero3-spec16": {**zero3, "offload.speculative_units": "16"},
         # Clipping on but never triggered (the synthetic-token norm is ~7.7): speculation is kept.
         "zero3-spec8-clip10": {**zero3, "offload.speculative_units": "8", "optimizer.grad_clip": "10"},
-        "zero3-noclip": {"offload.optimizer": "cpu", "offload.params": "cpu", "optimizer.grad_clip": "0"},
+        "zero3-noclip": {**zero3, "optimizer.grad_clip": "0"},
         # Two-pass updates (offload.two_pass_units; the default -1 is adaptive): none, fixed counts.
         "zero3-1pass": {**zero3, "offload.two_pass_units": "0"},
         "zero3-2pass16": {**zero3, "offload.two_pass_units": "16"},
@@ -249,6 +258,7 @@ def run_step_case(case: str, args) -> dict:
         "devices": jax.device_count(),
         "losses": losses,
         "grad_norms": norms,
+        "grad_clip": cfg.optimizer.grad_clip,
         "breakdown": breakdown,
     }
     print(json.dumps(out), flush=True)
@@ -334,9 +344,14 @@ def run_host_case(case: str, args) -> dict:
             ts.append(time.perf_counter() - t)
         return units, min(ts[1:]), ts
 
-    def measure(name: str, state_dtype: str, fused: bool) -> None:
+    def measure(name: str, state_dtype: str, fused: bool, threads: int = 0) -> None:
         vcfg = apply_overrides(
-            cfg, {"optimizer.state_dtype": state_dtype, "offload.fused_update": str(fused)}
+            cfg,
+            {
+                "optimizer.state_dtype": state_dtype,
+                "offload.fused_update": str(fused),
+                "offload.host_threads": str(threads),
+            },
         )
         plan = resolve_plan(vcfg)
         host = HostOptimizer(vcfg.optimizer, 100, shape, placement.offload_placement(mesh, plan), 1)
@@ -357,7 +372,7 @@ def run_host_case(case: str, args) -> dict:
         def state(i, u):  # and its second
             return host.commit(UnitUpdate(plan.blocks[i], u, g_host, gmul), i, u.weights)
 
-        key = f"{name}_{state_dtype}"
+        key = f"{name}_{state_dtype}" + (f"_t{threads}" if threads else "")
         passes = [("", full)]
         if fused and state_dtype == "float32":  # the two passes timed apart
             passes += [("_weights_pass", weights), ("_state_pass", state)]
@@ -368,6 +383,8 @@ def run_host_case(case: str, args) -> dict:
 
     for variant in variants:
         measure(*variant)
+    for threads in args.host_threads:  # the fused float32 passes on fewer or more update threads
+        measure("fused", "float32", True, threads)
     try:
         import torch
 
@@ -387,6 +404,69 @@ def run_host_case(case: str, args) -> dict:
     return out
 
 
+def run_bandwidth_case(case: str, args) -> dict:
+    """The host's memory bandwidth as the update's threads reach it: a read, a copy and a triad over
+    4 x 1 GiB float32 arrays, cut in 4M-element chunks run by numba kernels (no GIL) from T threads,
+    as the fused update runs; best of 3 after a warm-up. Bytes counted are bytes read plus bytes
+    written (a write's read-for-ownership not counted, as in STREAM). Also the CPU model and NUMA
+    nodes, and this process's allowed cores."""
+    import numba
+    import numpy as np
+
+    @numba.njit(nogil=True, cache=False, fastmath=True)  # a vectorised sum
+    def read(a):
+        s = np.float32(0.0)
+        for j in range(a.shape[0]):
+            s += a[j]
+        return s
+
+    @numba.njit(nogil=True, cache=False)
+    def copy(a, b):
+        for j in range(a.shape[0]):
+            b[j] = a[j]
+
+    @numba.njit(nogil=True, cache=False)
+    def triad(a, b, c):
+        for j in range(a.shape[0]):
+            a[j] = b[j] + np.float32(0.5) * c[j]
+
+    n, chunk = 1 << 28, 1 << 22
+    a, b, c = (np.ones(n, np.float32) for _ in range(3))
+    kernels = {
+        "read": (lambda s: read(a[s]), 4),
+        "copy": (lambda s: copy(a[s], b[s]), 8),
+        "triad": (lambda s: triad(a[s], b[s], c[s]), 12),
+    }
+    slices = [slice(k, k + chunk) for k in range(0, n, chunk)]
+    out: dict = {"case": case, "params": 0, "device": "host", "cpus": os.cpu_count()}
+    try:
+        out["cpu_model"] = next(
+            ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")
+        )
+        nodes = sorted(os.listdir("/sys/devices/system/node"))
+        out["numa_nodes"] = {
+            d: open(f"/sys/devices/system/node/{d}/cpulist").read().strip()
+            for d in nodes
+            if d.startswith("node")
+        }
+    except OSError as e:
+        out["topology_err"] = repr(e)
+    out["affinity"] = len(os.sched_getaffinity(0))
+    for threads in (1, 2, 4, 8, 12, 15, 16):
+        pool = ThreadPoolExecutor(threads)
+        for name, (fn, bytes_per) in kernels.items():
+            list(pool.map(fn, slices[:threads]))  # compile and touch
+            ts = []
+            for _ in range(4):
+                t = time.perf_counter()
+                list(pool.map(fn, slices))
+                ts.append(time.perf_counter() - t)
+            out[f"{name}_t{threads}_GBps"] = bytes_per * n / min(ts[1:]) / 1e9
+        pool.shutdown()
+        print(json.dumps({k: v for k, v in out.items() if f"_t{threads}_" in k}), flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default="grad", help="grad, step, or a comma list of case names")
@@ -399,6 +479,12 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument(
+        "--host_threads",
+        type=lambda s: [int(t) for t in s.split(",") if t],
+        default=[],
+        help="host cases: also time the fused passes with these offload.host_threads (comma list)",
+    )
     ap.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="extra config override (step cases)"
     )
@@ -416,7 +502,8 @@ def main() -> None:
         runner = {
             **dict.fromkeys(GRAD_CASES, run_grad_case),
             **dict.fromkeys(STEP_CASES, run_step_case),
-            **dict.fromkeys(HOST_CASES, run_host_case),
+            "host-phases": run_host_case,
+            "host-bandwidth": run_bandwidth_case,
         }[args.case]
         result = runner(args.case, args)
         print("RESULT " + json.dumps(result), flush=True)
@@ -450,6 +537,20 @@ def main() -> None:
     print_table(results, args)
 
 
+def _pass_bytes(key: str) -> int:
+    """Host memory bytes per parameter of a timed host pass (bf16 gradients and new bf16 weights):
+    AdamW in one pass reads masters, moments and gradient and writes masters, moments and weights."""
+    if key.startswith("torch"):
+        return 28  # fp32 gradients, no compute-dtype copy: 16 read + 12 written
+    moments = 4 if "float32" in key else 2
+    read = 4 + 2 * moments + 2
+    if "_weights_pass" in key:
+        return read + 2
+    if "_state_pass" in key:
+        return read + 4 + 2 * moments
+    return 0 if key.startswith("optax") else read + 4 + 2 * moments + 2
+
+
 def print_table(results: list[dict], args) -> None:
     if not results:
         return
@@ -467,6 +568,18 @@ def print_table(results: list[dict], args) -> None:
                 f"{r['tflops_8N']:11.1f} "
                 f"{r['model_tflops']:10.1f} {r['gpu_peak_gib']:8.1f} {r['host_rss_gib']:8.1f} {ratio:>11}"
             )
+        for (
+            r
+        ) in results:  # the gradient norm's trace: how often clipping fires (speculation pays only where not)
+            norms, clip = r.get("grad_norms", []), r.get("grad_clip", 0)
+            if norms and clip:
+                clipped = sum(x > clip for x in norms)
+                q = sorted(norms)
+                print(
+                    f"{r['case']:16} grad norm: first {norms[0]:.3g}, median {q[len(q) // 2]:.3g}, last "
+                    f"{norms[-1]:.3g}, min {q[0]:.3g}; clipped (norm > {clip:g}) in {clipped} of "
+                    f"{len(norms)} steps"
+                )
         for r in results:
             if r.get("breakdown"):
                 print(
@@ -474,12 +587,23 @@ def print_table(results: list[dict], args) -> None:
                     + " | ".join(f"{k.removesuffix('_s')} {v:.3f}" for k, v in r["breakdown"].items())
                 )
         return
-    if "torch_fused_adamw_G_per_s" in results[0]:
-        r = results[0]
-        print(f"host update of {r['params'] / 1e9:.2f}B block params, {r['cpus']} CPUs, G params/s:")
-        for k, v in r.items():
-            if k.endswith("_G_per_s"):
-                print(f"  {k[:-8]:28} {v:6.2f}")
+    if results[0]["case"] in HOST_CASES:
+        for r in results:
+            if r["case"] == "host-bandwidth":
+                print(
+                    f"\nhost memory bandwidth, GB/s read + written ({r.get('cpu_model', '?')}, NUMA "
+                    f"{r.get('numa_nodes', '?')}, {r['affinity']} cores allowed):"
+                )
+                threads = sorted({int(k.split("_t")[1].split("_")[0]) for k in r if k.endswith("_GBps")})
+                print(f"  {'threads':8}" + "".join(f"{t:>8}" for t in threads))
+                for name in ("read", "copy", "triad"):
+                    print(f"  {name:8}" + "".join(f"{r[f'{name}_t{t}_GBps']:8.1f}" for t in threads))
+                continue
+            print(f"\nhost update of {r['params'] / 1e9:.2f}B block params, {r['cpus']} CPUs:")
+            for k, v in r.items():
+                if k.endswith("_G_per_s"):
+                    gbps = f"{v * _pass_bytes(k):6.1f} GB/s" if _pass_bytes(k) else ""
+                    print(f"  {k[:-8]:28} {v:6.2f} G params/s {gbps}")
         return
     for key in sorted({k for r in results for k in r if k.startswith("T")}, key=lambda k: -int(k[1:])):
         base = next(

@@ -50,7 +50,7 @@ def test_trains_and_writes_run_dir(first_run):
             "params": "auto",  # as the user wrote it: the planner's decision is not saved over it
             "optimizer": "auto",
             "resident_blocks": 0,
-            "device_state_units": 0,
+            "device_state_units": -1,
             "activations": "none",
             "update": "overlapped",
             "speculative_units": 0,

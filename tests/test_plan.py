@@ -67,7 +67,7 @@ def test_device_state_units_are_the_first_in_forward_order():
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--offload.optimizer=cpu", "--offload.device_state_units=6"], "must be in [0, 5]"),
+        (["--offload.optimizer=cpu", "--offload.device_state_units=6"], "must be in [-1, 5]"),
         (
             ["--offload.optimizer=none", "--offload.device_state_units=1"],
             "offload.device_state_units only applies with offload.optimizer=cpu",

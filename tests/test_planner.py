@@ -19,7 +19,7 @@ from jaxzero.models.sizes import unit_param_counts
 from jaxzero.overrides import apply_overrides, parse_args
 from jaxzero.plan import Tier, resolve_plan, search
 from jaxzero.plan.__main__ import main as plan_main
-from jaxzero.plan.calibration import CUDA_CONTEXT_BYTES, SAVE_WORKING_BYTES
+from jaxzero.plan.calibration import CUDA_CONTEXT_BYTES, GPU_HEADROOM, SAVE_WORKING_BYTES
 from jaxzero.plan.cost import predict
 from jaxzero.plan.machine import H200, Accelerators, Machine, accelerators_before_backend, detect_machine
 from jaxzero.plan.search import concrete, decide
@@ -120,11 +120,12 @@ def test_a_checkpoint_costs_its_buffer_and_one_unit_in_either_mode():
 
 
 def test_explicit_settings_are_honoured():
-    explicit = cfg(**ZERO3, **{"offload.resident_blocks": "2"})
+    pinned = {"offload.resident_blocks": "2", "offload.device_state_units": "0"}
+    explicit = cfg(**ZERO3, **pinned)
     d = decide(explicit, h200(139))  # resident would fit and be faster: not the planner's to choose
     assert d.config == explicit and d.decided == () and d.plan.streamed_blocks == 26
-    # offload.optimizer=cpu alone: all state in host RAM (no units' state on the GPU), params decided.
-    d = decide(cfg(**{"offload.optimizer": "cpu"}), h200(139))
+    # offload.optimizer=cpu with every unit's state pinned to the host: params decided, nothing else.
+    d = decide(cfg(**{"offload.optimizer": "cpu", "offload.device_state_units": "0"}), h200(139))
     assert d.plan.mode == "ZeRO-Offload" and d.plan.device_state_units == 0
     assert d.decided == ("offload.params=none",)
     # offload.params=cpu decides the optimizer's tier (it must be cpu) and the units on the GPU.
@@ -167,9 +168,9 @@ def test_refusal_says_what_was_needed_and_what_would_fit():
         decide(cfg(**{"model.name": "llama-30b"}), h200(139))
     # An explicit placement is not adapted, so the refusal names the fewest settings that fit it:
     # Llama-3.1-8B's shape under full offload on an H100 with 128 GiB of host RAM (issue 15's
-    # fine-tune ran it with checkpoints off on a 125 GiB box), with checkpoints on: bf16 moments and
-    # one-pass updates.
-    full = {**ZERO3, "model.name": "llama-3.1-8b", "data.seq_len": "1024"}
+    # fine-tune ran it with checkpoints off on a 125 GiB box), with checkpoints on and every unit's
+    # state pinned to the host: bf16 moments and one-pass updates.
+    full = {**ZERO3, "model.name": "llama-3.1-8b", "data.seq_len": "1024", "offload.device_state_units": "0"}
     with pytest.raises(ConfigError) as e:
         decide(cfg(**full), h200(79.2, 128))
     assert (
@@ -299,6 +300,37 @@ def one_step(trainer) -> float:
     return float(m.loss)
 
 
+@pytest.mark.parametrize("mode", [ZERO_OFFLOAD, ZERO3])
+def test_an_explicit_mode_gets_the_spare_gpu_memory_for_the_first_needed_units(mode):
+    """With exact clipping the next forward pass waits for the host to update the units it needs first;
+    an explicit ZeRO-Offload or ZeRO-3 placement keeps its mode, and the planner gives the fewest
+    first units' state to the GPU that close that wait (a unit fewer is predicted >1% slower), where
+    the GPU has room; `offload.device_state_units=0` pins every unit's state to the host."""
+    d = decide(cfg(**mode), h200(139))
+    k = d.plan.device_state_units
+    assert 0 < k < d.config.model.num_layers + 2 and d.decided == (f"offload.device_state_units={k}",)
+    assert (d.config.offload.optimizer, d.config.offload.params) == (
+        mode["offload.optimizer"],
+        mode["offload.params"],
+    )
+    assert [u.state for u in d.plan.units[:k]] == [Tier.DEVICE] * k
+    assert all(u.state is Tier.HOST for u in d.plan.units[k:])
+
+    def predicted(units: int):
+        c = apply_overrides(d.config, {"offload.device_state_units": str(units)})
+        return predict(c, resolve_plan(c), d.machine)
+
+    assert predicted(k - 1).step_s > 1.01 * predicted(k).step_s
+    assert predicted(0).step_s > 1.2 * predicted(k).step_s
+    assert predicted(k).exposed_s < predicted(0).exposed_s
+    pinned = decide(cfg(**mode, **{"offload.device_state_units": "0"}), h200(139))
+    assert pinned.plan.device_state_units == 0 and pinned.decided == ()
+    # A GPU with room for the mode's own needs only: no unit's state goes there.
+    room = pinned.memory.accelerator_state + pinned.memory.activations
+    tight = decide(cfg(**mode), h200(1.02 * room / GiB / (1 - GPU_HEADROOM)))
+    assert tight.plan.device_state_units == 0
+
+
 def test_build_trainer_decides_the_defaults_and_trains():
     trainer = build_trainer(tiny(), placement.make_mesh(jax.devices()[:1]))
     assert (trainer.config.offload.optimizer, trainer.config.offload.params) == ("none", "none")
@@ -325,7 +357,8 @@ def test_build_trainer_leaves_an_explicit_placement_to_the_memory_check(monkeypa
         raise AssertionError("the planner ran for an explicit placement")
 
     monkeypatch.setattr(search, "decide", no_planner)
-    trainer = build_trainer(tiny(**ZERO3), placement.make_mesh(jax.devices()[:1]))
+    explicit = tiny(**ZERO3, **{"offload.device_state_units": "0"})
+    trainer = build_trainer(explicit, placement.make_mesh(jax.devices()[:1]))
     assert trainer.plan.mode == "ZeRO-3 offload"
 
 
@@ -415,7 +448,15 @@ def test_the_pinned_pool_is_sized_for_the_placement_decided_before_jax_starts(tm
     "over, box",
     [
         ({"model.name": "llama-20b", "data.batch_size": "16"}, (139, 125)),  # fp32 moments, one H200
-        ({**ZERO3, "model.name": "llama-3.1-8b", "data.seq_len": "1024"}, (79.2, 128)),  # explicit, H100
+        (  # explicit, every unit's state on the host, H100
+            {
+                **ZERO3,
+                "model.name": "llama-3.1-8b",
+                "data.seq_len": "1024",
+                "offload.device_state_units": "0",
+            },
+            (79.2, 128),
+        ),
         ({"model.name": "llama-13b"}, (139, 60)),
     ],
 )

@@ -41,7 +41,10 @@ def test_the_shapes_told_before_jax_starts_are_the_models(model):
 
 def test_a_concrete_placement_is_evaluated_not_searched():
     cfg = dataclasses.replace(
-        TrainConfig(), offload=dataclasses.replace(TrainConfig().offload, params="cpu", optimizer="cpu")
+        TrainConfig(),
+        offload=dataclasses.replace(
+            TrainConfig().offload, params="cpu", optimizer="cpu", device_state_units=0
+        ),
     )
     decision = preflight.decide(cfg)
     assert decision.decided == () and decision.plan == resolve_plan(decision.config)

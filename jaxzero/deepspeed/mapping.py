@@ -296,10 +296,10 @@ def _zero(ds: Mapping[str, Any], base: TrainConfig, r: Reader, out: Translation)
                 )
             units = base.model.num_layers + 2
             keep = round((1 - ratio) * units)
+            # A ratio given is a placement named: 1.0 pins every unit's state to the host (without
+            # one the planner may keep the first units' state on the GPU where it has room).
+            out.set("offload.device_state_units", keep, "zero_optimization.offload_optimizer.ratio", ratio)
             if keep:
-                out.set(
-                    "offload.device_state_units", keep, "zero_optimization.offload_optimizer.ratio", ratio
-                )
                 out.notes.append(
                     f"offload_optimizer.ratio={ratio}: the first {keep} of the model's {units} units keep "
                     "their state on the accelerator (offload.device_state_units), the rest in host RAM."

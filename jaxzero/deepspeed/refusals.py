@@ -177,12 +177,12 @@ def _check_offload(c: _Check) -> None:
             f"optimizer state on the GPU: all of the model's units (embedding, {units - 2} blocks, head), so "
             f"nothing is offloaded. Raise the ratio above {0.5 / units:.3g}, or remove offload_optimizer.",
         )
-    if dsu and optimizer == "none":
+    if dsu > 0 and optimizer == "none":
         c.refuse(
             ["offload.device_state_units", "offload.optimizer"],
             f'{c.name("offload.device_state_units")} applies with device "cpu" only, but {opt}.',
         )
-    if dsu and c.value("offload.update") == "delayed":
+    if dsu > 0 and c.value("offload.update") == "delayed":
         c.refuse(
             ["offload.device_state_units"],
             f"{c.name('offload.device_state_units')} keeps units' state on the GPU, which needs "

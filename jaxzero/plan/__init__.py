@@ -242,12 +242,13 @@ def resolve_plan(cfg: TrainConfig) -> OffloadPlan:
         unit(UnitKind.HEAD, None, num_layers + 1),
     ]
     # The first `device_state_units` units keep masters and state on the accelerator, and so their
-    # weights too (they are updated there).
-    for k in range(o.device_state_units):
+    # weights too (they are updated there). Left to the planner (-1) and not decided: none.
+    on_device = max(o.device_state_units, 0) if on_host else 0
+    for k in range(on_device):
         units[k] = UnitPlan(units[k].kind, units[k].block, k, Tier.DEVICE, Tier.DEVICE)
     # The last `disk_units` of the others keep it on disk: their update comes last before the next
     # forward pass reaches them, and their reads run ahead of it from the start of the backward pass.
-    host_count = len(units) - o.device_state_units
+    host_count = len(units) - on_device
     on_disk = 0
     if o.optimizer == "disk":
         on_disk = host_count if o.disk_units < 0 else min(o.disk_units, host_count)

@@ -61,9 +61,23 @@ DECIDED_KEYS = (
 
 
 def concrete(cfg: TrainConfig) -> bool:
-    """Whether `cfg` names its placement itself (no `auto` offload key): `resolve_plan` reads it as
-    is, and `build_trainer` does not call the planner."""
-    return "auto" not in (cfg.offload.params, cfg.offload.optimizer)
+    """Whether `cfg` names its placement itself (no `auto` offload key, and no unit count left to the
+    planner where it applies): `resolve_plan` reads it as is, and `build_trainer` does not call the
+    planner."""
+    return "auto" not in (cfg.offload.params, cfg.offload.optimizer) and not _open_device_state(cfg)
+
+
+def _open_device_state(cfg: TrainConfig, machine: Machine | None = None) -> bool:
+    """Whether the planner chooses how many units keep their state on the accelerator
+    (`offload.device_state_units=-1`, where the host updates units and one update follows the other).
+    With an explicit mode, only where `machine` has an accelerator of its own: on a CPU backend its
+    "device" update would run on the cores the host update needs."""
+    o = cfg.offload
+    if o.device_state_units != -1 or o.update != "overlapped":
+        return False
+    return o.optimizer == "auto" or (
+        o.optimizer == "cpu" and (machine is None or machine.gpu_bytes is not None)
+    )
 
 
 def decide(cfg: TrainConfig, machine: Machine, whole: tuple[int, int, int] = (0, 0, 0)) -> Decision:
@@ -87,10 +101,11 @@ def decide(cfg: TrainConfig, machine: Machine, whole: tuple[int, int, int] = (0,
             "memory, lower data.batch_size or data.seq_len, or raise data.grad_accum."
         )
     given, placed = cfg.offload, chosen.cfg.offload
-    decided = tuple(  # what the planner set: the auto keys, and any other it changed
+    decided = tuple(  # what the planner set: the auto keys, and any other it changed where it applies
         f"offload.{k}={getattr(placed, k)}"
         for k in DECIDED_KEYS
-        if getattr(given, k) == "auto" or getattr(given, k) != getattr(placed, k)
+        if (getattr(given, k) == "auto" or getattr(given, k) != getattr(placed, k))
+        and not (k == "device_state_units" and chosen.plan.host_update is None)
     )
     return Decision(chosen.cfg, chosen.plan, chosen.need, search.predict(chosen), machine, decided, warning)
 
@@ -110,18 +125,22 @@ class _Search:
 
     def __init__(self, cfg: TrainConfig, machine: Machine, whole: tuple[int, int, int] = (0, 0, 0)):
         self.cfg, self.machine, self.whole = cfg, machine, whole
-        self.strict = not concrete(cfg)  # a placement the planner chooses must hold its activations
+        o, layers = cfg.offload, cfg.model.num_layers
+        # A placement the planner chooses must hold its activations; the user's own mode, with every
+        # unit's state on the host, is held only to what the memory check refuses.
+        self.strict = "auto" in (o.params, o.optimizer)
         self._evaluated: dict[Option, Candidate | None] = {}
         self._predicted: dict[Option, Prediction] = {}
-        o, layers = cfg.offload, cfg.model.num_layers
         # Keys are decided only while the mode is: an explicit mode keeps its explicit meaning.
         self.two_pass = (-1, 0) if self.strict and o.two_pass_units == -1 else (o.two_pass_units,)
         # Block inputs move to pinned memory only where the accelerator cannot hold them (they cost
         # link time), and only while the mode is decided (the key left at its default, none).
         self.activations = ("none", "cpu") if self.strict and o.activations == "none" else (o.activations,)
-        k = o.device_state_units
-        decide_k = o.optimizer == "auto" and not k and o.update == "overlapped"
-        self.k_range = range(layers + 2) if decide_k else range(k, k + 1)
+        # Units with state on the accelerator: decided with an explicit mode too (the first-needed
+        # units, to close the next forward pass's wait for the host where the accelerator has room).
+        k = max(o.device_state_units, 0)
+        self.k_open = _open_device_state(cfg, machine)
+        self.k_range = range(layers + 2) if self.k_open else range(k, k + 1)
         r = o.resident_blocks
         self.r_range = range(layers) if o.params == "auto" and not r else range(r, r + 1)
         # Units on disk: as given with offload.optimizer=disk; with auto, the fewest that make a
@@ -135,6 +154,11 @@ class _Search:
             self.modes.append(("cpu", "none"))
         if o.optimizer != "none" and o.params != "none":
             self.modes.append(("cpu", "cpu"))
+
+    def strict_for(self, option: Option) -> bool:
+        """Whether `option` must hold its activations: where the planner chose its mode, or chose to
+        keep units' state on the accelerator beside the user's explicit mode."""
+        return self.strict or (self.k_open and option.device_state_units > 0)
 
     def evaluate(self, option: Option) -> Candidate | None:
         """`option` evaluated, or None where the config's other settings rule it out (`validate`)."""
@@ -157,7 +181,7 @@ class _Search:
         for act in self.activations if optimizer == "cpu" else ("none",):
             for tp in self.two_pass:
                 e = self.evaluate(Option(optimizer, params, k, r, tp, act, disk if optimizer == "cpu" else 0))
-                if e is not None and e.fits(self.strict, disk_fits):
+                if e is not None and e.fits(self.strict_for(e.option), disk_fits):
                     return [e]
         return []
 
@@ -168,7 +192,9 @@ class _Search:
         options = [
             self.evaluate(Option(optimizer, params, k, r, tp, a, disk)) for tp in self.two_pass for a in acts
         ]
-        shorts = [e.gpu_short if self.strict else e.state_short for e in options if e is not None]
+        shorts = [
+            e.gpu_short if self.strict_for(e.option) else e.state_short for e in options if e is not None
+        ]
         return bool(shorts) and all(shorts)
 
     def fitting(self) -> list[Candidate]:
@@ -236,7 +262,7 @@ class _Search:
         return out
 
     def fits_somehow(self) -> bool:
-        return any(e.fits(self.strict) for e in self.frontier())
+        return any(e.fits(self.strict_for(e.option)) for e in self.frontier())
 
 
 def _last(values: range, ok: Callable[[int], bool]) -> int | None:
