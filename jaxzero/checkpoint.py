@@ -161,7 +161,7 @@ class Checkpointer:
         anything if the disk lacks the room for it, and for a failure of the previous save."""
         ensure_room(self.directory, state_bytes(state), f"checkpoint {step}")
         self.wait()  # one save at a time; raises the previous one's failure
-        parts = state_parts(state)
+        parts = [p._replace(tree=_own_handles(p.tree)) for p in state_parts(state)]
         background = self.cfg.async_save and fence is not None
         fence = fence if fence is not None else WriteFence()
         sizes = {p.position: state_bytes(p.tree) for p in parts if p.position is not None}
@@ -465,6 +465,23 @@ def trim_host_heap() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc
         pass
+
+
+def _own_handles(tree: Any) -> Any:
+    """`tree` with each array as a new array object over the same buffers (no copy). Orbax copies an
+    accelerator array to host RAM through NumPy, and JAX keeps that copy on the array object it was
+    handed for as long as the object lives: given the trainer's own arrays, a save would hold a host
+    copy of the whole accelerator state for as long as anything refers to them; given handles that
+    die with their part once it is written, one part's copy at a time."""
+
+    def own(x: Any) -> Any:
+        if not isinstance(x, jax.Array) or x.is_deleted():
+            return x
+        return jax.make_array_from_single_device_arrays(
+            x.shape, x.sharding, [s.data for s in x.addressable_shards]
+        )
+
+    return jax.tree.map(own, tree)
 
 
 def _copy_part(parts: list[Part], position: int) -> bool:

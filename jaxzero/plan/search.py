@@ -16,7 +16,9 @@ the fewest units with state on the accelerator; the fewest resident blocks).
 The candidates (only keys the user left open are decided; explicit ones are honoured):
 - resident: `offload.optimizer=none`, `offload.params=none`;
 - ZeRO-Offload: `offload.optimizer=cpu`, `offload.params=none`, with `offload.device_state_units`
-  K = 0 .. num_layers + 1 (the first K units in forward order keep masters and state on the GPU);
+  K = 0 .. num_layers + 1 (the first K units in forward order keep masters and state on the GPU:
+  with exact clipping the next forward pass waits for the host to update the units it needs first,
+  and each unit with its state on the GPU is ready at once);
 - ZeRO-3 offload: `offload.optimizer=cpu`, `offload.params=cpu`, with `offload.resident_blocks` R and K.
 `offload.two_pass_units` left at -1 (adaptive) becomes 0 for a placement that fits only so: two-pass
 updates keep gradients in pinned memory a step longer. `offload.activations` left at none becomes cpu
@@ -25,7 +27,11 @@ cost link time, (L - 1) block inputs each way per step, which the cost model's l
 Where nothing fits and the optimizer is left open, the fewest last units whose state goes to the
 local disk (`offload.optimizer=disk`) that make one fit. K, R, the two-pass count, the activations'
 place and the disk units are decided only while the mode is (`offload.params` or `offload.optimizer`
-auto, `resident_blocks` / `device_state_units` left at 0).
+auto, `resident_blocks` left at 0). K is decided whenever `offload.device_state_units` is left at -1
+(its default) and the host updates units one step at a time: under an explicit ZeRO-Offload or ZeRO-3
+mode too, where the machine has an accelerator of its own (the fewest first units within 1% of the
+fastest, so a GPU without room keeps every unit's state on the host; a K above 0 must hold its
+activations, the user's own K = 0 only its state).
 """
 
 from __future__ import annotations
