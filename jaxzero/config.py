@@ -162,10 +162,13 @@ _ROWS: dict[str, tuple[Any, ...]] = {
     "llama-20b":        ("llama", 92544,  6144,  48,    48,   8,  16384, 32768,  False, 1e6,  1e-5),
     # LLaMA-1 "30B" (33B).
     "llama-30b":        ("llama", 32000,  6656,  60,    52,   52, 17920, 2048,   False, 1e4,  1e-6),
+    # Llama 2 70B (grouped-query attention, 8 key/value heads).
+    "llama-70b":        ("llama", 32000,  8192,  80,    64,   8,  28672, 4096,   False, 1e4,  1e-5),
     # The shape benchmarked against DeepSpeed: Llama 3.2 3B's trunk, multi-head, Llama 2's vocabulary.
     "llama-3.4b-bench": ("llama", 32000,  3072,  28,    24,   24, 8192,  4096,   False, 1e4,  1e-5),
     # Released checkpoints (`model.name=hf:DIR` loads their weights): Meta's Llama 3.1 8B, 3.2 1B / 3B,
     "llama-3.1-8b":     ("llama", 128256, 4096,  32,    32,   8,  14336, 131072, False, 5e5,  1e-5),
+    "llama-3.1-70b":    ("llama", 128256, 8192,  80,    64,   8,  28672, 131072, False, 5e5,  1e-5),
     "llama-3.2-1b":     ("llama", 128256, 2048,  16,    32,   8,  8192,  131072, True,  5e5,  1e-5),
     "llama-3.2-3b":     ("llama", 128256, 3072,  28,    24,   8,  8192,  131072, True,  5e5,  1e-5),
     # Qwen2.5 0.5B, 7B, 14B,
@@ -194,6 +197,7 @@ _LLAMA3_ROPE = dict(
 _QWEN2 = dict(attention_bias=True, hf_model_type="qwen2")  # q, k, v biases
 _DIFFERENT: dict[str, dict[str, Any]] = {
     "llama-3.1-8b": {**_LLAMA3_ROPE, "rope_factor": 8.0},
+    "llama-3.1-70b": {**_LLAMA3_ROPE, "rope_factor": 8.0},
     "llama-3.2-1b": {**_LLAMA3_ROPE, "rope_factor": 32.0},
     "llama-3.2-3b": {**_LLAMA3_ROPE, "rope_factor": 32.0},
     "qwen2.5-0.5b": _QWEN2,

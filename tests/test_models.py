@@ -544,9 +544,11 @@ PUBLISHED_COUNTS = {
     "llama-13b": 13_015_864_320,
     "llama-20b": 19_861_149_696,  # computed from the InternLM2-20B shape; ~19.86B as published
     "llama-30b": 32_528_943_616,
+    "llama-70b": 68_976_648_192,  # Llama 2 70B's ~68.98B
     "llama-3.4b-bench": 3_367_676_928,
     # released checkpoints, as their model cards count them
     "llama-3.1-8b": 8_030_261_248,
+    "llama-3.1-70b": 70_553_706_496,
     "llama-3.2-1b": 1_235_814_400,
     "llama-3.2-3b": 3_212_749_824,
     "qwen2.5-0.5b": 494_032_768,
