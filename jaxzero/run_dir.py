@@ -152,10 +152,14 @@ def inspect_run_dir(path: Path) -> RunDir:
                 f"set aside to {path / UNREADABLE_DIR}: move one you trust back into checkpoints/ to "
                 "resume from it, or pass a new --run_dir."
             )
+        why = (
+            f", whose checkpoints are gone (none in {path / CHECKPOINT_DIR}),"
+            if saved.checkpoint.enabled
+            else " without checkpoints (checkpoint.enabled=false),"
+        )
         raise ConfigError(
-            f"run_dir {str(path)!r} already holds a run, finished without checkpoints "
-            "(checkpoint.enabled=false), so there is nothing to resume, and its results are not "
-            "overwritten: pass a new --run_dir."
+            f"run_dir {str(path)!r} already holds a run, finished{why} so there is nothing to resume, "
+            "and its results are not overwritten: pass a new --run_dir."
         )
     return RunDir(path, RunKind.RESTART, saved)
 

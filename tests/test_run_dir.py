@@ -83,7 +83,8 @@ def test_a_run_dir_is_shown_as_typed_when_under_the_working_directory(tmp_path, 
         ("a-config-of-its-own", "not made by jaxzero: config.json"),  # a user's own config.json
         ("loose-metrics", "not made by jaxzero: metrics.jsonl"),
         ("junk-in-checkpoints", r"it holds checkpoints; no jaxzero config.json"),
-        ("finished", "already holds a run, finished without checkpoints"),
+        ("finished", "already holds a run, finished without checkpoints .checkpoint.enabled=false."),
+        ("finished-checkpoints-removed", "already holds a run, finished, whose checkpoints are gone"),
     ],
 )
 def test_directories_jaxzero_never_writes_into(tmp_path, layout, message):
@@ -107,8 +108,11 @@ def test_directories_jaxzero_never_writes_into(tmp_path, layout, message):
         (path / "metrics.jsonl").write_text('{"step": 1}\n')
     elif layout == "junk-in-checkpoints":
         (path / "checkpoints" / "junk").mkdir(parents=True)
-    else:
+    elif layout == "finished-checkpoints-removed":  # saved with checkpoints on; the user removed them
         jaxzero_run(path, checkpoint=False, summary=True)
+        (path / "checkpoints").mkdir()
+    else:
+        jaxzero_run(path, checkpoint=False, summary=True, **{"checkpoint.enabled": "false"})
     before = sorted(str(p) for p in tmp_path.rglob("*"))
     with pytest.raises(ConfigError, match=message):
         rd.inspect_run_dir(path)
