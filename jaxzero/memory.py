@@ -342,8 +342,12 @@ def largest_fitting(
     `processes` processes), or None."""
     best = None
     for name, model in sorted(NAMED_SIZES.items(), key=lambda kv: param_count(kv[1])):
+        # The units on the accelerator, as many as the other model has (it may have fewer).
+        units = min(cfg.offload.device_state_units, model.num_layers + 1)
         other = dataclasses.replace(
-            cfg, model=dataclasses.replace(model, compute_dtype=cfg.model.compute_dtype)
+            cfg,
+            model=dataclasses.replace(model, compute_dtype=cfg.model.compute_dtype),
+            offload=dataclasses.replace(cfg.offload, device_state_units=units),
         )
         if fits(plan_memory(other, devices=devices, processes=processes)):
             best = name

@@ -289,10 +289,15 @@ def config_from_dict(d: dict[str, Any]) -> TrainConfig:
     """Rebuild a TrainConfig from `TrainConfig.to_dict()` output (e.g. a run's config.json). Its model
     section gives every field, and a ModelConfig keeps each field given: a named size with fields
     changed loads as saved. A key the saved config lacks takes its default, except
-    `data.cross_document_attention`, which keeps the behaviour of the runs saved before it (true)."""
+    `data.cross_document_attention`, which keeps the behaviour of the runs saved before it (true).
+    `offload.device_state_units=0` beside `offload.optimizer=auto` reads as -1: until -1 existed, 0
+    was the default and, with the optimizer's tier left to the planner, meant "the planner's choice"
+    (a run that pins 0 under an auto tier resumes with the planner choosing)."""
     flat = _flatten_toml(d)
     # A run saved before document-aware attention existed attended across documents: it keeps doing so.
     flat.setdefault("data.cross_document_attention", True)
+    if flat.get("offload.optimizer") == "auto" and flat.get("offload.device_state_units") == 0:
+        flat["offload.device_state_units"] = -1
     model_keys = {k: v for k, v in flat.items() if k.startswith("model.")}
     rest = {k: v for k, v in flat.items() if not k.startswith("model.")}
     cfg = dataclasses.replace(TrainConfig(), model=ModelConfig(**{k[6:]: v for k, v in model_keys.items()}))

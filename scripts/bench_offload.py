@@ -416,7 +416,7 @@ def run_host_case(case: str, args) -> dict:
 
 def run_bandwidth_case(case: str, args) -> dict:
     """The host's memory bandwidth as the update's threads reach it: a read, a copy and a triad over
-    4 x 1 GiB float32 arrays, cut in 4M-element chunks run by numba kernels (no GIL) from T threads,
+    3 x 1 GiB float32 arrays, cut in 4M-element chunks run by numba kernels (no GIL) from T threads,
     as the fused update runs; best of 3 after a warm-up. Bytes counted are bytes read plus bytes
     written (a write's read-for-ownership not counted, as in STREAM). Also the CPU model and NUMA
     nodes, and this process's allowed cores."""
@@ -578,9 +578,8 @@ def print_table(results: list[dict], args) -> None:
                 f"{r['tflops_8N']:11.1f} "
                 f"{r['model_tflops']:10.1f} {r['gpu_peak_gib']:8.1f} {r['host_rss_gib']:8.1f} {ratio:>11}"
             )
-        for (
-            r
-        ) in results:  # the gradient norm's trace: how often clipping fires (speculation pays only where not)
+        # The gradient norm's trace: how often clipping fires (speculation pays only where it does not).
+        for r in results:
             norms, clip = r.get("grad_norms", []), r.get("grad_clip", 0)
             if norms and clip:
                 clipped = sum(x > clip for x in norms)

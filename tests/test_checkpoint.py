@@ -307,14 +307,13 @@ def test_training_goes_on_during_an_asynchronous_save_and_the_checkpoint_is_the_
     expected = copied(trainer.saved_state(state))  # host arrays change in place: copies
     ckpt = Checkpointer(tmp_path, cfg.checkpoint)
     saved = trainer.saved_state(state)
-    t0 = time.perf_counter()
     ckpt.save(
         2,
         saved,
         make_meta(2, {"epoch": 0, "cursor": 0, "num_windows": 1}, cfg, trainer.layout, saved),
         trainer.fence,
     )
-    assert time.perf_counter() - t0 < 0.3 and trainer.fence.pending()  # returned before writing
+    assert trainer.fence.pending()  # returned before writing (a blocking save returns with none pending)
     state, _ = run_steps(trainer, state, 3, 4, cfg)  # updates in place while the save writes
     if room == "waits" or layout == "resident":  # the resident step updates every unit at once
         assert trainer.fence.take_blocked_seconds() > 0.3  # its updates waited for the writer

@@ -568,3 +568,14 @@ def test_the_planner_refuses_the_batch_in_the_files_words(tmp_path, capsys):
         "train_batch_size=6 must equal train_micro_batch_size_per_gpu=1 x gradient_accumulation_steps=2 x 1 "
         "GPU = 2" in capsys.readouterr().err
     )
+
+
+@pytest.mark.parametrize("ratio, units", [(None, -1), (1.0, 0), (0.5, 3)])
+def test_an_offload_ratio_names_the_units_on_the_gpu_and_none_leaves_them_to_the_planner(ratio, units):
+    """DeepSpeed's `offload_optimizer.ratio` (the share of the state on the CPU) is a placement named:
+    1.0 pins every unit's state to the host as DeepSpeed keeps it; without one jaxzero's planner may
+    keep the first units' state on the GPU (offload.device_state_units=-1)."""
+    section = {"device": "cpu", **({} if ratio is None else {"ratio": ratio})}
+    base = apply_overrides(TrainConfig(), {"model.name": "llama-tiny"})  # 6 units
+    t = translate({"zero_optimization": {"stage": 2, "offload_optimizer": section}}, base)
+    assert apply_overrides(base, t.overrides).offload.device_state_units == units

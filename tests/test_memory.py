@@ -332,3 +332,19 @@ def test_block_inputs_in_pinned_host_leave_no_room_for_the_accelerators_late_gra
     none = memory.plan_memory(cfg(**base))
     k = memory.plan_memory(cfg(**base, offload__device_state_units="20"))
     assert k.activations == none.activations
+
+
+def test_the_largest_fitting_model_keeps_as_many_units_on_the_accelerator_as_it_has():
+    """A refusal's "largest named model that fits" re-plans smaller models with the run's settings: a
+    count of units with state on the accelerator larger than a smaller model has is cut to its units
+    (it once indexed past them)."""
+    cfg = apply_overrides(
+        TrainConfig(),
+        {
+            "model.name": "llama-13b",
+            "offload.optimizer": "cpu",
+            "offload.params": "cpu",
+            "offload.device_state_units": "17",
+        },
+    )
+    assert memory.largest_fitting(cfg, lambda need: need.accelerator_state < 40 * 2**30) == "llama-3.4b-bench"

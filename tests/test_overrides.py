@@ -159,3 +159,14 @@ def test_help_lists_every_key_with_its_type_default_and_meaning():
         "[checkpoint] Orbax checkpoints in `<run_dir>/checkpoints`: every `every` steps (0: only at the end "
         "and on preemption)" in text
     )
+
+
+def test_a_run_saved_when_the_planner_chose_units_on_the_accelerator_at_0_resumes_with_its_choice():
+    """Until `offload.device_state_units=-1` existed, its default was 0, which with the optimizer's tier
+    left to the planner meant "the planner's choice": such a saved config resumes with -1. An explicit
+    tier's 0 meant (and means) every unit's state on the host."""
+    old = json.loads(TrainConfig().to_json())
+    old["offload"]["device_state_units"] = 0
+    assert config_from_dict(old).offload.device_state_units == -1
+    old["offload"]["optimizer"] = "cpu"
+    assert config_from_dict(old).offload.device_state_units == 0

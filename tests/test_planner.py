@@ -214,9 +214,13 @@ def test_cost_model_matches_the_measured_steps():
         c = cfg(**over)
         predicted = predict(c, resolve_plan(c), machine).step_s
         assert abs(predicted / measured - 1) <= 0.20, (over, predicted, measured)
-    # One H100 (its default rates: 0.7x the H200's step): Llama-3.1-8B's shape fine-tuned under full
-    # offload, bf16 moments, one-pass updates, 8K tokens per step (issue 15's end-to-end run).
+    # One H100 (its default rates: 0.98x the H200's dense rate, 0.7x its attention's): the resident
+    # 3.37B step (issue 30's H100 lease); Llama-3.1-8B's shape fine-tuned under full offload, bf16
+    # moments, one-pass updates, 8K tokens per step (issue 15's end-to-end run).
     h100 = {"machine.gpu_gib": "79.2", "machine.host_gib": "125", "machine.cores": "16"}
+    c = cfg(**RESIDENT, **h100)
+    predicted = predict(c, resolve_plan(c), detect_machine(c)).step_s
+    assert abs(predicted / 0.764 - 1) <= 0.20, predicted
     over = {**ZERO3, **bf16_7b, **h100, "model.name": "llama-3.1-8b", "data.seq_len": "1024"}
     c = cfg(**{**over, "data.batch_size": "8"})
     predicted = predict(c, resolve_plan(c), detect_machine(c)).step_s
@@ -315,6 +319,7 @@ def test_an_explicit_mode_gets_the_spare_gpu_memory_for_the_first_needed_units(m
     )
     assert [u.state for u in d.plan.units[:k]] == [Tier.DEVICE] * k
     assert all(u.state is Tier.HOST for u in d.plan.units[k:])
+    assert d.plan.streamed_blocks >= (mode["offload.params"] == "cpu")  # the mode asked for stays
 
     def predicted(units: int):
         c = apply_overrides(d.config, {"offload.device_state_units": str(units)})
@@ -329,6 +334,28 @@ def test_an_explicit_mode_gets_the_spare_gpu_memory_for_the_first_needed_units(m
     room = pinned.memory.accelerator_state + pinned.memory.activations
     tight = decide(cfg(**mode), h200(1.02 * room / GiB / (1 - GPU_HEADROOM)))
     assert tight.plan.device_state_units == 0
+
+
+def test_an_explicit_zero3_mode_streams_a_block_however_host_bound():
+    """Where the host update bounds the step (one 2,048-token sequence), more units' state on the GPU
+    keeps helping, but an explicit ZeRO-3 mode keeps streaming its last block."""
+    d = decide(cfg(**ZERO3, **{"data.batch_size": "1"}), h200(139))
+    assert d.plan.mode == "ZeRO-3 offload" and d.plan.streamed_blocks == 1
+    assert d.plan.device_state_units == d.config.model.num_layers
+
+
+def test_a_refused_explicit_mode_advises_only_what_the_search_would_accept():
+    """An explicit mode whose units' state the planner may put on the GPU is refused with amounts that
+    add up: a placement with units on the GPU must hold its activations there, as the search asks, so
+    no advice is computed from one that does not (it once advised a negative amount of host RAM)."""
+    over = {**ZERO3, "model.name": "llama-7b", "data.seq_len": "4096", "data.batch_size": "16"}
+    with pytest.raises(ConfigError) as e:
+        decide(cfg(**over), h200(79.2, 60))
+    text = str(e.value)
+    more = re.search(r"add more host RAM: (-?[\d.]+) GiB more", text)
+    gpu = re.search(r"or a GPU with ([\d.]+) GiB of memory", text)
+    assert more and float(more.group(1)) > 0, text
+    assert gpu and float(gpu.group(1)) > 79.2, text
 
 
 def test_build_trainer_decides_the_defaults_and_trains():

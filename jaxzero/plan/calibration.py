@@ -25,9 +25,12 @@ LINK_BPS = 54 * GB
 # Dense FLOP/s (8N accounting) an H200's steps reach.
 # BENCHMARKS.md, "Calibration: the link and the GPU"
 H200_FLOPS = 590e12
-# An H100's step rate as a share of the H200's (an estimate the H100 steps measured since agree with).
+# An H100's dense step rate as a share of the H200's: resident steps of the 3.37B model.
 # BENCHMARKS.md, "Calibration: the link and the GPU"
-H100_OF_H200 = 0.7
+H100_OF_H200 = 0.98
+# An H100's rate for attention past `CALIBRATION_SEQ` as a share of the H200's: its long-sequence steps.
+# BENCHMARKS.md, "Calibration: the link and the GPU"
+H100_ATTENTION_OF_H200 = 0.7
 # What XLA's GPU allocator leaves out of a GPU's memory before taking its fraction: the CUDA context.
 # BENCHMARKS.md, "Calibration: the link and the GPU"
 CUDA_CONTEXT_BYTES = 640 * MiB

@@ -4,7 +4,7 @@ Per step (tokens per device T, parameters N; `Machine`'s rates):
 - gpu = 8 N T / gpu_flops: forward, rematerialised forward and backward; the forward is 1/4 of it,
   spread over units by their matmul work (blocks; the head's hidden x vocab; the embedding none).
   Sequences longer than the rates' calibration (`CALIBRATION_SEQ`) add their attention
-  (`ATTENTION_COST`).
+  (`ATTENTION_COST`, times the device kind's `Machine.attention_scale`).
 - link = streamed compute-dtype weights crossing twice (forward, backward) plus the new weights of
   host-updated units that live on the accelerator (once), over h2d; plus the gradients of host-updated
   units over d2h; with `offload.activations=cpu`, (L - 1) block inputs each way. Per device (each
@@ -73,7 +73,13 @@ def predict(cfg: TrainConfig, plan: OffloadPlan, machine: Machine) -> Prediction
     count = {UnitKind.EMBED: n_embed, UnitKind.BLOCK: n_block, UnitKind.HEAD: n_head}
     tokens = d.batch_size * d.seq_len / machine.devices
     # Per token and block, attention's FLOPs past the calibration, in parameter-equivalents (8 each).
-    attention = ATTENTION_COST * m.num_heads * m.head_dim * max(d.seq_len - CALIBRATION_SEQ, 0)
+    attention = (
+        ATTENTION_COST
+        * m.num_heads
+        * m.head_dim
+        * max(d.seq_len - CALIBRATION_SEQ, 0)
+        * machine.attention_scale
+    )
     gpu_s = 8 * (param_count(m) + m.num_layers * attention) * tokens / machine.gpu_flops
     work = {
         UnitKind.EMBED: 0,

@@ -30,6 +30,7 @@ from jaxzero.plan.calibration import (
     DISK_BPS,
     GB,
     GPU_HEADROOM,
+    H100_ATTENTION_OF_H200,
     H100_OF_H200,
     H200_FLOPS,
     HOST_HEADROOM,
@@ -50,11 +51,19 @@ class DeviceDefaults:
     host_bw: float  # bytes/s of host memory traffic the fused update reaches
     flops: float  # FLOP/s per device
     source: str  # where the figures come from, for the table
+    # Attention past the rates' calibration (`cost.ATTENTION_COST`) costs this many times what it does
+    # on the kind the cost model was fitted on (an H200), relative to the kind's dense rate.
+    attention_scale: float = 1.0
 
 
 H200 = DeviceDefaults("H200", LINK_BPS, HOST_UPDATE_BPS, H200_FLOPS, "measured on H200 boxes (BENCHMARKS.md)")
 H100 = DeviceDefaults(
-    "H100", LINK_BPS, HOST_UPDATE_BPS, H100_OF_H200 * H200_FLOPS, "H200's link and host; 0.7x its step rate"
+    "H100",
+    LINK_BPS,
+    HOST_UPDATE_BPS,
+    H100_OF_H200 * H200_FLOPS,
+    f"H200's link and host; {H100_OF_H200:g}x its dense rate, {H100_ATTENTION_OF_H200:g}x its attention's",
+    attention_scale=H100_OF_H200 / H100_ATTENTION_OF_H200,
 )
 # Another GPU: conservative guesses (PCIe Gen4, a smaller host), not measurements: pass machine.*.
 OTHER_GPU = DeviceDefaults("GPU", 25 * GB, 60 * GB, 100e12, "conservative guesses for an unmeasured GPU")
@@ -83,6 +92,7 @@ class Machine:
     kind: str = "H200"  # the device kind whose defaults were used
     disk_bytes: int = 0  # free local disk for the disk tier's working state (per host)
     disk_bw: float = DISK_BPS  # bytes/s it reads and writes, together
+    attention_scale: float = 1.0  # `DeviceDefaults.attention_scale` of the device kind
     # machine.* key -> where its figure came from: "machine.<key>" (given), "detected...", "default..."
     sources: dict[str, str] = field(default_factory=dict)
 
@@ -193,6 +203,7 @@ def detect_machine(
         kind=kind.kind,
         disk_bytes=disk_bytes,
         disk_bw=disk_bw,
+        attention_scale=kind.attention_scale,
         sources=sources,
     )
 

@@ -7,6 +7,7 @@ Nothing here decides: `jaxzero.plan.search` chooses, and hands this module what 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from jaxzero import memory, runtime
@@ -289,10 +290,13 @@ def refusal(
     batch: int | None,
     smallest_batch: int,
     largest_model: str | None,
+    strict_of: Callable[[Candidate], bool] | None = None,
 ) -> str:
     """Why nothing fits `mc`, in numbers, and what would: the text of the planner's ConfigError.
-    `strict`: the placement was the planner's to choose; `frontier`: the placements a refusal reasons
-    from (every mode, K and two-pass setting at the fewest resident blocks); `settings`: the fewest
+    `strict`: the placement was the planner's to choose (`strict_of`, where given: whether a
+    placement of `frontier` must hold its activations, as the search judged it); `frontier`: the
+    placements a refusal reasons from (every mode, K and two-pass setting at the fewest resident
+    blocks); `settings`: the fewest
     settings of the run that make it fit ("key=value (why)"); `batch`: the largest data.batch_size
     that fits, None where none from `smallest_batch` up does; `largest_model`: the largest named
     model of the family that fits."""
@@ -332,7 +336,7 @@ def refusal(
     text = [f"{head}."]
     text.append(_settings_text(settings))
     text.append(_smaller_text(cfg, batch, smallest_batch, largest_model))
-    text.append(_tiers(mc, strict, frontier))
+    text.append(_tiers(mc, strict_of or (lambda e: strict), frontier))
     if on_this_gpu or mc.gpu_bytes is None:
         text.append(f"For the record, {which} needs {needs}.")
     return " ".join(t for t in text if t)
@@ -383,9 +387,9 @@ def _with_headroom(need: int) -> int:
     return math.ceil(need / (1 - HOST_HEADROOM))
 
 
-def _tiers(mc: Machine, strict: bool, frontier: list[Candidate]) -> str:
+def _tiers(mc: Machine, strict: Callable[[Candidate], bool], frontier: list[Candidate]) -> str:
     """What memory to add, each alone: host RAM for a placement the accelerator holds, a larger
-    accelerator for one host RAM holds."""
+    accelerator for one host RAM holds (`strict(e)`: whether `e` must hold its activations)."""
     local = mc.local_processes
     if mc.gpu_bytes is None:
         ram = _with_headroom(min(e.host_need for e in frontier) * local)
@@ -394,7 +398,7 @@ def _tiers(mc: Machine, strict: bool, frontier: list[Candidate]) -> str:
     gpu_ok = [
         e
         for e in frontier
-        if not (e.gpu_short if strict else e.state_short) and not (e.pool_short or e.disk_short)
+        if not (e.gpu_short if strict(e) else e.state_short) and not (e.pool_short or e.disk_short)
     ]
     if gpu_ok:
         ram = _with_headroom(min(e.host_need for e in gpu_ok) * local)
@@ -402,11 +406,11 @@ def _tiers(mc: Machine, strict: bool, frontier: list[Candidate]) -> str:
     host_ok = [
         e
         for e in frontier
-        if not (e.host_short if strict else e.host_state_short) and not (e.pool_short or e.disk_short)
+        if not (e.host_short if strict(e) else e.host_state_short) and not (e.pool_short or e.disk_short)
     ]
     if host_ok:
         gpu = min(
-            math.ceil(e.gpu_need / (1 - GPU_HEADROOM)) if strict else e.need.accelerator_state
+            math.ceil(e.gpu_need / (1 - GPU_HEADROOM)) if strict(e) else e.need.accelerator_state
             for e in host_ok
         )
         options.append(f"a GPU with {_gib(gpu)} of memory")

@@ -111,7 +111,7 @@ def decide(cfg: TrainConfig, machine: Machine, whole: tuple[int, int, int] = (0,
         f"offload.{k}={getattr(placed, k)}"
         for k in DECIDED_KEYS
         if (getattr(given, k) == "auto" or getattr(given, k) != getattr(placed, k))
-        and not (k == "device_state_units" and chosen.plan.host_update is None)
+        and not (k == "device_state_units" and (chosen.plan.host_update is None or not search.k_open))
     )
     return Decision(chosen.cfg, chosen.plan, chosen.need, search.predict(chosen), machine, decided, warning)
 
@@ -146,7 +146,9 @@ class _Search:
         # units, to close the next forward pass's wait for the host where the accelerator has room).
         k = max(o.device_state_units, 0)
         self.k_open = _open_device_state(cfg, machine)
-        self.k_range = range(layers + 2) if self.k_open else range(k, k + 1)
+        # An explicit ZeRO-3 mode stays one: its last block at least streams.
+        top = layers + 1 if o.params == "cpu" else layers + 2
+        self.k_range = range(top) if self.k_open else range(k, k + 1)
         r = o.resident_blocks
         self.r_range = range(layers) if o.params == "auto" and not r else range(r, r + 1)
         # Units on disk: as given with offload.optimizer=disk; with auto, the fewest that make a
@@ -165,6 +167,9 @@ class _Search:
         """Whether `option` must hold its activations: where the planner chose its mode, or chose to
         keep units' state on the accelerator beside the user's explicit mode."""
         return self.strict or (self.k_open and option.device_state_units > 0)
+
+    def strict_for_candidate(self, e: Candidate) -> bool:
+        return self.strict_for(e.option)
 
     def evaluate(self, option: Option) -> Candidate | None:
         """`option` evaluated, or None where the config's other settings rule it out (`validate`)."""
@@ -305,10 +310,20 @@ def _refusal(search: _Search) -> str:
     unit = d.grad_accum * mc.devices  # batch sizes validate accepts on this many devices
     frontier = search.frontier()
     if not frontier:  # no placement to reason from: the refusal's first sentence alone
-        return refusal(cfg, mc, search.strict, frontier, [], None, unit, None)
+        return refusal(cfg, mc, search.strict, frontier, [], None, unit, None, search.strict_for_candidate)
     batch = _last(range(unit, d.batch_size, unit), lambda b: _fits(_variant(cfg, data={"batch_size": b}), mc))
     settings = _settings_that_fit(search)
-    return refusal(cfg, mc, search.strict, frontier, settings, batch, unit, _largest_model(search))
+    return refusal(
+        cfg,
+        mc,
+        search.strict,
+        frontier,
+        settings,
+        batch,
+        unit,
+        _largest_model(search),
+        search.strict_for_candidate,
+    )
 
 
 def _variant(cfg: TrainConfig, **sections: dict[str, object]) -> TrainConfig:
