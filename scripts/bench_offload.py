@@ -160,10 +160,9 @@ def run_step_case(case: str, args) -> dict:
     import jax
     import numpy as np
 
-    from jaxzero import preflight
+    from jaxzero import distributed, preflight
     from jaxzero.config import TrainConfig
     from jaxzero.data import DataShard, build_data
-    from jaxzero.distributed import Processes
     from jaxzero.metrics import host_rss_gib
     from jaxzero.models.sizes import flops_per_token, param_count
     from jaxzero.overrides import apply_overrides
@@ -215,11 +214,7 @@ def run_step_case(case: str, args) -> dict:
     # As the program does: the placement decided before JAX's backend starts, which lets XLA's
     # allocator take 95% of each GPU and sizes the pinned pool for it (the library path decides on
     # a backend already running at XLA's default share).
-    count = int(os.environ.get("JAX_NUM_PROCESSES", "1"))
-    processes = (
-        Processes(count, int(os.environ.get("JAX_PROCESS_ID", "0")), None, "bench") if count > 1 else None
-    )
-    decision = preflight.prepare(cfg, processes)
+    decision = preflight.prepare(cfg, distributed.detect())  # bench_mesh.py's processes: its variables
     trainer = build_trainer(decision.config, decision=decision)
     data = build_data(
         cfg.data, cfg.model.vocab_size, cfg.seed, DataShard(jax.process_index(), jax.process_count())

@@ -290,13 +290,12 @@ def refusal(
     batch: int | None,
     smallest_batch: int,
     largest_model: str | None,
-    strict_of: Callable[[Candidate], bool] | None = None,
+    strict_of: Callable[[Candidate], bool],
 ) -> str:
     """Why nothing fits `mc`, in numbers, and what would: the text of the planner's ConfigError.
-    `strict`: the placement was the planner's to choose (`strict_of`, where given: whether a
-    placement of `frontier` must hold its activations, as the search judged it); `frontier`: the
-    placements a refusal reasons from (every mode, K and two-pass setting at the fewest resident
-    blocks); `settings`: the fewest
+    `strict`: the mode was the planner's to choose; `frontier`: the placements a refusal reasons
+    from (every mode, K and two-pass setting at the fewest resident blocks); `strict_of(e)`: whether
+    `e` of them must hold its activations, as the search judges it; `settings`: the fewest
     settings of the run that make it fit ("key=value (why)"); `batch`: the largest data.batch_size
     that fits, None where none from `smallest_batch` up does; `largest_model`: the largest named
     model of the family that fits."""
@@ -336,7 +335,7 @@ def refusal(
     text = [f"{head}."]
     text.append(_settings_text(settings))
     text.append(_smaller_text(cfg, batch, smallest_batch, largest_model))
-    text.append(_tiers(mc, strict_of or (lambda e: strict), frontier))
+    text.append(_tiers(mc, strict_of, frontier))
     if on_this_gpu or mc.gpu_bytes is None:
         text.append(f"For the record, {which} needs {needs}.")
     return " ".join(t for t in text if t)

@@ -163,13 +163,10 @@ class _Search:
         if o.optimizer != "none" and o.params != "none":
             self.modes.append(("cpu", "cpu"))
 
-    def strict_for(self, option: Option) -> bool:
-        """Whether `option` must hold its activations: where the planner chose its mode, or chose to
-        keep units' state on the accelerator beside the user's explicit mode."""
-        return self.strict or (self.k_open and option.device_state_units > 0)
-
-    def strict_for_candidate(self, e: Candidate) -> bool:
-        return self.strict_for(e.option)
+    def strict_for(self, e: Candidate) -> bool:
+        """Whether `e` must hold its activations: where the planner chose its mode, or chose to keep
+        units' state on the accelerator beside the user's explicit mode."""
+        return self.strict or (self.k_open and e.option.device_state_units > 0)
 
     def evaluate(self, option: Option) -> Candidate | None:
         """`option` evaluated, or None where the config's other settings rule it out (`validate`)."""
@@ -192,7 +189,7 @@ class _Search:
         for act in self.activations if optimizer == "cpu" else ("none",):
             for tp in self.two_pass:
                 e = self.evaluate(Option(optimizer, params, k, r, tp, act, disk if optimizer == "cpu" else 0))
-                if e is not None and e.fits(self.strict_for(e.option), disk_fits):
+                if e is not None and e.fits(self.strict_for(e), disk_fits):
                     return [e]
         return []
 
@@ -203,9 +200,7 @@ class _Search:
         options = [
             self.evaluate(Option(optimizer, params, k, r, tp, a, disk)) for tp in self.two_pass for a in acts
         ]
-        shorts = [
-            e.gpu_short if self.strict_for(e.option) else e.state_short for e in options if e is not None
-        ]
+        shorts = [e.gpu_short if self.strict_for(e) else e.state_short for e in options if e is not None]
         return bool(shorts) and all(shorts)
 
     def fitting(self) -> list[Candidate]:
@@ -273,7 +268,7 @@ class _Search:
         return out
 
     def fits_somehow(self) -> bool:
-        return any(e.fits(self.strict_for(e.option)) for e in self.frontier())
+        return any(e.fits(self.strict_for(e)) for e in self.frontier())
 
 
 def _last(values: range, ok: Callable[[int], bool]) -> int | None:
@@ -310,7 +305,7 @@ def _refusal(search: _Search) -> str:
     unit = d.grad_accum * mc.devices  # batch sizes validate accepts on this many devices
     frontier = search.frontier()
     if not frontier:  # no placement to reason from: the refusal's first sentence alone
-        return refusal(cfg, mc, search.strict, frontier, [], None, unit, None, search.strict_for_candidate)
+        return refusal(cfg, mc, search.strict, frontier, [], None, unit, None, search.strict_for)
     batch = _last(range(unit, d.batch_size, unit), lambda b: _fits(_variant(cfg, data={"batch_size": b}), mc))
     settings = _settings_that_fit(search)
     return refusal(
@@ -322,7 +317,7 @@ def _refusal(search: _Search) -> str:
         batch,
         unit,
         _largest_model(search),
-        search.strict_for_candidate,
+        search.strict_for,
     )
 
 
