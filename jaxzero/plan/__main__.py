@@ -10,7 +10,7 @@ or the CPU backend's settings), and it plans for every device, as that run would
 `--machine.gpu_gib`, for a GPU of that size.
 
     python -m jaxzero.plan --model.name=llama-13b --data.batch_size=16 --data.seq_len=2048 \\
-        --machine.gpu_gib=139 --machine.host_gib=125 --machine.cores=16
+        --machine.gpu_gib=133 --machine.host_gib=125 --machine.cores=16
 
 Exit status 0 with the plan; 2 with the reason when nothing fits (what was needed against what is
 available, and what would fit) or the arguments are wrong.
