@@ -27,6 +27,8 @@ from jaxzero.checkpoint_layout import (
 )
 from jaxzero.config import CheckpointError, TrainConfig
 from jaxzero.deferred import Deferred, resolved
+from jaxzero.finetune.adapters import LORA_LAYOUT, adapter_shapes
+from jaxzero.finetune.merged import merged_units
 from jaxzero.models import ModelParams, build_model
 from jaxzero.overrides import config_from_dict
 
@@ -97,14 +99,46 @@ def masters_by_unit(run_dir: str | Path, step: int | None = None) -> tuple[Train
     state_dir = ckpt_dir / str(step) / "state"
     if (state_dir / PYTREE_METADATA).exists():  # the earlier layout: one PyTree
         return cfg, _read_numpy(state_dir, {"params": shapes})["params"], step
-    units = [shapes.embed, *shapes.blocks, shapes.head]
     names = part_names(len(shapes.blocks))
+    if meta.get("layout") == LORA_LAYOUT:  # adapters saved: the base rebuilt, each adapter merged in
+        adapters = adapter_shapes(build_model(cfg.model), cfg.finetune).blocks
+
+        def adapters_of(i: int) -> Any:
+            return _read_numpy(state_dir / names[1 + i], {"params": adapters[i]})["params"]
+
+        return cfg, merged_units(cfg, adapters_of), step
+    units = [shapes.embed, *shapes.blocks, shapes.head]
 
     def unit(name: str, u: Any) -> Deferred:
         return Deferred(lambda: (_read_numpy(state_dir / name, {"params": u})["params"],), 0, u)
 
     read = [unit(name, u) for name, u in zip(names, units)]
     return cfg, ModelParams(read[0], tuple(read[1:-1]), read[-1]), step
+
+
+def saved_adapters(
+    run_dir: str | Path, step: int | None = None
+) -> tuple[TrainConfig, ModelParams, int] | None:
+    """(config, float32 NumPy adapters, step) of a LoRA run's newest (or given) checkpoint
+    (`jaxzero.finetune.adapters`' layout), or None where the run trained every parameter."""
+    ckpt_dir = Path(run_dir).absolute() / CHECKPOINT_DIR
+    steps = saved_steps(run_dir)
+    if not steps:
+        raise CheckpointError(f"{ckpt_dir} holds no checkpoint; train with checkpoint.enabled=true first.")
+    step = steps[-1] if step is None else step
+    if step not in steps:
+        raise CheckpointError(f"{ckpt_dir} has no checkpoint for step {step}; it has steps {steps}.")
+    meta = read_meta(ckpt_dir, step)
+    if meta.get("layout") != LORA_LAYOUT:
+        return None
+    cfg = config_from_dict(meta["config"])
+    shapes = adapter_shapes(build_model(cfg.model), cfg.finetune).blocks
+    names = part_names(len(shapes))
+    state_dir = ckpt_dir / str(step) / "state"
+    blocks = tuple(
+        _read_numpy(state_dir / names[1 + i], {"params": s})["params"] for i, s in enumerate(shapes)
+    )
+    return cfg, ModelParams({}, blocks, {}), step
 
 
 def _read_numpy(path: Path, shapes: Any) -> Any:

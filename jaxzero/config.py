@@ -471,6 +471,30 @@ class ProfileConfig:
         return range(first, stop)
 
 
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # PEFT's Llama projections, without "_proj"
+
+
+@dataclass(frozen=True)
+class FinetuneConfig:
+    """What trains: every parameter (`full`), or LoRA adapters over a frozen base (`lora`, PEFT's rule)."""
+
+    method: Literal["full", "lora"] = "full"  # lora: adapters train on the accelerator, the base is frozen
+    lora_rank: int = 16  # the adapters' rank r
+    lora_alpha: float = 32.0  # the adapter product is scaled by lora_alpha / lora_rank
+    lora_dropout: float = 0.0  # dropout on each adapter's input (PEFT's lora_dropout)
+    # Projections that get adapters, comma-separated among q, k, v, o, gate, up, down (PEFT's q_proj ...)
+    lora_targets: str = "q,k,v,o,gate,up,down"
+    # The frozen base's storage: bfloat16, int8 (weight-only, per output channel, dequantised on the
+    # accelerator inside each block; the embedding, norms and head stay bfloat16), or float32
+    base_dtype: Literal["bfloat16", "int8", "float32"] = "bfloat16"
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """`lora_targets` as a tuple of names, in `LORA_TARGETS` order."""
+        named = {t.strip() for t in self.lora_targets.split(",") if t.strip()}
+        return tuple(t for t in LORA_TARGETS if t in named)
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """The whole run. `steps`, `seed`, `run_dir` and `determinism` are the run concern and live at the
@@ -492,6 +516,7 @@ class TrainConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     machine: MachineConfig = field(default_factory=MachineConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
 
     @property
     def schedule_steps(self) -> int:
@@ -517,5 +542,6 @@ SECTIONS: dict[str, type] = {
     "logging": LoggingConfig,
     "machine": MachineConfig,
     "profile": ProfileConfig,
+    "finetune": FinetuneConfig,
 }
 TOP_LEVEL_KEYS = ("steps", "seed", "run_dir", "determinism")

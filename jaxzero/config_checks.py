@@ -12,6 +12,7 @@ import dataclasses
 import math
 
 from jaxzero.config import (
+    LORA_TARGETS,
     SECTIONS,
     CheckpointConfig,
     ConfigError,
@@ -43,6 +44,7 @@ def validate(cfg: TrainConfig, num_devices: int | None = None) -> None:
     _validate_logging(cfg)
     _validate_checkpoint(cfg.checkpoint)
     _validate_machine(cfg.machine)
+    _validate_finetune(cfg)
 
 
 def validate_model(m: ModelConfig) -> None:
@@ -280,7 +282,8 @@ def _validate_offload(cfg: TrainConfig) -> None:
             "offload.resident_blocks only applies with offload.params=cpu "
             f"(got offload.params={cfg.offload.params})."
         )
-    if cfg.offload.params == "cpu" and cfg.offload.optimizer == "none":
+    lora = cfg.finetune.method == "lora"  # its frozen base streams with no optimizer behind it
+    if cfg.offload.params == "cpu" and cfg.offload.optimizer == "none" and not lora:
         raise ConfigError(
             "offload.params=cpu needs offload.optimizer=cpu: streamed weights are updated "
             "from host-resident fp32 masters (DeepSpeed's ZeRO-3 offload pairs them too)."
@@ -396,4 +399,35 @@ def resolve_batch(cfg: TrainConfig, num_devices: int) -> TrainConfig:
         )
     return dataclasses.replace(
         cfg, data=dataclasses.replace(d, batch_size=b, grad_accum=g, micro_batch_size=0)
+    )
+
+
+def _validate_finetune(cfg: TrainConfig) -> None:
+    f = cfg.finetune
+    if f.method == "full":
+        return
+    _need(
+        cfg.model.family == "llama",
+        f"finetune.method=lora adapts the llama family's projections (Llama, Qwen2, Mistral); "
+        f"model.family={cfg.model.family!r} has none of PEFT's names: use finetune.method=full.",
+    )
+    _need(f.lora_rank >= 1, f"finetune.lora_rank={f.lora_rank} must be >= 1 (16 is common).")
+    _need(f.lora_alpha > 0, f"finetune.lora_alpha={f.lora_alpha} must be > 0 (2 x lora_rank is common).")
+    _need(0 <= f.lora_dropout < 1, f"finetune.lora_dropout={f.lora_dropout} must be in [0, 1).")
+    names = [t.strip() for t in f.lora_targets.split(",") if t.strip()]
+    unknown = [t for t in names if t not in LORA_TARGETS]
+    _need(
+        names and not unknown,
+        f"finetune.lora_targets={f.lora_targets!r}: {', '.join(unknown) or 'none named'}; name some of "
+        f"{', '.join(LORA_TARGETS)}, comma-separated (PEFT's q_proj ... down_proj).",
+    )
+    _need(
+        cfg.offload.params in ("auto", "none", "cpu") and cfg.offload.optimizer in ("auto", "none"),
+        f"finetune.method=lora keeps the adapters and their optimizer state on the accelerator: "
+        f"offload.optimizer={cfg.offload.optimizer!r} has no state to place; leave it at auto (or none). "
+        "offload.params=cpu streams the frozen base from host memory, none keeps it on the accelerator.",
+    )
+    _need(
+        cfg.model.compute_dtype != "float16",
+        "finetune.method=lora runs in bfloat16 or float32 (model.compute_dtype), not float16.",
     )

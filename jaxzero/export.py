@@ -1,5 +1,9 @@
 """`python -m jaxzero.export --run_dir=DIR --out=DIR [--format=hf|orbax] [--dtype=bfloat16|float32]
-[--step=N] [--overwrite]`: a consolidated inference checkpoint from a training run's checkpoint.
+[--step=N] [--overwrite] [--merge]`: a consolidated inference checkpoint from a training run's checkpoint.
+
+A LoRA run (`finetune.method=lora`) exports its adapter in PEFT's format (`adapter_config.json` and
+`adapter_model.safetensors`, for `peft.PeftModel.from_pretrained` over the base); with `--merge`, the
+base with the adapters merged in, as `--format` says.
 
 `hf` writes Hugging Face safetensors plus `config.json` for `LlamaForCausalLM` / `GPT2LMHeadModel`
 (sharded with an index file past `--max_shard_gb`); `orbax` writes the parameters alone as an Orbax
@@ -22,10 +26,11 @@ import os
 import sys
 
 from jaxzero import export_dir
-from jaxzero.checkpoint_masters import export_orbax, masters_by_unit
+from jaxzero.checkpoint_masters import export_orbax, masters_by_unit, saved_adapters
 from jaxzero.config import ConfigError
 from jaxzero.console import to_stderr
 from jaxzero.interop import export_hf
+from jaxzero.interop.peft import export_peft_adapter
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="replace a finished earlier export in --out (the files its .jaxzero-export lists, only those)",
     )
+    ap.add_argument(
+        "--merge", action="store_true", help="a LoRA run: the merged model instead of the PEFT adapter"
+    )
     args = ap.parse_args(argv)
     try:
         earlier = export_dir.check(args.out, args.overwrite)  # a refusal comes before the checkpoint is read
@@ -54,6 +62,20 @@ def main(argv: list[str] | None = None) -> int:
                 f"jaxzero: {args.out} holds an unfinished export (killed midway): replacing it",
                 file=sys.stderr,
             )
+        lora = saved_adapters(args.run_dir, args.step)
+        if lora is None and args.merge:
+            raise ConfigError(f"--merge merges LoRA adapters; {args.run_dir} trained every parameter.")
+        if lora is not None and not args.merge:
+            cfg, adapters, step = lora
+            source = {"run_dir": os.path.abspath(args.run_dir), "step": step}
+            base = cfg.model.init_from or f"{cfg.model.name} (seed {cfg.seed})"
+            out = export_peft_adapter(
+                adapters, cfg.model, cfg.finetune, args.out, base, overwrite=args.overwrite, source=source
+            )
+            print(
+                f"jaxzero: exported the LoRA adapter of step {step} of {args.run_dir} in PEFT's format: {out}"
+            )
+            return 0
         cfg, params, step = masters_by_unit(args.run_dir, args.step)  # read one unit at a time
         source = {"run_dir": os.path.abspath(args.run_dir), "step": step}
         if args.format == "hf":

@@ -227,7 +227,7 @@ def _train_held(
     short_warmup = warmup_warning(cfg.optimizer, cfg.steps, cfg.schedule_steps)
     if short_warmup:
         notes.append(f"jaxzero: warning: {short_warmup}")
-    cfg = resolve_batch(cfg, jax.device_count())  # DeepSpeed's batch rule, now that the devices are known
+    cfg = resolve_batch(cfg, trainer.mesh.size)  # DeepSpeed's batch rule, now that the devices are known
     if run.kind is RunKind.RESUME:
         run_dir_lib.check_resume(cfg, run.saved, path, sources)  # the batch sizes, resolved
     # Every process has looked at the run directory before process 0 writes anything into it.

@@ -28,6 +28,7 @@ from jaxzero.config import TrainConfig
 from jaxzero.config_checks import resolve_batch, validate
 from jaxzero.data.eot import FROM_DATA, resolve_eot_id
 from jaxzero.distributed import Processes
+from jaxzero.finetune.plan import decide_lora
 from jaxzero.plan import search
 from jaxzero.plan.machine import (
     Accelerators,
@@ -51,7 +52,7 @@ def prepare(cfg: TrainConfig, processes: Processes | None = None) -> Decision:
         runtime.request_determinism()
     runtime.claim_accelerator_memory()
     decision = decide(cfg, processes.count if processes is not None else 1)
-    if decision.plan.host_update is not None:
+    if decision.plan.host_update is not None or decision.memory.pinned:
         runtime.configure_pinned_pool(decision.memory)
     return decision
 
@@ -72,6 +73,8 @@ def decide(
     machine = _agreed(cfg, seen, processes, pool_fixed)
     cfg = resolve_batch(cfg, machine.devices)
     validate(cfg, num_devices=machine.devices)
+    if cfg.finetune.method == "lora":  # adapters on the accelerator; only the frozen base is placed
+        return decide_lora(cfg, machine)
     whole = placement.whole_params_of(cfg.model, machine.devices)
     if search.concrete(cfg):
         return search.as_configured(cfg, machine, whole)
@@ -92,6 +95,8 @@ def _accelerators(cfg: TrainConfig) -> Accelerators | None:
         seen = accelerators_of(jax.local_devices())
     else:
         seen = accelerators_before_backend()
+    if cfg.finetune.method == "lora":  # trains on the first device (`jaxzero.finetune.trainer`)
+        seen = dataclasses.replace(seen, local=1)
     return None if cfg.machine.gpu_gib and seen.platform == "cpu" else seen
 
 

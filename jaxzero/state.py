@@ -131,6 +131,8 @@ class Trainer:
     # Where `step` waits for a checkpoint being written from its state before changing it in place:
     # pass it to `jaxzero.checkpoint.Checkpointer.save` (`jaxzero.write_fence`).
     fence: WriteFence = dataclasses.field(default_factory=WriteFence)
+    # `strategy`'s line where the plan does not say it (a LoRA run: `jaxzero.finetune`)
+    description: str | None = None
 
     def evaluate(self, state: Any, batches: Sequence[np.ndarray]) -> float:
         """Mean loss of `state` over validation batches, each int32 (B, seq_len + 1): this process's
@@ -143,6 +145,8 @@ class Trainer:
     @property
     def strategy(self) -> str:
         """A one-line description of where state lives and how it is updated, for logs."""
+        if self.description is not None:
+            return self.description
         if self.plan.host_update is None:
             devices = f"{self.mesh.size} device(s)"
         elif self.mesh.size == 1:

@@ -23,6 +23,7 @@ import dataclasses
 import logging
 from typing import Any
 
+import jax
 import optax
 from jax.sharding import Mesh
 
@@ -30,6 +31,7 @@ from jaxzero import memory, placement, preflight, runtime
 from jaxzero.config import ConfigError, TrainConfig
 from jaxzero.config_checks import resolve_batch, validate
 from jaxzero.data.eot import FROM_DATA
+from jaxzero.finetune.trainer import build_lora_trainer
 from jaxzero.models import Model
 from jaxzero.models.sizes import param_count
 from jaxzero.offload import build_offload_trainer
@@ -86,7 +88,8 @@ def decide_and_build(
     the mesh, else one made here): `python -m jaxzero.train` prints its table. `model` and
     `optimizer`: as `build_trainer`'s."""
     validate(cfg)
-    mesh = mesh if mesh is not None else placement.make_mesh()
+    if mesh is None:  # a LoRA run trains on the first device (`jaxzero.finetune.trainer`)
+        mesh = placement.make_mesh(jax.devices()[:1] if cfg.finetune.method == "lora" else None)
     cfg = resolve_batch(cfg, mesh.size)
     validate(cfg, num_devices=mesh.size)
     processes = placement.process_count(mesh)
@@ -119,12 +122,16 @@ def decide_and_build(
             "device (and process) keeps them whole; a device count dividing model.hidden_size, "
             "model.intermediate_size and model.vocab_size splits them."
         )
-    if plan.host_update is not None:  # the pool XLA started with must hold this process's share
+    if (
+        plan.host_update is not None or need.pinned
+    ):  # the pool XLA started with must hold this process's share
         runtime.check_pinned_pool(need)
     warning = runtime.check_fits(cfg, need, device, sharing=sharing)
     if warning:
         log.warning(warning)
-    if plan.host_update is not None:
+    if cfg.finetune.method == "lora":
+        trainer = build_lora_trainer(cfg, mesh, plan)
+    elif plan.host_update is not None:
         reserve = memory.pinned_pool_reservation(need, device.platform)
         trainer = build_offload_trainer(
             cfg, mesh, plan=plan, pinned_reserve=reserve, model=model, optimizer=optimizer

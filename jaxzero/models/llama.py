@@ -37,25 +37,36 @@ import jax.numpy as jnp
 from jaxzero.config import ModelConfig
 from jaxzero.models import layers
 from jaxzero.models.base import KVCache, ModelParams, init_params
+from jaxzero.models.lora import LoraSpec, dequantize, lora_delta
 
 
 class _Linear(nn.Module):
     """y = x @ kernel [+ bias], kernel (in, out) float32 ~ Normal(0, std), bias (out,) zeros at init
-    (with `use_bias`), both used in x's (compute) dtype."""
+    (with `use_bias`), both used in x's (compute) dtype. Where its parameters carry them
+    (`jaxzero.models.lora`): an int8 kernel with its "kernel_scale", dequantised here, and a LoRA
+    adapter ("lora_a", "lora_b") added as `lora` says, with dropout where a "dropout" key is given."""
 
     features: int
     std: float
     use_bias: bool = False
+    lora: LoraSpec | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         kernel = self.param(
             "kernel", lambda k, shape: layers.normal(k, shape, self.std), (x.shape[-1], self.features)
         )
-        if not self.use_bias:
-            return layers.dense(x, kernel.astype(x.dtype))
-        bias = self.param("bias", lambda _, shape: layers.zeros(shape), (self.features,))
-        return layers.dense(x, kernel.astype(x.dtype), bias.astype(x.dtype))
+        if self.has_variable("params", "kernel_scale"):
+            kernel = dequantize(kernel, self.get_variable("params", "kernel_scale"), x.dtype)
+        bias = None
+        if self.use_bias:
+            bias = self.param("bias", lambda _, shape: layers.zeros(shape), (self.features,)).astype(x.dtype)
+        y = layers.dense(x, kernel.astype(x.dtype), bias)
+        if self.lora is not None and self.has_variable("params", "lora_a"):
+            a, b = self.get_variable("params", "lora_a"), self.get_variable("params", "lora_b")
+            rng = self.make_rng("dropout") if self.has_rng("dropout") else None
+            y = y + lora_delta(x, a, b, self.lora, rng)
+        return y
 
 
 class _RMSNorm(nn.Module):
@@ -76,6 +87,7 @@ class _Attention(nn.Module):
     with their keys and values written in."""
 
     config: ModelConfig
+    lora: LoraSpec | None = None
 
     @nn.compact
     def __call__(
@@ -89,10 +101,11 @@ class _Attention(nn.Module):
         b, s, _ = h.shape
         n, k, hd = c.num_heads, c.num_kv_heads, c.head_dim
         bias = c.attention_bias
-        q = _Linear(n * hd, c.init_std, bias, name="q_proj")(h).reshape(b, s, n, hd)
-        kk = _Linear(k * hd, c.init_std, bias, name="k_proj")(h).reshape(b, s, k, hd)
-        v = _Linear(k * hd, c.init_std, bias, name="v_proj")(h).reshape(b, s, k, hd)
-        out = _Linear(c.hidden_size, c.init_std, name="o_proj")
+        lora = self.lora
+        q = _Linear(n * hd, c.init_std, bias, lora, name="q_proj")(h).reshape(b, s, n, hd)
+        kk = _Linear(k * hd, c.init_std, bias, lora, name="k_proj")(h).reshape(b, s, k, hd)
+        v = _Linear(k * hd, c.init_std, bias, lora, name="v_proj")(h).reshape(b, s, k, hd)
+        out = _Linear(c.hidden_size, c.init_std, lora=lora, name="o_proj")
         if cache is None:
             cos, sin = layers.rope_cos_sin(s, layers.rope_inv_freq(c))
             # Rotary positions run over the whole row, not from 0 at each segment: scores depend only on
@@ -115,13 +128,14 @@ class _Attention(nn.Module):
 
 class _MLP(nn.Module):
     config: ModelConfig
+    lora: LoraSpec | None = None
 
     @nn.compact
     def __call__(self, h: jax.Array) -> jax.Array:
-        c = self.config
-        gate = _Linear(c.intermediate_size, c.init_std, name="gate_proj")(h)
-        up = _Linear(c.intermediate_size, c.init_std, name="up_proj")(h)
-        return _Linear(c.hidden_size, c.init_std, name="down_proj")(jax.nn.silu(gate) * up)
+        c, lora = self.config, self.lora
+        gate = _Linear(c.intermediate_size, c.init_std, lora=lora, name="gate_proj")(h)
+        up = _Linear(c.intermediate_size, c.init_std, lora=lora, name="up_proj")(h)
+        return _Linear(c.hidden_size, c.init_std, lora=lora, name="down_proj")(jax.nn.silu(gate) * up)
 
 
 class LlamaBlock(nn.Module):
@@ -132,10 +146,12 @@ class LlamaBlock(nn.Module):
 
     Its parameters are the block pytree of the module docstring; every weight is used in the compute
     dtype, so float32 masters and compute-dtype copies give the same result. `segments` (B, S) int32:
-    attention stays within each segment (`layers.causal_attention`); not with a `cache`.
+    attention stays within each segment (`layers.causal_attention`); not with a `cache`. `lora`: how
+    adapters in the parameters apply (`jaxzero.models.lora`).
     """
 
     config: ModelConfig
+    lora: LoraSpec | None = None
 
     @nn.compact
     def __call__(
@@ -147,22 +163,24 @@ class LlamaBlock(nn.Module):
     ) -> Any:
         c = self.config
         x = x.astype(layers.compute_dtype(c))
-        attn = _Attention(c, name="self_attn")
+        attn = _Attention(c, self.lora, name="self_attn")
         h = _RMSNorm(c.norm_eps, name="input_layernorm")(x)
         if cache is None:
             x = x + attn(h, segments=segments)
         else:
             a, cache = attn(h, cache, pos)
             x = x + a
-        x = x + _MLP(c, name="mlp")(_RMSNorm(c.norm_eps, name="post_attention_layernorm")(x))
+        x = x + _MLP(c, self.lora, name="mlp")(_RMSNorm(c.norm_eps, name="post_attention_layernorm")(x))
         return x if cache is None else (x, cache)
 
 
 @dataclass(frozen=True)
 class Llama:
-    """A Llama model of shape `config`; all methods are pure and jit-able (the instance is static)."""
+    """A Llama model of shape `config`; all methods are pure and jit-able (the instance is static).
+    `lora`: how LoRA adapters among a block's parameters apply (`jaxzero.models.lora`); None: none."""
 
     config: ModelConfig
+    lora: LoraSpec | None = None
 
     def __post_init__(self) -> None:
         layers.check_shape(self.config, "llama")  # includes the even head_dim that rotary embeddings need
@@ -212,12 +230,23 @@ class Llama:
         table = embed_params["embed_tokens"]["embedding"]
         return jnp.take(table, tokens, axis=0).astype(self.dtype)
 
-    def block(self, block_params: Any, x: jax.Array, segments: jax.Array | None = None) -> jax.Array:
+    def block(
+        self,
+        block_params: Any,
+        x: jax.Array,
+        segments: jax.Array | None = None,
+        dropout_key: jax.Array | None = None,
+    ) -> jax.Array:
         """One `LlamaBlock`, causal over positions arange(S): (B, S, D) -> (B, S, D) compute dtype.
-        Params may be float32 masters or already in the compute dtype. `segments` int32 (B, S) or
-        None: each token attends only within its segment (its document); rotary positions stay
-        arange(S), which within a segment gives the scores that positions restarting at 0 give."""
-        return LlamaBlock(self.config).apply({"params": block_params}, x, segments=segments)
+        Params may be float32 masters or already in the compute dtype (or carry int8 kernels and
+        LoRA adapters, `jaxzero.models.lora`). `segments` int32 (B, S) or None: each token attends
+        only within its segment (its document); rotary positions stay arange(S), which within a
+        segment gives the scores that positions restarting at 0 give. `dropout_key`: the adapters'
+        dropout key (None: no dropout)."""
+        rngs = None if dropout_key is None else {"dropout": dropout_key}
+        return LlamaBlock(self.config, self.lora).apply(
+            {"params": block_params}, x, segments=segments, rngs=rngs
+        )
 
     # ---------------------------------------------------------------------------------------------
     # Generation: the same units over a key/value cache
@@ -239,7 +268,7 @@ class Llama:
         """`block` of x (B, S, D) at positions pos .. pos+S-1 over the block's `cache` of the positions
         before -> (y, the cache with these positions written in). Equal to `block` over the whole
         sequence so far, at these positions."""
-        return LlamaBlock(self.config).apply({"params": block_params}, x, cache, pos)
+        return LlamaBlock(self.config, self.lora).apply({"params": block_params}, x, cache, pos)
 
     def head(self, head_params: Any, embed_params: Any, x: jax.Array) -> jax.Array:
         """Final RMSNorm and output projection: (B, S, D) -> logits (B, S, V) float32.

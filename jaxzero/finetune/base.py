@@ -1,0 +1,94 @@
+"""The frozen base of a LoRA run: every unit in its storage dtype, resident or streamed per use.
+
+A base unit is the model's unit with its weights narrowed once (`finetune.base_dtype`):
+
+    bfloat16 / float32   every leaf in that dtype
+    int8                 each block's projection kernels int8 (in, out) with a float32 "kernel_scale"
+                         (out,) beside them (`jaxzero.models.lora`), weight-only, per output channel;
+                         norm scales (and biases) bfloat16; embedding and head bfloat16
+
+Blocks live in accelerator memory (`resident`) or in `pinned_host` memory, copied to the accelerator
+one block ahead of the pass that needs it (`stream`); the embedding and head always stay on the
+accelerator. The base holds no masters, no optimizer state and sends no gradients anywhere.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Sharding
+
+from jaxzero.models import Model, ModelParams
+from jaxzero.models.lora import quantize_kernel
+
+KERNEL = "kernel"
+
+
+def storage_dtype(base_dtype: str) -> jnp.dtype:
+    """The dtype of a base's non-quantised leaves: bfloat16 for int8 bases."""
+    return jnp.dtype(jnp.float32 if base_dtype == "float32" else jnp.bfloat16)
+
+
+def narrow_block(block: Any, base_dtype: str) -> Any:
+    """One block's float32 weights in storage form (the module docstring); traced."""
+    dtype = storage_dtype(base_dtype)
+
+    def walk(tree: Any) -> Any:
+        out = {}
+        for name, value in tree.items():
+            if isinstance(value, dict):
+                out[name] = walk(value)
+            elif name == KERNEL and base_dtype == "int8":
+                out[name], out["kernel_scale"] = quantize_kernel(value)
+            else:
+                out[name] = value.astype(dtype)
+        return out
+
+    return walk(block)
+
+
+def narrow_unit(unit: Any, base_dtype: str) -> Any:
+    """The embedding or head in storage form (never quantised); traced."""
+    return jax.tree.map(lambda x: x.astype(storage_dtype(base_dtype)), unit)
+
+
+def base_block_bytes(model: Model, base_dtype: str) -> int:
+    """Bytes of one block in storage form."""
+    shapes = jax.eval_shape(
+        partial(narrow_block, base_dtype=base_dtype), jax.eval_shape(model.init_block, jax.random.key(0))
+    )
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+
+
+@dataclass(frozen=True)
+class FrozenBase:
+    """A base in storage form: `units` (embedding and head on the accelerator; blocks on the
+    accelerator or in `pinned_host`), and which blocks are streamed."""
+
+    units: ModelParams
+    streamed: bool
+    device: Sharding  # where a streamed block is copied to
+
+    def blocks_in(self, order: Sequence[int], depth: int = 1) -> Iterator[Any]:
+        """Each block of `order` on the accelerator, a streamed block's copy issued `depth` blocks
+        ahead of its use (asynchronous `device_put`s); a block used twice in a row is copied once."""
+        blocks = self.units.blocks
+        if not self.streamed:
+            yield from (blocks[i] for i in order)
+            return
+        inflight: deque[Any] = deque()
+        issued, last = 0, None
+        for k in range(len(order)):
+            while issued < min(len(order), k + 1 + depth):
+                i = order[issued]
+                w = last[1] if last is not None and last[0] == i else jax.device_put(blocks[i], self.device)
+                inflight.append(w)
+                last = (i, w)
+                issued += 1
+            yield inflight.popleft()

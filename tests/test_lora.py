@@ -1,0 +1,242 @@
+"""LoRA over a frozen base (`finetune.method=lora`): the trainer's gradients against whole-model
+autodiff, a streamed base against a resident one, int8 weights, checkpoints that hold only what trains,
+resumed == uninterrupted, the plan, and the refusals."""
+
+import dataclasses
+import io
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxzero import placement
+from jaxzero import train as train_lib
+from jaxzero.checkpoint_masters import load_masters, read_saved_state
+from jaxzero.config import ConfigError, TrainConfig
+from jaxzero.config_checks import validate
+from jaxzero.data import build_data
+from jaxzero.finetune.adapters import adapter_shapes, lora_spec
+from jaxzero.finetune.base import narrow_block
+from jaxzero.finetune.merged import merge_block, widen
+from jaxzero.finetune.plan import lora_memory
+from jaxzero.finetune.trainer import LoraTrainer, build_lora_trainer
+from jaxzero.models import ModelParams, build_model
+from jaxzero.models.lora import merge_trees, quantize_kernel
+from jaxzero.objective import loss_fn, step_weight
+from jaxzero.overrides import apply_overrides
+from jaxzero.plan import resolve_plan
+from jaxzero.state_io import restore_state
+
+LORA = {
+    "finetune.method": "lora",
+    "finetune.lora_rank": "4",
+    "finetune.lora_alpha": "8",
+    "model.num_layers": "2",
+    "data.seq_len": "32",
+    "data.batch_size": "4",
+    "data.grad_accum": "2",
+    "steps": "6",
+    "optimizer.warmup_steps": "0",
+    "optimizer.lr": "1e-2",
+    "logging.log_every": "1",
+    "logging.progress": "false",
+    "logging.samples": "0",
+}
+EXACT = {"model.compute_dtype": "float32", "finetune.base_dtype": "float32"}
+
+
+def lora_cfg(**over: str) -> TrainConfig:
+    return apply_overrides(TrainConfig(), {**LORA, **over})
+
+
+def trainer_of(cfg: TrainConfig, streamed: bool = False):
+    cfg = dataclasses.replace(
+        cfg, offload=dataclasses.replace(cfg.offload, params="cpu" if streamed else "none", optimizer="none")
+    )
+    plan = resolve_plan(dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, params="none")))
+    return build_lora_trainer(cfg, placement.make_mesh(jax.devices()[:1]), plan)
+
+
+def batches(cfg: TrainConfig, n: int) -> list[np.ndarray]:
+    it = build_data(cfg.data, cfg.model.vocab_size, cfg.seed).train_iter()
+    return [next(it) for _ in range(n)]
+
+
+def test_the_adapters_gradient_is_whole_model_autodiffs():
+    """One step of plain SGD at lr 1 from lora_b = 0 writes -grad into lora_b: it must equal jax.grad
+    of the objective over the merged base and adapters (two micro-batches, documents kept apart)."""
+    sgd = {"optimizer.name": "sgd", "optimizer.momentum": "0", "optimizer.weight_decay": "0",
+           "optimizer.grad_clip": "0", "optimizer.lr": "1", "optimizer.schedule": "constant",
+           "data.eot_id": "10"}  # fmt: skip
+    cfg = lora_cfg(**EXACT, **sgd)
+    trainer = trainer_of(cfg)
+    state = trainer.init(jax.random.key(3))
+    adapters0 = jax.tree.map(np.asarray, state.adapters)
+    base = jax.tree.map(np.asarray, trainer.init.__self__.base().units)
+    batch = batches(cfg, 1)[0]
+    state, metrics = trainer.step(state, trainer.put_batch(batch))
+    stepped = -np.concatenate([np.ravel(np.asarray(x)) for x in jax.tree.leaves(
+        jax.tree.map(lambda b: b, [blk for blk in state.adapters.blocks]))])  # fmt: skip
+
+    model = dataclasses.replace(build_model(cfg.model), lora=lora_spec(cfg.finetune))
+    weight = step_weight(jnp.asarray(batch)) / batch.shape[0]
+
+    def loss(adapters):
+        blocks = tuple(merge_trees(b, a) for b, a in zip(base.blocks, adapters.blocks))
+        params = ModelParams(base.embed, blocks, base.head)
+        return sum(loss_fn(model, params, jnp.asarray(w), weight, eot_id=10) for w in batch)
+
+    grads = jax.grad(loss)(adapters0)
+    want = np.concatenate([np.ravel(np.asarray(x)) for x in jax.tree.leaves(list(grads.blocks))])
+    # lora_a's gradient is 0 while lora_b is 0, so its step leaves it where it was.
+    a_moved = [
+        np.asarray(b["lora_a"])
+        for b in jax.tree.leaves(
+            state.adapters.blocks, is_leaf=lambda x: isinstance(x, dict) and "lora_a" in x
+        )
+    ]
+    a_before = [
+        np.asarray(b["lora_a"])
+        for b in jax.tree.leaves(adapters0.blocks, is_leaf=lambda x: isinstance(x, dict) and "lora_a" in x)
+    ]
+    assert all(np.array_equal(x, y) for x, y in zip(a_moved, a_before))
+    b_stepped = np.concatenate(
+        [
+            -np.ravel(np.asarray(b["lora_b"]))
+            for b in jax.tree.leaves(
+                state.adapters.blocks, is_leaf=lambda x: isinstance(x, dict) and "lora_a" in x
+            )
+        ]
+    )
+    b_want = np.concatenate(
+        [
+            np.ravel(np.asarray(b["lora_b"]))
+            for b in jax.tree.leaves(grads.blocks, is_leaf=lambda x: isinstance(x, dict) and "lora_a" in x)
+        ]
+    )
+    assert np.max(np.abs(b_want)) > 0
+    np.testing.assert_allclose(b_stepped, b_want, rtol=0, atol=1e-5 * np.max(np.abs(b_want)))
+    assert stepped.shape == want.shape
+    assert np.isclose(float(metrics.grad_norm), float(np.linalg.norm(want)), rtol=1e-5)
+
+
+def test_a_streamed_base_trains_bitwise_as_a_resident_one():
+    cfg = lora_cfg(**EXACT, **{"finetune.lora_dropout": "0.1"})
+    data = batches(cfg, 3)
+    out = []
+    for streamed in (False, True):
+        trainer = trainer_of(cfg, streamed)
+        state = trainer.init(jax.random.key(0))
+        losses = []
+        for b in data:
+            state, m = trainer.step(state, trainer.put_batch(b))
+            losses.append(float(m.loss))
+        out.append((losses, [np.asarray(x) for x in jax.tree.leaves(state.adapters)]))
+    assert out[0][0] == out[1][0]
+    assert all(np.array_equal(a, b) for a, b in zip(out[0][1], out[1][1]))
+    assert out[0][0][-1] < out[0][0][0]
+
+
+def test_int8_kernels_stay_within_half_a_step_of_their_channel_and_dequantise_inside_the_block():
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal((48, 40)).astype(np.float32) * rng.uniform(0.01, 3, (1, 40)).astype(np.float32)
+    k[:, 7] = 0.0  # an all-zero channel
+    q, scale = map(np.asarray, quantize_kernel(jnp.asarray(k)))
+    assert q.dtype == np.int8 and scale.shape == (40,) and scale[7] == 1.0
+    assert np.array_equal(np.max(np.abs(q[:, scale != 1.0]), axis=0), np.full(39, 127))  # each channel's peak
+    err = np.abs(q.astype(np.float32) * scale[None, :] - k)
+    assert np.all(err <= scale[None, :] / 2 * (1 + 1e-5))
+
+    cfg = lora_cfg(**{"model.compute_dtype": "float32", "finetune.base_dtype": "int8"})
+    model = build_model(cfg.model)
+    block = model.init_block(jax.random.key(1))
+    stored = narrow_block(block, "int8")
+    assert stored["mlp"]["up_proj"]["kernel"].dtype == jnp.int8 and "kernel_scale" in stored["mlp"]["up_proj"]
+    x = jax.random.normal(jax.random.key(2), (2, 16, cfg.model.hidden_size), jnp.float32)
+    np.testing.assert_allclose(np.asarray(model.block(stored, x)), np.asarray(model.block(widen(stored), x)),
+                               rtol=0, atol=1e-5)  # fmt: skip
+
+
+def test_an_int8_base_trains_and_its_plan_counts_a_byte_per_weight():
+    cfg = lora_cfg(**{"finetune.base_dtype": "int8"})
+    trainer = trainer_of(cfg, streamed=True)
+    state = trainer.init(jax.random.key(0))
+    losses = []
+    for b in batches(cfg, 4):
+        state, m = trainer.step(state, trainer.put_batch(b))
+        losses.append(float(m.loss))
+    assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
+    int8, bf16 = (
+        lora_memory(cfg, True),
+        lora_memory(
+            dataclasses.replace(cfg, finetune=dataclasses.replace(cfg.finetune, base_dtype="bfloat16")), True
+        ),
+    )
+    assert 0.5 < int8.pinned / bf16.pinned < 0.55  # the kernels' byte, their scales and the bf16 norms
+    resident = lora_memory(cfg, False)
+    assert resident.pinned == 0 and resident.host == 0  # nothing of the base crosses to the host
+
+
+def test_a_checkpoint_holds_only_the_adapters_and_a_resume_is_exact(tmp_path):
+    over = {"optimizer.decay_steps": "6", "finetune.lora_dropout": "0.1"}  # one schedule for both
+    whole = train_lib.train(lora_cfg(**over, run_dir=str(tmp_path / "whole")), io.StringIO())
+    half = lora_cfg(**over, run_dir=str(tmp_path / "half"), steps="3")
+    train_lib.train(half, io.StringIO())
+    resumed = train_lib.configure([f"--run_dir={tmp_path / 'half'}", "--steps=6"]).config
+    out = io.StringIO()
+    train_lib.train(resumed, out)
+    assert "resumed from" in out.getvalue()
+    a = read_saved_state(whole / "checkpoints" / "6")
+    b = read_saved_state(tmp_path / "half" / "checkpoints" / "6")
+    assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    cfg = resumed
+    shapes = adapter_shapes(build_model(cfg.model), cfg.finetune)
+    assert jax.tree.structure(a["params"]) == jax.tree.structure(shapes)  # no base weights saved
+    saved = sum(np.asarray(x).nbytes for x in jax.tree.leaves(a))
+    adapters = sum(s.size * 4 for s in jax.tree.leaves(shapes))
+    assert saved < 4 * adapters  # adapters, two moments, the step
+
+    # The merged model a checkpoint reads as (samples, eval, export) is the trained one.
+    cfg_saved, params, step = load_masters(whole)
+    assert step == 6 and cfg_saved.finetune.method == "lora"
+    trainer = trainer_of(cfg_saved)
+    state, _, _ = restore_state(trainer, whole)
+    window = batches(cfg_saved, 1)[0][0]
+    lora_loss = float(trainer.eval_loss(state, trainer.put_eval_batch(window)))
+    full = build_model(cfg_saved.model)
+    merged_loss = float(loss_fn(full, jax.tree.map(jnp.asarray, params), jnp.asarray(window)))
+    assert (
+        abs(lora_loss - merged_loss) < 2e-2
+    )  # bf16 compute: the adapter path rounds apart from a merged kernel
+
+
+def test_merge_block_adds_the_scaled_product():
+    a = np.arange(6, dtype=np.float32).reshape(3, 2)
+    b = np.ones((2, 4), np.float32)
+    block = {"mlp": {"up_proj": {"kernel": np.zeros((3, 4), np.float32)}}}
+    merged = merge_block(block, {"mlp": {"up_proj": {"lora_a": a, "lora_b": b}}}, 0.5)
+    np.testing.assert_array_equal(np.asarray(merged["mlp"]["up_proj"]["kernel"]), 0.5 * a @ b)
+
+
+@pytest.mark.parametrize(
+    ("over", "message"),
+    [
+        ({"model.name": "gpt2-tiny"}, "llama family"),
+        ({"finetune.lora_targets": "q,x"}, "finetune.lora_targets='q,x': x"),
+        ({"finetune.lora_rank": "0"}, "finetune.lora_rank=0"),
+        ({"finetune.lora_dropout": "1"}, r"finetune.lora_dropout=1.0 must be in \[0, 1\)"),
+        ({"offload.optimizer": "cpu"}, "no state to place"),
+    ],
+)
+def test_wrong_lora_settings_are_refused_before_any_work(over, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(lora_cfg(**over))
+
+
+def test_lora_trains_on_one_device_only():
+    cfg = lora_cfg()
+    if len(jax.devices()) < 2:
+        pytest.skip("needs two devices")
+    with pytest.raises(ConfigError, match="trains on one device"):
+        LoraTrainer(cfg, placement.make_mesh(jax.devices()[:2]), streamed=False)
