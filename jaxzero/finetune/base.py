@@ -17,14 +17,13 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Sharding
 
-from jaxzero.models import Model, ModelParams
+from jaxzero.models import ModelParams
 from jaxzero.models.lora import quantize_kernel
 
 KERNEL = "kernel"
@@ -56,14 +55,6 @@ def narrow_block(block: Any, base_dtype: str) -> Any:
 def narrow_unit(unit: Any, base_dtype: str) -> Any:
     """The embedding or head in storage form (never quantised); traced."""
     return jax.tree.map(lambda x: x.astype(storage_dtype(base_dtype)), unit)
-
-
-def base_block_bytes(model: Model, base_dtype: str) -> int:
-    """Bytes of one block in storage form."""
-    shapes = jax.eval_shape(
-        partial(narrow_block, base_dtype=base_dtype), jax.eval_shape(model.init_block, jax.random.key(0))
-    )
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ saves it) and the step; the base is rebuilt from the config (`model.init_from`, 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from functools import partial
 from typing import Any, NamedTuple
 
 import jax
@@ -129,8 +129,8 @@ class LoraTrainer:
         self._add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b), donate_argnums=(0,))
         self._segments = jax.jit(lambda w: None if self._eot is None else document_segments(w, self._eot))
         self._weight = jax.jit(lambda b: step_weight(b) / b.shape[0])
-        self._narrow_block = jax.jit(partial_narrow(narrow_block, dtype), out_shardings=self.device)
-        self._narrow_unit = jax.jit(partial_narrow(narrow_unit, dtype), out_shardings=self.device)
+        self._narrow_block = jax.jit(partial(narrow_block, base_dtype=dtype), out_shardings=self.device)
+        self._narrow_unit = jax.jit(partial(narrow_unit, base_dtype=dtype), out_shardings=self.device)
         self._init_block = jax.jit(
             lambda k: narrow_block(model.init_block(k), dtype), out_shardings=self.device
         )
@@ -276,11 +276,6 @@ class LoraTrainer:
             f"LoRA rank {ft.lora_rank} (alpha {ft.lora_alpha:g}) on {', '.join(ft.targets)}: adapters and "
             f"{self.cfg.optimizer.name} state on the accelerator; the frozen {ft.base_dtype} base {where}"
         )
-
-
-def partial_narrow(fn: Callable[..., Any], base_dtype: str) -> Callable[[Any], Any]:
-    """`fn(unit, base_dtype)` as a function of the unit alone (for jit)."""
-    return lambda unit: fn(unit, base_dtype)
 
 
 def build_lora_trainer(cfg: TrainConfig, mesh: Mesh, plan: OffloadPlan) -> Trainer:
