@@ -431,3 +431,10 @@ def _validate_finetune(cfg: TrainConfig) -> None:
         cfg.model.compute_dtype != "float16",
         "finetune.method=lora runs in bfloat16 or float32 (model.compute_dtype), not float16.",
     )
+    o = cfg.offload
+    _need(
+        o.resident_blocks == 0 and o.activations == "none",
+        f"finetune.method=lora streams either every base block or none (offload.params) and keeps block "
+        f"inputs on the accelerator: offload.resident_blocks={o.resident_blocks} and offload.activations="
+        f"{o.activations!r} apply to finetune.method=full; leave them at 0 and none.",
+    )

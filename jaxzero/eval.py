@@ -39,8 +39,10 @@ from jaxzero.console import to_stderr
 from jaxzero.data.eot import resolve_eot_id
 from jaxzero.data.packing import every_example_rows
 from jaxzero.data.sources import open_split
+from jaxzero.finetune.adapters import LORA_LAYOUT
 from jaxzero.interop import load_hf_by_unit
 from jaxzero.overrides import apply_overrides, config_from_dict, layer, split_args
+from jaxzero.state_io import restore_state
 from jaxzero.trainer import build_trainer
 
 EXIT_CONFIG = 2
@@ -114,11 +116,12 @@ def evaluate(cfg: TrainConfig, source: str, args: argparse.Namespace, split: str
     tokens, counted, starts, split, path = open_split(d.path, d.token_dtype, cfg.model.vocab_size, split)
     decision = preflight.prepare(cfg)  # before JAX's backend starts: it sizes XLA's pools
     trainer = build_trainer(cfg, decision=decision)
-    if args.run_dir:
-        params = masters_by_unit(args.run_dir, args.step)[1]
+    if args.run_dir and trainer.layout == LORA_LAYOUT:  # the adapters restored; the base rebuilt as trained
+        state = restore_state(trainer, args.run_dir, args.step)[0]
+    elif args.run_dir:
+        state = trainer.init_from_params(masters_by_unit(args.run_dir, args.step)[1])
     else:
-        params = load_hf_by_unit(cfg.model, args.hf)
-    state = trainer.init_from_params(params)
+        state = trainer.init_from_params(load_hf_by_unit(cfg.model, args.hf))
     rows = max(d.batch_size, jax.device_count())
     rows -= rows % jax.device_count()  # put_eval_batch splits a batch's rows over the devices
     pad = 1 if cfg.data.eot_id == 0 else 0  # not the end-of-text id: the padding is one document

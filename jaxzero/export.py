@@ -43,7 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run_dir", required=True, help="a training run directory with checkpoints/")
     ap.add_argument("--out", required=True, help="a new or empty directory, or an earlier export")
     ap.add_argument("--format", choices=("hf", "orbax"), default="hf")
-    ap.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default="bfloat16")
+    ap.add_argument(
+        "--dtype", choices=("bfloat16", "float32", "float16"), default=None, help="default bfloat16"
+    )
     ap.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
     ap.add_argument("--max_shard_gb", type=float, default=5.0, help="hf: shard files past this size")
     ap.add_argument(
@@ -66,9 +68,14 @@ def main(argv: list[str] | None = None) -> int:
         if lora is None and args.merge:
             raise ConfigError(f"--merge merges LoRA adapters; {args.run_dir} trained every parameter.")
         if lora is not None and not args.merge:
+            if args.format != "hf" or args.dtype is not None:
+                raise ConfigError(
+                    f"{args.run_dir} is a LoRA run: its export is the adapter in PEFT's format (float32); "
+                    "--format and --dtype apply to the merged model: add --merge."
+                )
             cfg, adapters, step = lora
             source = {"run_dir": os.path.abspath(args.run_dir), "step": step}
-            base = cfg.model.init_from or f"{cfg.model.name} (seed {cfg.seed})"
+            base = cfg.model.init_from  # a base drawn from the seed has no path PEFT could load
             out = export_peft_adapter(
                 adapters, cfg.model, cfg.finetune, args.out, base, overwrite=args.overwrite, source=source
             )
@@ -76,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"jaxzero: exported the LoRA adapter of step {step} of {args.run_dir} in PEFT's format: {out}"
             )
             return 0
+        args.dtype = args.dtype or "bfloat16"
         cfg, params, step = masters_by_unit(args.run_dir, args.step)  # read one unit at a time
         source = {"run_dir": os.path.abspath(args.run_dir), "step": step}
         if args.format == "hf":

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import os
 import socket
 
 import jax
 
 from jaxzero import distributed, placement, runtime
-from jaxzero.config import TrainConfig
+from jaxzero.config import ConfigError, TrainConfig
 from jaxzero.config_checks import resolve_batch, validate
 from jaxzero.data.eot import FROM_DATA, resolve_eot_id
 from jaxzero.distributed import Processes
@@ -39,6 +41,8 @@ from jaxzero.plan.machine import (
 )
 from jaxzero.plan.report import Decision
 
+log = logging.getLogger(__name__)  # the library speaks through logging (`jaxzero.console`)
+
 
 def prepare(cfg: TrainConfig, processes: Processes | None = None) -> Decision:
     """The placement of `cfg` for this run, decided before JAX starts (`decide`), and
@@ -50,11 +54,34 @@ def prepare(cfg: TrainConfig, processes: Processes | None = None) -> Decision:
     after an accelerator's backend started without it."""
     if cfg.determinism:
         runtime.request_determinism()
+    if cfg.finetune.method == "lora":
+        lora_on_one_device(processes)
     runtime.claim_accelerator_memory()
     decision = decide(cfg, processes.count if processes is not None else 1)
     if decision.plan.host_update is not None or decision.memory.pinned:
         runtime.configure_pinned_pool(decision.memory)
     return decision
+
+
+def lora_on_one_device(processes: Processes | None) -> None:
+    """A LoRA run trains on one GPU (`jaxzero.finetune.trainer`): refused in several processes; in
+    one, only the first GPU it would see is made visible (before JAX starts), so that XLA claims no
+    memory on the others."""
+    if processes is not None and processes.count > 1:
+        raise ConfigError(
+            f"finetune.method=lora trains on one GPU in one process; this run has {processes.count} "
+            "processes. Run it as one process (python -m jaxzero.train), or use finetune.method=full."
+        )
+    if runtime.backends_started():
+        return
+    seen = accelerators_before_backend()
+    if seen.platform == "gpu" and seen.local > 1:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        first = visible.split(",")[0].strip() if visible else "0"
+        os.environ["CUDA_VISIBLE_DEVICES"] = first
+        log.warning(
+            f"finetune.method=lora trains on one GPU: CUDA_VISIBLE_DEVICES={first} (of {seen.local} visible)"
+        )
 
 
 def decide(

@@ -25,7 +25,10 @@ from jaxzero.checkpoint_layout import CHECKPOINT_DIR, largest_array_bytes, make_
 from jaxzero.checkpoint_masters import export_orbax
 from jaxzero.config import CheckpointError
 from jaxzero.data.types import DataState
+from jaxzero.finetune.adapters import LORA_LAYOUT
+from jaxzero.finetune.merged import merged_units
 from jaxzero.interop import export_hf
+from jaxzero.interop.peft import export_peft_adapter
 from jaxzero.placement import process_count
 from jaxzero.state import Trainer, ensure_live
 
@@ -100,17 +103,28 @@ def export_state(
     `overwrite` replaces a finished one, and anything else is refused (FileExistsError) with or
     without it. Returns `out_dir`. The state is not consumed; the float32 masters are copied to host
     RAM whole, so one process must hold them all (a run of several processes exports a checkpoint
-    with `python -m jaxzero.export` instead)."""
+    with `python -m jaxzero.export` instead). A LoRA trainer's state: `format="peft"` its adapter in
+    PEFT's format, "hf" / "orbax" the base (as trained) with the adapter merged in."""
     ensure_live(state)
-    if format not in ("hf", "orbax"):
-        raise ValueError(f"format={format!r} is not one of 'hf', 'orbax'.")
+    lora = trainer.layout == LORA_LAYOUT
+    if format not in ("hf", "orbax", "peft") or (format == "peft" and not lora):
+        formats = "'peft' (the adapter), 'hf', 'orbax' (the merged model)" if lora else "'hf', 'orbax'"
+        raise ValueError(f"format={format!r} is not one of {formats}.")
     if process_count(trainer.mesh) > 1:
         raise ValueError(
             "export runs in one process: each of this run's processes holds only part of the weights. "
             "Save a checkpoint (save_state) and export it from one process: python -m jaxzero.export "
             "--run_dir=DIR --out=OUT."
         )
-    masters = jax.device_get(state.params)  # float32, one host copy
+    if lora:  # the adapters, in PEFT's format or merged into the base as it was trained
+        cfg = trainer.config
+        adapters = jax.device_get(state.adapters)
+        if format == "peft":
+            base = cfg.model.init_from or None
+            return export_peft_adapter(adapters, cfg.model, cfg.finetune, out_dir, base, overwrite=overwrite)
+        masters = merged_units(cfg, lambda i: adapters.blocks[i])
+    else:
+        masters = jax.device_get(state.params)  # float32, one host copy
     if format == "hf":
         export_hf(masters, trainer.config.model, out_dir, dtype=dtype, overwrite=overwrite)
     else:

@@ -130,7 +130,13 @@ def decide_and_build(
     if warning:
         log.warning(warning)
     if cfg.finetune.method == "lora":
-        trainer = build_lora_trainer(cfg, mesh, plan)
+        if model is not None or optimizer is not None:
+            raise ConfigError(
+                "finetune.method=lora trains jaxzero's Llama family with cfg.optimizer: build_trainer's "
+                "model= and optimizer= apply to finetune.method=full."
+            )
+        reserve = memory.pinned_pool_reservation(need, device.platform) if need.pinned else 0
+        trainer = build_lora_trainer(cfg, mesh, plan, pinned_reserve=reserve)
     elif plan.host_update is not None:
         reserve = memory.pinned_pool_reservation(need, device.platform)
         trainer = build_offload_trainer(

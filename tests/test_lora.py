@@ -4,6 +4,7 @@ resumed == uninterrupted, the plan, and the refusals."""
 
 import dataclasses
 import io
+import json
 
 import jax
 import jax.numpy as jnp
@@ -240,3 +241,76 @@ def test_lora_trains_on_one_device_only():
         pytest.skip("needs two devices")
     with pytest.raises(ConfigError, match="trains on one device"):
         LoraTrainer(cfg, placement.make_mesh(jax.devices()[:2]), streamed=False)
+
+
+def test_eval_and_export_of_an_int8_lora_run_keep_the_trained_adapters(tmp_path, capsys):
+    """`python -m jaxzero.eval` restores the adapters over the base rebuilt as trained (a merge
+    quantised again would round small adapter updates away); `python -m jaxzero.export` writes the
+    adapter, refuses merged-model flags without --merge, and merges with it; `export_state` alike."""
+    from jaxzero import eval as eval_lib
+    from jaxzero import export as export_lib
+    from jaxzero.data import write_tokens
+    from jaxzero.state_io import export_state
+
+    data = tmp_path / "tokens"
+    data.mkdir()
+    rng = np.random.default_rng(0)
+    write_tokens(data / "train.bin", rng.integers(0, 256, 4000), "uint16")
+    write_tokens(data / "val.bin", rng.integers(0, 256, 400), "uint16")
+    over = {"finetune.base_dtype": "int8", "optimizer.lr": "1e-3", "data.source": "tokens",
+            "data.path": str(data), "data.eot_id": "-1", "run_dir": str(tmp_path / "run")}  # fmt: skip
+    run = train_lib.train(lora_cfg(**over), io.StringIO())
+    assert eval_lib.main([f"--run_dir={run}", f"--data.path={data}"]) == 0
+    evaluated = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["loss"]
+
+    cfg = train_lib.configure([f"--run_dir={run}"]).config
+    trainer = trainer_of(cfg)
+    state, _, _ = restore_state(trainer, run)
+    tokens = np.fromfile(data / "val.bin", np.uint16).astype(np.int32)
+    windows = np.stack([tokens[s : s + 33] for s in range(0, 400 - 33, 32)])
+    direct = float(trainer.eval_loss(state, trainer.put_eval_batch(windows[:12])))
+    fresh = trainer.init(jax.random.key(0))  # the base alone: adapters at their init (lora_b = 0)
+    base_only = float(trainer.eval_loss(fresh, trainer.put_eval_batch(windows[:12])))
+    assert abs(direct - base_only) > 1e-3  # the adapters moved the loss
+    # eval's windows are its own batching of val.bin; both read the trained adapters, not the base
+    assert abs(evaluated - direct) < 0.25 * abs(direct - base_only)
+
+    assert export_lib.main([f"--run_dir={run}", f"--out={tmp_path / 'a'}", "--format=orbax"]) == 2
+    assert "add --merge" in capsys.readouterr().err
+    assert export_lib.main([f"--run_dir={run}", f"--out={tmp_path / 'a'}"]) == 0
+    assert sorted(p.name for p in (tmp_path / "a").iterdir() if not p.name.startswith(".")) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
+    assert json.loads((tmp_path / "a" / "adapter_config.json").read_text())["base_model_name_or_path"] is None
+    assert export_lib.main([f"--run_dir={run}", f"--out={tmp_path / 'm'}", "--merge", "--dtype=float32"]) == 0
+    export_state(trainer, state, tmp_path / "p", format="peft")
+    a = (tmp_path / "a" / "adapter_model.safetensors").read_bytes()
+    assert a == (tmp_path / "p" / "adapter_model.safetensors").read_bytes()
+    with pytest.raises(ValueError, match="'peft' \\(the adapter\\)"):
+        export_state(trainer, state, tmp_path / "q", format="gguf")
+
+
+def test_the_base_is_the_seeds_whatever_key_starts_the_adapters():
+    """A checkpoint holds no base: every reader rebuilds it from `seed`, so `init` must too."""
+    cfg = lora_cfg(**EXACT)
+    t1, t2 = trainer_of(cfg), trainer_of(cfg)
+    s1, s2 = t1.init(jax.random.key(0)), t2.init(jax.random.key(7))
+    b1 = jax.tree.leaves(t1.init.__self__.base().units)
+    b2 = jax.tree.leaves(t2.init.__self__.base().units)
+    assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(b1, b2))
+    a1, a2 = jax.tree.leaves(s1.adapters), jax.tree.leaves(s2.adapters)
+    assert not all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(a1, a2))
+
+
+def test_the_plan_counts_the_pinned_pool_and_three_streamed_blocks():
+    from jaxzero import memory
+    from jaxzero.finetune.plan import lora_bytes
+
+    cfg = lora_cfg(**{"model.name": "llama-3.1-70b", "finetune.base_dtype": "int8", "data.batch_size": "16",
+                      "data.seq_len": "2048", "data.grad_accum": "1"})  # fmt: skip
+    streamed, resident = lora_memory(cfg, True), lora_memory(cfg, False)
+    b = lora_bytes(cfg, True)
+    assert streamed.host == memory.pinned_pool_bytes(b.base_blocks) >= b.base_blocks
+    block = b.base_blocks // cfg.model.num_layers
+    assert streamed.activations - resident.activations == 3 * block

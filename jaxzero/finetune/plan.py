@@ -68,8 +68,8 @@ def lora_bytes(cfg: TrainConfig, streamed: bool) -> LoraBytes:
     working = memory.backward_phases(transient)
     if ft.base_dtype == "int8":  # a block's kernels dequantised while it runs
         working += kernels * compute
-    if streamed:  # the block in use and the one being copied
-        working += 2 * block
+    if streamed:  # the block in use, the one being copied and the one issued next
+        working += 3 * block
     return LoraBytes(m.num_layers * block, edges, adapters, state, saved + working)
 
 
@@ -78,7 +78,9 @@ def lora_memory(cfg: TrainConfig, streamed: bool) -> MemoryPlan:
     b = lora_bytes(cfg, streamed)
     on_device = b.base_edges + b.adapter_state + (0 if streamed else b.base_blocks)
     pinned = b.base_blocks if streamed else 0
-    return MemoryPlan(host=pinned, pinned=pinned, accelerator_state=on_device, activations=b.activations)
+    # XLA's pinned pool grows by doubling regions: the process holds the pool, not just the blocks.
+    host = memory.pinned_pool_bytes(pinned) if pinned else 0
+    return MemoryPlan(host=host, pinned=pinned, accelerator_state=on_device, activations=b.activations)
 
 
 def predict_lora(cfg: TrainConfig, streamed: bool, machine: Machine) -> Prediction:

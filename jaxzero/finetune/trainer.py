@@ -48,6 +48,7 @@ from jaxzero.objective import (
     head_loss,
     step_weight,
 )
+from jaxzero.offload.host_memory import reserve_pinned
 from jaxzero.optim import (
     build_optimizer,
     global_norm,
@@ -79,7 +80,7 @@ class LoraState(NamedTuple):
 class LoraTrainer:
     """The programs and the frozen base of one LoRA run on one device; see the module docstring."""
 
-    def __init__(self, cfg: TrainConfig, mesh: Mesh, streamed: bool):
+    def __init__(self, cfg: TrainConfig, mesh: Mesh, streamed: bool, pinned_reserve: int = 0):
         if mesh.size != 1:
             raise ConfigError(
                 f"finetune.method=lora trains on one device; the mesh has {mesh.size}. Run it on one "
@@ -101,6 +102,7 @@ class LoraTrainer:
         self._eot = document_eot(cfg.data, self.model)
         self._dropout = ft.lora_dropout > 0
         self._base: FrozenBase | None = None
+        self._reserve = pinned_reserve if streamed else 0  # pinned pool grown once, before the base
         self.fence = WriteFence()  # a checkpoint being written from a state's arrays (`jaxzero.write_fence`)
         model, dtype = self.model, ft.base_dtype
 
@@ -147,6 +149,9 @@ class LoraTrainer:
 
     def base(self) -> FrozenBase:
         """The frozen base, built from the config on first use (`model.init_from`, else `seed`)."""
+        if self._base is None and self._reserve:
+            reserve_pinned(self._reserve, self.home)  # the pool grows now, in one region
+            self._reserve = 0
         if self._base is None:
             if self.cfg.model.init_from:
                 from jaxzero.interop.hf_io import load_hf_by_unit  # the HF reader only where it is used
@@ -166,6 +171,9 @@ class LoraTrainer:
 
     def set_base(self, params: ModelParams) -> None:
         """The base from float32 units (NumPy or `Deferred`, read one at a time), narrowed."""
+        if self._reserve:
+            reserve_pinned(self._reserve, self.home)
+            self._reserve = 0
         unit = lambda u: self._narrow_unit(jax.device_put(resolved(u), self.device))  # noqa: E731
         blocks = tuple(
             self._placed(self._narrow_block(jax.device_put(resolved(b), self.device))) for b in params.blocks
@@ -181,9 +189,9 @@ class LoraTrainer:
     # -- state ------------------------------------------------------------------------------------
 
     def init(self, key: jax.Array) -> LoraState:
-        """Fresh adapters (the adapted model starts as the base) and their optimizer state; builds the
-        base from `key` (the model's own init, so the base is what a full run would start from)."""
-        self._base = None if self.cfg.model.init_from else self._fresh_base(key)
+        """Fresh adapters from `key` (the adapted model starts as the base) and their optimizer state.
+        The base is the model's own init from `seed` (or `model.init_from`'s weights), whatever `key`
+        is: a checkpoint holds no base, so every later reader rebuilds it from the config."""
         self.base()
         return self._fresh_state(key)
 
@@ -278,10 +286,11 @@ class LoraTrainer:
         )
 
 
-def build_lora_trainer(cfg: TrainConfig, mesh: Mesh, plan: OffloadPlan) -> Trainer:
+def build_lora_trainer(cfg: TrainConfig, mesh: Mesh, plan: OffloadPlan, pinned_reserve: int = 0) -> Trainer:
     """The `Trainer` of a `finetune.method=lora` run whose placement is decided: the base streamed
-    from `pinned_host` with `offload.params=cpu`, on the accelerator with `none`."""
-    lora = LoraTrainer(cfg, mesh, streamed=cfg.offload.params == "cpu")
+    from `pinned_host` with `offload.params=cpu`, on the accelerator with `none`. `pinned_reserve`:
+    bytes to grow the pinned pool by before the base is placed (`memory.pinned_pool_reservation`)."""
+    lora = LoraTrainer(cfg, mesh, streamed=cfg.offload.params == "cpu", pinned_reserve=pinned_reserve)
     return Trainer(
         config=cfg,
         plan=plan,

@@ -57,11 +57,14 @@ def quantize_kernel(kernel: jax.Array) -> tuple[jax.Array, jax.Array]:
 def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, spec: LoraSpec, rng: jax.Array | None) -> jax.Array:
     """The adapter's term for x (..., in): dropout(x) @ a (in, r) @ b (r, out) * scale, in x's dtype.
     `rng`: the dropout key (None: no dropout)."""
+    # The dropout factor and the scale are applied in float32: in bfloat16, alpha / r = 4/3 would
+    # train with 1.336, not the 1.333 a merge and PEFT use.
     if rng is not None and spec.dropout > 0:
         keep = jax.random.bernoulli(rng, 1.0 - spec.dropout, x.shape)
-        x = jnp.where(keep, x / jnp.asarray(1.0 - spec.dropout, x.dtype), jnp.zeros((), x.dtype))
+        kept = x.astype(jnp.float32) / jnp.float32(1.0 - spec.dropout)
+        x = jnp.where(keep, kept, jnp.float32(0.0)).astype(x.dtype)
     h = jnp.matmul(x, a.astype(x.dtype))
-    return jnp.matmul(h, b.astype(x.dtype)) * jnp.asarray(spec.scale, x.dtype)
+    return (jnp.matmul(h, b.astype(x.dtype)).astype(jnp.float32) * jnp.float32(spec.scale)).astype(x.dtype)
 
 
 def merge_trees(base: Any, extra: Any) -> Any:
