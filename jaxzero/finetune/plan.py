@@ -68,7 +68,7 @@ def lora_bytes(cfg: TrainConfig, streamed: bool) -> LoraBytes:
     working = memory.backward_phases(transient)
     if ft.base_dtype == "int8":  # a block's kernels dequantised while it runs
         working += kernels * compute
-    if streamed:  # the block in use, the one being copied and the one issued next
+    if streamed:  # the block in use, the one before it (still held) and the one being copied
         working += 3 * block
     return LoraBytes(m.num_layers * block, edges, adapters, state, saved + working)
 
@@ -214,6 +214,7 @@ def decide_lora(cfg: TrainConfig, machine: Machine) -> LoraDecision:
     hint = " finetune.base_dtype=int8 halves the base;" if cfg.finetune.base_dtype != "int8" else ""
     raise ConfigError(
         f"{cfg.model.name} with LoRA at {cfg.data.batch_size} x {cfg.data.seq_len} tokens per step does not "
-        f"fit this machine: {rows}.{hint} a smaller data.batch_size (or more data.grad_accum) shrinks the "
-        "activations; offload.params=cpu streams the base from host memory."
+        f"fit this machine: {rows}.{hint} a smaller data.batch_size (or more data.grad_accum: a streamed "
+        "base crosses the link once per micro-batch) shrinks the activations"
+        + ("; offload.params=cpu streams the base from host memory." if cfg.offload.params == "none" else ".")
     )

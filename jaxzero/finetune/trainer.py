@@ -221,15 +221,18 @@ class LoraTrainer:
             segments = self._segments(window)
             keys = jax.random.split(jax.random.fold_in(key, a), n)
             x = self._embed(units.embed, decode_window(window)[0])
+            # One stream of blocks for both passes: the last block turns from forward to backward
+            # without a second copy, and the backward's first copies overlap the head.
+            blocks = base.blocks_in([*range(n), *reversed(range(n))])
             saved = []
-            for i, w in enumerate(base.blocks_in(range(n))):
+            for i in range(n):
                 saved.append(x)
-                x = self._block(w, state.adapters.blocks[i], x, segments, keys[i])
+                x = self._block(next(blocks), state.adapters.blocks[i], x, segments, keys[i])
             part, dx = self._head(units.head, units.embed, x, window, weight)
             block_grads: list[Any] = [None] * n
-            for i, w in zip(reversed(range(n)), base.blocks_in(range(n - 1, -1, -1))):
+            for i in reversed(range(n)):
                 dx, block_grads[i] = self._block_vjp(
-                    w, state.adapters.blocks[i], saved[i], segments, keys[i], dx
+                    next(blocks), state.adapters.blocks[i], saved[i], segments, keys[i], dx
                 )
                 saved[i] = None  # the input is freed once its block's backward pass is issued
             g = ModelParams({}, tuple(block_grads), {})
