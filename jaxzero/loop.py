@@ -19,7 +19,7 @@ from typing import Any, TextIO
 import jax
 import numpy as np
 
-from jaxzero import deepspeed, distributed, objective
+from jaxzero import deepspeed, distributed, objective, runtime
 from jaxzero import run_dir as run_dir_lib
 from jaxzero.checkpoint import Checkpointer, trim_host_heap
 from jaxzero.checkpoint_disk import CheckpointWriteError, ensure_disk_room
@@ -368,6 +368,8 @@ def _steps(run: Run, console: TextIO) -> Path:
     return path
 
 
+# The end-of-run samples read the model's float32 weights whole: at most this share of the free RAM.
+SAMPLES_RAM_SHARE = 0.5
 # Prompts of the end-of-run samples on the built-in corpus (Python's standard library).
 SAMPLE_PROMPTS = ("def ", "import ", "class ", "    return ", "# ")
 
@@ -376,6 +378,15 @@ def print_samples(cfg: TrainConfig, console: TextIO) -> None:
     """`logging.samples` continuations of Python-source prompts by the run's last checkpoint, sampled
     at temperature 0.8 and top_p 0.95, with the command that makes more."""
     if jax.process_count() > 1:  # the checkpoint is read whole by one process
+        return
+    whole = 4 * param_count(cfg.model)  # the float32 weights the sampler reads into host RAM
+    if whole > SAMPLES_RAM_SHARE * runtime.host_memory_available():
+        print(
+            f"jaxzero: samples skipped: the model's float32 weights ({whole / 2**30:.1f} GiB) would not fit "
+            f"this host's free RAM beside the run; python -m jaxzero.generate --run_dir={cfg.run_dir} "
+            "--prompt=TEXT samples on a machine that holds them.",
+            file=console,
+        )
         return
     cfg_saved, params, step = load_masters(cfg.run_dir)
     codec = codec_for(cfg_saved)

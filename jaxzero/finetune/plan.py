@@ -141,6 +141,11 @@ class LoraDecision(Decision):
         ]
         if need.pinned:
             lines.append(f"  pinned     {_gib(need.pinned)} of host RAM (the base's blocks)")
+        if mc.gpu_bytes is not None:
+            lines.append(
+                f"  host RAM   {_gib(self._ram_needed())} of {_gib(mc.host_usable)} (XLA's pinned pool and "
+                f"{_gib(memory.process_allowance(need))} for the process itself)"
+            )
         if cfg.checkpoint.enabled:
             lines.append(
                 f"  checkpoints {_gib(_tree_bytes_saved(cfg))} each (adapters, their optimizer state, the "
