@@ -29,6 +29,7 @@ from jaxzero.config import CheckpointError, TrainConfig
 from jaxzero.deferred import Deferred, resolved
 from jaxzero.finetune.adapters import LORA_LAYOUT, adapter_shapes
 from jaxzero.finetune.merged import merged_units
+from jaxzero.finetune.trainable import FROZEN_LAYOUT, trainable_shapes
 from jaxzero.models import ModelParams, build_model
 from jaxzero.overrides import config_from_dict
 
@@ -100,13 +101,16 @@ def masters_by_unit(run_dir: str | Path, step: int | None = None) -> tuple[Train
     if (state_dir / PYTREE_METADATA).exists():  # the earlier layout: one PyTree
         return cfg, _read_numpy(state_dir, {"params": shapes})["params"], step
     names = part_names(len(shapes.blocks))
-    if meta.get("layout") == LORA_LAYOUT:  # adapters saved: the base rebuilt, each adapter merged in
-        adapters = adapter_shapes(build_model(cfg.model), cfg.finetune).blocks
+    if meta.get("layout") in (LORA_LAYOUT, FROZEN_LAYOUT):  # what trained saved; the base rebuilt
+        t = trainable_shapes(build_model(cfg.model), cfg.finetune)
+        trainable = [t.embed, *t.blocks, t.head]  # by position
 
-        def adapters_of(i: int) -> Any:
-            return _read_numpy(state_dir / names[1 + i], {"params": adapters[i]})["params"]
+        def trainable_of(k: int) -> Any:
+            if not trainable[k]:
+                return {}
+            return _read_numpy(state_dir / names[k], {"params": trainable[k]})["params"]
 
-        return cfg, merged_units(cfg, adapters_of), step
+        return cfg, merged_units(cfg, trainable_of), step
     units = [shapes.embed, *shapes.blocks, shapes.head]
 
     def unit(name: str, u: Any) -> Deferred:
@@ -120,7 +124,7 @@ def saved_adapters(
     run_dir: str | Path, step: int | None = None
 ) -> tuple[TrainConfig, ModelParams, int] | None:
     """(config, float32 NumPy adapters, step) of a LoRA run's newest (or given) checkpoint
-    (`jaxzero.finetune.adapters`' layout), or None where the run trained every parameter."""
+    (`jaxzero.finetune.adapters`' layout), or None where the run trained whole units."""
     ckpt_dir = Path(run_dir).absolute() / CHECKPOINT_DIR
     steps = saved_steps(run_dir)
     if not steps:

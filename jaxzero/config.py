@@ -487,6 +487,37 @@ class FinetuneConfig:
     # The frozen base's storage: bfloat16, int8 (weight-only, per output channel, dequantised on the
     # accelerator inside each block; the embedding, norms and head stay bfloat16), or float32
     base_dtype: Literal["bfloat16", "int8", "float32"] = "bfloat16"
+    # Full fine-tuning of part of a model: the units that do not train, comma-separated among embed,
+    # head and blocks:A-B (0-based, inclusive), e.g. "embed,blocks:0-15"; they are kept in base_dtype
+    # with no masters, no optimizer state and no gradients
+    freeze: str = ""
+
+    @property
+    def partial(self) -> bool:
+        """Whether part of the model is frozen: LoRA (the whole base) or `freeze`."""
+        return self.method == "lora" or bool(self.freeze.strip())
+
+    def frozen(self, num_layers: int) -> frozenset[int]:
+        """The positions (embedding 0, block i at 1 + i, head num_layers + 1) that do not train under
+        `freeze`; ConfigError naming the bad item for one that is not embed, head or blocks:A-B."""
+        out: set[int] = set()
+        for item in (t.strip() for t in self.freeze.split(",")):
+            if not item:
+                continue
+            if item in ("embed", "head"):
+                out.add(0 if item == "embed" else num_layers + 1)
+                continue
+            lo_hi = item.removeprefix("blocks:").split("-") if item.startswith("blocks:") else []
+            if len(lo_hi) in (1, 2) and all(x.strip().isdigit() for x in lo_hi):
+                lo, hi = int(lo_hi[0]), int(lo_hi[-1])
+                if lo <= hi < num_layers:
+                    out.update(range(1 + lo, 2 + hi))
+                    continue
+            raise ConfigError(
+                f"finetune.freeze={self.freeze!r}: {item!r} is not embed, head or blocks:A-B with "
+                f'0 <= A <= B < model.num_layers={num_layers} (e.g. "embed,blocks:0-15").'
+            )
+        return frozenset(out)
 
     @property
     def targets(self) -> tuple[str, ...]:

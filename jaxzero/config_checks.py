@@ -282,7 +282,7 @@ def _validate_offload(cfg: TrainConfig) -> None:
             "offload.resident_blocks only applies with offload.params=cpu "
             f"(got offload.params={cfg.offload.params})."
         )
-    lora = cfg.finetune.method == "lora"  # its frozen base streams with no optimizer behind it
+    lora = cfg.finetune.partial  # its frozen base streams with no optimizer behind it
     if cfg.offload.params == "cpu" and cfg.offload.optimizer == "none" and not lora:
         raise ConfigError(
             "offload.params=cpu needs offload.optimizer=cpu: streamed weights are updated "
@@ -404,8 +404,16 @@ def resolve_batch(cfg: TrainConfig, num_devices: int) -> TrainConfig:
 
 def _validate_finetune(cfg: TrainConfig) -> None:
     f = cfg.finetune
+    if f.method == "full" and f.freeze.strip():
+        _validate_freeze(cfg)
+        return
     if f.method == "full":
         return
+    _need(
+        not f.freeze.strip(),
+        f"finetune.freeze={f.freeze!r} with finetune.method=lora: LoRA freezes the whole base already; "
+        "leave finetune.freeze empty, or use finetune.method=full to train the units it leaves.",
+    )
     _need(
         cfg.model.family == "llama",
         f"finetune.method=lora adapts the llama family's projections (Llama, Qwen2, Mistral); "
@@ -437,4 +445,29 @@ def _validate_finetune(cfg: TrainConfig) -> None:
         f"finetune.method=lora streams either every base block or none (offload.params) and keeps block "
         f"inputs on the accelerator: offload.resident_blocks={o.resident_blocks} and offload.activations="
         f"{o.activations!r} apply to finetune.method=full; leave them at 0 and none.",
+    )
+
+
+def _validate_freeze(cfg: TrainConfig) -> None:
+    f, o, n = cfg.finetune, cfg.offload, cfg.model.num_layers
+    frozen = f.frozen(n)
+    _need(
+        len(frozen) < n + 2,
+        f"finetune.freeze={f.freeze!r} freezes every unit of the model: nothing would train.",
+    )
+    _need(
+        o.optimizer in ("auto", "none") and o.resident_blocks == 0 and o.activations == "none",
+        f"finetune.freeze keeps the units that train, with their masters and optimizer state, on the "
+        f"accelerator and streams only frozen blocks (offload.params): offload.optimizer={o.optimizer!r}, "
+        f"offload.resident_blocks={o.resident_blocks} and offload.activations={o.activations!r} apply to "
+        "a run that trains every unit; leave them at auto, 0 and none.",
+    )
+    _need(
+        f.base_dtype != "int8" or cfg.model.family == "llama",
+        f"finetune.base_dtype=int8 quantises the llama family's projections; model.family="
+        f"{cfg.model.family!r}: use bfloat16.",
+    )
+    _need(
+        cfg.model.compute_dtype != "float16",
+        "finetune.freeze runs in bfloat16 or float32 (model.compute_dtype), not float16.",
     )

@@ -40,6 +40,7 @@ from jaxzero.data.eot import resolve_eot_id
 from jaxzero.data.packing import every_example_rows
 from jaxzero.data.sources import open_split
 from jaxzero.finetune.adapters import LORA_LAYOUT
+from jaxzero.finetune.trainable import FROZEN_LAYOUT
 from jaxzero.interop import load_hf_by_unit
 from jaxzero.overrides import apply_overrides, config_from_dict, layer, split_args
 from jaxzero.state_io import restore_state
@@ -116,7 +117,7 @@ def evaluate(cfg: TrainConfig, source: str, args: argparse.Namespace, split: str
     tokens, counted, starts, split, path = open_split(d.path, d.token_dtype, cfg.model.vocab_size, split)
     decision = preflight.prepare(cfg)  # before JAX's backend starts: it sizes XLA's pools
     trainer = build_trainer(cfg, decision=decision)
-    if args.run_dir and trainer.layout == LORA_LAYOUT:  # the adapters restored; the base rebuilt as trained
+    if args.run_dir and trainer.layout in (LORA_LAYOUT, FROZEN_LAYOUT):  # restored; the base rebuilt
         state = restore_state(trainer, args.run_dir, args.step)[0]
     elif args.run_dir:
         state = trainer.init_from_params(masters_by_unit(args.run_dir, args.step)[1])

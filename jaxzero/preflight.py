@@ -30,7 +30,7 @@ from jaxzero.config import ConfigError, TrainConfig
 from jaxzero.config_checks import resolve_batch, validate
 from jaxzero.data.eot import FROM_DATA, resolve_eot_id
 from jaxzero.distributed import Processes
-from jaxzero.finetune.plan import decide_lora
+from jaxzero.finetune.plan import decide_partial
 from jaxzero.plan import search
 from jaxzero.plan.machine import (
     Accelerators,
@@ -54,8 +54,8 @@ def prepare(cfg: TrainConfig, processes: Processes | None = None) -> Decision:
     after an accelerator's backend started without it."""
     if cfg.determinism:
         runtime.request_determinism()
-    if cfg.finetune.method == "lora":
-        lora_on_one_device(processes)
+    if cfg.finetune.partial:
+        partial_on_one_device(processes)
     runtime.claim_accelerator_memory()
     decision = decide(cfg, processes.count if processes is not None else 1)
     if decision.plan.host_update is not None or decision.memory.pinned:
@@ -63,14 +63,15 @@ def prepare(cfg: TrainConfig, processes: Processes | None = None) -> Decision:
     return decision
 
 
-def lora_on_one_device(processes: Processes | None) -> None:
-    """A LoRA run trains on one GPU (`jaxzero.finetune.trainer`): refused in several processes; in
-    one, only the first GPU it would see is made visible (before JAX starts), so that XLA claims no
-    memory on the others."""
+def partial_on_one_device(processes: Processes | None) -> None:
+    """A run with a frozen part (LoRA, `finetune.freeze`) trains on one GPU (`jaxzero.finetune.trainer`):
+    refused in several processes; in one, only the first GPU it would see is made visible (before JAX
+    starts), so that XLA claims no memory on the others."""
     if processes is not None and processes.count > 1:
         raise ConfigError(
-            f"finetune.method=lora trains on one GPU in one process; this run has {processes.count} "
-            "processes. Run it as one process (python -m jaxzero.train), or use finetune.method=full."
+            f"finetune.method=lora and finetune.freeze train on one GPU in one process; this run has "
+            f"{processes.count} processes. Run it as one process (python -m jaxzero.train), or train every "
+            "unit (finetune.method=full, no finetune.freeze)."
         )
     if runtime.backends_started():
         return
@@ -80,7 +81,8 @@ def lora_on_one_device(processes: Processes | None) -> None:
         first = visible.split(",")[0].strip() if visible else "0"
         os.environ["CUDA_VISIBLE_DEVICES"] = first
         log.warning(
-            f"finetune.method=lora trains on one GPU: CUDA_VISIBLE_DEVICES={first} (of {seen.local} visible)"
+            f"a run with a frozen part trains on one GPU: CUDA_VISIBLE_DEVICES={first} "
+            f"(of {seen.local} visible)"
         )
 
 
@@ -100,8 +102,8 @@ def decide(
     machine = _agreed(cfg, seen, processes, pool_fixed)
     cfg = resolve_batch(cfg, machine.devices)
     validate(cfg, num_devices=machine.devices)
-    if cfg.finetune.method == "lora":  # adapters on the accelerator; only the frozen base is placed
-        return decide_lora(cfg, machine)
+    if cfg.finetune.partial:  # what trains on the accelerator; only the frozen base is placed
+        return decide_partial(cfg, machine)
     whole = placement.whole_params_of(cfg.model, machine.devices)
     if search.concrete(cfg):
         return search.as_configured(cfg, machine, whole)
@@ -122,7 +124,7 @@ def _accelerators(cfg: TrainConfig) -> Accelerators | None:
         seen = accelerators_of(jax.local_devices())
     else:
         seen = accelerators_before_backend()
-    if cfg.finetune.method == "lora":  # trains on the first device (`jaxzero.finetune.trainer`)
+    if cfg.finetune.partial:  # trains on the first device (`jaxzero.finetune.trainer`)
         seen = dataclasses.replace(seen, local=1)
     return None if cfg.machine.gpu_gib and seen.platform == "cpu" else seen
 

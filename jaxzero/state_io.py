@@ -27,6 +27,7 @@ from jaxzero.config import CheckpointError
 from jaxzero.data.types import DataState
 from jaxzero.finetune.adapters import LORA_LAYOUT
 from jaxzero.finetune.merged import merged_units
+from jaxzero.finetune.trainable import FROZEN_LAYOUT
 from jaxzero.interop import export_hf
 from jaxzero.interop.peft import export_peft_adapter
 from jaxzero.placement import process_count
@@ -107,6 +108,7 @@ def export_state(
     PEFT's format, "hf" / "orbax" the base (as trained) with the adapter merged in."""
     ensure_live(state)
     lora = trainer.layout == LORA_LAYOUT
+    partial = lora or trainer.layout == FROZEN_LAYOUT
     if format not in ("hf", "orbax", "peft") or (format == "peft" and not lora):
         formats = "'peft' (the adapter), 'hf', 'orbax' (the merged model)" if lora else "'hf', 'orbax'"
         raise ValueError(f"format={format!r} is not one of {formats}.")
@@ -116,13 +118,14 @@ def export_state(
             "Save a checkpoint (save_state) and export it from one process: python -m jaxzero.export "
             "--run_dir=DIR --out=OUT."
         )
-    if lora:  # the adapters, in PEFT's format or merged into the base as it was trained
+    if partial:  # LoRA's adapters in PEFT's format, or what trained with the base as it was trained
         cfg = trainer.config
-        adapters = jax.device_get(state.adapters)
+        trained = jax.device_get(state.adapters)
         if format == "peft":
             base = cfg.model.init_from or None
-            return export_peft_adapter(adapters, cfg.model, cfg.finetune, out_dir, base, overwrite=overwrite)
-        masters = merged_units(cfg, lambda i: adapters.blocks[i])
+            return export_peft_adapter(trained, cfg.model, cfg.finetune, out_dir, base, overwrite=overwrite)
+        by_position = [trained.embed, *trained.blocks, trained.head]
+        masters = merged_units(cfg, lambda k: by_position[k])
     else:
         masters = jax.device_get(state.params)  # float32, one host copy
     if format == "hf":

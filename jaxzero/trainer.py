@@ -31,7 +31,7 @@ from jaxzero import memory, placement, preflight, runtime
 from jaxzero.config import ConfigError, TrainConfig
 from jaxzero.config_checks import resolve_batch, validate
 from jaxzero.data.eot import FROM_DATA
-from jaxzero.finetune.trainer import build_lora_trainer
+from jaxzero.finetune.trainer import build_partial_trainer
 from jaxzero.models import Model
 from jaxzero.models.sizes import param_count
 from jaxzero.offload import build_offload_trainer
@@ -88,8 +88,8 @@ def decide_and_build(
     the mesh, else one made here): `python -m jaxzero.train` prints its table. `model` and
     `optimizer`: as `build_trainer`'s."""
     validate(cfg)
-    if mesh is None:  # a LoRA run trains on the first device (`jaxzero.finetune.trainer`)
-        mesh = placement.make_mesh(jax.devices()[:1] if cfg.finetune.method == "lora" else None)
+    if mesh is None:  # a run with a frozen part trains on the first device (`jaxzero.finetune.trainer`)
+        mesh = placement.make_mesh(jax.devices()[:1] if cfg.finetune.partial else None)
     cfg = resolve_batch(cfg, mesh.size)
     validate(cfg, num_devices=mesh.size)
     processes = placement.process_count(mesh)
@@ -129,14 +129,14 @@ def decide_and_build(
     warning = runtime.check_fits(cfg, need, device, sharing=sharing)
     if warning:
         log.warning(warning)
-    if cfg.finetune.method == "lora":
+    if cfg.finetune.partial:
         if model is not None or optimizer is not None:
             raise ConfigError(
-                "finetune.method=lora trains jaxzero's Llama family with cfg.optimizer: build_trainer's "
-                "model= and optimizer= apply to finetune.method=full."
+                "finetune.method=lora and finetune.freeze train jaxzero's models with cfg.optimizer: "
+                "build_trainer's model= and optimizer= apply to runs that train every unit."
             )
         reserve = memory.pinned_pool_reservation(need, device.platform) if need.pinned else 0
-        trainer = build_lora_trainer(cfg, mesh, plan, pinned_reserve=reserve)
+        trainer = build_partial_trainer(cfg, mesh, plan, pinned_reserve=reserve)
     elif plan.host_update is not None:
         reserve = memory.pinned_pool_reservation(need, device.platform)
         trainer = build_offload_trainer(

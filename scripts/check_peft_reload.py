@@ -47,7 +47,7 @@ def main() -> None:
 
     cfg, _, step = saved_adapters(args.run_dir)
     if not os.path.exists(os.path.join(args.base_out, "config.json")):  # an earlier check's base is reused
-        export_hf(merged_units(cfg, lambda i: {}), cfg.model, args.base_out, dtype="float32")  # no adapter
+        export_hf(merged_units(cfg, lambda k: {}), cfg.model, args.base_out, dtype="float32")  # no adapter
     tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (1, args.tokens), dtype=np.int32)
     saved_cfg, merged, _ = load_masters(args.run_dir)
     model = build_model(dataclasses.replace(saved_cfg.model, compute_dtype="float32"))

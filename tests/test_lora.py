@@ -20,8 +20,8 @@ from jaxzero.data import build_data
 from jaxzero.finetune.adapters import adapter_shapes, lora_spec
 from jaxzero.finetune.base import narrow_block
 from jaxzero.finetune.merged import merge_block, widen
-from jaxzero.finetune.plan import lora_memory
-from jaxzero.finetune.trainer import LoraTrainer, build_lora_trainer
+from jaxzero.finetune.plan import partial_memory as lora_memory
+from jaxzero.finetune.trainer import PartialTrainer, build_partial_trainer
 from jaxzero.models import ModelParams, build_model
 from jaxzero.models.lora import merge_trees, quantize_kernel
 from jaxzero.objective import loss_fn, step_weight
@@ -56,7 +56,7 @@ def trainer_of(cfg: TrainConfig, streamed: bool = False):
         cfg, offload=dataclasses.replace(cfg.offload, params="cpu" if streamed else "none", optimizer="none")
     )
     plan = resolve_plan(dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, params="none")))
-    return build_lora_trainer(cfg, placement.make_mesh(jax.devices()[:1]), plan)
+    return build_partial_trainer(cfg, placement.make_mesh(jax.devices()[:1]), plan)
 
 
 def batches(cfg: TrainConfig, n: int) -> list[np.ndarray]:
@@ -240,7 +240,7 @@ def test_lora_trains_on_one_device_only():
     if len(jax.devices()) < 2:
         pytest.skip("needs two devices")
     with pytest.raises(ConfigError, match="trains on one device"):
-        LoraTrainer(cfg, placement.make_mesh(jax.devices()[:2]), streamed=False)
+        PartialTrainer(cfg, placement.make_mesh(jax.devices()[:2]), streamed=False)
 
 
 def test_eval_and_export_of_an_int8_lora_run_keep_the_trained_adapters(tmp_path, capsys):
@@ -305,7 +305,7 @@ def test_the_base_is_the_seeds_whatever_key_starts_the_adapters():
 
 def test_the_plan_counts_the_pinned_pool_and_three_streamed_blocks():
     from jaxzero import memory
-    from jaxzero.finetune.plan import lora_bytes
+    from jaxzero.finetune.plan import partial_bytes as lora_bytes
 
     cfg = lora_cfg(**{"model.name": "llama-3.1-70b", "finetune.base_dtype": "int8", "data.batch_size": "16",
                       "data.seq_len": "2048", "data.grad_accum": "1"})  # fmt: skip

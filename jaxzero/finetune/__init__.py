@@ -1,6 +1,10 @@
-"""Fine-tuning what does not train whole: LoRA adapters over a frozen base (`finetune.method=lora`).
+"""Fine-tuning what does not train whole: LoRA adapters over a frozen base (`finetune.method=lora`), or
+the units `finetune.freeze` leaves trainable.
 
-jaxzero.finetune.adapters   which projections get adapters, their shapes and init
-jaxzero.finetune.base       the frozen base: bfloat16 or int8 units, resident or streamed
-jaxzero.finetune.trainer    the LoRA trainer (`build_lora_trainer`), a `jaxzero.state.Trainer`
+    jaxzero.finetune.adapters   which projections get adapters, their shapes and init
+    jaxzero.finetune.trainable  what trains, as a tree beside the base's units
+    jaxzero.finetune.base       the frozen base: bfloat16 or int8 units, resident or streamed
+    jaxzero.finetune.trainer    the trainer of a run with a frozen part (`build_partial_trainer`)
+    jaxzero.finetune.plan       its memory and step, and the base's placement (`decide_partial`)
+    jaxzero.finetune.merged     its model as plain float32 weights, for sampling, evaluation, export
 """
