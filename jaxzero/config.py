@@ -508,7 +508,7 @@ class FinetuneConfig:
                 out.add(0 if item == "embed" else num_layers + 1)
                 continue
             lo_hi = item.removeprefix("blocks:").split("-") if item.startswith("blocks:") else []
-            if len(lo_hi) in (1, 2) and all(x.strip().isdigit() for x in lo_hi):
+            if len(lo_hi) in (1, 2) and all(x.strip().isdecimal() for x in lo_hi):
                 lo, hi = int(lo_hi[0]), int(lo_hi[-1])
                 if lo <= hi < num_layers:
                     out.update(range(1 + lo, 2 + hi))

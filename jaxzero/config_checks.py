@@ -451,6 +451,7 @@ def _validate_finetune(cfg: TrainConfig) -> None:
 def _validate_freeze(cfg: TrainConfig) -> None:
     f, o, n = cfg.finetune, cfg.offload, cfg.model.num_layers
     frozen = f.frozen(n)
+    _need(frozen, f"finetune.freeze={f.freeze!r} names no unit: name some of embed, head, blocks:A-B.")
     _need(
         len(frozen) < n + 2,
         f"finetune.freeze={f.freeze!r} freezes every unit of the model: nothing would train.",

@@ -66,7 +66,9 @@ def main(argv: list[str] | None = None) -> int:
             )
         lora = saved_adapters(args.run_dir, args.step)
         if lora is None and args.merge:
-            raise ConfigError(f"--merge merges LoRA adapters; {args.run_dir} trained every parameter.")
+            raise ConfigError(
+                f"--merge merges LoRA adapters; {args.run_dir} trained none: leave --merge out."
+            )
         if lora is not None and not args.merge:
             if args.format != "hf" or args.dtype is not None:
                 raise ConfigError(

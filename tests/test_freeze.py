@@ -66,8 +66,10 @@ def units(tree: ModelParams) -> list:
     [
         ({}, [2, 3, 4]),  # blocks 1, 2 and the head; no backward below block 1
         ({"model.name": "gpt2-tiny", "model.num_layers": "2", "finetune.freeze": "blocks:0-1"}, [0, 3]),
+        ({"finetune.freeze": "blocks:0-2,head"}, [0]),  # an untied embedding: its lookup's gradient alone
+        ({"finetune.freeze": "embed,blocks:0-2"}, [4]),  # the head alone: no backward through the blocks
     ],
-    ids=["frozen-bottom", "tied-embedding"],
+    ids=["frozen-bottom", "tied-embedding", "untied-embedding", "head-only"],
 )
 def test_the_units_that_train_step_by_whole_model_autodiff(over, trains):
     """One SGD step at lr 1 moves each trainable unit by minus jax.grad of the objective over the
@@ -77,12 +79,12 @@ def test_the_units_that_train_step_by_whole_model_autodiff(over, trains):
     model = build_model(cfg.model)
     trainer = trainer_of(cfg)
     state = trainer.init(jax.random.key(0))
-    before = [jax.tree.map(np.asarray, u) for u in units(state.adapters)]
+    before = [jax.tree.map(np.asarray, u) for u in units(state.trainable)]
     assert [k for k, u in enumerate(before) if u] == trains
     full = model.init(jax.random.key(cfg.seed))  # the base and the starting units: the seed's init
     batch = batches(cfg, 1)[0]
     state, metrics = trainer.step(state, trainer.put_batch(batch))
-    after = [jax.tree.map(np.asarray, u) for u in units(state.adapters)]
+    after = [jax.tree.map(np.asarray, u) for u in units(state.trainable)]
 
     weight = step_weight(jnp.asarray(batch)) / batch.shape[0]
     eot = None if cfg.data.cross_document_attention or cfg.data.eot_id < 0 else cfg.data.eot_id
@@ -116,7 +118,7 @@ def test_a_streamed_frozen_part_trains_bitwise_as_a_resident_one():
         for b in data:
             state, m = trainer.step(state, trainer.put_batch(b))
             losses.append(float(m.loss))
-        out.append((losses, [np.asarray(x) for x in jax.tree.leaves(state.adapters)]))
+        out.append((losses, [np.asarray(x) for x in jax.tree.leaves(state.trainable)]))
     assert out[0][0] == out[1][0] and out[0][0][-1] < out[0][0][0]
     assert all(np.array_equal(a, b) for a, b in zip(out[0][1], out[1][1]))
 
@@ -171,6 +173,8 @@ def test_the_plan_counts_what_trains_and_the_frozen_blocks():
     ("over", "message"),
     [
         ({"finetune.freeze": "embed,blocks:0-2,head"}, "freezes every unit"),
+        ({"finetune.freeze": " , "}, "names no unit"),
+        ({"finetune.freeze": "blocks:\u00b2-3"}, "is not embed, head or blocks"),
         ({"finetune.freeze": "blocks:2-1"}, "'blocks:2-1' is not embed, head or blocks:A-B"),
         ({"finetune.freeze": "embedding"}, "'embedding' is not"),
         ({"finetune.method": "lora"}, "LoRA freezes the whole base already"),
@@ -181,3 +185,32 @@ def test_the_plan_counts_what_trains_and_the_frozen_blocks():
 def test_wrong_freeze_settings_are_refused_before_any_work(over, message):
     with pytest.raises(ConfigError, match=message):
         validate(freeze_cfg(**over))
+
+
+def test_the_plan_counts_the_work_and_the_link_a_frozen_bottom_saves():
+    from jaxzero.finetune.plan import link_bytes, step_flops
+
+    cfg = apply_overrides(TrainConfig(), {"model.name": "gpt2-small", "finetune.freeze": "embed,blocks:0-5",
+                                          "data.batch_size": "8", "data.seq_len": "1024"})  # fmt: skip
+    m = cfg.model
+    n_block = 12 * m.hidden_size**2 + 13 * m.hidden_size  # attention 4 D^2, MLP 8 D^2, norms and biases
+    tokens = 8 * 1024
+    # blocks 0-5 below the lowest that trains: forward only; 6-11 train: 8 each; the tied projection
+    # (the frozen embedding's): 4 x D x V
+    want = (6 * 2 + 6 * 8) * n_block + 4 * m.hidden_size * m.vocab_size
+    assert step_flops(cfg) / tokens == pytest.approx(want, rel=1e-3)
+    per_block = partial_bytes(cfg, True).base_blocks // 6
+    assert link_bytes(cfg) == 6 * per_block  # frozen blocks below the lowest cross once, forward
+    upper = dataclasses.replace(cfg, finetune=dataclasses.replace(cfg.finetune, freeze="blocks:6-11"))
+    assert link_bytes(upper) == 12 * per_block  # above it: forward and backward
+
+
+def test_an_int8_frozen_part_trains():
+    cfg = freeze_cfg(**{"finetune.base_dtype": "int8"})
+    trainer = trainer_of(cfg, streamed=True)
+    state = trainer.init(jax.random.key(0))
+    losses = []
+    for b in batches(cfg, 4):
+        state, m = trainer.step(state, trainer.put_batch(b))
+        losses.append(float(m.loss))
+    assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]

@@ -73,12 +73,12 @@ def test_the_adapters_gradient_is_whole_model_autodiffs():
     cfg = lora_cfg(**EXACT, **sgd)
     trainer = trainer_of(cfg)
     state = trainer.init(jax.random.key(3))
-    adapters0 = jax.tree.map(np.asarray, state.adapters)
+    adapters0 = jax.tree.map(np.asarray, state.trainable)
     base = jax.tree.map(np.asarray, trainer.init.__self__.base().units)
     batch = batches(cfg, 1)[0]
     state, metrics = trainer.step(state, trainer.put_batch(batch))
     stepped = -np.concatenate([np.ravel(np.asarray(x)) for x in jax.tree.leaves(
-        jax.tree.map(lambda b: b, [blk for blk in state.adapters.blocks]))])  # fmt: skip
+        jax.tree.map(lambda b: b, [blk for blk in state.trainable.blocks]))])  # fmt: skip
 
     model = dataclasses.replace(build_model(cfg.model), lora=lora_spec(cfg.finetune))
     weight = step_weight(jnp.asarray(batch)) / batch.shape[0]
@@ -94,7 +94,7 @@ def test_the_adapters_gradient_is_whole_model_autodiffs():
     a_moved = [
         np.asarray(b["lora_a"])
         for b in jax.tree.leaves(
-            state.adapters.blocks, is_leaf=lambda x: isinstance(x, dict) and "lora_a" in x
+            state.trainable.blocks, is_leaf=lambda x: isinstance(x, dict) and "lora_a" in x
         )
     ]
     a_before = [
@@ -106,7 +106,7 @@ def test_the_adapters_gradient_is_whole_model_autodiffs():
         [
             -np.ravel(np.asarray(b["lora_b"]))
             for b in jax.tree.leaves(
-                state.adapters.blocks, is_leaf=lambda x: isinstance(x, dict) and "lora_a" in x
+                state.trainable.blocks, is_leaf=lambda x: isinstance(x, dict) and "lora_a" in x
             )
         ]
     )
@@ -133,7 +133,7 @@ def test_a_streamed_base_trains_bitwise_as_a_resident_one():
         for b in data:
             state, m = trainer.step(state, trainer.put_batch(b))
             losses.append(float(m.loss))
-        out.append((losses, [np.asarray(x) for x in jax.tree.leaves(state.adapters)]))
+        out.append((losses, [np.asarray(x) for x in jax.tree.leaves(state.trainable)]))
     assert out[0][0] == out[1][0]
     assert all(np.array_equal(a, b) for a, b in zip(out[0][1], out[1][1]))
     assert out[0][0][-1] < out[0][0][0]
@@ -299,7 +299,7 @@ def test_the_base_is_the_seeds_whatever_key_starts_the_adapters():
     b1 = jax.tree.leaves(t1.init.__self__.base().units)
     b2 = jax.tree.leaves(t2.init.__self__.base().units)
     assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(b1, b2))
-    a1, a2 = jax.tree.leaves(s1.adapters), jax.tree.leaves(s2.adapters)
+    a1, a2 = jax.tree.leaves(s1.trainable), jax.tree.leaves(s2.trainable)
     assert not all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(a1, a2))
 
 

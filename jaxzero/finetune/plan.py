@@ -97,27 +97,44 @@ def partial_memory(cfg: TrainConfig, streamed: bool) -> MemoryPlan:
 
 
 def step_flops(cfg: TrainConfig) -> float:
-    """The accelerator's FLOPs per step (the module docstring's count)."""
+    """The accelerator's FLOPs per step (the module docstring's count; matmuls only)."""
     m, d, ft = cfg.model, cfg.data, cfg.finetune
     tokens = d.batch_size * d.seq_len
     if ft.method == "lora":
         return 6 * param_count(m) * tokens
-    n_embed, n_block, n_head = unit_param_counts(m)
+    _, n_block, _ = unit_param_counts(m)
     kept, lowest = base_positions(ft, m), lowest_trainable_block(ft, m)
     flops = 0.0
     for i in range(m.num_layers):  # blocks: forward 2, recomputation and input gradients 4, weights 2
         frozen = 1 + i in kept
         flops += n_block * (2 if i < lowest else 6 if frozen else 8)
-    flops += n_head * (6 if m.num_layers + 1 in kept else 8)  # the head's matmul (no recomputation)
+    # The output projection (D x V, the embedding's when tied): forward, input gradients, and its
+    # weights' gradient where it trains; no recomputation. An embedding lookup is no matmul.
+    tied = m.tie_embeddings or m.family == "gpt2"
+    projection_trains = (0 if tied else m.num_layers + 1) not in kept
+    flops += m.hidden_size * m.vocab_size * (6 if projection_trains else 4)
     return flops * tokens
+
+
+def link_bytes(cfg: TrainConfig) -> int:
+    """Bytes a streamed base sends to the accelerator per step: every frozen block for the forward
+    pass, and again for the backward pass from the lowest block that matters, per micro-batch."""
+    m, ft = cfg.model, cfg.finetune
+    b = partial_bytes(cfg, True)
+    frozen = [i for i in range(m.num_layers) if 1 + i in base_positions(ft, m)]
+    if not frozen:
+        return 0
+    per_block = b.base_blocks // len(frozen)
+    lowest = lowest_trainable_block(ft, m)
+    crossings = len(frozen) + sum(1 for i in frozen if i >= lowest)
+    return cfg.data.grad_accum * crossings * per_block
 
 
 def predict_partial(cfg: TrainConfig, streamed: bool, machine: Machine) -> Prediction:
     """The predicted step: the accelerator's work (`step_flops`) at the machine's rate, against the
-    streamed blocks' crossings of the link (twice per micro-batch)."""
-    d = cfg.data
+    streamed blocks' crossings of the link (`link_bytes`)."""
     gpu_s = step_flops(cfg) / machine.gpu_flops
-    link_s = 2 * d.grad_accum * partial_bytes(cfg, streamed).base_blocks / machine.h2d if streamed else 0.0
+    link_s = link_bytes(cfg) / machine.h2d if streamed else 0.0
     bottleneck = "link" if link_s > gpu_s else "GPU compute"
     return Prediction(max(gpu_s, link_s), gpu_s, 0.0, link_s, 0.0, bottleneck)
 
@@ -254,7 +271,12 @@ def decide_partial(cfg: TrainConfig, machine: Machine) -> PartialDecision:
         f"{_gib(h)} of {_gib(machine.host_usable)} host RAM"
         for s, dev, h in tried
     )
-    hint = " finetune.base_dtype=int8 halves the base;" if cfg.finetune.base_dtype != "int8" else ""
+    ft = cfg.finetune
+    hint = ""
+    if ft.base_dtype != "int8" and cfg.model.family == "llama":
+        hint += " finetune.base_dtype=int8 halves the base;"
+    if ft.method == "full":
+        hint += " freezing more units saves 16 bytes of each one's parameters;"
     raise ConfigError(
         f"{cfg.model.name} with a frozen part at {cfg.data.batch_size} x {cfg.data.seq_len} tokens per step "
         f"does not fit this machine: {rows}.{hint} a smaller data.batch_size (or more data.grad_accum: a "

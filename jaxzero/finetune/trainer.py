@@ -73,13 +73,13 @@ class PartialState(NamedTuple):
     """The state of a run with a frozen part (a pytree on the accelerator).
 
     step:      int32 scalar, updates applied so far.
-    adapters:  float32 `ModelParams` of what trains (`jaxzero.finetune.trainable`): LoRA adapters, or
+    trainable: float32 `ModelParams` of what trains (`jaxzero.finetune.trainable`): LoRA adapters, or
                the units `finetune.freeze` leaves, `{}` elsewhere.
     opt_state: the optax state of `Trainer.optimizer` over them.
     """
 
     step: jax.Array
-    adapters: ModelParams
+    trainable: ModelParams
     opt_state: Any
 
 
@@ -112,6 +112,9 @@ class PartialTrainer:
         self._kept = base_positions(ft, cfg.model)  # the units the base holds
         self._lowest = lowest_trainable_block(ft, cfg.model)
         self._embed_trains = bool(self.shapes.embed)
+        # The head reads the embedding only when tied (gpt2 always is): only then does it send it a
+        # gradient (else a zero (V, D) float32 array would be made and added).
+        self._head_reads_embed = cfg.model.tie_embeddings or cfg.model.family == "gpt2"
         self._clipped = cfg.optimizer.grad_clip > 0
         self._eot = document_eot(cfg.data, self.model)
         self._dropout = self.lora and ft.lora_dropout > 0
@@ -155,7 +158,7 @@ class PartialTrainer:
         self._head = jax.jit(head)
         # One placement for every state, fresh or updated: the update compiles once.
         self._update = jax.jit(update, donate_argnums=(0, 1, 3), out_shardings=self.device)
-        self._add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b))
+        self._add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b), donate_argnums=(0,))
         self._segments = jax.jit(lambda w: None if self._eot is None else document_segments(w, self._eot))
         self._weight = jax.jit(lambda b: step_weight(b) / b.shape[0])
         self._narrow_block = jax.jit(partial(narrow_block, base_dtype=dtype), out_shardings=self.device)
@@ -202,6 +205,7 @@ class PartialTrainer:
         """The base from float32 units (NumPy, arrays or `Deferred`, read one at a time): each unit it
         keeps narrowed and placed; under `freeze`, with `keep_initial`, the units that train kept as
         they are, on the accelerator, as the starting point of a fresh state."""
+        self._base = None  # an earlier base goes before this one is placed
         if self._reserve:
             reserve_pinned(self._reserve, self.home)  # the pool grows now, in one region
             self._reserve = 0
@@ -276,7 +280,7 @@ class PartialTrainer:
             segments = self._segments(window)
             keys = jax.random.split(jax.random.fold_in(key, a), n)
             inputs = decode_window(window)[0]
-            tr = state.adapters
+            tr = state.trainable
             x = self._embed(units.embed, tr.embed, inputs)
             # One stream of blocks for both passes: the last block turns from forward to backward
             # without a second copy, and the backward's first copies overlap the head. Below the
@@ -287,29 +291,31 @@ class PartialTrainer:
             for i in range(n):
                 saved.append(x if i >= low else None)
                 x = self._block(next(blocks), tr.blocks[i], x, segments, keys[i])
-            part, (g_head, g_embed, dx) = self._head(
-                units.head, tr.head, units.embed, tr.embed, x, window, weight
-            )
-            block_grads: list[Any] = [jax.tree.map(jnp.zeros_like, b) for b in tr.blocks[:low]]
-            block_grads += [None] * (n - low)
+            te = tr.embed if self._head_reads_embed else {}
+            part, (g_head, g_embed, dx) = self._head(units.head, tr.head, units.embed, te, x, window, weight)
+
+            block_grads: list[Any] = [{}] * low + [None] * (n - low)  # nothing trains below `low`
             for i in reversed(range(low, n)):
                 dx, block_grads[i] = self._block_vjp(
                     next(blocks), tr.blocks[i], saved[i], segments, keys[i], dx
                 )
                 saved[i] = None  # the input is freed once its block's backward pass is issued
             if self._embed_trains:
-                g_embed = self._add(g_embed, self._embed_vjp(units.embed, tr.embed, inputs, dx))
+                g_lookup = self._embed_vjp(units.embed, tr.embed, inputs, dx)
+                g_embed = self._add(g_lookup, g_embed) if self._head_reads_embed else g_lookup
             g = ModelParams(g_embed, tuple(block_grads), g_head)
             grads = g if grads is None else self._add(grads, g)
             loss = part if loss is None else loss + part
-        adapters, opt_state, step, norm, lr = self._update(state.adapters, state.opt_state, grads, state.step)
+        adapters, opt_state, step, norm, lr = self._update(
+            state.trainable, state.opt_state, grads, state.step
+        )
         return PartialState(step, adapters, opt_state), StepMetrics(loss, norm, lr)
 
     def eval_loss(self, state: PartialState, window: jax.Array) -> jax.Array:
         """Mean loss (float32 scalar) of the adapted model over int32 (B, S+1), without dropout."""
         base = self.base()
         units = base.units
-        tr = state.adapters
+        tr = state.trainable
         x = self._embed(units.embed, tr.embed, decode_window(window)[0])
         segments = self._segments(window)
         for i, w in enumerate(base.blocks_in(range(len(units.blocks)))):
@@ -323,7 +329,7 @@ class PartialTrainer:
         n = self.cfg.model.num_layers
         return {
             "step": state.step,
-            "params": state.adapters,
+            "params": state.trainable,
             "opt_state": split_opt_state(state.opt_state, self._clipped, n),
         }
 
@@ -372,23 +378,23 @@ def build_partial_trainer(
     the base's blocks streamed from `pinned_host` with `offload.params=cpu`, on the accelerator with
     `none`. `pinned_reserve`: bytes to grow the pinned pool by before the base is placed
     (`memory.pinned_pool_reservation`)."""
-    lora = PartialTrainer(cfg, mesh, streamed=cfg.offload.params == "cpu", pinned_reserve=pinned_reserve)
+    built = PartialTrainer(cfg, mesh, streamed=cfg.offload.params == "cpu", pinned_reserve=pinned_reserve)
     return Trainer(
         config=cfg,
         plan=plan,
-        model=lora.model,
+        model=built.model,
         mesh=mesh,
-        optimizer=lora.tx,
-        init=lora.init,
-        init_from_params=lora.init_from_params,
-        step=lora.step,
-        eval_loss=lora.eval_loss,
+        optimizer=built.tx,
+        init=built.init,
+        init_from_params=built.init_from_params,
+        step=built.step,
+        eval_loss=built.eval_loss,
         put_batch=lambda b: placement.put_train_batch(b, mesh),
         put_eval_batch=lambda b: placement.put_eval_batch(b, mesh),
-        layout=lora.layout,
-        saved_state=lora.saved_state,
-        abstract_saved_state=lora.abstract_saved_state,
-        from_saved_state=lora.from_saved_state,
-        description=lora.describe(),
-        fence=lora.fence,
+        layout=built.layout,
+        saved_state=built.saved_state,
+        abstract_saved_state=built.abstract_saved_state,
+        from_saved_state=built.from_saved_state,
+        description=built.describe(),
+        fence=built.fence,
     )
