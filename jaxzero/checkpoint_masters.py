@@ -87,14 +87,7 @@ def load_masters(run_dir: str | Path, step: int | None = None) -> tuple[TrainCon
 def masters_by_unit(run_dir: str | Path, step: int | None = None) -> tuple[TrainConfig, ModelParams, int]:
     """As `load_masters`, but each unit a `Deferred`, read (as float32 NumPy) when resolved: an export
     holds one unit in host RAM at a time. A checkpoint of the earlier one-PyTree layout is read whole."""
-    ckpt_dir = Path(run_dir).absolute() / CHECKPOINT_DIR  # Orbax wants absolute paths
-    steps = saved_steps(run_dir)
-    if not steps:
-        raise CheckpointError(f"{ckpt_dir} holds no checkpoint; train with checkpoint.enabled=true first.")
-    step = steps[-1] if step is None else step
-    if step not in steps:
-        raise CheckpointError(f"{ckpt_dir} has no checkpoint for step {step}; it has steps {steps}.")
-    meta = read_meta(ckpt_dir, step)
+    ckpt_dir, step, meta = _checkpoint(run_dir, step)
     cfg = config_from_dict(meta["config"])
     shapes = jax.eval_shape(build_model(cfg.model).init, jax.random.key(0))
     state_dir = ckpt_dir / str(step) / "state"
@@ -125,14 +118,7 @@ def saved_adapters(
 ) -> tuple[TrainConfig, ModelParams, int] | None:
     """(config, float32 NumPy adapters, step) of a LoRA run's newest (or given) checkpoint
     (`jaxzero.finetune.adapters`' layout), or None where the run trained whole units."""
-    ckpt_dir = Path(run_dir).absolute() / CHECKPOINT_DIR
-    steps = saved_steps(run_dir)
-    if not steps:
-        raise CheckpointError(f"{ckpt_dir} holds no checkpoint; train with checkpoint.enabled=true first.")
-    step = steps[-1] if step is None else step
-    if step not in steps:
-        raise CheckpointError(f"{ckpt_dir} has no checkpoint for step {step}; it has steps {steps}.")
-    meta = read_meta(ckpt_dir, step)
+    ckpt_dir, step, meta = _checkpoint(run_dir, step)
     if meta.get("layout") != LORA_LAYOUT:
         return None
     cfg = config_from_dict(meta["config"])
@@ -143,6 +129,19 @@ def saved_adapters(
         _read_numpy(state_dir / names[1 + i], {"params": s})["params"] for i, s in enumerate(shapes)
     )
     return cfg, ModelParams({}, blocks, {}), step
+
+
+def _checkpoint(run_dir: str | Path, step: int | None) -> tuple[Path, int, dict[str, Any]]:
+    """(the absolute checkpoints directory (Orbax wants absolute paths), the step, its meta) of the
+    newest (or given) checkpoint of `run_dir`; CheckpointError where there is none such."""
+    ckpt_dir = Path(run_dir).absolute() / CHECKPOINT_DIR
+    steps = saved_steps(run_dir)
+    if not steps:
+        raise CheckpointError(f"{ckpt_dir} holds no checkpoint; train with checkpoint.enabled=true first.")
+    step = steps[-1] if step is None else step
+    if step not in steps:
+        raise CheckpointError(f"{ckpt_dir} has no checkpoint for step {step}; it has steps {steps}.")
+    return ckpt_dir, step, read_meta(ckpt_dir, step)
 
 
 def _read_numpy(path: Path, shapes: Any) -> Any:
