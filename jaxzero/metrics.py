@@ -7,6 +7,8 @@ included, embedding lookups excluded) + 12 x layers x hidden x seq_len for atten
 not halved for causality). `mfu` divides achieved model FLOP/s by the accelerator's dense bf16 peak
 (from the device kind, or `logging.peak_tflops`); it is null where no peak is known (CPUs).
 Benchmarks additionally report the "8 x params x tokens" figure that counts the recomputed forward.
+A run with a frozen part (LoRA, `finetune.freeze`) counts only the work it does
+(`jaxzero.finetune.plan.model_flops_per_token`: no gradient of a frozen weight).
 
 TensorBoard sees the same records as `metrics.jsonl` (`TensorBoardLog`, through tensorboardX): every
 scalar of a record under a tag of its group (`TAGS`), at the record's step, written when the record is,
@@ -31,6 +33,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxzero.config import TrainConfig
+from jaxzero.finetune.plan import model_flops_per_token
 from jaxzero.models.sizes import flops_per_token
 from jaxzero.outcome import TrainingError
 from jaxzero.run_dir import METRICS_FILE, TENSORBOARD_DIR
@@ -358,7 +361,10 @@ class LogWindow:
         self.grad_norms: list[float] = []  # finite gradient norms of the steps read so far (the last few)
         self.throughput = Throughput(
             cfg.data.batch_size * cfg.data.seq_len,
-            flops_per_token(cfg.model, cfg.data.seq_len),
+            # a run with a frozen part forms no frozen weight's gradient: its own count
+            model_flops_per_token(cfg)
+            if cfg.finetune.partial
+            else flops_per_token(cfg.model, cfg.data.seq_len),
             job_peak(peak_tflops(trainer.mesh.devices.flat[0], cfg.logging.peak_tflops), trainer.mesh.size),
         )
         self.pending: list[tuple[int, StepMetrics]] = []

@@ -214,3 +214,18 @@ def test_an_int8_frozen_part_trains():
         state, m = trainer.step(state, trainer.put_batch(b))
         losses.append(float(m.loss))
     assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
+
+
+def test_the_programs_tflops_count_only_the_work_a_frozen_part_leaves():
+    from jaxzero.finetune.plan import model_flops_per_token
+    from jaxzero.models.sizes import block_matmul_params, flops_per_token
+
+    base = {"model.name": "llama-3.1-8b", "data.seq_len": "2048"}
+    cfg = apply_overrides(TrainConfig(), {**base, "finetune.method": "lora"})
+    m = cfg.model
+    per_block, proj, attention = block_matmul_params(m), m.hidden_size * m.vocab_size, m.hidden_size * 2048
+    # LoRA: forward and input gradients of every frozen matmul (4), attention's 12
+    assert model_flops_per_token(cfg) == m.num_layers * (4 * per_block + 12 * attention) + 4 * proj
+    head = apply_overrides(TrainConfig(), {**base, "finetune.freeze": "head"})
+    # every block trains (6, as a full run counts) and the frozen untied projection 4 instead of 6
+    assert model_flops_per_token(head) == flops_per_token(m, 2048) - 2 * proj

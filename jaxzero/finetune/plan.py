@@ -27,7 +27,7 @@ from jaxzero.finetune.adapters import projection_shapes
 from jaxzero.finetune.base import storage_dtype
 from jaxzero.finetune.trainable import base_positions, lowest_trainable_block
 from jaxzero.memory import MemoryPlan
-from jaxzero.models.sizes import param_count, unit_param_counts
+from jaxzero.models.sizes import block_matmul_params, param_count, unit_param_counts
 from jaxzero.plan import resolve_plan
 from jaxzero.plan.calibration import CHECKPOINT_WRITE_BPS, GiB
 from jaxzero.plan.cost import Prediction
@@ -114,6 +114,27 @@ def step_flops(cfg: TrainConfig) -> float:
     projection_trains = (0 if tied else m.num_layers + 1) not in kept
     flops += m.hidden_size * m.vocab_size * (6 if projection_trains else 4)
     return flops * tokens
+
+
+def model_flops_per_token(cfg: TrainConfig) -> float:
+    """Model FLOPs per token of a run with a frozen part, in the accounting of the program's `tflops`
+    and `mfu` (`jaxzero.models.sizes.flops_per_token`: no recomputation, PaLM's attention term): per
+    matmul weight 2 for the forward pass, 2 more for the input gradient where a gradient flows through
+    it, 2 more for its own gradient where it trains; attention 4 x hidden x seq_len per layer forward,
+    12 where a gradient flows through it. LoRA's adapters themselves are left out (under 1%)."""
+    m, ft, seq = cfg.model, cfg.finetune, cfg.data.seq_len
+    per_block, attention = block_matmul_params(m), m.hidden_size * seq
+    lowest = lowest_trainable_block(ft, m)
+    kept = base_positions(ft, m) if ft.method == "full" else frozenset(range(m.num_layers + 2))
+    flops = 0.0
+    for i in range(m.num_layers):
+        if i < lowest:
+            flops += 2 * per_block + 4 * attention
+        else:
+            flops += (4 if 1 + i in kept else 6) * per_block + 12 * attention
+    tied = m.tie_embeddings or m.family == "gpt2"
+    projection_trains = ft.method == "full" and (0 if tied else m.num_layers + 1) not in kept
+    return flops + (6 if projection_trains else 4) * m.hidden_size * m.vocab_size
 
 
 def link_bytes(cfg: TrainConfig) -> int:

@@ -41,7 +41,7 @@ def named_model_config(name: str) -> ModelConfig:
         raise ConfigError(f"unknown model.name {name!r}. Valid names: {', '.join(NAMED_SIZES)}.") from None
 
 
-def _block_matmul_params(cfg: ModelConfig) -> int:
+def block_matmul_params(cfg: ModelConfig) -> int:
     """Elements of one block's matmul kernels (no norms, no biases)."""
     d, f = cfg.hidden_size, cfg.intermediate_size
     q_width = cfg.num_heads * cfg.head_dim
@@ -107,7 +107,7 @@ def matmul_param_count(cfg: ModelConfig) -> int:
     The output projection counts whether tied or not (a tied head still runs a D x V matmul);
     embedding lookups, norms and biases do not count.
     """
-    return cfg.num_layers * _block_matmul_params(cfg) + cfg.hidden_size * cfg.vocab_size
+    return cfg.num_layers * block_matmul_params(cfg) + cfg.hidden_size * cfg.vocab_size
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
