@@ -29,6 +29,7 @@ import numpy as np
 
 from jaxzero.config import CheckpointError, TrainConfig
 from jaxzero.deferred import abstract, is_deferred, pair
+from jaxzero.finetune.provenance import base_record
 from jaxzero.models import ModelParams
 
 CHECKPOINT_DIR = "checkpoints"
@@ -110,14 +111,17 @@ def state_shapes(tree: Any) -> dict[str, list[int]]:
 def make_meta(
     step: int, data_state: dict[str, int], cfg: TrainConfig, layout: str, state: Any
 ) -> dict[str, Any]:
-    """The JSON metadata saved with a checkpoint."""
-    return {
+    """The JSON metadata saved with a checkpoint (and, for a run with a frozen part over files, which
+    base it trained against: `jaxzero.finetune.provenance`)."""
+    meta = {
         "step": step,
         "data_state": data_state,
         "config": cfg.to_dict(),
         "layout": layout,
         "shapes": state_shapes(state),
     }
+    base = base_record(cfg)
+    return meta if base is None else {**meta, "base": base}
 
 
 def saved_steps(run_dir: str | Path) -> list[int]:

@@ -29,6 +29,7 @@ from jaxzero.config import CheckpointError, TrainConfig
 from jaxzero.deferred import Deferred, resolved
 from jaxzero.finetune.adapters import LORA_LAYOUT, adapter_shapes
 from jaxzero.finetune.merged import merged_units
+from jaxzero.finetune.provenance import check_base
 from jaxzero.finetune.trainable import FROZEN_LAYOUT, trainable_shapes
 from jaxzero.models import ModelParams, build_model
 from jaxzero.overrides import config_from_dict
@@ -95,6 +96,7 @@ def masters_by_unit(run_dir: str | Path, step: int | None = None) -> tuple[Train
         return cfg, _read_numpy(state_dir, {"params": shapes})["params"], step
     names = part_names(len(shapes.blocks))
     if meta.get("layout") in (LORA_LAYOUT, FROZEN_LAYOUT):  # what trained saved; the base rebuilt
+        check_base(meta, f"checkpoint {ckpt_dir / str(step)}")
         t = trainable_shapes(build_model(cfg.model), cfg.finetune)
         trainable = [t.embed, *t.blocks, t.head]  # by position
 
@@ -121,6 +123,7 @@ def saved_adapters(
     ckpt_dir, step, meta = _checkpoint(run_dir, step)
     if meta.get("layout") != LORA_LAYOUT:
         return None
+    check_base(meta, f"checkpoint {ckpt_dir / str(step)}")
     cfg = config_from_dict(meta["config"])
     shapes = adapter_shapes(build_model(cfg.model), cfg.finetune).blocks
     names = part_names(len(shapes))

@@ -323,3 +323,36 @@ def test_end_of_run_samples_are_skipped_where_the_weights_would_not_fit(tmp_path
     out = io.StringIO()
     loop.print_samples(lora_cfg(run_dir=str(tmp_path)), out)
     assert "samples skipped" in out.getvalue() and "python -m jaxzero.generate" in out.getvalue()
+
+
+def test_a_base_from_files_that_changed_since_training_is_refused(tmp_path, capsys):
+    """Checkpoints hold no base: one rebuilt from `model.init_from` must be the files that trained.
+    Resume, export and eval refuse a base whose files changed (or are gone), before any work."""
+    import torch
+    import transformers
+
+    from jaxzero import export as export_lib
+    from jaxzero.checkpoint_layout import read_meta
+
+    def save_hf(seed: int) -> None:
+        torch.manual_seed(seed)
+        config = transformers.LlamaConfig(
+            vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+        )  # fmt: skip
+        transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
+
+    save_hf(0)
+    over = {"model.name": f"hf:{tmp_path / 'hf'}", "run_dir": str(tmp_path / "run"), "steps": "2",
+            "data.seq_len": "32", "model.num_layers": "2"}  # fmt: skip
+    run = train_lib.train(lora_cfg(**over), io.StringIO())
+    meta = read_meta(run / "checkpoints", 2)
+    assert meta["base"]["init_from"] == str((tmp_path / "hf").absolute())
+    assert export_lib.main([f"--run_dir={run}", f"--out={tmp_path / 'a'}"]) == 0  # the same files: fine
+
+    save_hf(1)  # other weights saved over the base
+    with pytest.raises(ConfigError, match="whose files have changed since"):
+        train_lib.train(train_lib.configure([f"--run_dir={run}", "--steps=3"]).config, io.StringIO())
+    assert export_lib.main([f"--run_dir={run}", f"--out={tmp_path / 'b'}"]) == 2
+    assert "whose files have changed since" in capsys.readouterr().err
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["2"]  # nothing written or removed
