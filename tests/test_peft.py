@@ -28,13 +28,13 @@ from jaxzero.config import CheckpointError, ConfigError, FinetuneConfig, ModelCo
 from jaxzero.deferred import is_deferred, resolved
 from jaxzero.export_dir import ExportRefused
 from jaxzero.finetune.adapters import TARGET_PATHS, init_adapters, lora_spec
+from jaxzero.finetune.merged import merged_params
 from jaxzero.interop import export_hf, import_hf, load_hf_by_unit
 from jaxzero.interop.peft import (
     ADAPTER_CONFIG_NAME,
     ADAPTER_WEIGHTS_NAME,
     export_peft_adapter,
     import_peft_adapter,
-    merged_params,
 )
 from jaxzero.interop.safetensors import load_file, save_file
 from jaxzero.models import Llama, ModelParams, forward

@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxzero.config import TrainConfig
-from jaxzero.deferred import Deferred
+from jaxzero.config import FinetuneConfig, TrainConfig
+from jaxzero.deferred import Deferred, is_deferred
 from jaxzero.finetune.adapters import lora_spec
 from jaxzero.finetune.base import narrow_block, narrow_unit
 from jaxzero.finetune.trainable import base_positions
@@ -35,16 +35,101 @@ def widen(unit: Any) -> Any:
     return {k: widen(v) for k, v in unit.items()}
 
 
-def merge_block(block: Any, adapters: Any, scale: float) -> Any:
-    """A float32 block with its adapters merged: each adapted kernel + scale * lora_a @ lora_b."""
+def merge_block(block: Any, adapters: Any, scale: float, label: str = "block") -> Any:
+    """A block with its adapters merged: each adapted kernel (float32, or one that float32 promotes)
+    + scale * lora_a @ lora_b, in float32; the other entries as they are. ValueError, naming `label`
+    and the path, for an adapter without its projection or of the wrong shape."""
     out = dict(block)
     for name, sub in adapters.items():
-        if "lora_a" in sub:
-            delta = jnp.matmul(sub["lora_a"], sub["lora_b"], precision=jax.lax.Precision.HIGHEST)
-            out[name] = {**block[name], "kernel": block[name]["kernel"] + jnp.float32(scale) * delta}
-        else:
-            out[name] = merge_block(block[name], sub, scale)
+        if name not in block or not isinstance(block[name], dict):
+            raise ValueError(
+                f"{label}: adapters at {name!r} have no projection in the base (it holds {sorted(block)})."
+            )
+        if "lora_a" not in sub:
+            out[name] = merge_block(block[name], sub, scale, f"{label}/{name}")
+            continue
+        kernel, a, b = block[name]["kernel"], sub["lora_a"], sub["lora_b"]
+        if a.ndim != 2 or b.ndim != 2 or (a.shape[0], b.shape[1]) != kernel.shape or a.shape[1] != b.shape[0]:
+            raise ValueError(
+                f"{label}/{name}: lora_a {a.shape} @ lora_b {b.shape} does not make the kernel's shape "
+                f"{kernel.shape} (lora_a is (in, r), lora_b (r, out))."
+            )
+        delta = jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
+        out[name] = {**block[name], "kernel": kernel + jnp.float32(scale) * delta}
     return out
+
+
+def merged_params(base: ModelParams, adapters: ModelParams, ft: FinetuneConfig) -> ModelParams:
+    """A llama-family base with LoRA adapters folded in: a plain model that computes what the adapted
+    one does (without dropout), for `export_hf`.
+
+    base: its block kernels float32 or bfloat16, or int8 (in, out) with a float32 "kernel_scale" (out,)
+        (`jaxzero.models.lora.quantize_kernel`); NumPy or jax arrays, or a block a `Deferred` (its merge
+        is then deferred too, so that `export_hf` holds one block at a time).
+    adapters: ModelParams(embed={}, blocks=(one dict per block), head={}) of lora_a (in, r) and lora_b
+        (r, out) (`jaxzero.finetune.adapters`); ft: their lora_alpha and lora_rank.
+
+    Each adapted kernel becomes float32 kernel + (lora_alpha / lora_rank) * lora_a @ lora_b (`merge_block`),
+    an int8 kernel dequantised in float32 first; every int8 kernel is dequantised and loses its
+    "kernel_scale", so the result has exactly a plain model's parameters. Other leaves are returned as
+    given. ValueError names adapters without a projection or of the wrong shape."""
+    if adapters.embed or adapters.head:
+        raise ValueError(
+            f"adapters hold embedding or head entries (embed keys {sorted(adapters.embed)}, head keys "
+            f"{sorted(adapters.head)}): LoRA adapters here are the blocks' projections only."
+        )
+    if len(adapters.blocks) != len(base.blocks):
+        raise ValueError(
+            f"adapters have {len(adapters.blocks)} blocks, the base has {len(base.blocks)}: merge adapters "
+            "trained on this base."
+        )
+    scale = lora_spec(ft).scale
+    blocks: list[Any] = []
+    for i, (block, extra) in enumerate(zip(base.blocks, adapters.blocks)):
+        if is_deferred(block):
+            read = partial(_merged_read, block, extra, scale, f"block {i}")
+            blocks.append(Deferred(read, 0, _merged_shapes(block.shapes, extra)))
+        else:
+            blocks.append(_merged_on_host(block, extra, scale, f"block {i}"))
+    return ModelParams(base.embed, tuple(blocks), base.head)
+
+
+def _merged_on_host(block: Any, adapters: Any, scale: float, label: str) -> Any:
+    """`merge_block` of a block whose int8 projections are dequantised first, as host arrays."""
+    host = _dequantized(jax.device_get(block))
+    return jax.device_get(merge_block(host, jax.device_get(adapters), scale, label))
+
+
+def _merged_read(block: Deferred, adapters: Any, scale: float, label: str) -> tuple[Any]:
+    """`_merged_on_host` of a deferred block, read now: a `Deferred`'s read result."""
+    return (_merged_on_host(block.load(), adapters, scale, label),)
+
+
+def _dequantized(tree: Any) -> Any:
+    """`tree` with each int8 projection in float32 (`widen`'s rule, "kernel_scale" dropped); every
+    other entry the same object."""
+    if not isinstance(tree, dict):
+        return tree
+    if "kernel_scale" in tree:
+        return widen({"kernel": tree["kernel"], "kernel_scale": tree["kernel_scale"]}) | {
+            k: v for k, v in tree.items() if k not in ("kernel", "kernel_scale")
+        }
+    return {k: _dequantized(v) for k, v in tree.items()}
+
+
+def _merged_shapes(shapes: Any, adapters: Any) -> Any:
+    """The shapes `_merged_on_host` gives for a block of shapes `shapes` (a Deferred block's)."""
+
+    def walk(tree: Any, extra: Any) -> Any:
+        if not isinstance(tree, dict):
+            return tree
+        if "kernel" in tree and (extra or "kernel_scale" in tree):
+            out = {k: v for k, v in tree.items() if k != "kernel_scale"}
+            out["kernel"] = jax.ShapeDtypeStruct(tuple(tree["kernel"].shape), np.float32)
+            return out
+        return {k: walk(v, extra.get(k, {})) for k, v in tree.items()}
+
+    return walk(shapes, adapters)
 
 
 def merged_units(

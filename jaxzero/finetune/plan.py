@@ -27,7 +27,7 @@ from jaxzero.finetune.adapters import projection_shapes
 from jaxzero.finetune.base import storage_dtype
 from jaxzero.finetune.trainable import base_positions, lowest_trainable_block
 from jaxzero.memory import MemoryPlan
-from jaxzero.models.sizes import block_matmul_params, param_count, unit_param_counts
+from jaxzero.models.sizes import block_matmul_params, param_count, ties_output, unit_param_counts
 from jaxzero.plan import resolve_plan
 from jaxzero.plan.calibration import CHECKPOINT_WRITE_BPS, GiB
 from jaxzero.plan.cost import Prediction
@@ -110,7 +110,7 @@ def step_flops(cfg: TrainConfig) -> float:
         flops += n_block * (2 if i < lowest else 6 if frozen else 8)
     # The output projection (D x V, the embedding's when tied): forward, input gradients, and its
     # weights' gradient where it trains; no recomputation. An embedding lookup is no matmul.
-    tied = m.tie_embeddings or m.family == "gpt2"
+    tied = ties_output(m)
     projection_trains = (0 if tied else m.num_layers + 1) not in kept
     flops += m.hidden_size * m.vocab_size * (6 if projection_trains else 4)
     return flops * tokens
@@ -132,7 +132,7 @@ def model_flops_per_token(cfg: TrainConfig) -> float:
             flops += 2 * per_block + 4 * attention
         else:
             flops += (4 if 1 + i in kept else 6) * per_block + 12 * attention
-    tied = m.tie_embeddings or m.family == "gpt2"
+    tied = ties_output(m)
     projection_trains = ft.method == "full" and (0 if tied else m.num_layers + 1) not in kept
     return flops + (6 if projection_trains else 4) * m.hidden_size * m.vocab_size
 

@@ -45,6 +45,7 @@ from jaxzero.finetune.base import FrozenBase, narrow_block, narrow_unit
 from jaxzero.finetune.trainable import base_positions, layout_of, lowest_trainable_block, trainable_shapes
 from jaxzero.models import ModelParams, build_model, init_keys
 from jaxzero.models.lora import merge_trees
+from jaxzero.models.sizes import ties_output
 from jaxzero.objective import (
     counted_targets,
     decode_window,
@@ -114,7 +115,7 @@ class PartialTrainer:
         self._embed_trains = bool(self.shapes.embed)
         # The head reads the embedding only when tied (gpt2 always is): only then does it send it a
         # gradient (else a zero (V, D) float32 array would be made and added).
-        self._head_reads_embed = cfg.model.tie_embeddings or cfg.model.family == "gpt2"
+        self._head_reads_embed = ties_output(cfg.model)
         self._clipped = cfg.optimizer.grad_clip > 0
         self._eot = document_eot(cfg.data, self.model)
         self._dropout = self.lora and ft.lora_dropout > 0

@@ -1,5 +1,5 @@
-"""PEFT's LoRA adapter format: export jaxzero's adapters for `peft.PeftModel.from_pretrained`, import
-one back, and merge adapters into the base for a plain transformers export (`export_hf`).
+"""PEFT's LoRA adapter format: export jaxzero's adapters for `peft.PeftModel.from_pretrained`, and import
+one back. (Merging adapters into a base for a plain export: `jaxzero.finetune.merged.merged_params`.)
 
 A PEFT LoRA adapter is a directory of two files (what PEFT's `save_pretrained` writes and reads):
 
@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import re
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +28,7 @@ import numpy as np
 
 from jaxzero import export_dir
 from jaxzero.config import LORA_TARGETS, CheckpointError, ConfigError, FinetuneConfig, ModelConfig
-from jaxzero.deferred import Deferred, is_deferred
-from jaxzero.finetune.adapters import TARGET_PATHS, block_adapter_shapes, lora_spec
+from jaxzero.finetune.adapters import TARGET_PATHS, block_adapter_shapes
 from jaxzero.interop.safetensors import SafetensorsError, SafetensorsReader, SafetensorsWriter, TensorSpec
 from jaxzero.models import Llama, ModelParams
 
@@ -485,137 +483,10 @@ def import_peft_adapter(
     return ft, adapters
 
 
-# -------------------------------------------------------------------------------------------------
-# Merge
-# -------------------------------------------------------------------------------------------------
-
-
-def _float32_kernel(proj: dict[str, Any]) -> np.ndarray:
-    """A projection's kernel (in, out) as float32 NumPy: an int8 one times its "kernel_scale" (out,)
-    in float32 (`jaxzero.models.lora.dequantize`'s rule), any other cast."""
-    kernel = np.asarray(proj["kernel"])
-    if "kernel_scale" in proj:
-        return kernel.astype(np.float32) * np.asarray(proj["kernel_scale"], np.float32)[None, :]
-    return kernel.astype(np.float32)
-
-
-def _merge_block(block: Any, adapters: dict[str, Any], scale: float, label: str) -> dict[str, Any]:
-    """One block's parameters with each adapted kernel replaced by kernel + scale * lora_a @ lora_b
-    (float32) and each int8 kernel dequantised (float32, its "kernel_scale" dropped)."""
-    host = jax.device_get(block)
-    pairs = jax.device_get(adapters)
-
-    def walk(params: dict[str, Any], extra: dict[str, Any], path: tuple[str, ...]) -> dict[str, Any]:
-        unknown = [k for k in extra if k not in params or not isinstance(params[k], dict)]
-        if unknown:
-            raise ValueError(
-                f"{label}: adapters at {['/'.join((*path, k)) for k in unknown]} have no projection in the "
-                f"base (it holds {sorted(params)} at {'/'.join(path) or 'the top'})."
-            )
-        out: dict[str, Any] = {}
-        for k, v in params.items():
-            sub = extra.get(k, {})
-            if not isinstance(v, dict):
-                out[k] = v
-            elif "kernel" in v:
-                out[k] = _merge_projection(v, sub, scale, f"{label}: {'/'.join((*path, k))}")
-            else:
-                out[k] = walk(v, sub, (*path, k))
-        return out
-
-    return walk(host, pairs, ())
-
-
-def _merge_projection(proj: dict[str, Any], pair: dict[str, Any], scale: float, label: str) -> dict[str, Any]:
-    if not pair and "kernel_scale" not in proj:
-        return proj
-    out = {k: v for k, v in proj.items() if k != "kernel_scale"}
-    kernel = _float32_kernel(proj)
-    if pair:
-        a, b = np.asarray(pair["lora_a"], np.float32), np.asarray(pair["lora_b"], np.float32)
-        if (
-            a.ndim != 2
-            or b.ndim != 2
-            or a.shape[0] != kernel.shape[0]
-            or b.shape[1] != kernel.shape[1]
-            or a.shape[1] != b.shape[0]
-        ):
-            raise ValueError(
-                f"{label}: lora_a {a.shape} @ lora_b {b.shape} does not make the kernel's shape "
-                f"{kernel.shape} (lora_a is (in, r), lora_b (r, out))."
-            )
-        # PEFT's merge: W + (B @ A) * scaling, here transposed, in float32.
-        kernel = kernel + np.matmul(a, b) * np.float32(scale)
-    out["kernel"] = kernel
-    return out
-
-
-def _merged_shapes(shapes: Any, adapters: dict[str, Any]) -> Any:
-    """The shapes `_merge_block` gives for a block of shapes `shapes` (a Deferred block's)."""
-
-    def walk(tree: Any, extra: dict[str, Any]) -> Any:
-        if not isinstance(tree, dict):
-            return tree
-        if "kernel" in tree and (extra or "kernel_scale" in tree):
-            out = {k: v for k, v in tree.items() if k != "kernel_scale"}
-            out["kernel"] = jax.ShapeDtypeStruct(tuple(tree["kernel"].shape), np.float32)
-            return out
-        return {k: walk(v, extra.get(k, {})) for k, v in tree.items()}
-
-    return walk(shapes, adapters)
-
-
-def _merge_deferred(block: Deferred, adapters: dict[str, Any], scale: float, label: str) -> tuple[Any]:
-    """`_merge_block` of a deferred block, read now: a `Deferred`'s read result."""
-    return (_merge_block(block.load(), adapters, scale, label),)
-
-
-def merged_params(base: ModelParams, adapters: ModelParams, ft: FinetuneConfig) -> ModelParams:
-    """The base with its adapters folded in: a plain model that computes what the adapted one does
-    (without dropout), for `export_hf` (the `--merge` export).
-
-    base: a llama-family ModelParams; its block kernels float32/bfloat16, or int8 (in, out) with a
-        float32 "kernel_scale" (out,) (`jaxzero.models.lora.quantize_kernel`); NumPy or jax arrays, or a
-        block a `jaxzero.deferred.Deferred` (its merge is then deferred too, read when it is resolved,
-        so that `export_hf` holds one block at a time).
-    adapters: ModelParams(embed={}, blocks=(one dict per block), head={}) of lora_a (in, r) and lora_b
-        (r, out), as `jaxzero.finetune.adapters` lays them out; ft: their lora_alpha and lora_rank.
-
-    Each adapted kernel becomes float32 kernel + (lora_alpha / lora_rank) * lora_a @ lora_b (NumPy,
-    float32), an int8 kernel being dequantised in float32 first; every int8 kernel is dequantised and
-    its "kernel_scale" dropped, so the result has exactly the parameters of a plain model. Other leaves
-    (norms, biases, embedding, head, unadapted float kernels) are returned as given. ValueError names
-    adapters without a projection or of the wrong shape.
-    """
-    if adapters.embed or adapters.head:
-        raise ValueError(
-            f"adapters hold embedding or head entries (embed keys {sorted(adapters.embed)}, head keys "
-            f"{sorted(adapters.head)}): LoRA adapters here are the blocks' projections only."
-        )
-    if len(adapters.blocks) != len(base.blocks):
-        raise ValueError(
-            f"adapters have {len(adapters.blocks)} blocks, the base has {len(base.blocks)}: merge adapters "
-            "trained on this base."
-        )
-    scale = lora_spec(ft).scale
-    blocks: list[Any] = []
-    for i, (block, extra) in enumerate(zip(base.blocks, adapters.blocks)):
-        label = f"block {i}"
-        if is_deferred(block):
-            read = partial(
-                lambda b, e, s, lab: (_merge_block(b.load(), e, s, lab),), block, extra, scale, label
-            )
-            blocks.append(Deferred(read, 0, _merged_shapes(block.shapes, extra)))
-        else:
-            blocks.append(_merge_block(block, extra, scale, label))
-    return ModelParams(base.embed, tuple(blocks), base.head)
-
-
 __all__ = [
     "ADAPTER_CONFIG_NAME",
     "ADAPTER_WEIGHTS_NAME",
     "adapter_config",
     "export_peft_adapter",
     "import_peft_adapter",
-    "merged_params",
 ]

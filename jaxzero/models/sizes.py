@@ -41,6 +41,11 @@ def named_model_config(name: str) -> ModelConfig:
         raise ConfigError(f"unknown model.name {name!r}. Valid names: {', '.join(NAMED_SIZES)}.") from None
 
 
+def ties_output(cfg: ModelConfig) -> bool:
+    """Whether the output projection is the token embedding (`tie_embeddings`; gpt2 always is)."""
+    return cfg.tie_embeddings or cfg.family == "gpt2"
+
+
 def block_matmul_params(cfg: ModelConfig) -> int:
     """Elements of one block's matmul kernels (no norms, no biases)."""
     d, f = cfg.hidden_size, cfg.intermediate_size

@@ -50,6 +50,7 @@ from jax.sharding import Mesh
 from jaxzero import objective
 from jaxzero.models import Model, ModelParams
 from jaxzero.models.layers import cast_tree
+from jaxzero.models.sizes import ties_output
 from jaxzero.offload.host_memory import copy_to
 from jaxzero.offload.timeline import StepClock, span
 from jaxzero.placement import DEVICE, PINNED_HOST, OffloadPlacement, batch_rows_sharding
@@ -275,7 +276,7 @@ class StreamedModel:
     def __init__(self, model: Model, placement: OffloadPlacement, grad_accum: int, prefetch: int = 1):
         self.model, self.placement, self.prefetch = model, placement, prefetch
         self.num_layers = model.config.num_layers
-        self.tied = model.config.tie_embeddings or model.config.family == "gpt2"
+        self.tied = ties_output(model.config)
         self.accum = grad_accum
         shapes = jax.eval_shape(model.init, jax.random.key(0))  # global shapes
         self._to_host = _by_unit(shapes, lambda t: placement.split(t, PINNED_HOST))  # where gradients land
