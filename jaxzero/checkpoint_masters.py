@@ -8,6 +8,7 @@ and saved as an Orbax export (`export_orbax`). A training process restores throu
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from jaxzero.checkpoint_layout import (
 )
 from jaxzero.config import CheckpointError, TrainConfig
 from jaxzero.deferred import Deferred, resolved
-from jaxzero.finetune.adapters import LORA_LAYOUT, adapter_shapes
+from jaxzero.finetune.adapters import LORA_LAYOUT
 from jaxzero.finetune.merged import merged_units
 from jaxzero.finetune.provenance import check_base
 from jaxzero.finetune.trainable import FROZEN_LAYOUT, trainable_shapes
@@ -97,15 +98,7 @@ def masters_by_unit(run_dir: str | Path, step: int | None = None) -> tuple[Train
     names = part_names(len(shapes.blocks))
     if meta.get("layout") in (LORA_LAYOUT, FROZEN_LAYOUT):  # what trained saved; the base rebuilt
         check_base(meta, f"checkpoint {ckpt_dir / str(step)}")
-        t = trainable_shapes(build_model(cfg.model), cfg.finetune)
-        trainable = [t.embed, *t.blocks, t.head]  # by position
-
-        def trainable_of(k: int) -> Any:
-            if not trainable[k]:
-                return {}
-            return _read_numpy(state_dir / names[k], {"params": trainable[k]})["params"]
-
-        return cfg, merged_units(cfg, trainable_of), step
+        return cfg, merged_units(cfg, _trainable_reader(state_dir, cfg)), step
     units = [shapes.embed, *shapes.blocks, shapes.head]
 
     def unit(name: str, u: Any) -> Deferred:
@@ -125,13 +118,22 @@ def saved_adapters(
         return None
     check_base(meta, f"checkpoint {ckpt_dir / str(step)}")
     cfg = config_from_dict(meta["config"])
-    shapes = adapter_shapes(build_model(cfg.model), cfg.finetune).blocks
-    names = part_names(len(shapes))
-    state_dir = ckpt_dir / str(step) / "state"
-    blocks = tuple(
-        _read_numpy(state_dir / names[1 + i], {"params": s})["params"] for i, s in enumerate(shapes)
-    )
-    return cfg, ModelParams({}, blocks, {}), step
+    read = _trainable_reader(ckpt_dir / str(step) / "state", cfg)
+    return cfg, ModelParams({}, tuple(read(1 + i) for i in range(cfg.model.num_layers)), {}), step
+
+
+def _trainable_reader(state_dir: Path, cfg: TrainConfig) -> Callable[[int], Any]:
+    """A function reading what trained of the unit at position k (embedding 0, block i at 1 + i, head
+    L + 1) from checkpoint `state_dir` of a run with a frozen part (float32 NumPy; `{}` for a unit
+    with nothing that trains)."""
+    t = trainable_shapes(build_model(cfg.model), cfg.finetune)
+    shapes = [t.embed, *t.blocks, t.head]
+    names = part_names(len(t.blocks))
+
+    def read(k: int) -> Any:
+        return _read_numpy(state_dir / names[k], {"params": shapes[k]})["params"] if shapes[k] else {}
+
+    return read
 
 
 def _checkpoint(run_dir: str | Path, step: int | None) -> tuple[Path, int, dict[str, Any]]:

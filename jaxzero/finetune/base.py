@@ -17,13 +17,16 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Sharding
 
-from jaxzero.models import ModelParams
+from jaxzero.config import TrainConfig
+from jaxzero.deferred import Deferred
+from jaxzero.models import Model, ModelParams, init_keys
 from jaxzero.models.lora import quantize_kernel
 
 KERNEL = "kernel"
@@ -55,6 +58,28 @@ def narrow_block(block: Any, base_dtype: str) -> Any:
 def narrow_unit(unit: Any, base_dtype: str) -> Any:
     """The embedding or head in storage form (never quantised); traced."""
     return jax.tree.map(lambda x: x.astype(storage_dtype(base_dtype)), unit)
+
+
+def source_units(cfg: TrainConfig, model: Model) -> ModelParams:
+    """The model's float32 units before narrowing, as the config names them, each a `Deferred` read
+    (or drawn) when resolved: `model.init_from`'s weights, else the model's own init from `seed` (so a
+    base rebuilt from a checkpoint's config is the one that trained)."""
+    if cfg.model.init_from:
+        from jaxzero.interop.hf_io import load_hf_by_unit  # the HF reader only where it is used
+
+        return load_hf_by_unit(cfg.model, cfg.model.init_from)
+    k_embed, k_blocks, k_head = init_keys(jax.random.key(cfg.seed), cfg.model.num_layers)
+
+    def drawn(init: Any, key: jax.Array) -> Deferred:
+        return Deferred(partial(_one, init, key), 0, None)
+
+    blocks = tuple(drawn(model.init_block, k) for k in k_blocks)
+    return ModelParams(drawn(model.init_embed, k_embed), blocks, drawn(model.init_head, k_head))
+
+
+def _one(init: Any, key: jax.Array) -> tuple[Any]:
+    """`init(key)` as a `Deferred`'s read: a one-item tuple."""
+    return (init(key),)
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,9 @@ import numpy as np
 from jaxzero.config import FinetuneConfig, TrainConfig
 from jaxzero.deferred import Deferred, is_deferred
 from jaxzero.finetune.adapters import lora_spec
-from jaxzero.finetune.base import narrow_block, narrow_unit
+from jaxzero.finetune.base import narrow_block, narrow_unit, source_units
 from jaxzero.finetune.trainable import base_positions
-from jaxzero.models import ModelParams, build_model, init_keys
+from jaxzero.models import ModelParams, build_model
 from jaxzero.models.lora import dequantize
 
 
@@ -146,22 +146,15 @@ def merged_units(
     n = cfg.model.num_layers
     scale = lora_spec(ft).scale if ft.method == "lora" else 0.0
     kept = base_positions(ft, cfg.model)
-    if base is None and cfg.model.init_from:
-        from jaxzero.interop.hf_io import load_hf_by_unit  # the HF reader only where it is used
-
-        base = load_hf_by_unit(cfg.model, cfg.model.init_from)
-    k_embed, k_blocks, k_head = init_keys(jax.random.key(cfg.seed), n)
+    source = base if base is not None else source_units(cfg, model)
+    units = [source.embed, *source.blocks, source.head]
     shapes = jax.eval_shape(model.init, jax.random.key(0))
-    inits = [lambda: model.init_embed(k_embed), *(partial(model.init_block, k) for k in k_blocks)]
-    inits.append(lambda: model.init_head(k_head))
-    units = None if base is None else [base.embed, *base.blocks, base.head]
 
     def unit(k: int, shape: Any) -> Deferred:
         def read():
             if k not in kept:  # a unit that trained: its saved float32 weights
                 return (_numpy(trainable_of(k)),)
-            u = units[k] if units is not None else inits[k]()
-            u = u.load() if isinstance(u, Deferred) else u
+            u = units[k].load() if isinstance(units[k], Deferred) else units[k]
             if 0 < k <= n:
                 merged = merge_block(widen(narrow_block(u, ft.base_dtype)), trainable_of(k), scale)
             else:

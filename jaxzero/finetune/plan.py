@@ -168,7 +168,7 @@ class PartialDecision(Decision):
     streamed: bool = False
 
     def save_seconds(self) -> float:
-        return _tree_bytes_saved(self.config) / CHECKPOINT_WRITE_BPS
+        return _checkpoint_bytes(self.config) / CHECKPOINT_WRITE_BPS
 
     def obvious(self) -> bool:
         return not self.streamed and super().obvious()
@@ -224,7 +224,7 @@ class PartialDecision(Decision):
             )
         if cfg.checkpoint.enabled:
             lines.append(
-                f"  checkpoints {_gib(_tree_bytes_saved(cfg))} each (what trains, its optimizer state, the "
+                f"  checkpoints {_gib(_checkpoint_bytes(cfg))} each (what trains, its optimizer state, the "
                 "step; the base is rebuilt from the config)"
             )
         lines += [
@@ -235,7 +235,7 @@ class PartialDecision(Decision):
         return "\n".join(lines)
 
 
-def _tree_bytes_saved(cfg: TrainConfig) -> int:
+def _checkpoint_bytes(cfg: TrainConfig) -> int:
     """Bytes of a checkpoint: what trains and its optimizer state."""
     trainable = partial_bytes(cfg, False).trainable
     return trainable + trainable // 4 * memory.optimizer_state_bytes(cfg)

@@ -39,11 +39,11 @@ from jax.sharding import Mesh, SingleDeviceSharding
 
 from jaxzero import placement
 from jaxzero.config import ConfigError, TrainConfig
-from jaxzero.deferred import Deferred, resolved
+from jaxzero.deferred import resolved
 from jaxzero.finetune.adapters import init_adapters, lora_spec
-from jaxzero.finetune.base import FrozenBase, narrow_block, narrow_unit
+from jaxzero.finetune.base import FrozenBase, narrow_block, narrow_unit, source_units
 from jaxzero.finetune.trainable import base_positions, layout_of, lowest_trainable_block, trainable_shapes
-from jaxzero.models import ModelParams, build_model, init_keys
+from jaxzero.models import ModelParams, build_model
 from jaxzero.models.lora import merge_trees
 from jaxzero.models.sizes import ties_output
 from jaxzero.objective import (
@@ -183,24 +183,8 @@ class PartialTrainer:
     def base(self) -> FrozenBase:
         """The frozen base, built from the config on first use (`model.init_from`, else `seed`)."""
         if self._base is None:
-            self._build(self._source(), keep_initial=False)
+            self._build(source_units(self.cfg, self.model), keep_initial=False)
         return self._base
-
-    def _source(self) -> ModelParams:
-        """The model's float32 units as the config names them, each read (or drawn) when used:
-        `model.init_from`'s weights, else the model's init from `seed`."""
-        if self.cfg.model.init_from:
-            from jaxzero.interop.hf_io import load_hf_by_unit  # the HF reader only where it is used
-
-            return load_hf_by_unit(self.cfg.model, self.cfg.model.init_from)
-        k_embed, k_blocks, k_head = init_keys(jax.random.key(self.cfg.seed), self.cfg.model.num_layers)
-        model = self.model
-        blocks = tuple(Deferred(partial(_one, model.init_block, k), 0, None) for k in k_blocks)
-        return ModelParams(
-            Deferred(partial(_one, model.init_embed, k_embed), 0, None),
-            blocks,
-            Deferred(partial(_one, model.init_head, k_head), 0, None),
-        )
 
     def _build(self, source: ModelParams, keep_initial: bool) -> None:
         """The base from float32 units (NumPy, arrays or `Deferred`, read one at a time): each unit it
@@ -248,7 +232,7 @@ class PartialTrainer:
         starting units) is the model's own init from `seed` (or `model.init_from`'s weights),
         whatever `key` is: a checkpoint holds no base, so every later reader rebuilds it from the
         config."""
-        self._build(self._source(), keep_initial=True)
+        self._build(source_units(self.cfg, self.model), keep_initial=True)
         return self._fresh_state(key)
 
     def init_from_params(self, params: ModelParams) -> PartialState:
@@ -365,11 +349,6 @@ class PartialTrainer:
             f"{self.cfg.optimizer.name} state on the accelerator); {len(self._kept)} frozen ({ft.freeze}) "
             f"in {ft.base_dtype}, {where}"
         )
-
-
-def _one(init: Any, key: jax.Array) -> tuple[Any]:
-    """`init(key)` as a `Deferred`'s read: a one-item tuple."""
-    return (init(key),)
 
 
 def build_partial_trainer(
