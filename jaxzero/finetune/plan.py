@@ -175,9 +175,8 @@ class PartialDecision(Decision):
 
     def line(self) -> str:
         chosen = f"decided {', '.join(self.decided)}" if self.decided else "as configured"
-        need = self.memory.accelerator_state + self.memory.activations
         return (
-            f"plan: {self.mode_words()} ({chosen}); {_gib(need)} "
+            f"plan: {self.mode_words()} ({chosen}); {_gib(self._gpu_needed())} "
             f"of {_gib(self.machine.gpu_usable or self.machine.host_usable)} device memory; predicted "
             f"{self.step_s:.3g} s per step, bound by {self.bottleneck}"
         )
@@ -210,7 +209,7 @@ class PartialDecision(Decision):
             f"({b.trainable // 4 / 1e6:.2f}M parameters train)",
             f"placement: {self.mode_words()} ({chosen})",
             "memory, needed of available:",
-            f"  device     {_gib(need.accelerator_state + need.activations)} of {_gib(capacity)} (base "
+            f"  device     {_gib(self._gpu_needed())} of {_gib(capacity)} (base "
             f"{_gib(0 if self.streamed else b.base_blocks)} + embedding and head {_gib(b.base_edges)}, "
             f"what trains with gradients and {cfg.optimizer.name} state {_gib(b.trainable_state)}, "
             f"activations ~{_gib(need.activations)})",
