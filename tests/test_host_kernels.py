@@ -45,7 +45,8 @@ def rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def run(over: dict, fused: bool, grad_dtype, steps: int = 3, two_pass: bool = False):
+def run(over: dict, fused: bool, grad_dtype, steps: int = 3, two_pass: bool = False, start: int = 0):
+    """`steps` updates of one block from update number `start`; returns masters, state, weights."""
     accum = 1 if grad_dtype == jnp.bfloat16 else 2
     cfg = apply_overrides(
         TrainConfig(),
@@ -69,7 +70,12 @@ def run(over: dict, fused: bool, grad_dtype, steps: int = 3, two_pass: bool = Fa
     assert host.fused == fused
     block = plan.blocks[0]
     masters = jax.device_put(model.init(jax.random.key(0)), where.host)
-    unit = HostUnit(masters.blocks[0], host.init(masters).blocks[0], None)
+    state = host.init(masters).blocks[0]
+    if start:  # the step counts (optax's int32 scalars) as after `start` updates
+        state = jax.tree.map(
+            lambda x: jax.device_put(np.int32(start), x.sharding) if x.ndim == 0 else x, state
+        )
+    unit = HostUnit(masters.blocks[0], state, None)
     rng = np.random.default_rng(0)
     for k in range(steps):
         # One piece per leaf: the whole array (one device; see `UnitUpdate.grads`).
@@ -107,6 +113,68 @@ def test_fused_update_matches_optax(name, state_dtype, grad_dtype):
             assert rel(a, b) < m_tol
     for a, b in zip(jax.tree.leaves(wf), jax.tree.leaves(wr)):  # compute-dtype weights
         assert a.dtype == b.dtype and rel(a, b) < max(p_tol, 2**-8)
+
+
+@pytest.mark.parametrize("start", [163, 336])  # b1 = 0.9's correction is 1 from 164; b2 = 0.95's from 337
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
+def test_fused_update_matches_optax_where_bias_corrections_are_one(state_dtype, start):
+    """Across the update numbers where Adam's bias corrections become exactly 1 in float32 (where
+    the kernels leave their divisions out), the fused update still matches optax's, which divides."""
+    over = {**OPTIMIZERS["adamw"], "optimizer.state_dtype": state_dtype}
+    (pf, sf, wf), (pr, sr, wr) = (run(over, f, jnp.bfloat16, start=start) for f in (True, False))
+    p_tol, m_tol = (1e-6, 1e-6) if state_dtype == "float32" else (1e-3, 1e-2)
+    for a, b in zip(jax.tree.leaves(pf), jax.tree.leaves(pr)):
+        assert rel(a, b) < p_tol
+    for a, b in zip(jax.tree.leaves(sf), jax.tree.leaves(sr)):
+        assert (a == b) if a.ndim == 0 else rel(a, b) < m_tol
+    for a, b in zip(jax.tree.leaves(wf), jax.tree.leaves(wr)):
+        assert rel(a, b) < max(p_tol, 2**-8)
+
+
+@pytest.mark.parametrize("pass_", list(host_kernels.Pass))
+@pytest.mark.parametrize("moments", ["float32", "bfloat16"])
+def test_a_division_by_an_exact_one_left_out_changes_no_bit(moments, pass_):
+    """The kernels compiled without the bias corrections' divisions give the bits of the kernels that
+    divide by 1.0, on every kind of float32 value (zeros of both signs, subnormals, huge, inf, NaN)."""
+    n = 4 * 4096 + 7
+    r = np.random.default_rng(3)
+    special = np.array([0.0, -0.0, 1e-45, -1e-40, 3e-39, 1e38, -3e38, np.inf, -np.inf, np.nan], np.float32)
+
+    def values(scale):
+        x = (r.standard_normal(n) * scale).astype(np.float32)
+        x[: special.size] = r.permutation(special)
+        return x
+
+    def bf16(x):
+        return (x.view(np.uint32) >> 16).astype(np.uint16)
+
+    p, m, v = values(1.0), values(1e-3), np.abs(values(1e-6))
+    if moments == "bfloat16":
+        m, v = bf16(m), bf16(v)
+    g = bf16(values(1e-2))
+    g.flags.writeable = False
+    m16 = moments == "bfloat16"
+    one = np.float32(1.0)
+    scalars = (np.float32(0.7), np.float32(0.9), np.float32(0.95), np.float32(1e-8), one, one)
+    results = []
+    for unit in (frozenset(), frozenset({"bc1"}), frozenset({"bc1", "bc2"})):
+        arrays = [p.copy(), m.copy(), v.copy()]
+        if pass_ is host_kernels.Pass.OUT:
+            arrays = [a for x in arrays for a in (x, np.empty_like(x))]
+        arrays.append(g)
+        if pass_ is not host_kernels.Pass.STATE:
+            arrays.append(np.zeros(n, np.uint16))
+        kernel = host_kernels._kernel("adam", True, m16, True, pass_, unit)
+        kernel(*arrays, host_kernels._scratch(), *scalars, np.float32(-1e-3), np.float32(0.1))
+        results.append(arrays)
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+    if pass_ is host_kernels.Pass.WEIGHTS:  # it did update: new weights, or new masters
+        assert results[0][-1].any()
+    else:
+        written = results[0][1 if pass_ is host_kernels.Pass.OUT else 0]
+        assert not np.array_equal(written.view(np.uint32), p.view(np.uint32))
 
 
 @pytest.mark.parametrize("grad_dtype", [jnp.bfloat16, jnp.float32])

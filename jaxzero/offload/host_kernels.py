@@ -39,7 +39,9 @@ import ctypes
 import enum
 import hashlib
 import importlib.util
+import itertools
 import os
+import re
 import sys
 import tempfile
 import threading
@@ -157,23 +159,31 @@ def _scratch() -> np.ndarray:
     return buf
 
 
-def _kernel(name: str, g16: bool, m16: bool, w16: bool, pass_: Pass) -> Callable[..., None]:
+def _kernel(
+    name: str, g16: bool, m16: bool, w16: bool, pass_: Pass, unit: frozenset[str] = frozenset()
+) -> Callable[..., None]:
     """The compiled kernel for one combination; its arguments are `_source`'s."""
-    key = (name, g16, m16, w16, pass_)
+    key = (name, g16, m16, w16, pass_, unit)
     with _compile_lock:
         if key not in _kernels:
-            _kernels[key] = _load(_source(name, g16, m16, w16, pass_)).kernel
+            _kernels[key] = _load(_source(name, g16, m16, w16, pass_, unit)).kernel
     return _kernels[key]
 
 
-def _source(name: str, g16: bool, m16: bool, w16: bool, pass_: Pass) -> str:
+def _source(
+    name: str, g16: bool, m16: bool, w16: bool, pass_: Pass, unit: frozenset[str] = frozenset()
+) -> str:
     """Kernel source: `kernel(<arrays>, scratch, gmul, *scalars, neg_lr, wd)` where <arrays> is
     `p, *moments, g, w` (`full`, `weights`), `p, *moments, g` (`state`) or `pi, p, mi, m, ..., g, w`
     (`out`: parameters and moments read from `pi`, `{x}i`, written to `p`, `{x}`; a speculative
     update leaves its inputs untouched). In place they are one array, one pointer, which is what lets
     LLVM vectorise without alias checks. Moments pass through float32 scratch when they are bf16
-    (widened) or read from other buffers (copied)."""
+    (widened) or read from other buffers (copied). `unit` names divisors that are exactly 1 for this
+    update (Adam's bias corrections `bc1`, `bc2` once b**t rounds away in float32): x / 1 is x in
+    IEEE arithmetic, so their divisions are left out, which changes no bit."""
     moments, scalars, body = _RULES[name]
+    for divisor in sorted(unit):
+        body = re.sub(rf" / {divisor}\b", "", body)
     out_of_place = pass_ is Pass.OUT
     i = "i" if out_of_place else ""  # suffix of the arrays read
     arrays = "".join(f"{x}{i}, " * out_of_place + f"{x}, " for x in ("p", *moments)) + "g"
@@ -263,18 +273,20 @@ def warm_up(
     moment_dtype: np.dtype,
     weight_dtype: np.dtype,
     passes: Sequence[Pass] = (Pass.FULL, Pass.WEIGHTS, Pass.STATE),
+    counts: Sequence[int] = (0,),
 ) -> None:
-    """Compile (or load from the cache) the kernels `rule` will use, one per pass, on tiny arrays.
-    (The `OUT` pass of speculative updates, off by default, compiles on first use.)"""
+    """Compile (or load from the cache) the kernels `rule` will use at update numbers `counts`
+    (`FusedRule.kernel_counts`), one per pass, on tiny arrays. (The `OUT` pass of speculative
+    updates, off by default, compiles on first use.)"""
     n = 8
     g = np.zeros(n, bits_dtype(grad_dtype))
     g.flags.writeable = False  # gradients are read through read-only views: a distinct numba type
-    for pass_ in passes:
+    for count, pass_ in itertools.product(counts, passes):
         p = np.zeros(n, np.float32)
         moments = [np.zeros(n, bits_dtype(moment_dtype)) for _ in rule.moments()]
         w = None if pass_ is Pass.STATE else np.zeros(n, bits_dtype(weight_dtype))
         out = (np.zeros_like(p), *map(np.zeros_like, moments)) if pass_ is Pass.OUT else None
-        rule.kernel(0, 0.0, 1.0, pass_)(p, *moments, g, w, 0.0, out=out)
+        rule.kernel(count, 0.0, 1.0, pass_)(p, *moments, g, w, 0.0, out=out)
 
 
 # -- views -----------------------------------------------------------------------------------------
@@ -335,6 +347,33 @@ class FusedRule:
             return ("mu",)
         return ("trace",) if self.momentum else ()
 
+    def _corrections(self, count: int) -> tuple[np.float32, np.float32]:
+        """Adam's bias corrections (bc1, bc2) for update number `count`: optax's 1 - b**t with the
+        incremented count t, in float32."""
+        t = np.float32(count + 1)
+        return _F32_ONE - np.float32(self.b1) ** t, _F32_ONE - np.float32(self.b2) ** t
+
+    def exact_ones(self, count: int) -> frozenset[str]:
+        """The kernel's divisors that are exactly 1 at update number `count`: Adam's bias corrections
+        once b**t rounds away in float32 (b1 = 0.9: from the 165th update; b2 = 0.95: the 338th). The
+        kernel leaves those divisions out (x / 1 is x in IEEE arithmetic: no bit changes), 20-46% of its
+        arithmetic on the hosts measured (BENCHMARKS.md, "The host kernels' divider")."""
+        if self.name not in ("adamw", "adam"):
+            return frozenset()
+        return frozenset(k for k, bc in zip(("bc1", "bc2"), self._corrections(count)) if bc == _F32_ONE)
+
+    def kernel_counts(self, first: int, last: int) -> list[int]:
+        """One update number in [first, last] for each kernel the updates in that range run (each
+        set of `exact_ones`): what `warm_up` compiles. `exact_ones` only grows with the count."""
+        counts, lo = [first], first
+        while self.exact_ones(lo) != self.exact_ones(last):  # the next count whose set differs
+            hi = last
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if self.exact_ones(mid) == self.exact_ones(lo) else (lo, mid)
+            counts.append(lo := hi)
+        return counts
+
     def kernel(self, count: int, lr: float, gmul: float, pass_: Pass = Pass.FULL) -> Callable[..., None]:
         """A function (p, *moments, g, w, decay, out=None) -> None running one pass (`Pass`) of
         update number `count` (0-based: updates already applied) over one chunk, at learning rate
@@ -345,10 +384,9 @@ class FusedRule:
         pass_ = Pass(pass_)
         f32 = np.float32
         gmul, neg_lr = f32(gmul), -f32(lr)
+        unit = self.exact_ones(count)
         if self.name in ("adamw", "adam"):
-            b1, b2 = f32(self.b1), f32(self.b2)
-            t = f32(count + 1)  # optax: bias correction with the incremented count, 1 - b**t in float32
-            name, scalars = "adam", (b1, b2, f32(self.eps), _F32_ONE - b1**t, _F32_ONE - b2**t)
+            name, scalars = "adam", (f32(self.b1), f32(self.b2), f32(self.eps), *self._corrections(count))
         elif self.name == "lion":
             name, scalars = "lion", (f32(self.b1), f32(self.b2))
         elif self.momentum:
@@ -360,7 +398,7 @@ class FusedRule:
             *moments, g, w, wd = arrays_and_decay
             m16 = bool(moments) and moments[0].dtype == np.uint16
             w16 = w is not None and w.dtype == np.uint16
-            k = _kernel(name, g.dtype == np.uint16, m16, w16, pass_)
+            k = _kernel(name, g.dtype == np.uint16, m16, w16, pass_, unit)
             if pass_ is Pass.OUT:
                 arrays = [a for pair in zip((p, *moments), out) for a in pair] + [g, w]
             else:

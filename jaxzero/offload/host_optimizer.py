@@ -169,8 +169,10 @@ class HostOptimizer:
             moment = jnp.dtype(cfg.state_dtype)
             # Block gradients arrive in `plan.grad_dtype`, embedding and head gradients in float32.
             grad_dtypes = dict.fromkeys([np.dtype(jnp.dtype(plan.grad_dtype)), np.dtype(jnp.float32)])
+            counts = self.rule.kernel_counts(0, max(total_steps - 1, 0))  # every kernel the run reaches
             self.warmed_up = [
-                self._io.submit(hk.warm_up, self.rule, g, moment, self.compute_dtype) for g in grad_dtypes
+                self._io.submit(hk.warm_up, self.rule, g, moment, self.compute_dtype, counts=counts)
+                for g in grad_dtypes
             ]
         host = placement.host
 
