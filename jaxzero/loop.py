@@ -9,6 +9,7 @@ exceptions of `jaxzero.outcome` (and `ConfigError`) for the program to turn into
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import sys
 import time
@@ -319,6 +320,16 @@ class Run:
     defaulted: bool  # a time-stamped run_dir no argument named: the stop message says how to resume it
 
 
+def settle_heap() -> None:
+    """Exempt every Python object alive now (modules, compiled steps, the state's handles: what lives
+    for the whole run) from the garbage collector's full passes. Each such pass holds the GIL while it
+    walks them, which stalls every host thread (the offload engine's update threads, the step's
+    dispatch) for 0.1 s and more, several times a minute (BENCHMARKS.md, "Pauses of Python's garbage
+    collector"); objects made later are collected as before."""
+    gc.collect()
+    gc.freeze()
+
+
 def _steps(run: Run, console: TextIO) -> Path:
     """The loop: for each step, step, log, save, stop; then the summary. Returns the run directory."""
     cfg, trainer, begin, ckpt, main_process = run.cfg, run.trainer, run.begin, run.ckpt, run.main_process
@@ -336,6 +347,8 @@ def _steps(run: Run, console: TextIO) -> Path:
             batch = trainer.put_batch(next(batches))
             counted = _counted_targets(batch)  # before the step, which may donate the batch
             state, metrics = trainer.step(state, batch)
+            if step == begin.first:
+                settle_heap()
             log.add(step, metrics, counted)
             if log.due(step):
                 log.write(step, state)  # raises TrainingError on a non-finite loss

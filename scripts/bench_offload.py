@@ -163,6 +163,7 @@ def run_step_case(case: str, args) -> dict:
     from jaxzero import distributed, preflight
     from jaxzero.config import TrainConfig
     from jaxzero.data import DataShard, build_data
+    from jaxzero.loop import settle_heap
     from jaxzero.metrics import host_rss_gib
     from jaxzero.models.sizes import flops_per_token, param_count
     from jaxzero.overrides import apply_overrides
@@ -222,10 +223,21 @@ def run_step_case(case: str, args) -> dict:
     batches = data.train_iter()
     t0 = time.perf_counter()
     state = trainer.init(jax.random.key(0))
+    if args.start_count:  # every int32 scalar of the state: the optimizer's counts and the step
+        state = jax.tree.map(
+            lambda x: (
+                jax.device_put(np.int32(args.start_count), x.sharding)
+                if isinstance(x, jax.Array) and x.ndim == 0 and x.dtype == np.int32
+                else x
+            ),
+            state,
+        )
     jax.block_until_ready(state)
     init_s = time.perf_counter() - t0
     losses, ts, norms = [], [], []
     for k in range(args.warmup + args.steps):
+        if k == 1 and args.settle_heap:  # as the program's loop does after its first step
+            settle_heap()
         if k == args.warmup and trainer.timings is not None:
             trainer.timings(1.0, 1)  # drop the warm-up steps' events
             t_timed = time.perf_counter()
@@ -255,6 +267,8 @@ def run_step_case(case: str, args) -> dict:
         "tokens_per_s": tokens / step_s,
         "tflops_8N": 8 * n * tokens / step_s / 1e12,
         "model_tflops": flops_per_token(cfg.model, args.seq) * tokens / step_s / 1e12,
+        "start_count": args.start_count,
+        "settle_heap": args.settle_heap,
         "gpu_peak_gib": peak / 2**30,
         "host_rss_gib": host_rss_gib(),
         # What the memory plan predicted for this run (the planner's and the memory check's figures):
@@ -489,6 +503,20 @@ def main() -> None:
         type=lambda s: [int(t) for t in s.split(",") if t],
         default=[],
         help="host cases: also time the fused passes with these offload.host_threads (comma list)",
+    )
+    ap.add_argument(
+        "--settle_heap",
+        type=int,
+        default=1,
+        help="step cases: 1 (the program's way): exempt the objects alive after the first step from "
+        "Python's full garbage collections (`jaxzero.loop.settle_heap`); 0: leave the collector as it is",
+    )
+    ap.add_argument(
+        "--start_count",
+        type=int,
+        default=0,
+        help="step cases: start at this update number (the optimizer's step counts set after init): "
+        "a long run's steady state, where Adam's bias corrections are exactly 1 (from 337 at the defaults)",
     )
     ap.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="extra config override (step cases)"

@@ -1,6 +1,7 @@
 """The training program's pieces in-process: configuring a resume, the summary, the causes it names."""
 
 import errno
+import gc
 import io
 import json
 import os
@@ -43,6 +44,21 @@ def test_a_run_ends_with_its_summary_and_a_finished_run_has_nothing_to_do(tmp_pa
     again = io.StringIO()
     train_lib.train(train_lib.configure([f"--run_dir={path}"]).config, again)
     assert "nothing to do: the run is at step 3 and steps=3" in again.getvalue()
+
+
+def test_the_loop_settles_the_heap_once_after_its_first_step(tmp_path, monkeypatch):
+    """What lives for the whole run is exempted from Python's full collections once, after the first
+    step (compiled by then): those passes hold the GIL and stall the host update's threads."""
+    settled = []
+    monkeypatch.setattr(loop, "settle_heap", lambda: settled.append(gc.get_count()))
+    train_lib.train(tiny(tmp_path), io.StringIO())
+    assert len(settled) == 1
+    monkeypatch.undo()
+    try:
+        loop.settle_heap()
+        assert gc.get_freeze_count() > 1000  # the modules, the compiled steps, the run's objects
+    finally:
+        gc.unfreeze()  # the test process goes on collecting them
 
 
 def test_configure_resumes_from_the_saved_config_and_refuses_malformed_arguments(tmp_path):
