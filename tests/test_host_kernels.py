@@ -177,6 +177,26 @@ def test_a_division_by_an_exact_one_left_out_changes_no_bit(moments, pass_):
         assert not np.array_equal(written.view(np.uint32), p.view(np.uint32))
 
 
+def test_the_rate_is_the_schedules_float32_value_computed_once_per_update_number():
+    """Every unit of a step shares its update number's rate: the host computes it once (before the
+    norm is known, `HostOptimizer.prepare`), the jitted schedule's float32 value on the host device."""
+    cfg = apply_overrides(
+        TrainConfig(),
+        {"model.name": "llama-tiny", "model.num_layers": "1", "optimizer.warmup_steps": "3"}
+        | {"offload.optimizer": "cpu", "offload.params": "cpu"},
+    )
+    model = build_model(cfg.model)
+    where = placement.offload_placement(placement.make_mesh(jax.devices()[:1]), resolve_plan(cfg))
+    host = HostOptimizer(cfg.optimizer, 10, jax.eval_shape(model.init, jax.random.key(0)), where, 1)
+    calls = []
+    schedule = host._lr
+    host._lr = lambda step: calls.append(int(step)) or schedule(step)
+    rates = [host.rate(k) for k in (0, 1, 1, 2, 2, 2, 5)]
+    assert calls == [0, 1, 2, 5]
+    expected = [float(schedule(jax.device_put(np.int32(k), where.host))) for k in (0, 1, 1, 2, 2, 2, 5)]
+    assert rates == expected and len(set(rates)) == 4
+
+
 @pytest.mark.parametrize("grad_dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", list(OPTIMIZERS))

@@ -200,6 +200,8 @@ class HostOptimizer:
         )
         self._zeros_like = jax.jit(lambda t: jax.tree.map(jnp.zeros_like, t), out_shardings=host)
         self._lr = jax.jit(lambda step: jnp.asarray(self.schedule(step), jnp.float32))
+        self._rates: dict[int, float] = {}  # update number -> its rate, the last few
+        self._rates_lock = threading.Lock()
 
     def shapes_of(self, unit: UnitPlan) -> Any:
         """The global shapes (`ShapeDtypeStruct`s of the float32 masters) of `unit`'s arrays."""
@@ -335,8 +337,7 @@ class HostOptimizer:
         decay = treedef.flatten_up_to(getattr(self._decay, u.unit.kind.value))
         # The rate on the host device: a NumPy scalar would go to the default device, the accelerator,
         # and reading it back would wait behind the whole queued backward pass.
-        lr = host_view(self._lr(jax.device_put(np.int32(count), self.placement.host)))  # host sync
-        kernel = rule.kernel(count, float(lr), u.gmul, pass_)
+        kernel = rule.kernel(count, self.rate(count), u.gmul, pass_)
         streamed = u.unit.weights is Tier.PINNED_HOST
         dst = None
         if pass_ is not Pass.STATE:
@@ -399,6 +400,25 @@ class HostOptimizer:
         count = _count(u.arrays.opt_state)
         weights = self._fused(u, count, priority, Pass.OUT, into, recycle)
         return HostUnit(into[0], _advance(into[1], count), weights)
+
+    def rate(self, count: int) -> float:
+        """The learning rate of update number `count`, as float32 arithmetic on the host device gives
+        it. Computed once per count (every unit of a step shares it), so that the units' updates do
+        not each run the schedule on XLA:CPU once the norm is known, where their threads contend for
+        the GIL with the kernels' workers. A host sync the first time."""
+        with self._rates_lock:
+            if count not in self._rates:
+                # The rate on the host device: a NumPy scalar would go to the default device, the
+                # accelerator, and reading it back would wait behind the whole queued backward pass.
+                step = jax.device_put(np.int32(count), self.placement.host)
+                self._rates = {c: r for c, r in self._rates.items() if c >= count - 2}
+                self._rates[count] = float(host_view(self._lr(step)))  # host sync
+            return self._rates[count]
+
+    def prepare(self, unit: HostUnit) -> None:
+        """Compute what `unit`'s next update needs and does not depend on its gradients (its rate),
+        ahead of them: the pipeline calls it while the backward pass runs."""
+        self.rate(_count(unit.opt_state))  # host sync (the count: a scalar already on the host)
 
     def lr(self, step: jax.Array) -> jax.Array:
         """The learning rate of update number `step` (int32 scalar, on the device it lives on)."""
