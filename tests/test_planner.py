@@ -22,7 +22,7 @@ from jaxzero.plan.__main__ import main as plan_main
 from jaxzero.plan.calibration import CUDA_CONTEXT_BYTES, GPU_HEADROOM, SAVE_WORKING_BYTES
 from jaxzero.plan.cost import predict
 from jaxzero.plan.machine import H200, Accelerators, Machine, accelerators_before_backend, detect_machine
-from jaxzero.plan.search import concrete, decide
+from jaxzero.plan.search import PREFER_SIMPLER, concrete, decide
 from jaxzero.trainer import build_trainer
 
 BENCH = {"model.name": "llama-3.4b-bench", "data.seq_len": "2048", "data.batch_size": "8"}
@@ -59,8 +59,9 @@ def test_zero_offload_keeps_part_of_the_state_on_a_gpu_too_small_for_all_of_it()
     table = d.table()
     assert f"embed, blocks 0-{k - 2}: weights GPU, state GPU (updated on GPU)" in table
     assert f"blocks {k - 1}-27, head: weights GPU, state host RAM (updated on CPU)" in table
-    # More units on the GPU would not be faster: the step is the GPU's already.
-    assert d.step_s == pytest.approx(d.prediction.gpu_s) and d.bottleneck == "GPU compute"
+    # More units on the GPU would not be faster by more than the planner's preference for fewer
+    # (`PREFER_SIMPLER`): the step is the GPU's, but for what the first passes leave exposed.
+    assert d.step_s <= d.prediction.gpu_s * (1 + PREFER_SIMPLER) and d.bottleneck == "GPU compute"
 
 
 def test_zero3_streams_the_weights_when_they_do_not_fit():

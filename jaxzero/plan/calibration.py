@@ -41,6 +41,11 @@ HOST_UPDATE_BPS = 120 * GB
 # The cores `HOST_UPDATE_BPS` was measured on; fewer reach sqrt(cores / MEASURED_CORES) of it.
 # BENCHMARKS.md, "Calibration: the host update"
 MEASURED_CORES = 16
+# A two-pass unit's passes move their bytes at these shares of `HOST_UPDATE_BPS`: the first (new
+# weights: 16 bytes of 4-byte reads and 2-byte writes) slower, the second (in place) faster.
+# BENCHMARKS.md, "Calibration: the host update"
+WEIGHTS_PASS_SHARE = 0.8
+STATE_PASS_SHARE = 1.2
 # optax's update on XLA:CPU takes this many times the fused kernels' time per parameter.
 # BENCHMARKS.md, "Calibration: the host update"
 OPTAX_SLOWDOWN = 4.48 / 2.56

@@ -12,8 +12,9 @@ Per step (tokens per device T, parameters N; `Machine`'s rates):
 - host = the host update's memory traffic over host_bw: per parameter of a host-state unit, one pass
   reads masters, moments and gradient and writes masters, moments and the compute weights: 28 bytes
   for AdamW with fp32 moments and bf16 gradients. A two-pass unit moves 16 in its first pass (new
-  weights only) and 26 in its second (masters and moments), 42 in all. The kernels are memory-bound,
-  so their bytes are their time; bf16 moments are timed as fp32 ones (the kernels reach the same rate
+  weights only) and 26 in its second (masters and moments), 42 in all, the first at
+  `WEIGHTS_PASS_SHARE` of the host's rate and the second at `STATE_PASS_SHARE` (as measured). The
+  kernels' time follows their bytes; bf16 moments are timed as fp32 ones (the kernels reach the same rate
   per parameter with either), and optax on XLA:CPU (`offload.fused_update=false`, float16) takes
   `OPTAX_SLOWDOWN` times as long.
 - disk = each disk unit's masters and state read once and written back once, over disk_bw.
@@ -42,7 +43,13 @@ from jaxzero import memory
 from jaxzero.config import TrainConfig
 from jaxzero.models.sizes import param_count, unit_param_counts
 from jaxzero.plan import OffloadPlan, Tier, UnitKind, UpdateMode
-from jaxzero.plan.calibration import ATTENTION_COST, CALIBRATION_SEQ, OPTAX_SLOWDOWN
+from jaxzero.plan.calibration import (
+    ATTENTION_COST,
+    CALIBRATION_SEQ,
+    OPTAX_SLOWDOWN,
+    STATE_PASS_SHARE,
+    WEIGHTS_PASS_SHARE,
+)
 from jaxzero.plan.machine import Machine
 
 # The forward pass's share of a rematerialised step's FLOPs: 2N of 8N (forward, recomputed forward,
@@ -108,12 +115,12 @@ def predict(cfg: TrainConfig, plan: OffloadPlan, machine: Machine) -> Prediction
         grad = memory.dtype_bytes(plan.grad_dtype) if u.kind is UnitKind.BLOCK else 4
         read = 4 + opt_time + grad  # masters, moments, gradient
         # The pipeline counts two-pass units from the first host unit (`UpdatePipeline`).
-        if j < update.two_pass.max_units:  # new weights first, masters and moments later
-            first_bytes, all_bytes = read + compute, 2 * read + compute + 4 + opt_time
-        else:
-            first_bytes = all_bytes = read + 4 + opt_time + compute
         per_process = count[u.kind] / machine.processes * slowdown / bw
-        first[i], full[i] = first_bytes * per_process, all_bytes * per_process
+        if j < update.two_pass.max_units:  # new weights first, masters and moments later
+            first[i] = (read + compute) / WEIGHTS_PASS_SHARE * per_process
+            full[i] = first[i] + (read + 4 + opt_time) / STATE_PASS_SHARE * per_process
+        else:
+            first[i] = full[i] = (read + 4 + opt_time + compute) * per_process
         if u.state is Tier.DISK:
             disk_bytes[i] = (4 + opt) * count[u.kind] / machine.processes
         per_device = count[u.kind] / machine.devices
