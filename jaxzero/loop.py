@@ -324,7 +324,7 @@ def settle_heap() -> None:
     """Exempt every Python object alive now (modules, compiled steps, the state's handles: what lives
     for the whole run) from the garbage collector's full passes. Each such pass holds the GIL while it
     walks them, which stalls every host thread (the offload engine's update threads, the step's
-    dispatch) for 0.1 s and more, several times a minute (BENCHMARKS.md, "Pauses of Python's garbage
+    dispatch), up to 0.1 s and more every few seconds (BENCHMARKS.md, "Pauses of Python's garbage
     collector"); objects made later are collected as before."""
     gc.collect()
     gc.freeze()

@@ -335,8 +335,6 @@ class HostOptimizer:
         if into is not None:
             out_p, out_m = treedef.flatten_up_to(into[0]), moments(into[1])
         decay = treedef.flatten_up_to(getattr(self._decay, u.unit.kind.value))
-        # The rate on the host device: a NumPy scalar would go to the default device, the accelerator,
-        # and reading it back would wait behind the whole queued backward pass.
         kernel = rule.kernel(count, self.rate(count), u.gmul, pass_)
         streamed = u.unit.weights is Tier.PINNED_HOST
         dst = None
