@@ -325,7 +325,7 @@ def settle_heap() -> None:
     for the whole run) from the garbage collector's full passes. Each such pass holds the GIL while it
     walks them, which stalls every host thread (the offload engine's update threads, the step's
     dispatch), up to 0.1 s and more every few seconds (BENCHMARKS.md, "Pauses of Python's garbage
-    collector"); objects made later are collected as before."""
+    collector"); objects made later are collected as before. The loop undoes it when the run ends."""
     gc.collect()
     gc.freeze()
 
@@ -377,6 +377,7 @@ def _steps(run: Run, console: TextIO) -> Path:
         trace.stop()  # a trace still running (the step failed) is written too
         log.close()  # on every way out: metrics.jsonl and the TensorBoard events written and closed
         trainer.close()  # the disk tier's working files go; saves have read what they need
+        gc.unfreeze()  # what `settle_heap` exempted is collected again (a notebook's next run)
     bar.close()
     if ckpt is not None:
         ckpt.close()  # host sync: wait for the last asynchronous save

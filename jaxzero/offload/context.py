@@ -97,7 +97,9 @@ def build_context(
     where = placement_lib.offload_placement(mesh, plan)
     accum = cfg.data.grad_accum
     steps = cfg.schedule_steps
-    host = HostOptimizer(cfg.optimizer, steps, masters_shape, where, accum, custom=optimizer)
+    host = HostOptimizer(
+        cfg.optimizer, steps, masters_shape, where, accum, custom=optimizer, updates=cfg.steps
+    )
     device = DeviceOptimizer(cfg.optimizer, steps, masters_shape, where, accum, custom=optimizer)
     disk = disk_store(cfg, plan) if plan.disk_units else None
     clock = StepClock()

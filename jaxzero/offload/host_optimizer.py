@@ -121,6 +121,8 @@ class HostOptimizer:
     weights:   the compute-dtype weights it writes, where `placement.written` puts each unit.
     custom:    a researcher's own transformation, applied to each unit alone in place of the named
                one (the plan's host update must be optax's: the fused kernels are the named ones').
+    updates:   the updates the run makes (its `steps`), when more than the schedule spans (a resume
+               that extends `steps` keeps its schedule): the kernels they need are compiled at start.
     Whether the fused kernels or optax on XLA:CPU run, and on how many threads, is the offload
     plan's (`placement.plan.host_update`).
     """
@@ -134,6 +136,7 @@ class HostOptimizer:
         grad_accum: int,
         *,
         custom: optax.GradientTransformation | None = None,
+        updates: int = 0,
     ):
         plan = placement.plan
         update = plan.host_update
@@ -169,7 +172,8 @@ class HostOptimizer:
             moment = jnp.dtype(cfg.state_dtype)
             # Block gradients arrive in `plan.grad_dtype`, embedding and head gradients in float32.
             grad_dtypes = dict.fromkeys([np.dtype(jnp.dtype(plan.grad_dtype)), np.dtype(jnp.float32)])
-            counts = self.rule.kernel_counts(0, max(total_steps - 1, 0))  # every kernel the run reaches
+            # Every kernel the run reaches: to its last update (a resume may run past the schedule).
+            counts = self.rule.kernel_counts(0, max(total_steps, updates, 1) - 1)
             self.warmed_up = [
                 self._io.submit(hk.warm_up, self.rule, g, moment, self.compute_dtype, counts=counts)
                 for g in grad_dtypes

@@ -31,7 +31,9 @@ model = build_model(cfg.model)
 plan = resolve_plan(cfg)
 where = placement.offload_placement(placement.make_mesh(jax.devices()[:1]), plan)
 STEPS = 400  # b1 = 0.9's correction is 1 from update 164, b2 = 0.95's from 337
-host = HostOptimizer(cfg.optimizer, STEPS, jax.eval_shape(model.init, jax.random.key(0)), where, 1)
+# A schedule of 10 steps in a run of STEPS updates (a resume that extended `steps` keeps its schedule).
+shapes = jax.eval_shape(model.init, jax.random.key(0))
+host = HostOptimizer(cfg.optimizer, 10, shapes, where, 1, updates=STEPS)
 for f in host.warmed_up:
     f.result()
 compiled = {k: list(d.signatures) for k, d in host_kernels._kernels.items()}
