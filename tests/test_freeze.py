@@ -9,19 +9,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_lora import batches, resident_then_streamed, trainer_of
 
-from jaxzero import placement
 from jaxzero import train as train_lib
 from jaxzero.checkpoint_masters import load_masters, read_saved_state
 from jaxzero.config import ConfigError, TrainConfig
 from jaxzero.config_checks import validate
-from jaxzero.data import build_data
 from jaxzero.finetune.plan import partial_bytes, partial_memory
-from jaxzero.finetune.trainer import build_partial_trainer
 from jaxzero.models import ModelParams, build_model
 from jaxzero.objective import loss_fn, step_weight
 from jaxzero.overrides import apply_overrides
-from jaxzero.plan import resolve_plan
 
 FREEZE = {
     "finetune.freeze": "embed,blocks:0-0",
@@ -43,18 +40,6 @@ SGD = {"optimizer.name": "sgd", "optimizer.momentum": "0", "optimizer.weight_dec
 
 def freeze_cfg(**over: str) -> TrainConfig:
     return apply_overrides(TrainConfig(), {**FREEZE, **over})
-
-
-def trainer_of(cfg: TrainConfig, streamed: bool = False):
-    offload = dataclasses.replace(cfg.offload, params="cpu" if streamed else "none", optimizer="none")
-    cfg = dataclasses.replace(cfg, offload=offload)
-    plan = resolve_plan(dataclasses.replace(cfg, offload=dataclasses.replace(offload, params="none")))
-    return build_partial_trainer(cfg, placement.make_mesh(jax.devices()[:1]), plan)
-
-
-def batches(cfg: TrainConfig, n: int) -> list[np.ndarray]:
-    it = build_data(cfg.data, cfg.model.vocab_size, cfg.seed).train_iter()
-    return [next(it) for _ in range(n)]
 
 
 def units(tree: ModelParams) -> list:
@@ -108,17 +93,7 @@ def test_the_units_that_train_step_by_whole_model_autodiff(over, trains):
 
 
 def test_a_streamed_frozen_part_trains_bitwise_as_a_resident_one():
-    cfg = freeze_cfg(**{"finetune.base_dtype": "bfloat16"})
-    data = batches(cfg, 3)
-    out = []
-    for streamed in (False, True):
-        trainer = trainer_of(cfg, streamed)
-        state = trainer.init(jax.random.key(0))
-        losses = []
-        for b in data:
-            state, m = trainer.step(state, trainer.put_batch(b))
-            losses.append(float(m.loss))
-        out.append((losses, [np.asarray(x) for x in jax.tree.leaves(state.trainable)]))
+    out = resident_then_streamed(freeze_cfg(**{"finetune.base_dtype": "bfloat16"}), 3)
     assert out[0][0] == out[1][0] and out[0][0][-1] < out[0][0][0]
     assert all(np.array_equal(a, b) for a, b in zip(out[0][1], out[1][1]))
 

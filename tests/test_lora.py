@@ -122,9 +122,10 @@ def test_the_adapters_gradient_is_whole_model_autodiffs():
     assert np.isclose(float(metrics.grad_norm), float(np.linalg.norm(want)), rtol=1e-5)
 
 
-def test_a_streamed_base_trains_bitwise_as_a_resident_one():
-    cfg = lora_cfg(**EXACT, **{"finetune.lora_dropout": "0.1"})
-    data = batches(cfg, 3)
+def resident_then_streamed(cfg: TrainConfig, steps: int) -> list[tuple[list[float], list[np.ndarray]]]:
+    """`steps` steps of `cfg`'s frozen-part trainer from one init, its base resident then streamed:
+    for each, the losses and the trainable leaves after the last step."""
+    data = batches(cfg, steps)
     out = []
     for streamed in (False, True):
         trainer = trainer_of(cfg, streamed)
@@ -134,6 +135,11 @@ def test_a_streamed_base_trains_bitwise_as_a_resident_one():
             state, m = trainer.step(state, trainer.put_batch(b))
             losses.append(float(m.loss))
         out.append((losses, [np.asarray(x) for x in jax.tree.leaves(state.trainable)]))
+    return out
+
+
+def test_a_streamed_base_trains_bitwise_as_a_resident_one():
+    out = resident_then_streamed(lora_cfg(**EXACT, **{"finetune.lora_dropout": "0.1"}), 3)
     assert out[0][0] == out[1][0]
     assert all(np.array_equal(a, b) for a, b in zip(out[0][1], out[1][1]))
     assert out[0][0][-1] < out[0][0][0]
