@@ -419,8 +419,10 @@ class HostOptimizer:
 
     def prepare(self, unit: HostUnit) -> None:
         """Compute what `unit`'s next update needs and does not depend on its gradients (its rate),
-        ahead of them: the pipeline calls it while the backward pass runs."""
-        self.rate(_count(unit.opt_state))  # host sync (the count: a scalar already on the host)
+        ahead of them: the pipeline calls it while the backward pass runs. Nothing under optax's
+        path, whose jitted update computes its own."""
+        if self.rule is not None:
+            self.rate(_count(unit.opt_state))  # host sync (the count: a scalar already on the host)
 
     def lr(self, step: jax.Array) -> jax.Array:
         """The learning rate of update number `step` (int32 scalar, on the device it lives on)."""

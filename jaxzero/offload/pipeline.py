@@ -234,8 +234,7 @@ class UpdatePipeline:
             return self._run_from_disk(job)
         policy, slot = self.policy, job.slot
         arrays = job.previous.result()  # the previous update (in the overlapped mode it is done)
-        if self.host.rule is not None:
-            self.host.prepare(arrays)  # before the norm: the update's rate
+        self.host.prepare(arrays)  # before the norm: the update's rate
         with span("wait_grads", slot.position):
             g = jax.tree.map(local_views, job.grads)  # host sync: waits for this unit's gradients to land
         # The weights the pass read are done with once its gradients landed. Overlapped, the new
