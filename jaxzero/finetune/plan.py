@@ -29,10 +29,10 @@ from jaxzero.finetune.trainable import base_positions, lowest_trainable_block
 from jaxzero.memory import MemoryPlan
 from jaxzero.models.sizes import block_matmul_params, param_count, ties_output, unit_param_counts
 from jaxzero.plan import resolve_plan
-from jaxzero.plan.calibration import CHECKPOINT_WRITE_BPS, GiB
+from jaxzero.plan.calibration import CHECKPOINT_WRITE_BPS
 from jaxzero.plan.cost import Prediction
 from jaxzero.plan.machine import Machine
-from jaxzero.plan.report import Decision
+from jaxzero.plan.report import Decision, gib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,8 +176,8 @@ class PartialDecision(Decision):
     def line(self) -> str:
         chosen = f"decided {', '.join(self.decided)}" if self.decided else "as configured"
         return (
-            f"plan: {self.mode_words()} ({chosen}); {_gib(self._gpu_needed())} "
-            f"of {_gib(self.machine.gpu_usable or self.machine.host_usable)} device memory; predicted "
+            f"plan: {self.mode_words()} ({chosen}); {gib(self._gpu_needed())} "
+            f"of {gib(self.machine.gpu_usable or self.machine.host_usable)} device memory; predicted "
             f"{self.step_s:.3g} s per step, bound by {self.bottleneck}"
         )
 
@@ -209,21 +209,21 @@ class PartialDecision(Decision):
             f"({b.trainable // 4 / 1e6:.2f}M parameters train)",
             f"placement: {self.mode_words()} ({chosen})",
             "memory, needed of available:",
-            f"  device     {_gib(self._gpu_needed())} of {_gib(capacity)} (base "
-            f"{_gib(0 if self.streamed else b.base_blocks)} + embedding and head {_gib(b.base_edges)}, "
-            f"what trains with gradients and {cfg.optimizer.name} state {_gib(b.trainable_state)}, "
-            f"activations ~{_gib(need.activations)})",
+            f"  device     {gib(self._gpu_needed())} of {gib(capacity)} (base "
+            f"{gib(0 if self.streamed else b.base_blocks)} + embedding and head {gib(b.base_edges)}, "
+            f"what trains with gradients and {cfg.optimizer.name} state {gib(b.trainable_state)}, "
+            f"activations ~{gib(need.activations)})",
         ]
         if need.pinned:
-            lines.append(f"  pinned     {_gib(need.pinned)} of host RAM (the base's blocks)")
+            lines.append(f"  pinned     {gib(need.pinned)} of host RAM (the base's blocks)")
         if mc.gpu_bytes is not None:
             lines.append(
-                f"  host RAM   {_gib(self._ram_needed())} of {_gib(mc.host_usable)} (XLA's pinned pool and "
-                f"{_gib(memory.process_allowance(need))} for the process itself)"
+                f"  host RAM   {gib(self._ram_needed())} of {gib(mc.host_usable)} (XLA's pinned pool and "
+                f"{gib(memory.process_allowance(need))} for the process itself)"
             )
         if cfg.checkpoint.enabled:
             lines.append(
-                f"  checkpoints {_gib(_checkpoint_bytes(cfg))} each (what trains, its optimizer state, the "
+                f"  checkpoints {gib(_checkpoint_bytes(cfg))} each (what trains, its optimizer state, the "
                 "step; the base is rebuilt from the config)"
             )
         lines += [
@@ -238,10 +238,6 @@ def _checkpoint_bytes(cfg: TrainConfig) -> int:
     """Bytes of a checkpoint: what trains and its optimizer state."""
     trainable = partial_bytes(cfg, False).trainable
     return trainable + trainable // 4 * memory.optimizer_state_bytes(cfg)
-
-
-def _gib(n: float) -> str:
-    return f"{n / GiB:.1f} GiB"
 
 
 def decide_partial(cfg: TrainConfig, machine: Machine) -> PartialDecision:
@@ -287,8 +283,8 @@ def decide_partial(cfg: TrainConfig, machine: Machine) -> PartialDecision:
                 streamed=streamed,
             )
     rows = "; ".join(
-        f"base {'streamed' if s else 'on the device'}: {_gib(dev)} of {_gib(capacity)} device memory, "
-        f"{_gib(h)} of {_gib(machine.host_usable)} host RAM"
+        f"base {'streamed' if s else 'on the device'}: {gib(dev)} of {gib(capacity)} device memory, "
+        f"{gib(h)} of {gib(machine.host_usable)} host RAM"
         for s, dev, h in tried
     )
     ft = cfg.finetune

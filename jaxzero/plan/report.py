@@ -103,9 +103,9 @@ class Decision:
         """The plan in one line: placement, the fullest memory, the predicted step."""
         word = _device_word(self.machine)
         chosen = f"decided {', '.join(self.decided)}" if self.decided else "as configured"
-        memories = [f"{_gib(self._ram_needed())} of {_gib(self.machine.host_usable)} RAM"]
+        memories = [f"{gib(self._ram_needed())} of {gib(self.machine.host_usable)} RAM"]
         if self.machine.gpu_bytes is not None:
-            memories.insert(0, f"{_gib(self._gpu_needed())} of {_gib(self.machine.gpu_usable)} {word} memory")
+            memories.insert(0, f"{gib(self._gpu_needed())} of {gib(self.machine.gpu_usable)} {word} memory")
         return (
             f"plan: {self.plan.mode} ({chosen}); {', '.join(memories)}; predicted "
             f"{self.step_s:.3g} s per step, bound by {_in_words(self.bottleneck, word)}"
@@ -137,8 +137,8 @@ class Decision:
         if mc.gpu_bytes is not None:
             gpu = self._gpu_needed()
             lines.append(
-                f"  GPU per device  {_gib(gpu)} of {_gib(mc.gpu_usable)} (state "
-                f"{_gib(need.accelerator_state)}, activations ~{_gib(need.activations)})"
+                f"  GPU per device  {gib(gpu)} of {gib(mc.gpu_usable)} (state "
+                f"{gib(need.accelerator_state)}, activations ~{gib(need.activations)})"
             )
             pool = (
                 "XLA's pool sized to it when jaxzero starts JAX"
@@ -149,21 +149,21 @@ class Decision:
                 )
             )
             if need.pinned:
-                lines.append(f"  pinned host     {_gib(need.pinned)} (part of host RAM; {pool})")
+                lines.append(f"  pinned host     {gib(need.pinned)} (part of host RAM; {pool})")
             lines.append(
-                f"  host RAM        {_gib(self._ram_needed())} of {_gib(mc.host_usable)} "
+                f"  host RAM        {gib(self._ram_needed())} of {gib(mc.host_usable)} "
                 "(per process: masters and optimizer state, XLA's pinned pool, a checkpoint's buffer, and "
-                f"{_gib(memory.process_allowance(need))} for the process itself; "
+                f"{gib(memory.process_allowance(need))} for the process itself; "
                 f"{HOST_HEADROOM:.0%} of the RAM left free)"
             )
         else:
             lines.append(
-                f"  RAM             {_gib(self._ram_needed())} of {_gib(mc.host_usable)} (CPU backend: host "
+                f"  RAM             {gib(self._ram_needed())} of {gib(mc.host_usable)} (CPU backend: host "
                 "and device state with XLA's and the checkpoint writer's buffers, and activations)"
             )
         if need.disk:
             lines.append(
-                f"  local disk      {_gib(need.disk * mc.local_processes)} of {_gib(mc.disk_bytes)} free "
+                f"  local disk      {gib(need.disk * mc.local_processes)} of {gib(mc.disk_bytes)} free "
                 f"(masters and optimizer state of {len(self.plan.disk_units)} "
                 f"unit{'s' if len(self.plan.disk_units) != 1 else ''}, "
                 f"{cfg.offload.disk_path or 'under the run directory'})"
@@ -172,9 +172,9 @@ class Decision:
             size = param_count(m) * (4 + memory.optimizer_state_bytes(cfg))
             count = cfg.checkpoint.keep + 1
             lines.append(
-                f"  checkpoints     {_gib(size)} each, {_gib(count * size)} of disk under run_dir at most "
+                f"  checkpoints     {gib(size)} each, {gib(count * size)} of disk under run_dir at most "
                 f"(checkpoint.keep={cfg.checkpoint.keep} and the next); a save or a restore adds "
-                f"{_gib(memory.checkpoint_bytes(cfg, _largest_unit_bytes(cfg), size))} of host RAM; a "
+                f"{gib(memory.checkpoint_bytes(cfg, _largest_unit_bytes(cfg), size))} of host RAM; a "
                 f"save writes for ~{self.save_seconds():.3g} s at ~{CHECKPOINT_WRITE_BPS / GB:.2g} GB/s"
             )
         flops = 8 * param_count(m) * tokens / p.step_s / mc.devices / 1e12
@@ -198,7 +198,8 @@ class Decision:
         return "\n".join(lines)
 
 
-def _gib(nbytes: float) -> str:
+def gib(nbytes: float) -> str:
+    """`nbytes` in GiB for a plan's lines: one decimal."""
     return f"{nbytes / GiB:.1f} GiB"
 
 
@@ -250,27 +251,27 @@ def _machine_rows(mc: Machine) -> list[str]:
         cpu = f"{mc.h2d / GB:.0f} GB/s between host and device memory, a copy in RAM"
         return [
             "devices      a CPU backend's: their arrays are in host RAM",
-            f"host RAM     {_gib(mc.host_bytes)} ({s.get('host_gib', '-')})",
+            f"host RAM     {gib(mc.host_bytes)} ({s.get('host_gib', '-')})",
             f"CPU cores    {mc.cores} ({s.get('cores', '-')})",
             f"copies       {cpu} ({s.get('h2d_gbps', '-')})",
             f"host update  {mc.host_bw / GB:.0f} GB/s of host memory traffic ({s.get('host_gbps', '-')})",
             f"compute      {mc.gpu_flops / 1e12:.3g} TFLOP/s (8N) per device ({s.get('gpu_tflops', '-')})",
-            f"local disk   {_gib(mc.disk_bytes)} free ({s.get('disk_gib', '-')}), "
+            f"local disk   {gib(mc.disk_bytes)} free ({s.get('disk_gib', '-')}), "
             f"{mc.disk_bw / GB:.1f} GB/s read and written together ({s.get('disk_gbps', '-')})",
         ]
-    first = f"GPU memory   {_gib(mc.gpu_bytes)} per device"
+    first = f"GPU memory   {gib(mc.gpu_bytes)} per device"
     link = f"({s.get('h2d_gbps', '-')})"
     if s.get("h2d_gbps") != s.get("d2h_gbps"):
         link = f"({s.get('h2d_gbps', '-')}, back: {s.get('d2h_gbps', '-')})"
-    share = f", {_gib(mc.host_share)} per process" if mc.local_processes > 1 else ""
+    share = f", {gib(mc.host_share)} per process" if mc.local_processes > 1 else ""
     return [
         f"{first} ({s.get('gpu_gib', '-')})",
-        f"host RAM     {_gib(mc.host_bytes)}{share} ({s.get('host_gib', '-')})",
+        f"host RAM     {gib(mc.host_bytes)}{share} ({s.get('host_gib', '-')})",
         f"CPU cores    {mc.cores} ({s.get('cores', '-')})",
         f"link         {mc.h2d / GB:.0f} GB/s to the device, {mc.d2h / GB:.0f} GB/s back {link}",
         f"host update  {mc.host_bw / GB:.0f} GB/s of host memory traffic ({s.get('host_gbps', '-')})",
         f"compute      {mc.gpu_flops / 1e12:.3g} TFLOP/s (8N) per device ({s.get('gpu_tflops', '-')})",
-        f"local disk   {_gib(mc.disk_bytes)} free ({s.get('disk_gib', '-')}), "
+        f"local disk   {gib(mc.disk_bytes)} free ({s.get('disk_gib', '-')}), "
         f"{mc.disk_bw / GB:.1f} GB/s read "
         f"and written together ({s.get('disk_gbps', '-')})",
     ]
@@ -314,20 +315,20 @@ def refusal(
     need = closest.need
     if mc.gpu_bytes is not None:
         needs = (
-            f"{_gib(closest.gpu_need)} of GPU memory per device (state {_gib(need.accelerator_state)}, "
-            f"activations ~{_gib(need.activations)}; {_gib(mc.gpu_usable)} usable of "
-            f"{_gib(mc.gpu_bytes)}) and "
-            f"{_gib(closest.host_need)} of host RAM per process ({_gib(mc.host_usable)} usable of "
-            f"{_gib(mc.host_share)})"
+            f"{gib(closest.gpu_need)} of GPU memory per device (state {gib(need.accelerator_state)}, "
+            f"activations ~{gib(need.activations)}; {gib(mc.gpu_usable)} usable of "
+            f"{gib(mc.gpu_bytes)}) and "
+            f"{gib(closest.host_need)} of host RAM per process ({gib(mc.host_usable)} usable of "
+            f"{gib(mc.host_share)})"
         )
         if closest.pool_short:
             pool_gb = memory.pinned_pool_minimum_gb(need)
             needs += f" and {pool_gb} GB of XLA's pinned pool ({mc.pinned_limit_gb:g} GB)"
     else:
         needs = (
-            f"about {_gib(closest.host_need)} of RAM on this CPU-only machine (host and device state with "
-            f"XLA's and the checkpoint writer's buffers, and activations; {_gib(mc.host_usable)} usable "
-            f"of {_gib(mc.host_share)})"
+            f"about {gib(closest.host_need)} of RAM on this CPU-only machine (host and device state with "
+            f"XLA's and the checkpoint writer's buffers, and activations; {gib(mc.host_usable)} usable "
+            f"of {gib(mc.host_share)})"
         )
     which = f"the closest placement, {_label(closest)}," if len(frontier) > 1 else _label(closest)
     # The fewest changes first, in the order a user would rather make them: settings of this run
@@ -392,7 +393,7 @@ def _tiers(mc: Machine, strict: Callable[[Candidate], bool], frontier: list[Cand
     local = mc.local_processes
     if mc.gpu_bytes is None:
         ram = _with_headroom(min(e.host_need for e in frontier) * local)
-        return f"To fit it, add memory: {_gib(ram - mc.host_bytes)} more RAM ({_gib(ram)} in all)."
+        return f"To fit it, add memory: {gib(ram - mc.host_bytes)} more RAM ({gib(ram)} in all)."
     options = []
     gpu_ok = [
         e
@@ -401,7 +402,7 @@ def _tiers(mc: Machine, strict: Callable[[Candidate], bool], frontier: list[Cand
     ]
     if gpu_ok:
         ram = _with_headroom(min(e.host_need for e in gpu_ok) * local)
-        options.append(f"more host RAM: {_gib(ram - mc.host_bytes)} more ({_gib(ram)} in all)")
+        options.append(f"more host RAM: {gib(ram - mc.host_bytes)} more ({gib(ram)} in all)")
     host_ok = [
         e
         for e in frontier
@@ -412,13 +413,11 @@ def _tiers(mc: Machine, strict: Callable[[Candidate], bool], frontier: list[Cand
             math.ceil(e.gpu_need / (1 - GPU_HEADROOM)) if strict(e) else e.need.accelerator_state
             for e in host_ok
         )
-        options.append(f"a GPU with {_gib(gpu)} of memory")
+        options.append(f"a GPU with {gib(gpu)} of memory")
     disk_only = [e for e in frontier if e.disk_short and not (e.gpu_short or e.host_short or e.pool_short)]
     if disk_only:
         need = min(e.need.disk * local for e in disk_only)
-        options.append(
-            f"more free local disk: {_gib(need)} at offload.disk_path ({_gib(mc.disk_bytes)} free)"
-        )
+        options.append(f"more free local disk: {gib(need)} at offload.disk_path ({gib(mc.disk_bytes)} free)")
     pool_only = [e for e in frontier if e.pool_short and not (e.gpu_short or e.host_short)]
     if pool_only:
         gb = min(memory.pinned_pool_minimum_gb(e.need) for e in pool_only)
