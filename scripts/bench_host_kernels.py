@@ -8,7 +8,10 @@ corrections divide) and a late one (they are exactly 1 and the kernels skip thos
 - streaming: `--params` parameters in chunks of `host_kernels.CHUNK` from T threads (what a step's
   host update reaches; T from `--threads`);
 - each with the kernels' tiles (elements widened into a thread's scratch at a time) of `--tiles`
-  (the first is `host_kernels.TILE`, what a run uses; the others are compiled for this script).
+  (the first is `host_kernels.TILE`, what a run uses; the others are compiled for this script);
+- `--passes`, `--moments` and `--counts` narrow the table; `--llvm_options` compiles the kernels
+  with LLVM options (e.g. `--force-vector-width=16`: 512-bit vectors where LLVM prefers 256) into a
+  fresh cache, to compare against a run without them.
 
 Prints the host's CPU (lscpu's summary) first and a table last; `--out=DIR` also writes the rows as
 JSON. CPU only: run it on the GPU box to measure that box's host.
@@ -24,6 +27,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -102,24 +106,41 @@ def main() -> None:
     ap.add_argument("--params", type=int, default=1 << 29, help="parameters of the streaming runs")
     ap.add_argument("--threads", default="8,15,16", help="thread counts of the streaming runs")
     ap.add_argument("--tiles", default=str(hk.TILE), help="kernel tile sizes to compare, elements")
+    ap.add_argument("--counts", default=f"{EARLY},{LATE}", help="update numbers to time")
+    ap.add_argument("--passes", default="weights,state,full", help="passes to time")
+    ap.add_argument("--moments", default="fp32,bf16", help="moment dtypes to time")
+    ap.add_argument(
+        "--llvm_options",
+        default="",
+        help="LLVM options for the kernels' compilation, e.g. --force-vector-width=16",
+    )
     ap.add_argument("--out", default="", help="directory for host_kernels.json")
     args = ap.parse_args()
+    if args.llvm_options:  # compiled afresh, not loaded from a cache compiled without them
+        import llvmlite.binding
+
+        for option in args.llvm_options.split():
+            llvmlite.binding.set_option("", option)
+        os.environ["JAXZERO_CACHE_DIR"] = tempfile.mkdtemp()
     threads = [int(t) for t in args.threads.split(",")]
     tiles = [int(t) for t in args.tiles.split(",")]
+    counts = [int(c) for c in args.counts.split(",")]
     assert max(tiles) <= hk.TILE, "the main thread's scratch holds host_kernels.TILE elements at most"
     cpu = cpu_summary()
     print(json.dumps({"cpu": cpu, "os_cpus": os.cpu_count()}), flush=True)
     rule = hk.FusedRule.of(OptimizerConfig())
     assert rule.exact_ones(EARLY) == frozenset() and rule.exact_ones(LATE) == {"bc1", "bc2"}
     rows = []
-    for m16 in (False, True):
+    for m16 in [m == "bf16" for m in args.moments.split(",")]:
         small = state(1 << 15, m16)
         big = state(args.params, m16, seed=1)
-        for tile, pass_, count in itertools.product(tiles, ("weights", "state", "full"), (EARLY, LATE)):
+        passes = args.passes.split(",")
+        for tile, pass_, count in itertools.product(tiles, passes, counts):
             hk.TILE, hk.SCRATCH = tile, 4 * tile  # the generator reads them; new threads size scratch
             hk._kernels.clear()
             nbytes = PASS_BYTES[pass_][m16]
             row = {"moments": "bf16" if m16 else "fp32", "pass": pass_, "count": count, "tile": tile}
+            row["llvm_options"] = args.llvm_options
             row["in_cache_1t"] = (1 << 15) / run_pass(rule, small, pass_, count, None, 1 << 15, 200) / 1e9
             for t in threads:
                 with ThreadPoolExecutor(t) as pool:
@@ -141,7 +162,8 @@ def main() -> None:
     for r in rows:
         gbps = r[f"t{threads[-1]}_GBps"]
         vals = "".join(f"{r[c]:13.2f}" for c in cols)
-        print(f"{r['moments']:8s}{r['pass']:9s}{r['count']:6d}{r['tile']:7d}" + vals + f"{gbps:8.1f}")
+        key = f"{r['moments']:8s}{r['pass']:9s}{r['count']:6d}{r['tile']:7d}"
+        print(key + vals + f"{gbps:8.1f}")
 
 
 if __name__ == "__main__":
