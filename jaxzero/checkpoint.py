@@ -504,10 +504,7 @@ def _copy_part(parts: list[Part], position: int) -> bool:
         if isinstance(x, np.ndarray):
             return np.array(x, copy=True)
         with jax.transfer_guard("allow"):  # a deliberate copy, in host RAM
-            # each shard into its own memory kind (a pinned array stays pinned)
-            shards = [
-                jax.device_put(np.array(s.data, copy=True), s.data.sharding) for s in x.addressable_shards
-            ]
+            shards = [jax.device_put(np.array(s.data, copy=True), s.device) for s in x.addressable_shards]
         return jax.make_array_from_single_device_arrays(x.shape, x.sharding, shards)
 
     parts[i] = parts[i]._replace(tree=jax.tree.map(copy, tree))

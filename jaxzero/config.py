@@ -317,13 +317,6 @@ class OffloadConfig:
     # forward pass's wait for the host, where the accelerator has room beside everything else);
     # 0: every unit's state in host RAM.
     device_state_units: int = -1
-    # With optimizer=cpu or disk: the next K units after those (in forward order) keep their fp32
-    # masters and optimizer state in pinned host RAM and are updated on the accelerator: each step
-    # their state is copied in once the gradient norm is known, updated there (the rule the
-    # accelerator's own units get) and copied back, while the CPU updates the others; the accelerator
-    # holds two such units at a time. It takes post-norm work off the host's cores for the link's
-    # time. 0: none (the default).
-    device_update_units: int = 0
     # Where the backward pass's rematerialisation checkpoints (each block's input) wait between the
     # forward and the backward pass: "none" in accelerator memory; "cpu" in pinned host memory,
     # copied out as the forward pass makes them and back ahead of the backward pass that needs them

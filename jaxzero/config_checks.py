@@ -244,11 +244,6 @@ def _validate_offload(cfg: TrainConfig) -> None:
         "blocks, head), and with every unit's state on the accelerator use offload.optimizer=none.",
     )
     _need(
-        0 <= cfg.offload.device_update_units <= m.num_layers + 2,
-        f"offload.device_update_units={cfg.offload.device_update_units} must be in [0, {m.num_layers + 2}]: "
-        f"the model has {m.num_layers + 2} units (embedding, {m.num_layers} blocks, head).",
-    )
-    _need(
         cfg.offload.disk_units >= -1,
         f"offload.disk_units={cfg.offload.disk_units} must be >= -1 (-1: every unit the host updates).",
     )
@@ -259,18 +254,6 @@ def _validate_offload(cfg: TrainConfig) -> None:
             "offload.device_state_units only applies with offload.optimizer=cpu "
             f"(got offload.optimizer={cfg.offload.optimizer}): without it every unit's state is on the "
             "accelerator."
-        )
-    if cfg.offload.device_update_units and cfg.offload.optimizer == "none":
-        raise ConfigError(
-            f"offload.device_update_units={cfg.offload.device_update_units} applies with "
-            "offload.optimizer=cpu or disk (got none): it moves the update of units whose state is in "
-            "host RAM to the accelerator."
-        )
-    if cfg.offload.device_update_units and cfg.offload.update == "delayed":
-        raise ConfigError(
-            f"offload.device_update_units={cfg.offload.device_update_units} needs offload.update="
-            "overlapped: units updated on the accelerator cannot run one update behind (set "
-            "offload.device_update_units=0 for the delayed update)."
         )
     if cfg.offload.optimizer in ("none", "cpu") and (cfg.offload.disk_units != -1 or cfg.offload.disk_path):
         raise ConfigError(

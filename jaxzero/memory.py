@@ -22,10 +22,7 @@ pinned host memory, and the accelerator holds three of them at most. Units whose
 `offload.device_state_units` keeps on the accelerator count as resident ones there: masters, state
 and their gradients, and a compute-dtype cast of the largest of them while it computes. Units
 whose state `offload.optimizer=disk` keeps on disk hold it there; host RAM holds `disk_slots`
-buffers of the largest of them. Units `offload.device_update_units` copies to the accelerator for
-their update keep masters and state in pinned host memory, and `COPIED_IN_FLIGHT` more of the largest
-while new arrays replace old; the accelerator holds that many of them at once, with their gradients
-and new weights.)
+buffers of the largest of them.)
 Every element counts `dtype_bytes` of its dtype: float32 4, bfloat16 and float16 2.
 With checkpoints on, a save or a restore, asynchronous or not, adds `checkpoint_bytes` to host RAM:
 the checkpoint buffer (`checkpoint.buffer_gib`), one unit's masters and state (a part is copied
@@ -59,7 +56,7 @@ from typing import NamedTuple
 from jaxzero.config import ConfigError, ModelConfig, TrainConfig, buffer_bytes
 from jaxzero.models.sizes import NAMED_SIZES, param_count, unit_param_counts
 from jaxzero.objective import head_pieces
-from jaxzero.plan import COPIED_IN_FLIGHT, OffloadPlan, Tier, UnitKind, UpdateMode, resolve_plan
+from jaxzero.plan import OffloadPlan, Tier, UnitKind, UpdateMode, resolve_plan
 from jaxzero.plan.calibration import (
     CPU_HOST_ALLOWANCE,
     CPU_STATE_ALLOWANCE,
@@ -282,26 +279,11 @@ def plan_memory(
     # from the previous ones).
     copies = 2 if update.mode is UpdateMode.DELAYED else 1
     host = pinned = accelerator = two_pass = device_grads = device_cast = disk = disk_unit = 0
-    copied_unit = 0  # the largest unit copied in for its update, per device (state, gradient, weights)
-    copied_state = 0  # the largest such unit's masters and state, per process
-    # Two-pass updates take the first host units in forward order (after those the accelerator updates).
+    # Two-pass updates take the first host units in forward order (after those on the accelerator).
     host_index = -1
     for u in offload.units:
         n_u, w_u = params[u.kind], unsplit[u.kind]
         grad_u = grad if u.kind is UnitKind.BLOCK else 4  # embedding and head gradients: float32 sums
-        if u.state is Tier.PINNED_HOST:
-            # Masters and state in pinned memory; the update copies them, the gradient (landed in
-            # pinned memory) and the new weights through the accelerator, `COPIED_IN_FLIGHT` units at a
-            # time, and writes the new masters and state into new pinned arrays before the old go.
-            state_u = per_process(n_u, w_u, 4 + opt, True, copies=L)
-            pinned += state_u + copies * per_process(n_u, w_u, grad_u, True, copies=L)
-            copied_state = max(copied_state, state_u)
-            copied_unit = max(copied_unit, per_device(n_u, w_u, 4 + opt + grad_u + compute, True))
-            if u.weights is Tier.PINNED_HOST:
-                pinned += per_process(n_u, w_u, compute, True, copies=L)
-            else:
-                accelerator += per_device(n_u, w_u, compute, True)
-            continue
         if u.state is Tier.DEVICE:
             # Updated on the accelerator: masters, state and the gradient (kept until the norm is
             # known), one shard per device; nothing of it in host RAM. The passes read the masters,
@@ -329,8 +311,7 @@ def plan_memory(
             two_pass += per_process(n_u, w_u, grad_u, True, copies=L)
         if u.state is Tier.HOST:
             host += per_process(n_u, w_u, 4 + opt, True)  # masters and optimizer state
-    pinned += two_pass + away + COPIED_IN_FLIGHT * copied_state
-    accelerator += COPIED_IN_FLIGHT * copied_unit
+    pinned += two_pass + away
     host += offload.disk_slots * disk_unit
     spares = update.speculative_units * per_process(max(params.values()), max(whole), 4 + opt, True)
     host += pinned_pool_bytes(pinned, L, pool_cap) + saving + spares

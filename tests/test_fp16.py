@@ -120,13 +120,6 @@ OFFLOAD_MODES = {
     "zero3-offload": {"offload.optimizer": "cpu", "offload.params": "cpu"},
     # units updated on the accelerator skip overflowing steps as the host's do
     "zero3-mixed": {"offload.optimizer": "cpu", "offload.params": "cpu", "offload.device_state_units": "2"},
-    # and so do units copied to the accelerator for their update
-    "zero3-copied": {
-        "offload.optimizer": "cpu",
-        "offload.params": "cpu",
-        "offload.device_state_units": "1",
-        "offload.device_update_units": "2",
-    },
 }
 
 

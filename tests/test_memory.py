@@ -102,32 +102,6 @@ def test_units_with_state_on_the_accelerator_move_their_bytes_there():
         )
 
 
-def test_units_copied_in_for_their_update_move_their_state_into_pinned_memory():
-    """Units updated on the accelerator from pinned memory (`offload.device_update_units`): their
-    masters (4) and AdamW state (8) move from the CPU backend's arrays into pinned memory, with two
-    more of the largest unit's while new arrays replace old; the accelerator holds two of them at
-    once with their gradients and new weights; their host state is no longer counted twice, and
-    their two-pass gradients go (the CPU does not update them)."""
-    e, b, h = unit_param_counts(cfg().model)
-    base = dict(offload__optimizer="cpu", offload__params="cpu", offload__two_pass_units="0")
-    host_only = memory.plan_memory(cfg(**base, checkpoint__enabled="false"))
-    copied = memory.plan_memory(cfg(**base, offload__device_update_units="3", checkpoint__enabled="false"))
-    # the embedding and blocks 0-1: state into pinned memory, and two of the largest unit's more (a
-    # block: 202M parameters against the embedding's 131M); the embedding's new bf16 weights are
-    # written on the accelerator, no longer staged in pinned memory
-    largest = max(e, b)
-    assert copied.pinned - host_only.pinned == 12 * (e + 2 * b) + 2 * 12 * largest - 2 * e
-    pool = memory.pinned_pool_bytes
-    assert copied.host - host_only.host == pool(copied.pinned) - pool(host_only.pinned) - 12 * (e + 2 * b)
-    # the accelerator: two of the largest unit, with its gradient (bf16, a block's) and new weights
-    assert copied.accelerator_state - host_only.accelerator_state == 2 * (12 + 2 + 2) * largest
-    # The CPU-updated units' two-pass gradients are what two-pass updates keep: not the copied units'.
-    two_pass = dict(offload__optimizer="cpu", offload__params="cpu", checkpoint__enabled="false")
-    assert memory.plan_memory(cfg(**two_pass, offload__device_update_units="3")).two_pass_grads == (
-        memory.plan_memory(cfg(**two_pass)).two_pass_grads - 4 * e - 2 * 2 * b
-    )
-
-
 def test_block_inputs_in_pinned_host_leave_three_on_the_accelerator():
     base = dict(offload__optimizer="cpu", offload__params="cpu", data__batch_size="4", data__seq_len="4096")
     kept = memory.plan_memory(cfg(**base))

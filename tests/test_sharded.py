@@ -158,11 +158,6 @@ STRATEGIES = {
         {"offload.device_state_units": "2", "model.compute_dtype": "float16"},
         "float16",
     ),
-    # Blocks 0-1's state in pinned host memory, one shard per device, copied in for each update.
-    "device-update-units": (
-        {"offload.device_state_units": "1", "offload.device_update_units": "2"},
-        "float32",
-    ),
 }
 # (parameter relative, loss absolute): float32 as above; 16-bit compute as test_offload.py's bfloat16.
 STRATEGY_TOL = {"float32": (PARAM_TOL, LOSS_TOL), "float16": (2e-2, 2e-3), "bfloat16": (2e-2, 2e-3)}

@@ -11,7 +11,7 @@ streams the compute weights block by block.
     pipeline.py        the per-unit host update, in the background of the accelerator's work
     two_pass.py        how many units each step updates in two passes
     host_optimizer.py  the optimizer on the host (fused kernels or optax on XLA:CPU)
-    device_update.py   the units the accelerator updates (state kept there, or copied in from pinned)
+    device_update.py   the units whose state the plan keeps on the accelerator, updated there
     host_kernels.py    the fused single-pass optimizer kernels (numba)
     host_memory.py     views of host memory, copies, pinned staging, the pinned pool
     futures.py         OffloadState: a future per unit, and helpers for futures

@@ -3,10 +3,9 @@
 The saved form is every trainer's ({"step", "params", "opt_state"} and, under float16, "loss_scale";
 the optimizer state one per unit), whatever the plan keeps where: a run saved by one placement
 resumes under another. Host units are saved from host RAM, each process's blocks seen as global
-arrays over one CPU device per process (`OffloadPlacement.saved`); the units the accelerator updates
-as they are (global arrays in its memory or its pinned host memory); disk units as `Deferred` reads,
-one unit in RAM at a time. This module does no I/O of its own: `jaxzero.checkpoint` writes and reads
-the saved form.
+arrays over one CPU device per process (`OffloadPlacement.saved`); the accelerator's units as they
+are; disk units as `Deferred` reads, one unit in RAM at a time. This module does no I/O of its own:
+`jaxzero.checkpoint` writes and reads the saved form.
 """
 
 from __future__ import annotations
@@ -115,7 +114,7 @@ class CheckpointAdapter:
         return map_units(self.ctx.plan, self._unit_saved, tree, shapes)
 
     def _unit_saved(self, u: UnitPlan, tree: Any, shapes: Any) -> Any:
-        if u.updated_on_device or tree is None:  # global arrays already
+        if u.state is Tier.DEVICE or tree is None:
             return tree
         return jax.tree.map(_as_global, tree, self.ctx.where.saved(shapes), shapes)
 
@@ -128,9 +127,9 @@ class CheckpointAdapter:
 
     def _placed_unit(self, target: int, u: UnitPlan, placed: Any, shapes: Any) -> Any:
         """A unit's restore target: the accelerator's placement (`target` 0: masters, 1: optimizer
-        state) for a unit the accelerator updates (on it, or in its pinned memory), else `placed`."""
-        if u.updated_on_device:
-            return abstract_placed(shapes, self.ctx.device.unit_targets(u)[target])
+        state) for a unit the accelerator keeps, else `placed`."""
+        if u.state is Tier.DEVICE:
+            return abstract_placed(shapes, self.ctx.device.targets[u.kind][target])
         return placed
 
     def _on_host(self, x: jax.Array) -> jax.Array:
@@ -170,4 +169,4 @@ def _restored_units(plan: OffloadPlan, params: list[Any], opt_state: list[Any]) 
 def _take(u: UnitPlan, params: list[Any], opt_state: list[Any]) -> tuple[Any, Any]:
     p, o = resolved((params[u.position], opt_state[u.position]))
     params[u.position] = opt_state[u.position] = None
-    return (p, o) if u.updated_on_device else (_local(p), _local(o))
+    return (p, o) if u.state is Tier.DEVICE else (_local(p), _local(o))

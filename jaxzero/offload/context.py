@@ -104,7 +104,7 @@ def build_context(
     disk = disk_store(cfg, plan) if plan.disk_units else None
     clock = StepClock()
     fence = WriteFence()  # a checkpoint being written from the units' arrays (`jaxzero.write_fence`)
-    pipeline = UpdatePipeline(host, plan, clock, disk, fence, device)
+    pipeline = UpdatePipeline(host, plan, clock, disk, fence)
     fp16 = plan.compute_dtype == "float16"
     return EngineContext(
         cfg, plan, model, mesh, where, masters_shape, host, device, disk, clock, fence, pipeline, fp16

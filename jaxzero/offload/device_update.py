@@ -16,13 +16,6 @@ and optimizer state in float32 (moments in `optimizer.state_dtype`). No compute-
 the passes read the float32 masters and cast them as they use them (`StreamedModel`), as the resident
 trainer does, which saves the accelerator 2 bytes per parameter of these units (bf16) for a cast of one
 unit at a time.
-
-Units copied in for their update (`offload.device_update_units`, `Tier.PINNED_HOST` state) keep their
-masters and optimizer state in pinned host memory, one shard per device as well. Each update copies
-them and the unit's gradients (landed in pinned memory) to the accelerator, runs the same update
-there, casts the new compute-dtype weights, and copies masters, state and weights back out
-(`update_copied`): the CPU does none of their arithmetic, and the accelerator holds a unit's state
-only while it is updated. The copies run on the runtime's transfer streams, beside the computation.
 """
 
 from __future__ import annotations
@@ -36,16 +29,16 @@ import optax
 
 from jaxzero.config import OptimizerConfig
 from jaxzero.models import ModelParams
-from jaxzero.offload.host_memory import copy_to, place
+from jaxzero.offload.host_memory import place
 from jaxzero.offload.host_optimizer import HostUnit
 from jaxzero.optim import scaled_update, unit_optimizers
-from jaxzero.placement import DEVICE, PINNED_HOST, OffloadPlacement
+from jaxzero.placement import DEVICE, OffloadPlacement
 from jaxzero.plan import Tier, UnitKind, UnitPlan
 
 
 class DeviceOptimizer:
-    """The configured optimizer applied on the accelerator to the units of `placement.plan` it
-    updates (`UnitPlan.updated_on_device`): those whose state lives there and those copied in.
+    """The configured optimizer applied on the accelerator to the units of `placement.plan` whose
+    state is `Tier.DEVICE`.
 
     masters_shape: the model's float32 master shapes (`ShapeDtypeStruct`s, global).
     grad_accum:    micro-batches per step: gradients arrive as sums over them.
@@ -76,27 +69,14 @@ class DeviceOptimizer:
         }
         self._update: dict[UnitKind, Any] = {}
         self._init: dict[UnitKind, Any] = {}
-        self._cast: dict[UnitKind, Any] = {}
         self.targets: dict[UnitKind, tuple[Any, Any]] = {}  # masters, opt_state shardings
-        self.pinned_targets: dict[UnitKind, tuple[Any, Any]] = {}  # of the units copied in
-        compute = jnp.dtype(plan.compute_dtype)
 
-        for kind in {u.kind for u in plan.units if u.updated_on_device}:
+        for kind in {u.kind for u in plan.units if u.state is Tier.DEVICE}:
             tx = getattr(txs, kind.value)
             shapes = self._shapes[kind]
             masters_at = placement.split(shapes, DEVICE)
             state_at = placement.split(jax.eval_shape(tx.init, shapes), DEVICE)
             self.targets[kind] = (masters_at, state_at)
-            self.pinned_targets[kind] = (
-                placement.split(shapes, PINNED_HOST),
-                placement.split(jax.eval_shape(tx.init, shapes), PINNED_HOST),
-            )
-            weights_at = placement.split(
-                jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, compute), shapes), DEVICE
-            )
-            self._cast[kind] = jax.jit(
-                lambda m: jax.tree.map(lambda x: x.astype(compute), m), out_shardings=weights_at
-            )
 
             def update(masters, opt_state, grads, norm, scale, tx=tx):
                 # The host's multiplier, in the same float32 operations (`HostOptimizer.grad_multiplier`).
@@ -116,31 +96,18 @@ class DeviceOptimizer:
             self._init[kind] = jax.jit(tx.init, out_shardings=state_at)
 
     def start(self, unit: UnitPlan, local_masters: Any, local_state: Any = None) -> HostUnit:
-        """The unit where its state lives (`unit_targets`) from this process's host blocks of its
-        masters (and of its optimizer state, from a checkpoint; None: a fresh state), or from global
-        arrays a restore placed there already (taken as they are). A host sync (the copies). On the
-        accelerator the unit's weights are its masters (float32; the passes cast them); copied in, its
-        compute-dtype weights in the unit's weights tier (`OffloadPlacement.written`)."""
-        masters_at, state_at = self.unit_targets(unit)
+        """The unit on the accelerator from this process's host blocks of its masters (and of its
+        optimizer state, from a checkpoint; None: a fresh state), or from global arrays a restore
+        placed as `targets` already (taken as they are). A host sync (the copies). The unit's weights
+        are its masters (float32; the passes cast them)."""
+        masters_at, state_at = self.targets[unit.kind]
         shapes = self._shapes[unit.kind]
         masters = _placed(local_masters, masters_at, shapes)
-        if unit.state is Tier.DEVICE:
-            if local_state is None:
-                state = self._init[unit.kind](masters)
-            else:
-                state = _placed(local_state, state_at, jax.eval_shape(self._init[unit.kind], shapes))
-            return HostUnit(masters, state, masters)
-        on_device = copy_to(masters, self.targets[unit.kind][0])
         if local_state is None:
-            state = copy_to(self._init[unit.kind](on_device), state_at)
+            state = self._init[unit.kind](masters)
         else:
             state = _placed(local_state, state_at, jax.eval_shape(self._init[unit.kind], shapes))
-        return HostUnit(masters, state, self._weights_out(unit, self._cast[unit.kind](on_device)))
-
-    def unit_targets(self, unit: UnitPlan) -> tuple[Any, Any]:
-        """Where `unit`'s masters and optimizer state live: the accelerator (`Tier.DEVICE` state) or
-        its pinned host memory (`Tier.PINNED_HOST`), one shard per device."""
-        return (self.targets if unit.state is Tier.DEVICE else self.pinned_targets)[unit.kind]
+        return HostUnit(masters, state, masters)
 
     def update(
         self, unit: UnitPlan, arrays: HostUnit, grads: Any, norm: jax.Array, scale: jax.Array
@@ -155,37 +122,6 @@ class DeviceOptimizer:
         """
         masters, state = self._update[unit.kind](arrays.params, arrays.opt_state, grads, norm, scale)
         return HostUnit(masters, state, masters)
-
-    def copy_in(self, unit: UnitPlan, arrays: HostUnit, grads: Any) -> tuple[Any, Any, Any]:
-        """A copied-in unit's masters, optimizer state (from its pinned memory) and gradient sums
-        (landed in pinned memory) on the accelerator: asynchronous copies, one per local shard."""
-        masters_at, state_at = self.targets[unit.kind]
-        device_grads = jax.tree.map(lambda g: g.sharding.with_memory_kind(DEVICE), grads)
-        return (
-            copy_to(arrays.params, masters_at),
-            copy_to(arrays.opt_state, state_at),
-            copy_to(grads, device_grads),
-        )
-
-    def update_copied(
-        self, unit: UnitPlan, copied: tuple[Any, Any, Any], norm: jax.Array, scale: jax.Array
-    ) -> HostUnit:
-        """One optimizer step of a unit copied in (`copy_in`'s arrays, consumed), as `update`'s, then
-        its new masters and state copied back to pinned host memory and its new compute-dtype weights
-        to the unit's weights tier. Asynchronous: issued, not waited for; the arrays returned are
-        ready once the copies out are done."""
-        masters, state = self._update[unit.kind](*copied, norm, scale)
-        weights = self._cast[unit.kind](masters)
-        masters_at, state_at = self.pinned_targets[unit.kind]
-        return HostUnit(
-            copy_to(masters, masters_at), copy_to(state, state_at), self._weights_out(unit, weights)
-        )
-
-    def _weights_out(self, unit: UnitPlan, weights: Any) -> Any:
-        """Compute-dtype weights on the accelerator, copied to where `unit` keeps them (pinned host
-        memory for a streamed block; else they stay)."""
-        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), weights)
-        return copy_to(weights, self.placement.written(unit, shapes))
 
 
 def _placed(tree: Any, targets: Any, shapes: Any) -> Any:

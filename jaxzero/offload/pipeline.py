@@ -40,12 +40,6 @@ The delayed update (ZeRO-Offload's DPU) lets step t+1's forward and backward rea
 before update t, so update t overlaps all of step t+1. Gradients are then one update stale. It costs
 a second copy of the compute-dtype weights.
 
-Units whose state the plan keeps in pinned host memory for the accelerator to update
-(`offload.device_update_units`) get a task here too, but no host arithmetic: once their gradients
-have landed, their masters, state and gradients are copied in, the accelerator updates them with
-the norm it holds, and the results are copied back (`DeviceOptimizer.update_copied`), a few units
-at a time, beside the host's work on the others.
-
 Which of these apply is the offload plan's decision (`jaxzero.plan.HostUpdate`).
 
 Determinism: timings decide only when, on which thread and into which buffers the host works (which
@@ -69,13 +63,12 @@ import jax
 import numpy as np
 
 from jaxzero.models import ModelParams
-from jaxzero.offload.device_update import DeviceOptimizer
 from jaxzero.offload.disk import DiskStore
 from jaxzero.offload.host_memory import HostScalar, copy_to, local_views, release
 from jaxzero.offload.host_optimizer import HostOptimizer, HostUnit, UnitUpdate
 from jaxzero.offload.timeline import StepClock, span
 from jaxzero.offload.two_pass import TwoPassCounter
-from jaxzero.plan import COPIED_IN_FLIGHT, HostUpdate, OffloadPlan, Tier, UnitKind, UnitPlan, UpdateMode
+from jaxzero.plan import HostUpdate, OffloadPlan, Tier, UnitKind, UnitPlan, UpdateMode
 from jaxzero.write_fence import WriteFence
 
 
@@ -122,7 +115,6 @@ class _StepInputs(NamedTuple):
     step: int
     norm: HostScalar  # the global norm of the mean gradient (float32)
     scale: HostScalar | None  # float16's loss scale; None: the gradients carry none
-    on_device: tuple[jax.Array, jax.Array]  # the norm and the loss scale on the accelerator
     tickets: itertools.count  # the first `speculative_units` gradients to land may speculate
 
 
@@ -151,13 +143,10 @@ class UpdatePipeline:
         clock: StepClock,
         disk: DiskStore | None = None,
         fence: WriteFence | None = None,
-        device: DeviceOptimizer | None = None,
     ):
         policy: HostUpdate | None = plan.host_update
         if policy is None:
             raise ValueError("the plan keeps every unit's state on the accelerator: no host update")
-        if plan.device_update_units and device is None:
-            raise ValueError("the plan copies units to the accelerator for their update: pass `device`")
         self.host = host
         self.plan = plan
         self.policy = policy
@@ -167,11 +156,9 @@ class UpdatePipeline:
         # written, or copied for the writer; else the update waits).
         self.fence = fence if fence is not None else WriteFence()
         self.two_pass = TwoPassCounter(policy.two_pass)
-        # Units the accelerator updates come first in forward order and are not the host's: the
-        # two-pass count starts at the first unit the CPU updates.
-        self._first_host = plan.device_state_units + plan.device_update_units
-        self._device = device  # updates the units copied to it (`Tier.PINNED_HOST` state)
-        self._copied = threading.BoundedSemaphore(COPIED_IN_FLIGHT)
+        # Units whose state is on the accelerator come first in forward order and are not the host's:
+        # the two-pass count starts at the first host unit.
+        self._first_host = plan.device_state_units
         # Buffers for speculative updates, by unit kind (blocks share one shape), at most
         # `policy.speculative_units` in all.
         self._spares: dict[UnitKind, list[tuple[Any, Any]]] = {kind: [] for kind in UnitKind}
@@ -208,12 +195,11 @@ class UpdatePipeline:
             norm=HostScalar(copy_to(norm, pinned)),
             # Only float16 has a loss scale; reading a copy of it would wait behind the gradients' copies.
             scale=HostScalar(copy_to(scale, pinned)) if self.policy.skips_nonfinite else None,
-            on_device=(norm, scale),
             tickets=itertools.count(),
         )
         flat = lambda tree: [tree.embed, *tree.blocks, tree.head]  # noqa: E731 - in forward order
         jobs: list[UnitJob | None] = [
-            UnitJob(u, prev, r, g, Future(), shared) if u.state is not Tier.DEVICE else None
+            UnitJob(u, prev, r, g, Future(), shared) if u.state in (Tier.HOST, Tier.DISK) else None
             for u, prev, r, g in zip(self.plan.units, flat(units), flat(read), flat(grads))
         ]
         if self.disk is not None:  # their reads start now, during the backward pass, in update order
@@ -246,8 +232,6 @@ class UpdatePipeline:
     def _run(self, job: UnitJob) -> HostUnit:
         if job.unit.state is Tier.DISK:
             return self._run_from_disk(job)
-        if job.unit.state is Tier.PINNED_HOST:
-            return self._run_copied(job)
         policy, slot = self.policy, job.slot
         arrays = job.previous.result()  # the previous update (in the overlapped mode it is done)
         self.host.prepare(arrays)  # before the norm: the update's rate
@@ -324,32 +308,6 @@ class UpdatePipeline:
         self.clock.updated(start, time.perf_counter())
         job.weights.set_result(new.weights)
         return HostUnit(spilled.params, spilled.opt_state, new.weights)
-
-    def _run_copied(self, job: UnitJob) -> HostUnit:
-        """A unit updated on the accelerator from its pinned host state (`Tier.PINNED_HOST`): its
-        masters, state and gradients copied in, updated there with the norm the accelerator holds,
-        copied back out (`DeviceOptimizer.update_copied`). At most `COPIED_IN_FLIGHT` units are on
-        the accelerator at once, in the order their tasks get there (forward order: each waits for
-        its gradients, and these units' land last, in reverse)."""
-        position = job.unit.position
-        arrays = job.previous.result()
-        job.read.result()  # the weights the pass read: dropped, new ones are written elsewhere
-        with span("wait_grads", position):
-            jax.block_until_ready(job.grads)  # host sync: this unit's gradients have landed
-        start = time.perf_counter()
-        with self._copied:
-            with span("copy_in", position):
-                # host sync: the update is issued once its inputs are there, so that it never holds
-                # up the accelerator's queue of work behind the copies
-                copied = jax.block_until_ready(self._device.copy_in(job.unit, arrays, job.grads))
-            norm, scale = job.shared.on_device
-            new = self._device.update_copied(job.unit, copied, norm, scale)
-            del copied, arrays
-            job.weights.set_result(new.weights)
-            with span("copy_out", position):
-                jax.block_until_ready((new.params, new.opt_state))  # host sync: the unit has left
-        self.clock.updated(start, time.perf_counter())
-        return new
 
     def _two_passes(self, job: UnitJob, update: UnitUpdate, recycle: Any, start: float) -> HostUnit:
         """The new weights now (the next forward pass waits for them), the masters and state later,

@@ -117,7 +117,7 @@ class StateInit:
         are copied there, disk units are written to disk (and dropped from RAM). A host or disk
         unit's weights may still be a `Future` (cast in the background)."""
         ctx = self.ctx
-        if u.updated_on_device:  # its state on the accelerator, or in pinned memory copied there
+        if u.state is Tier.DEVICE:
             return ctx.device.start(u, masters, opt_state)
         opt_state = ctx.host.init_unit(u, masters) if opt_state is None else opt_state
         weights = ctx.host.place_weights(u, masters)

@@ -32,9 +32,6 @@ FUSED_COMPUTE_DTYPES = ("float32", "bfloat16")
 # Units with state on disk in host RAM at once: one read ahead while another is updated or written
 # back. More overlap the disk with itself no better (one queue of large transfers) and cost RAM.
 DISK_SLOTS = 2
-# Units copied to the accelerator for their update (`offload.device_update_units`) that it holds at
-# once: one updating while the next one's copies run.
-COPIED_IN_FLIGHT = 2
 
 
 class Tier(enum.Enum):
@@ -73,14 +70,7 @@ class UnitPlan:
     block: int | None  # the block index; None for the embedding and the head
     position: int  # in the forward pass: embedding 0, block i at 1 + i, head last
     weights: Tier  # compute-dtype weights
-    # fp32 masters and optimizer state: DEVICE (updated there), HOST or DISK (updated on the CPU), or
-    # PINNED_HOST (copied to the accelerator for each update and back: `offload.device_update_units`)
-    state: Tier
-
-    @property
-    def updated_on_device(self) -> bool:
-        """Whether the accelerator updates this unit (its state lives there or is copied there)."""
-        return self.state in (Tier.DEVICE, Tier.PINNED_HOST)
+    state: Tier  # fp32 masters and optimizer state
 
 
 @dataclass(frozen=True)
@@ -172,12 +162,6 @@ class OffloadPlan:
         return tuple(u for u in self.units if u.state is Tier.DISK)
 
     @property
-    def device_update_units(self) -> int:
-        """Units whose state lives in pinned host RAM and is updated on the accelerator (the next
-        ones after `device_state_units` in forward order)."""
-        return sum(u.state is Tier.PINNED_HOST for u in self.units)
-
-    @property
     def device_state_units(self) -> int:
         """Units whose masters and optimizer state live on the accelerator (the first ones in forward
         order when the host holds the others)."""
@@ -216,16 +200,13 @@ class OffloadPlan:
         if h.speculative_units:
             how.append(f"speculative updates for {h.speculative_units} units")
         on_device, on_disk = self.device_state_units, len(self.disk_units)
-        copied = self.device_update_units
-        in_ram = len(self.units) - on_device - on_disk - copied
+        in_ram = len(self.units) - on_device - on_disk
         where = f"of {in_ram}/{len(self.units)} units in host RAM, updated on the CPU"
         if on_disk:
             where += f" (the last {on_disk} on local disk, read and written back each update)"
         if on_device:
             where += f" (the first {on_device} on {devices}, updated there)"
-        if copied:
-            where += f" ({copied} more in pinned host RAM, copied to {devices} and updated there)"
-        if not (on_device or on_disk or copied):
+        if not (on_device or on_disk):
             where = "in host RAM, updated on the CPU"
         activations = "; block inputs wait in pinned host memory" if self.offloads_activations else ""
         return (
@@ -265,14 +246,9 @@ def resolve_plan(cfg: TrainConfig) -> OffloadPlan:
     on_device = max(o.device_state_units, 0) if on_host else 0
     for k in range(on_device):
         units[k] = UnitPlan(units[k].kind, units[k].block, k, Tier.DEVICE, Tier.DEVICE)
-    # The next `device_update_units` keep it in pinned host RAM, copied to the accelerator for each
-    # update: the first the next forward pass needs after the accelerator's own.
-    to_device = min(o.device_update_units, len(units) - on_device) if on_host else 0
-    for k in range(on_device, on_device + to_device):
-        units[k] = UnitPlan(units[k].kind, units[k].block, k, units[k].weights, Tier.PINNED_HOST)
     # The last `disk_units` of the others keep it on disk: their update comes last before the next
     # forward pass reaches them, and their reads run ahead of it from the start of the backward pass.
-    host_count = len(units) - on_device - to_device
+    host_count = len(units) - on_device
     on_disk = 0
     if o.optimizer == "disk":
         on_disk = host_count if o.disk_units < 0 else min(o.disk_units, host_count)

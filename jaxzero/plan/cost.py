@@ -18,9 +18,6 @@ Per step (tokens per device T, parameters N; `Machine`'s rates):
   per parameter with either), and optax on XLA:CPU (`offload.fused_update=false`, float16) takes
   `OPTAX_SLOWDOWN` times as long.
 - disk = each disk unit's masters and state read once and written back once, over disk_bw.
-- a unit copied to the accelerator for its update (`offload.device_update_units`) adds its masters,
-  moments and gradient to h2d and d2h (and its new weights to d2h where they are streamed), and none
-  of the host's time; the next forward pass waits for its copies in, one unit after the other.
 - exposed = the host update the next forward pass waits for. With clipping (or float16) no host unit
   updates before the global norm is known, at the end of the backward pass; the host then runs each
   unit's first pass in forward order while the GPU's forward follows it unit by unit, so the wait is
@@ -129,18 +126,6 @@ def predict(cfg: TrainConfig, plan: OffloadPlan, machine: Machine) -> Prediction
         per_device = count[u.kind] / machine.devices
         h2d += (2 if u.weights is Tier.PINNED_HOST else 1) * compute * per_device
         d2h += grad * per_device
-    # Units copied to the accelerator for their update: masters, moments and gradient in, masters and
-    # moments out (and the new weights, where they are streamed); the link's time is their update's.
-    copy_in = [0.0] * len(plan.units)  # seconds of each such unit's copies in
-    for i, u in enumerate(plan.units):
-        if u.state is not Tier.PINNED_HOST:
-            continue
-        grad = memory.dtype_bytes(plan.grad_dtype) if u.kind is UnitKind.BLOCK else 4
-        per_device = count[u.kind] / machine.devices
-        streamed = u.weights is Tier.PINNED_HOST
-        copy_in[i] = (4 + opt + grad) * per_device / machine.h2d
-        h2d += (4 + opt + grad + (2 if streamed else 0) * compute) * per_device
-        d2h += (4 + opt + grad + (compute if streamed else 0)) * per_device
     if plan.offloads_activations:  # every block input but the last leaves and comes back
         away = (m.num_layers - 1) * tokens * m.hidden_size * compute
         h2d, d2h = h2d + away, d2h + away
@@ -153,7 +138,7 @@ def predict(cfg: TrainConfig, plan: OffloadPlan, machine: Machine) -> Prediction
     exposed = 0.0  # the delayed update overlaps the whole next step
     if update.mode is UpdateMode.OVERLAPPED:
         reads = [b / disk_bw for b in disk_bytes]
-        exposed = _exposed(plan, update.waits_for_norm, gpu_s, forward, first, full, reads, copy_in)
+        exposed = _exposed(plan, update.waits_for_norm, gpu_s, forward, first, full, reads)
     terms = {"GPU compute": gpu_s + exposed, "link": link_s, "host update": host_s, "disk": disk_s}
     bottleneck = max(terms, key=lambda k: terms[k])
     step_s = terms[bottleneck]
@@ -170,20 +155,11 @@ def _exposed(
     first: list[float],
     full: list[float],
     reads: list[float],
-    copy_in: list[float],
 ) -> float:
     """Seconds the next forward pass waits for host updates, from the end of the backward pass:
     the forward runs unit by unit, each unit once the host has its (first-pass) update ready. A disk
-    unit's update also waits for its read (`reads`: seconds of each unit's read, as of its write). A
-    unit copied to the accelerator for its update is ready once its copies in are done, one unit
-    after the other from the end of the backward pass (`copy_in`: seconds of each unit's; their
-    updates are the accelerator's, and their copies out overlap the next ones')."""
+    unit's update also waits for its read (`reads`: seconds of each unit's read, as of its write)."""
     ready = [0.0] * len(plan.units)  # seconds after the backward pass ends
-    t = 0.0
-    for i, seconds in enumerate(copy_in):
-        if seconds:
-            t += seconds
-            ready[i] = t
     host_units = [i for i, u in enumerate(plan.units) if u.state in (Tier.HOST, Tier.DISK)]
     backward = (1 - FORWARD_SHARE) * gpu_s
     if waits_for_norm:  # nothing before the norm; then first passes in forward order

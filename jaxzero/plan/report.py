@@ -228,7 +228,6 @@ def _unit_runs(plan: OffloadPlan, accel: str) -> list[tuple[str, str]]:
         weights = accel if u.weights is Tier.DEVICE else "streamed from pinned host"
         state = {
             Tier.DEVICE: f"{accel} (updated on {accel})",
-            Tier.PINNED_HOST: f"pinned host RAM (copied to {accel}, updated there)",
             Tier.HOST: "host RAM (updated on CPU)",
             Tier.DISK: "local disk (read, updated on CPU, written back)",
         }[u.state]
