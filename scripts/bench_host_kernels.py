@@ -7,8 +7,10 @@ corrections divide) and a late one (they are exactly 1 and the kernels skip thos
 - in cache: one thread updating 32K parameters over and over (what the arithmetic costs a core);
 - streaming: `--params` parameters in chunks of `host_kernels.CHUNK` from T threads (what a step's
   host update reaches; T from `--threads`);
-- each with the kernels' tiles (elements widened into a thread's scratch at a time) of `--tiles`
-  (the first is `host_kernels.TILE`, what a run uses; the others are compiled for this script);
+- each with the kernels' layouts (`host_kernels.LAYOUTS`: the tile, elements widened into a thread's
+  scratch at a time, and the prefetch block, elements updated between requests for the next tile's
+  lines, 0 for none): by default the kernels' own for each moment dtype, what a run uses; with
+  `--tiles` and `--prefetch`, every combination of those (compiled for this script);
 - `--passes`, `--moments` and `--counts` narrow the table; `--llvm_options` compiles the kernels
   with LLVM options (e.g. `--force-vector-width=16`: 512-bit vectors where LLVM prefers 256) into a
   fresh cache, to compare against a run without them.
@@ -16,7 +18,8 @@ corrections divide) and a late one (they are exactly 1 and the kernels skip thos
 Prints the host's CPU (lscpu's summary) first and a table last; `--out=DIR` also writes the rows as
 JSON. CPU only: run it on the GPU box to measure that box's host.
 
-    python scripts/bench_host_kernels.py --params=536870912 --threads=8,15,16 --tiles=65536,16384 --out=$OUT
+    python scripts/bench_host_kernels.py --params=536870912 --threads=8,15,16 --tiles=65536,16384 \
+        --prefetch=0,128 --out=$OUT
 """
 
 from __future__ import annotations
@@ -105,7 +108,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--params", type=int, default=1 << 29, help="parameters of the streaming runs")
     ap.add_argument("--threads", default="8,15,16", help="thread counts of the streaming runs")
-    ap.add_argument("--tiles", default=str(hk.TILE), help="kernel tile sizes to compare, elements")
+    ap.add_argument(
+        "--tiles", default="", help="kernel tiles to compare, elements (default: the kernels' own)"
+    )
+    ap.add_argument(
+        "--prefetch",
+        default="",
+        help="prefetch blocks to compare, elements; 0: none (default: the kernels' own)",
+    )
     ap.add_argument("--counts", default=f"{EARLY},{LATE}", help="update numbers to time")
     ap.add_argument("--passes", default="weights,state,full", help="passes to time")
     ap.add_argument("--moments", default="fp32,bf16", help="moment dtypes to time")
@@ -123,9 +133,10 @@ def main() -> None:
             llvmlite.binding.set_option("", option)
         os.environ["JAXZERO_CACHE_DIR"] = tempfile.mkdtemp()
     threads = [int(t) for t in args.threads.split(",")]
-    tiles = [int(t) for t in args.tiles.split(",")]
+    tiles = [int(t) for t in args.tiles.split(",") if t]
+    fetches = [int(f) for f in args.prefetch.split(",") if f]
     counts = [int(c) for c in args.counts.split(",")]
-    assert max(tiles) <= hk.TILE, "the main thread's scratch holds host_kernels.TILE elements at most"
+    assert max(tiles, default=0) * 4 <= hk.SCRATCH, "a thread's scratch holds host_kernels.SCRATCH elements"
     cpu = cpu_summary()
     print(json.dumps({"cpu": cpu, "os_cpus": os.cpu_count()}), flush=True)
     rule = hk.FusedRule.of(OptimizerConfig())
@@ -135,11 +146,14 @@ def main() -> None:
         small = state(1 << 15, m16)
         big = state(args.params, m16, seed=1)
         passes = args.passes.split(",")
-        for tile, pass_, count in itertools.product(tiles, passes, counts):
-            hk.TILE, hk.SCRATCH = tile, 4 * tile  # the generator reads them; new threads size scratch
+        own_tile, own_fetch = hk.LAYOUTS[m16]
+        layouts = list(itertools.product(tiles or [own_tile], fetches if fetches else [own_fetch]))
+        for (tile, fetch), pass_, count in itertools.product(layouts, passes, counts):
+            hk.LAYOUTS = {**hk.LAYOUTS, m16: (tile, fetch)}  # the generator reads it
             hk._kernels.clear()
             nbytes = PASS_BYTES[pass_][m16]
             row = {"moments": "bf16" if m16 else "fp32", "pass": pass_, "count": count, "tile": tile}
+            row["prefetch"] = fetch
             row["llvm_options"] = args.llvm_options
             row["in_cache_1t"] = (1 << 15) / run_pass(rule, small, pass_, count, None, 1 << 15, 200) / 1e9
             for t in threads:
@@ -157,12 +171,12 @@ def main() -> None:
     print(
         "\nG params/s (GB/s at the largest thread count); count 3: bias corrections divide, 1000: they are 1"
     )
-    head = f"{'moments':8s}{'pass':9s}{'count':>6s}{'tile':>7s}"
+    head = f"{'moments':8s}{'pass':9s}{'count':>6s}{'tile':>7s}{'pf':>5s}"
     print(head + "".join(f"{c:>13s}" for c in cols) + f"{'GB/s':>8s}")
     for r in rows:
         gbps = r[f"t{threads[-1]}_GBps"]
         vals = "".join(f"{r[c]:13.2f}" for c in cols)
-        key = f"{r['moments']:8s}{r['pass']:9s}{r['count']:6d}{r['tile']:7d}"
+        key = f"{r['moments']:8s}{r['pass']:9s}{r['count']:6d}{r['tile']:7d}{r['prefetch']:5d}"
         print(key + vals + f"{gbps:8.1f}")
 
 

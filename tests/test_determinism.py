@@ -108,7 +108,8 @@ def test_the_host_kernels_give_the_same_bits_over_any_chunking_threads_and_order
     """One AdamW update of a long array (bfloat16 moments, gradients and weights) in one call, and in
     chunks of other sizes run on pools of other sizes in shuffled order: the kernels are elementwise,
     so nothing of the schedule reaches the result."""
-    n = 3 * host_kernels.TILE + 4321
+    tile = host_kernels.LAYOUTS[True][0]  # bfloat16 moments' tile
+    n = 3 * tile + 4321
     rng = np.random.default_rng(3)
     bits = lambda x: (x.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)  # noqa: E731
     p0 = rng.standard_normal(n).astype(np.float32)
@@ -127,7 +128,7 @@ def test_the_host_kernels_give_the_same_bits_over_any_chunking_threads_and_order
 
     whole = update(None, 1, 0)
     assert not np.array_equal(whole[0], p0)  # it did update
-    for size, threads, seed in ((1000, 4, 1), (4097, 2, 2), (host_kernels.TILE, 3, 3)):
+    for size, threads, seed in ((1000, 4, 1), (4097, 2, 2), (tile, 3, 3)):
         for a, b in zip(update(size, threads, seed), whole, strict=True):
             np.testing.assert_array_equal(a, b)
 

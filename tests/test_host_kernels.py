@@ -177,6 +177,57 @@ def test_a_division_by_an_exact_one_left_out_changes_no_bit(moments, pass_):
         assert not np.array_equal(written.view(np.uint32), p.view(np.uint32))
 
 
+@pytest.mark.parametrize("pass_", list(host_kernels.Pass))
+@pytest.mark.parametrize("moments", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["adam", "lion", "sgd_momentum"])
+def test_prefetching_the_next_tile_changes_no_bit(monkeypatch, name, moments, pass_):
+    """A kernel that updates in blocks and requests the next tile's lines after each (the layouts'
+    prefetch) gives the bits of one that does not, on a length that ends mid-tile and mid-block, and
+    with the next tile shorter than a block."""
+    m16 = moments == "bfloat16"
+    n = 3 * 1024 + 100  # tiles of 1024: three whole, then 100 (a block of 64 and 36)
+    r = np.random.default_rng(4)
+
+    def bits(x):
+        return (x.view(np.uint32) >> 16).astype(np.uint16)
+
+    p = r.standard_normal(n).astype(np.float32)
+    moment = [
+        (r.standard_normal(n) * 1e-3).astype(np.float32),
+        np.abs(r.standard_normal(n) * 1e-6).astype(np.float32),
+    ]
+    moment = [bits(x) if m16 else x for x in moment][: {"adam": 2, "lion": 1, "sgd_momentum": 1}[name]]
+    g = bits((r.standard_normal(n) * 1e-2).astype(np.float32))
+    g.flags.writeable = False
+    scalars = {
+        "adam": (np.float32(0.9), np.float32(0.95), np.float32(1e-8), np.float32(0.5), np.float32(0.7)),
+        "lion": (np.float32(0.9), np.float32(0.99)),
+        "sgd_momentum": (np.float32(0.9),),
+    }[name]
+    results = []
+    for fetch in (0, 64):
+        monkeypatch.setattr(host_kernels, "LAYOUTS", {**host_kernels.LAYOUTS, m16: (1024, fetch)})
+        monkeypatch.setattr(host_kernels, "_kernels", {})
+        arrays = [p.copy(), *(x.copy() for x in moment)]
+        if pass_ is host_kernels.Pass.OUT:
+            arrays = [a for x in arrays for a in (x, np.empty_like(x))]
+        arrays.append(g)
+        if pass_ is not host_kernels.Pass.STATE:
+            arrays.append(np.zeros(n, np.uint16))
+        kernel = host_kernels._kernel(name, True, m16, True, pass_)
+        kernel(
+            *arrays, host_kernels._scratch(), np.float32(0.3), *scalars, np.float32(-1e-3), np.float32(0.1)
+        )
+        results.append(arrays)
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+    if pass_ is host_kernels.Pass.WEIGHTS:  # it did update: new weights, or new masters
+        assert results[0][-1].any()
+    else:
+        written = results[0][1 if pass_ is host_kernels.Pass.OUT else 0]
+        assert not np.array_equal(written, p)
+
+
 def test_the_rate_is_the_schedules_float32_value_computed_once_per_update_number():
     """Every unit of a step shares its update number's rate: the host computes it once (before the
     norm is known, `HostOptimizer.prepare`), the jitted schedule's float32 value on the host device."""
@@ -229,7 +280,7 @@ def test_bfloat16_rounding_is_round_to_nearest_even():
 def test_chunks_and_tiles_do_not_change_the_result(moments):
     """A long array updated in one call (several internal tiles, a ragged last one) equals the same
     array updated in small pieces: the kernels are elementwise, so tiling must be invisible."""
-    n = 2 * host_kernels.TILE + 12345
+    n = 2 * host_kernels.LAYOUTS[moments == "bfloat16"][0] + 12345
     rng = np.random.default_rng(1)
     mdt = np.uint16 if moments == "bfloat16" else np.float32
 

@@ -53,6 +53,7 @@ from types import ModuleType
 import jax
 import jax.numpy as jnp
 import numba
+import numba.extending
 import numpy as np
 
 from jaxzero.config import OptimizerConfig
@@ -63,10 +64,38 @@ CHUNK = 1 << 22  # parameters per kernel call: few calls (each holds the GIL bri
 _F32_ONE = np.float32(1.0)
 
 # -- kernels ----------------------------------------------------------------------------------------
+
+
+@numba.extending.intrinsic
+def prefetch(typingctx, array, index):
+    """Request the cache line of `array[index]` into L2 (LLVM's `prefetch`: a hint, which changes no
+    result). Used by the generated kernels, which pass only indices within the array."""
+    if not isinstance(array, numba.types.Array):
+        return None
+
+    def codegen(context, builder, signature, args):
+        from llvmlite import ir
+        from numba.core import cgutils
+
+        array_type = signature.args[0]
+        view = context.make_array(array_type)(context, builder, args[0])
+        at = cgutils.get_item_pointer(context, builder, array_type, view, [args[1]], wraparound=False)
+        at = builder.bitcast(at, ir.IntType(8).as_pointer())
+        i32 = ir.IntType(32)
+        name = "llvm.prefetch.p0" if str(at.type) == "ptr" else "llvm.prefetch.p0i8"  # opaque pointers or not
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [at.type, i32, i32, i32]), name
+        )
+        builder.call(fn, [at, i32(0), i32(2), i32(1)])  # read, locality 2 (L2), data cache
+        return context.get_dummy_value()
+
+    return numba.types.void(array, index), codegen
+
+
 # One kernel per (optimizer, gradient dtype, moment dtype, weight dtype), generated from the update
 # rule below as flat loops that LLVM vectorises: bfloat16 inputs are first widened into float32
 # scratch (a shift of the bits), the update runs in float32 with optax's order of operations, and
-# results are narrowed back (round to nearest even; a NaN stays a quiet NaN), TILE elements at a
+# results are narrowed back (round to nearest even; a NaN stays a quiet NaN), a tile of elements at a
 # time so that the scratch stays in cache and memory is still read and written once.
 # Scalars arrive as float32 so that every operation stays in float32, as in XLA.
 
@@ -132,8 +161,14 @@ _NARROW = """
         nan = np.uint32((u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000))
         {out}[j] = np.uint16(r + nan * (q - r))"""
 
-TILE = 1 << 16  # elements widened into scratch at a time: 4 x 256 KiB, in L2
-SCRATCH = 4 * TILE  # gradient, up to two moments, new parameters (the weights pass)
+# How a kernel walks a chunk, by whether its moments are bfloat16: (tile, prefetch). A tile is the
+# elements widened into a thread's scratch at a time (in L2); with prefetch P > 0 the update runs in
+# blocks of P elements, each followed by requests for the same offsets of the next tile's arrays, so
+# that one core's memory traffic for the next tile overlaps its arithmetic on this one (one thread
+# per core leaves nothing else to overlap them). Chosen by measurement, per moment dtype
+# (BENCHMARKS.md, "The host kernels' memory phases and vector width").
+LAYOUTS = {False: (1 << 16, 0), True: (1 << 14, 128)}
+SCRATCH = 4 * max(tile for tile, _ in LAYOUTS.values())  # gradient, up to two moments, new parameters
 
 
 class Pass(enum.StrEnum):
@@ -190,9 +225,19 @@ def _source(
     arrays += ", w" * (pass_ is not Pass.STATE)
     rest = f"gmul, {''.join(x + ', ' for x in scalars)}neg_lr, wd"
     jit = "@numba.njit(nogil=True, error_model='numpy', cache=True)"
-    # `tile` updates n <= TILE elements with flat loops (LLVM vectorises those); `kernel` walks the
-    # chunk tile by tile so that the scratch stays in cache.
-    src = ["import numba", "import numpy as np", "", "", jit, f"def tile({arrays}, scratch, {rest}):"]
+    # `tile` updates n <= the layout's tile of elements with flat loops (LLVM vectorises those);
+    # `kernel` walks the chunk tile by tile so that the scratch stays in cache.
+    tile_len, fetch = LAYOUTS[m16]
+    # The arrays a tile reads or writes, and how many of each element fit a 64-byte line.
+    per_line = {"p": 16, "g": 32 if g16 else 16, "w": 32 if w16 else 16}
+    per_line.update({x: 32 if m16 else 16 for x in moments})
+    fetched = [(a, per_line[a.removesuffix(i) or a]) for a in arrays.split(", ")] if fetch else []
+    src = ["import numba", "import numpy as np"]
+    src += ["from jaxzero.offload.host_kernels import prefetch"] if fetch else []
+    src += ["", ""]
+    helpers_at = len(src)
+    nxt = "".join(f", nxt_{x}" for x, _ in fetched)
+    src += [jit, f"def tile({arrays}{nxt}, scratch, {rest}):"]
     src += ["    n = p.shape[0]", "    one = np.float32(1.0)"]
     src.append(_WIDEN.format(x="g", k=0, src="g") if g16 else "    gf = g")
     direct = not out_of_place and not m16  # float32 moments read (and written) in place
@@ -208,7 +253,19 @@ def _source(
         stores = tuple(f"{x}f[j] =" for x in moments)
         body = "\n".join(ln for ln in body.split("\n") if not ln.strip().startswith(stores))
         body = body.replace("p[j] = ", "pn[j] = ")
-    src.append("    for j in range(n):" + body)
+    helpers = []
+    if fetch:  # the update in blocks, each followed by requests for the next tile's lines
+        used = sorted(set(re.findall(r"\b(\w+)\[j\]", body)))
+        src.append(f"    for b in range(0, n, {fetch}):")
+        src.append(f"        e = min(b + {fetch}, n)")
+        src.append(f"        update({', '.join(f'{x}[b:e]' for x in used)}, {rest})")
+        for x, step in fetched:
+            src.append(f"        for q in range(b, min(e, nxt_{x}.shape[0]), {step}):")
+            src.append(f"            prefetch(nxt_{x}, q)")
+        helpers = [jit, f"def update({', '.join(used)}, {rest}):", "    one = np.float32(1.0)"]
+        helpers += [f"    for j in range({used[0]}.shape[0]):" + body, "", ""]
+    else:
+        src.append("    for j in range(n):" + body)
     if pass_ is not Pass.WEIGHTS:
         for x in moments:
             if m16:
@@ -222,13 +279,16 @@ def _source(
         else:
             src.append(f"    for j in range(n):\n        w[j] = {new_p}[j]")
     sliced = ", ".join(f"{x}[lo:hi]" for x in arrays.split(", "))
+    sliced += "".join(f", {x}[hi:nh]" for x, _ in fetched)
+    src[helpers_at:helpers_at] = helpers
     src += [
         "",
         "",
         jit,
         f"def kernel({arrays}, scratch, {rest}):",
-        f"    for lo in range(0, p.shape[0], {TILE}):",
-        f"        hi = min(lo + {TILE}, p.shape[0])",
+        f"    for lo in range(0, p.shape[0], {tile_len}):",
+        f"        hi = min(lo + {tile_len}, p.shape[0])",
+        f"        nh = min(hi + {tile_len}, p.shape[0])",
         f"        tile({sliced}, scratch, {rest})",
         "",
     ]
