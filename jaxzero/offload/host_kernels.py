@@ -55,6 +55,8 @@ import jax.numpy as jnp
 import numba
 import numba.extending
 import numpy as np
+from llvmlite import ir
+from numba.core import cgutils
 
 from jaxzero.config import OptimizerConfig
 from jaxzero.plan import FUSED_OPTIMIZERS
@@ -74,9 +76,6 @@ def prefetch(typingctx, array, index):
         return None
 
     def codegen(context, builder, signature, args):
-        from llvmlite import ir
-        from numba.core import cgutils
-
         array_type = signature.args[0]
         view = context.make_array(array_type)(context, builder, args[0])
         at = cgutils.get_item_pointer(context, builder, array_type, view, [args[1]], wraparound=False)
@@ -299,7 +298,11 @@ def _load(source: str) -> ModuleType:
     """Import generated kernel source from a file named by its hash, so that numba's on-disk cache
     (next to the file) spares later processes the compilation (seconds per kernel)."""
     # The salt names this loader's layout: a change to how modules are registered invalidates old caches.
-    digest = hashlib.sha256((source + numba.__version__ + "sys.modules").encode()).hexdigest()[:20]
+    # `prefetch` names the intrinsic's code generation, which the generated source only calls: a change
+    # to it must invalidate old caches too.
+    digest = hashlib.sha256((source + numba.__version__ + "sys.modules, prefetch 1").encode()).hexdigest()[
+        :20
+    ]
     for root in (
         os.environ.get("JAXZERO_CACHE_DIR"),
         os.path.join(Path.home(), ".cache"),
