@@ -147,10 +147,9 @@ def main() -> None:
         big = state(args.params, m16, seed=1)
         passes = args.passes.split(",")
         own_tile, own_fetch = hk.LAYOUTS[m16]
-        layouts = list(itertools.product(tiles or [own_tile], fetches if fetches else [own_fetch]))
+        layouts = list(itertools.product(tiles or [own_tile], fetches or [own_fetch]))
         for (tile, fetch), pass_, count in itertools.product(layouts, passes, counts):
             hk.LAYOUTS = {**hk.LAYOUTS, m16: (tile, fetch)}  # the generator reads it
-            hk._kernels.clear()
             nbytes = PASS_BYTES[pass_][m16]
             row = {"moments": "bf16" if m16 else "fp32", "pass": pass_, "count": count, "tile": tile}
             row["prefetch"] = fetch

@@ -207,7 +207,6 @@ def test_prefetching_the_next_tile_changes_no_bit(monkeypatch, name, moments, pa
     results = []
     for fetch in (0, 64):
         monkeypatch.setattr(host_kernels, "LAYOUTS", {**host_kernels.LAYOUTS, m16: (1024, fetch)})
-        monkeypatch.setattr(host_kernels, "_kernels", {})
         arrays = [p.copy(), *(x.copy() for x in moment)]
         if pass_ is host_kernels.Pass.OUT:
             arrays = [a for x in arrays for a in (x, np.empty_like(x))]

@@ -197,7 +197,7 @@ def _kernel(
     name: str, g16: bool, m16: bool, w16: bool, pass_: Pass, unit: frozenset[str] = frozenset()
 ) -> Callable[..., None]:
     """The compiled kernel for one combination; its arguments are `_source`'s."""
-    key = (name, g16, m16, w16, pass_, unit)
+    key = (name, g16, m16, w16, pass_, LAYOUTS[m16], unit)  # the layout: a benchmark may change it
     with _compile_lock:
         if key not in _kernels:
             _kernels[key] = _load(_source(name, g16, m16, w16, pass_, unit)).kernel
@@ -230,7 +230,7 @@ def _source(
     # The arrays a tile reads or writes, and how many of each element fit a 64-byte line.
     per_line = {"p": 16, "g": 32 if g16 else 16, "w": 32 if w16 else 16}
     per_line.update({x: 32 if m16 else 16 for x in moments})
-    fetched = [(a, per_line[a.removesuffix(i) or a]) for a in arrays.split(", ")] if fetch else []
+    fetched = [(a, per_line[a.removesuffix(i)]) for a in arrays.split(", ")] if fetch else []
     src = ["import numba", "import numpy as np"]
     src += ["from jaxzero.offload.host_kernels import prefetch"] if fetch else []
     src += ["", ""]
@@ -294,15 +294,16 @@ def _source(
     return "\n".join(src)
 
 
+# Names what the cached kernels depend on beside their source: how this loader registers modules, and
+# the `prefetch` intrinsic's code generation, which the source only calls. A change to either must
+# change it, so that old caches are not loaded.
+_CACHE_SALT = "sys.modules, prefetch 1"
+
+
 def _load(source: str) -> ModuleType:
     """Import generated kernel source from a file named by its hash, so that numba's on-disk cache
     (next to the file) spares later processes the compilation (seconds per kernel)."""
-    # The salt names this loader's layout: a change to how modules are registered invalidates old caches.
-    # `prefetch` names the intrinsic's code generation, which the generated source only calls: a change
-    # to it must invalidate old caches too.
-    digest = hashlib.sha256((source + numba.__version__ + "sys.modules, prefetch 1").encode()).hexdigest()[
-        :20
-    ]
+    digest = hashlib.sha256((source + numba.__version__ + _CACHE_SALT).encode()).hexdigest()[:20]
     for root in (
         os.environ.get("JAXZERO_CACHE_DIR"),
         os.path.join(Path.home(), ".cache"),
