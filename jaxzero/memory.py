@@ -281,6 +281,7 @@ def plan_memory(
     host = pinned = accelerator = two_pass = device_grads = device_cast = disk = disk_unit = 0
     # Two-pass updates take the first host units in forward order (after those on the accelerator).
     host_index = -1
+    host_states = []  # each host unit's masters and state, bytes per process
     for u in offload.units:
         n_u, w_u = params[u.kind], unsplit[u.kind]
         grad_u = grad if u.kind is UnitKind.BLOCK else 4  # embedding and head gradients: float32 sums
@@ -310,10 +311,13 @@ def plan_memory(
         if host_index < update.two_pass.max_units:  # gradients kept until the second pass, a step on
             two_pass += per_process(n_u, w_u, grad_u, True, copies=L)
         if u.state is Tier.HOST:
-            host += per_process(n_u, w_u, 4 + opt, True)  # masters and optimizer state
+            host_states.append(per_process(n_u, w_u, 4 + opt, True))
+            host += host_states[-1]  # masters and optimizer state
     pinned += two_pass + away
     host += offload.disk_slots * disk_unit
-    spares = update.speculative_units * per_process(max(params.values()), max(whole), 4 + opt, True)
+    # At most `speculative_units` spares, each a copy of one host unit's masters and state (which
+    # units speculate depends on when their gradients land): at most the largest that many.
+    spares = sum(sorted(host_states, reverse=True)[: update.speculative_units])
     host += pinned_pool_bytes(pinned, L, pool_cap) + saving + spares
     streamed = offload.streamed_blocks
     in_flight = 3 if streamed else 0  # the block computing, the one prefetched, a gradient leaving
