@@ -19,6 +19,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numba
 import numpy as np
 import pytest
 from subprocess_run import REPO, user_env
@@ -312,6 +313,30 @@ def test_chunks_and_tiles_do_not_change_the_result(moments):
         np.testing.assert_array_equal(a, b)
     for a, b in zip((*out, w3), (p1, m1, v1, w1)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_streaming_copy_writes_every_element_at_any_alignment():
+    """`stream_copy` (non-temporal stores from each 32-byte boundary of the destination, ordinary
+    ones before and after) copies every element and nothing else, whatever the destination's and
+    the source's offsets and the length (shorter than one store, ending mid-store)."""
+
+    @numba.njit(nogil=True)
+    def copy(dst, src):
+        host_kernels.stream_copy(dst, src)
+
+    r = np.random.default_rng(5)
+    for n in (0, 1, 7, 8, 9, 31, 100):
+        for to in range(9):
+            for frm in (0, 3):
+                src = r.standard_normal(n + frm).astype(np.float32)[frm:]
+                poisoned = np.full(n + 20, np.nan, np.float32)
+                copy(poisoned[to : to + n], src)
+                np.testing.assert_array_equal(poisoned[to : to + n], src)
+                assert np.isnan(poisoned[:to]).all() and np.isnan(poisoned[to + n :]).all()
+    ints = np.arange(1000, dtype=np.uint32)
+    into = np.zeros(1000, np.uint32)
+    copy(into, ints)
+    np.testing.assert_array_equal(into, ints)
 
 
 @pytest.mark.slow  # a fresh process: numba's dispatchers are process-wide

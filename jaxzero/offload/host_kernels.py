@@ -14,9 +14,10 @@ float32 or bfloat16; `jaxzero.plan.FUSED_OPTIMIZERS`). They are tested against o
 (tests/test_host_kernels.py). Any other transformation keeps running as optax on XLA:CPU.
 
 Each kernel comes in four passes over the same arithmetic (`Pass`): the whole update in place,
-the whole update into other buffers (speculation), and the two halves of a two-pass update, which
-writes the new compute-dtype weights first and masters and moments later, bit for bit the one-pass
-result (`jaxzero.offload.pipeline`).
+the whole update into other buffers (speculation; masters and float32 moments written by
+non-temporal stores, so that writing other buffers does not first read them), and the two halves
+of a two-pass update, which writes the new compute-dtype weights first and masters and moments
+later, bit for bit the one-pass result (`jaxzero.offload.pipeline`).
 
 The kernels update the host arrays *in place*: they write through a NumPy view of the CPU backend's
 buffer (`writable_view`), and write the compute-dtype weights likewise into `pinned_host` buffers.
@@ -89,6 +90,52 @@ def prefetch(typingctx, array, index):
         return context.get_dummy_value()
 
     return numba.types.void(array, index), codegen
+
+
+_STREAM_LANES = 8  # 32-bit elements per streaming store (256 bits)
+
+
+@numba.extending.intrinsic
+def stream_copy(typingctx, dst, src):
+    """Copy `src` to `dst` (1-D, contiguous, the same length, 32-bit elements) with non-temporal
+    stores: straight to memory, without first reading `dst`'s lines into the cache as an ordinary
+    store does (a third more traffic for a pass that writes other buffers than it reads). Elements
+    before `dst`'s first 32-byte boundary and after its last go by ordinary stores; a fence at the
+    end orders the streaming stores before whatever the thread does next (their result is then
+    visible as any store's)."""
+    arrays = (dst, src)
+    if not all(isinstance(a, numba.types.Array) and a.ndim == 1 and a.dtype.bitwidth == 32 for a in arrays):
+        return None
+
+    def codegen(context, builder, signature, args):
+        i32, i64 = ir.IntType(32), ir.IntType(64)
+        lanes = ir.VectorType(i32, _STREAM_LANES)
+        d, s = (context.make_array(t)(context, builder, a) for t, a in zip(signature.args, args))
+        n = builder.extract_value(d.shape, 0)
+        to, frm = (builder.bitcast(a.data, i32.as_pointer()) for a in (d, s))
+
+        def copy(first: ir.Value, count: ir.Value) -> None:
+            with cgutils.for_range(builder, count) as loop:
+                k = builder.add(first, loop.index)
+                builder.store(builder.load(builder.gep(frm, [k])), builder.gep(to, [k]))
+
+        align = 4 * _STREAM_LANES
+        head = builder.udiv(builder.and_(builder.neg(builder.ptrtoint(to, i64)), i64(align - 1)), i64(4))
+        head = builder.select(builder.icmp_unsigned("<", n, head), n, head)
+        copy(i64(0), head)
+        body = builder.udiv(builder.sub(n, head), i64(_STREAM_LANES))
+        nontemporal = builder.module.add_metadata([i32(1)])
+        with cgutils.for_range(builder, body) as loop:
+            k = builder.add(head, builder.mul(loop.index, i64(_STREAM_LANES)))
+            v = builder.load(builder.bitcast(builder.gep(frm, [k]), lanes.as_pointer()), align=4)
+            store = builder.store(v, builder.bitcast(builder.gep(to, [k]), lanes.as_pointer()), align=align)
+            store.set_metadata("nontemporal", nontemporal)
+        tail = builder.add(head, builder.mul(body, i64(_STREAM_LANES)))
+        copy(tail, builder.sub(n, tail))
+        builder.fence("seq_cst")
+        return context.get_dummy_value()
+
+    return numba.types.void(dst, src), codegen
 
 
 # One kernel per (optimizer, gradient dtype, moment dtype, weight dtype), generated from the update
@@ -175,7 +222,9 @@ class Pass(enum.StrEnum):
     arithmetic, so `WEIGHTS` then `STATE` give the bits of `FULL`."""
 
     FULL = "full"  # reads p, moments, g; writes p, moments (in place) and w, the compute-dtype weights
-    OUT = "out"  # reads pi, moments_i, g; writes p, moments, w (other buffers: a speculative update)
+    # reads pi, moments_i, g; writes p, moments, w into other buffers (a speculative update): its
+    # masters and float32 moments by streaming stores (`stream_copy`), which do not read them first
+    OUT = "out"
     WEIGHTS = "weights"  # reads p, moments, g; writes only w (the first pass of a two-pass update)
     STATE = "state"  # reads p, moments, g; writes p, moments in place (a two-pass update's second)
 
@@ -233,6 +282,7 @@ def _source(
     fetched = [(a, per_line[a.removesuffix(i)]) for a in arrays.split(", ")] if fetch else []
     src = ["import numba", "import numpy as np"]
     src += ["from jaxzero.offload.host_kernels import prefetch"] if fetch else []
+    src += ["from jaxzero.offload.host_kernels import stream_copy"] if out_of_place else []
     src += ["", ""]
     helpers_at = len(src)
     nxt = "".join(f", nxt_{x}" for x, _ in fetched)
@@ -246,12 +296,13 @@ def _source(
         else:
             src.append((_WIDEN if m16 else _COPY_IN).format(x=x, k=k, src=f"{x}{i}"))
     body = body.replace("pj = p[j]", f"pj = p{i}[j]")
-    if pass_ is Pass.WEIGHTS:  # new parameters into scratch; moments not stored
+    if pass_ in (Pass.WEIGHTS, Pass.OUT):  # new parameters into scratch
         k = len(moments) + 1
         src.append(f"    pnu = scratch[{k} * n : ({k} + 1) * n]\n    pn = pnu.view(np.float32)")
+        body = body.replace("p[j] = ", "pn[j] = ")
+    if pass_ is Pass.WEIGHTS:  # moments not stored
         stores = tuple(f"{x}f[j] =" for x in moments)
         body = "\n".join(ln for ln in body.split("\n") if not ln.strip().startswith(stores))
-        body = body.replace("p[j] = ", "pn[j] = ")
     helpers = []
     if fetch:  # the update in blocks, each followed by requests for the next tile's lines
         used = sorted(set(re.findall(r"\b(\w+)\[j\]", body)))
@@ -269,9 +320,11 @@ def _source(
         for x in moments:
             if m16:
                 src.append(_NARROW.format(bits=f"{x}u", out=x))
-            elif not direct:
-                src.append(f"    for j in range(n):\n        {x}[j] = {x}f[j]")
-    new_p = "pn" if pass_ is Pass.WEIGHTS else "p"
+            elif not direct:  # float32 moments of a speculative update: into other buffers
+                src.append(f"    stream_copy({x}, {x}f)")
+    if out_of_place:
+        src.append("    stream_copy(p, pn)")
+    new_p = "pn" if pass_ in (Pass.WEIGHTS, Pass.OUT) else "p"
     if pass_ is not Pass.STATE:
         if w16:
             src.append(f"    pu = {new_p}.view(np.uint32)" + _NARROW.format(bits="pu", out="w"))
@@ -297,7 +350,7 @@ def _source(
 # Names what the cached kernels depend on beside their source: how this loader registers modules, and
 # the `prefetch` intrinsic's code generation, which the source only calls. A change to either must
 # change it, so that old caches are not loaded.
-_CACHE_SALT = "sys.modules, prefetch 1"
+_CACHE_SALT = "sys.modules, prefetch 1, stream_copy 1"
 
 
 def _load(source: str) -> ModuleType:
