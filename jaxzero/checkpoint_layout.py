@@ -131,6 +131,25 @@ def saved_steps(run_dir: str | Path) -> list[int]:
     return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) if directory.is_dir() else []
 
 
+def saved_step(run_dir: str | Path, step: int | None, purpose: str) -> int:
+    """`step` if `run_dir` holds a committed checkpoint of it, or (None) its newest checkpoint's
+    step; CheckpointError naming the steps there are otherwise. `purpose` says in that message what
+    the checkpoint was wanted for ("restore", "evaluate", "read")."""
+    directory = Path(run_dir).absolute() / CHECKPOINT_DIR
+    steps = saved_steps(run_dir)
+    if not steps:
+        raise CheckpointError(
+            f"{directory} holds no checkpoint to {purpose}; train with checkpoint.enabled=true first."
+        )
+    if step is None:
+        return steps[-1]
+    if step not in steps:
+        raise CheckpointError(
+            f"{directory} has no checkpoint {step} to {purpose}; it has checkpoints {steps}."
+        )
+    return step
+
+
 def read_meta(directory: str | Path, step: int) -> dict[str, Any]:
     """The JSON metadata of checkpoint `step` in the checkpoints `directory` (no arrays are read)."""
     path = Path(directory) / str(step) / "meta" / "metadata"

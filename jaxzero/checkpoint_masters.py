@@ -24,9 +24,9 @@ from jaxzero.checkpoint_layout import (
     join_parts,
     part_names,
     read_meta,
-    saved_steps,
+    saved_step,
 )
-from jaxzero.config import CheckpointError, TrainConfig
+from jaxzero.config import TrainConfig
 from jaxzero.deferred import Deferred, resolved
 from jaxzero.finetune.adapters import LORA_LAYOUT
 from jaxzero.finetune.merged import merged_units
@@ -140,12 +140,7 @@ def _checkpoint(run_dir: str | Path, step: int | None) -> tuple[Path, int, dict[
     """(the absolute checkpoints directory (Orbax wants absolute paths), the step, its meta) of the
     newest (or given) checkpoint of `run_dir`; CheckpointError where there is none such."""
     ckpt_dir = Path(run_dir).absolute() / CHECKPOINT_DIR
-    steps = saved_steps(run_dir)
-    if not steps:
-        raise CheckpointError(f"{ckpt_dir} holds no checkpoint; train with checkpoint.enabled=true first.")
-    step = steps[-1] if step is None else step
-    if step not in steps:
-        raise CheckpointError(f"{ckpt_dir} has no checkpoint for step {step}; it has steps {steps}.")
+    step = saved_step(run_dir, step, "read")
     return ckpt_dir, step, read_meta(ckpt_dir, step)
 
 

@@ -32,9 +32,9 @@ import jax
 import numpy as np
 
 from jaxzero import preflight
-from jaxzero.checkpoint_layout import CHECKPOINT_DIR, read_meta, saved_steps
+from jaxzero.checkpoint_layout import CHECKPOINT_DIR, read_meta, saved_step
 from jaxzero.checkpoint_masters import masters_by_unit
-from jaxzero.config import CheckpointError, ConfigError, TrainConfig
+from jaxzero.config import ConfigError, TrainConfig
 from jaxzero.console import to_stderr
 from jaxzero.data.eot import resolve_eot_id
 from jaxzero.data.packing import every_example_rows
@@ -90,12 +90,7 @@ def _config(args: argparse.Namespace, rest: list[str]) -> tuple[TrainConfig, str
     """The config to evaluate with (the run's saved one, or the defaults with the HF checkpoint's
     shape), the command line's settings on top, and a description of the weights' source."""
     if args.run_dir:
-        steps = saved_steps(args.run_dir)
-        if not steps:
-            raise CheckpointError(f"{Path(args.run_dir) / CHECKPOINT_DIR} holds no checkpoint to evaluate.")
-        step = steps[-1] if args.step is None else args.step
-        if step not in steps:
-            raise CheckpointError(f"{args.run_dir} has no checkpoint {step}; it has {steps}.")
+        step = saved_step(args.run_dir, args.step, "evaluate")
         base = config_from_dict(read_meta(Path(args.run_dir).absolute() / CHECKPOINT_DIR, step)["config"])
         base = dataclasses.replace(base, run_dir="")
         source = f"{args.run_dir} step {step}"

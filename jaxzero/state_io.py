@@ -21,9 +21,8 @@ import jax
 
 from jaxzero import run_dir as run_dir_lib
 from jaxzero.checkpoint import Checkpointer
-from jaxzero.checkpoint_layout import CHECKPOINT_DIR, largest_array_bytes, make_meta, saved_steps
+from jaxzero.checkpoint_layout import CHECKPOINT_DIR, largest_array_bytes, make_meta, saved_step, saved_steps
 from jaxzero.checkpoint_masters import export_orbax
-from jaxzero.config import CheckpointError
 from jaxzero.data.types import DataState
 from jaxzero.finetune.adapters import LORA_LAYOUT
 from jaxzero.finetune.merged import merged_units
@@ -71,11 +70,7 @@ def restore_state(
     directory `directory`, the state in `trainer`'s placement; data_state is None where none was
     saved. Raises CheckpointError if there is no such checkpoint or it holds another model."""
     path = Path(directory)
-    steps = saved_steps(path)
-    if not steps or (step is not None and step not in steps):
-        have = f"it has checkpoints {steps}" if steps else "it has none"
-        want = f"checkpoint {step}" if step is not None else "checkpoint"
-        raise CheckpointError(f"no {want} to restore in {path.absolute() / CHECKPOINT_DIR}: {have}.")
+    saved_step(path, step, "restore")  # that there is one: None restores the newest good one
     abstract = trainer.abstract_saved_state()
     ckpt = Checkpointer(path, trainer.config.checkpoint, largest_array=largest_array_bytes(abstract))
     try:

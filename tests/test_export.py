@@ -136,4 +136,4 @@ def test_export_errors(trained, tmp_path):
     proc = run("jaxzero.export", f"--run_dir={tmp_path}", f"--out={tmp_path / 'x'}", cwd=trained)
     assert proc.returncode == 2 and "holds no checkpoint" in proc.stderr
     proc = run("jaxzero.export", "--run_dir=llama-tiny", f"--out={tmp_path / 'y'}", "--step=3", cwd=trained)
-    assert proc.returncode == 2 and "has no checkpoint for step 3; it has steps [6]" in proc.stderr
+    assert proc.returncode == 2 and "has no checkpoint 3 to read; it has checkpoints [6]" in proc.stderr
