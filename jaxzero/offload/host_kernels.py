@@ -280,7 +280,11 @@ def _source(
     # The arrays a tile reads or writes, and how many of each element fit a 64-byte line.
     per_line = {"p": 16, "g": 32 if g16 else 16, "w": 32 if w16 else 16}
     per_line.update({x: 32 if m16 else 16 for x in moments})
-    fetched = [(a, per_line[a.removesuffix(i)]) for a in arrays.split(", ")] if fetch else []
+    # Not the masters a speculative update streams out: they are written without being read.
+    streamed = {"p"} if out_of_place else set()
+    fetched = (
+        [(a, per_line[a.removesuffix(i)]) for a in arrays.split(", ") if a not in streamed] if fetch else []
+    )
     src = ["import numba", "import numpy as np"]
     src += ["from jaxzero.offload.host_kernels import prefetch"] if fetch else []
     src += ["from jaxzero.offload.host_kernels import stream_copy"] if out_of_place else []
