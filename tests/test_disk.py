@@ -9,6 +9,8 @@ uninterrupted one bit for bit too.
 
 import json
 import os
+import threading
+import time
 import tracemalloc
 from pathlib import Path
 
@@ -148,6 +150,36 @@ def test_a_failed_read_fails_the_update_that_needs_it(tmp_path):
     with pytest.raises(FileNotFoundError):
         store.take(1)
     store.close()
+
+
+def test_closing_the_store_fails_the_updates_still_waiting_instead_of_hanging(tmp_path):
+    # As the training loop's `finally` does after an error: the store closes while a step's disk
+    # updates are in flight (one slot: the others wait for it, or for reads the close cancels).
+    store = DiskStore(tmp_path, positions=[0, 1, 2, 3], slots=1, threads=2)
+    for p in range(4):
+        store.create(p, (np.full(1000, p, np.float32),))
+    store.schedule()
+    taken, outcome = threading.Event(), {}
+
+    def update(p: int) -> None:  # as `UpdatePipeline._run_from_disk`: take, update, put
+        try:
+            store.take(p)
+            taken.set()
+            time.sleep(0.2)
+            store.put(p)
+            outcome[p] = "written"
+        except RuntimeError as e:
+            outcome[p] = str(e)
+
+    threads = [threading.Thread(target=update, args=(p,), daemon=True) for p in range(4)]
+    for t in threads:
+        t.start()
+    assert taken.wait(10)
+    store.close()
+    for t in threads:
+        t.join(10)
+    assert not any(t.is_alive() for t in threads), f"updates still waiting after the close: {outcome}"
+    assert all("is closed" in outcome[p] for p in range(4)), outcome
 
 
 def test_an_unwritable_disk_path_is_a_clear_error(tmp_path):

@@ -31,7 +31,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -138,6 +138,7 @@ class DiskStore:
             p: collections.deque() for p in positions
         }
         self._in_use: dict[int, tuple[mmap.mmap, Future]] = {}
+        self._unsettled: list[Future] = []  # every scheduled read and write-back not done yet (`close`)
         self._io = ThreadPoolExecutor(threads, thread_name_prefix="jaxzero-disk-io")
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="jaxzero-disk-read")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="jaxzero-disk-write")
@@ -194,7 +195,7 @@ class DiskStore:
         with self._freed:
             while not self._free:
                 if self._closed:
-                    raise RuntimeError(f"the disk store in {self.directory} is closed")
+                    raise self._closed_error()
                 self._freed.wait()
             return self._free.popleft()
 
@@ -255,10 +256,14 @@ class DiskStore:
     def schedule(self) -> None:
         """Queue one step's reads of every disk unit, in update order (returns at once). Each read
         waits for the write-back of the one before (taken, updated and `put`, or given back)."""
+        with self._lock:
+            self._unsettled = [f for f in self._unsettled if not f.done()]
         for p in self.positions:
             read, written = Future(), Future()
             before, self._current[p] = self._current.get(p), written
-            self._reads[p].append((read, written))
+            with self._lock:
+                self._reads[p].append((read, written))
+                self._unsettled += [read, written]
             self._loader.submit(self._read, p, before, read)
 
     def _read(self, position: int, before: Future | None, out: Future) -> None:
@@ -288,7 +293,7 @@ class DiskStore:
             with span("wait_disk", position):
                 buffer = read.result()
         except BaseException as e:
-            written.set_exception(e)  # the reads after it fail too, rather than wait
+            _settle(written, e)  # the reads after it fail too, rather than wait
             raise
         self._count(wait_s=time.perf_counter() - start)
         with self._lock:
@@ -300,6 +305,9 @@ class DiskStore:
         once, the buffer free once the write is done."""
         with self._lock:
             buffer, written = self._in_use.pop(position)
+        if self._closed:  # nothing writes it back any more (`close` failed its write-back)
+            self._release(buffer)
+            raise self._closed_error()
 
         def write() -> None:
             try:
@@ -318,7 +326,7 @@ class DiskStore:
         with self._lock:
             buffer, written = self._in_use.pop(position)
         self._release(buffer)
-        written.set_result(None)
+        _settle(written)
 
     def reader(self, position: int) -> Callable[[], Any]:
         """A function that reads unit `position`'s (params, opt_state) as they are now, once the
@@ -349,7 +357,9 @@ class DiskStore:
         return out
 
     def close(self) -> None:
-        """Stop, and remove the working directory (the store created it; nothing else is in it)."""
+        """Stop, and remove the working directory (the store created it; nothing else is in it).
+        Reads and write-backs not done by then fail (`RuntimeError`), so that an update waiting in
+        `take` for a read the close cancelled raises instead of waiting forever."""
         if self._closed:
             return
         with self._freed:
@@ -357,9 +367,25 @@ class DiskStore:
             self._freed.notify_all()
         for pool in (self._loader, self._writer, self._io):
             pool.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            pending, self._unsettled = self._unsettled, []
+        for f in pending:
+            _settle(f, self._closed_error())
         self._finalizer()  # removes the directory
+
+    def _closed_error(self) -> RuntimeError:
+        return RuntimeError(f"the disk store in {self.directory} is closed")
 
     @property
     def nbytes(self) -> int:
         """Bytes of the units' files."""
         return sum(layout.nbytes for layout in self._layouts.values())
+
+
+def _settle(f: Future, error: BaseException | None = None) -> None:
+    """Resolve `f` (with `error`, or None) unless it is resolved already (`DiskStore.close` fails
+    what is still pending)."""
+    try:
+        f.set_result(None) if error is None else f.set_exception(error)
+    except InvalidStateError:
+        pass
