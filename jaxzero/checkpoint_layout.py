@@ -20,6 +20,7 @@ the parts, `jaxzero.checkpoint` runs saves and restores.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -124,10 +125,15 @@ def make_meta(
     return meta if base is None else {**meta, "base": base}
 
 
+def checkpoints_dir(run_dir: str | Path) -> Path:
+    """`<run_dir>/checkpoints`, absolute (Orbax wants absolute paths), `~` expanded."""
+    return Path(os.path.abspath(os.path.expanduser(run_dir))) / CHECKPOINT_DIR
+
+
 def saved_steps(run_dir: str | Path) -> list[int]:
     """Steps of the committed checkpoints under `<run_dir>/checkpoints`, oldest first, read from the
     directory names without starting Orbax (a half-written save has no step-named directory)."""
-    directory = Path(run_dir) / CHECKPOINT_DIR
+    directory = checkpoints_dir(run_dir)
     return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) if directory.is_dir() else []
 
 
@@ -135,7 +141,7 @@ def saved_step(run_dir: str | Path, step: int | None, purpose: str) -> int:
     """`step` if `run_dir` holds a committed checkpoint of it, or (None) its newest checkpoint's
     step; CheckpointError naming the steps there are otherwise. `purpose` says in that message what
     the checkpoint was wanted for ("restore", "evaluate", "read")."""
-    directory = Path(run_dir).absolute() / CHECKPOINT_DIR
+    directory = checkpoints_dir(run_dir)
     steps = saved_steps(run_dir)
     if not steps:
         raise CheckpointError(
@@ -164,13 +170,15 @@ class CheckpointMismatch(CheckpointError):
 
 
 def check_shapes(where: Path, meta: dict[str, Any], abstract_state: dict[str, Any], run: TrainConfig) -> None:
-    """Raise CheckpointError naming the mismatch when the checkpoint's arrays do not have this run's
-    shapes (a different model config), before any array is read."""
+    """Raise CheckpointMismatch naming the mismatch when the checkpoint's arrays are not this run's:
+    other shapes (a different model config), arrays missing, or arrays this run does not have (a
+    float16 run's loss scale, another optimizer's state), before any array is read."""
     saved = meta.get("shapes", {})
     expected = state_shapes(abstract_state)
     wrong = [k for k in expected if k in saved and tuple(saved[k]) != tuple(expected[k])]
     missing = [k for k in expected if k not in saved]
-    if not wrong and not missing:
+    extra = [k for k in saved if k not in expected]  # e.g. float16's loss scale, restored into bfloat16
+    if not wrong and not missing and not extra:
         return
     saved_model = meta.get("config", {}).get("model", {})
     fields = [
@@ -180,6 +188,7 @@ def check_shapes(where: Path, meta: dict[str, Any], abstract_state: dict[str, An
     ]
     arrays = [f"{k}: {tuple(saved[k])} saved, {tuple(expected[k])} expected" for k in wrong[:3]]
     arrays += [f"{k}: not in the checkpoint" for k in missing[:3]]
+    arrays += [f"{k}: in the checkpoint, not in this run's state" for k in extra[:3]]
     raise CheckpointMismatch(
         f"checkpoint {where} does not match this run's model ({'; '.join(arrays)}). It was saved with "
         f"{', '.join(fields) or 'another optimizer or layout'}. Resume with the config it was saved with, "

@@ -18,9 +18,9 @@ import orbax.checkpoint as ocp
 
 from jaxzero import export_dir
 from jaxzero.checkpoint_layout import (
-    CHECKPOINT_DIR,
     PYTREE_METADATA,
     SCALARS,
+    checkpoints_dir,
     join_parts,
     part_names,
     read_meta,
@@ -139,7 +139,7 @@ def _trainable_reader(state_dir: Path, cfg: TrainConfig) -> Callable[[int], Any]
 def _checkpoint(run_dir: str | Path, step: int | None) -> tuple[Path, int, dict[str, Any]]:
     """(the absolute checkpoints directory (Orbax wants absolute paths), the step, its meta) of the
     newest (or given) checkpoint of `run_dir`; CheckpointError where there is none such."""
-    ckpt_dir = Path(run_dir).absolute() / CHECKPOINT_DIR
+    ckpt_dir = checkpoints_dir(run_dir)
     step = saved_step(run_dir, step, "read")
     return ckpt_dir, step, read_meta(ckpt_dir, step)
 

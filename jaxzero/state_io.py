@@ -69,7 +69,7 @@ def restore_state(
     """(state, step, data_state) of checkpoint `step` (default: the newest good one) of the run
     directory `directory`, the state in `trainer`'s placement; data_state is None where none was
     saved. Raises CheckpointError if there is no such checkpoint or it holds another model."""
-    path = Path(directory)
+    path = run_dir_lib.locate(str(directory), trainer.config.model.name)  # as `save_state` names it
     saved_step(path, step, "restore")  # that there is one: None restores the newest good one
     abstract = trainer.abstract_saved_state()
     ckpt = Checkpointer(path, trainer.config.checkpoint, largest_array=largest_array_bytes(abstract))

@@ -21,6 +21,7 @@ from jaxzero.checkpoint_masters import read_saved_state
 from jaxzero.config import CheckpointError, TrainConfig
 from jaxzero.deferred import resolved
 from jaxzero.overrides import apply_overrides
+from jaxzero.state_io import restore_state, save_state
 from jaxzero.trainer import build_trainer
 from jaxzero.write_fence import WriteFence
 
@@ -144,6 +145,22 @@ def test_restore_places_offloaded_state_on_the_host_and_rejects_mismatches(tmp_p
     ):
         ckpt.restore(1, other.abstract_saved_state(), other.layout, wider)
     ckpt.close()
+
+
+def test_a_checkpoint_with_arrays_this_run_lacks_is_a_mismatch_and_stays_where_it_is(tmp_path):
+    # A float16 run's checkpoint (its loss scale's arrays) resumed as float32: this run's state has
+    # no such arrays. Reported as another run's checkpoint, not set aside as unreadable.
+    mesh = placement.make_mesh(jax.devices()[:1])
+    half = tiny(**{"offload.optimizer": "cpu", "model.compute_dtype": "float16"})
+    trainer = build_trainer(half, mesh)
+    save_state(trainer, trainer.init(jax.random.key(0)), tmp_path, step=1)
+    full = tiny(**{"offload.optimizer": "cpu", "model.compute_dtype": "float32"})
+    with pytest.raises(
+        CheckpointError, match=r"loss_scale.*in the checkpoint, not in this run's state.*compute_dtype"
+    ):
+        restore_state(build_trainer(full, mesh), tmp_path)
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["1"]
+    assert not (tmp_path / "checkpoints-unreadable").exists()
 
 
 def run_steps(trainer, state, first: int, last: int, cfg: TrainConfig):

@@ -98,6 +98,15 @@ def test_a_saved_directory_is_a_run_the_cli_resumes(tmp_path):
         restore_state(trainer, tmp_path / "absent")
     assert not (tmp_path / "absent").exists()
 
+    # A home-relative directory names the same place for both (save_state expands it; so must restore).
+    home = tmp_path / "home"
+    home.mkdir()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HOME", str(home))
+        save_state(trainer, state, "~/runs/x", step=1)
+        assert restore_state(trainer, "~/runs/x")[1] == 1
+    assert (home / "runs" / "x" / "checkpoints" / "1").is_dir()
+
     console = io.StringIO()
     train(run_dir_lib.read_saved_config(run), console=console)  # the CLI's loop, on the saved config
     out = console.getvalue()
