@@ -48,6 +48,23 @@ def test_place_copies_never_share_memory_with_the_source():
     np.testing.assert_array_equal(np.asarray(out["w"]), np.arange(1024, dtype=np.float32))
 
 
+def test_a_writable_view_waits_for_the_computation_that_writes_the_array():
+    """The kernels write through views of arrays a jitted computation may still be writing (spare
+    buffers of a speculative update, made by `zeros_like`): the view waits, so that the computation
+    cannot overwrite what is written through it."""
+
+    @jax.jit
+    def slow_zeros(x):  # a few hundred milliseconds on the CPU backend, then zeros
+        y = jax.lax.fori_loop(0, 100, lambda _, y: jax.numpy.sin(y @ y.T) * 1e-9, x)
+        return y[:, 0] * 0.0  # depends on the loop (XLA keeps x * 0: NaN * 0 is NaN)
+
+    x = jax.device_put(np.ones((400, 400), np.float32), where().host)
+    slow_zeros(x).block_until_ready()  # compiled
+    out = slow_zeros(x)  # dispatched, still running
+    host_kernels.writable_view(out)[:] = 7.0
+    np.testing.assert_array_equal(np.asarray(out), np.full(400, 7.0, np.float32))
+
+
 def test_pinned_staging_reuses_given_back_buffers():
     staging, pinned = host_memory.PinnedStaging(), where().pinned
     a = staging.take((4, 8), np.float32, pinned)

@@ -427,6 +427,9 @@ def writable_view(x: jax.Array | np.ndarray) -> np.ndarray:
         if not x.flags.writeable:
             raise ValueError("writable_view of a read-only NumPy array")
         return x.reshape(-1).view(bits_dtype(x.dtype))
+    # The computation that writes `x` may still run (dispatch is asynchronous): it would overwrite
+    # what is written through the view. Waiting is free for an array that is ready.
+    jax.block_until_ready(x)  # host sync
     buf = (ctypes.c_byte * x.nbytes).from_address(x.unsafe_buffer_pointer())
     return np.frombuffer(buf, dtype=bits_dtype(x.dtype))
 
