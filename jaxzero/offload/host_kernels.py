@@ -429,7 +429,7 @@ def writable_view(x: jax.Array | np.ndarray) -> np.ndarray:
         return x.reshape(-1).view(bits_dtype(x.dtype))
     # The computation that writes `x` may still run (dispatch is asynchronous): it would overwrite
     # what is written through the view. Waiting is free for an array that is ready.
-    jax.block_until_ready(x)  # host sync
+    x.block_until_ready()  # host sync
     buf = (ctypes.c_byte * x.nbytes).from_address(x.unsafe_buffer_pointer())
     return np.frombuffer(buf, dtype=bits_dtype(x.dtype))
 
