@@ -156,6 +156,29 @@ def saved_step(run_dir: str | Path, step: int | None, purpose: str) -> int:
     return step
 
 
+def unreadable_files(path: Path, error: Exception, resuming: bool = False) -> str:
+    """What to say of checkpoint arrays under `path` (`<run_dir>/checkpoints/<step>/...`) that could
+    not be read: which checkpoint, the cause, and how to go on (`resuming`: for a resume that did not
+    check the checkpoints' checksums; otherwise for a program that reads one checkpoint)."""
+    step = next((p for p in [path, *path.parents] if p.parent.name == CHECKPOINT_DIR), path)
+    run_dir = step.parent.parent
+    cause = (
+        f"checkpoint {step} could not be read ({type(error).__name__}: {str(error)[:200]}): its files "
+        "are damaged or incomplete."
+    )
+    if resuming:
+        return (
+            f"{cause} checkpoint.verify=false skipped the check of their checksums; resume with "
+            "--checkpoint.verify=true, which sets a damaged checkpoint aside and resumes from the one before."
+        )
+    others = [s for s in saved_steps(run_dir) if str(s) != step.name]
+    return (
+        f"{cause} Name another with --step=N (this run has {others or 'no other'}); `python -m "
+        f"jaxzero.train --run_dir={run_dir}` checks every checkpoint's checksums when it resumes and "
+        "sets a damaged one aside."
+    )
+
+
 def read_meta(directory: str | Path, step: int) -> dict[str, Any]:
     """The JSON metadata of checkpoint `step` in the checkpoints `directory` (no arrays are read)."""
     path = Path(directory) / str(step) / "meta" / "metadata"

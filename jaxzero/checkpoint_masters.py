@@ -25,8 +25,9 @@ from jaxzero.checkpoint_layout import (
     part_names,
     read_meta,
     saved_step,
+    unreadable_files,
 )
-from jaxzero.config import TrainConfig
+from jaxzero.config import CheckpointError, TrainConfig
 from jaxzero.deferred import Deferred, resolved
 from jaxzero.finetune.adapters import LORA_LAYOUT
 from jaxzero.finetune.merged import merged_units
@@ -149,9 +150,12 @@ def _read_numpy(path: Path, shapes: Any) -> Any:
     holds, e.g. {"params": ...}), as NumPy arrays in the structure of `shapes`."""
     item = jax.tree.map(lambda s: np.zeros((), s.dtype), shapes)
     restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), shapes)
-    restored = ocp.PyTreeCheckpointer().restore(
-        path, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
-    )
+    try:
+        restored = ocp.PyTreeCheckpointer().restore(
+            path, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
+        )
+    except Exception as e:  # noqa: BLE001 - Orbax and tensorstore raise many types for damaged files
+        raise CheckpointError(unreadable_files(path, e)) from e
     return jax.tree.unflatten(jax.tree.structure(shapes), jax.tree.leaves(restored))
 
 

@@ -28,3 +28,21 @@ def to_stderr(level: int = logging.INFO) -> None:
         logger.addHandler(_Line())
     logger.setLevel(level)
     logger.propagate = False  # not also through the root logger's own stderr handler
+
+
+def ignore_closed_event_loops() -> None:
+    """Drop one kind of error Python reports as ignored (`sys.unraisablehook`): "Event loop is
+    closed", which Orbax's leftover TensorStore callbacks raise after a failed read or write, a
+    traceback each, once the error itself has been reported. Every other one goes to the hook as
+    it was. Process-wide: the programs call it, never the library."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable: sys.UnraisableHookArgs) -> None:
+        if (
+            isinstance(unraisable.exc_value, RuntimeError)
+            and str(unraisable.exc_value) == "Event loop is closed"
+        ):
+            return
+        previous(unraisable)
+
+    sys.unraisablehook = hook

@@ -13,6 +13,7 @@ evaluation's). A prompt holding end-of-text ids is not split at them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,10 +41,10 @@ class Sampling:
     seed: int = 0
 
     def check(self) -> None:
-        if self.max_new_tokens < 1 or self.temperature < 0 or not 0 < self.top_p <= 1:
+        if self.max_new_tokens < 1 or not 0 <= self.temperature < math.inf or not 0 < self.top_p <= 1:
             raise ConfigError(
-                f"max_new_tokens={self.max_new_tokens} must be >= 1, temperature={self.temperature} >= 0 "
-                f"and top_p={self.top_p} in (0, 1]."
+                f"max_new_tokens={self.max_new_tokens} must be >= 1, temperature={self.temperature} "
+                f">= 0 and finite, and top_p={self.top_p} in (0, 1]."
             )
 
 

@@ -34,8 +34,8 @@ import numpy as np
 from jaxzero import preflight
 from jaxzero.checkpoint_layout import CHECKPOINT_DIR, read_meta, saved_step
 from jaxzero.checkpoint_masters import masters_by_unit
-from jaxzero.config import ConfigError, TrainConfig
-from jaxzero.console import to_stderr
+from jaxzero.config import ConfigError, ModelConfig, TrainConfig
+from jaxzero.console import ignore_closed_event_loops, to_stderr
 from jaxzero.data.eot import resolve_eot_id
 from jaxzero.data.packing import every_example_rows
 from jaxzero.data.sources import open_split
@@ -61,6 +61,7 @@ EVAL_SETTINGS = {
 
 def main(argv: list[str] | None = None) -> int:
     to_stderr()  # the library's messages as `jaxzero: ...` lines
+    ignore_closed_event_loops()  # Orbax's leftovers after a failed read: the error is one line
     ap = argparse.ArgumentParser(
         prog="python -m jaxzero.eval",
         description=__doc__,
@@ -99,8 +100,32 @@ def _config(args: argparse.Namespace, rest: list[str]) -> tuple[TrainConfig, str
         base, source = TrainConfig(), args.hf
         rest = [f"--model.name=hf:{args.hf}", *rest]
     layered = layer(base, split_args(rest))
+    if args.run_dir:
+        _check_same_model(base.model, layered.config.model, source)
     settings = {k: v for k, v in EVAL_SETTINGS.items() if k not in layered.sources}
     return apply_overrides(layered.config, settings), source
+
+
+# What an evaluation of a run's checkpoint may set of model.*: how it computes, not what (llama's
+# positions are computed: a longer max_seq_len reads the same weights; gpt2's are a table of that size).
+EVAL_MODEL_SETTINGS = ("compute_dtype", "attention_impl", "init_std", "init_from")
+
+
+def _check_same_model(saved: ModelConfig, asked: ModelConfig, source: str) -> None:
+    """ConfigError naming every model.* setting of `asked` that makes it another model than the
+    checkpoint's (`saved`): its weights would not fit it, or would compute another function."""
+    may = EVAL_MODEL_SETTINGS + (("max_seq_len",) if saved.family == "llama" else ())
+    changed = [
+        f"model.{f.name} ({getattr(saved, f.name)!r} -> {getattr(asked, f.name)!r})"
+        for f in dataclasses.fields(ModelConfig)
+        if f.name not in may and getattr(saved, f.name) != getattr(asked, f.name)
+    ]
+    if changed:
+        raise ConfigError(
+            f"{source} is evaluated as the model it trained: it cannot change {', '.join(changed)}. "
+            f"Only model.{', model.'.join(m for m in may if not m.startswith('init_'))} may change; "
+            "drop the others."
+        )
 
 
 def evaluate(cfg: TrainConfig, source: str, args: argparse.Namespace, split: str | None) -> dict:

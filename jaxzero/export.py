@@ -28,13 +28,14 @@ import sys
 from jaxzero import export_dir
 from jaxzero.checkpoint_masters import export_orbax, masters_by_unit, saved_adapters
 from jaxzero.config import ConfigError
-from jaxzero.console import to_stderr
+from jaxzero.console import ignore_closed_event_loops, to_stderr
 from jaxzero.interop import export_hf
 from jaxzero.interop.peft import export_peft_adapter
 
 
 def main(argv: list[str] | None = None) -> int:
     to_stderr()  # the library's messages as `jaxzero: ...` lines
+    ignore_closed_event_loops()  # Orbax's leftovers after a failed read: the error is one line
     ap = argparse.ArgumentParser(
         prog="python -m jaxzero.export",
         description=__doc__,
@@ -58,6 +59,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     try:
+        if not 2**-30 <= args.max_shard_gb < 2**33:  # NaN too: at least a byte, at most 8 EiB
+            raise ConfigError(
+                f"--max_shard_gb={args.max_shard_gb} is no file size: give the largest shard file in GB, "
+                "e.g. --max_shard_gb=5 (the default)."
+            )
         earlier = export_dir.check(args.out, args.overwrite)  # a refusal comes before the checkpoint is read
         if earlier.record is not None and not earlier.finished:
             print(

@@ -17,7 +17,7 @@ import sys
 
 from jaxzero.checkpoint_masters import load_masters
 from jaxzero.config import CheckpointError, ConfigError, TrainConfig
-from jaxzero.console import to_stderr
+from jaxzero.console import ignore_closed_event_loops, to_stderr
 from jaxzero.data.types import DataError
 from jaxzero.decode import Generator, Sampling
 from jaxzero.interop import import_hf
@@ -26,6 +26,7 @@ from jaxzero.tokenizer import codec_for
 
 def main(argv: list[str] | None = None) -> int:
     to_stderr()  # the library's messages as `jaxzero: ...` lines
+    ignore_closed_event_loops()  # Orbax's leftovers after a failed read: the error is one line
     ap = argparse.ArgumentParser(
         prog="python -m jaxzero.generate",
         description=__doc__,

@@ -31,9 +31,10 @@ from jaxzero.checkpoint_layout import (
     read_meta,
     saved_steps,
     state_bytes,
+    unreadable_files,
 )
 from jaxzero.checkpoint_masters import load_masters
-from jaxzero.config import ConfigError, TrainConfig
+from jaxzero.config import CheckpointError, ConfigError, TrainConfig
 from jaxzero.config_checks import resolve_batch, validate
 from jaxzero.data.build import build_data
 from jaxzero.data.eot import resolve_eot_id
@@ -99,7 +100,14 @@ def start(
         check_meta = lambda meta: DataState.from_dict(meta["data_state"])  # noqa: E731 - its loader state
         restored = ckpt.restore_latest(trainer.abstract_saved_state(), trainer.layout, cfg, check_meta)
     if restored is not None:
-        state = trainer.from_saved_state(restored.state)
+        try:
+            state = trainer.from_saved_state(restored.state)  # reads the arrays, unit by unit
+        except Exception as e:  # noqa: BLE001 - Orbax and tensorstore raise many types for damaged files
+            if cfg.checkpoint.verify:
+                raise  # its checksums matched: not its files
+            raise CheckpointError(
+                unreadable_files(ckpt.directory / str(restored.step), e, resuming=True)
+            ) from e
         trim_host_heap()  # the restore's read buffers, freed, go back to the kernel
         batches = data.train_iter(DataState.from_dict(restored.meta["data_state"]))
         if main_process:

@@ -90,13 +90,16 @@ class BackgroundErrorLog:
     def __init__(self, run_dir: Path):
         self.path = run_dir / run_dir_lib.ERROR_FILE
         self.saved: dict[str, Any] = {}
+        self.lost: list[str] = []  # reports the log could not take (no run directory yet, no room)
+        self.lost_why = ""
 
     def write(self, text: str) -> None:
         try:
             with open(self.path, "a") as f:
                 f.write(text.rstrip() + "\n")
-        except OSError:  # no run directory yet, or no room: stderr after all
-            print(text, file=sys.__stderr__)
+        except OSError as e:  # kept, and summed up on stderr once (`uninstall`): a full disk makes dozens
+            self.lost.append(text)
+            self.lost_why = self.lost_why or str(e)
 
     def install(self) -> None:
         handler = _LogToFile(self)
@@ -148,6 +151,14 @@ class BackgroundErrorLog:
             logger.removeHandler(self.saved["handler"])
             logger.propagate = propagate
         self.saved = {}
+        if self.lost:
+            last = self.lost[0].rstrip().splitlines()[-1]
+            print(
+                f"jaxzero: {len(self.lost)} error report(s) of background threads could not be written to "
+                f"{self.path} ({self.lost_why}); the first: {last}",
+                file=sys.__stderr__,
+            )
+            self.lost = []
 
 
 class _LogToFile(logging.Handler):

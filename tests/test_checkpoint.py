@@ -95,6 +95,23 @@ def test_corrupt_latest_checkpoint_falls_back_to_previous(tmp_path):
     run = cli(*RUN, "--run_dir=c", cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     latest = tmp_path / "c" / "checkpoints" / "12" / "state"
+    data = max(
+        (f for f in latest.rglob("*") if f.is_file() and f.parent.name == "d"), key=lambda f: f.stat().st_size
+    )
+    data.write_bytes(data.read_bytes()[:10])  # one array file's data, the metadata intact
+    # The programs that read one checkpoint name it and the others; nothing written.
+    export = run_module("jaxzero.export", "--run_dir=c", "--out=ex", cwd=tmp_path)
+    assert export.returncode == 2, export.stderr[-3000:]
+    assert (
+        "checkpoints/12 could not be read" in export.stderr
+        and "--step=N (this run has [4, 8])" in export.stderr
+    )
+    assert "Traceback" not in export.stderr and not (tmp_path / "ex").exists()
+    # A resume that skips the checksums fails on reading it, and says how to fall back.
+    unchecked = cli("--run_dir=c", "--steps=14", "--checkpoint.verify=false", cwd=tmp_path)
+    assert unchecked.returncode == 2, unchecked.stderr[-3000:]
+    assert "checkpoints/12 could not be read" in unchecked.stderr
+    assert "--checkpoint.verify=true" in unchecked.stderr
     for f in latest.rglob("*"):
         if f.is_file() and f.stat().st_size > 64 and "metadata" not in f.name:
             f.write_bytes(f.read_bytes()[: f.stat().st_size // 3])  # truncate the array data

@@ -106,6 +106,11 @@ def test_eval_refuses_in_one_line(trained, tmp_path, capsys):
     assert "holds no checkpoint to evaluate" in capsys.readouterr().err
     assert eval_lib.main([f"--run_dir={run}", f"--data.path={data}", "--step=99"]) == 2
     assert "has no checkpoint 99" in capsys.readouterr().err
+    # Another model than the checkpoint's: refused before any work (its weights would not fit it).
+    for other in ("--model.hidden_size=64", "--model.num_layers=1", "--model.vocab_size=512"):
+        assert eval_lib.main([f"--run_dir={run}", f"--data.path={data}", other]) == 2
+        err = capsys.readouterr().err
+        assert "is evaluated as the model it trained: it cannot change model." in err, err
 
 
 def test_eval_of_the_exported_hugging_face_checkpoint_equals_the_runs(trained, tmp_path, capsys):
@@ -113,6 +118,9 @@ def test_eval_of_the_exported_hugging_face_checkpoint_equals_the_runs(trained, t
 
     run, data = trained
     out = tmp_path / "hf"
+    for size in ("0", "nan", "inf"):  # no shard size: refused before anything is read or written
+        assert export_lib.main([f"--run_dir={run}", f"--out={out}", f"--max_shard_gb={size}"]) == 2
+        assert "is no file size" in capsys.readouterr().err and not out.exists()
     assert export_lib.main([f"--run_dir={run}", f"--out={out}", "--dtype=float32"]) == 0
     capsys.readouterr()
     assert (

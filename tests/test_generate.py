@@ -143,6 +143,9 @@ def test_bad_requests_are_refused():
         g.generate(list(range(8)), Sampling())
     with pytest.raises(ConfigError, match=r"top_p=1.5 in \(0, 1\]"):
         g.generate([1], Sampling(top_p=1.5))
+    for t in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(ConfigError, match=rf"temperature={t} >= 0 and finite"):
+            g.generate([1], Sampling(temperature=t))
 
 
 def test_a_run_on_the_builtin_corpus_ends_with_samples_and_the_cli_reads_it(tmp_path, capsys):

@@ -5,6 +5,7 @@ import gc
 import io
 import json
 import os
+import threading
 import warnings
 from pathlib import Path
 
@@ -162,3 +163,21 @@ def test_a_non_finite_loss_is_blamed_on_what_the_facts_point_to(tmp_path):
         and "recent gradient norms 2, 80, 9e+04" in diverged
     )
     assert "Try a lower optimizer.lr (now 0.003)" in diverged
+
+
+def test_background_errors_the_log_cannot_take_are_one_line_on_stderr(tmp_path, capfd):
+    """A full disk fails the save and the error log alike: the dozens of reports Orbax's threads
+    make then are summed up in one line, not printed one traceback each."""
+    log = train_lib.BackgroundErrorLog(tmp_path / "no-such-dir")  # every write fails (OSError)
+    log.install()
+    try:
+        for k in range(30):
+            t = threading.Thread(target=lambda k=k: (_ for _ in ()).throw(OSError(28, f"no room {k}")))
+            t.start()
+            t.join()
+    finally:
+        log.uninstall()
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert "30 error report(s) of background threads could not be written to" in err[0]
+    assert "OSError: [Errno 28] no room 0" in err[0]
