@@ -12,6 +12,7 @@ now is. A jaxzero run directory holds
     previous-attempts/ files of attempts that stopped before their first checkpoint, kept aside
     trainer.lock       while a trainer runs there: its lock, naming it (`jaxzero.run_lock`)
     error.log          tracebacks of errors, and the runtime's own messages as several processes end
+                       (its first line `ERROR_HEADER`: a lone error.log without it is not jaxzero's)
 
 `inspect_run_dir` says what a directory is before anything is written: new (absent or empty), a run to
 resume (it has checkpoints), a run to start over (it stopped before its first checkpoint), or refused
@@ -132,6 +133,8 @@ def inspect_run_dir(path: Path) -> RunDir:
         # empty checkpoints/, previous-attempts/, checkpoints-unreadable/, error.log, trainer.lock.
         checkpoints = path / CHECKPOINT_DIR
         ours = set(entries) <= {ATTEMPTS_DIR, UNREADABLE_DIR, ERROR_FILE, CHECKPOINT_DIR, LOCK_FILE}
+        if ERROR_FILE in entries and not _our_error_log(path / ERROR_FILE):
+            ours, foreign = False, [*foreign, ERROR_FILE]  # a user's own file of that name
         if ours and (not checkpoints.is_dir() or not any(checkpoints.iterdir())):
             return RunDir(path, RunKind.RESTART if (path / ERROR_FILE).exists() else RunKind.NEW, None)
         foreign = foreign or [e for e in entries if e in (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE)]
@@ -279,6 +282,30 @@ def write_atomic(path: Path, text: str) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+# The first line of every error log jaxzero starts: a directory holding only an error.log is a stopped
+# attempt of jaxzero's only where the file says so (a user's own error.log is not moved).
+ERROR_HEADER = "jaxzero: error log of this run directory's runs (tracebacks and background errors)\n"
+
+
+def write_error(run_dir: Path, text: str, replace: bool = False) -> None:
+    """Append `text` to `run_dir`'s error log (`replace`: the log becomes `text`), which starts with
+    `ERROR_HEADER`. Raises OSError where it cannot be written."""
+    path = run_dir / ERROR_FILE
+    if replace:
+        write_atomic(path, ERROR_HEADER + text.rstrip() + "\n")
+        return
+    with open(path, "a") as f:
+        f.write(("" if f.tell() else ERROR_HEADER) + text.rstrip() + "\n")
+
+
+def _our_error_log(path: Path) -> bool:
+    try:
+        with open(path) as f:
+            return f.readline() == ERROR_HEADER
+    except (OSError, UnicodeDecodeError):
+        return False
 
 
 def set_aside_attempt(path: Path) -> Path:

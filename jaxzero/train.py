@@ -95,8 +95,7 @@ class BackgroundErrorLog:
 
     def write(self, text: str) -> None:
         try:
-            with open(self.path, "a") as f:
-                f.write(text.rstrip() + "\n")
+            run_dir_lib.write_error(self.path.parent, text)
         except OSError as e:  # kept, and summed up on stderr once (`uninstall`): a full disk makes dozens
             self.lost.append(text)
             self.lost_why = self.lost_why or str(e)
@@ -232,8 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointWriteError as e:
         log = Path(cfg.run_dir) / run_dir_lib.ERROR_FILE if cfg is not None and cfg.run_dir else None
         if log is not None and log.parent.is_dir():  # the cause's traceback, beside the writers' own
-            with contextlib.suppress(OSError), open(log, "a") as f:
-                f.write("".join(traceback.format_exception(e)) + "\n")
+            with contextlib.suppress(OSError):
+                run_dir_lib.write_error(log.parent, "".join(traceback.format_exception(e)))
         details = f" (the writers' own errors: {log})" if log is not None and log.exists() else ""
         code = _fail("checkpoint error", f"{e}{details}", EXIT_TRAINING)
     except Preempted as e:
@@ -293,10 +292,9 @@ def _environment_error(
     elif run_dir is not None and run_dir.is_dir():
         try:
             if processes is None:
-                run_dir_lib.write_atomic(run_dir / run_dir_lib.ERROR_FILE, trace)
+                run_dir_lib.write_error(run_dir, trace, replace=True)
             else:  # one file for every process: each appends its own
-                with open(run_dir / run_dir_lib.ERROR_FILE, "a") as f:
-                    f.write(f"process {processes.index} of {processes.count}:\n{trace}\n")
+                run_dir_lib.write_error(run_dir, f"process {processes.index} of {processes.count}:\n{trace}")
             where = f" (traceback in {run_dir / run_dir_lib.ERROR_FILE})"
         except OSError:
             pass

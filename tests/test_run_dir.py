@@ -41,6 +41,9 @@ def test_what_a_directory_is(tmp_path):
     assert run.kind is RunKind.RESUME and run.saved == saved
     jaxzero_run(tmp_path / "stopped", checkpoint=False)
     assert rd.inspect_run_dir(tmp_path / "stopped").kind is RunKind.RESTART
+    (tmp_path / "failed-early").mkdir()  # an attempt that stopped before writing its config.json
+    rd.write_error(tmp_path / "failed-early", "Traceback ...")
+    assert rd.inspect_run_dir(tmp_path / "failed-early").kind is RunKind.RESTART
 
 
 def test_the_lock_file_a_killed_trainer_leaves_is_ours(tmp_path):
@@ -83,6 +86,7 @@ def test_a_run_dir_is_shown_as_typed_when_under_the_working_directory(tmp_path, 
         ("a-config-of-its-own", "not made by jaxzero: config.json"),  # a user's own config.json
         ("loose-metrics", "not made by jaxzero: metrics.jsonl"),
         ("junk-in-checkpoints", r"it holds checkpoints; no jaxzero config.json"),
+        ("a-log-of-its-own", "not made by jaxzero: error.log"),  # a user's own error.log
         ("finished", "already holds a run, finished without checkpoints .checkpoint.enabled=false."),
         ("finished-checkpoints-removed", "already holds a run, finished, whose checkpoints are gone"),
     ],
@@ -108,6 +112,9 @@ def test_directories_jaxzero_never_writes_into(tmp_path, layout, message):
         (path / "metrics.jsonl").write_text('{"step": 1}\n')
     elif layout == "junk-in-checkpoints":
         (path / "checkpoints" / "junk").mkdir(parents=True)
+    elif layout == "a-log-of-its-own":
+        path.mkdir()
+        (path / "error.log").write_text("precious\n")
     elif layout == "finished-checkpoints-removed":  # saved with checkpoints on; the user removed them
         jaxzero_run(path, checkpoint=False, summary=True)
         (path / "checkpoints").mkdir()
