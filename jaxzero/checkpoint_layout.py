@@ -142,6 +142,10 @@ def saved_step(run_dir: str | Path, step: int | None, purpose: str) -> int:
     step; CheckpointError naming the steps there are otherwise. `purpose` says in that message what
     the checkpoint was wanted for ("restore", "evaluate", "read")."""
     directory = checkpoints_dir(run_dir)
+    if not directory.parent.is_dir():
+        raise CheckpointError(
+            f"run_dir {str(directory.parent)!r} does not exist: name a jaxzero run's directory."
+        )
     steps = saved_steps(run_dir)
     if not steps:
         raise CheckpointError(

@@ -55,7 +55,14 @@ def main(argv: list[str] | None = None) -> int:
             codec = codec_for(TrainConfig(), args.tokenizer or args.hf)
             source = args.hf
         prompts = [codec.encode(p) for p in args.prompt]
-        gen = Generator(model_cfg, params, max(len(p) for p in prompts) + args.max_new_tokens)
+        longest = max(len(p) for p in prompts)
+        if longest + args.max_new_tokens > model_cfg.max_seq_len:
+            print(
+                f"jaxzero: at most {model_cfg.max_seq_len - longest} new tokens after the longest prompt "
+                f"({longest} tokens): model.max_seq_len={model_cfg.max_seq_len} bounds both together",
+                file=sys.stderr,
+            )
+        gen = Generator(model_cfg, params, longest + args.max_new_tokens)
         print(f"jaxzero.generate: {source}{' (blocks streamed from host memory)' if gen.streamed else ''}")
         for prompt, prompt_ids in zip(args.prompt, prompts):
             ids = gen.generate(prompt_ids, sampling, codec.stop_id)

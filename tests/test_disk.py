@@ -185,7 +185,7 @@ def test_closing_the_store_fails_the_updates_still_waiting_instead_of_hanging(tm
 def test_an_unwritable_disk_path_is_a_clear_error(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    with pytest.raises(OSError, match="offload.disk_path"):
+    with pytest.raises(ConfigError, match="offload.disk_path"):  # bad input: the CLI exits 2
         DiskStore(blocker / "sub", positions=[1], slots=1)
 
 

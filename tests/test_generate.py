@@ -169,5 +169,5 @@ def test_a_run_on_the_builtin_corpus_ends_with_samples_and_the_cli_reads_it(tmp_
     printed = capsys.readouterr().out
     assert f"{path} step 3" in printed and "--- 'for i in'\nfor i in" in printed
     assert gen_lib.main([f"--run_dir={tmp_path / 'nowhere'}", "--prompt=x"]) == 2
-    assert "holds no checkpoint" in capsys.readouterr().err
+    assert "nowhere' does not exist" in capsys.readouterr().err
     assert json.loads((path / "summary.json").read_text())["status"] == "complete"

@@ -91,12 +91,15 @@ def test_a_saved_directory_is_a_run_the_cli_resumes(tmp_path):
         CheckpointError, match=r"checkpoints has no checkpoint 5 to restore; it has checkpoints \[1\]"
     ):
         restore_state(trainer, run, step=5)
+    with pytest.raises(CheckpointError, match=r"/absent' does not exist: name a jaxzero run's directory"):
+        restore_state(trainer, tmp_path / "absent")
+    assert not (tmp_path / "absent").exists()
+    (tmp_path / "empty").mkdir()
     with pytest.raises(
         CheckpointError,
         match=r"/checkpoints holds no checkpoint to restore; train with checkpoint.enabled=true",
     ):
-        restore_state(trainer, tmp_path / "absent")
-    assert not (tmp_path / "absent").exists()
+        restore_state(trainer, tmp_path / "empty")
 
     # A home-relative directory names the same place for both (save_state expands it; so must restore).
     home = tmp_path / "home"

@@ -39,6 +39,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from jaxzero.config import ConfigError
 from jaxzero.offload.timeline import span
 
 DISK_DIR = "offload-state"  # under the run directory, where offload.disk_path is not set
@@ -119,8 +120,8 @@ class DiskStore:
             parent.mkdir(parents=True, exist_ok=True)
             self.directory = parent / f"jaxzero-working-state-{uuid.uuid4().hex[:12]}"
             self.directory.mkdir()
-        except OSError as e:
-            raise OSError(
+        except OSError as e:  # the setting names a place that cannot take it: bad input (exit 2)
+            raise ConfigError(
                 f"cannot create the disk tier's working directory under {parent}: {e}. Set offload.disk_path "
                 "to a writable directory on a local disk."
             ) from e
