@@ -138,6 +138,17 @@ def inspect_run_dir(path: Path) -> RunDir:
         if ours and (not checkpoints.is_dir() or not any(checkpoints.iterdir())):
             return RunDir(path, RunKind.RESTART if (path / ERROR_FILE).exists() else RunKind.NEW, None)
         foreign = foreign or [e for e in entries if e in (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE)]
+    ours_saved = [
+        k for k in saved_steps(path) if (path / CHECKPOINT_DIR / str(k) / "meta" / "metadata").is_file()
+    ]
+    if saved is None and ours_saved:
+        state = "is not a readable jaxzero config" if (path / CONFIG_FILE).exists() else "is missing"
+        raise ConfigError(
+            f"run_dir {str(path)!r} holds jaxzero checkpoints ({ours_saved}) but its config.json {state} "
+            "(edited, damaged or removed). Each checkpoint keeps the config it was "
+            'saved with, in checkpoints/<step>/meta/metadata (its "config"): write that back as '
+            "config.json to resume, or pass another --run_dir."
+        )
     if saved is None or foreign:
         what = f"it holds {', '.join(entries[:8])}{', ...' if len(entries) > 8 else ''}"
         raise ConfigError(

@@ -87,6 +87,8 @@ def test_a_run_dir_is_shown_as_typed_when_under_the_working_directory(tmp_path, 
         ("loose-metrics", "not made by jaxzero: metrics.jsonl"),
         ("junk-in-checkpoints", r"it holds checkpoints; no jaxzero config.json"),
         ("a-log-of-its-own", "not made by jaxzero: error.log"),  # a user's own error.log
+        ("config-garbled", r"holds jaxzero checkpoints \(\[4\]\) but its config.json is not a readable"),
+        ("config-removed", r"holds jaxzero checkpoints \(\[4\]\) but its config.json is missing"),
         ("finished", "already holds a run, finished without checkpoints .checkpoint.enabled=false."),
         ("finished-checkpoints-removed", "already holds a run, finished, whose checkpoints are gone"),
     ],
@@ -112,6 +114,14 @@ def test_directories_jaxzero_never_writes_into(tmp_path, layout, message):
         (path / "metrics.jsonl").write_text('{"step": 1}\n')
     elif layout == "junk-in-checkpoints":
         (path / "checkpoints" / "junk").mkdir(parents=True)
+    elif layout in ("config-garbled", "config-removed"):  # a checkpointed run whose config.json broke
+        jaxzero_run(path)
+        (path / "checkpoints" / "4" / "meta").mkdir(parents=True)
+        (path / "checkpoints" / "4" / "meta" / "metadata").write_text("{}")
+        if layout == "config-garbled":
+            (path / "config.json").write_text("{garbled")
+        else:
+            (path / "config.json").unlink()
     elif layout == "a-log-of-its-own":
         path.mkdir()
         (path / "error.log").write_text("precious\n")
