@@ -36,6 +36,8 @@ def ignore_closed_event_loops() -> None:
     traceback each, once the error itself has been reported. Every other one goes to the hook as
     it was. Process-wide: the programs call it, never the library."""
     previous = sys.unraisablehook
+    if getattr(previous, "drops_closed_event_loops", False):  # installed already (a second main())
+        return
 
     def hook(unraisable: sys.UnraisableHookArgs) -> None:
         if (
@@ -45,4 +47,5 @@ def ignore_closed_event_loops() -> None:
             return
         previous(unraisable)
 
+    hook.drops_closed_event_loops = True
     sys.unraisablehook = hook

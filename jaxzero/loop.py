@@ -103,8 +103,8 @@ def start(
         try:
             state = trainer.from_saved_state(restored.state)  # reads the arrays, unit by unit
         except Exception as e:  # noqa: BLE001 - Orbax and tensorstore raise many types for damaged files
-            if cfg.checkpoint.verify:
-                raise  # its checksums matched: not its files
+            if cfg.checkpoint.verify or isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in str(e):
+                raise  # its checksums matched, or memory ran out: not its files
             raise CheckpointError(
                 unreadable_files(ckpt.directory / str(restored.step), e, resuming=True)
             ) from e
