@@ -179,9 +179,8 @@ def load_preset(path: str | Path) -> dict[str, Any]:
     wrong type raise ConfigError naming the file."""
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(
-            f"config file {str(p)!r} does not exist. Presets live in configs/, e.g. configs/tiny.toml."
-        )
+        what = "is a directory, not a TOML file" if p.is_dir() else "does not exist"
+        raise ConfigError(f"config file {str(p)!r} {what}. Presets live in configs/, e.g. configs/tiny.toml.")
     try:
         tree = tomllib.loads(p.read_text())
     except tomllib.TOMLDecodeError as e:

@@ -231,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     except PlotError as e:
         print(f"jaxzero.plot: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # --out cannot be created (read-only, no permission): one line
+        print(f"jaxzero.plot: error: cannot write the figures into {str(out)!r}: {e}", file=sys.stderr)
+        return 2
     names = [r.label for r in runs]
     for run, arg in zip(runs, args.run_dirs):
         if names.count(run.label) > 1:  # runs/a/x and runs/b/x: the paths tell them apart
@@ -238,12 +241,17 @@ def main(argv: list[str] | None = None) -> int:
         if run.tokens_per_step is None:
             print(f"jaxzero.plot: {arg}: tokens per step unknown (no config.json); loss by tokens left out")
     written = [out / "loss.png", out / "throughput.png"]
-    plot_loss(plt, runs, written[0])
-    plot_throughput(plt, runs, written[1])
     offloaded = [r for r in runs if any(isinstance(x.get("step_s"), int | float) for x in r.records)]
+    try:
+        plot_loss(plt, runs, written[0])
+        plot_throughput(plt, runs, written[1])
+        if offloaded:
+            written.append(out / "breakdown.png")
+            plot_breakdown(plt, offloaded, written[-1])
+    except OSError as e:  # --out not writable (a read-only mount, a full disk): one line
+        print(f"jaxzero.plot: error: cannot write the figures into {str(out)!r}: {e}", file=sys.stderr)
+        return 2
     if offloaded:
-        written.append(out / "breakdown.png")
-        plot_breakdown(plt, offloaded, written[-1])
         if len(offloaded) < len(runs):
             left = ", ".join(r.label for r in runs if r not in offloaded)
             print(f"jaxzero.plot: breakdown.png leaves out {left}: no breakdown (not offloaded)")

@@ -285,6 +285,8 @@ def test_bad_configs_are_refused_naming_the_key(ds, message):
 def test_unreadable_files_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="no such file"):
         split_args([f"--deepspeed={tmp_path / 'missing.json'}"])
+    with pytest.raises(ConfigError, match="a directory, not a JSON file"):
+        split_args([f"--deepspeed={tmp_path}"])
     # The ZeRO-Offload tutorial's snippet as printed: a comma missing, one too many.
     (tmp_path / "as_printed.json").write_text(
         '{\n  "zero_optimization": {\n    "stage": 2,\n    "offload_optimizer": {\n      "device": "cpu",\n'

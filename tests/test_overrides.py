@@ -95,6 +95,7 @@ def test_config_json_round_trip():
         (["--model.name=llama-9000b"], "unknown model.name 'llama-9000b'. Valid names:"),
         (["steps=3"], "cannot parse argument 'steps=3'"),
         (["--config=/nonexistent.toml"], "config file '/nonexistent.toml' does not exist"),
+        (["--config=/"], "config file '/' is a directory, not a TOML file"),
     ],
 )
 def test_parse_error_messages(args, message):

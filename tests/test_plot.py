@@ -135,6 +135,25 @@ def test_an_out_directory_with_other_files_is_refused(runs, tmp_path, capsys):
     assert not (tmp_path / "no").exists()
 
 
+def test_an_out_directory_that_cannot_be_written_is_one_line(runs, tmp_path, monkeypatch, capsys):
+    resident, _ = runs
+
+    def read_only(out):
+        raise OSError(30, "Read-only file system", str(out))
+
+    monkeypatch.setattr(plot, "prepare_out", read_only)
+    assert plot.main([str(resident), f"--out={tmp_path / 'ro'}"]) == 2
+    assert "cannot write the figures into" in capsys.readouterr().err
+    monkeypatch.undo()
+
+    def full(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(plot, "plot_loss", full)
+    assert plot.main([str(resident), f"--out={tmp_path / 'full'}"]) == 2
+    assert "No space left on device" in capsys.readouterr().err
+
+
 def test_without_matplotlib_it_says_what_to_install(runs, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
     assert plot.main([str(runs[0])]) == 2

@@ -57,7 +57,9 @@ def load(path: str | Path) -> dict[str, Any]:
     error) when it is missing, unreadable or not a JSON object."""
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(f"--deepspeed={path}: no such file.")
+        raise ConfigError(
+            f"--deepspeed={path}: {'a directory, not a JSON file' if p.is_dir() else 'no such file'}."
+        )
     try:
         tree = json.loads(p.read_text())
     except UnicodeDecodeError as e:
