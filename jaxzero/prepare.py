@@ -245,6 +245,12 @@ def prepare(
                     counts[split][2] += ids.size if marks is None else int(marks.sum())
                 if shown:
                     shown.add(items, encoded)
+        documents, tokens = counts["train"][0] + counts["val"][0], counts["train"][1] + counts["val"][1]
+        if documents and tokens <= documents:  # at most each document's end-of-text id: empty inputs
+            raise DataError(
+                f"the inputs hold no text: {documents} document(s), every one empty. Check the input "
+                "files (and --text_field for JSON lines)."
+            )
         if counts["train"][0] == 0:
             raise DataError(
                 f"no training documents: the inputs hold {counts['val'][0]} documents and --val_docs="

@@ -136,6 +136,14 @@ def test_bad_inputs_name_the_file_and_line(tmp_path):
             if (tmp_path / "out").exists()
             else True
         )
+    # empty inputs: nothing to train on (an empty file, a blank record)
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "blank.jsonl").write_text('{"text": ""}\n')
+    with pytest.raises(DataError, match=r"the inputs hold no text: 2 document\(s\), every one empty"):
+        prepare(
+            [str(tmp_path / "empty.txt"), str(tmp_path / "blank.jsonl")], tmp_path / "none", progress=False
+        )
+    assert not (tmp_path / "none").exists()
     # no partial files left behind either
     assert not [p for p in tmp_path.rglob("*.partial")]
     if os.getuid() != 0:  # root reads anything
