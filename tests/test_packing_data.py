@@ -324,6 +324,9 @@ def test_resolve_eot_id(tmp_path: Path, warnings_of_data: list[str]) -> None:
     assert resolve_eot_id(_train_cfg(1000, source="tokens", path=str(nanogpt))) == -2
     assert len(warnings_of_data) == 1 and "attention will cross document boundaries" in warnings_of_data[0]
     assert "--data.eot_id=ID" in warnings_of_data[0]
+    # a data.path that does not exist: no warning (the data check says what is wrong, next)
+    assert resolve_eot_id(_train_cfg(1000, source="tokens", path=str(tmp_path / "absent"))) == -2
+    assert len(warnings_of_data) == 1
     (prepared / "prepare.json").write_text("{")
     with pytest.raises(DataError, match="prepare.json is not the JSON"):
         resolve_eot_id(_train_cfg(256, source="tokens", path=str(prepared)))

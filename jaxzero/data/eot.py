@@ -71,7 +71,7 @@ def data_eot_id(cfg: DataConfig, vocab_size: int, *, warn: bool = True) -> int:
         return prepared
     if vocab_size in GPT2_VOCAB_SIZES:
         return GPT2_EOT_ID
-    if warn:
+    if warn and cfg.path and Path(cfg.path).is_dir():  # a missing directory is an error of its own, later
         log.warning(
             "warning: data.path=%r has no %s and model.vocab_size=%d is not GPT-2's: no end-of-text id "
             "is known, so attention will cross document boundaries (pass --data.eot_id=ID).",
