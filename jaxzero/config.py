@@ -291,6 +291,10 @@ class FP16Config:
     min_loss_scale: float = 1.0  # the scale never drops below this; overflowing at it stops the run
 
 
+# Where offload.disk_path is not set, the disk tier works in this directory of the run directory.
+OFFLOAD_STATE_DIR = "offload-state"
+
+
 @dataclass(frozen=True)
 class OffloadConfig:
     """Where state lives, in DeepSpeed's vocabulary: `none` keeps it on the accelerator, `cpu` in host RAM,

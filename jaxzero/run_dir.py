@@ -9,6 +9,7 @@ now is. A jaxzero run directory holds
     checkpoints/       Orbax checkpoints (`jaxzero.checkpoint`)
     tensorboard/       the records as TensorBoard event files (`logging.tensorboard`); a resume adds a file
     profile/           JAX profiler traces (`profile.steps`)
+    offload-state/     the disk tier's working files (`offload.optimizer=disk` without offload.disk_path)
     previous-attempts/ files of attempts that stopped before their first checkpoint, kept aside
     trainer.lock       while a trainer runs there: its lock, naming it (`jaxzero.run_lock`)
     error.log          tracebacks of errors, and the runtime's own messages as several processes end
@@ -34,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxzero.checkpoint_layout import CHECKPOINT_DIR, UNREADABLE_DIR, saved_steps
-from jaxzero.config import ConfigError, TrainConfig
+from jaxzero.config import OFFLOAD_STATE_DIR, ConfigError, TrainConfig
 from jaxzero.overrides import all_keys, config_from_dict, set_by_preset
 from jaxzero.run_lock import LOCK_FILE, RunLock, lock_run_dir
 
@@ -47,6 +48,8 @@ TENSORBOARD_DIR = "tensorboard"  # TensorBoard event files of the records (`jaxz
 PROFILE_DIR = "profile"  # JAX profiler traces (`jaxzero.profiling.StepTrace`)
 PLOTS_DIR = "plots"  # `python -m jaxzero.plot`'s figures, by default
 # Files and directories a run creates; a directory holding anything else is not (only) a jaxzero run.
+# The disk tier's working directories (`OFFLOAD_STATE_DIR`) are the run's own: each is removed at the
+# end of its run, a killed run's stays, and none may make the run look foreign.
 RUN_FILES = (
     CONFIG_FILE,
     METRICS_FILE,
@@ -59,6 +62,7 @@ RUN_FILES = (
     PROFILE_DIR,
     PLOTS_DIR,
     LOCK_FILE,
+    OFFLOAD_STATE_DIR,
 )
 # Keys a resumed run may change: they change how it runs or reports, not what it computes.
 RESUMABLE = (

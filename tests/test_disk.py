@@ -140,6 +140,14 @@ def test_the_store_reads_in_order_and_writes_back(tmp_path):
     (tmp_path / "user-file").write_text("not the store's")
     store.close()
     assert not mine.exists() and (tmp_path / "user-file").exists()
+    # A disk_path that did not exist: created, and removed with the store where nothing else is there.
+    made = DiskStore(tmp_path / "new" / "deeper", positions=[1], slots=1)
+    made.close()
+    assert not (tmp_path / "new").exists()
+    kept = DiskStore(tmp_path / "new" / "deeper", positions=[1], slots=1)
+    (tmp_path / "new" / "mine.txt").write_text("a user's")
+    kept.close()
+    assert sorted(p.name for p in (tmp_path / "new").iterdir()) == ["mine.txt"]
 
 
 def test_a_failed_read_fails_the_update_that_needs_it(tmp_path):
@@ -218,8 +226,14 @@ def test_cli_disk_run_keeps_its_working_state_in_the_run_directory_and_removes_i
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "disk_gb" in r]
     assert train and all(r["disk_gb"] > 0 for r in train)
-    assert sorted(p.name for p in (run_dir / "offload-state").iterdir()) == []
+    assert not (run_dir / "offload-state").exists()  # the working directory, and the one made for it
     assert sorted(Path(run_dir / "checkpoints").iterdir())
+    # What a killed run leaves (its working directory) does not make the run look foreign: it resumes.
+    left = run_dir / "offload-state" / "jaxzero-working-state-0123456789ab"
+    left.mkdir(parents=True)
+    (left / "unit-00003.bin").write_bytes(b"\0" * 64)
+    again = run_module("jaxzero.train", f"--run_dir={run_dir}", "--steps=8", cwd=tmp_path)
+    assert again.returncode == 0 and "resumed from" in again.stdout, again.stderr[-2000:]
 
 
 def test_a_checkpoints_masters_load_into_every_tier_one_unit_at_a_time(tmp_path):

@@ -39,10 +39,10 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from jaxzero.config import ConfigError
+from jaxzero.config import OFFLOAD_STATE_DIR, ConfigError
 from jaxzero.offload.timeline import span
 
-DISK_DIR = "offload-state"  # under the run directory, where offload.disk_path is not set
+DISK_DIR = OFFLOAD_STATE_DIR  # under the run directory, where offload.disk_path is not set
 ALIGN = 4096  # direct I/O: offsets, lengths and buffer addresses are multiples of the block size
 PIECE = 64 << 20  # bytes per read or write call: large transfers keep the disk's queue full
 
@@ -116,6 +116,8 @@ class DiskStore:
         if slots < 1:
             raise ValueError(f"a disk store needs at least one buffer (slots={slots})")
         parent = Path(directory).absolute()
+        # The directories this store creates above its own, deepest first: removed with it if empty.
+        made = [d for d in (parent, *parent.parents) if not d.exists()]
         try:
             parent.mkdir(parents=True, exist_ok=True)
             self.directory = parent / f"jaxzero-working-state-{uuid.uuid4().hex[:12]}"
@@ -148,7 +150,7 @@ class DiskStore:
         self.direct = True  # direct I/O; turned off where the filesystem refuses it
         self._closed = False
         # Removed at exit too, where nobody called `close` (the store created it; only it writes there).
-        self._finalizer = weakref.finalize(self, shutil.rmtree, self.directory, True)
+        self._finalizer = weakref.finalize(self, _remove, self.directory, made)
 
     # -- files ---------------------------------------------------------------------------------------
 
@@ -390,3 +392,14 @@ def _settle(f: Future, error: BaseException | None = None) -> None:
         f.set_result(None) if error is None else f.set_exception(error)
     except InvalidStateError:
         pass
+
+
+def _remove(directory: Path, made: list[Path]) -> None:
+    """Remove the store's working `directory`, then the directories it created above it (`made`,
+    deepest first) while they are empty: a user's files there stay."""
+    shutil.rmtree(directory, True)
+    for d in made:
+        try:
+            d.rmdir()
+        except OSError:  # not empty (or gone): what is above it stays too
+            break
