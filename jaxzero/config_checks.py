@@ -364,6 +364,12 @@ def _validate_machine(machine: MachineConfig) -> None:
             f"machine.{f.name}={value} must be a finite number >= 0 (0: detect, or the default for the "
             "detected device).",
         )
+    _need(
+        machine.gpus <= 1 or machine.gpu_gib > 0,
+        f"machine.gpus={machine.gpus} plans for a node you do not have, its GPUs of machine.gpu_gib each: "
+        "set machine.gpu_gib too (what XLA gets of one GPU, e.g. 75.1 for an H100 80 GB), or leave "
+        "machine.gpus out to plan for the GPUs this machine has.",
+    )
 
 
 def _show(values: dict[str, int]) -> str:

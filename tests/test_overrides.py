@@ -96,6 +96,7 @@ def test_config_json_round_trip():
         (["steps=3"], "cannot parse argument 'steps=3'"),
         (["--config=/nonexistent.toml"], "config file '/nonexistent.toml' does not exist"),
         (["--config=/"], "config file '/' is a directory, not a TOML file"),
+        (["--machine.gpus=3"], "machine.gpus=3 plans for a node you do not have"),
     ],
 )
 def test_parse_error_messages(args, message):
