@@ -231,6 +231,14 @@ def _train_held(
         )
     cfg, notes = _resolved(cfg, run, path, sources)
     validate(cfg)
+    saved = saved_steps(path) if run.kind is RunKind.RESUME else []
+    if saved and saved[0] >= cfg.steps:  # whichever checkpoint restores, it is past the end: read none
+        print(
+            f"jaxzero: nothing to do: the run is at step {saved[-1]} and steps={cfg.steps}; pass "
+            f"--steps=N (N > {saved[-1]}) to train further.",
+            file=console,
+        )
+        return path
     # Decides the offload keys left on auto (before JAX starts, where the program prepares it), checks
     # the mesh and memory; allocates and compiles nothing. `cfg` stays as the user wrote it
     # (config.json keeps "auto"); `trainer.config` is decided.

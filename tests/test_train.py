@@ -45,6 +45,16 @@ def test_a_run_ends_with_its_summary_and_a_finished_run_has_nothing_to_do(tmp_pa
     again = io.StringIO()
     train_lib.train(train_lib.configure([f"--run_dir={path}"]).config, again)
     assert "nothing to do: the run is at step 3 and steps=3" in again.getvalue()
+    # Fewer steps than the run has: said before any trainer is built or checkpoint read.
+    fewer = io.StringIO()
+    train_lib.train(train_lib.configure([f"--run_dir={path}", "--steps=2"]).config, fewer)
+    assert (
+        fewer.getvalue()
+        .strip()
+        .splitlines()[-1]
+        .startswith("jaxzero: nothing to do: the run is at step 3 and steps=2")
+    )
+    assert "warmup" not in fewer.getvalue() and "plan:" not in fewer.getvalue()
 
 
 def test_the_loop_settles_the_heap_once_after_its_first_step_and_unsettles_it_at_the_end(
