@@ -96,9 +96,10 @@ def test_same_seed_same_losses_and_offload_agrees(first_run):
 def test_refuses_to_overwrite_and_reports_bad_config(first_run, monkeypatch, capsys):
     cwd, _ = first_run
     before = (cwd / "a" / "metrics.jsonl").read_text()
-    # A checkpointed, finished run is resumed: there is nothing left to do, and nothing is lost.
+    # A checkpointed, finished run again: there is nothing left to do (said before any checkpoint is
+    # read), and nothing is lost.
     proc = train("--run_dir=a", cwd=cwd)
-    assert proc.returncode == 0 and "resumed from" in proc.stdout, proc.stderr[-2000:]
+    assert proc.returncode == 0 and "nothing to do: the run is at step" in proc.stdout, proc.stderr[-2000:]
     assert (cwd / "a" / "metrics.jsonl").read_text() == before
     # A run without checkpoints is never overwritten.
     proc = train(*TINY, "--checkpoint.enabled=false", "--run_dir=nock", cwd=cwd)
