@@ -26,13 +26,12 @@ import json
 import math
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import jax
 import numpy as np
 
 from jaxzero import preflight
-from jaxzero.checkpoint_layout import CHECKPOINT_DIR, read_meta, saved_step
+from jaxzero.checkpoint_layout import checkpoints_dir, read_meta, saved_step
 from jaxzero.checkpoint_masters import masters_by_unit
 from jaxzero.config import ConfigError, ModelConfig, TrainConfig
 from jaxzero.console import ignore_closed_event_loops, to_stderr
@@ -92,7 +91,7 @@ def _config(args: argparse.Namespace, rest: list[str]) -> tuple[TrainConfig, str
     shape), the command line's settings on top, and a description of the weights' source."""
     if args.run_dir:
         step = saved_step(args.run_dir, args.step, "evaluate")
-        base = config_from_dict(read_meta(Path(args.run_dir).absolute() / CHECKPOINT_DIR, step)["config"])
+        base = config_from_dict(read_meta(checkpoints_dir(args.run_dir), step)["config"])
         base = dataclasses.replace(base, run_dir="")
         source = f"{args.run_dir} step {step}"
         args.step = step

@@ -210,6 +210,14 @@ def _resolved(
     return dataclasses.replace(cfg, run_dir=str(path)), notes
 
 
+def _nothing_to_do(at: int, steps: int) -> str:
+    """What a run already at step `at` says when asked for `steps` <= `at`."""
+    return (
+        f"jaxzero: nothing to do: the run is at step {at} and steps={steps}; pass --steps=N (N > {at}) "
+        "to train further."
+    )
+
+
 def _train_held(
     cfg: TrainConfig,
     path: Path,
@@ -233,11 +241,7 @@ def _train_held(
     validate(cfg)
     saved = saved_steps(path) if run.kind is RunKind.RESUME else []
     if saved and saved[0] >= cfg.steps:  # whichever checkpoint restores, it is past the end: read none
-        print(
-            f"jaxzero: nothing to do: the run is at step {saved[-1]} and steps={cfg.steps}; pass "
-            f"--steps=N (N > {saved[-1]}) to train further.",
-            file=console,
-        )
+        print(_nothing_to_do(saved[-1], cfg.steps), file=console)
         return path
     # Decides the offload keys left on auto (before JAX starts, where the program prepares it), checks
     # the mesh and memory; allocates and compiles nothing. `cfg` stays as the user wrote it
@@ -302,11 +306,7 @@ def _train_held(
         raise
     if begin.first > cfg.steps:
         _close_quietly(ckpt)
-        print(
-            f"jaxzero: nothing to do: the run is at step {begin.first - 1} and steps={cfg.steps}; pass "
-            f"--steps=N (N > {begin.first - 1}) to train further.",
-            file=console,
-        )
+        print(_nothing_to_do(begin.first - 1, cfg.steps), file=console)
         return path
     if run.kind is RunKind.RESTART and main_process:
         kept = run_dir_lib.set_aside_attempt(path)

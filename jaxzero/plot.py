@@ -207,6 +207,11 @@ def save(fig: Any, path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
+def _unwritable(out: Path, error: OSError) -> int:
+    print(f"jaxzero.plot: error: cannot write the figures into {str(out)!r}: {error}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m jaxzero.plot",
@@ -232,8 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jaxzero.plot: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # --out cannot be created (read-only, no permission): one line
-        print(f"jaxzero.plot: error: cannot write the figures into {str(out)!r}: {e}", file=sys.stderr)
-        return 2
+        return _unwritable(out, e)
     names = [r.label for r in runs]
     for run, arg in zip(runs, args.run_dirs):
         if names.count(run.label) > 1:  # runs/a/x and runs/b/x: the paths tell them apart
@@ -249,8 +253,7 @@ def main(argv: list[str] | None = None) -> int:
             written.append(out / "breakdown.png")
             plot_breakdown(plt, offloaded, written[-1])
     except OSError as e:  # --out not writable (a read-only mount, a full disk): one line
-        print(f"jaxzero.plot: error: cannot write the figures into {str(out)!r}: {e}", file=sys.stderr)
-        return 2
+        return _unwritable(out, e)
     if offloaded:
         if len(offloaded) < len(runs):
             left = ", ".join(r.label for r in runs if r not in offloaded)

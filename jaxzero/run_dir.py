@@ -142,10 +142,14 @@ def inspect_run_dir(path: Path) -> RunDir:
         if ours and (not checkpoints.is_dir() or not any(checkpoints.iterdir())):
             return RunDir(path, RunKind.RESTART if (path / ERROR_FILE).exists() else RunKind.NEW, None)
         foreign = foreign or [e for e in entries if e in (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE)]
-    ours_saved = [
-        k for k in saved_steps(path) if (path / CHECKPOINT_DIR / str(k) / "meta" / "metadata").is_file()
-    ]
-    if saved is None and ours_saved:
+    ours_saved = (
+        []
+        if saved is not None
+        else [
+            k for k in saved_steps(path) if (path / CHECKPOINT_DIR / str(k) / "meta" / "metadata").is_file()
+        ]
+    )
+    if ours_saved:
         state = "is not a readable jaxzero config" if (path / CONFIG_FILE).exists() else "is missing"
         raise ConfigError(
             f"run_dir {str(path)!r} holds jaxzero checkpoints ({ours_saved}) but its config.json {state} "

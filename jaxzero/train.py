@@ -90,15 +90,15 @@ class BackgroundErrorLog:
     def __init__(self, run_dir: Path):
         self.path = run_dir / run_dir_lib.ERROR_FILE
         self.saved: dict[str, Any] = {}
-        self.lost: list[str] = []  # reports the log could not take (no run directory yet, no room)
-        self.lost_why = ""
+        # Reports the log could not take (no run directory yet, no room): how many, the first, and why.
+        self.lost, self.lost_first, self.lost_why = 0, "", ""
 
     def write(self, text: str) -> None:
         try:
             run_dir_lib.write_error(self.path.parent, text)
         except OSError as e:  # kept, and summed up on stderr once (`uninstall`): a full disk makes dozens
-            self.lost.append(text)
-            self.lost_why = self.lost_why or str(e)
+            self.lost += 1
+            self.lost_first, self.lost_why = self.lost_first or text, self.lost_why or str(e)
 
     def install(self) -> None:
         handler = _LogToFile(self)
@@ -151,13 +151,13 @@ class BackgroundErrorLog:
             logger.propagate = propagate
         self.saved = {}
         if self.lost:
-            last = self.lost[0].rstrip().splitlines()[-1]
+            last = self.lost_first.rstrip().splitlines()[-1]
             print(
-                f"jaxzero: {len(self.lost)} error report(s) of background threads could not be written to "
+                f"jaxzero: {self.lost} error report(s) of background threads could not be written to "
                 f"{self.path} ({self.lost_why}); the first: {last}",
                 file=sys.__stderr__,
             )
-            self.lost = []
+            self.lost, self.lost_first, self.lost_why = 0, "", ""
 
 
 class _LogToFile(logging.Handler):

@@ -27,11 +27,11 @@ import optax
 from jax.sharding import Mesh, Sharding
 
 from jaxzero import placement as placement_lib
-from jaxzero.config import ConfigError, TrainConfig
+from jaxzero.config import OFFLOAD_STATE_DIR, ConfigError, TrainConfig
 from jaxzero.custom import check_optimizer, model_of
 from jaxzero.models import Model, ModelParams
 from jaxzero.offload.device_update import DeviceOptimizer
-from jaxzero.offload.disk import DISK_DIR, DiskStore
+from jaxzero.offload.disk import DiskStore
 from jaxzero.offload.host_memory import global_from_local
 from jaxzero.offload.host_optimizer import HostOptimizer
 from jaxzero.offload.pipeline import UpdatePipeline
@@ -136,7 +136,7 @@ def disk_store(cfg: TrainConfig, plan: OffloadPlan) -> DiskStore:
             "offload.optimizer=disk needs a directory for its working state: set offload.disk_path=DIR "
             "(a local disk) or run_dir."
         )
-    base = Path(cfg.offload.disk_path or Path(cfg.run_dir) / DISK_DIR)
+    base = Path(cfg.offload.disk_path or Path(cfg.run_dir) / OFFLOAD_STATE_DIR)
     if jax.process_count() > 1:  # each process keeps its own blocks
         base = base / f"process-{jax.process_index()}"
     return DiskStore(base, [u.position for u in plan.disk_units], plan.disk_slots)

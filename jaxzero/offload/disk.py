@@ -39,10 +39,9 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from jaxzero.config import OFFLOAD_STATE_DIR, ConfigError
+from jaxzero.config import ConfigError
 from jaxzero.offload.timeline import span
 
-DISK_DIR = OFFLOAD_STATE_DIR  # under the run directory, where offload.disk_path is not set
 ALIGN = 4096  # direct I/O: offsets, lengths and buffer addresses are multiples of the block size
 PIECE = 64 << 20  # bytes per read or write call: large transfers keep the disk's queue full
 
