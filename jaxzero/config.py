@@ -298,7 +298,7 @@ OFFLOAD_STATE_DIR = "offload-state"
 @dataclass(frozen=True)
 class OffloadConfig:
     """Where state lives, in DeepSpeed's vocabulary: `none` keeps it on the accelerator, `cpu` in host RAM,
-    `auto` lets the planner (`jaxzero.plan.search`) choose for this model on this machine.
+    `auto` lets the planner (`jaxzero.planner.search`) choose for this model on this machine.
 
     The planner decides only what is left to it: `params` and `optimizer` when `auto`, and with them
     `resident_blocks` (when 0) and `two_pass_units` (when -1: it may turn it to 0 where that alone

@@ -47,6 +47,15 @@ def validate(cfg: TrainConfig, num_devices: int | None = None) -> None:
     _validate_finetune(cfg)
 
 
+def validate_placement(cfg: TrainConfig) -> None:
+    """Raise ConfigError where `cfg`'s placement breaks a rule: the offload, ZeRO stage and fine-tuning
+    sections' checks, the only ones that read the offload keys. The planner checks each placement it
+    tries of a config `validate` accepted (only the offload keys differ) against these alone."""
+    _validate_offload(cfg)
+    _validate_parallel(cfg)
+    _validate_finetune(cfg)
+
+
 def validate_model(m: ModelConfig) -> None:
     """Raise ConfigError if `m` describes no valid transformer of its family. Used by `validate` and by
     the models themselves (they are also built without a TrainConfig)."""
@@ -183,18 +192,27 @@ def _validate_data(cfg: TrainConfig, num_devices: int | None) -> None:
         "its train.bin, or drop data.path.",
     )
     if num_devices is not None:
-        _need(
-            d.micro_batch_size == 0,
-            f"{_show(batch)} is not resolved for the {num_devices} devices: pass the config through "
-            "jaxzero.config_checks.resolve_batch(cfg, num_devices) first (python -m jaxzero.train does).",
-        )
-        micro = d.batch_size // d.grad_accum
-        _need(
-            micro % num_devices == 0,
-            f"the micro-batch data.batch_size/data.grad_accum = {d.batch_size}/{d.grad_accum} = {micro} "
-            f"must be divisible by the {num_devices} devices of the data axis; e.g. data.batch_size="
-            f"{-(-micro // num_devices) * num_devices * d.grad_accum}.",
-        )
+        check_batch_split(cfg, num_devices)
+
+
+def check_batch_split(cfg: TrainConfig, num_devices: int) -> None:
+    """Raise ConfigError unless `cfg`'s batch is resolved (`resolve_batch`) and its micro-batch splits
+    over the `num_devices` devices of the data axis: the one rule of `validate` that needs the devices."""
+    d = cfg.data
+    batch = {"data.batch_size": d.batch_size, "data.grad_accum": d.grad_accum}
+    batch["data.micro_batch_size"] = d.micro_batch_size
+    _need(
+        d.micro_batch_size == 0,
+        f"{_show(batch)} is not resolved for the {num_devices} devices: pass the config through "
+        "jaxzero.config_checks.resolve_batch(cfg, num_devices) first (python -m jaxzero.train does).",
+    )
+    micro = d.batch_size // d.grad_accum
+    _need(
+        micro % num_devices == 0,
+        f"the micro-batch data.batch_size/data.grad_accum = {d.batch_size}/{d.grad_accum} = {micro} "
+        f"must be divisible by the {num_devices} devices of the data axis; e.g. data.batch_size="
+        f"{-(-micro // num_devices) * num_devices * d.grad_accum}.",
+    )
 
 
 def _validate_optimizer(o: OptimizerConfig) -> None:

@@ -2,7 +2,7 @@
 checked when a trainer is built against what the rest of jaxzero reads from the config.
 
 The memory planner counts bytes from `cfg.model`'s shape and `cfg.optimizer`'s state before any model
-exists (`jaxzero.memory`), and the engines read `model.config` (layers, vocabulary, tied embeddings).
+exists (`jaxzero.planner.memory`), and the engines read `model.config` (layers, vocabulary, tied embeddings).
 So a model of one's own comes with the `cfg.model` that describes it: `model.config` is `cfg.model`,
 and the model has as many blocks, and as many parameters in its embedding, in each block and in its
 head, as `jaxzero.models.sizes.unit_param_counts(cfg.model)` counts. A transformation of one's own
@@ -19,9 +19,9 @@ import numpy as np
 import optax
 
 from jaxzero.config import ConfigError, ModelConfig, TrainConfig
-from jaxzero.memory import optimizer_state_bytes
 from jaxzero.models import Model, ModelParams, build_model
 from jaxzero.models.sizes import param_count, unit_param_counts
+from jaxzero.planner.memory import optimizer_state_bytes
 
 # The `model.*` keys that make up a model's shape, which a model of one's own is described by.
 SHAPE_KEYS = (

@@ -8,7 +8,7 @@ is read as training reads it, every example whole in rows, packed best fit or on
 each example once; its loss masks (`*.mask.bin`) say which targets count. The split is the token set's
 `val.bin` when it has one, else its `train.bin` whole (`--split` chooses). The loss is computed by the
 trainer's own validation path (`Trainer.eval_loss`, the same function validation uses while training),
-in the placement the planner decides for the model on this machine (`jaxzero.preflight`); the other
+in the placement the planner decides for the model on this machine (`jaxzero.planner.preflight`); the other
 `--section.key=value` settings apply on top of the run's saved config (or, with `--hf`, the defaults),
 e.g. `--data.batch_size=32` (rows per evaluated batch) or `--data.cross_document_attention=true`. Only
 the weights are read: a checkpoint's masters, one unit at a time, or a Hugging Face checkpoint.
@@ -30,18 +30,17 @@ from collections.abc import Iterator
 import jax
 import numpy as np
 
-from jaxzero import preflight
 from jaxzero.checkpoint_layout import checkpoints_dir, read_meta, saved_step
 from jaxzero.checkpoint_masters import masters_by_unit
 from jaxzero.config import ConfigError, ModelConfig, TrainConfig
 from jaxzero.console import ignore_closed_event_loops, to_stderr
-from jaxzero.data.eot import resolve_eot_id
 from jaxzero.data.packing import every_example_rows
 from jaxzero.data.sources import open_split
 from jaxzero.finetune.adapters import LORA_LAYOUT
 from jaxzero.finetune.trainable import FROZEN_LAYOUT
 from jaxzero.interop import load_hf_by_unit
 from jaxzero.overrides import apply_overrides, config_from_dict, layer, split_args
+from jaxzero.planner import preflight
 from jaxzero.state_io import restore_state
 from jaxzero.trainer import build_trainer
 
@@ -130,11 +129,12 @@ def _check_same_model(saved: ModelConfig, asked: ModelConfig, source: str) -> No
 def evaluate(cfg: TrainConfig, source: str, args: argparse.Namespace, split: str | None) -> dict:
     """Loss, perplexity and counted targets of the weights `args` names over the token files of
     `cfg.data`, one pass, every target once (see the module docstring)."""
-    # attention within the token set's documents, as training's (its end-of-text id resolved)
-    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, eot_id=resolve_eot_id(cfg)))
     d = cfg.data
     tokens, counted, starts, split, path = open_split(d.path, d.token_dtype, cfg.model.vocab_size, split)
-    decision = preflight.prepare(cfg)  # before JAX's backend starts: it sizes XLA's pools
+    decision = preflight.decide_before_jax(cfg)  # before JAX's backend starts: it sizes XLA's pools
+    # The resolution pass's config: attention within the token set's documents, as training's (its
+    # end-of-text id resolved).
+    cfg = decision.config
     trainer = build_trainer(cfg, decision=decision)
     if args.run_dir and trainer.layout in (LORA_LAYOUT, FROZEN_LAYOUT):  # restored; the base rebuilt
         state = restore_state(trainer, args.run_dir, args.step)[0]

@@ -35,9 +35,7 @@ from jaxzero.checkpoint_layout import (
 )
 from jaxzero.checkpoint_masters import load_masters
 from jaxzero.config import CheckpointError, ConfigError, TrainConfig
-from jaxzero.config_checks import resolve_batch, validate
 from jaxzero.data.build import build_data
-from jaxzero.data.eot import resolve_eot_id
 from jaxzero.data.types import BatchIterator, Data, DataShard, DataState
 from jaxzero.decode import Generator, Sampling
 from jaxzero.finetune.provenance import check_base
@@ -54,7 +52,8 @@ from jaxzero.outcome import (
     Preempted,
     TrainingError,
 )
-from jaxzero.plan.report import Decision
+from jaxzero.planner.preflight import as_written
+from jaxzero.planner.report import Decision
 from jaxzero.profiling import StepTrace
 from jaxzero.run_dir import CONFIG_FILE, METRICS_FILE, PROFILE_DIR, SUMMARY_FILE, RunKind
 from jaxzero.state import StepMetrics, Trainer
@@ -170,9 +169,10 @@ def train(
     `translation`: the DeepSpeed file `cfg` was built with, whose batch keys are then refused in its
     own words for the devices found. `sources`: where each setting came from (`Layered.sources`): a
     refused resume names the preset that set a key, and a run_dir no argument named (the time-stamped
-    default) is printed with the `--run_dir=` that resumes it. `prepare`: how the program decides the
-    placement of the run's config (checked against its run directory) before JAX starts
-    (`jaxzero.preflight.prepare`); without it, the trainer decides on the running backend's devices.
+    default) is printed with the `--run_dir=` that resumes it. `prepare`: how the program runs the
+    resolution pass on the run's config (checked against its run directory) before JAX starts
+    (`jaxzero.planner.preflight.decide_before_jax`); without it, the trainer runs it once on the
+    running backend's devices.
 
     One trainer runs in a run directory at a time: it holds the directory's lock (`jaxzero.run_lock`)
     from before it decides what the directory is until it returns or raises. Nothing else is written
@@ -238,20 +238,17 @@ def _train_held(
             file=console,
         )
     cfg, notes = _resolved(cfg, run, path, sources)
-    validate(cfg)
     saved = saved_steps(path) if run.kind is RunKind.RESUME else []
     if saved and saved[0] >= cfg.steps:  # whichever checkpoint restores, it is past the end: read none
         print(_nothing_to_do(saved[-1], cfg.steps), file=console)
         return path
-    # Decides the offload keys left on auto (before JAX starts, where the program prepares it), checks
-    # the mesh and memory; allocates and compiles nothing. `cfg` stays as the user wrote it
-    # (config.json keeps "auto"); `trainer.config` is decided.
+    # The resolution pass, once (before JAX starts, where the program prepares it): validation, the
+    # end-of-text id, the batch for the devices, the offload keys left on auto; then the mesh and
+    # memory checked; allocates and compiles nothing. `cfg` stays as the user wrote it (config.json
+    # keeps "auto" and data.eot_id=-1); `trainer.config` is the decision's.
     try:
-        # The trainer attends within documents: it is built with the data's end-of-text id resolved
-        # (config.json keeps what the user wrote, as it keeps "auto").
-        built = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, eot_id=resolve_eot_id(cfg)))
-        decision = prepare(built) if prepare is not None else None
-        trainer, decision = decide_and_build(built, decision=decision)
+        decision = prepare(cfg) if prepare is not None else None
+        trainer, decision = decide_and_build(cfg, decision=decision)
     except ConfigError:
         if translation is not None:  # the DeepSpeed file's batch keys for these GPUs, in its words
             deepspeed.check(translation, cfg, jax.device_count())
@@ -260,7 +257,7 @@ def _train_held(
     short_warmup = warmup_warning(cfg.optimizer, cfg.steps, cfg.schedule_steps)
     if short_warmup:
         notes.append(f"jaxzero: warning: {short_warmup}")
-    cfg = resolve_batch(cfg, trainer.mesh.size)  # DeepSpeed's batch rule, now that the devices are known
+    cfg = as_written(cfg, decision)  # the batch sizes the pass resolved for the devices
     if run.kind is RunKind.RESUME:
         run_dir_lib.check_resume(cfg, run.saved, path, sources)  # the batch sizes, resolved
     # Every process has looked at the run directory before process 0 writes anything into it.

@@ -8,7 +8,7 @@ not halved for causality). `mfu` divides achieved model FLOP/s by the accelerato
 (from the device kind, or `logging.peak_tflops`); it is null where no peak is known (CPUs).
 Benchmarks additionally report the "8 x params x tokens" figure that counts the recomputed forward.
 A run with a frozen part (LoRA, `finetune.freeze`) counts only the work it does
-(`jaxzero.finetune.plan.model_flops_per_token`: no gradient of a frozen weight).
+(`jaxzero.planner.partial.model_flops_per_token`: no gradient of a frozen weight).
 
 TensorBoard sees the same records as `metrics.jsonl` (`TensorBoardLog`, through tensorboardX): every
 scalar of a record under a tag of its group (`TAGS`), at the record's step, written when the record is,
@@ -33,9 +33,9 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxzero.config import TrainConfig
-from jaxzero.finetune.plan import model_flops_per_token
 from jaxzero.models.sizes import flops_per_token
 from jaxzero.outcome import TrainingError
+from jaxzero.planner.partial import model_flops_per_token
 from jaxzero.run_dir import METRICS_FILE, TENSORBOARD_DIR
 from jaxzero.state import BREAKDOWN, BREAKDOWN_COUNTS, BREAKDOWN_DISK, BREAKDOWN_TIMES, StepMetrics, Trainer
 

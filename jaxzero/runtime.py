@@ -6,7 +6,7 @@ the share of each GPU its allocator takes (`MEM_FRACTION_ENV`: `claim_accelerato
 `XLA_FLAGS` then too, where `--determinism=true` asks for deterministic GPU kernels
 (`request_determinism`). This module writes those, asks JAX whether its backends run, reads host RAM
 and this process's RSS from /proc, and a device's memory from its backend; `check_fits` checks a
-memory plan against what it reads. The counting itself is `jaxzero.memory`'s (pure functions over
+memory plan against what it reads. The counting itself is `jaxzero.planner.memory`'s (pure functions over
 configs and shapes).
 """
 
@@ -17,7 +17,8 @@ import re
 from typing import Any
 
 from jaxzero.config import ConfigError, TrainConfig
-from jaxzero.memory import (
+from jaxzero.planner.calibration import GiB
+from jaxzero.planner.memory import (
     MemoryPlan,
     check_accelerator_fits,
     check_cpu_fits,
@@ -25,7 +26,6 @@ from jaxzero.memory import (
     pinned_pool_cap_gb,
     pinned_pool_minimum_gb,
 )
-from jaxzero.plan.calibration import GiB
 
 PINNED_POOL_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
 MEM_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
@@ -58,8 +58,9 @@ def configure_pinned_pool(need: MemoryPlan) -> int:
     pinned bytes plus 25% and 2 GB (`memory.pinned_pool_cap_gb`), which also bounds the region the
     start-up reservation makes (`memory.pinned_pool_bytes`, what `plan_memory` counts). Otherwise the
     cap XLA has is checked (`check_pinned_pool`). (XLA reads the variable in GiB, so each cap holds
-    about 7% more than the GB figures here.) For the programs (`jaxzero.preflight.prepare`): a
-    library that sizes nothing calls `check_pinned_pool`.
+    about 7% more than the GB figures here.) For the programs
+    (`jaxzero.planner.preflight.decide_before_jax`): a library that sizes nothing calls
+    `check_pinned_pool`.
     """
     if os.environ.get(PINNED_POOL_ENV) is not None or backends_started():
         return check_pinned_pool(need)
@@ -91,7 +92,8 @@ def check_pinned_pool(need: MemoryPlan) -> int:
         raise ConfigError(
             f"this run needs {need_gb} GB of pinned host memory, over XLA's default "
             f"{PINNED_POOL_DEFAULT_GB} GB pool. Size the pool before JAX starts: call "
-            f"jaxzero.preflight.prepare(cfg) before the first JAX call (as python -m jaxzero.train does), "
+            "jaxzero.planner.preflight.decide_before_jax(cfg) before the first JAX call (as python -m "
+            "jaxzero.train does), "
             f"or set {PINNED_POOL_ENV}={need_gb} in the environment."
         )
     return PINNED_POOL_DEFAULT_GB
@@ -113,10 +115,10 @@ def request_determinism() -> None:
     """Before JAX starts its backend: add XLA:GPU's determinism switches (`DETERMINISM_FLAGS`, each
     `=true`) to `XLA_FLAGS`, after the user's flags, each once. XLA parses `XLA_FLAGS` once, when the
     backend starts: once an accelerator's backend runs without them they cannot take effect, and this
-    raises ConfigError saying to call `jaxzero.preflight.prepare` before the first JAX call (as the
-    programs do) or to set them in the environment; as it does where the user's `XLA_FLAGS` turns
-    one off. Where they are set already, or only XLA:CPU runs (whose kernels involve no atomics and
-    no timing: deterministic as they are), it sets nothing."""
+    raises ConfigError saying to call `jaxzero.planner.preflight.decide_before_jax` before the first
+    JAX call (as the programs do) or to set them in the environment; as it does where the user's
+    `XLA_FLAGS` turns one off. Where they are set already, or only XLA:CPU runs (whose kernels
+    involve no atomics and no timing: deterministic as they are), it sets nothing."""
     current = os.environ.get(XLA_FLAGS_ENV, "")
     values = {name: _flag_value(current, name) for name in DETERMINISM_FLAGS}
     off = [f"--{name}={v}" for name, v in values.items() if v is not None and v.lower() not in _TRUE]
@@ -132,7 +134,8 @@ def request_determinism() -> None:
     if started is None or started - {"cpu"}:
         raise ConfigError(
             f"determinism=true needs XLA's deterministic GPU kernels, which {XLA_FLAGS_ENV} switches on "
-            f"when JAX starts, and JAX has started already. Call jaxzero.preflight.prepare(cfg) before "
+            "when JAX starts, and JAX has started already. Call "
+            "jaxzero.planner.preflight.decide_before_jax(cfg) before "
             f"the first JAX call (as python -m jaxzero.train does), or set "
             f"{XLA_FLAGS_ENV}='{' '.join([current.strip(), *missing]).strip()}' in the environment."
         )

@@ -56,7 +56,7 @@ from typing import Any, TextIO
 
 import jax
 
-from jaxzero import distributed, preflight
+from jaxzero import distributed
 from jaxzero import run_dir as run_dir_lib
 from jaxzero.checkpoint_disk import CheckpointWriteError
 from jaxzero.config import ConfigError, TrainConfig
@@ -72,6 +72,7 @@ from jaxzero.outcome import (
     TrainingError,
 )
 from jaxzero.overrides import Layered, help_text, layer, split_args
+from jaxzero.planner import preflight
 from jaxzero.run_dir import RunKind
 from jaxzero.stopping import install_stop_handlers
 
@@ -221,8 +222,9 @@ def main(argv: list[str] | None = None) -> int:
             restore_handlers = install_stop_handlers()
         # Process 0 prints the run's progress and metrics; every process prints its errors (stderr).
         console = sys.stdout if processes is None or processes.index == 0 else _Discard()
-        # The placement is decided, and XLA's pools sized for it, before JAX starts (`jaxzero.preflight`).
-        decide = functools.partial(preflight.prepare, processes=processes)
+        # The resolution pass decides the placement, and sizes XLA's pools for it, before JAX starts
+        # (`jaxzero.planner.preflight`); `configure` validated the config already.
+        decide = functools.partial(preflight.decide_before_jax, processes=processes, validated=True)
         train(cfg, console, layered.deepspeed, layered.sources, prepare=decide)
     except ConfigError as e:
         code = _fail("config error", e, EXIT_CONFIG)

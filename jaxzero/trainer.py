@@ -1,12 +1,13 @@
 """`build_trainer`: a `Trainer` built once from a `TrainConfig`: the resident trainer
 (`jaxzero.resident`) or the offload engine (`jaxzero.offload`), as the decided placement asks.
 
-This is the library API. The placement comes decided (`jaxzero.preflight.prepare`, before JAX
-starts, as the programs do), or offload keys left on `auto` are decided here for the mesh's devices
-(`jaxzero.preflight.decide`); the decided config's offload plan (`jaxzero.plan`) is checked against
-host and accelerator memory (`jaxzero.runtime`), and the plan picks the trainer: whether weights
-are resident or streamed from host memory is decided here, when the step function is built, never
-inside it:
+This is the library API. The config comes resolved and its placement decided
+(`jaxzero.planner.preflight.decide_before_jax`, before JAX starts, as the programs do), and is trusted
+as it is; or the resolution pass runs here once, for the mesh's devices
+(`jaxzero.planner.preflight.decide`). The decided config's offload plan (`jaxzero.plan`) is checked
+against host and accelerator memory (`jaxzero.runtime`), and the plan picks the trainer: whether
+weights are resident or streamed from host memory is decided here, when the step function is built,
+never inside it:
 
     trainer = build_trainer(cfg)
     state = trainer.init(jax.random.key(cfg.seed))
@@ -27,17 +28,17 @@ import jax
 import optax
 from jax.sharding import Mesh
 
-from jaxzero import memory, placement, preflight, runtime
+from jaxzero import placement, runtime
 from jaxzero.config import ConfigError, TrainConfig
-from jaxzero.config_checks import resolve_batch, validate
 from jaxzero.data.eot import FROM_DATA
 from jaxzero.finetune.trainer import build_partial_trainer
 from jaxzero.models import Model
 from jaxzero.models.sizes import param_count
 from jaxzero.offload import build_offload_trainer
 from jaxzero.overrides import apply_overrides
-from jaxzero.plan.machine import accelerators_of
-from jaxzero.plan.report import Decision
+from jaxzero.planner import memory, preflight
+from jaxzero.planner.machine import accelerators_of
+from jaxzero.planner.report import Decision
 from jaxzero.resident import build_resident_trainer
 from jaxzero.state import Trainer, with_checks
 
@@ -53,17 +54,19 @@ def build_trainer(
     optimizer: optax.GradientTransformation | None = None,
     **overrides: Any,
 ) -> Trainer:
-    """Validate `cfg` against the mesh and memory, and build the trainer its offload plan asks for.
+    """Check `cfg`'s decided placement against the mesh and memory, and build the trainer its offload
+    plan asks for.
 
     `cfg` defaults to the built-in default run; keyword `overrides` change single keys, with `__` for
     the dot: `build_trainer(model__name="gpt2-tiny", offload__optimizer="cpu")`. `decision`: the
-    placement decided before JAX started (`jaxzero.preflight.prepare`, which also sized XLA's pinned
-    pool for it); without one, offload keys left on `auto` are decided here for the mesh's devices
-    (`jaxzero.preflight.decide`), within the pool XLA has already. `trainer.config` is the decided
-    config. Nothing is allocated or compiled here; `trainer.init` and the first `trainer.step` do
-    that. A run that cannot fit in host or accelerator memory fails here with the numbers
-    (`jaxzero.memory`, or the planner's refusal). The trainer's `put_batch` and `put_eval_batch`
-    check a batch's shape, dtype and token ids.
+    resolution pass's result from before JAX started (`jaxzero.planner.preflight.decide_before_jax`,
+    which also sized XLA's pinned pool for it), whose config is final and checked again nowhere;
+    without one, the pass runs here once (`jaxzero.planner.preflight.decide`: validation, the batch
+    for the mesh's devices, offload keys left on `auto` decided), within the pool XLA has already.
+    `trainer.config` is the decided config. Nothing is allocated or compiled here; `trainer.init`
+    and the first `trainer.step` do that. A run that cannot fit in host or accelerator memory fails
+    here with the numbers (`jaxzero.planner.memory`, or the planner's refusal). The trainer's
+    `put_batch` and `put_eval_batch` check a batch's shape, dtype and token ids.
 
     `model`: a researcher's own model (the block protocol, `jaxzero.models.base.Model`) in place of
     `cfg.model`'s, which must describe its shape (the planner counts it; `jaxzero.custom` checks).
@@ -87,11 +90,8 @@ def decide_and_build(
     """`build_trainer` of `cfg`, with the decision it was built from (`decision` where it holds for
     the mesh, else one made here): `python -m jaxzero.train` prints its table. `model` and
     `optimizer`: as `build_trainer`'s."""
-    validate(cfg)
     if mesh is None:  # a run with a frozen part trains on the first device (`jaxzero.finetune.trainer`)
         mesh = placement.make_mesh(jax.devices()[:1] if cfg.finetune.partial else None)
-    cfg = resolve_batch(cfg, mesh.size)
-    validate(cfg, num_devices=mesh.size)
     processes = placement.process_count(mesh)
     sharing = placement.processes_on_this_host(mesh)  # a collective: every process calls it, here
     device = mesh.local_devices[0]  # memory stats exist only for this process's devices
@@ -106,10 +106,10 @@ def decide_and_build(
     if decision is not None and _as_decided(cfg, decision) != decision.config:
         raise ConfigError(
             "the decision passed to build_trainer was made for another config (it differs in more than "
-            "the offload keys the planner decides): decide for this one (jaxzero.preflight.prepare(cfg)) "
-            "or pass decision.config."
+            "the offload keys, batch and end-of-text id the resolution pass settles): decide for this one "
+            "(jaxzero.planner.preflight.decide_before_jax(cfg)) or pass decision.config."
         )
-    if decision is None:  # the library's own decision, on the running backend's devices
+    if decision is None:  # the library's own resolution pass, on the running backend's devices
         seen = accelerators_of(list(mesh.local_devices))
         decision = preflight.decide(cfg, processes, seen=seen, pool_fixed=True)
     cfg, plan, need = decision.config, decision.plan, decision.memory
@@ -148,10 +148,17 @@ def decide_and_build(
 
 
 def _as_decided(cfg: TrainConfig, decision: Decision) -> TrainConfig:
-    """`cfg` with what a decision settles of it: the offload keys, and the end-of-text id the data
-    says where `cfg` leaves it to the data (`data.eot_id=-1`)."""
+    """`cfg` with what a decision settles of it: the offload keys, the end-of-text id the data says
+    where `cfg` leaves it to the data (`data.eot_id=-1`), and the batch sizes resolved for the devices
+    where `cfg` gives them by DeepSpeed's rule (`data.micro_batch_size`) and they agree with it."""
     decided = decision.config
     cfg = dataclasses.replace(cfg, offload=decided.offload)
     if cfg.data.eot_id == FROM_DATA:
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, eot_id=decided.data.eot_id))
+    d, r = cfg.data, decided.data
+    devices = decision.machine.devices
+    if d.micro_batch_size and d.micro_batch_size * r.grad_accum * devices == r.batch_size:
+        if d.batch_size in (0, r.batch_size) and d.grad_accum in (0, r.grad_accum):
+            batch = {"batch_size": r.batch_size, "grad_accum": r.grad_accum, "micro_batch_size": 0}
+            cfg = dataclasses.replace(cfg, data=dataclasses.replace(d, **batch))
     return cfg

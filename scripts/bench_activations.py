@@ -26,10 +26,10 @@ def measure(name: str, tokens: int, seq: int) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from jaxzero.memory import GiB, transient_activations
     from jaxzero.models import build_model
     from jaxzero.models.sizes import named_model_config
     from jaxzero.objective import head_loss
+    from jaxzero.planner.memory import GiB, transient_activations
 
     seq = seq or tokens  # 0: one sequence of all the tokens
     mcfg = named_model_config(name)

@@ -6,7 +6,7 @@
 Synthetic tokens; `--warmup` steps (compilation) then `--steps` timed ones, each waited for. Prints
 one JSON line and a short table: seconds per step (median), tokens/s, TFLOP/s counted as 6 x base
 parameters x tokens (the frozen base's forward, recomputation and input gradients), the GPU's peak
-memory and the process's RSS, beside what the plan predicted (`jaxzero.finetune.plan`).
+memory and the process's RSS, beside what the plan predicted (`jaxzero.planner.partial`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def main() -> None:
 
     from jaxzero.config import TrainConfig
     from jaxzero.overrides import apply_overrides
-    from jaxzero.preflight import prepare
+    from jaxzero.planner.preflight import decide_before_jax
 
     over = {
         "model.name": args.model,
@@ -47,7 +47,7 @@ def main() -> None:
         **dict(kv.split("=", 1) for kv in args.set),
     }
     cfg = apply_overrides(TrainConfig(), over)
-    decision = prepare(cfg)  # XLA's share of the GPU and its pinned pool, before JAX starts
+    decision = decide_before_jax(cfg)  # XLA's share of the GPU and its pinned pool, before JAX starts
 
     import jax
     import numpy as np

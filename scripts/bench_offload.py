@@ -160,13 +160,14 @@ def run_step_case(case: str, args) -> dict:
     import jax
     import numpy as np
 
-    from jaxzero import distributed, preflight
+    from jaxzero import distributed
     from jaxzero.config import TrainConfig
     from jaxzero.data import DataShard, build_data
     from jaxzero.loop import settle_heap
     from jaxzero.metrics import host_rss_gib
     from jaxzero.models.sizes import flops_per_token, param_count
     from jaxzero.overrides import apply_overrides
+    from jaxzero.planner import preflight
     from jaxzero.trainer import build_trainer
 
     # Every case names its placement: the planner (offload.*=auto, the default) would choose its own;
@@ -215,7 +216,8 @@ def run_step_case(case: str, args) -> dict:
     # As the program does: the placement decided before JAX's backend starts, which lets XLA's
     # allocator take 95% of each GPU and sizes the pinned pool for it (the library path decides on
     # a backend already running at XLA's default share).
-    decision = preflight.prepare(cfg, distributed.detect())  # bench_mesh.py's processes: its variables
+    # bench_mesh.py's processes: its variables
+    decision = preflight.decide_before_jax(cfg, distributed.detect())
     trainer = build_trainer(decision.config, decision=decision)
     data = build_data(
         cfg.data, cfg.model.vocab_size, cfg.seed, DataShard(jax.process_index(), jax.process_count())
@@ -287,10 +289,11 @@ def run_step_case(case: str, args) -> dict:
 def _predicted(trainer) -> dict:
     import jax
 
-    from jaxzero import memory, placement, runtime
+    from jaxzero import placement, runtime
     from jaxzero.models import build_model
-    from jaxzero.plan.cost import predict
-    from jaxzero.plan.machine import detect_machine
+    from jaxzero.planner import memory
+    from jaxzero.planner.cost import predict
+    from jaxzero.planner.machine import detect_machine
 
     mesh = trainer.mesh
     machine = detect_machine(

@@ -1,5 +1,5 @@
 """Host RSS around checkpoint saves of an offloaded run, in one process: build the trainer as the
-program does (`preflight.prepare`, then `build_trainer`), run 3 steps, then twice: save (blocking
+program does (`preflight.decide_before_jax`, then `build_trainer`), run 3 steps, then twice: save (blocking
 until written), drop the saved state, collect, `malloc_trim`, 3 more steps; RSS (and its anonymous,
 file and shared parts) printed after each. A save should leave RSS where it was: it copies the
 accelerator's units one part at a time and keeps nothing.
@@ -18,9 +18,9 @@ import shutil
 import sys
 import time
 
-from jaxzero import preflight
 from jaxzero.config import TrainConfig
 from jaxzero.overrides import apply_overrides
+from jaxzero.planner import preflight
 
 DEFAULTS = {
     "model.name": "llama-3.4b-bench",
@@ -49,7 +49,7 @@ def rss() -> dict[str, float]:
 def main() -> None:
     cfg = apply_overrides(TrainConfig(), {**DEFAULTS, **dict(kv.split("=", 1) for kv in sys.argv[1:])})
     shutil.rmtree(cfg.run_dir, ignore_errors=True)
-    decision = preflight.prepare(cfg)  # before JAX starts: sizes XLA's pinned pool for the placement
+    decision = preflight.decide_before_jax(cfg)  # before JAX starts: sizes XLA's pinned pool for it
     import jax
 
     from jaxzero.checkpoint import Checkpointer

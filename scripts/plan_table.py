@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import re
 
-from jaxzero import preflight
 from jaxzero.config import ConfigError
 from jaxzero.overrides import parse_args
+from jaxzero.planner import preflight
 
 MODELS = ("llama-3.4b-bench", "llama-7b", "llama-13b", "llama-20b")
 GPUS = (("H200", 133), ("H100", 75))

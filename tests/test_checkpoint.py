@@ -396,7 +396,7 @@ def test_a_save_and_a_restore_take_the_buffer_and_one_unit_of_host_ram_whatever_
     restore into a state the trainer can step (against a fresh state's RSS) each add at most what the
     plan counts for them (`memory.checkpoint_bytes`: the buffer, one unit, Orbax's working memory),
     a fraction of the state."""
-    from jaxzero.plan.calibration import SAVE_WORKING_BYTES
+    from jaxzero.planner.calibration import SAVE_WORKING_BYTES
 
     run = [*RSS_RUN, f"--offload.disk_path={tmp_path / 'disk'}"]
 

@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from jaxzero import memory
 from jaxzero.config import CheckpointConfig, ConfigError, ModelConfig, OffloadConfig, TrainConfig
 from jaxzero.config_checks import validate
 from jaxzero.models.sizes import named_model_config, param_count
 from jaxzero.overrides import apply_overrides, config_from_dict, parse_args
+from jaxzero.planner import memory
 
 
 @pytest.mark.parametrize(

@@ -21,11 +21,12 @@ import numpy as np
 import pytest
 from subprocess_run import user_env
 
-from jaxzero import placement, preflight, runtime
+from jaxzero import placement, runtime
 from jaxzero.config import ConfigError, TrainConfig
 from jaxzero.data import build_data
 from jaxzero.offload import host_kernels
 from jaxzero.overrides import apply_overrides
+from jaxzero.planner import preflight
 from jaxzero.trainer import build_trainer
 
 ADDED = "--xla_gpu_deterministic_ops=true --xla_gpu_exclude_nondeterministic_ops=true"
@@ -42,12 +43,12 @@ def test_prepare_adds_the_flags_once_after_the_users(monkeypatch, before_jax):
     user = "--xla_force_host_platform_device_count=4 --xla_dump_to=/tmp/somewhere"
     monkeypatch.setenv("XLA_FLAGS", user)
     plain = apply_overrides(TrainConfig(), OFFLOADED)
-    preflight.prepare(plain)
+    preflight.decide_before_jax(plain)
     assert os.environ["XLA_FLAGS"] == user  # determinism off: untouched
     deterministic = apply_overrides(TrainConfig(), {**OFFLOADED, "determinism": "true"})
-    preflight.prepare(deterministic)
+    preflight.decide_before_jax(deterministic)
     assert os.environ["XLA_FLAGS"] == f"{user} {ADDED}"
-    preflight.prepare(deterministic)  # again (a second run in this process): nothing repeated
+    preflight.decide_before_jax(deterministic)  # again (a second run in this process): nothing repeated
     assert os.environ["XLA_FLAGS"] == f"{user} {ADDED}"
     monkeypatch.delenv("XLA_FLAGS")
     runtime.request_determinism()
@@ -81,17 +82,17 @@ def test_refused_once_an_accelerators_backend_runs_without_them(monkeypatch):
 
 
 def test_a_program_starts_jax_with_the_flags_this_xla_knows():
-    """Through `prepare`, as `python -m jaxzero.train` calls it, in a fresh process: the flags are in
-    `XLA_FLAGS` before the backend starts, and it starts (XLA ends a process whose `XLA_FLAGS` names a
-    flag it does not know)."""
+    """Through `decide_before_jax`, as `python -m jaxzero.train` calls it, in a fresh process: the flags
+    are in `XLA_FLAGS` before the backend starts, and it starts (XLA ends a process whose `XLA_FLAGS`
+    names a flag it does not know)."""
     code = (
         "import os\n"
         "from jax._src import xla_bridge\n"
-        "from jaxzero import preflight\n"
+        "from jaxzero.planner import preflight\n"
         "from jaxzero.config import TrainConfig\n"
         "from jaxzero.overrides import apply_overrides\n"
         "cfg = apply_overrides(TrainConfig(), {'determinism': 'true', 'offload.optimizer': 'cpu'})\n"
-        "preflight.prepare(cfg)\n"
+        "preflight.decide_before_jax(cfg)\n"
         "assert not xla_bridge.backends_are_initialized()\n"
         "import jax\n"
         "assert int(jax.jit(lambda x: x + 1)(1)) == 2\n"

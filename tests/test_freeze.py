@@ -15,10 +15,10 @@ from jaxzero import train as train_lib
 from jaxzero.checkpoint_masters import load_masters, read_saved_state
 from jaxzero.config import ConfigError, TrainConfig
 from jaxzero.config_checks import validate
-from jaxzero.finetune.plan import partial_bytes, partial_memory
 from jaxzero.models import ModelParams, build_model
 from jaxzero.objective import loss_fn, step_weight
 from jaxzero.overrides import apply_overrides
+from jaxzero.planner.partial import partial_bytes, partial_memory
 
 FREEZE = {
     "finetune.freeze": "embed,blocks:0-0",
@@ -163,7 +163,7 @@ def test_wrong_freeze_settings_are_refused_before_any_work(over, message):
 
 
 def test_the_plan_counts_the_work_and_the_link_a_frozen_bottom_saves():
-    from jaxzero.finetune.plan import link_bytes, step_flops
+    from jaxzero.planner.partial import link_bytes, step_flops
 
     cfg = apply_overrides(TrainConfig(), {"model.name": "gpt2-small", "finetune.freeze": "embed,blocks:0-5",
                                           "data.batch_size": "8", "data.seq_len": "1024"})  # fmt: skip
@@ -192,8 +192,8 @@ def test_an_int8_frozen_part_trains():
 
 
 def test_the_programs_tflops_count_only_the_work_a_frozen_part_leaves():
-    from jaxzero.finetune.plan import model_flops_per_token
     from jaxzero.models.sizes import block_matmul_params, flops_per_token
+    from jaxzero.planner.partial import model_flops_per_token
 
     base = {"model.name": "llama-3.1-8b", "data.seq_len": "2048"}
     cfg = apply_overrides(TrainConfig(), {**base, "finetune.method": "lora"})

@@ -171,22 +171,25 @@ def test_the_directions_of_the_layers():
     forbidden = {
         # The package's names are imported on first use: importing any module loads no other layer.
         "jaxzero": {"jaxzero"},
-        "jaxzero.models": {"jaxzero.plan", "jaxzero.placement", "jaxzero.memory", "jaxzero.offload"},
+        "jaxzero.models": {"jaxzero.plan", "jaxzero.planner", "jaxzero.placement", "jaxzero.offload"},
         # The engine and the contract every trainer returns: no Orbax, run directory, exporter, CLI,
         # logging of the run or program (saving, restoring and exporting are `jaxzero.state_io`'s).
         "jaxzero.offload": STORAGE | CONFIG_BUILDING | THE_RUN | PROGRAMS,
         "jaxzero.state": STORAGE | CONFIG_BUILDING | THE_RUN | PROGRAMS | ENGINES | {"jaxzero.data"},
-        # The plan's resolution is below the memory check; the planner, which counts each placement's
-        # memory, is above it (and below the engines), and `python -m jaxzero.plan` is a program.
-        "jaxzero.plan": {"jaxzero.offload", "jaxzero.placement", "jaxzero.memory", "jaxzero.trainer"},
+        # The plan the engines read is below everything that decides: it imports nothing of the
+        # planner (which counts each placement's memory); `python -m jaxzero.plan` is a program.
+        "jaxzero.plan": {"jaxzero.offload", "jaxzero.placement", "jaxzero.planner", "jaxzero.trainer"},
+        # The planner is below the engines, the run and storage; its search and its parts below the
+        # shardings too (the resolution pass, `preflight`, reads the model's shapes through them).
+        "jaxzero.planner": STORAGE | ENGINES | THE_RUN | PROGRAMS,
         **{
-            f"jaxzero.plan.{m}": {"jaxzero.offload", "jaxzero.placement", "jaxzero.trainer"}
-            for m in ("machine", "cost", "candidates", "search", "report")
+            f"jaxzero.planner.{m}": {"jaxzero.offload", "jaxzero.placement", "jaxzero.trainer"}
+            for m in ("machine", "cost", "candidates", "search", "report", "partial")
         },
         # The calibration is data; the memory plan only counts: no Orbax, no process environment, no
         # engine.
-        "jaxzero.plan.calibration": {"jaxzero"},
-        "jaxzero.memory": STORAGE | ENGINES | {"jaxzero.runtime"},
+        "jaxzero.planner.calibration": {"jaxzero"},
+        "jaxzero.planner.memory": STORAGE | ENGINES | {"jaxzero.runtime"},
     }
     wrong = []
     for layer, names in forbidden.items():

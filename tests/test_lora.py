@@ -20,13 +20,13 @@ from jaxzero.data import build_data
 from jaxzero.finetune.adapters import adapter_shapes, lora_spec
 from jaxzero.finetune.base import narrow_block
 from jaxzero.finetune.merged import merge_block, widen
-from jaxzero.finetune.plan import partial_memory as lora_memory
 from jaxzero.finetune.trainer import PartialTrainer, build_partial_trainer
 from jaxzero.models import ModelParams, build_model
 from jaxzero.models.lora import merge_trees, quantize_kernel
 from jaxzero.objective import loss_fn, step_weight
 from jaxzero.overrides import apply_overrides
 from jaxzero.plan import resolve_plan
+from jaxzero.planner.partial import partial_memory as lora_memory
 from jaxzero.state_io import restore_state
 
 LORA = {
@@ -310,8 +310,8 @@ def test_the_base_is_the_seeds_whatever_key_starts_the_adapters():
 
 
 def test_the_plan_counts_the_pinned_pool_and_three_streamed_blocks():
-    from jaxzero import memory
-    from jaxzero.finetune.plan import partial_bytes as lora_bytes
+    from jaxzero.planner import memory
+    from jaxzero.planner.partial import partial_bytes as lora_bytes
 
     cfg = lora_cfg(**{"model.name": "llama-3.1-70b", "finetune.base_dtype": "int8", "data.batch_size": "16",
                       "data.seq_len": "2048", "data.grad_accum": "1"})  # fmt: skip

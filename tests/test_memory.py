@@ -5,11 +5,12 @@ import os
 import jax
 import pytest
 
-from jaxzero import memory, runtime
+from jaxzero import runtime
 from jaxzero.config import ConfigError, TrainConfig
 from jaxzero.models.sizes import param_count, unit_param_counts
 from jaxzero.overrides import apply_overrides
-from jaxzero.plan.calibration import SAVE_WORKING_BYTES
+from jaxzero.planner import memory
+from jaxzero.planner.calibration import SAVE_WORKING_BYTES
 
 GiB = 2**30
 RESIDENT = {"offload.optimizer": "none", "offload.params": "none"}

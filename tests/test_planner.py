@@ -10,19 +10,20 @@ import jax
 import numpy as np
 import pytest
 
-from jaxzero import memory, placement, preflight, runtime
+from jaxzero import placement, runtime
 from jaxzero.config import ConfigError, TrainConfig
 from jaxzero.config_checks import validate
 from jaxzero.data import build_data
-from jaxzero.memory import GiB, host_ram_need, plan_memory
 from jaxzero.models.sizes import unit_param_counts
 from jaxzero.overrides import apply_overrides, parse_args
-from jaxzero.plan import Tier, resolve_plan, search
+from jaxzero.plan import Tier, resolve_plan
 from jaxzero.plan.__main__ import main as plan_main
-from jaxzero.plan.calibration import CUDA_CONTEXT_BYTES, GPU_HEADROOM, SAVE_WORKING_BYTES
-from jaxzero.plan.cost import predict
-from jaxzero.plan.machine import H200, Accelerators, Machine, accelerators_before_backend, detect_machine
-from jaxzero.plan.search import PREFER_SIMPLER, concrete, decide
+from jaxzero.planner import memory, preflight, search
+from jaxzero.planner.calibration import CUDA_CONTEXT_BYTES, GPU_HEADROOM, SAVE_WORKING_BYTES
+from jaxzero.planner.cost import predict
+from jaxzero.planner.machine import H200, Accelerators, Machine, accelerators_before_backend, detect_machine
+from jaxzero.planner.memory import GiB, host_ram_need, plan_memory
+from jaxzero.planner.search import PREFER_SIMPLER, choose, concrete
 from jaxzero.trainer import build_trainer
 
 BENCH = {"model.name": "llama-3.4b-bench", "data.seq_len": "2048", "data.batch_size": "8"}
@@ -41,7 +42,7 @@ def h200(gpu_gib: float, host_gib: float = 125) -> Machine:
 
 
 def test_resident_when_everything_fits_the_gpu():
-    d = decide(cfg(), h200(139))
+    d = choose(cfg(), h200(139))
     assert d.plan.mode == "resident" and d.config.offload.optimizer == d.config.offload.params == "none"
     assert d.bottleneck == "GPU compute" and concrete(d.config) and not concrete(cfg())
     assert "embed, blocks 0-27, head: weights GPU, state GPU (updated on GPU)" in d.table()
@@ -50,7 +51,7 @@ def test_resident_when_everything_fits_the_gpu():
 def test_zero_offload_keeps_part_of_the_state_on_a_gpu_too_small_for_all_of_it():
     """40 GiB: the resident step (44 GiB: masters, moments and gradients) does not fit; the bf16 weights
     and the state of the first units do, and they hide the host update of the rest."""
-    d = decide(cfg(), h200(40))
+    d = choose(cfg(), h200(40))
     k = d.config.offload.device_state_units
     assert d.plan.mode == "ZeRO-Offload" and 0 < k < 30 and d.plan.streamed_blocks == 0
     assert [u.state for u in d.plan.units] == [Tier.DEVICE] * k + [Tier.HOST] * (30 - k)
@@ -65,7 +66,7 @@ def test_zero_offload_keeps_part_of_the_state_on_a_gpu_too_small_for_all_of_it()
 
 
 def test_zero3_streams_the_weights_when_they_do_not_fit():
-    d = decide(cfg(), h200(14))
+    d = choose(cfg(), h200(14))
     assert d.plan.mode == "ZeRO-3 offload" and d.plan.streamed_blocks > 0
     assert d.config.offload.params == d.config.offload.optimizer == "cpu"
     assert "weights streamed from pinned host, state host RAM (updated on CPU)" in d.table()
@@ -75,34 +76,34 @@ def test_two_pass_updates_are_turned_off_when_only_that_fits():
     """Adaptive two-pass updates keep gradients pinned a step longer: with 45 GiB of host RAM only
     one-pass updates fit beside a 30 GiB GPU, with 50 GiB two-pass ones do; a placement may fill 95%
     of the RAM, the process's own memory included."""
-    assert decide(cfg(), h200(30, 50)).config.offload.two_pass_units == -1
-    d = decide(cfg(), h200(30, 45))
+    assert choose(cfg(), h200(30, 50)).config.offload.two_pass_units == -1
+    d = choose(cfg(), h200(30, 45))
     assert d.config.offload.two_pass_units == 0 and "offload.two_pass_units=0" in d.decided
     assert host_ram_need(d.memory, cpu_backend=False) <= 0.95 * 45 * GiB
     assert d.plan.host_update.two_pass.max_units == 0
     # Asked for explicitly, adaptive two-pass updates stay: the explicit placement does not fit.
     with pytest.raises(ConfigError, match="as configured"):
-        decide(cfg(**ZERO3, **{"offload.device_state_units": "16"}), h200(30, 45))
+        choose(cfg(**ZERO3, **{"offload.device_state_units": "16"}), h200(30, 45))
 
 
 def test_block_inputs_move_to_pinned_memory_only_where_the_gpu_cannot_hold_them():
     """A GPU sized between the full-offload step with block inputs kept and with them in pinned host
     memory: only the latter fits, and the link then carries them both ways (the cost model's link
     term). Where everything fits, they stay on the GPU."""
-    assert decide(cfg(), h200(139)).config.offload.activations == "none"
+    assert choose(cfg(), h200(139)).config.offload.activations == "none"
     long = cfg(**{"data.seq_len": "16384", "model.max_seq_len": "16384", "data.batch_size": "1"})
     streamed = apply_overrides(long, ZERO3)
     away = apply_overrides(streamed, {"offload.activations": "cpu"})
     on_gpu = [plan_memory(c, resolve_plan(c)) for c in (streamed, away)]
     kept_gib, away_gib = ((n.accelerator_state + n.activations) / GiB for n in on_gpu)
     assert away_gib < kept_gib - 1
-    d = decide(long, h200((kept_gib + away_gib) / 2, 250))
+    d = choose(long, h200((kept_gib + away_gib) / 2, 250))
     assert d.config.offload.activations == "cpu" and d.plan.offloads_activations
     assert "offload.activations=cpu" in d.decided and "block inputs: wait" in d.table()
     kept = dataclasses.replace(d.config, offload=dataclasses.replace(d.config.offload, activations="none"))
     assert predict(d.config, d.plan, d.machine).link_s > predict(kept, resolve_plan(kept), d.machine).link_s
     # An explicit placement is the user's: the planner leaves the inputs where they are (and warns).
-    explicit = decide(streamed, h200((kept_gib + away_gib) / 2, 250))
+    explicit = choose(streamed, h200((kept_gib + away_gib) / 2, 250))
     assert explicit.config.offload.activations == "none" and explicit.warning
 
 
@@ -110,9 +111,9 @@ def test_a_checkpoint_costs_its_buffer_and_one_unit_in_either_mode():
     """Saves write the state from where it lives: asynchronous or blocking, a checkpoint adds the
     same host RAM (`checkpoint.buffer_gib` and one unit), so the planner never changes the mode."""
     placed = {**ZERO3, "offload.device_state_units": "16", "offload.two_pass_units": "0"}
-    on = decide(cfg(**placed), h200(30, 65))
-    blocking = decide(cfg(**placed, **{"checkpoint.async_save": "false"}), h200(30, 65))
-    off = decide(cfg(**placed, **{"checkpoint.enabled": "false"}), h200(30, 65))
+    on = choose(cfg(**placed), h200(30, 65))
+    blocking = choose(cfg(**placed, **{"checkpoint.async_save": "false"}), h200(30, 65))
+    off = choose(cfg(**placed, **{"checkpoint.enabled": "false"}), h200(30, 65))
     assert on.config.checkpoint.async_save and not any("checkpoint" in k for k in on.decided)
     assert on.memory.host == blocking.memory.host
     unit = 12 * max(unit_param_counts(on.config.model))  # masters + AdamW of the largest unit
@@ -123,14 +124,14 @@ def test_a_checkpoint_costs_its_buffer_and_one_unit_in_either_mode():
 def test_explicit_settings_are_honoured():
     pinned = {"offload.resident_blocks": "2", "offload.device_state_units": "0"}
     explicit = cfg(**ZERO3, **pinned)
-    d = decide(explicit, h200(139))  # resident would fit and be faster: not the planner's to choose
+    d = choose(explicit, h200(139))  # resident would fit and be faster: not the planner's to choose
     assert d.config == explicit and d.decided == () and d.plan.streamed_blocks == 26
     # offload.optimizer=cpu with every unit's state pinned to the host: params decided, nothing else.
-    d = decide(cfg(**{"offload.optimizer": "cpu", "offload.device_state_units": "0"}), h200(139))
+    d = choose(cfg(**{"offload.optimizer": "cpu", "offload.device_state_units": "0"}), h200(139))
     assert d.plan.mode == "ZeRO-Offload" and d.plan.device_state_units == 0
     assert d.decided == ("offload.params=none",)
     # offload.params=cpu decides the optimizer's tier (it must be cpu) and the units on the GPU.
-    d = decide(cfg(**{"offload.params": "cpu"}), h200(139))
+    d = choose(cfg(**{"offload.params": "cpu"}), h200(139))
     assert d.plan.mode == "ZeRO-3 offload" and d.config.offload.optimizer == "cpu"
 
 
@@ -145,7 +146,7 @@ def test_auto_keys_pass_validation_and_machine_keys_are_checked():
 
 def test_refusal_says_what_was_needed_and_what_would_fit():
     with pytest.raises(ConfigError) as e:
-        decide(
+        choose(
             cfg(**{"model.name": "llama-20b", "data.batch_size": "16", "checkpoint.async_save": "false"}),
             h200(139),
         )
@@ -160,35 +161,35 @@ def test_refusal_says_what_was_needed_and_what_would_fit():
     assert "the largest named model that fits with these settings is llama-13b (13.02B parameters)" in text
     # llama-13b with float32 moments fits that box with checkpoints on, saved in the background; with
     # 60 GiB of host RAM only bfloat16 moments fit.
-    thirteen = decide(cfg(**{"model.name": "llama-13b"}), h200(139))
+    thirteen = choose(cfg(**{"model.name": "llama-13b"}), h200(139))
     assert thirteen.config.checkpoint.async_save and not any("checkpoint" in k for k in thirteen.decided)
     with pytest.raises(ConfigError, match=r"It fits with optimizer.state_dtype=bfloat16"):
-        decide(cfg(**{"model.name": "llama-13b"}), h200(139, 60))
+        choose(cfg(**{"model.name": "llama-13b"}), h200(139, 60))
     # A model whose state fits no batch size.
     with pytest.raises(ConfigError, match="no data.batch_size fits, not even 1"):
-        decide(cfg(**{"model.name": "llama-30b"}), h200(139))
+        choose(cfg(**{"model.name": "llama-30b"}), h200(139))
     # An explicit placement is not adapted, so the refusal names the fewest settings that fit it:
     # Llama-3.1-8B's shape under full offload on an H100 with 128 GiB of host RAM (issue 15's
     # fine-tune ran it with checkpoints off on a 125 GiB box), with checkpoints on and every unit's
     # state pinned to the host: bf16 moments and one-pass updates.
     full = {**ZERO3, "model.name": "llama-3.1-8b", "data.seq_len": "1024", "offload.device_state_units": "0"}
     with pytest.raises(ConfigError) as e:
-        decide(cfg(**full), h200(79.2, 128))
+        choose(cfg(**full), h200(79.2, 128))
     assert (
         "It fits with optimizer.state_dtype=bfloat16 (half the moments' bytes) and offload.two_pass_units=0 "
         "(one-pass updates: no gradients kept pinned for a second pass)." in str(e.value)
     )
     fitted = {**full, "optimizer.state_dtype": "bfloat16", "offload.two_pass_units": "0"}
-    assert decide(cfg(**fitted), h200(79.2, 128)).plan.mode.startswith("ZeRO-3")
+    assert choose(cfg(**fitted), h200(79.2, 128)).plan.mode.startswith("ZeRO-3")
     lean = {**full, "optimizer.state_dtype": "bfloat16", "checkpoint.enabled": "false"}
     with pytest.raises(ConfigError, match=r"It fits with offload.two_pass_units=0 \(one-pass updates"):
-        decide(cfg(**lean), h200(79.2))
-    assert decide(cfg(**lean, **{"offload.two_pass_units": "0"}), h200(79.2)).plan.mode.startswith("ZeRO-3")
+        choose(cfg(**lean), h200(79.2))
+    assert choose(cfg(**lean, **{"offload.two_pass_units": "0"}), h200(79.2)).plan.mode.startswith("ZeRO-3")
 
 
 def test_cost_model_matches_the_measured_steps():
     """The model against BENCHMARKS.md's steps on one H200 (the defaults' box), within 20%: a fixed
-    tolerance, documented in `jaxzero.plan.cost`. Each case is (overrides, measured s/step)."""
+    tolerance, documented in `jaxzero.planner.cost`. Each case is (overrides, measured s/step)."""
     machine = detect_machine(
         cfg(**{"machine.gpu_gib": "139", "machine.host_gib": "125", "machine.cores": "16"})
     )
@@ -258,7 +259,7 @@ def test_a_fixed_pinned_pool_is_a_limit():
     """Once XLA's pool is fixed (a backend running), a placement that needs more pinned memory does not
     fit: here adaptive two-pass updates (28 GB of pool) against a 20 GB cap."""
     capped = dataclasses.replace(h200(14), pinned_limit_gb=20.0)
-    d = decide(cfg(), capped)
+    d = choose(cfg(), capped)
     assert d.config.offload.two_pass_units == 0 and memory.pinned_pool_minimum_gb(d.memory) <= 20
 
 
@@ -284,10 +285,10 @@ def test_plan_cli_prints_the_table_and_refuses_with_status_2(capsys, monkeypatch
 def test_cpu_backend_plans_with_host_ram_as_the_device_memory():
     machine = detect_machine(TrainConfig(), jax.devices()[0])
     assert machine.gpu_bytes is None and machine.kind == "CPU" and machine.pinned_limit_gb is None
-    assert decide(TrainConfig(), machine).plan.mode == "resident"
+    assert choose(TrainConfig(), machine).plan.mode == "resident"
     small = dataclasses.replace(machine, host_bytes=1 * GiB)
     with pytest.raises(ConfigError, match="more RAM .* of RAM on this CPU-only machine"):
-        decide(cfg(), small)
+        choose(cfg(), small)
 
 
 def tiny(**over: str) -> TrainConfig:
@@ -311,7 +312,7 @@ def test_an_explicit_mode_gets_the_spare_gpu_memory_for_the_first_needed_units(m
     an explicit ZeRO-Offload or ZeRO-3 placement keeps its mode, and the planner gives the fewest
     first units' state to the GPU that close that wait (a unit fewer is predicted >1% slower), where
     the GPU has room; `offload.device_state_units=0` pins every unit's state to the host."""
-    d = decide(cfg(**mode), h200(139))
+    d = choose(cfg(**mode), h200(139))
     k = d.plan.device_state_units
     assert 0 < k < d.config.model.num_layers + 2 and d.decided == (f"offload.device_state_units={k}",)
     assert (d.config.offload.optimizer, d.config.offload.params) == (
@@ -329,18 +330,18 @@ def test_an_explicit_mode_gets_the_spare_gpu_memory_for_the_first_needed_units(m
     assert predicted(k - 1).step_s > 1.01 * predicted(k).step_s
     assert predicted(0).step_s > 1.2 * predicted(k).step_s
     assert predicted(k).exposed_s < predicted(0).exposed_s
-    pinned = decide(cfg(**mode, **{"offload.device_state_units": "0"}), h200(139))
+    pinned = choose(cfg(**mode, **{"offload.device_state_units": "0"}), h200(139))
     assert pinned.plan.device_state_units == 0 and pinned.decided == ()
     # A GPU with room for the mode's own needs only: no unit's state goes there.
     room = pinned.memory.accelerator_state + pinned.memory.activations
-    tight = decide(cfg(**mode), h200(1.02 * room / GiB / (1 - GPU_HEADROOM)))
+    tight = choose(cfg(**mode), h200(1.02 * room / GiB / (1 - GPU_HEADROOM)))
     assert tight.plan.device_state_units == 0
 
 
 def test_an_explicit_zero3_mode_streams_a_block_however_host_bound():
     """Where the host update bounds the step (one 2,048-token sequence), more units' state on the GPU
     keeps helping, but an explicit ZeRO-3 mode keeps streaming its last block."""
-    d = decide(cfg(**ZERO3, **{"data.batch_size": "1"}), h200(139))
+    d = choose(cfg(**ZERO3, **{"data.batch_size": "1"}), h200(139))
     assert d.plan.mode == "ZeRO-3 offload" and d.plan.streamed_blocks == 1
     assert d.plan.device_state_units == d.config.model.num_layers
 
@@ -351,7 +352,7 @@ def test_a_refused_explicit_mode_advises_only_what_the_search_would_accept():
     no advice is computed from one that does not (it once advised a negative amount of host RAM)."""
     over = {**ZERO3, "model.name": "llama-7b", "data.seq_len": "4096", "data.batch_size": "16"}
     with pytest.raises(ConfigError) as e:
-        decide(cfg(**over), h200(79.2, 60))
+        choose(cfg(**over), h200(79.2, 60))
     text = str(e.value)
     more = re.search(r"add more host RAM: (-?[\d.]+) GiB more", text)
     gpu = re.search(r"or a GPU with ([\d.]+) GiB of memory", text)
@@ -384,7 +385,7 @@ def test_build_trainer_leaves_an_explicit_placement_to_the_memory_check(monkeypa
     def no_planner(*args, **kwargs):
         raise AssertionError("the planner ran for an explicit placement")
 
-    monkeypatch.setattr(search, "decide", no_planner)
+    monkeypatch.setattr(search, "choose", no_planner)
     explicit = tiny(**ZERO3, **{"offload.device_state_units": "0"})
     trainer = build_trainer(explicit, placement.make_mesh(jax.devices()[:1]))
     assert trainer.plan.mode == "ZeRO-3 offload"
@@ -399,8 +400,8 @@ def test_the_disk_tier_takes_the_fewest_last_units_only_where_nothing_else_fits(
                "checkpoint.enabled": "false"})  # fmt: skip
     box = h200(139, 90)
     with pytest.raises(ConfigError, match="more free local disk"):
-        decide(c, box)
-    d = decide(c, dataclasses.replace(box, disk_bytes=64 * GiB))
+        choose(c, box)
+    d = choose(c, dataclasses.replace(box, disk_bytes=64 * GiB))
     disk = d.plan.disk_units
     units = len(d.plan.units)
     assert disk and [u.position for u in disk] == list(range(units - len(disk), units))
@@ -415,13 +416,13 @@ def test_the_disk_tier_takes_the_fewest_last_units_only_where_nothing_else_fits(
     assert host_ram_need(need, cpu_backend=False) > box.host_usable
     # A model that fits without the disk never uses it, whatever disk there is, and a disk path
     # given for the planner to use goes unused.
-    assert not decide(cfg(), dataclasses.replace(h200(40), disk_bytes=64 * GiB)).plan.disk_units
+    assert not choose(cfg(), dataclasses.replace(h200(40), disk_bytes=64 * GiB)).plan.disk_units
     with_path = cfg(**{"offload.disk_path": "/never/written"})
-    no_disk = decide(with_path, dataclasses.replace(h200(40), disk_bytes=64 * GiB))
+    no_disk = choose(with_path, dataclasses.replace(h200(40), disk_bytes=64 * GiB))
     assert not no_disk.plan.disk_units and not no_disk.config.offload.disk_path
     # Saves and restores read the disk units one at a time: with checkpoints on, the disk keeps them.
     on = dataclasses.replace(c, checkpoint=dataclasses.replace(c.checkpoint, enabled=True))
-    saving = decide(on, dataclasses.replace(box, disk_bytes=64 * GiB))
+    saving = choose(on, dataclasses.replace(box, disk_bytes=64 * GiB))
     assert saving.plan.disk_units and host_ram_need(saving.memory, cpu_backend=False) <= box.host_usable
 
 
@@ -461,15 +462,15 @@ def test_the_pinned_pool_is_sized_for_the_placement_decided_before_jax_starts(tm
     monkeypatch.setattr(runtime, "backends_started", lambda: False)  # as in a program, before JAX starts
     before = preflight.decide(c)  # the run's decision: on the H200 it sees
     on_gpu = dataclasses.replace(c, machine=dataclasses.replace(c.machine, gpu_gib=h200_bytes / GiB))
-    decided = decide(on_gpu, detect_machine(on_gpu, pool_fixed=False))
+    decided = choose(on_gpu, detect_machine(on_gpu, pool_fixed=False))
     assert before.memory == decided.memory and before.decided == decided.decided
     assert before.plan.device_state_units > 0 and before.machine.kind == "H200"
     # prepare sizes the pool for it, and a later decision (its backend running) is the same one.
     monkeypatch.setattr(runtime, "_pool_set_here", {})
     monkeypatch.setenv(runtime.MEM_FRACTION_ENV, "0.95")
-    assert preflight.prepare(c).memory == before.memory
+    assert preflight.decide_before_jax(c).memory == before.memory
     assert os.environ[runtime.PINNED_POOL_ENV] == str(memory.pinned_pool_cap_gb(before.memory.pinned))
-    assert decide(on_gpu, detect_machine(on_gpu)).decided == decided.decided
+    assert choose(on_gpu, detect_machine(on_gpu)).decided == decided.decided
 
 
 @pytest.mark.parametrize(
@@ -493,14 +494,14 @@ def test_a_refusal_leads_with_settings_that_fit_when_applied(over, box):
     before a smaller batch or more memory; applied to the same config, they plan. It never names a
     placement that needs more GPU memory than the machine has."""
     with pytest.raises(ConfigError) as e:
-        decide(cfg(**over), h200(*box))
+        choose(cfg(**over), h200(*box))
     text = str(e.value)
     advice = text.split(". It fits with ", 1)[1].split(". ", 1)[0]
     assert text.index("It fits with") < min(
         (text.index(s) for s in ("With this model", "To fit it") if s in text), default=len(text)
     )
     settings = dict(re.findall(r"([a-z_]+\.[a-z_]+)=(\S+) \(", advice))
-    assert settings and decide(cfg(**over, **settings), h200(*box)).plan is not None
+    assert settings and choose(cfg(**over, **settings), h200(*box)).plan is not None
     usable = h200(*box).gpu_usable
     for needed in re.findall(r"needs ([\d.]+) GiB of GPU memory per device", text):
         assert float(needed) * GiB <= usable
@@ -510,7 +511,7 @@ def test_an_obvious_plan_is_one_line_in_the_words_of_the_device_that_runs():
     """The tiny default on a CPU backend: one line, no GPU words; the table on request says CPU too.
     A GPU placement that offloads, or one that fills most of a memory, is not obvious."""
     cpu = Machine(None, 22 * GiB, 10e9, 10e9, 42e9, 0.1e12, kind="CPU")
-    tiny = decide(apply_overrides(TrainConfig(), {}), cpu)
+    tiny = choose(apply_overrides(TrainConfig(), {}), cpu)
     assert tiny.obvious()
     assert re.fullmatch(
         r"plan: resident \(decided offload.params=none, offload.optimizer=none\); [\d.]+ GiB of 20.9 GiB "
@@ -519,10 +520,10 @@ def test_an_obvious_plan_is_one_line_in_the_words_of_the_device_that_runs():
     ), tiny.line()
     table = tiny.table()
     assert "GPU" not in table and "bottleneck: CPU compute" in table and "a CPU backend's" in table
-    assert decide(cfg(), h200(139)).obvious()  # resident, a third of the card
-    assert decide(cfg(), h200(80)).obvious() is False  # resident, but 60% of the card: worth a table
-    assert "GPU memory" in decide(cfg(), h200(139)).line()
-    assert decide(cfg(**ZERO3), h200(139)).obvious() is False  # the host updates: worth a table
+    assert choose(cfg(), h200(139)).obvious()  # resident, a third of the card
+    assert choose(cfg(), h200(80)).obvious() is False  # resident, but 60% of the card: worth a table
+    assert "GPU memory" in choose(cfg(), h200(139)).line()
+    assert choose(cfg(**ZERO3), h200(139)).obvious() is False  # the host updates: worth a table
 
 
 def test_saves_that_would_block_much_of_the_run_are_warned_with_an_interval_that_does_not():
@@ -549,5 +550,5 @@ def test_a_long_sequence_within_documents_is_advised_to_attend_across_them():
     long = {"model.name": "llama-7b", "model.max_seq_len": "32768", "data.seq_len": "32768",
             "data.batch_size": "1", "data.eot_id": "2"}  # fmt: skip
     with pytest.raises(ConfigError, match=r"It fits with data.cross_document_attention=true \(attention"):
-        decide(cfg(**long), h200(79.2))
-    assert decide(cfg(**long, **{"data.cross_document_attention": "true"}), h200(79.2)).plan is not None
+        choose(cfg(**long), h200(79.2))
+    assert choose(cfg(**long, **{"data.cross_document_attention": "true"}), h200(79.2)).plan is not None

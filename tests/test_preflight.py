@@ -1,4 +1,5 @@
-"""The decision made once: the shapes the planner reads before JAX starts equal the model's, the
+"""The decision made once: one CLI run (and one library `build_trainer`) validates its config once and
+resolves its batch once, the shapes the planner reads before JAX starts equal the model's, the
 devices are told without starting a backend, and a trainer given a decision builds from it without
 planning again (and refuses one made for another config)."""
 
@@ -14,11 +15,14 @@ import numpy as np
 import pytest
 from subprocess_run import user_env
 
-from jaxzero import placement, preflight
+from jaxzero import config_checks, placement
+from jaxzero import train as train_lib
 from jaxzero.config import ConfigError, ModelConfig, TrainConfig
 from jaxzero.models import build_model
 from jaxzero.models.sizes import unit_param_shapes
-from jaxzero.plan import resolve_plan, search
+from jaxzero.overrides import apply_overrides
+from jaxzero.plan import resolve_plan
+from jaxzero.planner import preflight, search
 from jaxzero.trainer import build_trainer, decide_and_build
 
 MODELS = [
@@ -27,6 +31,49 @@ MODELS = [
     ModelConfig(name="llama-tiny", attention_bias=True, num_heads=8, num_kv_heads=2, hidden_size=96),
     ModelConfig(name="gpt2-tiny"),
 ]
+
+
+TINY = {
+    "steps": "2",
+    "data.seq_len": "16",
+    "data.batch_size": "4",
+    "model.num_layers": "1",
+    "logging.progress": "false",
+    "offload.optimizer": "cpu",
+}
+
+
+def counted_resolutions(monkeypatch: pytest.MonkeyPatch) -> Counter:
+    """How often `validate` and `resolve_batch` run from here on, counted wherever a jaxzero module
+    looks them up (each module that imported one holds its own name for it)."""
+    counts: Counter = Counter()
+    for name in ("validate", "resolve_batch"):
+        original = getattr(config_checks, name)
+
+        def counted(*args, _name=name, _original=original, **kwargs):
+            counts[_name] += 1
+            return _original(*args, **kwargs)
+
+        for module in list(sys.modules.values()):
+            named = getattr(module, "__name__", None) or ""
+            if named.startswith("jaxzero") and getattr(module, name, None) is original:
+                monkeypatch.setattr(module, name, counted)
+    return counts
+
+
+def test_one_cli_run_validates_once_and_resolves_its_batch_once(tmp_path, monkeypatch):
+    counts = counted_resolutions(monkeypatch)
+    argv = [f"--{k}={v}" for k, v in TINY.items()]
+    assert train_lib.main([*argv, f"--run_dir={tmp_path / 'run'}"]) == 0
+    assert counts == {"validate": 1, "resolve_batch": 1}
+
+
+def test_build_trainer_without_a_decision_resolves_once(monkeypatch):
+    cfg = apply_overrides(TrainConfig(), TINY)
+    counts = counted_resolutions(monkeypatch)
+    trainer = build_trainer(cfg)
+    assert counts == {"validate": 1, "resolve_batch": 1}
+    assert trainer.config.offload.optimizer == "cpu" and trainer.config.data.micro_batch_size == 0
 
 
 @pytest.mark.parametrize("model", MODELS, ids=["tied", "untied", "biases", "gpt2"])
@@ -59,7 +106,7 @@ def test_a_trainer_given_a_decision_builds_from_it_without_planning_again(monkey
     def no_planning(*args, **kwargs):
         raise AssertionError("the trainer planned again")
 
-    monkeypatch.setattr(search, "decide", no_planning)
+    monkeypatch.setattr(search, "choose", no_planning)
     trainer, used = decide_and_build(cfg, decision=decision)
     assert used is decision and trainer.config == decision.config and trainer.plan == decision.plan
 
@@ -96,12 +143,12 @@ def test_the_program_decides_before_jax_starts(tmp_path):
     JAX, even a run whose short warmup is warned about (the warning is computed with JAX)."""
     code = (
         "import sys\n"
-        "import jaxzero.preflight as preflight, jaxzero.runtime as runtime\n"
-        "decide = preflight.prepare\n"
-        "def checked(cfg, processes=None):\n"
+        "import jaxzero.planner.preflight as preflight, jaxzero.runtime as runtime\n"
+        "decide = preflight.decide_before_jax\n"
+        "def checked(cfg, processes=None, **kw):\n"
         "    assert not runtime.backends_started(), 'JAX started before the placement was decided'\n"
-        "    return decide(cfg, processes)\n"
-        "preflight.prepare = checked\n"
+        "    return decide(cfg, processes, **kw)\n"
+        "preflight.decide_before_jax = checked\n"
         "from jaxzero import train\n"
         "sys.exit(train.main(sys.argv[1:]))\n"
     )

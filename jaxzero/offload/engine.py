@@ -49,7 +49,7 @@ def build_offload_trainer(
 
     `pinned_reserve`: bytes (this process's) to allocate and free in the pinned pool before the state's
     first pinned array, so that the pool grows at start-up, not inside a step
-    (`jaxzero.memory.pinned_pool_reservation`).
+    (`jaxzero.planner.memory.pinned_pool_reservation`).
 
     `model` and `optimizer`: the researcher's own, in place of `cfg.model`'s and `cfg.optimizer`'s;
     the optimizer is applied to each unit alone, on the host as optax on XLA:CPU (`build_context`).

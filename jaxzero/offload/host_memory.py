@@ -178,7 +178,7 @@ class HostScalar:
 
 def reserve_pinned(nbytes: int, pinned: jax.sharding.Sharding) -> None:
     """Allocate and free `nbytes` in this process's pinned pool (split over its devices), so that the
-    pool grows now, at start-up, not inside a step (`jaxzero.memory.pinned_pool_reservation`).
+    pool grows now, at start-up, not inside a step (`jaxzero.planner.memory.pinned_pool_reservation`).
     `pinned`: a `pinned_host` sharding whose first axis splits over every device. Raises
     RuntimeError with what to check if the memory cannot be had."""
     local = len(pinned.addressable_devices)

@@ -32,7 +32,7 @@ class StateInit:
 
     pinned_reserve: bytes (this process's) to allocate and free in the pinned pool before the first
     state's first pinned array, so that the pool grows at start-up, not inside a step
-    (`jaxzero.memory.pinned_pool_reservation`); 0 for none.
+    (`jaxzero.planner.memory.pinned_pool_reservation`); 0 for none.
     """
 
     # The jitted functions made here close over the placement, never over `self`: a part holds no

@@ -2,7 +2,7 @@
 
 Config keys say what the user asked for (`offload.two_pass_units=-1`, `offload.fused_update=true`,
 ...); the plan says what this run will do (two-pass updates for up to 30 units, adaptively; the fused
-host kernels; blocks 0-1 resident, 2-27 streamed). The memory check (`jaxzero.memory`), the placement
+host kernels; blocks 0-1 resident, 2-27 streamed). The memory check (`jaxzero.planner.memory`), the placement
 (`jaxzero.placement`), the offload engine and the run's log all read the plan; nothing downstream
 interprets an offload setting or a sentinel again (error messages still quote the user's settings).
 
@@ -219,12 +219,12 @@ class OffloadPlan:
 def resolve_plan(cfg: TrainConfig) -> OffloadPlan:
     """The plan of `cfg`, whose fields each hold a valid value (`validate` checks the combinations;
     this reads the config and the host's core count, nothing else). `auto` settings must have been
-    decided first (`jaxzero.plan.search.decide`; `build_trainer` does)."""
+    decided first (`jaxzero.planner.search.choose`; `build_trainer` does)."""
     o, m = cfg.offload, cfg.model
     if "auto" in (o.params, o.optimizer):
         raise ValueError(
             f"resolve_plan needs decided offload settings (offload.params={o.params}, offload.optimizer="
-            f"{o.optimizer}): decide them with jaxzero.plan.search.decide(cfg, machine) first "
+            f"{o.optimizer}): decide them with jaxzero.planner.search.choose(cfg, machine) first "
             "(build_trainer does), or set both explicitly."
         )
     num_layers = m.num_layers

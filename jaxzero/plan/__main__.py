@@ -2,10 +2,10 @@
 state would live.
 
 Takes the arguments of `python -m jaxzero.train` (the same parsing, presets and checks) and prints
-what the planner (`jaxzero.plan.search`) decides for that run on this machine, or on the machine
+what the planner (`jaxzero.planner.search`) decides for that run on this machine, or on the machine
 `--machine.*` describes: every unit's tier, memory against capacity, the predicted step and its
 bottleneck, and the figures it used. It starts no JAX backend and allocates nothing: the devices are
-told as `python -m jaxzero.train` tells them before JAX starts (`jaxzero.preflight`: `nvidia-smi`,
+told as `python -m jaxzero.train` tells them before JAX starts (`jaxzero.planner.preflight`: `nvidia-smi`,
 or the CPU backend's settings), and it plans for every device, as that run would use them; with
 `--machine.gpu_gib`, for a GPU of that size.
 
@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import sys
 
-from jaxzero import deepspeed, preflight
+from jaxzero import deepspeed
 from jaxzero.config import ConfigError, TrainConfig
 from jaxzero.config_checks import validate
 from jaxzero.console import to_stderr
 from jaxzero.overrides import help_text, layer, split_args
+from jaxzero.planner import preflight
 
 EXIT_CONFIG = 2
 
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
             print(layered.deepspeed.report())
         try:
             # The decision `python -m jaxzero.train` makes before JAX starts, for one process.
-            decision = preflight.decide(cfg)
+            decision = preflight.decide(cfg, validated=True)
         except ConfigError:
             if layered.deepspeed is not None:  # the file's batch keys, refused in its words for these devices
                 deepspeed.check(layered.deepspeed, cfg, preflight.local_devices(cfg))

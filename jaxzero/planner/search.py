@@ -1,17 +1,17 @@
 """The placement planner's search: for this config on this machine, where every unit's weights and
 state live.
 
-`offload.params=auto` and `offload.optimizer=auto` (the defaults) leave the placement to `decide`,
+`offload.params=auto` and `offload.optimizer=auto` (the defaults) leave the placement to `choose`,
 which runs before anything is allocated. It enumerates the placements the config leaves open, keeps
-those that fit the accelerator's memory and host RAM (`jaxzero.plan.candidates`), predicts each one's
-step time (`jaxzero.plan.cost`), and picks the fastest: among placements predicted within 1% of the
+those that fit the accelerator's memory and host RAM (`jaxzero.planner.candidates`), predicts each one's
+step time (`jaxzero.planner.cost`), and picks the fastest: among placements predicted within 1% of the
 fastest, the simplest (resident, then ZeRO-Offload, then ZeRO-3 offload; adaptive two-pass updates;
 the fewest units with state on the accelerator; the fewest resident blocks).
 
-    machine = detect_machine(cfg, device)       # jaxzero.plan.machine; or Machine(...)
-    decision = decide(cfg, machine)             # ConfigError, with what would fit, if nothing does
+    machine = detect_machine(cfg, device)       # jaxzero.planner.machine; or Machine(...)
+    decision = choose(cfg, machine)             # ConfigError, with what would fit, if nothing does
     decision.config                             # cfg with every auto key decided
-    print(decision.table())                     # jaxzero.plan.report
+    print(decision.table())                     # jaxzero.planner.report
 
 The candidates (only keys the user left open are decided; explicit ones are honoured):
 - resident: `offload.optimizer=none`, `offload.params=none`;
@@ -40,16 +40,16 @@ import dataclasses
 import itertools
 from collections.abc import Callable
 
-from jaxzero import memory
 from jaxzero.config import ConfigError, TrainConfig
 from jaxzero.config_checks import validate
-from jaxzero.memory import GiB
 from jaxzero.models.sizes import NAMED_SIZES, param_count
 from jaxzero.plan import resolve_plan
-from jaxzero.plan.candidates import Candidate, Option, evaluate
-from jaxzero.plan.cost import Prediction, predict
-from jaxzero.plan.machine import Machine
-from jaxzero.plan.report import Decision, refusal
+from jaxzero.planner import memory
+from jaxzero.planner.candidates import Candidate, Option, evaluate
+from jaxzero.planner.cost import Prediction, predict
+from jaxzero.planner.machine import Machine
+from jaxzero.planner.memory import GiB
+from jaxzero.planner.report import Decision, refusal
 
 # A placement must be predicted this much faster than a simpler one to be chosen over it: the model
 # is good to ~20%, so smaller gains are not worth more memory or more moving parts.
@@ -86,7 +86,7 @@ def _open_device_state(cfg: TrainConfig, machine: Machine | None = None) -> bool
     )
 
 
-def decide(cfg: TrainConfig, machine: Machine, whole: tuple[int, int, int] = (0, 0, 0)) -> Decision:
+def choose(cfg: TrainConfig, machine: Machine, whole: tuple[int, int, int] = (0, 0, 0)) -> Decision:
     """The placement of `cfg` on `machine`: every key `cfg` leaves open decided (see the module
     docstring), the fastest predicted placement that fits. `whole`: as `memory.plan_memory`'s, the
     parameters no ZeRO stage splits over the machine's devices. Raises ConfigError, before anything
@@ -329,7 +329,7 @@ def _variant(cfg: TrainConfig, **sections: dict[str, object]) -> TrainConfig:
 
 
 def _fits(cfg: TrainConfig, machine: Machine, whole: tuple[int, int, int] = (0, 0, 0)) -> bool:
-    """Whether `decide` would find a placement for `cfg`."""
+    """Whether `choose` would find a placement for `cfg`."""
     try:
         validate(cfg)
     except ConfigError:

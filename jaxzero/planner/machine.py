@@ -25,7 +25,7 @@ import jax
 from jaxzero import runtime
 from jaxzero.config import ConfigError, TrainConfig
 from jaxzero.plan import available_cores
-from jaxzero.plan.calibration import (
+from jaxzero.planner.calibration import (
     CUDA_CONTEXT_BYTES,
     DISK_BPS,
     GB,
@@ -290,7 +290,7 @@ def _free_disk(cfg: TrainConfig) -> int:
 
 def _pinned_limit_gb(accel: Accelerators | None, pool_fixed: bool) -> float | None:
     """XLA's pinned pool cap, GB, where it binds the run: XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB where set
-    (by the user, or by `jaxzero.preflight` before JAX started), else XLA's default where the GPU
+    (by the user, or by `jaxzero.planner.preflight` before JAX started), else XLA's default where the GPU
     backend runs already; None where jaxzero will size the pool, and on a CPU backend (no pool)."""
     if accel is not None and accel.platform == "cpu":
         return None

@@ -3,8 +3,8 @@
 Each constant names the subsection of BENCHMARKS.md, "The planner's calibration (where its constants
 come from)", that gives its value, the fact behind it and where that fact was measured; a constant
 changes when that measurement does. Units: bytes, bytes/s, FLOP/s, fractions. Nothing here reads the
-machine or the config: `jaxzero.plan.machine` and `jaxzero.plan.cost` apply these figures,
-`jaxzero.memory` counts with them.
+machine or the config: `jaxzero.planner.machine` and `jaxzero.planner.cost` apply these figures,
+`jaxzero.planner.memory` counts with them.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ accelerator and by P on the host; activations divide by D. An array whose first 
 divide by D is whole everywhere (`whole`), counted so.
 
 Where each unit's arrays live comes from the offload plan (`jaxzero.plan`); the measured constants
-from `jaxzero.plan.calibration`. This module only counts, and checks counts against capacities it is
+from `jaxzero.planner.calibration`. This module only counts, and checks counts against capacities it is
 given: what the process's environment and the machine say is read by `jaxzero.runtime`.
 """
 
@@ -57,7 +57,7 @@ from jaxzero.config import ConfigError, ModelConfig, TrainConfig, buffer_bytes
 from jaxzero.models.sizes import NAMED_SIZES, param_count, unit_param_counts
 from jaxzero.objective import head_pieces
 from jaxzero.plan import OffloadPlan, Tier, UnitKind, UpdateMode, resolve_plan
-from jaxzero.plan.calibration import (
+from jaxzero.planner.calibration import (
     CPU_HOST_ALLOWANCE,
     CPU_STATE_ALLOWANCE,
     GPU_PROCESS_RSS,

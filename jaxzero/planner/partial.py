@@ -21,18 +21,18 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxzero import memory
 from jaxzero.config import ConfigError, TrainConfig
 from jaxzero.finetune.adapters import projection_shapes
 from jaxzero.finetune.base import storage_dtype
 from jaxzero.finetune.trainable import base_positions, lowest_trainable_block
-from jaxzero.memory import MemoryPlan
 from jaxzero.models.sizes import block_matmul_params, param_count, ties_output, unit_param_counts
 from jaxzero.plan import resolve_plan
-from jaxzero.plan.calibration import CHECKPOINT_WRITE_BPS
-from jaxzero.plan.cost import Prediction
-from jaxzero.plan.machine import Machine
-from jaxzero.plan.report import Decision, gib
+from jaxzero.planner import memory
+from jaxzero.planner.calibration import CHECKPOINT_WRITE_BPS
+from jaxzero.planner.cost import Prediction
+from jaxzero.planner.machine import Machine
+from jaxzero.planner.memory import MemoryPlan
+from jaxzero.planner.report import Decision, gib
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,14 +1,16 @@
-"""Before JAX starts: the machine a run will train on, the placement decided for it, and XLA's pools
-sized for that placement. A program calls `prepare` once, before its first JAX call; the trainer takes
-the decision (`build_trainer(..., decision=...)`) and never plans again.
+"""The resolution pass, once per run: the config validated, its end-of-text id, batch and `auto` keys
+resolved, and the placement decided for the machine (`decide`); before JAX starts, XLA's pools sized
+for that placement too (`decide_before_jax`, which a program calls once, before its first JAX call).
+The decision's config is final: the trainer takes it (`build_trainer(..., decision=...)`) and neither
+validates, resolves nor plans again.
 
-    processes = distributed.start(timeout_s)          # several processes join first (no backend)
-    decision = preflight.prepare(cfg, processes)      # decided, XLA's variables set
-    trainer = build_trainer(cfg, decision=decision)
+    processes = distributed.start(timeout_s)                # several processes join first (no backend)
+    decision = preflight.decide_before_jax(cfg, processes)  # decided, XLA's variables set
+    trainer = build_trainer(decision.config, decision=decision)
 
 XLA reads its pinned pool's cap and its share of each GPU once, when its backend starts: the pool
 must be sized from the placement before that, and the placement needs the machine. So the machine is
-told without JAX (`plan.machine.accelerators_before_backend`: `nvidia-smi`, or the CPU backend's
+told without JAX (`machine.accelerators_before_backend`: `nvidia-smi`, or the CPU backend's
 settings), the model's shapes from its config (`placement.whole_params_of`), and the processes of a
 run agree on the figures each sees through the coordination service (`distributed.gather`).
 `python -m jaxzero.plan` decides through the same path (`decide`), and sets nothing; so does
@@ -27,25 +29,27 @@ import jax
 
 from jaxzero import distributed, placement, runtime
 from jaxzero.config import ConfigError, TrainConfig
-from jaxzero.config_checks import resolve_batch, validate
+from jaxzero.config_checks import check_batch_split, resolve_batch, validate
 from jaxzero.data.eot import FROM_DATA, resolve_eot_id
 from jaxzero.distributed import Processes
-from jaxzero.finetune.plan import decide_partial
-from jaxzero.plan import search
-from jaxzero.plan.machine import (
+from jaxzero.planner import search
+from jaxzero.planner.machine import (
     Accelerators,
     Machine,
     accelerators_before_backend,
     accelerators_of,
     detect_machine,
 )
-from jaxzero.plan.report import Decision
+from jaxzero.planner.partial import decide_partial
+from jaxzero.planner.report import Decision
 
 log = logging.getLogger(__name__)  # the library speaks through logging (`jaxzero.console`)
 
 
-def prepare(cfg: TrainConfig, processes: Processes | None = None) -> Decision:
-    """The placement of `cfg` for this run, decided before JAX starts (`decide`), and
+def decide_before_jax(
+    cfg: TrainConfig, processes: Processes | None = None, *, validated: bool = False
+) -> Decision:
+    """The placement of `cfg` for this run, decided before JAX starts (`decide`; `validated`: as its), and
     XLA's variables set for it: 95% of each GPU for XLA's allocator (`runtime.claim_accelerator_memory`),
     the pinned pool sized to the decision (`runtime.configure_pinned_pool`) and, with
     `cfg.determinism`, XLA's deterministic GPU kernels (`runtime.request_determinism`). Call it once,
@@ -57,7 +61,7 @@ def prepare(cfg: TrainConfig, processes: Processes | None = None) -> Decision:
     if cfg.finetune.partial:
         partial_on_one_device(processes)
     runtime.claim_accelerator_memory()
-    decision = decide(cfg, processes.count if processes is not None else 1)
+    decision = decide(cfg, processes.count if processes is not None else 1, validated=validated)
     if decision.plan.host_update is not None or decision.memory.pinned:
         runtime.configure_pinned_pool(decision.memory)
     return decision
@@ -87,27 +91,45 @@ def partial_on_one_device(processes: Processes | None) -> None:
 
 
 def decide(
-    cfg: TrainConfig, processes: int = 1, *, seen: Accelerators | None = None, pool_fixed: bool = False
+    cfg: TrainConfig,
+    processes: int = 1,
+    *,
+    seen: Accelerators | None = None,
+    pool_fixed: bool = False,
+    validated: bool = False,
 ) -> Decision:
-    """The planner's decision for `cfg` on the machine this process trains on: `seen`, its devices
-    (default: those JAX will show, told without starting its backend, or the running backend's), with
-    `machine.*` keys overriding what is detected; each of the run's `processes` takes its share of the
-    host. An explicit placement is evaluated, not searched: its decision decides nothing. With several
-    processes every process must call it (their figures are agreed, each at its least). `pool_fixed`:
-    whether XLA's pinned pool cap is fixed for the run already (JAX started)."""
-    validate(cfg)
+    """The resolution pass: `cfg` validated, its end-of-text id read from the data where it leaves it
+    to the data, the machine this process trains on found, the batch resolved for its devices, and the
+    placement decided; the decision's `config` is final (nothing downstream checks it again). `seen`:
+    the devices (default: those JAX will show, told without starting its backend, or the running
+    backend's), with `machine.*` keys overriding what is detected; each of the run's `processes` takes
+    its share of the host. An explicit placement is evaluated, not searched: its decision decides
+    nothing. With several processes every process must call it (their figures are agreed, each at its
+    least). `pool_fixed`: whether XLA's pinned pool cap is fixed for the run already (JAX started).
+    `validated`: the program checked `cfg` with `validate` already (`python -m jaxzero.train` does, as
+    it parses its arguments, before anything is written): not checked twice."""
+    if not validated:
+        validate(cfg)
     if cfg.data.eot_id == FROM_DATA:  # whether attention stays inside documents changes the memory
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, eot_id=resolve_eot_id(cfg)))
     seen = _accelerators(cfg) if seen is None else seen
     machine = _agreed(cfg, seen, processes, pool_fixed)
     cfg = resolve_batch(cfg, machine.devices)
-    validate(cfg, num_devices=machine.devices)
+    check_batch_split(cfg, machine.devices)
     if cfg.finetune.partial:  # what trains on the accelerator; only the frozen base is placed
         return decide_partial(cfg, machine)
     whole = placement.whole_params_of(cfg.model, machine.devices)
     if search.concrete(cfg):
         return search.as_configured(cfg, machine, whole)
-    return search.decide(cfg, machine, whole)
+    return search.choose(cfg, machine, whole)
+
+
+def as_written(cfg: TrainConfig, decision: Decision) -> TrainConfig:
+    """`cfg` as the user wrote it (offload keys left on `auto` and `data.eot_id=-1` kept, as a run's
+    config.json records them) with the batch sizes the decision resolved for its devices."""
+    d = decision.config.data
+    batch = {"batch_size": d.batch_size, "grad_accum": d.grad_accum, "micro_batch_size": 0}
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, **batch))
 
 
 def local_devices(cfg: TrainConfig) -> int:

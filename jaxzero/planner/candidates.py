@@ -18,13 +18,13 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from jaxzero import memory
 from jaxzero.config import ConfigError, TrainConfig
-from jaxzero.config_checks import validate
-from jaxzero.memory import MemoryPlan
+from jaxzero.config_checks import validate_placement
 from jaxzero.plan import OffloadPlan, resolve_plan
-from jaxzero.plan.calibration import GB, GiB
-from jaxzero.plan.machine import Machine
+from jaxzero.planner import memory
+from jaxzero.planner.calibration import GB, GiB
+from jaxzero.planner.machine import Machine
+from jaxzero.planner.memory import MemoryPlan
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,8 @@ class Candidate:
 
 
 def place(cfg: TrainConfig, option: Option) -> TrainConfig | None:
-    """`cfg` placed as `option` says, or None where its other settings rule that out (`validate`)."""
+    """`cfg` placed as `option` says, or None where its other settings rule that out (`cfg` is
+    validated: only the placement's rules, `validate_placement`, can break)."""
     offload = dataclasses.replace(
         cfg.offload,
         optimizer="disk" if option.disk_units else option.optimizer,
@@ -98,7 +99,7 @@ def place(cfg: TrainConfig, option: Option) -> TrainConfig | None:
     )
     placed = dataclasses.replace(cfg, offload=offload)
     try:
-        validate(placed)
+        validate_placement(placed)
     except ConfigError:  # e.g. ZeRO-3 offload under parallel.zero_stage=2
         return None
     return placed

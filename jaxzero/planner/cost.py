@@ -28,7 +28,7 @@ Per step (tokens per device T, parameters N; `Machine`'s rates):
   "host update before the forward" when the exposed wait is over 5% of the step), "link", "host
   update" or "disk".
 
-The rates and constants are `jaxzero.plan.calibration`'s; where they come from, and the measured steps
+The rates and constants are `jaxzero.planner.calibration`'s; where they come from, and the measured steps
 `tests/test_planner.py` holds the model to within 20%: BENCHMARKS.md, "The planner's calibration
 (where its constants come from)". These are predictions: measured steps vary from machine to machine
 (BENCHMARKS.md, "Calibration: the cost model against measured steps").
@@ -39,18 +39,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from jaxzero import memory
 from jaxzero.config import TrainConfig
 from jaxzero.models.sizes import param_count, unit_param_counts
 from jaxzero.plan import OffloadPlan, Tier, UnitKind, UpdateMode
-from jaxzero.plan.calibration import (
+from jaxzero.planner import memory
+from jaxzero.planner.calibration import (
     ATTENTION_COST,
     CALIBRATION_SEQ,
     OPTAX_SLOWDOWN,
     STATE_PASS_SHARE,
     WEIGHTS_PASS_SHARE,
 )
-from jaxzero.plan.machine import Machine
+from jaxzero.planner.machine import Machine
 
 # The forward pass's share of a rematerialised step's FLOPs: 2N of 8N (forward, recomputed forward,
 # backward 4N).

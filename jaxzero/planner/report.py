@@ -1,7 +1,7 @@
 """What the planner decided, for a person: the `Decision` with its table (`python -m jaxzero.plan`,
 `logging.plan=full`) and its one-line summary, and the text of a refusal when nothing fits.
 
-Nothing here decides: `jaxzero.plan.search` chooses, and hands this module what it found.
+Nothing here decides: `jaxzero.planner.search` chooses, and hands this module what it found.
 """
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from jaxzero import memory, runtime
+from jaxzero import runtime
 from jaxzero.config import TrainConfig
-from jaxzero.memory import MemoryPlan
 from jaxzero.models.sizes import NAMED_SIZES, param_count, unit_param_counts
 from jaxzero.plan import OffloadPlan, Tier, UnitKind, UnitPlan
-from jaxzero.plan.calibration import (
+from jaxzero.planner import memory
+from jaxzero.planner.calibration import (
     CHECKPOINT_WRITE_BPS,
     GB,
     GPU_HEADROOM,
@@ -23,9 +23,10 @@ from jaxzero.plan.calibration import (
     SAVE_COST_WARNING,
     GiB,
 )
-from jaxzero.plan.candidates import Candidate
-from jaxzero.plan.cost import Prediction
-from jaxzero.plan.machine import Machine
+from jaxzero.planner.candidates import Candidate
+from jaxzero.planner.cost import Prediction
+from jaxzero.planner.machine import Machine
+from jaxzero.planner.memory import MemoryPlan
 
 
 @dataclass(frozen=True)
@@ -192,7 +193,7 @@ class Decision:
         defaults = f" (defaults: {mc.sources['defaults']})" if "defaults" in mc.sources else ""
         lines += [f"machine{defaults}:"] + [f"  {row}" for row in _machine_rows(mc)]
         lines.append(
-            "These are predictions (the cost model of jaxzero/plan/cost.py, within 20% of the steps "
+            "These are predictions (the cost model of jaxzero/planner/cost.py, within 20% of the steps "
             "measured in BENCHMARKS.md), not measurements."
         )
         return "\n".join(lines)
