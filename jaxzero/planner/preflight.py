@@ -49,13 +49,13 @@ log = logging.getLogger(__name__)  # the library speaks through logging (`jaxzer
 def decide_before_jax(
     cfg: TrainConfig, processes: Processes | None = None, *, validated: bool = False
 ) -> Decision:
-    """The placement of `cfg` for this run, decided before JAX starts (`decide`; `validated`: as its), and
-    XLA's variables set for it: 95% of each GPU for XLA's allocator (`runtime.claim_accelerator_memory`),
-    the pinned pool sized to the decision (`runtime.configure_pinned_pool`) and, with
-    `cfg.determinism`, XLA's deterministic GPU kernels (`runtime.request_determinism`). Call it once,
-    before the first JAX call (with several processes, after `distributed.start`: every process calls
-    it). Raises ConfigError where nothing fits, with what would, or where determinism is asked for
-    after an accelerator's backend started without it."""
+    """The placement of `cfg` for this run, decided before JAX starts by the resolution pass (`decide`,
+    `validated` as there), and XLA's variables set for it: 95% of each GPU for XLA's allocator
+    (`runtime.claim_accelerator_memory`), the pinned pool sized to the decision
+    (`runtime.configure_pinned_pool`) and, with `cfg.determinism`, XLA's deterministic GPU kernels
+    (`runtime.request_determinism`). Call it once, before the first JAX call (with several processes,
+    after `distributed.start`: every process calls it). Raises ConfigError where nothing fits, with
+    what would, or where determinism is asked for after an accelerator's backend started without it."""
     if cfg.determinism:
         runtime.request_determinism()
     if cfg.finetune.partial:
