@@ -245,13 +245,6 @@ class HostOptimizer:
             lambda: place(self._cast(masters), self.placement.written(unit, shapes), shapes)
         )
 
-    def compute_weights(self, masters: ModelParams) -> ModelParams:
-        """The compute-dtype weights of `masters`, each host unit's placed per `placement.written`
-        (used at init and restore; None for units the accelerator updates)."""
-
-        futures = self._per_host_unit(self.place_weights, masters)
-        return jax.tree.map(lambda f: f.result(), futures, is_leaf=lambda x: isinstance(x, Future))
-
     def _per_host_unit(self, fn: Callable[[UnitPlan, Any], Any], tree: ModelParams) -> ModelParams:
         """`fn(unit, tree's unit)` for each unit the host updates (state in host RAM or on disk), None
         for the others."""
