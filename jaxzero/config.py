@@ -331,10 +331,6 @@ class OffloadConfig:
     # "delayed" (ZeRO-Offload's DPU: the forward and backward run on weights one update old, so the
     # host update of step t overlaps step t+1 completely).
     update: Literal["overlapped", "delayed"] = "overlapped"
-    # With clipping: update this many units speculatively during the backward pass (exact: kept only
-    # if the norm shows no clipping applies, else recomputed). Costs a spare copy of their host state.
-    # 0: off (the default).
-    speculative_units: int = 0
     # With clipping: update this many units (in forward order) in two passes: the compute-dtype
     # weights as soon as the norm is known (the next forward pass waits only for those), the masters
     # and optimizer state during the next backward pass, when the host is otherwise idle. The same

@@ -240,10 +240,6 @@ def _validate_offload(cfg: TrainConfig) -> None:
         f"offload.resident_blocks={cfg.offload.resident_blocks} must be >= 0.",
     )
     _need(
-        cfg.offload.speculative_units >= 0,
-        f"offload.speculative_units={cfg.offload.speculative_units} must be >= 0 (0 disables speculation).",
-    )
-    _need(
         cfg.offload.host_threads >= 0,
         f"offload.host_threads={cfg.offload.host_threads} must be >= 0 (0: a core each but one).",
     )

@@ -92,6 +92,20 @@ def _coerce(key: str, raw: Any, typ: Any) -> Any:
     raise TypeError(f"unsupported annotation for {key}: {typ}")
 
 
+# Keys jaxzero had and no longer has, each with why it went: setting one (command line, preset,
+# `build_trainer`) is refused with that reason rather than as a typo; a run's saved config drops it.
+REMOVED_KEYS = {
+    "offload.speculative_units": (
+        "speculative updates were slower than waiting for the gradient norm in every measurement "
+        "(BENCHMARKS.md), and computed the same bits: drop the key, and the run computes the same"
+    ),
+}
+
+
+def _removed_key(key: str) -> ConfigError:
+    return ConfigError(f"config key {key!r} was removed: {REMOVED_KEYS[key]}.")
+
+
 def _unknown_key(key: str, valid: list[str]) -> ConfigError:
     close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.6)
     hint = f" Did you mean {close[0]!r}?" if close else ""
@@ -119,6 +133,8 @@ def apply_overrides(cfg: TrainConfig, overrides: dict[str, Any]) -> TrainConfig:
         if key in TOP_LEVEL_KEYS:
             top[key] = _coerce(key, raw, _field_types(TrainConfig)[key])
             continue
+        if key in REMOVED_KEYS:
+            raise _removed_key(key)
         sec, _, name = key.partition(".")
         if sec not in SECTIONS or not name:
             raise _unknown_key(key, all_keys())
@@ -161,6 +177,8 @@ def check_overrides(overrides: dict[str, Any], source: str) -> None:
         try:
             if key in TOP_LEVEL_KEYS:
                 _coerce(key, raw, _field_types(TrainConfig)[key])
+            elif key in REMOVED_KEYS:
+                raise _removed_key(key)
             elif sec not in SECTIONS or name not in _field_types(SECTIONS[sec]):
                 raise _unknown_key(
                     key,
@@ -291,8 +309,11 @@ def config_from_dict(d: dict[str, Any]) -> TrainConfig:
     `data.cross_document_attention`, which keeps the behaviour of the runs saved before it (true).
     `offload.device_state_units=0` beside `offload.optimizer=auto` reads as -1: until -1 existed, 0
     was the default and, with the optimizer's tier left to the planner, meant "the planner's choice"
-    (a run that pins 0 under an auto tier resumes with the planner choosing)."""
+    (a run that pins 0 under an auto tier resumes with the planner choosing). A `REMOVED_KEYS` key
+    is dropped: none of them changed what a run computes."""
     flat = _flatten_toml(d)
+    for key in REMOVED_KEYS:
+        flat.pop(key, None)
     # A run saved before document-aware attention existed attended across documents: it keeps doing so.
     flat.setdefault("data.cross_document_attention", True)
     if flat.get("offload.optimizer") == "auto" and flat.get("offload.device_state_units") == 0:

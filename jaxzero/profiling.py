@@ -7,8 +7,8 @@ untouched). Besides JAX's own events (compilations, transfers, computations) it 
 engine's host work as spans named `jaxzero/...`, each with its unit (`unit=3`: the position in the
 forward pass, embedding 0, block i at 1 + i, head last):
 
-    jaxzero/host_update      a unit's optimizer update on the host (`host_weights` / `host_commit`:
-                             the two passes of a two-pass update; `host_speculate`: a speculative one)
+    jaxzero/host_update      a unit's optimizer update on the host (`pass=weights` / `pass=state`:
+                             the two passes of a two-pass update)
     jaxzero/wait_grads       a unit's update waiting for its gradients to land in host memory
     jaxzero/wait_norm        ... for the global gradient norm (clipping, float16)
     jaxzero/wait_update      the forward pass waiting for a unit's updated weights

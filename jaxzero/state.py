@@ -83,8 +83,6 @@ BREAKDOWN_TIMES = (
 )
 # Host-update events, per step.
 BREAKDOWN_COUNTS = (
-    BreakdownKey("speculated", "speculative updates kept"),
-    BreakdownKey("rolled_back", "redone"),  # speculative updates recomputed with clipping
     BreakdownKey("two_pass_units", "two-pass units"),  # units updated in two passes
 )
 # The disk tier's traffic, per step (0 without disk units).

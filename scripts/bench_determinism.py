@@ -16,7 +16,7 @@ once read, but the resumed run holds two at once: mind the disk for a large mode
     python scripts/bench_determinism.py                                    # the 3.37B preset, on a GPU
     python scripts/bench_determinism.py --config=configs/tiny-offload.toml --steps=4 --resume_at=2 --masters
 
-Any other `--key=value` goes to every run (e.g. `--offload.speculative_units=2`). Run directories go
+Any other `--key=value` goes to every run (e.g. `--offload.two_pass_units=0`). Run directories go
 under `--work` (default: a new directory in /tmp, removed at the end unless `--keep`); each run's
 stdout and stderr beside them. The exit status is 0 when everything compared is equal, 1 when
 something differs, 2 when a run failed.

@@ -46,7 +46,6 @@ PASS_BYTES = {  # bytes moved per parameter (fp32 moments, bf16 moments), bf16 g
     "full": (28, 20),
     "weights": (16, 12),
     "state": (26, 18),
-    "out": (28, 20),  # a speculative update's: the one-pass bytes, written into other buffers
 }
 EARLY, LATE = 3, 1000  # update numbers: bias corrections divide / are exactly 1 (b1 0.9, b2 0.95)
 
@@ -84,22 +83,15 @@ def state(n: int, m16: bool, seed: int = 0) -> tuple[np.ndarray, ...]:
     return p, m, v, g, np.zeros(n, np.uint16)
 
 
-def spares(arrays) -> tuple[np.ndarray, ...]:
-    """Buffers for the `out` pass's masters and moments, touched once (as a run's spares are)."""
-    return tuple(np.zeros_like(a) for a in arrays[:3])
-
-
 def run_pass(rule: hk.FusedRule, arrays, pass_: str, count: int, pool, n: int, reps: int) -> float:
-    """Seconds of the best of `reps` (after one warm-up) of one pass over all n parameters (`out`:
-    into `spares(arrays)`, which `arrays` then carries last)."""
-    p, m, v, g, w, *into = arrays
+    """Seconds of the best of `reps` (after one warm-up) of one pass over all n parameters."""
+    p, m, v, g, w = arrays
     kernel = rule.kernel(count, 1e-4, 0.5, pass_)
     out = None if pass_ == "state" else w
     pieces = hk.chunks(n)
 
     def one(s: slice) -> None:
-        spare = {"out": tuple(a[s] for a in into[0])} if pass_ == "out" else {}
-        kernel(p[s], m[s], v[s], g[s], None if out is None else out[s], 0.1, **spare)
+        kernel(p[s], m[s], v[s], g[s], None if out is None else out[s], 0.1)
 
     times = []
     for _ in range(reps + 1):
@@ -125,9 +117,7 @@ def main() -> None:
         help="prefetch blocks to compare, elements; 0: none (default: the kernels' own)",
     )
     ap.add_argument("--counts", default=f"{EARLY},{LATE}", help="update numbers to time")
-    ap.add_argument(
-        "--passes", default="weights,state,full", help="passes to time (also: out, a speculative update)"
-    )
+    ap.add_argument("--passes", default="weights,state,full", help="passes to time")
     ap.add_argument("--moments", default="fp32,bf16", help="moment dtypes to time")
     ap.add_argument(
         "--llvm_options",
@@ -156,8 +146,6 @@ def main() -> None:
         small = state(1 << 15, m16)
         big = state(args.params, m16, seed=1)
         passes = args.passes.split(",")
-        if "out" in passes:
-            small, big = (*small, spares(small)), (*big, spares(big))
         own_tile, own_fetch = hk.LAYOUTS[m16]
         layouts = list(itertools.product(tiles or [own_tile], fetches or [own_fetch]))
         for (tile, fetch), pass_, count in itertools.product(layouts, passes, counts):

@@ -45,9 +45,6 @@ STEP_CASES = [
     "zero3-spare",
     "zero3-delayed",
     "zero3-optax",
-    "zero3-spec0",
-    "zero3-spec16",
-    "zero3-spec8-clip10",
     "zero3-noclip",
     "zero3-1pass",
     "zero3-2pass16",
@@ -185,10 +182,6 @@ def run_step_case(case: str, args) -> dict:
         "zero3-spare": {"offload.optimizer": "cpu", "offload.params": "cpu"},
         "zero3-delayed": {**zero3, "offload.update": "delayed"},
         "zero3-optax": {**zero3, "offload.fused_update": "false"},
-        "zero3-spec0": {**zero3, "offload.speculative_units": "0"},
-        "zero3-spec16": {**zero3, "offload.speculative_units": "16"},
-        # Clipping on but never triggered (the synthetic-token norm is ~7.7): speculation is kept.
-        "zero3-spec8-clip10": {**zero3, "offload.speculative_units": "8", "optimizer.grad_clip": "10"},
         "zero3-noclip": {**zero3, "optimizer.grad_clip": "0"},
         # Two-pass updates (offload.two_pass_units; the default -1 is adaptive): none, fixed counts.
         "zero3-1pass": {**zero3, "offload.two_pass_units": "0"},
@@ -604,7 +597,7 @@ def print_table(results: list[dict], args) -> None:
                 f"{r['tflops_8N']:11.1f} "
                 f"{r['model_tflops']:10.1f} {r['gpu_peak_gib']:8.1f} {r['host_rss_gib']:8.1f} {ratio:>11}"
             )
-        # The gradient norm's trace: how often clipping fires (speculation pays only where it does not).
+        # The gradient norm's trace: how often clipping fires.
         for r in results:
             norms, clip = r.get("grad_norms", []), r.get("grad_clip", 0)
             if norms and clip:

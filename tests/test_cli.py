@@ -53,7 +53,6 @@ def test_trains_and_writes_run_dir(first_run):
             "device_state_units": -1,
             "activations": "none",
             "update": "overlapped",
-            "speculative_units": 0,
             "two_pass_units": -1,
             "fused_update": True,
             "disk_units": -1,

@@ -57,7 +57,7 @@ class FakeClock:
 
 class FakePipeline:
     def take_counts(self) -> UpdateCounts:
-        return UpdateCounts(speculated=4, rolled_back=2, two_passed=6)
+        return UpdateCounts(two_passed=6)
 
 
 class FakeDisk:
@@ -72,11 +72,11 @@ def test_timings_are_per_step_and_keyed_as_the_breakdown():
     assert clock.walls == [10.0]
     assert list(got) == [k.key for k in BREAKDOWN]
     assert {k: got[k] for k in times} == {k: v / 2 for k, v in times.items()}
-    assert (got["speculated"], got["rolled_back"], got["two_pass_units"]) == (2, 1, 3)
+    assert got["two_pass_units"] == 3
     assert (got["disk_read_s"], got["disk_write_s"], got["wait_disk_s"], got["disk_gb"]) == (1, 0.5, 0.25, 2)
     # Without a disk tier its keys are zeros; no steps counts as one.
     alone = StepTimings(FakeClock(times), FakePipeline())(10.0, 0)
-    assert alone["speculated"] == 4 and alone["disk_gb"] == alone["disk_read_s"] == 0
+    assert alone["two_pass_units"] == 6 and alone["disk_gb"] == alone["disk_read_s"] == 0
 
 
 def test_loss_scaling_strategies_advance_the_step_count():

@@ -49,8 +49,8 @@ def test_place_copies_never_share_memory_with_the_source():
 
 
 def test_a_writable_view_waits_for_the_computation_that_writes_the_array():
-    """The kernels write through views of arrays a jitted computation may still be writing (spare
-    buffers of a speculative update, made by `zeros_like`): the view waits, so that the computation
+    """The kernels write through views of arrays a jitted computation may still be writing (a unit's
+    fresh optimizer state, made by its jitted `init`): the view waits, so that the computation
     cannot overwrite what is written through it."""
 
     @jax.jit

@@ -68,19 +68,6 @@ def test_plan_counts_bytes_per_parameter():
     assert delayed.pinned == full.pinned + 2 * 32 * b + (32 * b * 2 + (e + h) * 4)
     delayed = memory.plan_memory(cfg(offload__optimizer="cpu", offload__update="delayed"))
     assert delayed.accelerator_state == 2 * zero.accelerator_state
-    # Speculative updates (with clipping) keep a spare copy of K units' masters + AdamW state.
-    spec = memory.plan_memory(cfg(offload__optimizer="cpu", offload__speculative_units="8"))
-    assert spec.host - two_pass.host == 8 * b * 12
-    # At most one spare per host unit, each the size of a unit that speculates: more speculative
-    # units than the host holds keep a copy of every host unit's state, no more.
-    every = memory.plan_memory(cfg(offload__optimizer="cpu", offload__speculative_units="50"))
-    assert every.host - two_pass.host == 12 * n
-    # ... where they apply: not under the delayed update, nor without clipping.
-    for other in ({"offload__update": "delayed"}, {"optimizer__grad_clip": "0"}):
-        with_k = memory.plan_memory(cfg(offload__optimizer="cpu", offload__speculative_units="8", **other))
-        assert with_k.host == memory.plan_memory(cfg(offload__optimizer="cpu", **other)).host
-    with pytest.raises(ConfigError, match="lower offload.speculative_units"):
-        memory.check_host_fits(cfg(offload__speculative_units="8"), spec, available=64 * GiB)
 
 
 def test_units_with_state_on_the_accelerator_move_their_bytes_there():

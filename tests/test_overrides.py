@@ -172,3 +172,44 @@ def test_a_run_saved_when_the_planner_chose_units_on_the_accelerator_at_0_resume
     assert config_from_dict(old).offload.device_state_units == -1
     old["offload"]["optimizer"] = "cpu"
     assert config_from_dict(old).offload.device_state_units == 0
+
+
+REMOVED = (
+    "config key 'offload.speculative_units' was removed: speculative updates were slower than waiting for "
+    "the gradient norm in every measurement (BENCHMARKS.md), and computed the same bits: drop the key"
+)
+
+
+def test_a_removed_key_is_refused_with_why_wherever_it_is_set(tmp_path):
+    """The command line, a preset and `build_trainer`'s overrides each get the reason, not a typo's hint."""
+    with pytest.raises(ConfigError) as e:
+        parse_args(["--offload.speculative_units=2"])
+    assert str(e.value).startswith(REMOVED) and "Valid keys" not in str(e.value)
+    p = tmp_path / "p.toml"
+    p.write_text("[offload]\nspeculative_units = 0\n")
+    with pytest.raises(ConfigError) as e:
+        parse_args([f"--config={p}"])
+    assert str(e.value).startswith(f"in config file {str(p)!r}: {REMOVED}")
+    from jaxzero.overrides import apply_overrides
+
+    with pytest.raises(ConfigError, match="'offload.speculative_units' was removed"):
+        apply_overrides(TrainConfig(), {"offload.speculative_units": 3})
+
+
+def test_a_run_saved_with_a_removed_key_resumes_without_it():
+    """A saved config (config.json, a checkpoint's) may hold a key that is gone: it reads as the same
+    run, since no removed key changed what a run computes."""
+    old = json.loads(TrainConfig().to_json())
+    old["offload"]["speculative_units"] = 4
+    assert config_from_dict(old) == TrainConfig()
+
+
+def test_the_training_program_refuses_a_removed_key_in_one_line_before_any_work(tmp_path, capsys):
+    """`python -m jaxzero.train` in-process: exit 2, the reason on one line, nothing written."""
+    from jaxzero import train as train_lib  # the program: imported by its test only
+
+    run_dir = tmp_path / "run"
+    code = train_lib.main([f"--run_dir={run_dir}", "--offload.speculative_units=8"])
+    err = capsys.readouterr().err
+    assert code == 2 and err == f"jaxzero: config error: {REMOVED}, and the run computes the same.\n", err
+    assert not run_dir.exists()

@@ -103,19 +103,6 @@ def test_two_pass_policy_is_resolved_once(over, max_units, adaptive):
     assert p.host_update.two_pass == TwoPass(max_units=max_units, adaptive=adaptive)
 
 
-@pytest.mark.parametrize(
-    "over, speculative",
-    [
-        ({"offload.speculative_units": "3"}, 3),
-        ({"offload.speculative_units": "3", "optimizer.grad_clip": "0"}, 0),
-        ({"offload.speculative_units": "3", "offload.update": "delayed"}, 0),
-        ({"offload.speculative_units": "3", "offload.fused_update": "false"}, 0),
-    ],
-)
-def test_speculation_applies_where_units_wait_to_clip(over, speculative):
-    assert resolve_plan(cfg(**ZERO3, **over)).host_update.speculative_units == speculative
-
-
 def test_host_update_policy():
     h = resolve_plan(cfg(**ZERO3)).host_update
     assert (h.mode, h.fused, h.waits_for_norm, h.skips_nonfinite) == (

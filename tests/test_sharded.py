@@ -148,7 +148,6 @@ def test_auto_stage_is_the_least_replication_each_mode_allows():
 STRATEGIES = {
     "delayed": ({"offload.update": "delayed"}, "float32"),
     "optax": ({"offload.fused_update": "false"}, "float32"),
-    "speculative": ({"offload.speculative_units": "2", "offload.two_pass_units": "0"}, "float32"),
     "float16": ({"model.compute_dtype": "float16"}, "float16"),
     # One micro-batch: block gradients leave in bfloat16, reduce-scattered in bfloat16.
     "bf16-one-micro-batch": ({"model.compute_dtype": "bfloat16", "data.grad_accum": "1"}, "bfloat16"),

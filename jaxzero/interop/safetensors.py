@@ -373,11 +373,6 @@ class SafetensorsWriter:
             self.abort()
             raise
 
-    @property
-    def total_bytes(self) -> int:
-        """Size of the finished file in bytes."""
-        return self._data_start + self.data_size
-
     def write(self, name: str, array: np.ndarray) -> None:
         """Write planned tensor `name`; `array` must have exactly the planned dtype and shape."""
         if name not in self._slots:

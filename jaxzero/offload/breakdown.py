@@ -2,9 +2,9 @@
 `timings`, keyed by `jaxzero.state.BREAKDOWN`.
 
 Three sources, each read and reset by a call: the step's clock (accelerator compute, copies, host
-updates, waits: `jaxzero.offload.timeline`), the host update's events (speculative updates kept or
-redone, two-pass units: `UpdatePipeline.take_counts`), and the disk tier's traffic
-(`DiskStore.take_stats`; zeros without disk units).
+updates, waits: `jaxzero.offload.timeline`), the host update's events (two-pass units:
+`UpdatePipeline.take_counts`), and the disk tier's traffic (`DiskStore.take_stats`; zeros without
+disk units).
 """
 
 from __future__ import annotations
@@ -32,8 +32,6 @@ class StepTimings:
         io = self.disk.take_stats() if self.disk is not None else _NO_DISK
         return {
             **times,
-            "speculated": counts.speculated / n,
-            "rolled_back": counts.rolled_back / n,
             "two_pass_units": counts.two_passed / n,
             "disk_read_s": io.read_s / n,
             "disk_write_s": io.write_s / n,

@@ -114,8 +114,8 @@ def build_context(
 def optax_host_update(plan: OffloadPlan) -> OffloadPlan:
     """`plan` with its host update as the optax transformation on XLA:CPU (what
     `offload.fused_update=false` plans), for a researcher's own optimizer: the fused kernels implement
-    only jaxzero's named ones. Two-pass and speculative updates are fused-kernel work, so they go too;
-    the disk tier, whose update is the fused kernels' in place, is refused."""
+    only jaxzero's named ones. Two-pass updates are fused-kernel work, so they go too; the disk
+    tier, whose update is the fused kernels' in place, is refused."""
     update = plan.host_update
     if update is None or not update.fused:
         return plan
@@ -125,7 +125,7 @@ def optax_host_update(plan: OffloadPlan) -> OffloadPlan:
             "optimizers (optimizer.name), not an optax transformation passed to build_trainer: use "
             "offload.optimizer=cpu, or a named optimizer."
         )
-    optax_path = dataclasses.replace(update, fused=False, speculative_units=0, two_pass=TwoPass(0, False))
+    optax_path = dataclasses.replace(update, fused=False, two_pass=TwoPass(0, False))
     return dataclasses.replace(plan, host_update=optax_path)
 
 

@@ -13,11 +13,9 @@ They reproduce optax's arithmetic in float32 and in optax's order of operations,
 float32 or bfloat16; `jaxzero.plan.FUSED_OPTIMIZERS`). They are tested against optax's own update
 (tests/test_host_kernels.py). Any other transformation keeps running as optax on XLA:CPU.
 
-Each kernel comes in four passes over the same arithmetic (`Pass`): the whole update in place,
-the whole update into other buffers (speculation; masters and float32 moments written by
-non-temporal stores, so that writing other buffers does not first read them), and the two halves
-of a two-pass update, which writes the new compute-dtype weights first and masters and moments
-later, bit for bit the one-pass result (`jaxzero.offload.pipeline`).
+Each kernel comes in three passes over the same arithmetic (`Pass`): the whole update in place,
+and the two halves of a two-pass update, which writes the new compute-dtype weights first and
+masters and moments later, bit for bit the one-pass result (`jaxzero.offload.pipeline`).
 
 The kernels update the host arrays *in place*: they write through a NumPy view of the CPU backend's
 buffer (`writable_view`), and write the compute-dtype weights likewise into `pinned_host` buffers.
@@ -92,53 +90,6 @@ def prefetch(typingctx, array, index):
     return numba.types.void(array, index), codegen
 
 
-_STREAM_LANES = 8  # 32-bit elements per streaming store (256 bits)
-
-
-@numba.extending.intrinsic
-def stream_copy(typingctx, dst, src):
-    """Copy `src` to `dst` (1-D, contiguous, the same length, 32-bit elements) with non-temporal
-    stores: straight to memory, without first reading `dst`'s lines into the cache as an ordinary
-    store does (for a pass that writes other buffers than it reads, a read of every byte written:
-    AdamW's speculative update moved 42 bytes per parameter instead of 28). Elements
-    before `dst`'s first 32-byte boundary and after its last go by ordinary stores; a fence at the
-    end orders the streaming stores before whatever the thread does next (their result is then
-    visible as any store's)."""
-    arrays = (dst, src)
-    if not all(isinstance(a, numba.types.Array) and a.ndim == 1 and a.dtype.bitwidth == 32 for a in arrays):
-        return None
-
-    def codegen(context, builder, signature, args):
-        i32, i64 = ir.IntType(32), ir.IntType(64)
-        lanes = ir.VectorType(i32, _STREAM_LANES)
-        d, s = (context.make_array(t)(context, builder, a) for t, a in zip(signature.args, args))
-        n = builder.extract_value(d.shape, 0)
-        to, frm = (builder.bitcast(a.data, i32.as_pointer()) for a in (d, s))
-
-        def copy(first: ir.Value, count: ir.Value) -> None:
-            with cgutils.for_range(builder, count) as loop:
-                k = builder.add(first, loop.index)
-                builder.store(builder.load(builder.gep(frm, [k])), builder.gep(to, [k]))
-
-        align = 4 * _STREAM_LANES
-        head = builder.udiv(builder.and_(builder.neg(builder.ptrtoint(to, i64)), i64(align - 1)), i64(4))
-        head = builder.select(builder.icmp_unsigned("<", n, head), n, head)
-        copy(i64(0), head)
-        body = builder.udiv(builder.sub(n, head), i64(_STREAM_LANES))
-        nontemporal = builder.module.add_metadata([i32(1)])
-        with cgutils.for_range(builder, body) as loop:
-            k = builder.add(head, builder.mul(loop.index, i64(_STREAM_LANES)))
-            v = builder.load(builder.bitcast(builder.gep(frm, [k]), lanes.as_pointer()), align=4)
-            store = builder.store(v, builder.bitcast(builder.gep(to, [k]), lanes.as_pointer()), align=align)
-            store.set_metadata("nontemporal", nontemporal)
-        tail = builder.add(head, builder.mul(body, i64(_STREAM_LANES)))
-        copy(tail, builder.sub(n, tail))
-        builder.fence("seq_cst")
-        return context.get_dummy_value()
-
-    return numba.types.void(dst, src), codegen
-
-
 # One kernel per (optimizer, gradient dtype, moment dtype, weight dtype), generated from the update
 # rule below as flat loops that LLVM vectorises: bfloat16 inputs are first widened into float32
 # scratch (a shift of the bits), the update runs in float32 with optax's order of operations, and
@@ -195,11 +146,6 @@ _WIDEN = """
         {x}u[j] = np.uint32({src}[j]) << np.uint32(16)
     {x}f = {x}u.view(np.float32)"""
 
-_COPY_IN = """
-    {x}f = scratch[{k} * n : ({k} + 1) * n].view(np.float32)
-    for j in range(n):
-        {x}f[j] = {src}[j]"""
-
 _NARROW = """
     for j in range(n):
         u = {bits}[j]
@@ -223,9 +169,6 @@ class Pass(enum.StrEnum):
     arithmetic, so `WEIGHTS` then `STATE` give the bits of `FULL`."""
 
     FULL = "full"  # reads p, moments, g; writes p, moments (in place) and w, the compute-dtype weights
-    # reads pi, moments_i, g; writes p, moments, w into other buffers (a speculative update): its
-    # masters and float32 moments by streaming stores (`stream_copy`), which do not read them first
-    OUT = "out"
     WEIGHTS = "weights"  # reads p, moments, g; writes only w (the first pass of a two-pass update)
     STATE = "state"  # reads p, moments, g; writes p, moments in place (a two-pass update's second)
 
@@ -258,19 +201,15 @@ def _source(
     name: str, g16: bool, m16: bool, w16: bool, pass_: Pass, unit: frozenset[str] = frozenset()
 ) -> str:
     """Kernel source: `kernel(<arrays>, scratch, gmul, *scalars, neg_lr, wd)` where <arrays> is
-    `p, *moments, g, w` (`full`, `weights`), `p, *moments, g` (`state`) or `pi, p, mi, m, ..., g, w`
-    (`out`: parameters and moments read from `pi`, `{x}i`, written to `p`, `{x}`; a speculative
-    update leaves its inputs untouched). In place they are one array, one pointer, which is what lets
-    LLVM vectorise without alias checks. Moments pass through float32 scratch when they are bf16
-    (widened) or read from other buffers (copied). `unit` names divisors that are exactly 1 for this
+    `p, *moments, g, w` (`full`, `weights`) or `p, *moments, g` (`state`). In place each is one
+    array, one pointer, which is what lets LLVM vectorise without alias checks. Moments pass through
+    float32 scratch when they are bf16 (widened). `unit` names divisors that are exactly 1 for this
     update (Adam's bias corrections `bc1`, `bc2` once b**t rounds away in float32): x / 1 is x in
     IEEE arithmetic, so their divisions are left out, which changes no bit."""
     moments, scalars, body = _RULES[name]
     for divisor in sorted(unit):
         body = re.sub(rf" / {divisor}\b", "", body)
-    out_of_place = pass_ is Pass.OUT
-    i = "i" if out_of_place else ""  # suffix of the arrays read
-    arrays = "".join(f"{x}{i}, " * out_of_place + f"{x}, " for x in ("p", *moments)) + "g"
+    arrays = "".join(f"{x}, " for x in ("p", *moments)) + "g"
     arrays += ", w" * (pass_ is not Pass.STATE)
     rest = f"gmul, {''.join(x + ', ' for x in scalars)}neg_lr, wd"
     jit = "@numba.njit(nogil=True, error_model='numpy', cache=True)"
@@ -280,28 +219,18 @@ def _source(
     # The arrays a tile reads or writes, and how many of each element fit a 64-byte line.
     per_line = {"p": 16, "g": 32 if g16 else 16, "w": 32 if w16 else 16}
     per_line.update({x: 32 if m16 else 16 for x in moments})
-    # Not the masters a speculative update streams out: they are written without being read.
-    streamed = {"p"} if out_of_place else set()
-    fetched = (
-        [(a, per_line[a.removesuffix(i)]) for a in arrays.split(", ") if a not in streamed] if fetch else []
-    )
+    fetched = [(a, per_line[a]) for a in arrays.split(", ")] if fetch else []
     src = ["import numba", "import numpy as np"]
     src += ["from jaxzero.offload.host_kernels import prefetch"] if fetch else []
-    src += ["from jaxzero.offload.host_kernels import stream_copy"] if out_of_place else []
     src += ["", ""]
     helpers_at = len(src)
     nxt = "".join(f", nxt_{x}" for x, _ in fetched)
     src += [jit, f"def tile({arrays}{nxt}, scratch, {rest}):"]
     src += ["    n = p.shape[0]", "    one = np.float32(1.0)"]
     src.append(_WIDEN.format(x="g", k=0, src="g") if g16 else "    gf = g")
-    direct = not out_of_place and not m16  # float32 moments read (and written) in place
-    for k, x in enumerate(moments, start=1):
-        if direct:
-            src.append(f"    {x}f = {x}")
-        else:
-            src.append((_WIDEN if m16 else _COPY_IN).format(x=x, k=k, src=f"{x}{i}"))
-    body = body.replace("pj = p[j]", f"pj = p{i}[j]")
-    if pass_ in (Pass.WEIGHTS, Pass.OUT):  # new parameters into scratch
+    for k, x in enumerate(moments, start=1):  # float32 moments are read (and written) in place
+        src.append(_WIDEN.format(x=x, k=k, src=x) if m16 else f"    {x}f = {x}")
+    if pass_ is Pass.WEIGHTS:  # new parameters into scratch
         k = len(moments) + 1
         src.append(f"    pnu = scratch[{k} * n : ({k} + 1) * n]\n    pn = pnu.view(np.float32)")
         body = body.replace("p[j] = ", "pn[j] = ")
@@ -321,15 +250,10 @@ def _source(
         helpers += [f"    for j in range({used[0]}.shape[0]):" + body, "", ""]
     else:
         src.append("    for j in range(n):" + body)
-    if pass_ is not Pass.WEIGHTS:
+    if pass_ is not Pass.WEIGHTS and m16:
         for x in moments:
-            if m16:
-                src.append(_NARROW.format(bits=f"{x}u", out=x))
-            elif not direct:  # float32 moments of a speculative update: into other buffers
-                src.append(f"    stream_copy({x}, {x}f)")
-    if out_of_place:
-        src.append("    stream_copy(p, pn)")
-    new_p = "pn" if pass_ in (Pass.WEIGHTS, Pass.OUT) else "p"
+            src.append(_NARROW.format(bits=f"{x}u", out=x))
+    new_p = "pn" if pass_ is Pass.WEIGHTS else "p"
     if pass_ is not Pass.STATE:
         if w16:
             src.append(f"    pu = {new_p}.view(np.uint32)" + _NARROW.format(bits="pu", out="w"))
@@ -353,9 +277,9 @@ def _source(
 
 
 # Names what the cached kernels depend on beside their source: how this loader registers modules, and
-# the code generation of the intrinsics (`prefetch`, `stream_copy`), which the source only calls. A
-# change to either must change it, so that old caches are not loaded.
-_CACHE_SALT = "sys.modules, prefetch 1, stream_copy 1"
+# the code generation of the intrinsic (`prefetch`), which the source only calls. A change to either
+# must change it, so that old caches are not loaded.
+_CACHE_SALT = "sys.modules, prefetch 1"
 
 
 def _load(source: str) -> ModuleType:
@@ -398,8 +322,7 @@ def warm_up(
     counts: Sequence[int] = (0,),
 ) -> None:
     """Compile (or load from the cache) the kernels `rule` will use at update numbers `counts`
-    (`FusedRule.kernel_counts`), one per pass, on tiny arrays. (The `OUT` pass of speculative
-    updates, off by default, compiles on first use.)"""
+    (`FusedRule.kernel_counts`), one per pass, on tiny arrays."""
     n = 8
     g = np.zeros(n, bits_dtype(grad_dtype))
     g.flags.writeable = False  # gradients are read through read-only views: a distinct numba type
@@ -407,8 +330,7 @@ def warm_up(
         p = np.zeros(n, np.float32)
         moments = [np.zeros(n, bits_dtype(moment_dtype)) for _ in rule.moments()]
         w = None if pass_ is Pass.STATE else np.zeros(n, bits_dtype(weight_dtype))
-        out = (np.zeros_like(p), *map(np.zeros_like, moments)) if pass_ is Pass.OUT else None
-        rule.kernel(count, 0.0, 1.0, pass_)(p, *moments, g, w, 0.0, out=out)
+        rule.kernel(count, 0.0, 1.0, pass_)(p, *moments, g, w, 0.0)
 
 
 # -- views -----------------------------------------------------------------------------------------
@@ -500,12 +422,11 @@ class FusedRule:
         return counts
 
     def kernel(self, count: int, lr: float, gmul: float, pass_: Pass = Pass.FULL) -> Callable[..., None]:
-        """A function (p, *moments, g, w, decay, out=None) -> None running one pass (`Pass`) of
+        """A function (p, *moments, g, w, decay) -> None running one pass (`Pass`) of
         update number `count` (0-based: updates already applied) over one chunk, at learning rate
         `lr`; gradients are multiplied by `gmul` (averaging, loss scale and clipping in one factor).
         Arrays are flat: p float32; moments float32 or bf16 bits (uint16); g likewise; w the compute
-        dtype (bf16 bits or float32), None for the `STATE` pass; `out` = (p, *moments) to write
-        into, for the `OUT` pass."""
+        dtype (bf16 bits or float32), None for the `STATE` pass."""
         pass_ = Pass(pass_)
         f32 = np.float32
         gmul, neg_lr = f32(gmul), -f32(lr)
@@ -519,15 +440,12 @@ class FusedRule:
         else:
             name, scalars = "sgd", ()
 
-        def run(p, *arrays_and_decay, out=None):
+        def run(p, *arrays_and_decay):
             *moments, g, w, wd = arrays_and_decay
             m16 = bool(moments) and moments[0].dtype == np.uint16
             w16 = w is not None and w.dtype == np.uint16
             k = _kernel(name, g.dtype == np.uint16, m16, w16, pass_, unit)
-            if pass_ is Pass.OUT:
-                arrays = [a for pair in zip((p, *moments), out) for a in pair] + [g, w]
-            else:
-                arrays = [p, *moments, g] + [w] * (pass_ is not Pass.STATE)
+            arrays = [p, *moments, g] + [w] * (pass_ is not Pass.STATE)
             k(*arrays, _scratch(), gmul, *scalars, neg_lr, f32(wd))
 
         return run

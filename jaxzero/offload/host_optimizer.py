@@ -31,7 +31,6 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from functools import partial
 from typing import Any, NamedTuple
 
 import jax
@@ -202,7 +201,6 @@ class HostOptimizer:
         self._cast = jax.jit(
             lambda p: jax.tree.map(lambda x: x.astype(self.compute_dtype), p), out_shardings=host
         )
-        self._zeros_like = jax.jit(lambda t: jax.tree.map(jnp.zeros_like, t), out_shardings=host)
         self._lr = jax.jit(lambda step: jnp.asarray(self.schedule(step), jnp.float32))
         self._rates: dict[int, float] = {}  # update number -> its rate, the last few
         self._rates_lock = threading.Lock()
@@ -246,13 +244,6 @@ class HostOptimizer:
         return self._io.submit(
             lambda: place(self._cast(masters), self.placement.written(unit, shapes), shapes)
         )
-
-    def compute_weights(self, masters: ModelParams) -> ModelParams:
-        """The compute-dtype weights of `masters`, each host unit's placed per `placement.written`
-        (used at init and restore; None for units the accelerator updates)."""
-
-        futures = self._per_host_unit(self.place_weights, masters)
-        return jax.tree.map(lambda f: f.result(), futures, is_leaf=lambda x: isinstance(x, Future))
 
     def _per_host_unit(self, fn: Callable[[UnitPlan, Any], Any], tree: ModelParams) -> ModelParams:
         """`fn(unit, tree's unit)` for each unit the host updates (state in host RAM or on disk), None
@@ -323,21 +314,17 @@ class HostOptimizer:
             weights = place(weights, self.placement.written(u.unit, shapes), shapes)
         return HostUnit(params, opt_state, weights)
 
-    def _fused(self, u: UnitUpdate, count: int, priority: Any, pass_: Pass, into=None, recycle=None) -> Any:
-        """One pass of the fused kernels over every leaf of `u.arrays`, chunked onto the pool. `into` =
-        (params, opt_state) for the `OUT` pass. Returns the new weights, placed (None for `STATE`)."""
+    def _fused(self, u: UnitUpdate, count: int, priority: Any, pass_: Pass, recycle=None) -> Any:
+        """One pass of the fused kernels over every leaf of `u.arrays`, chunked onto the pool. Returns
+        the new weights, placed (None for `STATE`)."""
         rule = self.rule
         p_leaves, treedef = jax.tree.flatten(u.arrays.params)
         shapes = self.shapes_of(u.unit)
         shape_leaves = [np.shape(x) for x in treedef.flatten_up_to(shapes)]
         g_leaves = treedef.flatten_up_to(u.grads)
 
-        def moments(opt_state):
-            return [treedef.flatten_up_to(optax.tree_utils.tree_get(opt_state, n)) for n in rule.moments()]
-
-        m_leaves = moments(u.arrays.opt_state)
-        if into is not None:
-            out_p, out_m = treedef.flatten_up_to(into[0]), moments(into[1])
+        opt_state = u.arrays.opt_state
+        m_leaves = [treedef.flatten_up_to(optax.tree_utils.tree_get(opt_state, n)) for n in rule.moments()]
         decay = treedef.flatten_up_to(getattr(self._decay, u.unit.kind.value))
         kernel = rule.kernel(count, self.rate(count), u.gmul, pass_)
         streamed = u.unit.weights is Tier.PINNED_HOST
@@ -356,9 +343,6 @@ class HostOptimizer:
             pieces = self.placement.pieces(shape_leaves[k])
             row = int(np.prod(shape_leaves[k][1:], dtype=np.int64)) if shape_leaves[k] else 1
             full = [hk.writable_view(p)] + [hk.writable_view(m[k]) for m in m_leaves]
-            full_out = None
-            if into is not None:
-                full_out = [hk.writable_view(out_p[k])] + [hk.writable_view(m[k]) for m in out_m]
             out_shards = None if dst is None else [hk.writable_view(x) for x in local_shards(dst[k])]
             if out_shards is not None and len(out_shards) > len(pieces):  # replicated: one copy written
                 copies.append((out_shards[0], out_shards[1:]))
@@ -366,11 +350,9 @@ class HostOptimizer:
                 lo, hi = (0, full[0].size) if rows == slice(None) else (rows.start * row, rows.stop * row)
                 views = [v[lo:hi] for v in full]
                 views += [hk.readable_view(g_leaves[k][j]), None if out_shards is None else out_shards[j]]
-                outs = None if full_out is None else [o[lo:hi] for o in full_out]
                 for s in hk.chunks(hi - lo):
                     args = [None if v is None else v[s] for v in views]
-                    out = None if outs is None else [o[s] for o in outs]
-                    work.append(self.pool.submit(priority, partial(kernel, out=out), *args, decay[k]))
+                    work.append(self.pool.submit(priority, kernel, *args, decay[k]))
         for f in work:
             f.result()  # host sync: this pass over the unit is done
         for first, others in copies:  # every device's copy of a replicated array gets the same bits
@@ -387,21 +369,6 @@ class HostOptimizer:
             weights = jax.block_until_ready(copy_to(weights, self.placement.written(u.unit, shapes)))
         self._staging.give(dst)
         return weights
-
-    # -- speculative updates -------------------------------------------------------------------------
-
-    def spare(self, unit: HostUnit) -> tuple[Any, Any]:
-        """Fresh buffers shaped like `unit`'s params and optimizer state (on the host device), for a
-        speculative update to write into."""
-        return self._zeros_like((unit.params, unit.opt_state))
-
-    def speculate(self, u: UnitUpdate, priority: Any, into: tuple[Any, Any], recycle: Any = None) -> HostUnit:
-        """`update_unit` into `into` (from `spare`), leaving the unit's masters and state as they
-        were: the update this unit gets if the gradient turns out not to need clipping. The caller
-        keeps whichever it needs."""
-        count = _count(u.arrays.opt_state)
-        weights = self._fused(u, count, priority, Pass.OUT, into, recycle)
-        return HostUnit(into[0], _advance(into[1], count), weights)
 
     def rate(self, count: int) -> float:
         """The learning rate of update number `count`, as float32 arithmetic on the host device gives

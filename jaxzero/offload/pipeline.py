@@ -29,26 +29,18 @@ update and writes masters and moments in place, during the next backward pass:
 The unit's gradients live until its second pass. How many units (from the embedding) take two
 passes each step is `TwoPassCounter`'s (`jaxzero.offload.two_pass`).
 
-With clipping, the first `speculative_units` units whose gradients land (the head and the top
-blocks) are updated speculatively during the backward pass, as if no clipping will apply, into
-spare buffers. When the norm arrives: below `grad_clip` the speculative result is exactly the update
-(the same kernel on the same numbers) and is kept, the old buffers becoming the next spare; otherwise
-it is discarded and the unit is updated again with the clipping factor. The cost is one spare copy
-of those units' masters and optimizer state in host RAM.
-
 The delayed update (ZeRO-Offload's DPU) lets step t+1's forward and backward read the weights from
 before update t, so update t overlaps all of step t+1. Gradients are then one update stale. It costs
 a second copy of the compute-dtype weights.
 
 Which of these apply is the offload plan's decision (`jaxzero.plan.HostUpdate`).
 
-Determinism: timings decide only when, on which thread and into which buffers the host works (which
-units speculate: the first whose gradients land; how many take two passes: `TwoPassCounter`), never
-what it computes: a kept speculative update and a two-pass update are the one-pass update's bits,
-and the host kernels are elementwise (`host_kernels`). The global norm is summed on the accelerator,
-in unit order (`jaxzero.offload.streaming`). So the host side is reproducible as it is, and
-`--determinism` (XLA's deterministic GPU kernels, `jaxzero.runtime.request_determinism`) pins
-nothing here.
+Determinism: timings decide only when, on which thread and into which buffers the host works (how
+many units take two passes: `TwoPassCounter`), never what it computes: a two-pass update is the
+one-pass update's bits, and the host kernels are elementwise (`host_kernels`). The global norm is
+summed on the accelerator, in unit order (`jaxzero.offload.streaming`). So the host side is
+reproducible as it is, and `--determinism` (XLA's deterministic GPU kernels,
+`jaxzero.runtime.request_determinism`) pins nothing here.
 """
 
 from __future__ import annotations
@@ -68,7 +60,7 @@ from jaxzero.offload.host_memory import HostScalar, copy_to, local_views, releas
 from jaxzero.offload.host_optimizer import HostOptimizer, HostUnit, UnitUpdate
 from jaxzero.offload.timeline import StepClock, span
 from jaxzero.offload.two_pass import TwoPassCounter
-from jaxzero.plan import HostUpdate, OffloadPlan, Tier, UnitKind, UnitPlan, UpdateMode
+from jaxzero.plan import HostUpdate, OffloadPlan, Tier, UnitPlan, UpdateMode
 from jaxzero.write_fence import WriteFence
 
 
@@ -83,8 +75,6 @@ class Submitted(NamedTuple):
 class UpdateCounts(NamedTuple):
     """Host-update events since the last reading."""
 
-    speculated: int  # speculative updates kept
-    rolled_back: int  # speculative updates recomputed with the clipping factor
     two_passed: int  # units updated in two passes
 
 
@@ -115,7 +105,6 @@ class _StepInputs(NamedTuple):
     step: int
     norm: HostScalar  # the global norm of the mean gradient (float32)
     scale: HostScalar | None  # float16's loss scale; None: the gradients carry none
-    tickets: itertools.count  # the first `speculative_units` gradients to land may speculate
 
 
 class UnitJob(NamedTuple):
@@ -159,11 +148,8 @@ class UpdatePipeline:
         # Units whose state is on the accelerator come first in forward order and are not the host's:
         # the two-pass count starts at the first host unit.
         self._first_host = plan.device_state_units
-        # Buffers for speculative updates, by unit kind (blocks share one shape), at most
-        # `policy.speculative_units` in all.
-        self._spares: dict[UnitKind, list[tuple[Any, Any]]] = {kind: [] for kind in UnitKind}
         self._lock = threading.Lock()
-        self._counts = UpdateCounts(0, 0, 0)  # since the last `take_counts`
+        self._counts = UpdateCounts(0)  # since the last `take_counts`
         self._steps = itertools.count()
         # One waiting thread per unit and step: they mostly wait (gradients, norm, the previous
         # update); the work itself runs on the host optimizer's prioritised pool. A unit's task
@@ -195,7 +181,6 @@ class UpdatePipeline:
             norm=HostScalar(copy_to(norm, pinned)),
             # Only float16 has a loss scale; reading a copy of it would wait behind the gradients' copies.
             scale=HostScalar(copy_to(scale, pinned)) if self.policy.skips_nonfinite else None,
-            tickets=itertools.count(),
         )
         flat = lambda tree: [tree.embed, *tree.blocks, tree.head]  # noqa: E731 - in forward order
         jobs: list[UnitJob | None] = [
@@ -209,9 +194,9 @@ class UpdatePipeline:
         return Submitted(_as_params(tasks), _as_params(weights))
 
     def take_counts(self) -> UpdateCounts:
-        """Speculative updates kept and recomputed, and two-pass updates, since the last call."""
+        """Two-pass updates since the last call."""
         with self._lock:
-            out, self._counts = self._counts, UpdateCounts(0, 0, 0)
+            out, self._counts = self._counts, UpdateCounts(0)
         return out
 
     def _count(self, **more: int) -> None:
@@ -243,27 +228,8 @@ class UpdatePipeline:
         read = job.read.result()
         stale = read is not arrays.weights
         recycle = read if stale or policy.mode is not UpdateMode.DELAYED else None
-        spec = None
-        if policy.speculative_units:
-            start = time.perf_counter()
-            with span("host_update", slot.position, "speculative"):
-                spec = self._speculate(job, arrays, g, recycle)
-            if spec is not None:
-                self.clock.updated(start, time.perf_counter())
-                recycle = spec.weights
         with span("wait_norm", slot.position):
             norm = job.shared.norm.get() if policy.waits_for_norm else None  # host sync: the backward pass
-        if spec is not None:
-            if (not policy.skips_nonfinite or np.isfinite(norm)) and self.host.unclipped(norm):
-                # Exactly the update the unit would get now: keep it; the old state is the next spare.
-                with self._lock:
-                    self._spares[job.unit.kind].append((arrays.params, arrays.opt_state))
-                self._count(speculated=1)
-                job.weights.set_result(spec.weights)
-                return spec
-            with self._lock:  # clipping (or overflow) applies after all: recompute below
-                self._spares[job.unit.kind].append((spec.params, spec.opt_state))
-            self._count(rolled_back=1)
         if policy.skips_nonfinite and not np.isfinite(norm):
             if stale:
                 release(read)
@@ -271,7 +237,7 @@ class UpdatePipeline:
             return arrays  # float16 overflow: this step changes nothing
         update = UnitUpdate(job.unit, arrays, g, self.host.grad_multiplier(norm, _scale(job.shared.scale)))
         start = time.perf_counter()
-        if spec is None and slot.position - self._first_host < self.two_pass.units(slot.step, start):
+        if slot.position - self._first_host < self.two_pass.units(slot.step, start):
             return self._two_passes(job, update, recycle, start)
         with span("host_update", slot.position):
             new = self.host.update_unit(update, slot.update_priority, recycle)
@@ -281,8 +247,8 @@ class UpdatePipeline:
 
     def _run_from_disk(self, job: UnitJob) -> HostUnit:
         """A disk unit's update: one pass over its state as read from disk (`DiskStore.take`; the
-        read was scheduled with the step), written back in the background. No speculation and no
-        second pass: either would hold the state in RAM, or read it again."""
+        read was scheduled with the step), written back in the background. No second pass: it would
+        hold the state in RAM, or read it again."""
         policy, position = self.policy, job.unit.position
         spilled = job.previous.result()  # masters and state: OnDisk; weights: the newest
         with span("wait_grads", position):
@@ -329,26 +295,6 @@ class UpdatePipeline:
             self.two_pass.end(job.slot.step, ended)
         self.clock.updated(start, time.perf_counter())
         return new
-
-    def _speculate(self, job: UnitJob, arrays: HostUnit, g: Any, recycle: Any) -> HostUnit | None:
-        """While the backward pass still runs, update this unit as if no clipping will apply, into
-        spare buffers (the unit itself untouched; its new weights into `recycle`'s buffers). None if
-        this unit does not speculate."""
-        kind, evict = job.unit.kind, None
-        with self._lock:
-            if next(job.shared.tickets) >= self.policy.speculative_units:
-                return None
-            spare = self._spares[kind].pop() if self._spares[kind] else None
-            if spare is None and sum(map(len, self._spares.values())) >= self.policy.speculative_units:
-                # Spares of another shape only: free one, so the bound holds.
-                evict = next(v for v in self._spares.values() if v).pop()
-        if evict is not None:
-            release(evict)
-        if spare is None:
-            spare = self.host.spare(arrays)  # rarely: afterwards the replaced state becomes the spare
-        gmul = self.host.grad_multiplier(None, _scale(job.shared.scale))
-        update = UnitUpdate(job.unit, arrays, g, gmul)
-        return self.host.speculate(update, job.slot.update_priority, spare, recycle=recycle)
 
 
 def _as_params(in_forward_order: list[Any]) -> ModelParams:

@@ -29,8 +29,8 @@ class TwoPassCounter:
 
     The pipeline calls `begin` when a unit's two-pass update starts and `end` when it is over (with
     the time its second pass ended, or None if it failed), and `units` once the norm of a step is
-    known, from each unit task that gets that far (not those that kept a speculative update or
-    skipped a float16 overflow); the first call decides the step's count.
+    known, from each unit task that gets that far (not those that skipped a float16 overflow);
+    the first call decides the step's count.
     """
 
     def __init__(self, policy: TwoPass):

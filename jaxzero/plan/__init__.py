@@ -90,17 +90,16 @@ class HostUpdate:
     fused: bool  # the fused host kernels (else the optax transformation on XLA:CPU)
     waits_for_norm: bool  # clipping or float16: no unit updates before the global norm is known
     skips_nonfinite: bool  # float16: a non-finite norm means overflow, and the step changes nothing
-    speculative_units: int  # units updated during the backward pass as if unclipped (0: off)
     two_pass: TwoPass
     threads: int  # threads of the host update's pool
 
     def __post_init__(self) -> None:
-        # Speculation and two passes are fused-kernel work moved out of the wait for the norm.
+        # Two passes are fused-kernel work moved out of the wait for the norm.
         moves_work = self.waits_for_norm and self.fused and self.mode is UpdateMode.OVERLAPPED
-        if (self.speculative_units or self.two_pass.max_units) and not moves_work:
+        if self.two_pass.max_units and not moves_work:
             raise ValueError(
-                f"speculative ({self.speculative_units}) and two-pass ({self.two_pass.max_units}) updates "
-                "need units that wait for the norm, the fused kernels and the overlapped update: "
+                f"two-pass updates ({self.two_pass.max_units} units) need units that wait for the norm, "
+                "the fused kernels and the overlapped update: "
                 f"got waits_for_norm={self.waits_for_norm}, fused={self.fused}, mode={self.mode.value}."
             )
 
@@ -197,8 +196,6 @@ class OffloadPlan:
         if h.two_pass.max_units:
             up_to = "adaptive, up to" if h.two_pass.adaptive else "for"
             how.append(f"two-pass updates {up_to} {h.two_pass.max_units} units")
-        if h.speculative_units:
-            how.append(f"speculative updates for {h.speculative_units} units")
         on_device, on_disk = self.device_state_units, len(self.disk_units)
         in_ram = len(self.units) - on_device - on_disk
         where = f"of {in_ram}/{len(self.units)} units in host RAM, updated on the CPU"
@@ -304,9 +301,9 @@ def _host_update(cfg: TrainConfig, num_units: int) -> HostUpdate:
         )
     mode = UpdateMode(o.update)
     clipped = cfg.optimizer.grad_clip > 0
-    # Speculation and two-pass updates move fused-kernel work out of the wait for the norm; they apply
-    # only where units wait for it to clip (float16's wait skips overflowing steps, and its update is
-    # optax's) and off the delayed update, whose host work is off the critical path anyway.
+    # Two-pass updates move fused-kernel work out of the wait for the norm; they apply only where
+    # units wait for it to clip (float16's wait skips overflowing steps, and its update is optax's)
+    # and off the delayed update, whose host work is off the critical path anyway.
     moves_work = clipped and fused and mode is UpdateMode.OVERLAPPED
     two_pass = o.two_pass_units  # config: -1 adaptive (up to every unit), 0 off, K at most K units
     max_units = (num_units if two_pass < 0 else min(two_pass, num_units)) if moves_work else 0
@@ -315,7 +312,6 @@ def _host_update(cfg: TrainConfig, num_units: int) -> HostUpdate:
         fused=fused,
         waits_for_norm=clipped or fp16,
         skips_nonfinite=fp16,
-        speculative_units=o.speculative_units if moves_work else 0,
         two_pass=TwoPass(max_units=max_units, adaptive=two_pass < 0 and max_units > 0),
         # One core stays free for the thread that issues the accelerator's work and the runtime's
         # copy threads, which otherwise queue behind the update (BENCHMARKS.md, "2026-11-23, later:

@@ -84,7 +84,6 @@ class MemoryPlan:
     accelerator_state: int  # weights, masters, optimizer state and gradients kept on the accelerator
     activations: int  # saved block inputs plus one block's transient activations and the logits
     two_pass_grads: int = 0  # the part of `pinned` that two-pass updates keep into the next step
-    spares: int = 0  # the part of `host` that speculative updates keep as spare state
     disk: int = 0  # local disk: masters and optimizer state of the units kept there (per process)
     devices: int = 1  # the mesh this plan is for: `host` and `pinned` are per process, the rest per device
     processes: int = 1
@@ -281,7 +280,6 @@ def plan_memory(
     host = pinned = accelerator = two_pass = device_grads = device_cast = disk = disk_unit = 0
     # Two-pass updates take the first host units in forward order (after those on the accelerator).
     host_index = -1
-    host_states = []  # each host unit's masters and state, bytes per process
     for u in offload.units:
         n_u, w_u = params[u.kind], unsplit[u.kind]
         grad_u = grad if u.kind is UnitKind.BLOCK else 4  # embedding and head gradients: float32 sums
@@ -311,14 +309,10 @@ def plan_memory(
         if host_index < update.two_pass.max_units:  # gradients kept until the second pass, a step on
             two_pass += per_process(n_u, w_u, grad_u, True, copies=L)
         if u.state is Tier.HOST:
-            host_states.append(per_process(n_u, w_u, 4 + opt, True))
-            host += host_states[-1]  # masters and optimizer state
+            host += per_process(n_u, w_u, 4 + opt, True)  # masters and optimizer state
     pinned += two_pass + away
     host += offload.disk_slots * disk_unit
-    # At most `speculative_units` spares, each a copy of one host unit's masters and state (which
-    # units speculate depends on when their gradients land): at most the largest that many.
-    spares = sum(sorted(host_states, reverse=True)[: update.speculative_units])
-    host += pinned_pool_bytes(pinned, L, pool_cap) + saving + spares
+    host += pinned_pool_bytes(pinned, L, pool_cap) + saving
     streamed = offload.streamed_blocks
     in_flight = 3 if streamed else 0  # the block computing, the one prefetched, a gradient leaving
     accelerator += in_flight * n_block * max(compute, grad) + device_cast
@@ -332,7 +326,6 @@ def plan_memory(
         accelerator_state=accelerator,
         activations=activations,
         two_pass_grads=two_pass,
-        spares=spares,
         disk=disk,
         devices=D,
         processes=P,
@@ -407,12 +400,6 @@ def check_host_fits(cfg: TrainConfig, need: MemoryPlan, available: int, sharing:
             f"{available / GiB:.1f} GiB is available{_shared(sharing)}.{far} Free memory, choose a smaller "
             "model, run fewer processes per host, or use an "
             "optimizer with less state (optimizer.name=lion or sgd keep 4 bytes per parameter, AdamW 8)"
-            + (
-                f", lower offload.speculative_units (now {cfg.offload.speculative_units}; each keeps a "
-                "spare copy of one unit's state)"
-                if need.spares
-                else ""
-            )
             + (
                 f", set offload.two_pass_units=0 or a small count (now {cfg.offload.two_pass_units}; "
                 "two-pass units keep their gradients in pinned memory into the next step)"
