@@ -1,8 +1,13 @@
 """Checkpoints: exact resume after SIGKILL (also mid-save), preemption, corruption and mismatches."""
 
+import contextlib
 import json
+import os
+import pty
+import select
 import shutil
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -10,7 +15,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from subprocess_run import run_module, run_program
+from subprocess_run import run_module, run_program, user_env
 
 from jaxzero import checkpoint as checkpoint_lib
 from jaxzero import placement
@@ -88,6 +93,36 @@ def test_sigterm_saves_at_a_step_boundary_and_exits_3(tmp_path):
     resumed = cli("--run_dir=pre", "--steps=" + str(saved[0] + 2), cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert max(losses(tmp_path / "pre")) == saved[0] + 2
+
+
+@pytest.mark.slow  # the CLI in a subprocess, on a terminal of its own
+def test_a_closed_terminal_saves_at_a_step_boundary_and_exits_3(tmp_path):
+    """SIGHUP as a closed terminal sends it (a dropped SSH session): the run's terminal goes away
+    under it, and it stops after the step with a checkpoint and exit 3, as for SIGTERM (it was killed
+    with nothing saved), though every write to that terminal now fails."""
+    pid, terminal = pty.fork()
+    if pid == 0:  # the child: the run, its stdout and stderr the terminal, its session's leader
+        env = user_env()
+        os.chdir(tmp_path)
+        argv = [sys.executable, "-m", "jaxzero.train", *RUN, "--steps=100000", "--checkpoint.every=0"]
+        os.execve(sys.executable, [*argv, "--run_dir=hup"], env)
+    metrics = tmp_path / "hup" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        if select.select([terminal], [], [], 0.2)[0]:  # drain it, as a terminal shows what it is sent
+            with contextlib.suppress(OSError):
+                os.read(terminal, 65536)
+    os.close(terminal)  # the terminal closes: the kernel sends its session's leader SIGHUP
+    deadline = time.time() + 120
+    while (ended := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.time() < deadline:
+        time.sleep(0.2)
+    assert ended[0] == pid, "the run did not end after SIGHUP"
+    assert os.waitstatus_to_exitcode(ended[1]) == 3
+    saved = sorted(int(p.name) for p in (tmp_path / "hup" / "checkpoints").iterdir() if p.name.isdigit())
+    assert len(saved) == 1 and saved[0] >= 3
+    resumed = cli("--run_dir=hup", "--steps=" + str(saved[0] + 2), cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert max(losses(tmp_path / "hup")) == saved[0] + 2
 
 
 @pytest.mark.slow  # the CLI in subprocesses
