@@ -233,7 +233,8 @@ class DataConfig:
     # builtin: bytes of Python's standard library; tokens: nanoGPT .bin files; synthetic: random ids
     source: Literal["builtin", "tokens", "synthetic"] = "builtin"
     path: str = ""  # source=tokens: directory holding train.bin (and optionally val.bin)
-    token_dtype: Literal["uint16", "uint32"] = "uint16"  # source=tokens: the dtype the .bin files hold
+    # source=tokens: the dtype the .bin files hold; auto: what their prepare.json records, else uint16
+    token_dtype: Literal["auto", "uint16", "uint32"] = "auto"
     seq_len: int = 128  # tokens per sequence (each sequence also reads one shifted target)
     batch_size: int = 16  # sequences per optimizer step, over all devices and micro-batches; 0: derived
     grad_accum: int = 1  # micro-batches per step (gradients summed before the update); 0: derived

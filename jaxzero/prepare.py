@@ -327,8 +327,8 @@ def main(argv: list[str] | None = None) -> int:
         + (f", {meta['val']['tokens']:,} in val.bin" if meta["val"]["documents"] else "")
         + f" ({meta['token_dtype']}, vocabulary {meta['vocab_size']:,}).\n"
         f"Train on it: python -m jaxzero.train --data.source=tokens --data.path={args.out} "
-        f"--data.token_dtype={meta['token_dtype']} --model.vocab_size={meta['vocab_size']} (or a model whose "
-        "vocabulary holds it)"
+        f"--model.vocab_size={meta['vocab_size']} (or a model whose vocabulary holds it; the token files' "
+        "dtype is read from prepare.json)"
     )
     return 0
 
