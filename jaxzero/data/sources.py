@@ -178,9 +178,9 @@ def _open_token_file(path: Path, token_dtype: str) -> np.ndarray:
 
 def token_dtype_of(directory: Path, token_dtype: str) -> str:
     """The dtype of the token files in `directory`: `token_dtype` ("uint16", "uint32"), or for "auto"
-    the one its ``prepare.json`` records (jaxzero.prepare writes uint32 for a vocabulary over 65,536:
-    Llama 3, Qwen), else uint16 (nanoGPT's files). DataError where `token_dtype` contradicts
-    ``prepare.json``: read as the other dtype, every id would be garbage."""
+    the one its ``prepare.json`` records (jaxzero.prepare writes uint32 for a vocabulary over 65,536: Llama 3,
+    Qwen), else (no file, or one that records none) uint16, nanoGPT's. DataError where `token_dtype`
+    contradicts ``prepare.json``: read as the other dtype, every id would be garbage."""
     if token_dtype not in ("auto", *_TOKEN_DTYPES):
         raise DataError(f"data.token_dtype={token_dtype!r} is not one of {['auto', *_TOKEN_DTYPES]}.")
     meta = directory / PREPARE_META
@@ -190,7 +190,7 @@ def token_dtype_of(directory: Path, token_dtype: str) -> str:
             recorded = json.loads(meta.read_text()).get("token_dtype")
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
             raise DataError(f"{meta} is not the JSON jaxzero.prepare writes ({e}); rerun it.") from e
-        if recorded not in _TOKEN_DTYPES:
+        if recorded is not None and recorded not in _TOKEN_DTYPES:
             raise DataError(
                 f"{meta} records token_dtype={recorded!r}, not one of {list(_TOKEN_DTYPES)}; rerun "
                 "jaxzero.prepare, or remove the file and pass --data.token_dtype."
