@@ -87,11 +87,44 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _temporary(name: str) -> int:
+    """The pid of the preparation writing `name` when it is one of its unfinished files
+    (`.train.bin.<pid>.partial`), else 0."""
+    parts = name.split(".")
+    if len(parts) < 4 or parts[0] or parts[-1] != "partial" or not parts[-2].isdigit():
+        return 0
+    return int(parts[-2]) if ".".join(parts[1:-2]) in OUTPUTS else 0
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 def _check_outputs(out: Path, recipe: Recipe, overwrite: bool, names: Sequence[str]) -> bool:
     """True when `out` already holds this recipe's output, every one of `names` included (a preparation
-    from before the example index lacks ``*.idx.bin``: it is made again). Raises DataError where writing
-    would replace files this tool did not write, or an earlier preparation without `--overwrite`."""
+    from before the example index lacks ``*.idx.bin``: it is made again). Raises DataError where `out`
+    holds anything but an earlier preparation (a run directory, someone's files: as an export, prepare
+    writes only into a new or empty directory or over its own output), where writing would replace files
+    this tool did not write, or an earlier preparation without `--overwrite`. A killed preparation's
+    unfinished files are removed."""
     meta_path = out / META_NAME
+    entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    foreign = [e for e in entries if e not in OUTPUTS and not _temporary(e)]
+    if foreign and not meta_path.is_file():
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise DataError(
+            f"--out={out} is not empty and is not a jaxzero.prepare output (it holds {shown}; no "
+            f"{META_NAME}): prepare writes only into a new or empty directory or over its own earlier "
+            "output. Choose a new --out; nothing was changed."
+        )
+    for stale in (e for e in entries if _temporary(e) and not _running(_temporary(e))):
+        (out / stale).unlink(missing_ok=True)  # a killed preparation's unfinished file
     ours = [name for name in OUTPUTS if (out / name).exists()]
     if not ours:
         return False

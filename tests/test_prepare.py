@@ -180,6 +180,32 @@ def test_reruns_are_idempotent_and_never_replace_what_they_did_not_write(tmp_pat
     assert (theirs / "train.bin").read_bytes() == b"\1\0"
 
 
+def test_out_is_new_empty_or_an_earlier_preparation(tmp_path, capsys):
+    """prepare writes into a directory only where it is new, empty or its own earlier output, as an
+    export: into a run directory it made the run unresumable ('not made by jaxzero: prepare.json,
+    train.bin'). A killed preparation's unfinished files are no obstacle: they are removed."""
+    inputs = write_inputs(tmp_path / "in")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text("{}")
+    (run / "metrics.jsonl").write_text("")
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    assert main([f"--input={i}" for i in inputs] + [f"--out={run}", "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert "is not empty and is not a jaxzero.prepare output (it holds config.json, metrics.jsonl" in err
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    (killed / ".train.bin.999999999.partial").write_bytes(b"half")  # no such process
+    prepare(inputs, killed, workers=1, progress=False)
+    assert sorted(p.name for p in killed.iterdir()) == ["prepare.json", "train.bin"]
+    (tmp_path / "empty").mkdir()
+    prepare(inputs, tmp_path / "empty", workers=1, progress=False)
+    (killed / "README.md").write_text("mine")  # beside an earlier preparation: kept, and no obstacle
+    prepare(inputs, killed, workers=1, progress=False, overwrite=True)
+    assert (killed / "README.md").read_text() == "mine"
+
+
 def test_prepared_bytes_train_the_builtin_sized_model(tmp_path):
     """The printed command's settings read the files: windows of the prepared tokens, in range."""
     inputs = write_inputs(tmp_path / "in")
