@@ -40,7 +40,6 @@ import hashlib
 import json
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -211,6 +210,8 @@ def prepare(
     files = expand_inputs(inputs)
     if val_docs < 0:
         raise DataError(f"--val_docs={val_docs} must be >= 0.")
+    if workers < 0:
+        raise DataError(f"--workers={workers}: give a number of encoding processes, or 0 for one per core.")
     chat = None
     if tokenizer is None:
         tok: ByteTokenizer | HFTokenizer = ByteTokenizer()
@@ -257,6 +258,7 @@ def prepare(
 
     dtype = np.dtype(np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32)
     temps = {name: out_dir / f".{name}.{os.getpid()}.partial" for name in names}
+    meta_tmp = out_dir / f".{META_NAME}.{os.getpid()}.partial"  # named as the token files' (_temporary)
     counts = {"train": [0, 0, 0], "val": [0, 0, 0]}  # documents, tokens, counted targets
     shown = _Progress() if progress else None
     workers = workers or os.cpu_count() or 1
@@ -302,19 +304,16 @@ def prepare(
         for name in OUTPUTS:  # an earlier preparation's, replaced with --overwrite (_check_outputs)
             if name != META_NAME and name not in written:
                 (out_dir / name).unlink(missing_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{META_NAME}.", suffix=".partial")
-        with os.fdopen(fd, "w") as f:
-            json.dump(meta, f, indent=1)
-        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide it from the group that reads the token files
-        os.replace(tmp, out_dir / META_NAME)
+        meta_tmp.write_text(json.dumps(meta, indent=1))
+        os.replace(meta_tmp, out_dir / META_NAME)
     except BaseException:
-        for t in temps.values():
+        for t in [*temps.values(), meta_tmp]:
             t.unlink(missing_ok=True)
         if created and not any(out_dir.iterdir()):
             out_dir.rmdir()  # the directory this run made, left empty by its failure
         raise
     finally:
-        for t in temps.values():
+        for t in [*temps.values(), meta_tmp]:
             t.unlink(missing_ok=True)
         if shown:
             shown.close()
@@ -354,6 +353,12 @@ def main(argv: list[str] | None = None) -> int:
     except DataError as e:
         print(f"jaxzero.prepare: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(
+            f"jaxzero.prepare: interrupted (Ctrl-C): nothing of this preparation is left in {args.out}.",
+            file=sys.stderr,
+        )
+        return 130
     t = meta["train"]
     print(
         f"jaxzero.prepare: {args.out}: {t['documents']:,} documents, {t['tokens']:,} tokens in train.bin"
