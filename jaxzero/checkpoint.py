@@ -70,6 +70,7 @@ from jaxzero.checkpoint_layout import (
 )
 from jaxzero.config import CheckpointConfig, CheckpointError, TrainConfig, buffer_bytes
 from jaxzero.deferred import is_deferred, resolved
+from jaxzero.finetune.provenance import check_base
 from jaxzero.write_fence import WriteFence
 
 log = logging.getLogger(__name__)  # the library speaks through logging (`jaxzero.console`)
@@ -361,8 +362,13 @@ class Checkpointer:
 
     def _check(self, step: int, abstract_state: dict[str, Any], layout: str, run: TrainConfig) -> None:
         """The checks of checkpoint `step` before its arrays are read, each process on its own (no
-        collective): its metadata, its files' checksums, its shapes against `abstract_state`."""
+        collective): its metadata, the frozen base it trained over (`check_base`), its files'
+        checksums, its shapes against `abstract_state`."""
         meta = self.read_meta(step)
+        try:  # what trained fits the base it trained over: changed files are another run's
+            check_base(meta, f"checkpoint {self.directory / str(step)}")
+        except CheckpointError as e:
+            raise CheckpointMismatch(str(e)) from e
         if self.cfg.verify:
             verify_checksums(self.directory / str(step), self._pool)
         if meta.get("layout") != layout:  # allowed: the saved optimizer state is per unit either way
