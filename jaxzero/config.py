@@ -275,7 +275,8 @@ class OptimizerConfig:
     b2: float = 0.95  # second-moment decay (adam, adamw; lion's update interpolation)
     eps: float = 1e-8  # added to the second moment's root (adam, adamw)
     momentum: float = 0.9  # sgd only; 0: plain sgd
-    weight_decay: float = 0.1  # decoupled decay of matrices (adamw, lion, sgd)
+    # decoupled decay of matrices (adamw, lion, sgd); adam has none: --optimizer.name=adam alone sets 0
+    weight_decay: float = 0.1
     decay_norms_biases_embeddings: bool = False  # also decay norms, biases and embeddings
     grad_clip: float = 1.0  # global-norm clip; 0 disables
     state_dtype: Literal["float32", "bfloat16"] = "float32"  # storage of moments (bf16: half the bytes)

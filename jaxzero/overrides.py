@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 from jaxzero import deepspeed
-from jaxzero.config import SECTIONS, TOP_LEVEL_KEYS, ConfigError, ModelConfig, TrainConfig
+from jaxzero.config import SECTIONS, TOP_LEVEL_KEYS, ConfigError, ModelConfig, OptimizerConfig, TrainConfig
 from jaxzero.config_checks import validate
 from jaxzero.deepspeed import Translation
 from jaxzero.interop import model_config_from_hf
@@ -128,6 +128,11 @@ def apply_overrides(cfg: TrainConfig, overrides: dict[str, Any]) -> TrainConfig:
             raise _unknown_key(key, valid)
         per_section.setdefault(sec, {})[name] = _coerce(key, raw, hints[name])
 
+    optimizer = per_section.get("optimizer", {})
+    if optimizer.get("name") == "adam" and "weight_decay" not in optimizer:
+        # Adam has no weight decay: where no setting names one, it takes its own default, not adamw's
+        if cfg.optimizer.weight_decay == OptimizerConfig().weight_decay:
+            optimizer["weight_decay"] = 0.0
     model = cfg.model
     model_over = per_section.pop("model", {})
     if "name" in model_over:
