@@ -273,6 +273,8 @@ def layer(base: TrainConfig, args: Arguments) -> Layered:
         source = f"{DEEPSPEED_SOURCE}{args.deepspeed_path}"
         translation = deepspeed.translate(args.deepspeed, apply_overrides(cfg, cli), source)
         check_overrides(translation.overrides, source)
+        overridden = {k: args.cli[k] for k in translation.overrides if k in args.cli}
+        translation = dataclasses.replace(translation, overridden=overridden)
         cfg = apply_overrides(cfg, translation.overrides)
         sources.update(dict.fromkeys(translation.overrides, source))
     sources.update(dict.fromkeys(args.cli, COMMAND_LINE))
