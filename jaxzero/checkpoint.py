@@ -70,6 +70,7 @@ from jaxzero.checkpoint_layout import (
 )
 from jaxzero.config import CheckpointConfig, CheckpointError, TrainConfig, buffer_bytes
 from jaxzero.deferred import is_deferred, resolved
+from jaxzero.finetune.provenance import check_base
 from jaxzero.write_fence import WriteFence
 
 log = logging.getLogger(__name__)  # the library speaks through logging (`jaxzero.console`)
@@ -159,29 +160,74 @@ class Checkpointer:
         it is (`Trainer.fence`, which each step passes before changing a unit), returns at once;
         otherwise once the checkpoint is committed. Raises `CheckpointWriteError` before writing
         anything if the disk lacks the room for it, and for a failure of the previous save."""
-        ensure_room(self.directory, state_bytes(state), f"checkpoint {step}")
         self.wait()  # one save at a time; raises the previous one's failure
+        # The room is counted after the previous save: until it commits, it holds its bytes and the
+        # checkpoint it supersedes both (a check before it counted keep + 2 checkpoints at once).
+        size = state_bytes(state)
+        self._make_room(step, size)
         parts = [p._replace(tree=_own_handles(p.tree)) for p in state_parts(state)]
         background = self.cfg.async_save and fence is not None
         fence = fence if fence is not None else WriteFence()
         sizes = {p.position: state_bytes(p.tree) for p in parts if p.position is not None}
         fence.begin(sizes, self.buffer - in_flight_bytes(self.cfg), partial(_copy_part, parts))
         self.last_saved = step
-        self._writing = self._writer.submit(self._write, step, parts, meta, fence)
+        self._writing = self._writer.submit(self._write, step, parts, meta, fence, size)
         if not background:
             self.wait()
 
-    def _write(self, step: int, parts: list[Part], meta: dict[str, Any], fence: WriteFence) -> None:
-        """The writer thread's save of checkpoint `step` (its checksums written as it commits); the
-        fence is open after, whatever happened."""
+    def _write(
+        self, step: int, parts: list[Part], meta: dict[str, Any], fence: WriteFence, size: int
+    ) -> None:
+        """The writer thread's save of checkpoint `step` (its checksums written as it commits), of about
+        `size` bytes; the fence is open after, whatever happened."""
         try:
             with self._failure(step):
                 state = PartsSave(parts, fence.start, fence.written)
                 args = ocp.args.Composite(state=state, meta=ocp.args.JsonSave(meta))
                 self.manager.save(step, args=args, force=True)
+            self._warn_if_the_next_will_not_fit(step, size)
         finally:
             fence.finish()
             trim_host_heap()
+
+    def _superseded(self, step: int) -> list[int]:
+        """The checkpoints a save of `step` makes the retention delete once it commits (the oldest
+        beyond `checkpoint.keep`, none that `keep_every` keeps), oldest first, less the newest now on
+        disk: what may go before it is written without leaving the run without a checkpoint."""
+        steps = self.steps()
+        kept = set(sorted([*steps, step])[-self.cfg.keep :])
+        every = self.cfg.keep_every
+        old = [s for s in steps if s not in kept and not (every and s % every == 0)]
+        return [s for s in old if s != max(steps)]
+
+    def _make_room(self, step: int, size: int) -> None:
+        """Room for checkpoint `step` of about `size` bytes, or `CheckpointWriteError` before anything
+        is written. Where the disk is short and the save supersedes checkpoints older than the newest
+        (checkpoint.keep >= 2), those go first, oldest first: they would go once it commits. (One
+        process: several would each decide on their own view of the disk.)"""
+        early = self._superseded(step) if jax.process_count() == 1 else []
+        for old in early:
+            try:
+                ensure_room(self.directory, size, f"checkpoint {step}")
+                return
+            except CheckpointWriteError as e:
+                log.warning(f"{e} Deleting checkpoint {old} now, before checkpoint {step} is written (the "
+                            "retention would delete it once that one is).")  # fmt: skip
+                self.manager.delete(old)
+        ensure_room(self.directory, size, f"checkpoint {step}")
+
+    def _warn_if_the_next_will_not_fit(self, step: int, size: int) -> None:
+        """After checkpoint `step` committed (and the retention ran): a warning, while there is time to
+        free space, where the next save of about `size` bytes will not fit (it would stop the run)."""
+        free = shutil.disk_usage(self.directory).free
+        if jax.process_count() == 1:
+            free += sum(_bytes_under(self.directory / str(s)) for s in self._superseded(step + 1))
+        if free < size:
+            log.warning(
+                f"warning: checkpoint {step} is written, but the next one will not fit: it needs about "
+                f"{size / 2**30:.2f} GiB and {free / 2**30:.2f} GiB is free in {self.directory}. Free space "
+                "there before the next save, or it will stop the run (this checkpoint is kept)."
+            )
 
     def check(self) -> None:
         """Raise `CheckpointWriteError` if the background save failed since the last call (cheap)."""
@@ -361,8 +407,13 @@ class Checkpointer:
 
     def _check(self, step: int, abstract_state: dict[str, Any], layout: str, run: TrainConfig) -> None:
         """The checks of checkpoint `step` before its arrays are read, each process on its own (no
-        collective): its metadata, its files' checksums, its shapes against `abstract_state`."""
+        collective): its metadata, the frozen base it trained over (`check_base`), its files'
+        checksums, its shapes against `abstract_state`."""
         meta = self.read_meta(step)
+        try:  # what trained fits the base it trained over: changed files are another run's
+            check_base(meta, f"checkpoint {self.directory / str(step)}")
+        except CheckpointError as e:
+            raise CheckpointMismatch(str(e)) from e
         if self.cfg.verify:
             verify_checksums(self.directory / str(step), self._pool)
         if meta.get("layout") != layout:  # allowed: the saved optimizer state is per unit either way
@@ -409,6 +460,10 @@ class _Failure:
     text: str
     mismatch: bool
     error: BaseException | None = None
+
+
+def _bytes_under(directory: Path) -> int:
+    return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
 
 
 def _allgather_text(text: str) -> list[str]:

@@ -233,7 +233,8 @@ class DataConfig:
     # builtin: bytes of Python's standard library; tokens: nanoGPT .bin files; synthetic: random ids
     source: Literal["builtin", "tokens", "synthetic"] = "builtin"
     path: str = ""  # source=tokens: directory holding train.bin (and optionally val.bin)
-    token_dtype: Literal["uint16", "uint32"] = "uint16"  # source=tokens: the dtype the .bin files hold
+    # source=tokens: the dtype the .bin files hold; auto: what their prepare.json records, else uint16
+    token_dtype: Literal["auto", "uint16", "uint32"] = "auto"
     seq_len: int = 128  # tokens per sequence (each sequence also reads one shifted target)
     batch_size: int = 16  # sequences per optimizer step, over all devices and micro-batches; 0: derived
     grad_accum: int = 1  # micro-batches per step (gradients summed before the update); 0: derived
@@ -274,7 +275,8 @@ class OptimizerConfig:
     b2: float = 0.95  # second-moment decay (adam, adamw; lion's update interpolation)
     eps: float = 1e-8  # added to the second moment's root (adam, adamw)
     momentum: float = 0.9  # sgd only; 0: plain sgd
-    weight_decay: float = 0.1  # decoupled decay of matrices (adamw, lion, sgd)
+    # decoupled decay of matrices (adamw, lion, sgd); adam has none: --optimizer.name=adam alone sets 0
+    weight_decay: float = 0.1
     decay_norms_biases_embeddings: bool = False  # also decay norms, biases and embeddings
     grad_clip: float = 1.0  # global-norm clip; 0 disables
     state_dtype: Literal["float32", "bfloat16"] = "float32"  # storage of moments (bf16: half the bytes)

@@ -357,11 +357,9 @@ def _validate_logging(cfg: TrainConfig) -> None:
 
 def _validate_checkpoint(ck: CheckpointConfig) -> None:
     """How often checkpoints are saved and kept, and the save buffer."""
-    _need(
-        ck.every >= 0 and ck.keep >= 1 and ck.keep_every >= 0,
-        f"checkpoint.every={ck.every} and checkpoint.keep_every={ck.keep_every} must be >= 0, "
-        f"checkpoint.keep={ck.keep} >= 1.",
-    )
+    _need(ck.every >= 0, f"checkpoint.every={ck.every} must be >= 0 (0: a checkpoint at the end only).")
+    _need(ck.keep >= 1, f"checkpoint.keep={ck.keep} must be >= 1: the newest checkpoints kept.")
+    _need(ck.keep_every >= 0, f"checkpoint.keep_every={ck.keep_every} must be >= 0 (0: only the newest).")
     _need(
         math.isfinite(ck.buffer_gib) and ck.buffer_gib >= 1 / 64,
         f"checkpoint.buffer_gib={ck.buffer_gib} must be a finite number >= 0.015625 (16 MiB): the host RAM "

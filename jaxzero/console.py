@@ -6,8 +6,11 @@ Python shows its warnings on stderr. The programs (`python -m jaxzero.train` and
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import sys
+from typing import Any, TextIO
 
 
 class _Line(logging.Handler):
@@ -49,3 +52,51 @@ def ignore_closed_event_loops() -> None:
 
     hook.drops_closed_event_loops = True
     sys.unraisablehook = hook
+
+
+def detach_hung_up_terminal() -> None:
+    """Point stdout and stderr at /dev/null where they are a terminal: after SIGHUP (a closed terminal,
+    a dropped SSH session) nothing reads it, and every write to it fails (EIO), which would stop the
+    run before its checkpoint. Output to a file or a pipe is left as it is. For a signal handler: only
+    the file descriptors change, so Python's buffered streams keep working."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                fd = stream.fileno()
+            except (AttributeError, OSError, ValueError):  # replaced by a test or a caller: not a tty
+                continue
+            if os.isatty(fd):
+                os.dup2(null, fd)
+    finally:
+        os.close(null)
+
+
+class HangupSafe:
+    """A console stream whose writes outlive its terminal: a write that fails because the terminal hung
+    up (EIO, as SIGHUP arrives while a line is being written, before its handler runs) points the
+    terminal's streams at /dev/null (`detach_hung_up_terminal`) and is dropped; every other error is
+    raised. What the run records (`metrics.jsonl`) is unaffected."""
+
+    def __init__(self, stream: TextIO):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError as e:
+            if e.errno != errno.EIO:
+                raise
+            detach_hung_up_terminal()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as e:
+            if e.errno != errno.EIO:
+                raise
+            detach_hung_up_terminal()
+
+    def __getattr__(self, name: str) -> Any:  # isatty, fileno, encoding: the stream's own
+        return getattr(self._stream, name)

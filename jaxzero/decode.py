@@ -41,11 +41,12 @@ class Sampling:
     seed: int = 0
 
     def check(self) -> None:
-        if self.max_new_tokens < 1 or not 0 <= self.temperature < math.inf or not 0 < self.top_p <= 1:
-            raise ConfigError(
-                f"max_new_tokens={self.max_new_tokens} must be >= 1, temperature={self.temperature} "
-                f">= 0 and finite, and top_p={self.top_p} in (0, 1]."
-            )
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens={self.max_new_tokens} must be >= 1.")
+        if not 0 <= self.temperature < math.inf:
+            raise ConfigError(f"temperature={self.temperature} must be >= 0 and finite (0: greedy).")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p={self.top_p} must be in (0, 1] (1: the whole distribution).")
 
 
 def sample_next(logits: jax.Array, key: jax.Array, temperature: float, top_p: float) -> jax.Array:

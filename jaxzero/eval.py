@@ -39,12 +39,12 @@ from jaxzero.data.sources import open_split
 from jaxzero.finetune.adapters import LORA_LAYOUT
 from jaxzero.finetune.trainable import FROZEN_LAYOUT
 from jaxzero.interop import load_hf_by_unit
+from jaxzero.outcome import EXIT_CONFIG, EXIT_INTERRUPTED
 from jaxzero.overrides import apply_overrides, config_from_dict, layer, split_args
 from jaxzero.planner import preflight
 from jaxzero.state_io import restore_state
 from jaxzero.trainer import build_trainer
 
-EXIT_CONFIG = 2
 # Settings an evaluation does not take from the run it evaluates: it saves nothing, logs no samples,
 # reads the token files it is given, and lets the planner place the weights for this machine.
 EVAL_SETTINGS = {
@@ -77,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:  # CheckpointError and DataError are ConfigErrors
         print(f"jaxzero: eval: {e}", file=sys.stderr)
         return EXIT_CONFIG
+    except KeyboardInterrupt:  # eval writes nothing: stopping costs only the pass
+        print("jaxzero: eval: interrupted (Ctrl-C); nothing was written.", file=sys.stderr)
+        return EXIT_INTERRUPTED
     print(
         f"jaxzero: eval: loss {result['loss']:.4f}, perplexity {result['perplexity']:.3f} over "
         f"{result['tokens']:,} targets of {result['split']} ({result['data']})"

@@ -15,9 +15,11 @@ files it writes, and marks it finished last. The marker is what makes a director
 - an unfinished export (its writer was killed, or the machine died): replaced, with or without
   `overwrite`: it never held a usable result, and its marker says which files are its own.
 
-An export that fails with an exception removes the files it wrote; the marker goes too when the
-directory held nothing before (a directory the export created is removed), else it stays, unfinished,
-so that a rerun replaces the rest. An export killed midway leaves its marker unfinished: the rerun of
+One export writes into a directory at a time: it holds a POSIX lock on `.jaxzero-export.lock` there
+while it writes (`jaxzero.run_lock`), and a second, on any host, is refused naming the first. An export
+that fails with an exception removes the files it wrote; the marker goes too when the directory held
+nothing before (a directory the export created is removed), else it stays, unfinished, so that a rerun
+replaces the rest. An export killed midway leaves its marker unfinished: the rerun of
 the same command replaces it. Refusals are `ExportRefused` (a FileExistsError), raised before anything
 is written.
 """
@@ -34,6 +36,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from jaxzero.run_lock import EXPORT_LOCK_FILE, RunDirInUse, lock_export_dir
 
 MARKER = ".jaxzero-export"
 # What a writer leaves beside a file it has not finished: SafetensorsWriter's and the JSON writers'
@@ -80,7 +84,7 @@ def existing(out: str | os.PathLike[str]) -> Earlier:
             f"{out} is a file, not a directory: choose a new directory for the export (--out), or remove "
             "the file yourself."
         )
-    entries = sorted(p.name for p in out.iterdir())
+    entries = sorted(p.name for p in out.iterdir() if p.name != EXPORT_LOCK_FILE)  # a writer's, not content
     if not entries:
         return Earlier([])
     if MARKER not in entries:
@@ -168,8 +172,27 @@ def writing(
     written, where `check` refuses. `source`: what is exported (e.g. run_dir and step), kept in the
     marker."""
     out = Path(out)
+    check(out, overwrite)  # refused before anything is written
+    try:
+        held = lock_export_dir(out.absolute())  # one export writes into `out` at a time
+    except RunDirInUse as e:
+        raise ExportRefused(str(e)) from e
+    with held:  # released last: it removes the directories it created, once empty
+        yield from _written(out, format=format, dtype=dtype, files=files, overwrite=overwrite, source=source)
+
+
+def _written(
+    out: Path,
+    *,
+    format: str,
+    dtype: str,
+    files: Sequence[str],
+    overwrite: bool,
+    source: Mapping[str, Any] | None,
+) -> Iterator[ExportDir]:
+    """`writing`'s body, with `out` held: checked again, since another export may have finished there
+    between the first check and the lock."""
     earlier = check(out, overwrite)
-    made = [d for d in (out, *out.parents) if not d.exists()]  # the directories this export creates
     record: dict[str, Any] = {
         "written_by": "jaxzero",
         "format": format,
@@ -180,7 +203,6 @@ def writing(
         # until finished, the earlier export's files too: a rerun after a kill deletes them all
         "files": sorted({*earlier.files, *files}),
     }
-    out.mkdir(parents=True, exist_ok=True)
     _write_marker(out, record)
     export = ExportDir(out, record)
     try:
@@ -190,9 +212,6 @@ def writing(
             raise RuntimeError("an export ended without ExportDir.finish: its files are not listed")
     except BaseException:
         _remove(out, record["files"])
-        if not earlier.entries:  # the directory held nothing before: leave it so
-            (out / MARKER).unlink(missing_ok=True)
-            for d in made:  # deepest first; only if still empty
-                if d.is_dir() and not any(d.iterdir()):
-                    d.rmdir()
+        if not earlier.entries:  # the directory held nothing before: leave it so (the lock removes
+            (out / MARKER).unlink(missing_ok=True)  # the directories it created)
         raise

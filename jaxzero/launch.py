@@ -30,10 +30,10 @@ Failures. When a process exits with an error or is killed, the launcher stops th
 then SIGKILL after --grace_s seconds) and exits non-zero, naming the rank and how it ended: the failed
 process's exit status, or 128 + the signal number that killed it.
 
-Signals. SIGTERM or Ctrl-C to the launcher is passed on as SIGTERM to every process: they stop at the
-same step with a checkpoint, and the launcher waits for them and exits with 3 (SIGTERM) or 130
-(Ctrl-C). A second SIGTERM or Ctrl-C kills them at once. The processes run in their own sessions (a
-terminal's Ctrl-C reaches only the launcher) and, on Linux, are killed if the launcher itself is.
+Signals. SIGTERM, SIGHUP (a closed terminal) or Ctrl-C to the launcher is passed on as SIGTERM to every
+process: they stop at the same step with a checkpoint, and the launcher waits for them and exits with 3
+(SIGTERM, SIGHUP) or 130 (Ctrl-C). A second signal kills them at once. The processes run in their own sessions
+(a terminal's Ctrl-C reaches only the launcher) and, on Linux, are killed if the launcher itself is.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ from functools import partial
 from pathlib import Path
 from typing import IO, TextIO
 
+from jaxzero.console import detach_hung_up_terminal
 from jaxzero.distributed import COORDINATOR, NUM_PROCESSES, PROCESS_ID
 
 EXIT_USAGE = 2
@@ -339,6 +340,8 @@ class Launcher:
         source.close()
 
     def on_signal(self, signum: int, frame: object) -> None:
+        if signum == signal.SIGHUP:  # the terminal is gone: writes to it would fail (EIO)
+            detach_hung_up_terminal()
         self.signals.append(signum)
 
     def running(self) -> list[Rank]:
@@ -424,7 +427,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(argv)
         launcher = Launcher(args, os.environ, sys.stdout, sys.stderr)
-        previous = {s: signal.signal(s, launcher.on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        stops = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+        previous = {s: signal.signal(s, launcher.on_signal) for s in stops}
         try:
             launcher.start()
             return launcher.watch()

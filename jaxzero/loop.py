@@ -28,7 +28,6 @@ from jaxzero.checkpoint_layout import (
     CHECKPOINT_DIR,
     largest_array_bytes,
     make_meta,
-    read_meta,
     saved_steps,
     state_bytes,
     unreadable_files,
@@ -38,7 +37,6 @@ from jaxzero.config import CheckpointError, ConfigError, TrainConfig
 from jaxzero.data.build import build_data
 from jaxzero.data.types import BatchIterator, Data, DataShard, DataState
 from jaxzero.decode import Generator, Sampling
-from jaxzero.finetune.provenance import check_base
 from jaxzero.interop import load_hf_by_unit
 from jaxzero.metrics import (
     LogWindow,
@@ -91,10 +89,6 @@ def start(
     the Hugging Face checkpoint `model.init_from` or from `seed`. The main process (process 0) drops
     the metrics records past the restored step."""
     restored = None
-    if ckpt is not None and cfg.finetune.partial:  # the base it trained against, still the same files
-        newest = max(saved_steps(ckpt.directory.parent), default=None)
-        if newest is not None:
-            check_base(read_meta(ckpt.directory, newest), f"checkpoint {ckpt.directory / str(newest)}")
     if ckpt is not None:
         check_meta = lambda meta: DataState.from_dict(meta["data_state"])  # noqa: E731 - its loader state
         restored = ckpt.restore_latest(trainer.abstract_saved_state(), trainer.layout, cfg, check_meta)

@@ -287,9 +287,11 @@ def format_record(rec: dict[str, Any], device: str = "GPU") -> str:
 
 
 class ProgressBar:
-    """A one-line progress bar on a terminal; silent when `stream` is not a TTY (logs stay clean)."""
+    """A one-line progress bar on a terminal; silent when `stream` (default: the `sys.stderr` of the
+    moment, which the program may have wrapped) is not a TTY (logs stay clean)."""
 
-    def __init__(self, total: int, enabled: bool = True, stream: TextIO = sys.stderr, width: int = 30):
+    def __init__(self, total: int, enabled: bool = True, stream: TextIO | None = None, width: int = 30):
+        stream = sys.stderr if stream is None else stream
         self.total, self.stream, self.width = total, stream, width
         self.enabled = enabled and stream.isatty()
         self._t0 = time.perf_counter()

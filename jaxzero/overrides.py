@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 from jaxzero import deepspeed
-from jaxzero.config import SECTIONS, TOP_LEVEL_KEYS, ConfigError, ModelConfig, TrainConfig
+from jaxzero.config import SECTIONS, TOP_LEVEL_KEYS, ConfigError, ModelConfig, OptimizerConfig, TrainConfig
 from jaxzero.config_checks import validate
 from jaxzero.deepspeed import Translation
 from jaxzero.interop import model_config_from_hf
@@ -144,6 +144,11 @@ def apply_overrides(cfg: TrainConfig, overrides: dict[str, Any]) -> TrainConfig:
             raise _unknown_key(key, valid)
         per_section.setdefault(sec, {})[name] = _coerce(key, raw, hints[name])
 
+    optimizer = per_section.get("optimizer", {})
+    if optimizer.get("name") == "adam" and "weight_decay" not in optimizer:
+        # Adam has no weight decay: where no setting names one, it takes its own default, not adamw's
+        if cfg.optimizer.weight_decay == OptimizerConfig().weight_decay:
+            optimizer["weight_decay"] = 0.0
     model = cfg.model
     model_over = per_section.pop("model", {})
     if "name" in model_over:
@@ -286,6 +291,8 @@ def layer(base: TrainConfig, args: Arguments) -> Layered:
         source = f"{DEEPSPEED_SOURCE}{args.deepspeed_path}"
         translation = deepspeed.translate(args.deepspeed, apply_overrides(cfg, cli), source)
         check_overrides(translation.overrides, source)
+        overridden = {k: args.cli[k] for k in translation.overrides if k in args.cli}
+        translation = dataclasses.replace(translation, overridden=overridden)
         cfg = apply_overrides(cfg, translation.overrides)
         sources.update(dict.fromkeys(translation.overrides, source))
     sources.update(dict.fromkeys(args.cli, COMMAND_LINE))

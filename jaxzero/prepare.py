@@ -40,7 +40,6 @@ import hashlib
 import json
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -87,11 +86,44 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _temporary(name: str) -> int:
+    """The pid of the preparation writing `name` when it is one of its unfinished files
+    (`.train.bin.<pid>.partial`), else 0."""
+    parts = name.split(".")
+    if len(parts) < 4 or parts[0] or parts[-1] != "partial" or not parts[-2].isdigit():
+        return 0
+    return int(parts[-2]) if ".".join(parts[1:-2]) in OUTPUTS else 0
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 def _check_outputs(out: Path, recipe: Recipe, overwrite: bool, names: Sequence[str]) -> bool:
     """True when `out` already holds this recipe's output, every one of `names` included (a preparation
-    from before the example index lacks ``*.idx.bin``: it is made again). Raises DataError where writing
-    would replace files this tool did not write, or an earlier preparation without `--overwrite`."""
+    from before the example index lacks ``*.idx.bin``: it is made again). Raises DataError where `out`
+    holds anything but an earlier preparation (a run directory, someone's files: as an export, prepare
+    writes only into a new or empty directory or over its own output), where writing would replace files
+    this tool did not write, or an earlier preparation without `--overwrite`. A killed preparation's
+    unfinished files are removed."""
     meta_path = out / META_NAME
+    entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    foreign = [e for e in entries if e not in OUTPUTS and not _temporary(e)]
+    if foreign and not meta_path.is_file():
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise DataError(
+            f"--out={out} is not empty and is not a jaxzero.prepare output (it holds {shown}; no "
+            f"{META_NAME}): prepare writes only into a new or empty directory or over its own earlier "
+            "output. Choose a new --out; nothing was changed."
+        )
+    for stale in (e for e in entries if _temporary(e) and not _running(_temporary(e))):
+        (out / stale).unlink(missing_ok=True)  # a killed preparation's unfinished file
     ours = [name for name in OUTPUTS if (out / name).exists()]
     if not ours:
         return False
@@ -178,6 +210,8 @@ def prepare(
     files = expand_inputs(inputs)
     if val_docs < 0:
         raise DataError(f"--val_docs={val_docs} must be >= 0.")
+    if workers < 0:
+        raise DataError(f"--workers={workers}: give a number of encoding processes, or 0 for one per core.")
     chat = None
     if tokenizer is None:
         tok: ByteTokenizer | HFTokenizer = ByteTokenizer()
@@ -224,6 +258,7 @@ def prepare(
 
     dtype = np.dtype(np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32)
     temps = {name: out_dir / f".{name}.{os.getpid()}.partial" for name in names}
+    meta_tmp = out_dir / f".{META_NAME}.{os.getpid()}.partial"  # named as the token files' (_temporary)
     counts = {"train": [0, 0, 0], "val": [0, 0, 0]}  # documents, tokens, counted targets
     shown = _Progress() if progress else None
     workers = workers or os.cpu_count() or 1
@@ -269,19 +304,16 @@ def prepare(
         for name in OUTPUTS:  # an earlier preparation's, replaced with --overwrite (_check_outputs)
             if name != META_NAME and name not in written:
                 (out_dir / name).unlink(missing_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{META_NAME}.", suffix=".partial")
-        with os.fdopen(fd, "w") as f:
-            json.dump(meta, f, indent=1)
-        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide it from the group that reads the token files
-        os.replace(tmp, out_dir / META_NAME)
+        meta_tmp.write_text(json.dumps(meta, indent=1))
+        os.replace(meta_tmp, out_dir / META_NAME)
     except BaseException:
-        for t in temps.values():
+        for t in [*temps.values(), meta_tmp]:
             t.unlink(missing_ok=True)
         if created and not any(out_dir.iterdir()):
             out_dir.rmdir()  # the directory this run made, left empty by its failure
         raise
     finally:
-        for t in temps.values():
+        for t in [*temps.values(), meta_tmp]:
             t.unlink(missing_ok=True)
         if shown:
             shown.close()
@@ -321,14 +353,20 @@ def main(argv: list[str] | None = None) -> int:
     except DataError as e:
         print(f"jaxzero.prepare: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(
+            f"jaxzero.prepare: interrupted (Ctrl-C): nothing of this preparation is left in {args.out}.",
+            file=sys.stderr,
+        )
+        return 130
     t = meta["train"]
     print(
         f"jaxzero.prepare: {args.out}: {t['documents']:,} documents, {t['tokens']:,} tokens in train.bin"
         + (f", {meta['val']['tokens']:,} in val.bin" if meta["val"]["documents"] else "")
         + f" ({meta['token_dtype']}, vocabulary {meta['vocab_size']:,}).\n"
         f"Train on it: python -m jaxzero.train --data.source=tokens --data.path={args.out} "
-        f"--data.token_dtype={meta['token_dtype']} --model.vocab_size={meta['vocab_size']} (or a model whose "
-        "vocabulary holds it)"
+        f"--model.vocab_size={meta['vocab_size']} (or a model whose vocabulary holds it; the token files' "
+        "dtype is read from prepare.json)"
     )
     return 0
 

@@ -1,7 +1,7 @@
-"""Stopping at a step boundary: SIGTERM or a first Ctrl-C asks the run to stop after its current
-step with a checkpoint; a second Ctrl-C stops at once. With several processes JAX's preemption sync
-point makes every process stop at the same step. The handlers are process-wide: the program installs
-them (`install_stop_handlers`), the loop asks (`stop_requested`)."""
+"""Stopping at a step boundary: SIGTERM, SIGHUP (a closed terminal, a dropped SSH session) or a first
+Ctrl-C asks the run to stop after its current step with a checkpoint; a second Ctrl-C stops at once. With
+several processes JAX's preemption sync point makes every process stop at the same step. The handlers are
+process-wide: the program installs them (`install_stop_handlers`), the loop asks (`stop_requested`)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from typing import Any
 import jax
 from jax.experimental import multihost_utils
 
+from jaxzero.console import detach_hung_up_terminal
 from jaxzero.outcome import EXIT_INTERRUPTED
 
 
@@ -25,6 +26,12 @@ class _StopRequest:
 
     def on_sigterm(self, signum: int, frame: Any) -> None:
         self.reason = self.reason or "SIGTERM"
+
+    def on_sighup(self, signum: int, frame: Any) -> None:
+        # As SIGTERM: the default action would kill the run with nothing saved. The terminal is
+        # gone, so the console goes to /dev/null first (metrics.jsonl keeps every record).
+        detach_hung_up_terminal()
+        self.reason = self.reason or "SIGHUP"
 
     def on_sigint(self, signum: int, frame: Any) -> None:
         if self.reason is not None:
@@ -49,11 +56,12 @@ _STOP = _StopRequest()
 
 
 def install_stop_handlers() -> Callable[[], None]:
-    """Catch SIGTERM and Ctrl-C for a one-process run; returns the function that puts the previous
-    handlers back."""
+    """Catch SIGTERM, SIGHUP and Ctrl-C for a one-process run; returns the function that puts the
+    previous handlers back."""
     _STOP.reason = None
     previous = {
         signal.SIGTERM: signal.signal(signal.SIGTERM, _STOP.on_sigterm),
+        signal.SIGHUP: signal.signal(signal.SIGHUP, _STOP.on_sighup),
         signal.SIGINT: signal.signal(signal.SIGINT, _STOP.on_sigint),
     }
 
@@ -64,8 +72,21 @@ def install_stop_handlers() -> Callable[[], None]:
     return restore
 
 
+def install_hangup_as_sigterm() -> Callable[[], None]:
+    """For a run of several processes, whose SIGTERM JAX's preemption sync point handles: SIGHUP
+    detaches a hung-up terminal and is passed on to this process as SIGTERM, so that every process
+    stops at one step with a checkpoint. Returns the function that puts the previous handler back."""
+
+    def on_sighup(signum: int, frame: Any) -> None:
+        detach_hung_up_terminal()
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGHUP, on_sighup)
+    return lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL if previous is None else previous)
+
+
 def stop_requested(step: int) -> str | None:
-    """Why this run should stop after `step` ("SIGTERM", "Ctrl-C"), or None. With several processes
+    """Why this run should stop after `step` ("SIGTERM", "SIGHUP", "Ctrl-C"), or None. With several processes
     (jax.distributed running) JAX's preemption sync point answers, so that every process stops at the
     same step; one process reads its own handlers' flag (without handlers, never)."""
     if jax.distributed.is_initialized():

@@ -19,12 +19,13 @@ directory at a time: it holds `trainer.lock` there (a POSIX lock, which NFS hono
 released by the kernel however the process ends), and a second is refused at once naming the holder's
 host, pid and start time.
 
-SIGTERM, or a first Ctrl-C, saves a checkpoint at the next step boundary and exits with status 3 (130
-for Ctrl-C; with several processes, joined through `jax.distributed`, every process stops at the same
-step). A second Ctrl-C stops at once. Exit status 1: training failed (a non-finite loss, a checkpoint
-that cannot be written); 2: the config or the input is wrong, or the run directory is in use by another
-trainer or cannot be written. Every error is one line on stderr, and a failed run ends within seconds
-of it (`leave_within`), whatever threads a failed save leaves behind.
+SIGTERM, SIGHUP (a closed terminal, a dropped SSH session: the console then goes to /dev/null), or a first
+Ctrl-C, saves a checkpoint at the next step boundary and exits with status 3 (130 for Ctrl-C; with several
+processes, joined through `jax.distributed`, every process stops at the same step). A second Ctrl-C stops at
+once. Exit status 1: training failed (a non-finite loss, a checkpoint that cannot be written); 2: the config
+or the input is wrong, or the run directory is in use by another trainer or cannot be written. Every error is
+one line on stderr, and a failed run ends within seconds of it (`leave_within`), whatever threads a failed
+save leaves behind.
 
 Several processes (`python -m jaxzero.launch`, SLURM's srun, mpirun, or JAX's variables: see
 `jaxzero.distributed`) join before anything else and train one model on one global batch, each reading
@@ -61,7 +62,7 @@ from jaxzero import run_dir as run_dir_lib
 from jaxzero.checkpoint_disk import CheckpointWriteError
 from jaxzero.config import ConfigError, TrainConfig
 from jaxzero.config_checks import validate
-from jaxzero.console import to_stderr
+from jaxzero.console import HangupSafe, to_stderr
 from jaxzero.loop import train
 from jaxzero.outcome import (
     EXIT_CONFIG,
@@ -74,7 +75,7 @@ from jaxzero.outcome import (
 from jaxzero.overrides import Layered, help_text, layer, split_args
 from jaxzero.planner import preflight
 from jaxzero.run_dir import RunKind
-from jaxzero.stopping import install_stop_handlers
+from jaxzero.stopping import install_hangup_as_sigterm, install_stop_handlers
 
 # -- errors of background threads ---------------------------------------------------------------------
 
@@ -196,8 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m jaxzero.train`: train as `argv` (default: the command line) says; returns the exit
     status. Without `argv` the process is the program's own, and after a failure it ends within
     `EXIT_GRACE_S` seconds whatever threads are left (`leave_within`); a caller's argv never ends it."""
-    to_stderr()  # the library's messages as `jaxzero: ...` lines
     program = argv is None
+    if program:  # the process is the program's: a terminal closing under it (SIGHUP) fails no write
+        sys.stdout, sys.stderr = HangupSafe(sys.stdout), HangupSafe(sys.stderr)
+    to_stderr()  # the library's messages as `jaxzero: ...` lines
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__ + help_text())
@@ -220,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         background.install()
         if not jax.distributed.is_initialized():  # one process: SIGTERM and Ctrl-C set a flag per step
             restore_handlers = install_stop_handlers()
+        else:  # several: JAX's preemption sync point takes SIGTERM; SIGHUP becomes SIGTERM
+            restore_handlers = install_hangup_as_sigterm()
         # Process 0 prints the run's progress and metrics; every process prints its errors (stderr).
         console = sys.stdout if processes is None or processes.index == 0 else _Discard()
         # The resolution pass decides the placement, and sizes XLA's pools for it, before JAX starts

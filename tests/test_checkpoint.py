@@ -1,8 +1,16 @@
 """Checkpoints: exact resume after SIGKILL (also mid-save), preemption, corruption and mismatches."""
 
+import contextlib
+import dataclasses
 import json
+import logging
+import os
+import pty
+import select
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -10,13 +18,13 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from subprocess_run import run_module, run_program
+from subprocess_run import run_module, run_program, user_env
 
 from jaxzero import checkpoint as checkpoint_lib
 from jaxzero import placement
 from jaxzero.checkpoint import Checkpointer
 from jaxzero.checkpoint_disk import CheckpointWriteError, ensure_disk_room
-from jaxzero.checkpoint_layout import largest_array_bytes, make_meta
+from jaxzero.checkpoint_layout import largest_array_bytes, make_meta, state_bytes
 from jaxzero.checkpoint_masters import read_saved_state
 from jaxzero.config import CheckpointError, TrainConfig
 from jaxzero.deferred import resolved
@@ -88,6 +96,77 @@ def test_sigterm_saves_at_a_step_boundary_and_exits_3(tmp_path):
     resumed = cli("--run_dir=pre", "--steps=" + str(saved[0] + 2), cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert max(losses(tmp_path / "pre")) == saved[0] + 2
+
+
+@pytest.mark.slow  # the CLI in a subprocess, on a terminal of its own
+def test_a_closed_terminal_saves_at_a_step_boundary_and_exits_3(tmp_path):
+    """SIGHUP as a closed terminal sends it (a dropped SSH session): the run's terminal goes away
+    under it, and it stops after the step with a checkpoint and exit 3, as for SIGTERM (it was killed
+    with nothing saved), though every write to that terminal now fails."""
+    pid, terminal = pty.fork()
+    if pid == 0:  # the child: the run, its stdout and stderr the terminal, its session's leader
+        env = user_env()
+        os.chdir(tmp_path)
+        argv = [sys.executable, "-m", "jaxzero.train", *RUN, "--steps=100000", "--checkpoint.every=0"]
+        os.execve(sys.executable, [*argv, "--run_dir=hup"], env)
+    metrics = tmp_path / "hup" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        if select.select([terminal], [], [], 0.2)[0]:  # drain it, as a terminal shows what it is sent
+            with contextlib.suppress(OSError):
+                os.read(terminal, 65536)
+    os.close(terminal)  # the terminal closes: the kernel sends its session's leader SIGHUP
+    deadline = time.time() + 120
+    while (ended := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.time() < deadline:
+        time.sleep(0.2)
+    assert ended[0] == pid, "the run did not end after SIGHUP"
+    assert os.waitstatus_to_exitcode(ended[1]) == 3
+    saved = sorted(int(p.name) for p in (tmp_path / "hup" / "checkpoints").iterdir() if p.name.isdigit())
+    assert len(saved) == 1 and saved[0] >= 3
+    resumed = cli("--run_dir=hup", "--steps=" + str(saved[0] + 2), cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert max(losses(tmp_path / "hup")) == saved[0] + 2
+
+
+def _du(directory: Path) -> int:
+    return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+
+
+@contextlib.contextmanager
+def small_disk(path: Path, size: int):
+    """A tmpfs of `size` bytes at `path` (root only: skipped elsewhere)."""
+    path.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)]
+    mounted = subprocess.run(mount, capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+@pytest.mark.slow  # the CLI in subprocesses, on a file system of its own
+@pytest.mark.parametrize("async_save", ["true", "false"])
+def test_saves_keep_within_the_disk_the_plan_counts(tmp_path, async_save):
+    """checkpoint.keep=1 needs room for 2 checkpoints at once (the kept one and the one being
+    written): on a disk holding 2 and not 3, saves every 3 steps and a final save right behind one
+    (step 7) complete, though each checkpoint commits slowly. The room for a save was counted while
+    the previous one was still committing, its files and the checkpoint it supersedes both on disk:
+    3 checkpoints at once, and the final save refused. keep=2 needs 3: refused at start."""
+    args = [*RUN, "--steps=7", "--checkpoint.every=3", "--checkpoint.keep=1"]
+    args.append(f"--checkpoint.async_save={async_save}")
+    probe = cli(*args, "--steps=3", "--run_dir=probe", cwd=tmp_path)
+    assert probe.returncode == 0, probe.stderr[-3000:]
+    size = _du(tmp_path / "probe" / "checkpoints" / "3")
+    with small_disk(tmp_path / "disk", 2 * size + size // 2 + (1 << 20)) as disk:
+        run = run_program("slow_commits.py", *args, f"--run_dir={disk / 'run'}", cwd=tmp_path)
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert sorted(p.name for p in (disk / "run" / "checkpoints").iterdir()) == ["7"]
+        refused = cli(*args, "--checkpoint.keep=2", f"--run_dir={disk / 'keep2'}", cwd=tmp_path)
+        assert refused.returncode != 0 and "not enough free space" in refused.stderr, refused.stderr[-3000:]
+        saved = disk / "keep2" / "checkpoints"
+        assert not saved.exists() or not any(saved.iterdir())
 
 
 @pytest.mark.slow  # the CLI in subprocesses
@@ -431,6 +510,58 @@ def test_a_run_whose_checkpoints_cannot_fit_the_disk_is_refused_before_training(
     (tmp_path / "checkpoints" / "4").mkdir(parents=True)  # a checkpoint of the run already there
     (tmp_path / "checkpoints" / "4" / "data").write_bytes(bytes(size))
     ensure_disk_room(tmp_path / "checkpoints", size, cfg, saves=5)  # 30 MiB less its 10
+
+
+def test_a_save_short_of_room_deletes_what_it_supersedes_first_and_the_one_before_warns(
+    tmp_path, monkeypatch, caplog
+):
+    """On a disk that holds 2.5 checkpoints, checkpoint.keep=2: the third save would not fit beside the
+    two kept ones, so the older (which the retention deletes once the save commits) goes first, never
+    the newest. With keep=1, where other files fill the disk while a save is written, the save warns
+    that the next will not fit, while there is time to free space."""
+    cfg = tiny()
+    trainer = build_trainer(cfg)
+    state, _ = run_steps(trainer, trainer.init(jax.random.key(0)), 1, 1, cfg)
+    saved = trainer.saved_state(state)
+    size = state_bytes(saved)
+    meta = make_meta(1, {"epoch": 0, "cursor": 0, "num_windows": 1}, cfg, trainer.layout, saved)
+    capacity, others = [0], [0]
+
+    def disk_usage(path):  # a disk of `capacity` bytes holding the checkpoints and `others`' files
+        used = _du(tmp_path / "checkpoints") if (tmp_path / "checkpoints").exists() else 0
+        if (tmp_path / "checkpoints" / "2").exists():
+            used += others[0]
+        return shutil._ntuple_diskusage(capacity[0], used, max(capacity[0] - used, 0))
+
+    monkeypatch.setattr(shutil, "disk_usage", disk_usage)
+    keep2 = dataclasses.replace(cfg.checkpoint, keep=2, async_save=False)
+    ckpt = Checkpointer(tmp_path, keep2)
+    capacity[0] = int(3.5 * size)
+    ckpt.save(1, saved, meta)
+    ckpt.save(2, saved, meta)
+    written = _du(tmp_path / "checkpoints" / "2")
+    capacity[0] = _du(tmp_path / "checkpoints") + written // 2
+    with caplog.at_level(logging.WARNING, logger="jaxzero"):
+        ckpt.save(3, saved, meta)
+    assert ckpt.steps() == [2, 3]
+    assert "Deleting checkpoint 1 now, before checkpoint 3 is written" in caplog.text
+    ckpt.close()
+
+    shutil.rmtree(tmp_path / "checkpoints")
+    caplog.clear()
+    keep1 = dataclasses.replace(cfg.checkpoint, keep=1, async_save=False)
+    ckpt = Checkpointer(tmp_path, keep1)
+    capacity[0] = 10 * size
+    ckpt.save(1, saved, meta)
+    capacity[0], others[0] = written + size + size // 5, size // 2  # someone else's files arrive
+    with caplog.at_level(logging.WARNING, logger="jaxzero"):
+        ckpt.save(2, saved, meta)  # the kept one and this one fit; then the next does not
+    assert ckpt.steps() == [2]
+    assert "checkpoint 2 is written, but the next one will not fit" in caplog.text
+    with pytest.raises(CheckpointWriteError, match="not enough free space for checkpoint 3"):
+        ckpt.save(3, saved, meta)  # the newest is never deleted early: refused, checkpoint 2 kept
+    assert ckpt.steps() == [2]
+    ckpt.close()
 
 
 def test_resume_on_a_different_device_count(tmp_path):

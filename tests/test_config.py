@@ -48,6 +48,9 @@ from jaxzero.planner import memory
         ),
         (["--model.name=gpt2-tiny", "--model.num_kv_heads=2"], "gpt2 uses multi-head attention"),
         (["--logging.log_every=0"], "logging.log_every=0 must be >= 1"),
+        # one message per value, naming only the wrong one (it listed every checkpoint condition)
+        (["--checkpoint.keep=0"], "checkpoint.keep=0 must be >= 1: the newest checkpoints kept."),
+        (["--checkpoint.every=-1"], "checkpoint.every=-1 must be >= 0 (0: a checkpoint at the end only)."),
         (
             ["--model.name=gpt2-tiny", "--model.rope_type=llama3", "--model.attention_bias=true"],
             "model.rope_type='llama3', model.attention_bias=True: Llama-family settings; gpt2 has none",

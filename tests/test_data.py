@@ -542,3 +542,36 @@ def test_write_tokens_rejects_bad_input(tmp_path: Path) -> None:
     with pytest.raises(DataError, match="integer"):
         write_tokens(tmp_path / "x.bin", np.zeros(3), "uint16")
     assert not (tmp_path / "x.bin").exists()
+
+
+def test_token_dtype_auto_reads_what_prepare_json_records(tmp_path: Path) -> None:
+    """uint32 token files (`jaxzero.prepare` for a vocabulary over 65,536) are read as uint32 when
+    data.token_dtype is not given (it read them as uint16: twice the tokens, every id garbage); without
+    a prepare.json, as uint16 (nanoGPT's files)."""
+    ids = np.arange(70_000, 70_000 + 4_000)  # ids above uint16's range, as a Llama 3 vocabulary has
+    prepared = tmp_path / "prepared"
+    prepared.mkdir()
+    write_tokens(prepared / "train.bin", ids, "uint32")
+    (prepared / "prepare.json").write_text(json.dumps({"recipe": {"eot_id": 1}, "token_dtype": "uint32"}))
+    splits = load_token_files(prepared, token_dtype="auto", seq_len=8, val_fraction=0.0, vocab_size=BIG_VOCAB)
+    assert splits.train.dtype == np.uint32 and np.array_equal(splits.train, ids)
+    data = build_data(_cfg(prepared, token_dtype="auto"), BIG_VOCAB, seed=0)
+    assert int(next(data.train_iter()).min()) >= 70_000  # real ids, not halves of uint32 words
+
+    nanogpt = tmp_path / "nanogpt"
+    nanogpt.mkdir()
+    write_tokens(nanogpt / "train.bin", np.arange(4_000), "uint16")
+    splits = load_token_files(nanogpt, token_dtype="auto", seq_len=8, val_fraction=0.0, vocab_size=BIG_VOCAB)
+    assert splits.train.dtype == np.uint16 and len(splits.train) == 4_000
+    assert DataConfig().token_dtype == "auto"
+
+
+def test_token_dtype_contradicting_prepare_json_is_refused(tmp_path: Path) -> None:
+    write_tokens(tmp_path / "train.bin", np.arange(70_000, 74_000), "uint32")
+    (tmp_path / "prepare.json").write_text(json.dumps({"recipe": {"eot_id": 1}, "token_dtype": "uint32"}))
+    with pytest.raises(DataError, match=r"data.token_dtype=uint16 contradicts .*prepare.json.* hold uint32"):
+        build_data(_cfg(tmp_path, token_dtype="uint16"), BIG_VOCAB, seed=0)
+    build_data(_cfg(tmp_path, token_dtype="uint32"), BIG_VOCAB, seed=0)  # agreeing with it: read
+    (tmp_path / "prepare.json").write_text(json.dumps({"token_dtype": "int8"}))
+    with pytest.raises(DataError, match=r"records token_dtype='int8'"):
+        build_data(_cfg(tmp_path, token_dtype="auto"), BIG_VOCAB, seed=0)

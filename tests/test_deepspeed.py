@@ -581,3 +581,14 @@ def test_an_offload_ratio_names_the_units_on_the_gpu_and_none_leaves_them_to_the
     base = apply_overrides(TrainConfig(), {"model.name": "llama-tiny"})  # 6 units
     t = translate({"zero_optimization": {"stage": 2, "offload_optimizer": section}}, base)
     assert apply_overrides(base, t.overrides).offload.device_state_units == units
+
+
+def test_the_report_marks_the_settings_the_command_line_overrode(tmp_path):
+    """The "settings read" list printed values the command line then overrode, as if they applied."""
+    (tmp_path / "ds.json").write_text(json.dumps({"train_batch_size": 16, "optimizer": {
+        "type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.01}}}))  # fmt: skip
+    cfg, t = configure(f"--deepspeed={tmp_path / 'ds.json'}", "--optimizer.lr=1e-3")
+    assert cfg.optimizer.lr == 1e-3 and cfg.optimizer.weight_decay == 0.01
+    report = t.report().splitlines()
+    assert "  optimizer.lr=0.0003 (not used: the command line's optimizer.lr=1e-3)" in report
+    assert "  optimizer.weight_decay=0.01" in report

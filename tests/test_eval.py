@@ -166,3 +166,15 @@ def test_fine_tuning_examples_packed_or_one_per_row_evaluate_alike(tmp_path, cap
     rtol, atol = TOLERANCE["float32"]
     assert packed["tokens"] == alone["tokens"] > 0
     assert abs(packed["loss"] - alone["loss"]) <= atol + rtol * alone["loss"]
+
+
+def test_ctrl_c_is_one_line_and_exit_130(tmp_path, capsys, monkeypatch):
+    """Ctrl-C during an evaluation: one line, exit 130 (it printed a raw KeyboardInterrupt traceback)."""
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(eval_lib, "_config", interrupted)  # reading the weights, say
+    assert eval_lib.main([f"--hf={tmp_path}"]) == 130
+    err = capsys.readouterr().err
+    assert err.strip() == "jaxzero: eval: interrupted (Ctrl-C); nothing was written.", err

@@ -7,6 +7,9 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -243,3 +246,42 @@ def test_an_unreadable_marker_is_refused(params, tmp_path):
     with pytest.raises(export_dir.ExportRefused, match=r"\.jaxzero-export cannot be read"):
         export_orbax(params, out, "float32", overwrite=True)
     assert (out / "config.json").read_text() == "{}"
+
+
+HOLDER = """
+import sys, time
+from pathlib import Path
+from jaxzero.run_lock import lock_export_dir
+lock = lock_export_dir(Path(sys.argv[1]))
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+def test_one_export_writes_into_a_directory_at_a_time(params, run, tmp_path, capsys):
+    """Two exports to one --out at once: the second is refused naming the first (one reported success
+    while the directory held only the marker); the first's lock goes with it, and nothing is left."""
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(out)], stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        refused = rf"in use by the export started .* pid {holder.pid};"
+        with pytest.raises(export_dir.ExportRefused, match=refused):
+            export_hf(params, MODEL, out)
+        assert [p.name for p in out.iterdir()] == [".jaxzero-export.lock"]  # the holder's, untouched
+        code, err = export(run, out, capsys)
+        assert code == 2 and f"pid {holder.pid}" in err and len(err.strip().splitlines()) == 1, err
+    finally:
+        holder.kill()
+        holder.wait()
+    export_hf(params, MODEL, out)  # the holder gone (killed: the kernel dropped its lock), written
+    assert sorted(p.name for p in out.iterdir()) == [export_dir.MARKER, "config.json", "model.safetensors"]
+    # In one process too: an export inside another's writing of the same directory is refused.
+    with export_dir.writing(tmp_path / "same", format="hf", dtype="float32", files=[], overwrite=False) as w:
+        with pytest.raises(export_dir.ExportRefused, match="in use by the export"):
+            export_hf(params, MODEL, tmp_path / "same")
+        w.finish([])
+    assert [p.name for p in (tmp_path / "same").iterdir()] == [export_dir.MARKER]

@@ -182,7 +182,10 @@ def test_a_full_disk_stops_the_run_with_one_line_and_the_rerun_resumes(tmp_path)
     proc = run_program("disk_fills_up.py", *args, cwd=tmp_path)
     assert proc.returncode == 1, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("jaxzero: checkpoint error: not enough free space"), lines
+    # warned as checkpoint 2 was written (time to free space), then the save of 4 refused: two lines
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("jaxzero: warning: checkpoint 2 is written, but the next one will not fit")
+    assert lines[1].startswith("jaxzero: checkpoint error: not enough free space"), lines
     checkpoints = tmp_path / "r" / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["2"]  # the good one, nothing half-written
     rerun = cli(*args, cwd=tmp_path)  # the disk has room again

@@ -141,11 +141,14 @@ def test_bad_requests_are_refused():
         g.generate([], Sampling())
     with pytest.raises(ConfigError, match="the prompt has 8 tokens; the model continues at most 8"):
         g.generate(list(range(8)), Sampling())
-    with pytest.raises(ConfigError, match=r"top_p=1.5 in \(0, 1\]"):
+    # each message names the one value that is wrong (they listed every condition)
+    with pytest.raises(ConfigError, match=r"^top_p=1.5 must be in \(0, 1\] \(1: the whole distribution\).$"):
         g.generate([1], Sampling(top_p=1.5))
     for t in (float("nan"), float("inf"), -1.0):
-        with pytest.raises(ConfigError, match=rf"temperature={t} >= 0 and finite"):
+        with pytest.raises(ConfigError, match=rf"^temperature={t} must be >= 0 and finite \(0: greedy\).$"):
             g.generate([1], Sampling(temperature=t))
+    with pytest.raises(ConfigError, match=r"^max_new_tokens=0 must be >= 1.$"):
+        g.generate([1], Sampling(max_new_tokens=0))
 
 
 def test_a_run_on_the_builtin_corpus_ends_with_samples_and_the_cli_reads_it(tmp_path, capsys):

@@ -337,8 +337,10 @@ def test_a_base_from_files_that_changed_since_training_is_refused(tmp_path, caps
     import torch
     import transformers
 
+    from jaxzero import eval as eval_lib
     from jaxzero import export as export_lib
     from jaxzero.checkpoint_layout import read_meta
+    from jaxzero.data import write_tokens
 
     def save_hf(seed: int) -> None:
         torch.manual_seed(seed)
@@ -360,5 +362,10 @@ def test_a_base_from_files_that_changed_since_training_is_refused(tmp_path, caps
     with pytest.raises(ConfigError, match="whose files have changed since"):
         train_lib.train(train_lib.configure([f"--run_dir={run}", "--steps=3"]).config, io.StringIO())
     assert export_lib.main([f"--run_dir={run}", f"--out={tmp_path / 'b'}"]) == 2
+    assert "whose files have changed since" in capsys.readouterr().err
+    tokens = tmp_path / "tokens"
+    tokens.mkdir()
+    write_tokens(tokens / "train.bin", np.random.default_rng(0).integers(0, 256, 512), "uint16")
+    assert eval_lib.main([f"--run_dir={run}", f"--data.path={tokens}"]) == 2  # it returned a loss
     assert "whose files have changed since" in capsys.readouterr().err
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["2"]  # nothing written or removed

@@ -69,8 +69,14 @@ def test_weight_decay_mask_excludes_norms_biases_embeddings():
 def test_optimizer_names_build():
     for name in ("adamw", "lion", "sgd"):
         build_optimizer(cfg_with(optimizer__name=name).optimizer, 10)
+    # --optimizer.name=adam takes Adam's own default, no decay (adamw's default refused it); a decay
+    # asked for by name is refused, as is one set on an OptimizerConfig built by hand.
+    assert cfg_with(optimizer__name="adam").optimizer.weight_decay == 0.0
+    build_optimizer(cfg_with(optimizer__name="adam").optimizer, 10)
     with pytest.raises(ConfigError, match="optimizer.name=adam has no weight decay"):
-        build_optimizer(cfg_with(optimizer__name="adam").optimizer, 10)
+        build_optimizer(cfg_with(optimizer__name="adam", optimizer__weight_decay=0.1).optimizer, 10)
+    with pytest.raises(ConfigError, match="optimizer.name=adam has no weight decay"):
+        build_optimizer(OptimizerConfig(name="adam"), 10)
     build_optimizer(cfg_with(optimizer__name="adam", optimizer__weight_decay=0).optimizer, 10)
 
 

@@ -339,3 +339,31 @@ def test_padding_is_never_the_end_of_text(tmp_path: Path) -> None:
     assert build_data(_cfg(d), VOCAB, seed=0).pad == PAD  # type: ignore[attr-defined]
     assert build_data(_cfg(d, eot_id=-2), VOCAB, seed=0).pad == PAD  # type: ignore[attr-defined]
     assert build_data(_cfg(d, eot_id=0), VOCAB, seed=0).pad == 1  # type: ignore[attr-defined]
+
+
+def test_examples_whose_every_target_is_past_the_row_are_refused(tmp_path: Path, caplog) -> None:
+    """Every example's counted half starts past a row of data.seq_len + 1 = 16 tokens: each step would
+    count no loss (`loss -`, `val_loss 0.0000`, exit 0): refused at start with the lengths."""
+    with pytest.raises(DataError, match=r"no fine-tuning example of the training split has a target .* "
+                       r"16 tokens: the examples are 40 to 40 tokens long \(median 40\), 6 of them"):
+        build_data(_cfg(_sft_dir(tmp_path / "long", [40] * 6)), VOCAB, seed=0)
+    # Some keep a target: trained, with a warning naming how many train nothing.
+    with caplog.at_level(logging.WARNING, logger="jaxzero"):
+        build_data(_cfg(_sft_dir(tmp_path / "mixed", [40, 8, 40, 9, 10, 40])), VOCAB, seed=0)
+    assert "3 of the 6 fine-tuning examples of the training split have no target" in caplog.text
+    # The validation split alike, where it is read.
+    with pytest.raises(DataError, match=r"of the validation split has a target"):
+        build_data(_cfg(_sft_dir(tmp_path / "val", [8] * 6, val=[40] * 4)), VOCAB, seed=0)
+
+
+def test_examples_with_targets_counts_within_the_row() -> None:
+    """A target at the row's last position counts; one just past it does not; the first token never."""
+    counted = np.zeros(40, np.uint8)
+    counted[[15, 16 + 16, 20]] = 1  # example 0 (0..15): position 15; example 1 (16..39): 16 and 4
+    starts, lengths = np.array([0, 16]), np.array([16, 24])
+    kept = packing._examples_with_targets
+    np.testing.assert_array_equal(kept(counted, starts, lengths, 16), [True, True])
+    counted[[15, 20]] = 0  # left: example 1's position 16, past its row of 16
+    np.testing.assert_array_equal(kept(counted, starts, lengths, 16), [False, False])
+    counted[16] = 1  # example 1's first token: never a target
+    np.testing.assert_array_equal(kept(counted, starts, lengths, 16), [False, False])

@@ -6,10 +6,15 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from subprocess_run import user_env
 
 from jaxzero.config import DataConfig
 from jaxzero.data import DataError, build_data, load_token_files
@@ -178,6 +183,32 @@ def test_reruns_are_idempotent_and_never_replace_what_they_did_not_write(tmp_pat
     ):
         prepare(inputs, theirs, overwrite=True, progress=False)
     assert (theirs / "train.bin").read_bytes() == b"\1\0"
+
+
+def test_out_is_new_empty_or_an_earlier_preparation(tmp_path, capsys):
+    """prepare writes into a directory only where it is new, empty or its own earlier output, as an
+    export: into a run directory it made the run unresumable ('not made by jaxzero: prepare.json,
+    train.bin'). A killed preparation's unfinished files are no obstacle: they are removed."""
+    inputs = write_inputs(tmp_path / "in")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text("{}")
+    (run / "metrics.jsonl").write_text("")
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    assert main([f"--input={i}" for i in inputs] + [f"--out={run}", "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert "is not empty and is not a jaxzero.prepare output (it holds config.json, metrics.jsonl" in err
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    (killed / ".train.bin.999999999.partial").write_bytes(b"half")  # no such process
+    prepare(inputs, killed, workers=1, progress=False)
+    assert sorted(p.name for p in killed.iterdir()) == ["prepare.json", "train.bin"]
+    (tmp_path / "empty").mkdir()
+    prepare(inputs, tmp_path / "empty", workers=1, progress=False)
+    (killed / "README.md").write_text("mine")  # beside an earlier preparation: kept, and no obstacle
+    prepare(inputs, killed, workers=1, progress=False, overwrite=True)
+    assert (killed / "README.md").read_text() == "mine"
 
 
 def test_prepared_bytes_train_the_builtin_sized_model(tmp_path):
@@ -409,3 +440,46 @@ def test_progress_is_not_printed_twice(tty, monkeypatch):
         assert out.count("jaxzero.prepare: ") == 2 and out.endswith("\r") and "\n" not in out
     else:
         assert out == "jaxzero.prepare: 2 documents, 6 tokens (0.0 M characters/s)\n"
+
+
+def test_negative_workers_are_refused_in_one_line(tmp_path, capsys):
+    inputs = write_inputs(tmp_path / "in")
+    assert main([f"--input={i}" for i in inputs] + [f"--out={tmp_path / 'out'}", "--workers=-3"]) == 2
+    err = capsys.readouterr().err
+    assert "--workers=-3: give a number of encoding processes" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow  # a subprocess with worker processes
+def test_ctrl_c_stops_at_once_in_one_line_and_leaves_nothing(tmp_path):
+    """Ctrl-C at a terminal reaches the program and its encoding workers (one process group): one line,
+    exit 130, within seconds, no unfinished file left (it printed a traceback per process and
+    sometimes ran on for minutes)."""
+    big = tmp_path / "in"
+    big.mkdir()
+    line = json.dumps({"text": "the quick brown fox jumps over the lazy dog " * 40})
+    (big / "docs.jsonl").write_text("\n".join([line] * 200_000) + "\n")
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jaxzero.prepare", f"--input={big}/docs.jsonl", f"--out={out}", "--workers=2"],
+        env=user_env(),
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, as a terminal's foreground job
+        # as at a terminal: a pytest-xdist worker ignores SIGINT, and its children would inherit that
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.default_int_handler),
+    )
+    deadline = time.time() + 120
+    while time.time() < deadline and not (out.is_dir() and any(p.stat().st_size for p in out.iterdir())):
+        time.sleep(0.1)
+    assert proc.poll() is None, proc.communicate()[1]
+    os.killpg(proc.pid, signal.SIGINT)
+    pressed = time.time()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert time.time() - pressed < 20
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert "interrupted (Ctrl-C)" in err
+    assert not out.exists() or list(out.iterdir()) == []

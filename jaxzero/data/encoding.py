@@ -7,6 +7,7 @@ import collections
 import contextlib
 import multiprocessing
 import os
+import signal
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,9 @@ _WORKER: Encoder | None = None
 
 def _init_worker(*args: Any) -> None:
     global _WORKER
+    # Ctrl-C reaches the whole process group: the parent stops the pool, and a worker's own
+    # KeyboardInterrupt would only add a traceback each
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     # one thread per worker process: the processes are the parallelism
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _WORKER = Encoder(*args)

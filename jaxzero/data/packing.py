@@ -29,12 +29,15 @@ Process shards (`DataShard`) read only their rows of each micro-batch, as with w
 from __future__ import annotations
 
 import bisect
+import logging
 from collections.abc import Iterator
 
 import numpy as np
 
 from jaxzero.data.batches import seed_entropy, weyl_stride
 from jaxzero.data.types import BatchIterator, Data, DataError, DataShard, DataState, TokenSplits
+
+log = logging.getLogger(__name__)  # the library speaks through logging (`jaxzero.console`)
 
 # Examples packed together: the permutation is cut into blocks of this many, each packed alone, so the
 # cost of packing is paid as the stream reaches a block and rows mix examples of one block only (TRL
@@ -87,6 +90,53 @@ def _block_rows(
 def _lengths(tokens: np.ndarray, starts: np.ndarray) -> np.ndarray:
     """int64 tokens of each example whose first token is at `starts` in `tokens`."""
     return np.diff(np.append(starts.astype(np.int64), len(tokens)))
+
+
+def _examples_with_targets(
+    counted: np.ndarray | None, starts: np.ndarray, lengths: np.ndarray, width: int
+) -> np.ndarray:
+    """bool per example: whether it keeps a target the loss counts within its row, at positions
+    1 .. min(length, width) - 1 of the example (its first token has nothing before it; the rest of a
+    longer example is cut). Read in blocks of at most ~4M mask bytes."""
+    kept = np.minimum(lengths, width)
+    if counted is None:  # every token is a target
+        return kept >= 2
+    out = np.zeros(len(starts), bool)
+    offsets = np.arange(1, width, dtype=np.int64)
+    block = max(1, (4 << 20) // width)
+    last = max(len(counted) - 1, 0)
+    for a in range(0, len(starts), block):
+        s, k = starts[a : a + block].astype(np.int64), kept[a : a + block]
+        index = s[:, None] + offsets[None, :]
+        inside = offsets[None, :] < k[:, None]
+        marks = np.asarray(counted[np.minimum(index, last).ravel()]).reshape(index.shape)
+        out[a : a + block] = np.any((marks != 0) & inside, axis=1)
+    return out
+
+
+def _check_targets(split: str, counted: np.ndarray | None, starts: np.ndarray, lengths: np.ndarray,
+                   width: int) -> None:
+    """DataError where no example of `split` keeps a target within a row (every step would count no
+    loss: `loss -`, `val_loss 0`), with the examples' lengths; a warning where some do not."""
+    has = _examples_with_targets(counted, starts, lengths, width)
+    n, none = len(has), int(np.count_nonzero(~has))
+    if not none:
+        return
+    longer = int(np.count_nonzero(lengths > width))
+    sizes = (
+        f"the examples are {int(lengths.min()):,} to {int(lengths.max()):,} tokens long (median "
+        f"{int(np.median(lengths)):,}), {longer:,} of them longer than a row"
+    )
+    if none == n:
+        raise DataError(
+            f"no fine-tuning example of the {split} split has a target the loss counts within a row of "
+            f"data.seq_len + 1 = {width} tokens: {sizes}, and every target lies past the row's end. Raise "
+            "data.seq_len, or prepare shorter examples."
+        )
+    log.warning(
+        f"warning: {none:,} of the {n:,} fine-tuning examples of the {split} split have no target the loss "
+        f"counts within a row of data.seq_len + 1 = {width} tokens ({sizes}): they train nothing."
+    )
 
 
 def _gather_rows(
@@ -258,6 +308,7 @@ class ExampleData(Data):
         self._train_lengths = _lengths(splits.train, splits.train_starts)
         self.num_train_examples = len(self._train_lengths)
         self.truncated_examples = int(np.count_nonzero(self._train_lengths > width))
+        _check_targets("training", splits.train_counted, splits.train_starts, self._train_lengths, width)
         micro = self.micro_batch_size
         if self.num_train_examples < micro:
             raise DataError(
@@ -270,6 +321,8 @@ class ExampleData(Data):
         self._val_rows: list[np.ndarray] = []
         if splits.val_starts is not None and len(splits.val):
             self._val_lengths = _lengths(splits.val, splits.val_starts)
+            if val_requested:
+                _check_targets("validation", splits.val_counted, splits.val_starts, self._val_lengths, width)
             for first in range(0, len(self._val_lengths), PACK_BLOCK_EXAMPLES):
                 ids = np.arange(first, min(first + PACK_BLOCK_EXAMPLES, len(self._val_lengths)))
                 ids, bounds = _block_rows(ids, self._val_lengths, width, pack, None)

@@ -5,6 +5,7 @@ tokens have no source: `jaxzero.data.batches` draws them."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -15,6 +16,7 @@ from typing import Literal
 
 import numpy as np
 
+from jaxzero.data.eot import PREPARE_META
 from jaxzero.data.types import DataError, TokenSplits
 
 log = logging.getLogger(__name__)  # the library speaks through logging (`jaxzero.console`)
@@ -174,16 +176,47 @@ def _open_token_file(path: Path, token_dtype: str) -> np.ndarray:
     return np.memmap(path, dtype=_TOKEN_DTYPES[token_dtype], mode="r")
 
 
+def token_dtype_of(directory: Path, token_dtype: str) -> str:
+    """The dtype of the token files in `directory`: `token_dtype` ("uint16", "uint32"), or for "auto"
+    the one its ``prepare.json`` records (jaxzero.prepare writes uint32 for a vocabulary over 65,536: Llama 3,
+    Qwen), else (no file, or one that records none) uint16, nanoGPT's. DataError where `token_dtype`
+    contradicts ``prepare.json``: read as the other dtype, every id would be garbage."""
+    if token_dtype not in ("auto", *_TOKEN_DTYPES):
+        raise DataError(f"data.token_dtype={token_dtype!r} is not one of {['auto', *_TOKEN_DTYPES]}.")
+    meta = directory / PREPARE_META
+    recorded = None
+    if meta.is_file():
+        try:
+            recorded = json.loads(meta.read_text()).get("token_dtype")
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+            raise DataError(f"{meta} is not the JSON jaxzero.prepare writes ({e}); rerun it.") from e
+        if recorded is not None and recorded not in _TOKEN_DTYPES:
+            raise DataError(
+                f"{meta} records token_dtype={recorded!r}, not one of {list(_TOKEN_DTYPES)}; rerun "
+                "jaxzero.prepare, or remove the file and pass --data.token_dtype."
+            )
+    if token_dtype == "auto":
+        return recorded or "uint16"
+    if recorded is not None and recorded != token_dtype:
+        raise DataError(
+            f"data.token_dtype={token_dtype} contradicts {meta}, which says its token files hold "
+            f"{recorded}: drop --data.token_dtype (its default, auto, reads {PREPARE_META}) or set it to "
+            f"{recorded}."
+        )
+    return token_dtype
+
+
 def load_token_files(
     path: str | os.PathLike[str],
     *,
-    token_dtype: Literal["uint16", "uint32"],
+    token_dtype: Literal["auto", "uint16", "uint32"],
     seq_len: int,
     val_fraction: float,
     vocab_size: int,
     check_all: bool = True,
 ) -> TokenSplits:
-    """Memmap nanoGPT token files ``path/train.bin`` and, if present, ``path/val.bin``.
+    """Memmap nanoGPT token files ``path/train.bin`` and, if present, ``path/val.bin``, of
+    `token_dtype` ("auto": `token_dtype_of`).
 
     Everything cheap is checked before any token is read: the directory and files exist, byte sizes are
     multiples of the dtype size, and each split holds at least one window of ``seq_len + 1`` tokens. Then
@@ -192,8 +225,6 @@ def load_token_files(
     ``train.idx.bin`` indexes them). Loss masks (``*.mask.bin``) and example indexes (``*.idx.bin``,
     read whole) come with their token files. Returned token arrays are memmap views (never loaded whole).
     """
-    if token_dtype not in _TOKEN_DTYPES:
-        raise DataError(f"data.token_dtype={token_dtype!r} is not one of {list(_TOKEN_DTYPES)}.")
     directory = Path(path)
     if not directory.exists():
         parent = directory.parent
@@ -219,6 +250,7 @@ def load_token_files(
             "data.source=tokens needs DIR/train.bin (and optionally DIR/val.bin), flat arrays of "
             "uint16/uint32 token ids; write them with jaxzero.data.write_tokens."
         )
+    token_dtype = token_dtype_of(directory, token_dtype)
     has_val_file = val_path.is_file()
     n_train_file = _check_token_file_size(train_path, token_dtype)
     n_val_file = _check_token_file_size(val_path, token_dtype) if has_val_file else 0
@@ -330,6 +362,7 @@ def open_split(
             f"--data.path={directory!r} holds no train.bin: give the directory of the token files to "
             "evaluate on (python -m jaxzero.prepare writes them)."
         )
+    token_dtype = token_dtype_of(root, token_dtype)
     split = split or ("val" if (root / "val.bin").is_file() else "train")
     path = root / f"{split}.bin"
     if not path.is_file():

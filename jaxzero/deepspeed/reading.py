@@ -24,13 +24,16 @@ class Translation:
     for each key that has no jaxzero meaning. `notes`: where a key is read differently from
     DeepSpeed's own meaning, or a DeepSpeed default differs from jaxzero's. `origins`: for an override,
     the file's key and value it comes from, as the file writes them (`train_batch_size=16`), so that
-    a refusal of it speaks the file's words (`check`)."""
+    a refusal of it speaks the file's words (`check`). `overridden`: the overrides a later layer set
+    again, with the value that won, which the report marks as not used."""
 
     source: str
     overrides: dict[str, Any] = field(default_factory=dict)
     ignored: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     origins: dict[str, str] = field(default_factory=dict)
+    # overrides a later layer (the command line) set again: key -> the value that won, as given there
+    overridden: dict[str, Any] = field(default_factory=dict)
 
     def set(self, key: str, value: Any, path: str, written: Any = None, left_out: bool = False) -> None:
         """The override `key=value`, from the file's `path` whose value is `written` (default `value`),
@@ -44,7 +47,9 @@ class Translation:
     def report(self) -> str:
         """The lines the trainer prints once at start."""
         lines = [f"jaxzero: {self.source}: {len(self.overrides)} settings read"]
-        lines += [f"  {k}={v!r}" for k, v in self.overrides.items()]
+        for k, v in self.overrides.items():
+            won = f" (not used: the command line's {k}={self.overridden[k]})" if k in self.overridden else ""
+            lines.append(f"  {k}={v!r}{won}")
         if self.ignored:
             lines.append("jaxzero: DeepSpeed keys with no meaning in jaxzero (not applied):")
             lines += [f"  {line}" for line in self.ignored]
