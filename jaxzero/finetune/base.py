@@ -8,21 +8,19 @@ A base unit is the model's unit with its weights narrowed once (`finetune.base_d
                          norm scales (and biases) bfloat16; embedding and head bfloat16
 
 Blocks live in accelerator memory (`resident`) or in `pinned_host` memory, copied to the accelerator
-one block ahead of the pass that needs it (`stream`); the embedding and head always stay on the
-accelerator. The base holds no masters, no optimizer state and sends no gradients anywhere.
+one block ahead of the pass that needs it by the streamed schedule every engine shares
+(`jaxzero.offload.streaming`); the embedding and head always stay on the accelerator. The base holds
+no masters, no optimizer state and sends no gradients anywhere.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Sharding
 
 from jaxzero.config import TrainConfig
 from jaxzero.deferred import Deferred
@@ -85,26 +83,8 @@ def _one(init: Any, key: jax.Array) -> tuple[Any]:
 @dataclass(frozen=True)
 class FrozenBase:
     """A base in storage form: `units` (embedding and head on the accelerator; blocks on the
-    accelerator or in `pinned_host`), and which blocks are streamed."""
+    accelerator or in `pinned_host`, copied in per use by the streamed schedule's prefetch,
+    `jaxzero.offload.streaming.stream_blocks`), and whether its blocks are streamed."""
 
     units: ModelParams
     streamed: bool
-    device: Sharding  # where a streamed block is copied to
-
-    def blocks_in(self, order: Sequence[int], depth: int = 1) -> Iterator[Any]:
-        """Each block of `order` on the accelerator, a streamed block's copy issued `depth` blocks
-        ahead of its use (asynchronous `device_put`s); a block used twice in a row is copied once."""
-        blocks = self.units.blocks
-        if not self.streamed:
-            yield from (blocks[i] for i in order)
-            return
-        inflight: deque[Any] = deque()
-        issued, last = 0, None
-        for k in range(len(order)):
-            while issued < min(len(order), k + 1 + depth):
-                i = order[issued]
-                w = last[1] if last is not None and last[0] == i else jax.device_put(blocks[i], self.device)
-                inflight.append(w)
-                last = (i, w)
-                issued += 1
-            yield inflight.popleft()
