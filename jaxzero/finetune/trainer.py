@@ -2,20 +2,15 @@
 or the units `finetune.freeze` leaves trainable. What trains, with its optimizer state, lives on the
 accelerator; the frozen units (the base) beside it, resident or streamed (`jaxzero.finetune.base`).
 
-One step, per micro-batch (each its own forward and rematerialised backward pass); every unit is
-`merge_trees(base unit, trainable unit)` (`jaxzero.finetune.trainable`):
+The passes are the offload engine's streamed schedule (`jaxzero.offload.streaming.StreamedModel`)
+over a `FrozenPart` (`jaxzero.offload.trains`): every unit is the pair (base unit, trainable unit),
+merged in each block program; gradients are taken with respect to what trains and the activations
+only, and below the lowest block that trains no backward pass runs. A streamed base block is
+copied one block ahead of the pass that needs it by the schedule's prefetch. One step:
 
-    x = embed(tokens)
-    for i in 0..L-1:  save x; x = block_i(base_i + trainable_i, x)      base_i streamed or resident
-    loss, dx = head(x)                    and the head's (and a tied embedding's) trainable gradient
-    for i in L-1..lowest:  dx, g_i = vjp of block_i at its saved input, w.r.t. (trainable_i, x)
-    embedding's gradient where it trains
-    trainable, opt_state = optax update (global-norm clipping, the configured optimizer)
-
-Gradients are taken with respect to what trains and the activations only: a frozen unit's weight
-gradient is never formed, and below the lowest unit that trains no backward pass runs at all. Each
-block program is compiled once and serves every layer; a streamed base block is copied one block
-ahead of the pass that needs it (`FrozenBase.blocks_in`).
+    for each micro-batch a:  loss_a, grads_a = one pass of the schedule (its own forward and
+                             rematerialised backward, so one micro-batch's activations live)
+    grads = sum of grads_a;  trainable, opt_state = optax update (global-norm clipping)
 
 The loss is the resident trainer's (`jaxzero.objective`: the mean cross-entropy over the step's
 counted targets, micro-batches weighted by their targets). Dropout on the adapters' inputs takes a key
