@@ -21,11 +21,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Sharding
 
 from jaxzero.config import TrainConfig
-from jaxzero.deferred import Deferred
+from jaxzero.deferred import Deferred, resolved
 from jaxzero.models import Model, ModelParams, init_keys
 from jaxzero.models.lora import quantize_kernel
+from jaxzero.offload.host_memory import reserve_pinned
 
 KERNEL = "kernel"
 
@@ -88,3 +90,68 @@ class FrozenBase:
 
     units: ModelParams
     streamed: bool
+
+
+class BaseBuilder:
+    """Builds the frozen base of a run on one device, from float32 units, one unit at a time.
+
+    kept:           the units the base holds (embedding 0, block i at 1 + i, head L + 1).
+    base_dtype:     `finetune.base_dtype` (the storage form, the module docstring).
+    device:         the accelerator's memory; `home`: where a narrowed block lives (the accelerator,
+                    or `pinned_host` where `streamed`).
+    pinned_reserve: bytes to grow the pinned pool by, once, before the first base is placed.
+    keeps_trainable: whether the units that train start from the source's (`finetune.freeze`), so
+                    that a fresh state takes them as they are.
+    """
+
+    def __init__(
+        self,
+        kept: frozenset[int],
+        base_dtype: str,
+        *,
+        device: Sharding,
+        home: Sharding,
+        streamed: bool,
+        pinned_reserve: int,
+        keeps_trainable: bool,
+    ):
+        self.kept, self.device, self.home, self.streamed = kept, device, home, streamed
+        self._reserve = pinned_reserve if streamed else 0
+        self._keeps_trainable = keeps_trainable
+        self._narrow_block = jax.jit(partial(narrow_block, base_dtype=base_dtype), out_shardings=device)
+        self._narrow_unit = jax.jit(partial(narrow_unit, base_dtype=base_dtype), out_shardings=device)
+
+    def build(self, source: ModelParams, keep_initial: bool) -> tuple[FrozenBase, ModelParams | None]:
+        """The base from float32 units (NumPy, arrays or `Deferred`, read one at a time): each unit it
+        keeps narrowed and placed; with `keep_initial` and `keeps_trainable`, also the units that
+        train as they are, on the accelerator (the starting point of a fresh state), else None."""
+        if self._reserve:
+            reserve_pinned(self._reserve, self.home)  # the pool grows now, in one region
+            self._reserve = 0
+        initial_too = keep_initial and self._keeps_trainable
+        units = [source.embed, *source.blocks, source.head]
+        last = len(units) - 1
+        stored, initial = [], []
+        for k, u in enumerate(units):
+            kept = k in self.kept
+            if not kept and not initial_too:
+                stored.append({})
+                initial.append({})
+                continue
+            on_device = jax.device_put(resolved(u), self.device)
+            if not kept:
+                stored.append({})
+                initial.append(on_device)
+            elif 0 < k < last:
+                stored.append(self._placed(self._narrow_block(on_device)))
+                initial.append({})
+            else:
+                stored.append(self._narrow_unit(on_device))
+                initial.append({})
+            del on_device
+        base = FrozenBase(ModelParams(stored[0], tuple(stored[1:-1]), stored[-1]), self.streamed)
+        return base, ModelParams(initial[0], tuple(initial[1:-1]), initial[-1]) if initial_too else None
+
+    def _placed(self, block: Any) -> Any:
+        """A narrowed block in its home: the accelerator, or `pinned_host` (its accelerator copy freed)."""
+        return block if not self.streamed else jax.device_put(block, self.home)

@@ -23,7 +23,6 @@ step; the base is rebuilt from the config (`model.init_from`, else `seed`).
 from __future__ import annotations
 
 import dataclasses
-from functools import partial
 from typing import Any, NamedTuple
 
 import jax
@@ -36,11 +35,10 @@ from jaxzero import placement
 from jaxzero.config import ConfigError, TrainConfig
 from jaxzero.deferred import resolved
 from jaxzero.finetune.adapters import init_adapters, lora_spec
-from jaxzero.finetune.base import FrozenBase, narrow_block, narrow_unit, source_units
+from jaxzero.finetune.base import BaseBuilder, FrozenBase, source_units
 from jaxzero.finetune.trainable import base_positions, layout_of, lowest_trainable_block, trainable_shapes
 from jaxzero.models import ModelParams, build_model
 from jaxzero.objective import document_eot, document_segments, step_weight
-from jaxzero.offload.host_memory import reserve_pinned
 from jaxzero.offload.streaming import StreamedModel
 from jaxzero.offload.trains import FrozenPart
 from jaxzero.optim import (
@@ -102,14 +100,22 @@ class PartialTrainer:
         self.shapes = trainable_shapes(self.model, ft)
         self.layout = layout_of(ft)
         self._kept = base_positions(ft, cfg.model)  # the units the base holds
+        self._builder = BaseBuilder(
+            self._kept,
+            ft.base_dtype,
+            device=self.device,
+            home=self.home,
+            streamed=streamed,
+            pinned_reserve=pinned_reserve,
+            keeps_trainable=not self.lora,
+        )
         self._clipped = cfg.optimizer.grad_clip > 0
         self._eot = document_eot(cfg.data, self.model)
         self._dropout = self.lora and ft.lora_dropout > 0
         self._base: FrozenBase | None = None
         self._initial: ModelParams | None = None  # under freeze: the trainable units' starting values
-        self._reserve = pinned_reserve if streamed else 0  # pinned pool grown once, before the base
         self.fence = WriteFence()  # a checkpoint being written from a state's arrays (`jaxzero.write_fence`)
-        model, dtype = self.model, ft.base_dtype
+        model = self.model
         # The one streamed schedule of every engine, over what trains: the base's blocks prefetched
         # from pinned_host (or resident), each merged with its trainable part in the block programs.
         low = lowest_trainable_block(ft, cfg.model)
@@ -135,8 +141,6 @@ class PartialTrainer:
         self._add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b), donate_argnums=(0,))
         self._segments = jax.jit(lambda w: None if self._eot is None else document_segments(w, self._eot))
         self._weight = jax.jit(lambda b: step_weight(b) / b.shape[0])
-        self._narrow_block = jax.jit(partial(narrow_block, base_dtype=dtype), out_shardings=self.device)
-        self._narrow_unit = jax.jit(partial(narrow_unit, base_dtype=dtype), out_shardings=self.device)
         self._init_adapters = jax.jit(lambda k: init_adapters(k, model, ft), out_shardings=self.device)
 
     # -- the base ---------------------------------------------------------------------------------
@@ -148,40 +152,12 @@ class PartialTrainer:
         return self._base
 
     def _build(self, source: ModelParams, keep_initial: bool) -> None:
-        """The base from float32 units (NumPy, arrays or `Deferred`, read one at a time): each unit it
-        keeps narrowed and placed; under `freeze`, with `keep_initial`, the units that train kept as
-        they are, on the accelerator, as the starting point of a fresh state."""
+        """The base from float32 units (`BaseBuilder.build`); under `freeze`, with `keep_initial`,
+        the units that train as the source has them, the starting point of a fresh state."""
         self._base = None  # an earlier base goes before this one is placed
-        if self._reserve:
-            reserve_pinned(self._reserve, self.home)  # the pool grows now, in one region
-            self._reserve = 0
-        units = [source.embed, *source.blocks, source.head]
-        last = len(units) - 1
-        stored, initial = [], []
-        for k, u in enumerate(units):
-            kept = k in self._kept
-            if not kept and not (keep_initial and not self.lora):
-                stored.append({})
-                initial.append({})
-                continue
-            on_device = jax.device_put(resolved(u), self.device)
-            if not kept:
-                stored.append({})
-                initial.append(on_device)
-            elif 0 < k < last:
-                stored.append(self._placed(self._narrow_block(on_device)))
-                initial.append({})
-            else:
-                stored.append(self._narrow_unit(on_device))
-                initial.append({})
-            del on_device
-        self._base = FrozenBase(ModelParams(stored[0], tuple(stored[1:-1]), stored[-1]), self.streamed)
-        if keep_initial and not self.lora:
-            self._initial = ModelParams(initial[0], tuple(initial[1:-1]), initial[-1])
-
-    def _placed(self, block: Any) -> Any:
-        """A narrowed block in its home: the accelerator, or `pinned_host` (its accelerator copy freed)."""
-        return block if not self.streamed else jax.device_put(block, self.home)
+        self._base, initial = self._builder.build(source, keep_initial)
+        if initial is not None:
+            self._initial = initial
 
     # -- state ------------------------------------------------------------------------------------
 
