@@ -21,6 +21,11 @@ asynchronous work: a copy is issued `prefetch` accesses ahead of the compute tha
 overlaps the previous block's compute (JAX orders each compute after its inputs' copies), and each
 block's gradient copy to the host overlaps the next block's backward.
 
+What trains is the schedule's parameter (`jaxzero.offload.trains`): every parameter of each unit
+(the offload engine), or a frozen part merged with a trainable one in each program (LoRA and
+`finetune.freeze`, one micro-batch per pass), where gradients are formed only for what trains and
+the activations, and below the lowest block that trains no input is saved and no backward runs.
+
 Micro-batches are processed layer-major: every micro-batch passes block i before block i+1 starts,
 so weights cross the link twice per optimizer step however large `grad_accum` is, and a block's
 gradient is summed over micro-batches in float32 on the accelerator before it leaves.
@@ -99,9 +104,10 @@ def stream_blocks(
     on_copy: Callable[[Any], Any] | None = None,
 ) -> Iterator[Any]:
     """Yield the accelerator copy of `blocks[i]` for each i in `order`, keeping up to `depth` further
-    copies in flight. Blocks `is_streamed` says live in `pinned_host` are copied; resident blocks are
-    yielded as they are; a block accessed twice in a row (the
-    last block, where the forward pass turns into the backward pass) is reused, not copied again.
+    copies in flight: the one block prefetch of every engine. Blocks `is_streamed` says live in
+    `pinned_host` are copied; resident blocks are yielded as they are; a block accessed twice in a
+    row (the last block, where the forward pass turns into the backward pass) is reused, not copied
+    again.
     A block may be a `Future` of its weights (still being updated on the host): it is waited for
     when its copy is issued, not before.
 
