@@ -245,8 +245,10 @@ def test_lora_trains_on_one_device_only():
     cfg = lora_cfg()
     if len(jax.devices()) < 2:
         pytest.skip("needs two devices")
+    offload = dataclasses.replace(cfg.offload, params="none", optimizer="none")
+    plan = resolve_plan(dataclasses.replace(cfg, offload=offload))
     with pytest.raises(ConfigError, match="trains on one device"):
-        PartialTrainer(cfg, placement.make_mesh(jax.devices()[:2]), streamed=False)
+        PartialTrainer(cfg, placement.make_mesh(jax.devices()[:2]), plan, streamed=False)
 
 
 def test_eval_and_export_of_an_int8_lora_run_keep_the_trained_adapters(tmp_path, capsys):

@@ -8,14 +8,13 @@ A base unit is the model's unit with its weights narrowed once (`finetune.base_d
                          norm scales (and biases) bfloat16; embedding and head bfloat16
 
 Blocks live in accelerator memory (`resident`) or in `pinned_host` memory, copied to the accelerator
-one block ahead of the pass that needs it (`stream`); the embedding and head always stay on the
-accelerator. The base holds no masters, no optimizer state and sends no gradients anywhere.
+one block ahead of the pass that needs it by the streamed schedule every engine shares
+(`jaxzero.offload.streaming`); the embedding and head always stay on the accelerator. The base holds
+no masters, no optimizer state and sends no gradients anywhere.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -25,9 +24,10 @@ import jax.numpy as jnp
 from jax.sharding import Sharding
 
 from jaxzero.config import TrainConfig
-from jaxzero.deferred import Deferred
+from jaxzero.deferred import Deferred, resolved
 from jaxzero.models import Model, ModelParams, init_keys
 from jaxzero.models.lora import quantize_kernel
+from jaxzero.offload.host_memory import reserve_pinned
 
 KERNEL = "kernel"
 
@@ -85,26 +85,73 @@ def _one(init: Any, key: jax.Array) -> tuple[Any]:
 @dataclass(frozen=True)
 class FrozenBase:
     """A base in storage form: `units` (embedding and head on the accelerator; blocks on the
-    accelerator or in `pinned_host`), and which blocks are streamed."""
+    accelerator or in `pinned_host`, copied in per use by the streamed schedule's prefetch,
+    `jaxzero.offload.streaming.stream_blocks`), and whether its blocks are streamed."""
 
     units: ModelParams
     streamed: bool
-    device: Sharding  # where a streamed block is copied to
 
-    def blocks_in(self, order: Sequence[int], depth: int = 1) -> Iterator[Any]:
-        """Each block of `order` on the accelerator, a streamed block's copy issued `depth` blocks
-        ahead of its use (asynchronous `device_put`s); a block used twice in a row is copied once."""
-        blocks = self.units.blocks
-        if not self.streamed:
-            yield from (blocks[i] for i in order)
-            return
-        inflight: deque[Any] = deque()
-        issued, last = 0, None
-        for k in range(len(order)):
-            while issued < min(len(order), k + 1 + depth):
-                i = order[issued]
-                w = last[1] if last is not None and last[0] == i else jax.device_put(blocks[i], self.device)
-                inflight.append(w)
-                last = (i, w)
-                issued += 1
-            yield inflight.popleft()
+
+class BaseBuilder:
+    """Builds the frozen base of a run on one device, from float32 units, one unit at a time.
+
+    kept:           the units the base holds (embedding 0, block i at 1 + i, head L + 1).
+    base_dtype:     `finetune.base_dtype` (the storage form, the module docstring).
+    device:         the accelerator's memory; `home`: where a narrowed block lives (the accelerator,
+                    or `pinned_host` where `streamed`).
+    pinned_reserve: bytes to grow the pinned pool by, once, before the first base is placed.
+    keeps_trainable: whether the units that train start from the source's (`finetune.freeze`), so
+                    that a fresh state takes them as they are.
+    """
+
+    def __init__(
+        self,
+        kept: frozenset[int],
+        base_dtype: str,
+        *,
+        device: Sharding,
+        home: Sharding,
+        streamed: bool,
+        pinned_reserve: int,
+        keeps_trainable: bool,
+    ):
+        self.kept, self.device, self.home, self.streamed = kept, device, home, streamed
+        self._reserve = pinned_reserve if streamed else 0
+        self._keeps_trainable = keeps_trainable
+        self._narrow_block = jax.jit(partial(narrow_block, base_dtype=base_dtype), out_shardings=device)
+        self._narrow_unit = jax.jit(partial(narrow_unit, base_dtype=base_dtype), out_shardings=device)
+
+    def build(self, source: ModelParams, keep_initial: bool) -> tuple[FrozenBase, ModelParams | None]:
+        """The base from float32 units (NumPy, arrays or `Deferred`, read one at a time): each unit it
+        keeps narrowed and placed; with `keep_initial` and `keeps_trainable`, also the units that
+        train as they are, on the accelerator (the starting point of a fresh state), else None."""
+        if self._reserve:
+            reserve_pinned(self._reserve, self.home)  # the pool grows now, in one region
+            self._reserve = 0
+        initial_too = keep_initial and self._keeps_trainable
+        units = [source.embed, *source.blocks, source.head]
+        last = len(units) - 1
+        stored, initial = [], []
+        for k, u in enumerate(units):
+            kept = k in self.kept
+            if not kept and not initial_too:
+                stored.append({})
+                initial.append({})
+                continue
+            on_device = jax.device_put(resolved(u), self.device)
+            if not kept:
+                stored.append({})
+                initial.append(on_device)
+            elif 0 < k < last:
+                stored.append(self._placed(self._narrow_block(on_device)))
+                initial.append({})
+            else:
+                stored.append(self._narrow_unit(on_device))
+                initial.append({})
+            del on_device
+        base = FrozenBase(ModelParams(stored[0], tuple(stored[1:-1]), stored[-1]), self.streamed)
+        return base, ModelParams(initial[0], tuple(initial[1:-1]), initial[-1]) if initial_too else None
+
+    def _placed(self, block: Any) -> Any:
+        """A narrowed block in its home: the accelerator, or `pinned_host` (its accelerator copy freed)."""
+        return block if not self.streamed else jax.device_put(block, self.home)

@@ -2,20 +2,15 @@
 or the units `finetune.freeze` leaves trainable. What trains, with its optimizer state, lives on the
 accelerator; the frozen units (the base) beside it, resident or streamed (`jaxzero.finetune.base`).
 
-One step, per micro-batch (each its own forward and rematerialised backward pass); every unit is
-`merge_trees(base unit, trainable unit)` (`jaxzero.finetune.trainable`):
+The passes are the offload engine's streamed schedule (`jaxzero.offload.streaming.StreamedModel`)
+over a `FrozenPart` (`jaxzero.offload.trains`): every unit is the pair (base unit, trainable unit),
+merged in each block program; gradients are taken with respect to what trains and the activations
+only, and below the lowest block that trains no backward pass runs. A streamed base block is
+copied one block ahead of the pass that needs it by the schedule's prefetch. One step:
 
-    x = embed(tokens)
-    for i in 0..L-1:  save x; x = block_i(base_i + trainable_i, x)      base_i streamed or resident
-    loss, dx = head(x)                    and the head's (and a tied embedding's) trainable gradient
-    for i in L-1..lowest:  dx, g_i = vjp of block_i at its saved input, w.r.t. (trainable_i, x)
-    embedding's gradient where it trains
-    trainable, opt_state = optax update (global-norm clipping, the configured optimizer)
-
-Gradients are taken with respect to what trains and the activations only: a frozen unit's weight
-gradient is never formed, and below the lowest unit that trains no backward pass runs at all. Each
-block program is compiled once and serves every layer; a streamed base block is copied one block
-ahead of the pass that needs it (`FrozenBase.blocks_in`).
+    for each micro-batch a:  loss_a, grads_a = one pass of the schedule (its own forward and
+                             rematerialised backward, so one micro-batch's activations live)
+    grads = sum of grads_a;  trainable, opt_state = optax update (global-norm clipping)
 
 The loss is the resident trainer's (`jaxzero.objective`: the mean cross-entropy over the step's
 counted targets, micro-batches weighted by their targets). Dropout on the adapters' inputs takes a key
@@ -28,7 +23,6 @@ step; the base is rebuilt from the config (`model.init_from`, else `seed`).
 from __future__ import annotations
 
 import dataclasses
-from functools import partial
 from typing import Any, NamedTuple
 
 import jax
@@ -41,20 +35,12 @@ from jaxzero import placement
 from jaxzero.config import ConfigError, TrainConfig
 from jaxzero.deferred import resolved
 from jaxzero.finetune.adapters import init_adapters, lora_spec
-from jaxzero.finetune.base import FrozenBase, narrow_block, narrow_unit, source_units
+from jaxzero.finetune.base import BaseBuilder, FrozenBase, source_units
 from jaxzero.finetune.trainable import base_positions, layout_of, lowest_trainable_block, trainable_shapes
 from jaxzero.models import ModelParams, build_model
-from jaxzero.models.lora import merge_trees
-from jaxzero.models.sizes import ties_output
-from jaxzero.objective import (
-    counted_targets,
-    decode_window,
-    document_eot,
-    document_segments,
-    head_loss,
-    step_weight,
-)
-from jaxzero.offload.host_memory import reserve_pinned
+from jaxzero.objective import document_eot, document_segments, step_weight
+from jaxzero.offload.streaming import StreamedModel
+from jaxzero.offload.trains import FrozenPart
 from jaxzero.optim import (
     build_optimizer,
     global_norm,
@@ -62,7 +48,8 @@ from jaxzero.optim import (
     learning_rate_schedule,
     split_opt_state,
 )
-from jaxzero.plan import OffloadPlan
+from jaxzero.placement import OffloadPlacement
+from jaxzero.plan import OffloadPlan, Tier, UnitKind
 from jaxzero.state import StepMetrics, Trainer, abstract_placed
 from jaxzero.write_fence import WriteFence
 
@@ -88,7 +75,9 @@ class PartialTrainer:
     """The programs and the frozen base of one run with a frozen part, on one device; see the module
     docstring."""
 
-    def __init__(self, cfg: TrainConfig, mesh: Mesh, streamed: bool, pinned_reserve: int = 0):
+    def __init__(
+        self, cfg: TrainConfig, mesh: Mesh, plan: OffloadPlan, streamed: bool, pinned_reserve: int = 0
+    ):
         what = "finetune.method=lora" if cfg.finetune.method == "lora" else "finetune.freeze"
         if mesh.size != 1:
             raise ConfigError(
@@ -111,72 +100,48 @@ class PartialTrainer:
         self.shapes = trainable_shapes(self.model, ft)
         self.layout = layout_of(ft)
         self._kept = base_positions(ft, cfg.model)  # the units the base holds
-        self._lowest = lowest_trainable_block(ft, cfg.model)
-        self._embed_trains = bool(self.shapes.embed)
-        # The head reads the embedding only when tied (gpt2 always is): only then does it send it a
-        # gradient (else a zero (V, D) float32 array would be made and added).
-        self._head_reads_embed = ties_output(cfg.model)
+        self._builder = BaseBuilder(
+            self._kept,
+            ft.base_dtype,
+            device=self.device,
+            home=self.home,
+            streamed=streamed,
+            pinned_reserve=pinned_reserve,
+            keeps_trainable=not self.lora,
+        )
         self._clipped = cfg.optimizer.grad_clip > 0
         self._eot = document_eot(cfg.data, self.model)
         self._dropout = self.lora and ft.lora_dropout > 0
         self._base: FrozenBase | None = None
         self._initial: ModelParams | None = None  # under freeze: the trainable units' starting values
-        self._reserve = pinned_reserve if streamed else 0  # pinned pool grown once, before the base
         self.fence = WriteFence()  # a checkpoint being written from a state's arrays (`jaxzero.write_fence`)
-        model, dtype = self.model, ft.base_dtype
-
-        def block(w: Any, a: Any, x: jax.Array, seg: jax.Array | None, key: jax.Array) -> jax.Array:
-            if self._dropout:  # only LoRA's blocks take a dropout key
-                return model.block(merge_trees(w, a), x, seg, key)
-            return model.block(merge_trees(w, a), x, seg)
-
-        def block_vjp(w, a, x, seg, key, dy):
-            _, pullback = jax.vjp(lambda a_, x_: block(w, a_, x_, seg, key), a, x)
-            da, dx = pullback(dy)
-            return dx, da
-
-        def head(hw: Any, th: Any, ew: Any, te: Any, x: jax.Array, window: jax.Array, weight: jax.Array):
-            def loss(th_, te_, x_):
-                return head_loss(model, merge_trees(hw, th_), merge_trees(ew, te_), x_, window, weight)
-
-            return jax.value_and_grad(loss, argnums=(0, 1, 2))(th, te, x)
-
-        def embed(ew: Any, te: Any, inputs: jax.Array) -> jax.Array:
-            return model.embed(merge_trees(ew, te), inputs)
-
-        def embed_vjp(ew: Any, te: Any, inputs: jax.Array, dx: jax.Array) -> Any:
-            return jax.vjp(lambda te_: embed(ew, te_, inputs), te)[1](dx)[0]
+        model = self.model
+        # The one streamed schedule of every engine, over what trains: the base's blocks prefetched
+        # from pinned_host (or resident), each merged with its trainable part in the block programs.
+        low = lowest_trainable_block(ft, cfg.model)
+        trains = FrozenPart(lowest_block=low, embed=bool(self.shapes.embed), device=self.device)
+        where = OffloadPlacement(mesh, jax.local_devices(backend="cpu")[0], schedule_plan(plan, streamed))
+        self._streamed = StreamedModel(model, where, grad_accum=1, trains=trains)
+        self._one = jax.device_put(np.float32(1.0), self.device)  # the loss's cotangent: no loss scale
 
         def update(adapters, opt_state, grads, step):
             updates, opt_state = self.tx.update(grads, opt_state, adapters)
             lr = jnp.asarray(self.schedule(step), jnp.float32)
             return optax.apply_updates(adapters, updates), opt_state, step + 1, global_norm(grads), lr
 
-        self._embed = jax.jit(embed)
-        self._embed_vjp = jax.jit(embed_vjp)
-        self._block = jax.jit(block)
-        self._block_vjp = jax.jit(block_vjp)
-        self._head = jax.jit(head)
+        def keys(step: jax.Array, a: int) -> jax.Array:
+            """Micro-batch `a`'s dropout keys of `step`, (L, 1): block i's forward and its recomputation
+            read row i."""
+            key = jax.random.fold_in(jax.random.key(cfg.seed ^ DROPOUT_KEY), step)
+            return jax.random.split(jax.random.fold_in(key, a), cfg.model.num_layers)[:, None]
+
         # One placement for every state, fresh or updated: the update compiles once.
         self._update = jax.jit(update, donate_argnums=(0, 1, 3), out_shardings=self.device)
+        self._keys = jax.jit(keys) if self._dropout else None
         self._add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b), donate_argnums=(0,))
         self._segments = jax.jit(lambda w: None if self._eot is None else document_segments(w, self._eot))
         self._weight = jax.jit(lambda b: step_weight(b) / b.shape[0])
-        self._narrow_block = jax.jit(partial(narrow_block, base_dtype=dtype), out_shardings=self.device)
-        self._narrow_unit = jax.jit(partial(narrow_unit, base_dtype=dtype), out_shardings=self.device)
         self._init_adapters = jax.jit(lambda k: init_adapters(k, model, ft), out_shardings=self.device)
-        # Evaluation: no dropout, no gradient.
-        self._eval_block = jax.jit(lambda w, a, x, seg: model.block(merge_trees(w, a), x, seg))
-        self._eval_head = jax.jit(
-            lambda hw, th, ew, te, x, window: head_loss(
-                model,
-                merge_trees(hw, th),
-                merge_trees(ew, te),
-                x,
-                window,
-                1.0 / jnp.maximum(counted_targets(window), 1),
-            )
-        )
 
     # -- the base ---------------------------------------------------------------------------------
 
@@ -187,42 +152,12 @@ class PartialTrainer:
         return self._base
 
     def _build(self, source: ModelParams, keep_initial: bool) -> None:
-        """The base from float32 units (NumPy, arrays or `Deferred`, read one at a time): each unit it
-        keeps narrowed and placed; under `freeze`, with `keep_initial`, the units that train kept as
-        they are, on the accelerator, as the starting point of a fresh state."""
+        """The base from float32 units (`BaseBuilder.build`); under `freeze`, with `keep_initial`,
+        the units that train as the source has them, the starting point of a fresh state."""
         self._base = None  # an earlier base goes before this one is placed
-        if self._reserve:
-            reserve_pinned(self._reserve, self.home)  # the pool grows now, in one region
-            self._reserve = 0
-        units = [source.embed, *source.blocks, source.head]
-        last = len(units) - 1
-        stored, initial = [], []
-        for k, u in enumerate(units):
-            kept = k in self._kept
-            if not kept and not (keep_initial and not self.lora):
-                stored.append({})
-                initial.append({})
-                continue
-            on_device = jax.device_put(resolved(u), self.device)
-            if not kept:
-                stored.append({})
-                initial.append(on_device)
-            elif 0 < k < last:
-                stored.append(self._placed(self._narrow_block(on_device)))
-                initial.append({})
-            else:
-                stored.append(self._narrow_unit(on_device))
-                initial.append({})
-            del on_device
-        self._base = FrozenBase(
-            ModelParams(stored[0], tuple(stored[1:-1]), stored[-1]), self.streamed, self.device
-        )
-        if keep_initial and not self.lora:
-            self._initial = ModelParams(initial[0], tuple(initial[1:-1]), initial[-1])
-
-    def _placed(self, block: Any) -> Any:
-        """A narrowed block in its home: the accelerator, or `pinned_host` (its accelerator copy freed)."""
-        return block if not self.streamed else jax.device_put(block, self.home)
+        self._base, initial = self._builder.build(source, keep_initial)
+        if initial is not None:
+            self._initial = initial
 
     # -- state ------------------------------------------------------------------------------------
 
@@ -252,43 +187,24 @@ class PartialTrainer:
     # -- the step ---------------------------------------------------------------------------------
 
     def step(self, state: PartialState, batch: jax.Array) -> tuple[PartialState, StepMetrics]:
-        """One update from int32 (A, mb, S+1) on the accelerator; consumes `state` (donated)."""
+        """One update from int32 (A, mb, S+1) on the accelerator; consumes `state` (donated). Each
+        micro-batch is its own pass of the streamed schedule (a streamed base crosses the link twice
+        per micro-batch, and only one micro-batch's activations live), its gradients summed here."""
         self.fence.wait_all()  # the update donates every array a checkpoint being written may still read
-        base = self.base()
-        units = base.units
-        n = len(units.blocks)
+        base = self.base().units
         weight = self._weight(batch)
-        key = jax.random.fold_in(jax.random.key(self.cfg.seed ^ DROPOUT_KEY), state.step)
         grads, loss = None, None
         for a in range(batch.shape[0]):
-            window = batch[a]
-            segments = self._segments(window)
-            keys = jax.random.split(jax.random.fold_in(key, a), n)
-            inputs = decode_window(window)[0]
-            tr = state.trainable
-            x = self._embed(units.embed, tr.embed, inputs)
-            # One stream of blocks for both passes: the last block turns from forward to backward
-            # without a second copy, and the backward's first copies overlap the head. Below the
-            # lowest block that matters nothing trains: no input is saved there, no backward runs.
-            low = self._lowest
-            blocks = base.blocks_in([*range(n), *range(n - 1, low - 1, -1)])
-            saved: list[Any] = []
-            for i in range(n):
-                saved.append(x if i >= low else None)
-                x = self._block(next(blocks), tr.blocks[i], x, segments, keys[i])
-            te = tr.embed if self._head_reads_embed else {}
-            part, (g_head, g_embed, dx) = self._head(units.head, tr.head, units.embed, te, x, window, weight)
-
-            block_grads: list[Any] = [{}] * low + [None] * (n - low)  # nothing trains below `low`
-            for i in reversed(range(low, n)):
-                dx, block_grads[i] = self._block_vjp(
-                    next(blocks), tr.blocks[i], saved[i], segments, keys[i], dx
-                )
-                saved[i] = None  # the input is freed once its block's backward pass is issued
-            if self._embed_trains:
-                g_lookup = self._embed_vjp(units.embed, tr.embed, inputs, dx)
-                g_embed = self._add(g_lookup, g_embed) if self._head_reads_embed else g_lookup
-            g = ModelParams(g_embed, tuple(block_grads), g_head)
+            window = batch[a : a + 1]
+            part, g, _ = self._streamed.grads(
+                base,
+                window,
+                self._one,
+                segments=self._segments(window),
+                trainable=state.trainable,
+                keys=None if self._keys is None else self._keys(state.step, a),
+                weight=weight,
+            )
             grads = g if grads is None else self._add(grads, g)
             loss = part if loss is None else loss + part
         adapters, opt_state, step, norm, lr = self._update(
@@ -298,14 +214,8 @@ class PartialTrainer:
 
     def eval_loss(self, state: PartialState, window: jax.Array) -> jax.Array:
         """Mean loss (float32 scalar) of the adapted model over int32 (B, S+1), without dropout."""
-        base = self.base()
-        units = base.units
-        tr = state.trainable
-        x = self._embed(units.embed, tr.embed, decode_window(window)[0])
-        segments = self._segments(window)
-        for i, w in enumerate(base.blocks_in(range(len(units.blocks)))):
-            x = self._eval_block(w, tr.blocks[i], x, segments)
-        return self._eval_head(units.head, tr.head, units.embed, tr.embed, x, window)
+        batch = window[None]
+        return self._streamed.loss(self.base().units, batch, self._segments(batch), state.trainable)
 
     # -- checkpoints ------------------------------------------------------------------------------
 
@@ -358,7 +268,8 @@ def build_partial_trainer(
     the base's blocks streamed from `pinned_host` with `offload.params=cpu`, on the accelerator with
     `none`. `pinned_reserve`: bytes to grow the pinned pool by before the base is placed
     (`memory.pinned_pool_reservation`)."""
-    built = PartialTrainer(cfg, mesh, streamed=cfg.offload.params == "cpu", pinned_reserve=pinned_reserve)
+    streamed = cfg.offload.params == "cpu"
+    built = PartialTrainer(cfg, mesh, plan, streamed=streamed, pinned_reserve=pinned_reserve)
     return Trainer(
         config=cfg,
         plan=plan,
@@ -378,3 +289,16 @@ def build_partial_trainer(
         description=built.describe(),
         fence=built.fence,
     )
+
+
+def schedule_plan(plan: OffloadPlan, streamed: bool) -> OffloadPlan:
+    """The decided plan of a run with a frozen part as the streamed schedule reads it: what trains
+    and its optimizer state on the accelerator (`Tier.DEVICE` state, so its gradients stay there),
+    the base's blocks in `pinned_host` where the base is streamed, and block inputs on the
+    accelerator."""
+    weights = Tier.PINNED_HOST if streamed else Tier.DEVICE
+    units = tuple(
+        dataclasses.replace(u, weights=weights if u.kind is UnitKind.BLOCK else u.weights, state=Tier.DEVICE)
+        for u in plan.units
+    )
+    return dataclasses.replace(plan, units=units, activations=Tier.DEVICE)

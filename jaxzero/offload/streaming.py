@@ -21,6 +21,11 @@ asynchronous work: a copy is issued `prefetch` accesses ahead of the compute tha
 overlaps the previous block's compute (JAX orders each compute after its inputs' copies), and each
 block's gradient copy to the host overlaps the next block's backward.
 
+What trains is the schedule's parameter (`jaxzero.offload.trains`): every parameter of each unit
+(the offload engine), or a frozen part merged with a trainable one in each program (LoRA and
+`finetune.freeze`, one micro-batch per pass), where gradients are formed only for what trains and
+the activations, and below the lowest block that trains no input is saved and no backward runs.
+
 Micro-batches are processed layer-major: every micro-batch passes block i before block i+1 starts,
 so weights cross the link twice per optimizer step however large `grad_accum` is, and a block's
 gradient is summed over micro-batches in float32 on the accelerator before it leaves.
@@ -49,10 +54,10 @@ from jax.sharding import Mesh
 
 from jaxzero import objective
 from jaxzero.models import Model, ModelParams
-from jaxzero.models.layers import cast_tree
 from jaxzero.models.sizes import ties_output
 from jaxzero.offload.host_memory import copy_to
 from jaxzero.offload.timeline import StepClock, span
+from jaxzero.offload.trains import EVERY, FrozenPart, WholeUnits
 from jaxzero.placement import DEVICE, PINNED_HOST, OffloadPlacement, batch_rows_sharding
 from jaxzero.plan import Tier
 
@@ -62,8 +67,12 @@ def _f32(tree: Any) -> Any:
 
 
 def _sq_norm(tree: Any) -> jax.Array:
-    """Sum of squares of all leaves, in float32 (one unit's share of the global norm)."""
-    return sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree))
+    """Sum of squares of all leaves, in float32 (one unit's share of the global norm; 0 where nothing
+    of the unit trains)."""
+    leaves = jax.tree.leaves(tree)
+    if not leaves:
+        return jnp.zeros((), jnp.float32)
+    return sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves)
 
 
 def _accumulate(fn, xs: Sequence[jax.Array], init: Any):
@@ -89,14 +98,16 @@ def resolve(unit: Any, position: int) -> Any:
 def stream_blocks(
     blocks: Sequence[Any],
     order: Sequence[int],
-    placement: OffloadPlacement,
+    is_streamed: Callable[[int], bool],
     target: Any,
     depth: int,
     on_copy: Callable[[Any], Any] | None = None,
 ) -> Iterator[Any]:
     """Yield the accelerator copy of `blocks[i]` for each i in `order`, keeping up to `depth` further
-    copies in flight. Resident blocks are yielded as they are; a block accessed twice in a row (the
-    last block, where the forward pass turns into the backward pass) is reused, not copied again.
+    copies in flight: the one block prefetch of every engine. Blocks `is_streamed` says live in
+    `pinned_host` are copied; resident blocks are yielded as they are; a block accessed twice in a
+    row (the last block, where the forward pass turns into the backward pass) is reused, not copied
+    again.
     A block may be a `Future` of its weights (still being updated on the host): it is waited for
     when its copy is issued, not before.
 
@@ -114,7 +125,7 @@ def stream_blocks(
         i = order[issued]
         if last is not None and last[0] == i:
             w = last[1]
-        elif placement.is_streamed(i):
+        elif is_streamed(i):
             weights = resolve(blocks[i], 1 + i)
             with span("h2d weights", 1 + i):
                 w = copy_to(weights, target)  # async host -> accelerator DMA
@@ -137,14 +148,17 @@ def stream_blocks(
 class UnitPrograms:
     """The per-unit computations the streaming schedule issues, each a pure function of its arrays
     (`StreamedModel` jits each once: one compiled block forward and one block backward serve every
-    layer). Weights arrive in their storage placement and dtype; each computation casts them to
-    `compute` and all-gathers them (`gather`); activations keep micro-batch rows split over the
-    mesh (`rows`); gradient sums leave reduce-scattered to one shard per device.
+    layer). A unit arrives as `trains` holds it (`jaxzero.offload.trains`): the full run's weights in
+    their storage placement and dtype, each computation casting them to `compute` and all-gathering
+    them; or a (frozen, trainable) pair merged as the model reads it. Gradients are taken with respect
+    to what trains and the activations only. Activations keep micro-batch rows split over the mesh
+    (`rows`); gradient sums leave reduce-scattered to one shard per device.
 
     whole:          per unit kind, the shardings of whole weights (`OffloadPlacement.whole`).
     grad_on_device: per unit kind, the shardings a gradient leaves the backward pass in.
     tied:           the head reads the embedding (its gradient gets the head's share).
     grad_accum:     micro-batches per step (A).
+    trains:         what trains of each unit (`WholeUnits` or `FrozenPart`).
     """
 
     model: Model
@@ -154,12 +168,12 @@ class UnitPrograms:
     compute: jnp.dtype
     tied: bool
     grad_accum: int
+    trains: WholeUnits | FrozenPart = EVERY
 
-    def gather(self, w: Any, whole_sharding: Any) -> Any:
-        """The weights in the compute dtype (float32 masters are cast first, so the gather moves
-        the narrow copy), whole: constraining weights to whole arrays all-gathers their shards;
-        constraining gradient sums to one shard per device (`_scatter`) reduce-scatters them."""
-        return jax.lax.with_sharding_constraint(cast_tree(w, self.compute), whole_sharding)
+    def weights(self, unit: Any, whole_sharding: Any) -> Any:
+        """The weights the model reads of `unit` (the compute-dtype weights gathered whole, or the
+        frozen and trainable parts merged)."""
+        return self.trains.join(*self.trains.split(unit, self.compute, whole_sharding))
 
     def rows(self, x: jax.Array) -> jax.Array:
         """Activations: micro-batch rows split over the devices."""
@@ -167,21 +181,21 @@ class UnitPrograms:
 
     def embed(self, embed_w: Any, batch: jax.Array) -> jax.Array:
         """(A, mb, S+1) int32 -> (A, mb, S, D) activations."""
-        m, embed_w = self.model, self.gather(embed_w, self.whole.embed)
+        m, embed_w = self.model, self.weights(embed_w, self.whole.embed)
         return self.rows(jax.lax.map(lambda w: m.embed(embed_w, objective.decode_window(w)[0]), batch))
 
-    def block_fwd(self, w: Any, x: jax.Array, segments: jax.Array | None = None) -> jax.Array:
+    def block_fwd(
+        self, w: Any, x: jax.Array, segments: jax.Array | None = None, keys: jax.Array | None = None
+    ) -> jax.Array:
         """(A, mb, S, D) -> the same, through one block; attention within `segments` (int32
-        (A, mb, S)) where given."""
-        m, w = self.model, self.gather(w, self.whole.blocks)
-        if segments is None:
-            return self.rows(jax.lax.map(lambda xa: m.block(w, xa), x))
-        return self.rows(jax.lax.map(lambda a: m.block(w, *a), (x, segments)))
+        (A, mb, S)) where given; dropout from `keys` ((A,) keys, one per micro-batch) where given."""
+        m, w = self.model, self.weights(w, self.whole.blocks)
+        return self.rows(jax.lax.map(lambda a: _run_block(m, w, *a), (x, segments, keys)))
 
     def head_loss(self, head_w: Any, embed_w: Any, x: jax.Array, batch: jax.Array) -> jax.Array:
         """Float32 scalar: the step's mean over its counted targets."""
         m = self.model
-        head_w, embed_w = self.gather(head_w, self.whole.head), self.gather(embed_w, self.whole.embed)
+        head_w, embed_w = self.weights(head_w, self.whole.head), self.weights(embed_w, self.whole.embed)
         weight = objective.step_weight(batch)
         losses = jax.lax.map(
             lambda a: objective.head_loss(m, head_w, embed_w, a[0], a[1], weight), (x, batch)
@@ -189,18 +203,26 @@ class UnitPrograms:
         return jnp.mean(losses)
 
     def head_grad(
-        self, head_w: Any, embed_w: Any, x: jax.Array, batch: jax.Array, loss_scale: jax.Array
+        self,
+        head_w: Any,
+        embed_w: Any,
+        x: jax.Array,
+        batch: jax.Array,
+        loss_scale: jax.Array,
+        weight: jax.Array | None = None,
     ) -> Any:
         """-> loss, d(loss_scale * L_a)/dx_a per micro-batch (each micro-batch's weighted loss,
-        `objective.step_weight`, differentiated on its own, as the resident trainer does),
-        float32 head (and tied-embedding) gradient sums over micro-batches, the head's squared norm."""
-        m, tied = self.model, self.tied
-        head_w, embed_w = self.gather(head_w, self.whole.head), self.gather(embed_w, self.whole.embed)
-        weight = objective.step_weight(batch)
+        `objective.step_weight`, differentiated on its own, as the resident trainer does; `weight`,
+        a float32 scalar, in its place where given), float32 head (and tied-embedding) gradient sums
+        over micro-batches with respect to what trains, the head's squared norm."""
+        m, tied, t = self.model, self.tied, self.trains
+        fixed_h, head_w = t.split(head_w, self.compute, self.whole.head)
+        fixed_e, embed_w = t.split(embed_w, self.compute, self.whole.embed)
+        weight = objective.step_weight(batch) if weight is None else weight
 
         def one(xa, wa):
             def f(hw, ew, xa):
-                return objective.head_loss(m, hw, ew, xa, wa, weight)
+                return objective.head_loss(m, t.join(fixed_h, hw), t.join(fixed_e, ew), xa, wa, weight)
 
             loss, vjp = jax.vjp(f, head_w, embed_w, xa)
             g_head, g_embed, dx = vjp(loss_scale)  # the cotangent of the loss: 1, or float16's scale
@@ -212,43 +234,52 @@ class UnitPrograms:
             _f32(jax.tree.map(jnp.zeros_like, embed_w)) if tied else None,
         )
         (loss, g_head, g_embed), dx = _accumulate(one, (x, batch), zeros)
-        g_head = _scatter(g_head, self.grad_on_device.head)
+        g_head = t.scatter(g_head, self.grad_on_device.head)
         if g_embed is not None:
-            g_embed = _scatter(g_embed, self.grad_on_device.embed)
+            g_embed = t.scatter(g_embed, self.grad_on_device.embed)
         return loss / x.shape[0], self.rows(dx), g_head, g_embed, _sq_norm(g_head)
 
     def block_bwd(
-        self, w: Any, x: jax.Array, dy: jax.Array, segments: jax.Array | None = None
+        self,
+        w: Any,
+        x: jax.Array,
+        dy: jax.Array,
+        segments: jax.Array | None = None,
+        keys: jax.Array | None = None,
     ) -> tuple[jax.Array, Any, jax.Array]:
-        """Recompute block(w, x_a) and backpropagate dy_a for each micro-batch -> (dx, dw, |dw|^2);
-        attention within `segments` (int32 (A, mb, S)) where given, as in the forward pass."""
-        m, w = self.model, self.gather(w, self.whole.blocks)
+        """Recompute block(w, x_a) and backpropagate dy_a for each micro-batch -> (dx, dw, |dw|^2),
+        dw with respect to what trains; attention within `segments` (int32 (A, mb, S)) and dropout
+        from `keys` ((A,) keys) where given, as in the forward pass."""
+        m, t = self.model, self.trains
+        fixed, w = t.split(w, self.compute, self.whole.blocks)
 
-        def one(xa, dya, *segments_a):
-            _, vjp = jax.vjp(lambda wb, xb: m.block(wb, xb, *segments_a), w, xa)
+        def one(xa, dya, segments_a, key_a):
+            _, vjp = jax.vjp(lambda wb, xb: _run_block(m, t.join(fixed, wb), xb, segments_a, key_a), w, xa)
             return vjp(dya)
 
-        per_batch = (x, dy) if segments is None else (x, dy, segments)
+        per_batch = (x, dy, segments, keys)
         if x.shape[0] == 1:  # exact in the compute dtype; see the module docstring
-            g, dx = one(*(t[0] for t in per_batch))
-            g = _scatter(g, self.grad_on_device.blocks)
+            g, dx = one(*(None if v is None else v[0] for v in per_batch))
+            g = t.scatter(g, self.grad_on_device.blocks)
             return self.rows(dx[None]), g, _sq_norm(g)
         g, dx = _accumulate(one, per_batch, _f32(jax.tree.map(jnp.zeros_like, w)))
-        g = _scatter(g, self.grad_on_device.blocks)
+        g = t.scatter(g, self.grad_on_device.blocks)
         return self.rows(dx), g, _sq_norm(g)
 
     def embed_grad(
         self, embed_w: Any, batch: jax.Array, dx: jax.Array, g_from_head: Any
     ) -> tuple[Any, jax.Array]:
-        """The embedding's float32 gradient sum (plus the tied head's share) and its squared norm."""
-        m, embed_w = self.model, self.gather(embed_w, self.whole.embed)
+        """The embedding's float32 gradient sum with respect to what trains (plus the tied head's
+        share) and its squared norm."""
+        m, t = self.model, self.trains
+        fixed, embed_w = t.split(embed_w, self.compute, self.whole.embed)
 
         def one(wa, dxa):
-            _, vjp = jax.vjp(lambda ew: m.embed(ew, objective.decode_window(wa)[0]), embed_w)
+            _, vjp = jax.vjp(lambda ew: m.embed(t.join(fixed, ew), objective.decode_window(wa)[0]), embed_w)
             return vjp(dxa)[0], None
 
         g, _ = _accumulate(one, (batch, dx), _f32(jax.tree.map(jnp.zeros_like, embed_w)))
-        g = _scatter(g, self.grad_on_device.embed)
+        g = t.scatter(g, self.grad_on_device.embed)
         if g_from_head is not None:
             g = jax.tree.map(jnp.add, g, g_from_head)
         return g, _sq_norm(g)
@@ -258,23 +289,40 @@ class UnitPrograms:
         return jnp.sqrt(sum(sq_norms[1:], sq_norms[0])) / (jnp.float32(self.grad_accum) * loss_scale)
 
 
-def _scatter(g: Any, sharding: Any) -> Any:
-    """Gradient sums constrained to one shard per device: a reduce-scatter."""
-    return jax.lax.with_sharding_constraint(g, sharding)
+def _run_block(
+    model: Model, w: Any, x: jax.Array, segments: jax.Array | None, key: jax.Array | None
+) -> jax.Array:
+    """`model.block` given only the inputs there are: a model of one's own may take neither
+    segments nor a dropout key."""
+    if key is not None:
+        return model.block(w, x, segments, key)
+    if segments is not None:
+        return model.block(w, x, segments)
+    return model.block(w, x)
 
 
 class StreamedModel:
     """Loss and gradients of a model whose blocks are fetched per use. Built once; holds compiled units.
 
-    Weights are a compute-dtype `ModelParams` placed by `placement` (embed/head on the accelerator,
-    blocks on the accelerator or in `pinned_host`), whole or one shard per device; each computation
-    all-gathers the weights it uses, and gradients leave it reduce-scattered to one shard per device
-    (`OffloadPlacement.split`). Batches are int32 (A, mb, S+1) on the accelerator, rows split over the
-    mesh; activations stay split the same way.
+    Weights are a `ModelParams` placed by `placement` (embed/head on the accelerator, blocks on the
+    accelerator or in `pinned_host`). With `trains=EVERY` they are the compute-dtype weights (or
+    float32 masters), whole or one shard per device; each computation all-gathers the weights it
+    uses, and gradients leave it reduce-scattered to one shard per device (`OffloadPlacement.split`).
+    With a `FrozenPart` they are the frozen units in storage form, and each pass also takes the
+    `trainable` part (a `ModelParams` on the accelerator, `{}` where a unit has none), merged with its
+    frozen unit in each program. Batches are int32 (A, mb, S+1) on the accelerator, rows split over
+    the mesh; activations stay split the same way.
     """
 
-    def __init__(self, model: Model, placement: OffloadPlacement, grad_accum: int, prefetch: int = 1):
-        self.model, self.placement, self.prefetch = model, placement, prefetch
+    def __init__(
+        self,
+        model: Model,
+        placement: OffloadPlacement,
+        grad_accum: int,
+        prefetch: int = 1,
+        trains: WholeUnits | FrozenPart = EVERY,
+    ):
+        self.model, self.placement, self.prefetch, self.trains = model, placement, prefetch, trains
         self.num_layers = model.config.num_layers
         self.tied = ties_output(model.config)
         self.accum = grad_accum
@@ -282,7 +330,8 @@ class StreamedModel:
         self._to_host = _by_unit(shapes, lambda t: placement.split(t, PINNED_HOST))  # where gradients land
         # Units updated on the accelerator (`Tier.DEVICE` state) keep their gradients there.
         self._stays = [u.state is Tier.DEVICE for u in placement.plan.units]
-        self._copy_in = placement.split(shapes.blocks[0], DEVICE)  # a streamed block's accelerator copy
+        # A streamed block's accelerator copy.
+        self._copy_in = trains.copy_target(placement.split(shapes.blocks[0], DEVICE))
         self.offloads_activations = placement.plan.offloads_activations
         # Gradients leave a backward pass split over the devices, in device memory.
         self.programs = programs = UnitPrograms(
@@ -293,6 +342,7 @@ class StreamedModel:
             compute=jnp.dtype(placement.plan.compute_dtype),
             tied=self.tied,
             grad_accum=grad_accum,
+            trains=trains,
         )
         # Each jitted once, here: every call of a unit kind reuses its compiled program.
         self._embed = jax.jit(programs.embed)
@@ -304,19 +354,27 @@ class StreamedModel:
         self._embed_grad = jax.jit(programs.embed_grad)
         self._global_norm = jax.jit(programs.global_norm)
 
-    def loss(self, weights: ModelParams, batch: jax.Array, segments: jax.Array | None = None) -> jax.Array:
+    def loss(
+        self,
+        weights: ModelParams,
+        batch: jax.Array,
+        segments: jax.Array | None = None,
+        trainable: ModelParams | None = None,
+    ) -> jax.Array:
         """Mean loss over int32 (A, mb, S+1) with weights streamed once through; float32 scalar.
         Units of `weights` may be `Future`s (see `stream_blocks`). `segments`: int32 (A, mb, S), each
-        document attending within itself, or None (attention across each row)."""
-        per_batch = () if segments is None else (segments,)
-        embed_w = resolve(weights.embed, 0)
+        document attending within itself, or None (attention across each row). `trainable`: what
+        trains beside a frozen part (`FrozenPart`), else None."""
+        unit, tr = self.trains.unit, _trainable_or_none(trainable, self.num_layers)
+        embed_w = unit(resolve(weights.embed, 0), tr.embed)
         x = self._embed(embed_w, batch)
         blocks = stream_blocks(
-            weights.blocks, range(self.num_layers), self.placement, self._copy_in, self.prefetch
+            weights.blocks, range(self.num_layers), self.placement.is_streamed, self._copy_in, self.prefetch
         )
-        for w in blocks:
-            x = self._block_fwd(w, x, *per_batch)
-        return self._head_loss(resolve(weights.head, self.num_layers + 1), embed_w, x, batch)
+        for i, w in enumerate(blocks):
+            x = self._block_fwd(unit(w, tr.blocks[i]), x, segments)
+        head_w = unit(resolve(weights.head, self.num_layers + 1), tr.head)
+        return self._head_loss(head_w, embed_w, x, batch)
 
     def grads(
         self,
@@ -325,6 +383,10 @@ class StreamedModel:
         loss_scale: jax.Array,
         clock: StepClock | None = None,
         segments: jax.Array | None = None,
+        *,
+        trainable: ModelParams | None = None,
+        keys: jax.Array | None = None,
+        weight: jax.Array | None = None,
     ) -> tuple[jax.Array, ModelParams, jax.Array]:
         """Loss, gradients and their global norm over int32 (A, mb, S+1); gradients land in `pinned_host`
         (those of units whose state is on the accelerator stay there, one shard per device).
@@ -340,59 +402,76 @@ class StreamedModel:
         when the pass reaches it. `clock`, if given, records when each copy and computation finished.
         `segments`: int32 (A, mb, S), each document attending within itself, or None (attention across
         each row); every block's forward and backward reads the same array.
+
+        With a `FrozenPart`: `trainable` is what trains beside it, and the gradients have its
+        structure; below the lowest block that trains no input is saved and no backward runs (those
+        blocks' gradients are `{}`), nor the embedding's where it does not train. `keys`: dropout
+        keys, (L, A) (block i's forward and backward read row i), or None. `weight`: the float32
+        weight of each micro-batch's summed cross-entropy, where a caller passes the step's batch one
+        micro-batch at a time (default `objective.step_weight(batch)`).
         """
         clock = clock or StepClock.off()
-        per_batch = () if segments is None else (segments,)
-        num_layers = self.num_layers
-        order = [*range(num_layers), *reversed(range(num_layers))]
+        unit, tr = self.trains.unit, _trainable_or_none(trainable, self.num_layers)
+        num_layers, low = self.num_layers, self.trains.lowest_block
+        order = [*range(num_layers), *reversed(range(low, num_layers))]
+        streamed = self.placement.is_streamed
         fetched = stream_blocks(
-            weights.blocks, order, self.placement, self._copy_in, self.prefetch, on_copy=clock.copied
+            weights.blocks, order, streamed, self._copy_in, self.prefetch, on_copy=clock.copied
         )
+        keys = [None] * num_layers if keys is None else keys
         with clock.waiting():
-            embed_w = resolve(weights.embed, 0)
+            embed_w = unit(resolve(weights.embed, 0), tr.embed)
         x = clock.computed(self._embed(embed_w, batch))
         saved: list[jax.Array | None] = []
         rows = batch_rows_sharding(self.placement.mesh, x.ndim)
         away = rows.with_memory_kind(PINNED_HOST) if self.offloads_activations else None
         for i in range(num_layers):
             with clock.waiting():
-                w = next(fetched)
-            y = clock.computed(self._block_fwd(w, x, *per_batch))
+                w = unit(next(fetched), tr.blocks[i])
+            y = clock.computed(self._block_fwd(w, x, segments, keys[i]))
             # The block input is all the backward pass keeps: here, or in pinned_host (async DMA,
             # issued after the block that reads it, so it overlaps that block). The last block's
-            # stays: the backward pass starts with it.
-            if away is None or i == num_layers - 1:
+            # stays: the backward pass starts with it. Below the lowest block that trains, nothing.
+            if i < low:
+                saved.append(None)
+            elif away is None or i == num_layers - 1:
                 saved.append(x)
             else:
                 with span("d2h activation", 1 + i):
                     saved.append(copy_to(x, away))
             x = y
         with clock.waiting():
-            head_w = resolve(weights.head, num_layers + 1)
-        loss, dx, g_head, g_embed_head, sq_head = self._head_grad(head_w, embed_w, x, batch, loss_scale)
+            head_w = unit(resolve(weights.head, num_layers + 1), tr.head)
+        loss, dx, g_head, g_embed_head, sq_head = self._head_grad(
+            head_w, embed_w, x, batch, loss_scale, weight
+        )
         clock.computed(loss)
         del x
         to_host = self._to_host
-        block_grads: list[Any] = [None] * num_layers
+        block_grads: list[Any] = [{}] * low + [None] * (num_layers - low)  # nothing trains below `low`
         sq = [sq_head]
-        x_next = _back(saved, num_layers - 1, rows)
-        for i in reversed(range(num_layers)):
-            w = next(fetched)
-            x_i, x_next = x_next, _back(saved, i - 1, rows) if i > 0 else None  # one block ahead of its use
-            dx, g, sq_i = self._block_bwd(w, x_i, dx, *per_batch)
+        x_next = _back(saved, num_layers - 1, rows) if low < num_layers else None
+        for i in reversed(range(low, num_layers)):
+            w = unit(next(fetched), tr.blocks[i])
+            x_i, x_next = x_next, _back(saved, i - 1, rows) if i > low else None  # one block ahead of its use
+            dx, g, sq_i = self._block_bwd(w, x_i, dx, segments, keys[i])
             del x_i
             clock.computed(sq_i)
             sq.append(sq_i)
             saved[i] = None
             block_grads[i] = self._leave(1 + i, g, to_host.blocks, clock)  # the DMA overlaps block i-1
-        g_embed, sq_embed = self._embed_grad(embed_w, batch, dx, g_embed_head)
-        clock.computed(sq_embed)
+        if self.trains.embed:
+            g_embed, sq_embed = self._embed_grad(embed_w, batch, dx, g_embed_head)
+            clock.computed(sq_embed)
+            sq.append(sq_embed)
+        else:  # the embedding has nothing that trains: its lookup's gradient is never formed
+            g_embed = {}
         grads = ModelParams(
             embed=self._leave(0, g_embed, to_host.embed, clock),
             blocks=tuple(block_grads),
             head=self._leave(num_layers + 1, g_head, to_host.head, clock),
         )
-        return loss, grads, self._global_norm([*sq, sq_embed], loss_scale)
+        return loss, grads, self._global_norm(sq, loss_scale)
 
     def _leave(self, position: int, g: Any, target: Any, clock: StepClock) -> Any:
         """A unit's gradient: an async DMA to `target` in pinned_host, or kept on the accelerator
@@ -401,6 +480,13 @@ class StreamedModel:
             return g
         with span("d2h grad", position):
             return clock.sent(copy_to(g, target))
+
+
+def _trainable_or_none(trainable: ModelParams | None, num_layers: int) -> ModelParams:
+    """`trainable`, or None for every unit (the full run, whose units are their weights)."""
+    if trainable is not None:
+        return trainable
+    return ModelParams(None, (None,) * num_layers, None)
 
 
 def _back(saved: list[jax.Array | None], i: int, rows: Any) -> jax.Array:
