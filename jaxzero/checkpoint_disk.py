@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from jaxzero.config import CheckpointConfig, CheckpointError
+from jaxzero.planner.memory import checkpoints_on_disk
 
 log = logging.getLogger(__name__)  # the library speaks through logging (`jaxzero.console`)
 
@@ -113,13 +114,6 @@ def ensure_room(directory: Path, nbytes: int, what: str) -> None:
             f"{_size(free)} is free. Free space there (the run's older checkpoints are deleted only after a "
             "new one is written, so delete any you do not need yourself), or set checkpoint.enabled=false."
         )
-
-
-def checkpoints_on_disk(cfg: CheckpointConfig, existing: int, saves: int) -> int:
-    """How many checkpoints are on disk at once at most while a run with `existing` checkpoints makes
-    `saves` more: the `checkpoint.keep` newest, and the one being written before the oldest of them is
-    deleted."""
-    return min(cfg.keep + 1, existing + saves) if saves else existing
 
 
 def ensure_disk_room(directory: Path, size: int, cfg: CheckpointConfig, saves: int) -> None:

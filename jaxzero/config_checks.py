@@ -33,6 +33,10 @@ def validate(cfg: TrainConfig, num_devices: int | None = None) -> None:
     """Raise ConfigError for impossible values and combinations, section by section, before anything
     is built. `num_devices` adds the mesh checks when known."""
     _need(cfg.steps >= 1, f"steps={cfg.steps} must be >= 1.")
+    _need(
+        cfg.steps < 2**31,
+        f"steps={cfg.steps} must be below 2**31 = {2**31:,}: a state counts its steps in int32.",
+    )
     _validate_finite(cfg)
     validate_model(cfg.model)
     _validate_model_numerics(cfg.model)

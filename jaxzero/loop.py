@@ -50,6 +50,7 @@ from jaxzero.outcome import (
     Preempted,
     TrainingError,
 )
+from jaxzero.planner.memory import checkpoint_saves
 from jaxzero.planner.preflight import as_written
 from jaxzero.planner.report import Decision
 from jaxzero.profiling import StepTrace
@@ -283,7 +284,7 @@ def _train_held(
     abstract = trainer.abstract_saved_state()  # what a checkpoint of this run holds
     if cfg.checkpoint.enabled:  # checkpoints that cannot fit the disk are refused before any training
         first = max(saved_steps(path), default=0) + 1  # a resume saves from the newest checkpoint on
-        saves = sum(checkpoint_due(cfg, step) for step in range(first, cfg.steps + 1))
+        saves = checkpoint_saves(cfg, first)  # arithmetic: a huge --steps costs nothing to count
         ensure_disk_room(path / CHECKPOINT_DIR, state_bytes(abstract), cfg.checkpoint, saves)
     val_batches = data.val_batches(cfg.logging.eval_batches)
     t_start = time.perf_counter()

@@ -48,6 +48,7 @@ from jaxzero.planner import memory
         ),
         (["--model.name=gpt2-tiny", "--model.num_kv_heads=2"], "gpt2 uses multi-head attention"),
         (["--logging.log_every=0"], "logging.log_every=0 must be >= 1"),
+        (["--steps=99999999999999999999"], "steps=99999999999999999999 must be below 2**31"),
         # one message per value, naming only the wrong one (it listed every checkpoint condition)
         (["--checkpoint.keep=0"], "checkpoint.keep=0 must be >= 1: the newest checkpoints kept."),
         (["--checkpoint.every=-1"], "checkpoint.every=-1 must be >= 0 (0: a checkpoint at the end only)."),

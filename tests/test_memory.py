@@ -340,3 +340,20 @@ def test_the_largest_fitting_model_keeps_as_many_units_on_the_accelerator_as_it_
         },
     )
     assert memory.largest_fitting(cfg, lambda need: need.accelerator_state < 40 * 2**30) == "llama-3.4b-bench"
+
+
+def test_checkpoint_saves_are_counted_without_a_loop_over_the_steps():
+    """Every `checkpoint.every`-th step and the last, from `first` on: the same as counting step by step,
+    and at once for a huge `steps` (the count looped over every step before training: minutes at 100%
+    CPU for --steps=10**20, deaf to SIGTERM)."""
+    from jaxzero.planner.memory import checkpoint_saves
+
+    cases = [(10, 0, 1), (10, 3, 1), (9, 3, 1), (9, 3, 4), (9, 3, 10), (12, 4, 5), (7, 1, 3)]
+    for steps, every, first in cases:
+        cfg = apply_overrides(TrainConfig(), {"steps": str(steps), "checkpoint.every": str(every)})
+        due = sum(step == steps or bool(every and step % every == 0) for step in range(first, steps + 1))
+        assert checkpoint_saves(cfg, first) == due, (steps, every, first)
+    huge = apply_overrides(TrainConfig(), {"steps": str(2**31 - 1), "checkpoint.every": "1000"})
+    assert checkpoint_saves(huge) == (2**31 - 1) // 1000 + 1
+    off = apply_overrides(TrainConfig(), {"checkpoint.enabled": "false"})
+    assert checkpoint_saves(off) == 0

@@ -552,3 +552,24 @@ def test_a_long_sequence_within_documents_is_advised_to_attend_across_them():
     with pytest.raises(ConfigError, match=r"It fits with data.cross_document_attention=true \(attention"):
         choose(cfg(**long), h200(79.2))
     assert choose(cfg(**long, **{"data.cross_document_attention": "true"}), h200(79.2)).plan is not None
+
+
+def test_the_plan_refuses_what_train_refuses_for_checkpoint_disk(capsys, monkeypatch, tmp_path):
+    """`python -m jaxzero.plan` said a run fits while train refused it for its checkpoints' disk: the
+    table now shows the free disk under run_dir beside the checkpoints' figure, and a run whose
+    checkpoints cannot fit there is exit 2 with the numbers, as train refuses it."""
+    monkeypatch.setattr(runtime, "backends_started", lambda: False)
+    box = ["--machine.gpu_gib=139", "--machine.host_gib=125", "--machine.cores=16"]
+    run = ["--model.name=llama-7b", "--data.batch_size=8", "--data.seq_len=2048", f"--run_dir={tmp_path}/r"]
+    assert plan_main([*run, *box, "--machine.disk_gib=500"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("  checkpoints "))
+    each, most = (float(w) for w in re.findall(r"([\d.]+) GiB (?:each|of disk)", row))
+    assert most == each and "500.0 GiB free there" in row  # one save (at the end): one at most
+    small = [*run, *box, "--machine.disk_gib=100", "--checkpoint.keep=3"]
+    assert plan_main([*small, "--steps=10"]) == 0  # one save: 75 GiB of 100
+    capsys.readouterr()
+    assert plan_main([*small, "--checkpoint.every=2"]) == 2  # four at once
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("jaxzero: config error: the run's checkpoints need"), err
+    assert "(4 of" in err[0] and "100.0 GiB is free there: train refuses it" in err[0]

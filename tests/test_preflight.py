@@ -5,6 +5,7 @@ planning again (and refuses one made for another config)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import subprocess
 import sys
@@ -189,3 +190,25 @@ def test_a_node_of_eight_gpus_is_planned_without_one(monkeypatch):
     hosts = [plans[g].memory.host for g in (1, 2, 4, 8)]
     assert hosts == sorted(hosts, reverse=True) and hosts[-1] < hosts[0] / 3
     assert plans[8].step_s <= 1.05 * plans[1].step_s
+
+
+def test_a_described_node_says_which_figures_were_taken_from_this_machine(monkeypatch, caplog):
+    """`machine.gpus` without the node's host RAM, cores or disk planned with this machine's, silently:
+    a warning names each figure taken from here and the key that gives the node's own."""
+    import logging
+
+    from jaxzero import runtime
+    from jaxzero.overrides import parse_args
+
+    monkeypatch.setattr(runtime, "backends_started", lambda: False)
+    node = ["--machine.gpu_gib=79.2", "--machine.gpus=8", "--data.batch_size=64"]
+    with caplog.at_level(logging.WARNING, logger="jaxzero"), contextlib.suppress(ConfigError):
+        preflight.decide(parse_args([*node, "--machine.cores=128"]))  # this host's RAM may not fit 8
+    assert "planning for a node of 8 GPUs of 79.2 GiB with this machine's host RAM" in caplog.text
+    assert "(--machine.host_gib)" in caplog.text and "(--machine.disk_gib)" in caplog.text
+    assert "--machine.cores" not in caplog.text  # given
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="jaxzero"):
+        given = ["--machine.cores=128", "--machine.host_gib=560", "--machine.disk_gib=900"]
+        preflight.decide(parse_args([*node, *given]))
+    assert "planning for a node" not in caplog.text

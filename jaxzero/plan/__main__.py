@@ -13,7 +13,8 @@ or the CPU backend's settings), and it plans for every device, as that run would
         --machine.gpu_gib=133 --machine.host_gib=125 --machine.cores=16
 
 Exit status 0 with the plan; 2 with the reason when nothing fits (what was needed against what is
-available, and what would fit) or the arguments are wrong.
+available, and what would fit), when the run's checkpoints cannot fit the free disk under its run
+directory (which `python -m jaxzero.train` refuses at start), or the arguments are wrong.
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jaxzero: config error: {e}", file=sys.stderr)
         return EXIT_CONFIG
     print(decision.table())
+    short = decision.checkpoint_shortfall()
+    if short is not None:  # the placement fits, its checkpoints do not: train would refuse it
+        print(f"jaxzero: config error: {short}", file=sys.stderr)
+        return EXIT_CONFIG
     return 0
 
 

@@ -92,6 +92,7 @@ class Machine:
     kind: str = "H200"  # the device kind whose defaults were used
     disk_bytes: int = 0  # free local disk for the disk tier's working state (per host)
     disk_bw: float = DISK_BPS  # bytes/s it reads and writes, together
+    run_dir_bytes: int = 0  # free disk where the run directory (its checkpoints) would be
     attention_scale: float = 1.0  # `DeviceDefaults.attention_scale` of the device kind
     # machine.* key -> where its figure came from: "machine.<key>" (given), "detected...", "default..."
     sources: dict[str, str] = field(default_factory=dict)
@@ -185,6 +186,8 @@ def detect_machine(
     d2h = pick("d2h_gbps", mc.d2h_gbps, GB, link)
     gpu_flops = pick("gpu_tflops", mc.gpu_tflops, 1e12, kind.flops)
     disk_bytes = int(pick("disk_gib", mc.disk_gib, GiB, _free_disk(cfg), "detected"))
+    # the checkpoints' file system: the disk tier's where offload.disk_path does not move that elsewhere
+    run_dir_bytes = disk_bytes if not cfg.offload.disk_path else _free_under(cfg.run_dir or ".")
     disk_bw = pick("disk_gbps", mc.disk_gbps, GB, DISK_BPS)
     if any(v.startswith("default") for v in sources.values()):
         sources["defaults"] = f"{kind.kind}, {kind.source}"
@@ -203,6 +206,7 @@ def detect_machine(
         kind=kind.kind,
         disk_bytes=disk_bytes,
         disk_bw=disk_bw,
+        run_dir_bytes=run_dir_bytes,
         attention_scale=kind.attention_scale,
         sources=sources,
     )
@@ -278,8 +282,13 @@ def _cpu_device_count() -> int:
 
 def _free_disk(cfg: TrainConfig) -> int:
     """Free bytes on the filesystem the disk tier would write to (`offload.disk_path`, else the run
-    directory, else the working directory): of the nearest directory that exists."""
-    path = Path(cfg.offload.disk_path or cfg.run_dir or ".").absolute()
+    directory, else the working directory)."""
+    return _free_under(cfg.offload.disk_path or cfg.run_dir or ".")
+
+
+def _free_under(directory: str) -> int:
+    """Free bytes on the filesystem of `directory`: of the nearest directory that exists."""
+    path = Path(directory).absolute()
     while not path.exists() and path != path.parent:
         path = path.parent
     try:

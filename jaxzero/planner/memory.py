@@ -53,7 +53,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from jaxzero.config import ConfigError, ModelConfig, TrainConfig, buffer_bytes
+from jaxzero.config import CheckpointConfig, ConfigError, ModelConfig, TrainConfig, buffer_bytes
 from jaxzero.models.sizes import NAMED_SIZES, param_count, unit_param_counts
 from jaxzero.objective import head_pieces
 from jaxzero.plan import OffloadPlan, Tier, UnitKind, UpdateMode, resolve_plan
@@ -525,3 +525,20 @@ def pinned_pool_reservation(need: MemoryPlan, platform: str) -> int:
     the steady state then allocates inside it. The region is capped by the pool's size
     (`runtime.configure_pinned_pool`), and made a little larger than the need (`POOL_SLACK`)."""
     return pinned_pool_reservation_bytes(need.pinned) if platform == "gpu" else 0
+
+
+def checkpoint_saves(cfg: TrainConfig, first: int = 1) -> int:
+    """How many checkpoints steps `first` .. `cfg.steps` save: every `checkpoint.every`-th step and the
+    last. Arithmetic, so that a huge `steps` costs nothing to count."""
+    if not cfg.checkpoint.enabled or first > cfg.steps:
+        return 0
+    every = cfg.checkpoint.every
+    periodic = cfg.steps // every - (first - 1) // every if every else 0
+    return periodic + (0 if every and cfg.steps % every == 0 else 1)
+
+
+def checkpoints_on_disk(cfg: CheckpointConfig, existing: int, saves: int) -> int:
+    """How many checkpoints are on disk at once at most while a run with `existing` checkpoints makes
+    `saves` more: the `checkpoint.keep` newest, and the one being written before the oldest of them is
+    deleted."""
+    return min(cfg.keep + 1, existing + saves) if saves else existing

@@ -132,6 +132,23 @@ def as_written(cfg: TrainConfig, decision: Decision) -> TrainConfig:
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, **batch))
 
 
+def _say_what_was_detected(cfg: TrainConfig, machine: Machine) -> None:
+    """A warning naming the figures of a described node (`machine.gpus`) taken from this machine, whose
+    host may be nothing like the node's."""
+    mc, GiB = cfg.machine, 2**30
+    taken = [
+        f"host RAM {machine.host_bytes / GiB:.1f} GiB (--machine.host_gib)" if not mc.host_gib else "",
+        f"{machine.cores} cores (--machine.cores)" if not mc.cores else "",
+        f"free disk {machine.disk_bytes / GiB:.1f} GiB (--machine.disk_gib)" if not mc.disk_gib else "",
+    ]
+    taken = [t for t in taken if t]
+    if taken:
+        log.warning(
+            f"warning: planning for a node of {mc.gpus} GPUs of {mc.gpu_gib:g} GiB with this machine's "
+            f"{', '.join(taken)}: pass the node's own to plan for it."
+        )
+
+
 def local_devices(cfg: TrainConfig) -> int:
     """How many devices this process will train on (`decide`'s count, without the planner)."""
     seen = _accelerators(cfg)
@@ -159,9 +176,11 @@ def _agreed(cfg: TrainConfig, seen: Accelerators | None, count: int, pool_fixed:
     local = seen.local if seen is not None else 1
     if count == 1 and seen is None and cfg.machine.gpus > 1:  # a node described, one process per GPU
         gpus = cfg.machine.gpus
-        return detect_machine(
+        machine = detect_machine(
             cfg, None, devices=gpus, processes=gpus, local_processes=gpus, pool_fixed=pool_fixed
         )
+        _say_what_was_detected(cfg, machine)
+        return machine
     if count == 1:
         return detect_machine(cfg, seen, devices=local, processes=1, pool_fixed=pool_fixed)
     host = socket.gethostname()

@@ -72,6 +72,29 @@ class Decision:
         """Accelerator memory per device: the state kept there and the activations."""
         return self.memory.accelerator_state + self.memory.activations
 
+    def checkpoint_disk(self) -> tuple[int, int]:
+        """(bytes, count) of the checkpoints on disk at once at most: `checkpoint.keep` and the one
+        being written, as many as the run saves (`memory.checkpoints_on_disk`); (0, 0) without
+        checkpoints."""
+        cfg = self.config
+        size = param_count(cfg.model) * (4 + memory.optimizer_state_bytes(cfg))
+        count = memory.checkpoints_on_disk(cfg.checkpoint, 0, memory.checkpoint_saves(cfg))
+        return count * size, count
+
+    def checkpoint_shortfall(self) -> str | None:
+        """Why the run's checkpoints cannot fit the free disk under its run directory (the check
+        `python -m jaxzero.train` makes at start), or None."""
+        need, count = self.checkpoint_disk()
+        free = self.machine.run_dir_bytes
+        if need <= free:
+            return None
+        return (
+            f"the run's checkpoints need {gib(need)} of disk under run_dir at once ({count} of "
+            f"{gib(need // count)}: checkpoint.keep={self.config.checkpoint.keep} and the one being "
+            f"written), and {gib(free)} is free there: train refuses it. Pass a --run_dir on a larger "
+            "disk, a lower checkpoint.keep, or checkpoint.enabled=false."
+        )
+
     def save_seconds(self) -> float:
         """Seconds one checkpoint takes to write: this host's processes' share of the masters and
         optimizer state at the writer's rate (`CHECKPOINT_WRITE_BPS`)."""
@@ -171,10 +194,11 @@ class Decision:
             )
         if cfg.checkpoint.enabled:
             size = param_count(m) * (4 + memory.optimizer_state_bytes(cfg))
-            count = cfg.checkpoint.keep + 1
+            need, count = self.checkpoint_disk()
             lines.append(
-                f"  checkpoints     {gib(size)} each, {gib(count * size)} of disk under run_dir at most "
-                f"(checkpoint.keep={cfg.checkpoint.keep} and the next); a save or a restore adds "
+                f"  checkpoints     {gib(size)} each, {gib(need)} of disk under run_dir at most "
+                f"(checkpoint.keep={cfg.checkpoint.keep} and the next; {gib(mc.run_dir_bytes)} free "
+                "there); a save or a restore adds "
                 f"{gib(memory.checkpoint_bytes(cfg, _largest_unit_bytes(cfg), size))} of host RAM; a "
                 f"save writes for ~{self.save_seconds():.3g} s at ~{CHECKPOINT_WRITE_BPS / GB:.2g} GB/s"
             )
