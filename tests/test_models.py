@@ -334,6 +334,18 @@ def test_shapes_and_dtypes(name: str, dtype: str) -> None:
     assert full.shape == (2, 16, cfg.vocab_size) and full.dtype == jnp.float32
 
 
+def test_units_in_forward_order_and_back() -> None:
+    """`units()` is `[embed, *blocks, head]` (index = the plan's unit position); `from_units` inverts it."""
+    params = ModelParams(embed="e", blocks=("b0", "b1", "b2"), head="h")
+    assert params.units() == ["e", "b0", "b1", "b2", "h"]
+    assert ModelParams.from_units(params.units()) == params
+    assert ModelParams.from_units(("e", "h")) == ModelParams("e", (), "h")  # no blocks
+    real = build_model(LLAMA_SMALL).init(jax.random.PRNGKey(0))
+    again = ModelParams.from_units(real.units())
+    assert jax.tree.structure(again) == jax.tree.structure(real)
+    assert all(a is b for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(real), strict=True))
+
+
 @pytest.mark.parametrize("which", list(SMALL_CONFIGS))
 def test_units_accept_compute_dtype_params(which: str) -> None:
     """bf16 weights (as the offload engine streams them) give exactly the result of f32 masters."""

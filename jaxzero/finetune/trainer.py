@@ -194,7 +194,7 @@ class PartialTrainer:
         if self._reserve:
             reserve_pinned(self._reserve, self.home)  # the pool grows now, in one region
             self._reserve = 0
-        units = [source.embed, *source.blocks, source.head]
+        units = source.units()
         last = len(units) - 1
         stored, initial = [], []
         for k, u in enumerate(units):
@@ -214,11 +214,9 @@ class PartialTrainer:
                 stored.append(self._narrow_unit(on_device))
                 initial.append({})
             del on_device
-        self._base = FrozenBase(
-            ModelParams(stored[0], tuple(stored[1:-1]), stored[-1]), self.streamed, self.device
-        )
+        self._base = FrozenBase(ModelParams.from_units(stored), self.streamed, self.device)
         if keep_initial and not self.lora:
-            self._initial = ModelParams(initial[0], tuple(initial[1:-1]), initial[-1])
+            self._initial = ModelParams.from_units(initial)
 
     def _placed(self, block: Any) -> Any:
         """A narrowed block in its home: the accelerator, or `pinned_host` (its accelerator copy freed)."""

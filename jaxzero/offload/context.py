@@ -8,8 +8,8 @@ The trainer is four parts, each its own module, each reading the context and not
     jaxzero.offload.breakdown       where the steps' time went (`StepTimings`)
 
 `jaxzero.offload.engine` builds the context (`build_context`) and wires the parts into a `Trainer`.
-Units are addressed in forward order (embedding, blocks, head): `flat`, `unflat` and `map_units`
-turn a `ModelParams` into that list and back.
+Units are addressed in forward order (embedding, blocks, head): `ModelParams.units()` and
+`ModelParams.from_units` turn a `ModelParams` into that list and back, `map_units` maps over it.
 """
 
 from __future__ import annotations
@@ -147,19 +147,9 @@ def put_everywhere(value: Any, sharding: Sharding) -> jax.Array:
     return global_from_local(np.asarray(value), sharding, np.shape(value))
 
 
-def flat(tree: ModelParams) -> list[Any]:
-    """A `ModelParams`' units in forward order (embedding, blocks, head): index = `UnitPlan.position`."""
-    return [tree.embed, *tree.blocks, tree.head]
-
-
-def unflat(units: list[Any]) -> ModelParams:
-    """`flat`'s inverse."""
-    return ModelParams(units[0], tuple(units[1:-1]), units[-1])
-
-
 def map_units(plan: OffloadPlan, f: Callable[..., Any], *trees: ModelParams) -> ModelParams:
     """`f(unit, *its subtrees)` for each unit of `plan`, over trees with a subtree per unit."""
-    return unflat([f(u, *ts) for u, *ts in zip(plan.units, *map(flat, trees))])
+    return ModelParams.from_units([f(u, *ts) for u, *ts in zip(plan.units, *(t.units() for t in trees))])
 
 
 def no_disk(u: UnitPlan, tree: Any) -> Any:

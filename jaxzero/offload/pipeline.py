@@ -197,16 +197,15 @@ class UpdatePipeline:
             scale=HostScalar(copy_to(scale, pinned)) if self.policy.skips_nonfinite else None,
             tickets=itertools.count(),
         )
-        flat = lambda tree: [tree.embed, *tree.blocks, tree.head]  # noqa: E731 - in forward order
         jobs: list[UnitJob | None] = [
             UnitJob(u, prev, r, g, Future(), shared) if u.state in (Tier.HOST, Tier.DISK) else None
-            for u, prev, r, g in zip(self.plan.units, flat(units), flat(read), flat(grads))
+            for u, prev, r, g in zip(self.plan.units, units.units(), read.units(), grads.units())
         ]
         if self.disk is not None:  # their reads start now, during the backward pass, in update order
             self.disk.schedule()
         tasks = [None if job is None else self._tasks.submit(self._task, job) for job in jobs]
         weights = [None if job is None else job.weights for job in jobs]
-        return Submitted(_as_params(tasks), _as_params(weights))
+        return Submitted(ModelParams.from_units(tasks), ModelParams.from_units(weights))
 
     def take_counts(self) -> UpdateCounts:
         """Speculative updates kept and recomputed, and two-pass updates, since the last call."""
@@ -349,10 +348,6 @@ class UpdatePipeline:
         gmul = self.host.grad_multiplier(None, _scale(job.shared.scale))
         update = UnitUpdate(job.unit, arrays, g, gmul)
         return self.host.speculate(update, job.slot.update_priority, spare, recycle=recycle)
-
-
-def _as_params(in_forward_order: list[Any]) -> ModelParams:
-    return ModelParams(in_forward_order[0], tuple(in_forward_order[1:-1]), in_forward_order[-1])
 
 
 def _scale(scale: HostScalar | None) -> np.float32:
