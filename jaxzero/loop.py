@@ -318,10 +318,20 @@ def _train_held(
         run_dir_lib.write_atomic(path / CONFIG_FILE, cfg.to_json() + "\n")
     if ckpt is None and cfg.checkpoint.enabled:
         ckpt = Checkpointer(path, trainer.config.checkpoint, largest_array=largest)
-    return _steps(Run(cfg, trainer, begin, ckpt, val_batches, t_start, main_process, defaulted), console)
+    ready = Run(
+        cfg=cfg,
+        trainer=trainer,
+        begin=begin,
+        ckpt=ckpt,
+        val_batches=val_batches,
+        t_start=t_start,
+        main_process=main_process,
+        defaulted=defaulted,
+    )
+    return _steps(ready, console)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Run:
     """A run set up to take its steps: the config (resolved), the trainer, where it starts, its
     checkpointer (None with checkpoints off), the validation batches, and when its set-up began."""
@@ -353,7 +363,15 @@ def _steps(run: Run, console: TextIO) -> Path:
     bar = ProgressBar(cfg.steps, cfg.logging.progress and main_process)
     diagnose = lambda s, v, norms: nonfinite_cause(cfg, s, v, begin, norms)  # noqa: E731
     log = LogWindow(
-        cfg, trainer, begin.first, diagnose, run.val_batches, console, bar, run.t_start, main_process
+        cfg=cfg,
+        trainer=trainer,
+        first=begin.first,
+        diagnose=diagnose,
+        val_batches=run.val_batches,
+        console=console,
+        bar=bar,
+        t_start=run.t_start,
+        main_process=main_process,
     )
     trace = StepTrace(cfg.profile.window(), _profile_dir(path), begin.first, console)
     state, batches = begin.state, begin.batches

@@ -333,6 +333,7 @@ class LogWindow:
 
     def __init__(
         self,
+        *,
         cfg: TrainConfig,
         trainer: Trainer,
         first: int,

@@ -85,7 +85,7 @@ def averaged_grads(
     return jax.tree.map(lambda x: x / batch.shape[0], (loss, grads))
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, kw_only=True)
 class ResidentContext:
     """What the resident trainer's parts share, made once by `build_context`.
 
@@ -143,7 +143,17 @@ def build_context(
     schedule = reported_rate(cfg.optimizer, cfg.schedule_steps, optimizer)
     eot_id = document_eot(cfg.data, model)
     return ResidentContext(
-        cfg, plan, model, mesh, tx, schedule, fp16, shapes, state_sharding, grad_sharding, eot_id
+        cfg=cfg,
+        plan=plan,
+        model=model,
+        mesh=mesh,
+        tx=tx,
+        schedule=schedule,
+        fp16=fp16,
+        shapes=shapes,
+        state_sharding=state_sharding,
+        grad_sharding=grad_sharding,
+        eot_id=eot_id,
     )
 
 
@@ -205,7 +215,7 @@ def train_step_fp16(
         keep(opt_state, state.opt_state),
         update_loss_scale(ls, ~ok, ctx.fp16),
     )
-    return new, StepMetrics(loss, global_norm(grads), lr, ls.scale, ~ok)
+    return new, StepMetrics(loss=loss, grad_norm=global_norm(grads), lr=lr, loss_scale=ls.scale, skipped=~ok)
 
 
 def _split(ctx: ResidentContext, grads: ModelParams) -> ModelParams:

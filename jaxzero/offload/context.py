@@ -41,7 +41,7 @@ from jaxzero.plan import OffloadPlan, Tier, TwoPass, UnitPlan
 from jaxzero.write_fence import WriteFence
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EngineContext:
     """The offload trainer's shared pieces, made once by `build_context`.
 
@@ -105,9 +105,20 @@ def build_context(
     clock = StepClock()
     fence = WriteFence()  # a checkpoint being written from the units' arrays (`jaxzero.write_fence`)
     pipeline = UpdatePipeline(host, plan, clock, disk, fence)
-    fp16 = plan.compute_dtype == "float16"
     return EngineContext(
-        cfg, plan, model, mesh, where, masters_shape, host, device, disk, clock, fence, pipeline, fp16
+        cfg=cfg,
+        plan=plan,
+        model=model,
+        mesh=mesh,
+        where=where,
+        masters_shape=masters_shape,
+        host=host,
+        device=device,
+        disk=disk,
+        clock=clock,
+        fence=fence,
+        pipeline=pipeline,
+        fp16=plan.compute_dtype == "float16",
     )
 
 

@@ -198,7 +198,9 @@ class UpdatePipeline:
             tickets=itertools.count(),
         )
         jobs: list[UnitJob | None] = [
-            UnitJob(u, prev, r, g, Future(), shared) if u.state in (Tier.HOST, Tier.DISK) else None
+            UnitJob(unit=u, previous=prev, read=r, grads=g, weights=Future(), shared=shared)
+            if u.state in (Tier.HOST, Tier.DISK)
+            else None
             for u, prev, r, g in zip(self.plan.units, units.units(), read.units(), grads.units())
         ]
         if self.disk is not None:  # their reads start now, during the backward pass, in update order

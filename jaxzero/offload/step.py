@@ -140,7 +140,11 @@ class DynamicLossScale(LossScaling):
         self, state: OffloadState, loss: jax.Array, norm: jax.Array, lr: jax.Array
     ) -> tuple[jax.Array, LossScaleState, StepMetrics]:
         next_step, next_ls, skipped = self._advance(state.step, state.loss_scale, norm)
-        return next_step, next_ls, StepMetrics(loss, norm, lr, state.loss_scale.scale, skipped)
+        return (
+            next_step,
+            next_ls,
+            StepMetrics(loss=loss, grad_norm=norm, lr=lr, loss_scale=state.loss_scale.scale, skipped=skipped),
+        )
 
 
 def _advance_fp16(
