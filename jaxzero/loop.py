@@ -318,7 +318,7 @@ def _train_held(
         run_dir_lib.write_atomic(path / CONFIG_FILE, cfg.to_json() + "\n")
     if ckpt is None and cfg.checkpoint.enabled:
         ckpt = Checkpointer(path, trainer.config.checkpoint, largest_array=largest)
-    ready = Run(
+    ready = ReadyRun(
         cfg=cfg,
         trainer=trainer,
         begin=begin,
@@ -332,7 +332,7 @@ def _train_held(
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Run:
+class ReadyRun:
     """A run set up to take its steps: the config (resolved), the trainer, where it starts, its
     checkpointer (None with checkpoints off), the validation batches, and when its set-up began."""
 
@@ -356,7 +356,7 @@ def settle_heap() -> None:
     gc.freeze()
 
 
-def _steps(run: Run, console: TextIO) -> Path:
+def _steps(run: ReadyRun, console: TextIO) -> Path:
     """The loop: for each step, step, log, save, stop; then the summary. Returns the run directory."""
     cfg, trainer, begin, ckpt, main_process = run.cfg, run.trainer, run.begin, run.ckpt, run.main_process
     path = Path(cfg.run_dir)

@@ -87,7 +87,7 @@ def averaged_grads(
 
 @dataclass(frozen=True, eq=False, kw_only=True)
 class ResidentContext:
-    """What the resident trainer's parts share, made once by `build_context`.
+    """What the resident trainer's parts share, made once by `build_resident_context`.
 
     tx:             the optax transformation (with clipping where `optimizer.grad_clip` > 0): the
                     named optimizer's, or the researcher's own applied to the whole model.
@@ -113,7 +113,7 @@ class ResidentContext:
     eot_id: int | None
 
 
-def build_context(
+def build_resident_context(
     cfg: TrainConfig,
     mesh: Mesh,
     plan: OffloadPlan,
@@ -294,9 +294,9 @@ def build_resident_trainer(
     """Everything in accelerator memory; one jitted step per optimizer update. The ZeRO stage of
     `plan` (default `resolve_plan(cfg)`, which must keep every unit's state on the accelerator) says
     what is split over the `data` mesh axis (the module docstring). `model` and `optimizer`: the
-    researcher's own, in place of `cfg.model`'s and `cfg.optimizer`'s (`build_context`)."""
+    researcher's own, in place of `cfg.model`'s and `cfg.optimizer`'s (`build_resident_context`)."""
     plan = resolve_plan(cfg) if plan is None else plan
-    ctx = build_context(cfg, mesh, plan, model=model, optimizer=optimizer)
+    ctx = build_resident_context(cfg, mesh, plan, model=model, optimizer=optimizer)
     start = ResidentInit(ctx)
     steps = ResidentStep(ctx, WriteFence())
     saved = ResidentCheckpoint(ctx)

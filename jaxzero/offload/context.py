@@ -7,7 +7,7 @@ The trainer is four parts, each its own module, each reading the context and not
     jaxzero.offload.checkpointing   the state to and from its saved form (`CheckpointAdapter`)
     jaxzero.offload.breakdown       where the steps' time went (`StepTimings`)
 
-`jaxzero.offload.engine` builds the context (`build_context`) and wires the parts into a `Trainer`.
+`jaxzero.offload.engine` builds the context (`build_engine_context`) and wires the parts into a `Trainer`.
 Units are addressed in forward order (embedding, blocks, head): `ModelParams.units()` and
 `ModelParams.from_units` turn a `ModelParams` into that list and back, `map_units` maps over it.
 """
@@ -43,7 +43,7 @@ from jaxzero.write_fence import WriteFence
 
 @dataclass(frozen=True, kw_only=True)
 class EngineContext:
-    """The offload trainer's shared pieces, made once by `build_context`.
+    """The offload trainer's shared pieces, made once by `build_engine_context`.
 
     plan:          the trainer's plan: the one given, with the host update on optax's path for a
                    researcher's own optimizer (`optax_host_update`).
@@ -72,7 +72,7 @@ class EngineContext:
     fp16: bool
 
 
-def build_context(
+def build_engine_context(
     cfg: TrainConfig,
     mesh: Mesh,
     plan: OffloadPlan,
