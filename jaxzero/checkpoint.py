@@ -514,8 +514,8 @@ def in_flight_bytes(cfg: CheckpointConfig) -> int:
 def trim_host_heap() -> None:
     """Hand the heap memory freed by a save's or a restore's reads and writes back to the kernel
     (glibc's `malloc_trim`; elsewhere nothing). It returns only what glibc's heap keeps: most of what
-    a restore leaves in the RSS is held elsewhere (BENCHMARKS.md, "Checkpoints in bounded host RAM
-    (issue 26)")."""
+    a restore leaves in the RSS is held elsewhere (BENCHMARKS.md, "Checkpoints in bounded host
+    RAM")."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc

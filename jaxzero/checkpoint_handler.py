@@ -61,11 +61,11 @@ class PartsHandler(ocp.CheckpointHandler):
             multiprocessing_options=self._multiprocessing,
             # Uncompressed: training weights barely compress, and compressing more than doubles a
             # save's CPU time, which the host update needs, and slows the save (BENCHMARKS.md,
-            # "Checkpoints in bounded host RAM (issue 26)").
+            # "Checkpoints in bounded host RAM").
             use_compression=False,
             # Copies to plain host RAM: XLA's pinned pool is sized for the training state alone, and a
-            # save's copies there fail once it is full (BENCHMARKS.md, "2026-11-25 (fourth session):
-            # checkpoints through host RAM a batch at a time").
+            # save's copies there fail once it is full (BENCHMARKS.md, "checkpoints through host RAM a
+            # batch at a time").
             enable_pinned_host_transfer=False,
         )
 

@@ -84,8 +84,8 @@ def join_parts(trees: Sequence[Any]) -> dict[str, Any]:
     """The saved state of its parts' trees, in `state_parts`' order (inverse of `state_parts`)."""
     scalars, *units = trees
     unit = lambda key: [u[key] for u in units]  # noqa: E731
-    to_params = lambda xs: ModelParams(xs[0], tuple(xs[1:-1]), xs[-1])  # noqa: E731
-    return {**scalars, "params": to_params(unit("params")), "opt_state": to_params(unit("opt_state"))}
+    params, opt_state = ModelParams.from_units(unit("params")), ModelParams.from_units(unit("opt_state"))
+    return {**scalars, "params": params, "opt_state": opt_state}
 
 
 def _leaf_bytes(tree: Any) -> list[int]:

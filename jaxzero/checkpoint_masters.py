@@ -100,13 +100,13 @@ def masters_by_unit(run_dir: str | Path, step: int | None = None) -> tuple[Train
     if meta.get("layout") in (LORA_LAYOUT, FROZEN_LAYOUT):  # what trained saved; the base rebuilt
         check_base(meta, f"checkpoint {ckpt_dir / str(step)}")
         return cfg, merged_units(cfg, _trainable_reader(state_dir, cfg)), step
-    units = [shapes.embed, *shapes.blocks, shapes.head]
+    units = shapes.units()
 
     def unit(name: str, u: Any) -> Deferred:
         return Deferred(lambda: (_read_numpy(state_dir / name, {"params": u})["params"],), 0, u)
 
     read = [unit(name, u) for name, u in zip(names, units)]
-    return cfg, ModelParams(read[0], tuple(read[1:-1]), read[-1]), step
+    return cfg, ModelParams.from_units(read), step
 
 
 def saved_adapters(
@@ -128,7 +128,7 @@ def _trainable_reader(state_dir: Path, cfg: TrainConfig) -> Callable[[int], Any]
     L + 1) from checkpoint `state_dir` of a run with a frozen part (float32 NumPy; `{}` for a unit
     with nothing that trains)."""
     t = trainable_shapes(build_model(cfg.model), cfg.finetune)
-    shapes = [t.embed, *t.blocks, t.head]
+    shapes = t.units()
     names = part_names(len(t.blocks))
 
     def read(k: int) -> Any:

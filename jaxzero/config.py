@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Mapping
-from dataclasses import InitVar, dataclass, field
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal
 
@@ -26,85 +26,57 @@ class CheckpointError(ConfigError):
     reports it as bad input (exit status 2)."""
 
 
-class _ByName:
-    """The default of a ModelConfig field that a named size sets: filled in from `model.name`'s size."""
-
-    def __repr__(self) -> str:
-        return "<model.name's>"
-
-
-_BY_NAME: Any = _ByName()
-
-
 @dataclass(frozen=True)
 class ModelConfig:
     """Transformer shape and numerics. Masters are always float32; `compute_dtype` is the matmul dtype.
 
-    `name` picks the shape wherever a ModelConfig is made. A named size (`SIZE_SHAPES`) sets every
-    field whose default reads `_BY_NAME`; each of those given alongside the name overrides that one
-    field, as `--model.name=NAME --model.KEY=VALUE` does: `ModelConfig(name="llama-7b", num_layers=2)`
-    is Llama 2 7B cut to two blocks, and every field given (a saved config.json) is kept as given.
-    `dataclasses.replace(m, name=NAME)` moves to NAME's shape, keeping the fields in which `m` differs
-    from its own named size (a field given to that same call with the old size's value follows the new
-    name; give both at once as `ModelConfig(name=NAME, ...)`). Any other name labels a shape of your
-    own: the fields given, llama-tiny's for the rest; with none given, the name is refused as unknown.
-    An `hf:DIR` name is a Hugging Face checkpoint whose shape is in its files, which a ModelConfig
-    never reads: `jaxzero.interop.model_config_from_hf` builds it (`--model.name=hf:DIR` calls it).
+    A plain frozen dataclass: the fields given, llama-tiny's shape for the rest. A named size's shape
+    is `ModelConfig.named(NAME, **fields)` (what `--model.name=NAME --model.KEY=VALUE` builds); any
+    other name labels a shape of your own. An `hf:DIR` name is a Hugging Face checkpoint whose shape
+    is in its files: `jaxzero.interop.model_config_from_hf` builds it (`--model.name=hf:DIR` calls it).
     """
 
     name: str = "llama-tiny"  # a named size (sets every other model.* key) or hf:DIR, a HF checkpoint
-    family: Literal["llama", "gpt2"] = _BY_NAME  # the architecture
-    vocab_size: int = _BY_NAME  # rows of the token embedding; every token id must be below it
-    hidden_size: int = _BY_NAME  # width of the residual stream
-    num_layers: int = _BY_NAME  # transformer blocks
-    num_heads: int = _BY_NAME  # attention (query) heads
-    num_kv_heads: int = _BY_NAME  # grouped-query attention; == num_heads is plain multi-head attention
-    intermediate_size: int = _BY_NAME  # MLP width (SwiGLU for llama, GELU for gpt2)
-    max_seq_len: int = _BY_NAME  # longest sequence (gpt2: rows of the position table)
-    tie_embeddings: bool = _BY_NAME  # the output head reuses the token embedding (gpt2 always does)
-    rope_theta: float = _BY_NAME  # rotary embedding base (llama)
+    family: Literal["llama", "gpt2"] = "llama"  # the architecture
+    vocab_size: int = 256  # rows of the token embedding; every token id must be below it
+    hidden_size: int = 128  # width of the residual stream
+    num_layers: int = 4  # transformer blocks
+    num_heads: int = 4  # attention (query) heads
+    num_kv_heads: int = 2  # grouped-query attention; == num_heads is plain multi-head attention
+    intermediate_size: int = 384  # MLP width (SwiGLU for llama, GELU for gpt2)
+    max_seq_len: int = 1024  # longest sequence (gpt2: rows of the position table)
+    tie_embeddings: bool = False  # the output head reuses the token embedding (gpt2 always does)
+    rope_theta: float = 1e4  # rotary embedding base (llama)
     # Rotary frequency scaling (transformers' rope_type): default (none), linear (positions / factor),
     # or llama3 (Llama 3.1+: low frequencies / factor, high kept, the band between interpolated).
-    rope_type: Literal["default", "linear", "llama3"] = _BY_NAME
-    rope_factor: float = _BY_NAME  # linear and llama3
-    rope_low_freq_factor: float = _BY_NAME  # llama3
-    rope_high_freq_factor: float = _BY_NAME  # llama3
-    rope_original_max_len: int = _BY_NAME  # llama3: the context length pretraining used
-    attention_bias: bool = _BY_NAME  # biases on the q, k and v projections (Qwen2)
+    rope_type: Literal["default", "linear", "llama3"] = "default"
+    rope_factor: float = 1.0  # linear and llama3
+    rope_low_freq_factor: float = 1.0  # llama3
+    rope_high_freq_factor: float = 4.0  # llama3
+    rope_original_max_len: int = 8192  # llama3: the context length pretraining used
+    attention_bias: bool = False  # biases on the q, k and v projections (Qwen2)
     # Sliding-window attention's window (Mistral v0.1, some Qwen2): 0 is none. Attention is computed
     # in full, which equals the windowed attention only while data.seq_len <= the window.
-    sliding_window: int = _BY_NAME
+    sliding_window: int = 0
     # The transformers model_type an export writes: "" is the family's own (llama, gpt2); Llama-family
     # checkpoints imported as qwen2 or mistral keep theirs.
-    hf_model_type: Literal["", "llama", "qwen2", "mistral", "gpt2"] = _BY_NAME
-    norm_eps: float = _BY_NAME  # epsilon of RMSNorm / LayerNorm
+    hf_model_type: Literal["", "llama", "qwen2", "mistral", "gpt2"] = ""
+    norm_eps: float = 1e-5  # epsilon of RMSNorm / LayerNorm
     init_std: float = 0.02  # standard deviation of the random init of matrices
     # matmul and activation dtype (masters are float32); float16 adds dynamic loss scaling
     compute_dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
     attention_impl: Literal["auto", "xla", "cudnn"] = "auto"  # auto: cuDNN on GPU when it applies, else XLA
     init_from: str = ""  # a Hugging Face safetensors directory to start from (set by model.name=hf:DIR)
-    # Not a field (not saved, not compared): the name whose shape the other fields hold. Only
-    # dataclasses.replace passes it, reading it from the instance it copies (set by __post_init__).
-    _shape_of: InitVar[str | None] = None
 
-    def __post_init__(self, _shape_of: str | None) -> None:
-        size = SIZE_SHAPES.get(self.name)
-        if _shape_of is not None and _shape_of != self.name:
-            # dataclasses.replace gave a new name: the copied fields still at the old named size's
-            # values follow the name, the others are the old config's own settings and stay (all of
-            # them under a name of no size).
-            old = SIZE_SHAPES.get(_shape_of)
-            follow = [k for k in SIZE_FIELDS if old is not None and getattr(self, k) == old[k]]
-            source = size
-        else:  # constructed: the fields not given follow the name (a name of no size: llama-tiny's)
-            follow = [k for k in SIZE_FIELDS if getattr(self, k) is _BY_NAME]
-            source = SIZE_SHAPES["llama-tiny"] if size is None else size
-        if size is None and len(follow) == len(SIZE_FIELDS):  # no shape of its own to go with the name
-            raise ConfigError(_not_a_size(self.name))
-        if source is not None:
-            for k in follow:
-                object.__setattr__(self, k, source[k])
-        object.__setattr__(self, "_shape_of", self.name)  # what dataclasses.replace passes on
+    @classmethod
+    def named(cls, name: str, **fields: Any) -> ModelConfig:
+        """The named size `name` (a key of `SIZE_SHAPES`), each of `fields` overriding that one field,
+        as `--model.name=NAME --model.KEY=VALUE` does: `ModelConfig.named("llama-7b", num_layers=2)`
+        is Llama 2 7B cut to two blocks. An unknown name (or an `hf:DIR` one) raises ConfigError."""
+        size = SIZE_SHAPES.get(name)
+        if size is None:
+            raise ConfigError(_not_a_size(name))
+        return cls(**{**size, **fields, "name": name})
 
     @property
     def head_dim(self) -> int:
@@ -112,12 +84,12 @@ class ModelConfig:
 
 
 def _not_a_size(name: str) -> str:
-    """The refusal of a ModelConfig named `name`, no named size, with no shape given."""
+    """The refusal of `ModelConfig.named(name)` for a `name` of no named size."""
     if name.startswith("hf:"):
         return (
             f"model.name={name!r} is a Hugging Face checkpoint, whose shape is in its config.json, which "
             "a ModelConfig does not read: build it with jaxzero.interop.model_config_from_hf(DIR) (as "
-            "--model.name=hf:DIR does), or give the shape's fields with the name."
+            "--model.name=hf:DIR does), or give the shape's fields as ModelConfig(name=..., ...)."
         )
     return (
         f"unknown model.name {name!r}. Valid names: {', '.join(SIZE_SHAPES)}. A shape of your own takes "
@@ -206,17 +178,15 @@ _DIFFERENT: dict[str, dict[str, Any]] = {
     "mistral-7b": {"hf_model_type": "mistral"},
 }
 
-SIZE_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.default is _BY_NAME)
-"""The ModelConfig fields a named size sets (those whose default is the size's)."""
-
 SIZE_SHAPES: Mapping[str, Mapping[str, Any]] = MappingProxyType(
     {
         name: MappingProxyType({**_REST, **dict(zip(_ROW, row)), **_DIFFERENT.get(name, {})})
         for name, row in _ROWS.items()
     }
 )
-"""Every named size's value of each of `SIZE_FIELDS`, read-only; the keys are the valid values of
-`model.name` (`jaxzero.models.sizes.NAMED_SIZES` holds them as ModelConfigs)."""
+"""Every named size's value of each shape field (those of `_ROW` and `_REST`), read-only; the keys
+are the valid values of `model.name`, each built by `ModelConfig.named` (`jaxzero.models.sizes.NAMED_SIZES`
+holds them as ModelConfigs)."""
 
 
 @dataclass(frozen=True)

@@ -246,7 +246,7 @@ def _prepare_child(cores: Sequence[int]) -> None:
     """In the child, before exec: get SIGKILL when the launcher dies (Linux), so that no process of a
     killed launcher keeps its GPUs; run on `cores` only (none: every core). Host-update threads of
     several processes each on every core oversubscribe the machine and slow every process's step
-    (BENCHMARKS.md, "Two GPUs: ZeRO-3 offload over a mesh (issue 13)")."""
+    (BENCHMARKS.md, "Two GPUs: ZeRO-3 offload over a mesh")."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):

@@ -335,6 +335,7 @@ class LogWindow:
 
     def __init__(
         self,
+        *,
         cfg: TrainConfig,
         trainer: Trainer,
         first: int,

@@ -27,17 +27,24 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 from jaxzero import deepspeed
-from jaxzero.config import SECTIONS, TOP_LEVEL_KEYS, ConfigError, ModelConfig, OptimizerConfig, TrainConfig
+from jaxzero.config import (
+    SECTIONS,
+    SIZE_SHAPES,
+    TOP_LEVEL_KEYS,
+    ConfigError,
+    ModelConfig,
+    OptimizerConfig,
+    TrainConfig,
+)
 from jaxzero.config_checks import validate
 from jaxzero.deepspeed import Translation
 from jaxzero.interop import model_config_from_hf
-from jaxzero.models.sizes import named_model_config
 
 log = logging.getLogger(__name__)  # the library speaks through logging (`jaxzero.console`)
 
 
 def _field_types(cls: type) -> dict[str, Any]:
-    """{field: its annotation} of a config dataclass: its fields only (not ModelConfig's InitVar)."""
+    """{field: its annotation} of a config dataclass, its fields only."""
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
@@ -157,7 +164,7 @@ def apply_overrides(cfg: TrainConfig, overrides: dict[str, Any]) -> TrainConfig:
             model = model_config_from_hf(name[3:], name=name)
             model = dataclasses.replace(model, init_from=name[3:])
         else:
-            model = named_model_config(name)
+            model = ModelConfig.named(name)
     model = dataclasses.replace(model, **model_over)
     sections = {sec: dataclasses.replace(getattr(cfg, sec), **vals) for sec, vals in per_section.items()}
     return dataclasses.replace(cfg, model=model, **sections, **top)
@@ -327,8 +334,15 @@ def config_from_dict(d: dict[str, Any]) -> TrainConfig:
         flat["offload.device_state_units"] = -1
     model_keys = {k: v for k, v in flat.items() if k.startswith("model.")}
     rest = {k: v for k, v in flat.items() if not k.startswith("model.")}
-    cfg = dataclasses.replace(TrainConfig(), model=ModelConfig(**{k[6:]: v for k, v in model_keys.items()}))
+    cfg = dataclasses.replace(TrainConfig(), model=_saved_model({k[6:]: v for k, v in model_keys.items()}))
     return apply_overrides(cfg, rest)
+
+
+def _saved_model(fields: dict[str, Any]) -> ModelConfig:
+    """A saved model section: every field it gives kept; one it lacks (a config saved before that field
+    existed) takes its named size's value, or llama-tiny's under a name of no size."""
+    name = fields.pop("name", ModelConfig.name)
+    return ModelConfig.named(name, **fields) if name in SIZE_SHAPES else ModelConfig(name=name, **fields)
 
 
 # ---------------------------------------------------------------------------------------------------

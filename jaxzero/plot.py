@@ -58,7 +58,7 @@ class PlotError(Exception):
     """A run that cannot be read or an output directory that must not be written; exit code 2."""
 
 
-class Run:
+class RunRecords:
     """One run directory's records, one per logged step, and its label."""
 
     def __init__(self, path: Path, records: list[dict[str, Any]], tokens_per_step: int | None):
@@ -106,7 +106,7 @@ def tokens_per_step(run_dir: Path, records: list[dict[str, Any]]) -> int | None:
         return None
 
 
-def load_run(arg: str) -> Run:
+def load_run(arg: str) -> RunRecords:
     """The run in directory `arg`; PlotError if it is missing, has no records, or a line is bad."""
     path = Path(arg)
     if not path.is_dir():
@@ -117,7 +117,7 @@ def load_run(arg: str) -> Run:
     records = read_metrics(metrics)
     if not records:
         raise PlotError(f"{metrics} holds no records yet (nothing logged)")
-    return Run(path.resolve(), records, tokens_per_step(path, records))
+    return RunRecords(path.resolve(), records, tokens_per_step(path, records))
 
 
 def prepare_out(out: Path) -> None:
@@ -138,7 +138,7 @@ def prepare_out(out: Path) -> None:
     out.mkdir()
 
 
-def plot_loss(plt: Any, runs: list[Run], path: Path) -> None:
+def plot_loss(plt: Any, runs: list[RunRecords], path: Path) -> None:
     """Training and validation loss against the step (left) and the tokens trained on (right)."""
     fig, (by_step, by_tokens) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     for i, run in enumerate(runs):
@@ -158,7 +158,7 @@ def plot_loss(plt: Any, runs: list[Run], path: Path) -> None:
     save(fig, path)
 
 
-def plot_throughput(plt: Any, runs: list[Run], path: Path) -> None:
+def plot_throughput(plt: Any, runs: list[RunRecords], path: Path) -> None:
     """tokens/s and TFLOP/s against the step, and MFU where any run has it (CPUs have no peak)."""
     panels = [("tokens_per_s", "tokens/s"), ("tflops", "model TFLOP/s")]
     if any(run.series("mfu")[0] for run in runs):
@@ -176,7 +176,7 @@ def plot_throughput(plt: Any, runs: list[Run], path: Path) -> None:
     save(fig, path)
 
 
-def plot_breakdown(plt: Any, runs: list[Run], path: Path) -> None:
+def plot_breakdown(plt: Any, runs: list[RunRecords], path: Path) -> None:
     """One panel per run: for each logged step a bar per lane (`LANES`), stacked by its parts."""
     fig, axes = plt.subplots(len(runs), 1, figsize=(12, 4 * len(runs)), squeeze=False)
     for ax, run in zip(axes[:, 0], runs):

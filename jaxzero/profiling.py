@@ -29,6 +29,16 @@ from typing import Any, TextIO
 
 import jax
 
+from jaxzero.run_dir import PROFILE_DIR
+
+
+def trace_dir(run_dir: Path) -> Path:
+    """Where this process's profiler traces go: `<run_dir>/profile`, with several processes a folder
+    each (the trace files are named after the host, which processes of one machine share)."""
+    if jax.process_count() == 1:
+        return run_dir / PROFILE_DIR
+    return run_dir / PROFILE_DIR / f"process-{jax.process_index()}"
+
 
 class StepTrace:
     """Traces the steps of `window` (None: none) into `directory`. Call `before(step)` before each step

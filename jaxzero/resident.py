@@ -85,9 +85,9 @@ def averaged_grads(
     return jax.tree.map(lambda x: x / batch.shape[0], (loss, grads))
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, kw_only=True)
 class ResidentContext:
-    """What the resident trainer's parts share, made once by `build_context`.
+    """What the resident trainer's parts share, made once by `build_resident_context`.
 
     tx:             the optax transformation (with clipping where `optimizer.grad_clip` > 0): the
                     named optimizer's, or the researcher's own applied to the whole model.
@@ -113,7 +113,7 @@ class ResidentContext:
     eot_id: int | None
 
 
-def build_context(
+def build_resident_context(
     cfg: TrainConfig,
     mesh: Mesh,
     plan: OffloadPlan,
@@ -143,7 +143,17 @@ def build_context(
     schedule = reported_rate(cfg.optimizer, cfg.schedule_steps, optimizer)
     eot_id = document_eot(cfg.data, model)
     return ResidentContext(
-        cfg, plan, model, mesh, tx, schedule, fp16, shapes, state_sharding, grad_sharding, eot_id
+        cfg=cfg,
+        plan=plan,
+        model=model,
+        mesh=mesh,
+        tx=tx,
+        schedule=schedule,
+        fp16=fp16,
+        shapes=shapes,
+        state_sharding=state_sharding,
+        grad_sharding=grad_sharding,
+        eot_id=eot_id,
     )
 
 
@@ -205,7 +215,7 @@ def train_step_fp16(
         keep(opt_state, state.opt_state),
         update_loss_scale(ls, ~ok, ctx.fp16),
     )
-    return new, StepMetrics(loss, global_norm(grads), lr, ls.scale, ~ok)
+    return new, StepMetrics(loss=loss, grad_norm=global_norm(grads), lr=lr, loss_scale=ls.scale, skipped=~ok)
 
 
 def _split(ctx: ResidentContext, grads: ModelParams) -> ModelParams:
@@ -284,9 +294,9 @@ def build_resident_trainer(
     """Everything in accelerator memory; one jitted step per optimizer update. The ZeRO stage of
     `plan` (default `resolve_plan(cfg)`, which must keep every unit's state on the accelerator) says
     what is split over the `data` mesh axis (the module docstring). `model` and `optimizer`: the
-    researcher's own, in place of `cfg.model`'s and `cfg.optimizer`'s (`build_context`)."""
+    researcher's own, in place of `cfg.model`'s and `cfg.optimizer`'s (`build_resident_context`)."""
     plan = resolve_plan(cfg) if plan is None else plan
-    ctx = build_context(cfg, mesh, plan, model=model, optimizer=optimizer)
+    ctx = build_resident_context(cfg, mesh, plan, model=model, optimizer=optimizer)
     start = ResidentInit(ctx)
     steps = ResidentStep(ctx, WriteFence())
     saved = ResidentCheckpoint(ctx)

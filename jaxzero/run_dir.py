@@ -292,6 +292,32 @@ def check_resume(
     return cfg
 
 
+def config_for_run_dir(
+    cfg: TrainConfig, run: RunDir, path: Path, sources: Mapping[str, str]
+) -> tuple[TrainConfig, list[str]]:
+    """`cfg` with its input paths absolute, in `path`, and for a resume checked against the saved run
+    (`check_resume`: the keys that change what is computed stay); with the notes to print
+    about what a resume changes."""
+    notes = []
+    cfg = resolve_paths(cfg)
+    if run.kind is RunKind.RESUME:
+        resumed = check_resume(cfg, run.saved, path, sources)  # the guard, whatever set the keys
+        if resumed.optimizer.decay_steps != cfg.optimizer.decay_steps:
+            notes.append(
+                f"jaxzero: steps {run.saved.steps} -> {cfg.steps}: the learning-rate schedule keeps the "
+                f"{resumed.optimizer.decay_steps} steps it started with and holds lr x min_lr_ratio after "
+                "them; pass --optimizer.decay_steps=N to give it N steps instead."
+            )
+        elif resumed.schedule_steps != run.saved.schedule_steps:
+            notes.append(
+                f"jaxzero: the learning-rate schedule changes length from {run.saved.schedule_steps} to "
+                f"{resumed.schedule_steps} steps (optimizer.decay_steps): the learning rate of the next "
+                "steps follows the new schedule, not the old one."
+            )
+        cfg = resumed
+    return dataclasses.replace(cfg, run_dir=str(path)), notes
+
+
 def write_atomic(path: Path, text: str) -> None:
     """Write `text` to `path` through a temporary file renamed over it: readers see the old file or
     the new one, never a partial one."""

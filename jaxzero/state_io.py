@@ -119,7 +119,7 @@ def export_state(
         if format == "peft":
             base = cfg.model.init_from or None
             return export_peft_adapter(trained, cfg.model, cfg.finetune, out_dir, base, overwrite=overwrite)
-        by_position = [trained.embed, *trained.blocks, trained.head]
+        by_position = trained.units()
         masters = merged_units(cfg, lambda k: by_position[k])
     else:
         masters = jax.device_get(state.params)  # float32, one host copy

@@ -26,13 +26,13 @@ def measure(name: str, tokens: int, seq: int) -> dict:
     import jax
     import jax.numpy as jnp
 
+    from jaxzero.config import ModelConfig
     from jaxzero.models import build_model
-    from jaxzero.models.sizes import named_model_config
     from jaxzero.objective import head_loss
     from jaxzero.planner.memory import GiB, transient_activations
 
     seq = seq or tokens  # 0: one sequence of all the tokens
-    mcfg = named_model_config(name)
+    mcfg = ModelConfig.named(name)
     model = build_model(mcfg)
     shapes = jax.eval_shape(model.init, jax.random.key(0))
     dtype = jnp.dtype(mcfg.compute_dtype)

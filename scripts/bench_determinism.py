@@ -126,7 +126,7 @@ def masters_digest(run_dir: str) -> str:
 
     _, params, step = masters_by_unit(run_dir)
     h = hashlib.sha256(f"step {step}".encode())
-    for unit in (params.embed, *params.blocks, params.head):
+    for unit in params.units():
         for leaf in jax.tree.leaves(resolved(unit)):
             a = np.ascontiguousarray(leaf)
             h.update(f"{a.dtype} {a.shape}".encode())

@@ -111,11 +111,8 @@ def run_grad_case(case: str, args) -> dict:
     # bf16 weights created on the accelerator, then placed (benchmark setup, not the trainer's path).
     init = jax.jit(lambda k: jax.tree.map(lambda x: x.astype(jnp.bfloat16), model.init(k)))
     units = init(jax.random.key(0))
-    units = [
-        jax.device_put(w, where.written(u, w))
-        for u, w in zip(plan.units, [units.embed, *units.blocks, units.head])
-    ]
-    weights = ModelParams(units[0], tuple(units[1:-1]), units[-1])
+    units = [jax.device_put(w, where.written(u, w)) for u, w in zip(plan.units, units.units())]
+    weights = ModelParams.from_units(units)
     out = {"case": case, "params": n, "device": jax.devices()[0].device_kind}
     n_embed, n_block, n_head = unit_param_counts(cfg.model)
     link = _h2d_bandwidth()

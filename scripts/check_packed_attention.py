@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxzero.config import ModelConfig
 from jaxzero.models.layers import causal_attention, packed_document_sizes, packed_layout_applies
-from jaxzero.models.sizes import named_model_config
 
 BF16_TOL = 2e-2  # tests/test_models.py: relative error of bfloat16 outputs against float64
 F32_TOL = 1e-5
@@ -90,7 +90,7 @@ def timed(fn: Callable[..., tuple[jax.Array, ...]], args: tuple, iters: int) -> 
 
 def main(argv: list[str] | None = None) -> int:
     on_gpu = jax.default_backend() == "gpu"
-    bench = named_model_config("llama-3.4b-bench")
+    bench = ModelConfig.named("llama-3.4b-bench")
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--small", action="store_true", help="B=2, S=128, N=4, K=2, H=32, documents ~20")
     p.add_argument("--batch", type=int, default=8)

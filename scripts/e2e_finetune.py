@@ -38,12 +38,12 @@ HERE = Path(__file__).resolve().parent.parent
 def stage_base(args: argparse.Namespace) -> None:
     import jax
 
+    from jaxzero.config import ModelConfig
     from jaxzero.interop import export_hf
     from jaxzero.models import build_model
-    from jaxzero.models.sizes import named_model_config
 
     jax.config.update("jax_threefry_gpu_kernel_lowering", True)
-    cfg = named_model_config(args.model)
+    cfg = ModelConfig.named(args.model)
     init_cfg = dataclasses.replace(cfg, attention_impl="xla")  # the init runs on the CPU backend
     with jax.default_device(jax.devices("cpu")[0]):  # host RAM holds the float32 init, not the GPU
         params = jax.device_get(build_model(init_cfg).init(jax.random.key(args.seed)))

@@ -1,14 +1,13 @@
 """Config validation: every cross-field rule gives its clear message, before anything is built; and
-named sizes resolve wherever a ModelConfig is made."""
+named sizes resolve by ModelConfig.named, as --model.name does."""
 
-import dataclasses
 import json
 
 import pytest
 
 from jaxzero.config import CheckpointConfig, ConfigError, ModelConfig, OffloadConfig, TrainConfig
 from jaxzero.config_checks import validate
-from jaxzero.models.sizes import named_model_config, param_count
+from jaxzero.models.sizes import NAMED_SIZES, param_count
 from jaxzero.overrides import apply_overrides, config_from_dict, parse_args
 from jaxzero.planner import memory
 
@@ -95,16 +94,16 @@ def test_choices_are_case_insensitive(written, name):
     assert parse_args(["--model.compute_dtype=BFloat16"]).model.compute_dtype == "bfloat16"
 
 
-# Named sizes resolve wherever a ModelConfig is made, as `--model.name=NAME` resolves them.
+# Named sizes resolve by `ModelConfig.named`, as `--model.name=NAME` resolves them.
 LLAMA_7B_PARAMS = 6_738_415_616  # Llama 2 7B (tests/test_models.py checks every published count)
 
 
 def test_a_named_model_config_has_the_named_shape():
-    m = ModelConfig(name="llama-7b")
+    m = ModelConfig.named("llama-7b")
     assert (m.num_layers, m.hidden_size, m.num_heads, m.vocab_size) == (32, 4096, 32, 32000)
-    assert m == parse_args(["--model.name=llama-7b"]).model == named_model_config("llama-7b")
-    assert dataclasses.replace(ModelConfig(), name="llama-7b") == m
-    assert ModelConfig() == named_model_config("llama-tiny")
+    assert m == parse_args(["--model.name=llama-7b"]).model == NAMED_SIZES["llama-7b"]
+    assert apply_overrides(TrainConfig(), {"model.name": "llama-7b"}).model == m
+    assert ModelConfig() == ModelConfig.named("llama-tiny")
 
 
 def test_explicit_fields_override_a_named_size_as_on_the_command_line():
@@ -112,11 +111,12 @@ def test_explicit_fields_override_a_named_size_as_on_the_command_line():
     for over in ({"num_layers": 2}, {"num_layers": 4}, {"tie_embeddings": False}):
         args = [f"--model.{k}={v}" for k, v in over.items()]
         cli = parse_args(["--model.name=llama-1b", *args]).model
-        assert ModelConfig(name="llama-1b", **over) == cli
+        assert ModelConfig.named("llama-1b", **over) == cli
         assert all(getattr(cli, k) == v for k, v in over.items())
-    # replace() moves to the new name's shape, keeping what the old config changed of its own size.
-    cut = dataclasses.replace(ModelConfig(name="llama-7b", num_layers=2), name="llama-13b")
+    # A size's shape with a field of its own, as a preset's model.name and model.num_layers give it.
+    cut = ModelConfig.named("llama-13b", num_layers=2)
     assert (cut.num_layers, cut.hidden_size) == (2, 5120)
+    assert apply_overrides(TrainConfig(), {"model.name": "llama-13b", "model.num_layers": 2}).model == cut
     # A shape of your own under a name of your own: the fields given, llama-tiny's for the rest.
     mine = ModelConfig(name="mine", num_layers=2)
     assert (mine.num_layers, mine.hidden_size) == (2, ModelConfig().hidden_size)
@@ -124,7 +124,7 @@ def test_explicit_fields_override_a_named_size_as_on_the_command_line():
 
 def test_a_train_config_of_a_named_model_plans_its_parameters():
     cfg = TrainConfig(
-        model=ModelConfig(name="llama-7b"),
+        model=ModelConfig.named("llama-7b"),
         offload=OffloadConfig(params="none", optimizer="none"),
         checkpoint=CheckpointConfig(enabled=False),
     )
@@ -136,9 +136,9 @@ def test_a_train_config_of_a_named_model_plans_its_parameters():
 @pytest.mark.parametrize(
     "model",
     [
-        ModelConfig(name="llama-7b"),
-        ModelConfig(name="llama-3.1-8b", num_layers=2, compute_dtype="float32"),
-        ModelConfig(name="llama-1b", tie_embeddings=False),
+        ModelConfig.named("llama-7b"),
+        ModelConfig.named("llama-3.1-8b", num_layers=2, compute_dtype="float32"),
+        ModelConfig.named("llama-1b", tie_embeddings=False),
         ModelConfig(name="mine", hidden_size=64, num_heads=2),
     ],
     ids=lambda m: m.name,
@@ -149,10 +149,18 @@ def test_a_named_size_round_trips_through_config_json(model):
     assert "_shape_of" not in cfg.to_dict()["model"]  # config.json holds the fields only
 
 
+def test_a_saved_model_section_lacking_a_field_takes_its_sizes_value():
+    """A config.json saved before a field existed loads that field from its named size."""
+    saved = TrainConfig(model=ModelConfig.named("llama-3.1-8b", num_layers=2)).to_dict()
+    del saved["model"]["rope_type"], saved["model"]["rope_factor"]
+    model = config_from_dict(saved).model
+    assert (model.rope_type, model.rope_factor, model.num_layers) == ("llama3", 8.0, 2)
+
+
 @pytest.mark.parametrize(
     "make",
-    [lambda: ModelConfig(name="llama-7B"), lambda: dataclasses.replace(ModelConfig(), name="llama-7B")],
-    ids=["constructed", "replaced"],
+    [lambda: ModelConfig.named("llama-7B"), lambda: parse_args(["--model.name=llama-7B"])],
+    ids=["constructed", "parsed"],
 )
 def test_an_unknown_name_is_refused_with_the_valid_ones(make):
     with pytest.raises(ConfigError, match="unknown model.name 'llama-7B'. Valid names: llama-tiny, "):
@@ -162,4 +170,4 @@ def test_an_unknown_name_is_refused_with_the_valid_ones(make):
 def test_an_hf_name_is_left_to_the_parser():
     """A ModelConfig reads no file: an hf:DIR name without its shape says what builds it."""
     with pytest.raises(ConfigError, match="model_config_from_hf"):
-        ModelConfig(name="hf:/no/such/checkpoint")
+        ModelConfig.named("hf:/no/such/checkpoint")

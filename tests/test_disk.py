@@ -80,7 +80,7 @@ def test_disk_units_train_bitwise_like_host_units(case, tmp_path):
     size = sum(f.stat().st_size for f in files)
     assert stats["disk_gb"] * 1e9 == 2 * size * disk.steps + size  # and the first write, at init
     # The disk units' masters and state are not in host RAM between steps.
-    units = [state.units.embed, *state.units.blocks, state.units.head]
+    units = state.units.units()
     for u, unit in zip(plan.units, units):
         params = unit.result().params
         assert (type(params).__name__ == "OnDisk") == (u.state is Tier.DISK)
@@ -249,7 +249,7 @@ def test_a_checkpoints_masters_load_into_every_tier_one_unit_at_a_time(tmp_path)
     )
     host = tiny("llama", "float32", **{**HOST, **size, "offload.device_state_units": "1"})  # no disk
     masters = jax.device_get(build_model(disk.model).init(jax.random.key(3)))
-    units = [masters.embed, *masters.blocks, masters.head]
+    units = masters.units()
     total = sum(x.nbytes for x in jax.tree.leaves(masters))
     largest = max(sum(x.nbytes for x in jax.tree.leaves(u)) for u in units)
     assert largest < 0.4 * total  # else one unit at a time and all at once look alike

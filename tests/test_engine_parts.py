@@ -12,15 +12,14 @@ from jaxzero.deferred import resolved
 from jaxzero.loss_scale import init_loss_scale
 from jaxzero.offload.breakdown import StepTimings
 from jaxzero.offload.checkpointing import CheckpointAdapter
-from jaxzero.offload.context import EngineContext, build_context
+from jaxzero.offload.context import EngineContext, build_engine_context
 from jaxzero.offload.disk import DiskStats
 from jaxzero.offload.pipeline import UpdateCounts
 from jaxzero.offload.state_init import StateInit
 from jaxzero.offload.step import DynamicLossScale, NoLossScale
 from jaxzero.overrides import apply_overrides
 from jaxzero.plan import resolve_plan
-from jaxzero.resident import ResidentCheckpoint, ResidentInit
-from jaxzero.resident import build_context as resident_context
+from jaxzero.resident import ResidentCheckpoint, ResidentInit, build_resident_context
 from jaxzero.state import BREAKDOWN, BREAKDOWN_TIMES
 
 
@@ -124,7 +123,7 @@ def test_offload_state_to_its_saved_form_and_back(case, tmp_path):
         cfg = tiny(
             **ROUND_TRIPS[case], **{"offload.params": "cpu", "offload.disk_path": str(tmp_path / name)}
         )
-        return build_context(cfg, mesh, resolve_plan(cfg))
+        return build_engine_context(cfg, mesh, resolve_plan(cfg))
 
     ctx, other = context("saved"), context("restored")
     start = StateInit(ctx)
@@ -151,7 +150,7 @@ def test_offload_state_from_given_masters_is_the_fresh_state():
     """State initialisation alone: the masters `init` makes, handed to `init_from_params`, give
     the same masters and optimizer state."""
     cfg = tiny(**{"offload.optimizer": "cpu", "offload.params": "cpu"})
-    ctx = build_context(cfg, one_device(), resolve_plan(cfg))
+    ctx = build_engine_context(cfg, one_device(), resolve_plan(cfg))
     start = StateInit(ctx)
     fresh = start.init(jax.random.key(0))
     masters = jax.device_get(fresh.params)
@@ -164,7 +163,7 @@ def test_offload_state_from_given_masters_is_the_fresh_state():
 
 def test_resident_state_to_its_saved_form_and_back():
     cfg = tiny(**{"optimizer.grad_clip": "1.0"})
-    ctx = resident_context(cfg, one_device(), resolve_plan(cfg))
+    ctx = build_resident_context(cfg, one_device(), resolve_plan(cfg))
     state = ResidentInit(ctx).init(jax.random.key(0))
     adapter = ResidentCheckpoint(ctx)
     saved = adapter.saved_state(state)

@@ -21,14 +21,13 @@ from jaxzero import export as export_lib
 from jaxzero import export_dir
 from jaxzero import train as train_lib
 from jaxzero.checkpoint_masters import export_orbax
-from jaxzero.config import TrainConfig
+from jaxzero.config import ModelConfig, TrainConfig
 from jaxzero.interop import export_hf, import_hf
 from jaxzero.interop.safetensors import SafetensorsWriter
 from jaxzero.models import build_model
-from jaxzero.models.sizes import named_model_config
 from jaxzero.overrides import apply_overrides
 
-MODEL = dataclasses.replace(named_model_config("llama-tiny"), num_layers=1)
+MODEL = dataclasses.replace(ModelConfig.named("llama-tiny"), num_layers=1)
 
 
 @pytest.fixture(scope="module")

@@ -43,7 +43,7 @@ def freeze_cfg(**over: str) -> TrainConfig:
 
 
 def units(tree: ModelParams) -> list:
-    return [tree.embed, *tree.blocks, tree.head]
+    return tree.units()
 
 
 @pytest.mark.parametrize(

@@ -15,10 +15,9 @@ import pytest
 
 from jaxzero import decode
 from jaxzero import generate as gen_lib
-from jaxzero.config import ConfigError, TrainConfig
+from jaxzero.config import ConfigError, ModelConfig, TrainConfig
 from jaxzero.decode import Generator, Sampling, sample_next
 from jaxzero.models import build_model, forward
-from jaxzero.models.sizes import named_model_config
 from jaxzero.overrides import apply_overrides
 
 VARIANTS = {
@@ -35,7 +34,7 @@ VARIANTS = {
 
 
 def tiny(name: str) -> tuple:
-    base = named_model_config("gpt2-tiny" if name == "gpt2" else "llama-tiny")
+    base = ModelConfig.named("gpt2-tiny" if name == "gpt2" else "llama-tiny")
     cfg = dataclasses.replace(base, compute_dtype="float32", attention_impl="xla", **VARIANTS[name])
     model = build_model(cfg)
     return cfg, model, jax.device_get(model.init(jax.random.key(0)))

@@ -15,11 +15,11 @@ import pytest
 
 from jaxzero import generate as generate_lib
 from jaxzero import train as train_lib
+from jaxzero.config import ModelConfig
 from jaxzero.interop import export_hf
 from jaxzero.models import build_model
-from jaxzero.models.sizes import named_model_config
 
-MODEL = dataclasses.replace(named_model_config("llama-tiny"), num_layers=1)
+MODEL = dataclasses.replace(ModelConfig.named("llama-tiny"), num_layers=1)
 
 
 def hf_checkpoint(out: Path, max_shard_bytes: int = 2**30) -> Path:

@@ -148,7 +148,14 @@ STORAGE = {
     "jaxzero.run_lock",
 }
 CONFIG_BUILDING = {"jaxzero.interop", "jaxzero.overrides", "jaxzero.deepspeed"}  # the CLI, the HF exporter
-THE_RUN = {"jaxzero.metrics", "jaxzero.loop"}
+THE_RUN = {
+    "jaxzero.metrics",
+    "jaxzero.loop",
+    "jaxzero.start",
+    "jaxzero.nonfinite",
+    "jaxzero.finish",
+    "jaxzero.samples",
+}
 ENGINES = {"jaxzero.offload", "jaxzero.trainer", "jaxzero.decode"}
 PROGRAMS = {
     "jaxzero.train",

@@ -325,11 +325,11 @@ def test_the_plan_counts_the_pinned_pool_and_three_streamed_blocks():
 
 
 def test_end_of_run_samples_are_skipped_where_the_weights_would_not_fit(tmp_path, monkeypatch):
-    from jaxzero import loop, runtime
+    from jaxzero import runtime, samples
 
     monkeypatch.setattr(runtime, "host_memory_available", lambda: 1000)  # bytes: nothing fits
     out = io.StringIO()
-    loop.print_samples(lora_cfg(run_dir=str(tmp_path)), out)
+    samples.print_samples(lora_cfg(run_dir=str(tmp_path)), out)
     assert "samples skipped" in out.getvalue() and "python -m jaxzero.generate" in out.getvalue()
 
 

@@ -26,7 +26,6 @@ from jaxzero.models.sizes import (
     NAMED_SIZES,
     flops_per_token,
     matmul_param_count,
-    named_model_config,
     param_count,
     unit_param_counts,
 )
@@ -314,7 +313,7 @@ def test_reference_sanity() -> None:
 @pytest.mark.parametrize("name", ["llama-tiny", "gpt2-tiny"])
 def test_shapes_and_dtypes(name: str, dtype: str) -> None:
     """Abstract evaluation (no compilation): values are covered by the reference comparison."""
-    cfg = dataclasses.replace(named_model_config(name), compute_dtype=dtype)
+    cfg = dataclasses.replace(ModelConfig.named(name), compute_dtype=dtype)
     model = build_model(cfg)
     params = jax.eval_shape(model.init, jax.random.key(0))
     assert len(params.blocks) == cfg.num_layers
@@ -332,6 +331,18 @@ def test_shapes_and_dtypes(name: str, dtype: str) -> None:
     assert logits.shape == (2, 16, cfg.vocab_size) and logits.dtype == jnp.float32
     full = jax.eval_shape(lambda p, t: forward(model, p, t), params, tokens)
     assert full.shape == (2, 16, cfg.vocab_size) and full.dtype == jnp.float32
+
+
+def test_units_in_forward_order_and_back() -> None:
+    """`units()` is `[embed, *blocks, head]` (index = the plan's unit position); `from_units` inverts it."""
+    params = ModelParams(embed="e", blocks=("b0", "b1", "b2"), head="h")
+    assert params.units() == ["e", "b0", "b1", "b2", "h"]
+    assert ModelParams.from_units(params.units()) == params
+    assert ModelParams.from_units(("e", "h")) == ModelParams("e", (), "h")  # no blocks
+    real = build_model(LLAMA_SMALL).init(jax.random.PRNGKey(0))
+    again = ModelParams.from_units(real.units())
+    assert jax.tree.structure(again) == jax.tree.structure(real)
+    assert all(a is b for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(real), strict=True))
 
 
 @pytest.mark.parametrize("which", list(SMALL_CONFIGS))
@@ -512,7 +523,7 @@ def test_init_distributions() -> None:
 
 def test_hf_names() -> None:
     """Pytree keys are the HF names the conversion code will map (a rename here must be deliberate)."""
-    lp = jax.eval_shape(build_model(named_model_config("llama-tiny")).init, jax.random.key(0))
+    lp = jax.eval_shape(build_model(ModelConfig.named("llama-tiny")).init, jax.random.key(0))
     assert set(lp.embed) == {"embed_tokens"}
     assert set(lp.blocks[0]) == {"input_layernorm", "self_attn", "post_attention_layernorm", "mlp"}
     assert set(lp.blocks[0]["self_attn"]) == {"q_proj", "k_proj", "v_proj", "o_proj"}
@@ -520,7 +531,7 @@ def test_hf_names() -> None:
     assert set(lp.head) == {"norm", "lm_head"}
     tied = jax.eval_shape(build_model(LLAMA_SMALL_TIED).init, jax.random.key(0))
     assert set(tied.head) == {"norm"}
-    gp = jax.eval_shape(build_model(named_model_config("gpt2-tiny")).init, jax.random.key(0))
+    gp = jax.eval_shape(build_model(ModelConfig.named("gpt2-tiny")).init, jax.random.key(0))
     assert set(gp.embed) == {"wte", "wpe"}
     assert set(gp.blocks[0]) == {"ln_1", "attn", "ln_2", "mlp"}
     assert set(gp.blocks[0]["attn"]) == {"c_attn", "c_proj"}
@@ -566,7 +577,7 @@ def _eval_shape_count(cfg: ModelConfig) -> int:
 
 @pytest.mark.parametrize("name", list(PUBLISHED_COUNTS))
 def test_published_param_counts(name: str) -> None:
-    cfg = named_model_config(name)
+    cfg = ModelConfig.named(name)
     assert param_count(cfg) == PUBLISHED_COUNTS[name]
     assert _eval_shape_count(cfg) == PUBLISHED_COUNTS[name]  # eval_shape allocates nothing
 
@@ -578,8 +589,8 @@ def test_every_named_size_is_covered() -> None:
 
 
 def test_tiny_sizes() -> None:
-    assert named_model_config("llama-tiny") == ModelConfig()
-    g = named_model_config("gpt2-tiny")
+    assert ModelConfig.named("llama-tiny") == ModelConfig()
+    g = ModelConfig.named("gpt2-tiny")
     shape = (
         g.family,
         g.vocab_size,
@@ -597,8 +608,8 @@ def test_tiny_sizes() -> None:
 @pytest.mark.parametrize(
     "cfg",
     [
-        named_model_config("llama-tiny"),
-        named_model_config("gpt2-tiny"),
+        ModelConfig.named("llama-tiny"),
+        ModelConfig.named("gpt2-tiny"),
         LLAMA_SMALL,
         LLAMA_SMALL_TIED,
         GPT2_SMALL,
@@ -622,22 +633,22 @@ def test_flops_per_token_by_hand() -> None:
     #   per block: q 128*128 + k 128*64 + v 128*64 + o 128*128 + mlp 3*128*384 = 196,608
     #   matmul params: 4 * 196,608 + head 128*256 = 819,200
     #   at S=128: 6 * 819,200 + 12 * 4 * 128 * 128 = 4,915,200 + 786,432 = 5,701,632
-    llama = named_model_config("llama-tiny")
+    llama = ModelConfig.named("llama-tiny")
     assert matmul_param_count(llama) == 819_200
     assert flops_per_token(llama, 128) == 5_701_632.0
     # Tying does not change FLOPs: the head still multiplies by a (D, V) matrix.
     assert flops_per_token(dataclasses.replace(llama, tie_embeddings=True), 128) == 5_701_632.0
     # gpt2-tiny: per block c_attn 128*384 + c_proj 128*128 + c_fc 128*512 + c_proj 512*128 = 196,608;
     #   at S=64: 6 * 819,200 + 12 * 4 * 128 * 64 = 4,915,200 + 393,216 = 5,308,416 (biases, wpe excluded).
-    assert flops_per_token(named_model_config("gpt2-tiny"), 64) == 5_308_416.0
+    assert flops_per_token(ModelConfig.named("gpt2-tiny"), 64) == 5_308_416.0
     # Llama 2 7B at 4096: 32 * (4 * 4096^2 + 3 * 4096 * 11008) + 4096 * 32000 = 6,607,077,376 matmul
     #   params; 6 * that + 12 * 32 * 4096 * 4096 = 39,642,464,256 + 6,442,450,944.
-    assert flops_per_token(named_model_config("llama-7b"), 4096) == 46_084_915_200.0
+    assert flops_per_token(ModelConfig.named("llama-7b"), 4096) == 46_084_915_200.0
 
 
 def test_unknown_name_lists_valid_names() -> None:
     with pytest.raises(ConfigError) as err:
-        named_model_config("llama-9000b")
+        ModelConfig.named("llama-9000b")
     msg = str(err.value)
     assert "llama-9000b" in msg
     for name in NAMED_SIZES:

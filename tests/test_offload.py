@@ -207,7 +207,7 @@ def test_units_with_state_on_the_accelerator_keep_it_there(mode):
     on_device = cfg.offload.device_state_units
     trainer, state, *_ = run(cfg, guard=True)
     host = jax.devices("cpu")[0]
-    units = [state.units.embed, *state.units.blocks, state.units.head]
+    units = state.units.units()
     for k, unit in enumerate(units):
         u = unit.result()
         where = kinds((u.params, u.opt_state))
@@ -224,7 +224,7 @@ def test_units_with_state_on_the_accelerator_keep_it_there(mode):
     old = [x for unit in units[:on_device] for x in jax.tree.leaves(unit.result().weights)]
     state, _ = trainer.step(state, trainer.put_batch(next(build_data(cfg.data, 256, 0).train_iter())))
     assert all(x.is_deleted() for x in old)
-    units = [state.units.embed, *state.units.blocks, state.units.head]
+    units = state.units.units()
     # A checkpoint sees every unit as host state, whatever the plan: its layout never depends on it.
     saved = trainer.saved_state(state)
     assert {x.sharding.mesh.devices.flat[0] for x in jax.tree.leaves(saved)} == {host}

@@ -28,9 +28,9 @@ from jaxzero.trainer import build_trainer, decide_and_build
 
 MODELS = [
     ModelConfig(),
-    ModelConfig(name="llama-tiny", tie_embeddings=False),
-    ModelConfig(name="llama-tiny", attention_bias=True, num_heads=8, num_kv_heads=2, hidden_size=96),
-    ModelConfig(name="gpt2-tiny"),
+    ModelConfig.named("llama-tiny", tie_embeddings=False),
+    ModelConfig.named("llama-tiny", attention_bias=True, num_heads=8, num_kv_heads=2, hidden_size=96),
+    ModelConfig.named("gpt2-tiny"),
 ]
 
 

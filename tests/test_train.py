@@ -15,8 +15,10 @@ import pytest
 from jaxzero import loop, stopping
 from jaxzero import train as train_lib
 from jaxzero.config import ConfigError, TrainConfig
+from jaxzero.nonfinite import nonfinite_cause
 from jaxzero.overrides import apply_overrides
 from jaxzero.run_lock import LOCK_FILE
+from jaxzero.start import Start
 from jaxzero.state import StepMetrics
 
 TINY = {
@@ -157,17 +159,17 @@ def metrics(lr: float, norm: float) -> StepMetrics:
 
 def test_a_non_finite_loss_is_blamed_on_what_the_facts_point_to(tmp_path):
     cfg = tiny(tmp_path, **{"data.source": "tokens", "data.path": "d", "data.check_tokens": "false"})
-    fresh = loop.Start(None, 1, None, None)
-    first = loop.nonfinite_cause(cfg, 1, metrics(0.0, float("nan")), fresh, [])
+    fresh = Start(None, 1, None, None)
+    first = nonfinite_cause(cfg, 1, metrics(0.0, float("nan")), fresh, [])
     assert "no update had changed the freshly initialised weights" in first
     assert "data.check_tokens=false" in first  # the unchecked data is the suspect, not lr
-    resumed = loop.Start(None, 41, None, 40)
-    after_restore = loop.nonfinite_cause(cfg, 41, metrics(1e-3, float("nan")), resumed, [])
+    resumed = Start(None, 41, None, 40)
+    after_restore = nonfinite_cause(cfg, 41, metrics(1e-3, float("nan")), resumed, [])
     assert (
         "first step after restoring checkpoint 40" in after_restore
         and "checkpoints/40 aside" in after_restore
     )
-    diverged = loop.nonfinite_cause(cfg, 47, metrics(3e-3, 1e6), fresh, [2.0, 80.0, 9e4])
+    diverged = nonfinite_cause(cfg, 47, metrics(3e-3, 1e6), fresh, [2.0, 80.0, 9e4])
     assert (
         "diverged after 46 updates at lr 0.003" in diverged
         and "recent gradient norms 2, 80, 9e+04" in diverged

@@ -129,7 +129,7 @@ class BaseBuilder:
             reserve_pinned(self._reserve, self.home)  # the pool grows now, in one region
             self._reserve = 0
         initial_too = keep_initial and self._keeps_trainable
-        units = [source.embed, *source.blocks, source.head]
+        units = source.units()
         last = len(units) - 1
         stored, initial = [], []
         for k, u in enumerate(units):
@@ -149,8 +149,8 @@ class BaseBuilder:
                 stored.append(self._narrow_unit(on_device))
                 initial.append({})
             del on_device
-        base = FrozenBase(ModelParams(stored[0], tuple(stored[1:-1]), stored[-1]), self.streamed)
-        return base, ModelParams(initial[0], tuple(initial[1:-1]), initial[-1]) if initial_too else None
+        base = FrozenBase(ModelParams.from_units(stored), self.streamed)
+        return base, ModelParams.from_units(initial) if initial_too else None
 
     def _placed(self, block: Any) -> Any:
         """A narrowed block in its home: the accelerator, or `pinned_host` (its accelerator copy freed)."""

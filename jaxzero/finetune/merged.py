@@ -147,7 +147,7 @@ def merged_units(
     scale = lora_spec(ft).scale if ft.method == "lora" else 0.0
     kept = base_positions(ft, cfg.model)
     source = base if base is not None else source_units(cfg, model)
-    units = [source.embed, *source.blocks, source.head]
+    units = source.units()
     shapes = jax.eval_shape(model.init, jax.random.key(0))
 
     def unit(k: int, shape: Any) -> Deferred:
@@ -163,9 +163,9 @@ def merged_units(
 
         return Deferred(read, 0, shape)
 
-    all_shapes = [shapes.embed, *shapes.blocks, shapes.head]
+    all_shapes = shapes.units()
     made = [unit(k, s) for k, s in enumerate(all_shapes)]
-    return ModelParams(made[0], tuple(made[1:-1]), made[-1])
+    return ModelParams.from_units(made)
 
 
 def _numpy(tree: Any) -> Any:

@@ -38,9 +38,9 @@ def trainable_shapes(model: Model, ft: FinetuneConfig) -> ModelParams:
         return adapter_shapes(model, ft)
     frozen = ft.frozen(model.config.num_layers)
     whole = jax.eval_shape(model.init, jax.random.key(0))
-    units = [whole.embed, *whole.blocks, whole.head]
+    units = whole.units()
     kept = [{} if k in frozen else u for k, u in enumerate(units)]
-    return ModelParams(kept[0], tuple(kept[1:-1]), kept[-1])
+    return ModelParams.from_units(kept)
 
 
 def lowest_trainable_block(ft: FinetuneConfig, m: ModelConfig) -> int:

@@ -343,7 +343,7 @@ def _params_by_unit(cfg: ModelConfig, ckpt: Path) -> ModelParams:
                 r.close()
 
     trees = [Deferred(partial(read, unit), 0, _shapes_tree(unit)) for unit in units]
-    return ModelParams(embed=trees[0], blocks=tuple(trees[1:-1]), head=trees[-1])
+    return ModelParams.from_units(trees)
 
 
 def _shapes_tree(unit: HFUnit) -> dict[str, Any]:

@@ -26,6 +26,15 @@ class ModelParams(NamedTuple):
     blocks: tuple[Any, ...]
     head: Any
 
+    def units(self) -> list[Any]:
+        """The units in forward order, `[embed, *blocks, head]`: index i is the plan's unit position i."""
+        return [self.embed, *self.blocks, self.head]
+
+    @classmethod
+    def from_units(cls, units: list[Any] | tuple[Any, ...]) -> ModelParams:
+        """`units`' inverse: `[embed, *blocks, head]` (at least two entries) as a `ModelParams`."""
+        return cls(units[0], tuple(units[1:-1]), units[-1])
+
 
 # One block's key/value cache for generation: keys and values (B, length, kv heads, head_dim).
 KVCache = tuple[jax.Array, jax.Array]

@@ -1,8 +1,8 @@
 """Named model sizes (published shapes), analytic parameter counts and training FLOPs per token.
 
 `NAMED_SIZES` are the named sizes' ModelConfigs. Their shapes are data of `jaxzero.config`
-(`SIZE_SHAPES`), so that a name resolves wherever a ModelConfig is made: `ModelConfig(name="llama-7b")`
-and `--model.name=llama-7b` are the same model, and other `model.*` keys override single fields of it.
+(`SIZE_SHAPES`), built by `ModelConfig.named`: `ModelConfig.named("llama-7b")` and
+`--model.name=llama-7b` are the same model, and other `model.*` keys override single fields of it.
 
 Parameter counts of the published sizes (checked by tests/test_models.py):
 
@@ -28,17 +28,9 @@ from types import MappingProxyType
 from jaxzero.config import SIZE_SHAPES, ConfigError, ModelConfig
 
 NAMED_SIZES: Mapping[str, ModelConfig] = MappingProxyType(
-    {name: ModelConfig(name=name) for name in SIZE_SHAPES}
+    {name: ModelConfig.named(name) for name in SIZE_SHAPES}
 )
 """Every named size, read-only. Keys are the valid values of `model.name`."""
-
-
-def named_model_config(name: str) -> ModelConfig:
-    """The ModelConfig of a named size; an unknown name raises ConfigError listing the valid ones."""
-    try:
-        return NAMED_SIZES[name]
-    except KeyError:
-        raise ConfigError(f"unknown model.name {name!r}. Valid names: {', '.join(NAMED_SIZES)}.") from None
 
 
 def ties_output(cfg: ModelConfig) -> bool:

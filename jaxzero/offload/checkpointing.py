@@ -21,7 +21,7 @@ from jax.sharding import Sharding
 from jaxzero.deferred import Deferred, resolved
 from jaxzero.loss_scale import init_loss_scale
 from jaxzero.models import ModelParams
-from jaxzero.offload.context import EngineContext, flat, map_units, no_disk, put_everywhere, unflat
+from jaxzero.offload.context import EngineContext, map_units, no_disk, put_everywhere
 from jaxzero.offload.futures import OffloadState
 from jaxzero.offload.state_init import StateInit
 from jaxzero.placement import OffloadPlacement
@@ -62,11 +62,11 @@ class CheckpointAdapter:
         p_saved = self._units_saved(map_units(plan, no_disk, params), shapes["params"])
         o_saved = self._units_saved(map_units(plan, no_disk, opt_state), shapes["opt_state"])
         if ctx.disk is not None:  # read when written: host RAM holds one disk unit at a time
-            p_flat, o_flat = flat(p_saved), flat(o_saved)
-            for u, sp, so in zip(plan.units, flat(shapes["params"]), flat(shapes["opt_state"])):
+            p_flat, o_flat = p_saved.units(), o_saved.units()
+            for u, sp, so in zip(plan.units, shapes["params"].units(), shapes["opt_state"].units()):
                 if u.state is Tier.DISK:
                     p_flat[u.position], o_flat[u.position] = self._on_disk(u, sp, so)
-            p_saved, o_saved = unflat(p_flat), unflat(o_flat)
+            p_saved, o_saved = ModelParams.from_units(p_flat), ModelParams.from_units(o_flat)
 
         saved = {
             "step": _as_global(self._on_host(state.step), where.saved(shapes["step"]), shapes["step"]),
@@ -103,7 +103,7 @@ class CheckpointAdapter:
         if ctx.fp16:  # the step count and loss scale advance on the accelerator
             step = put_everywhere(np.asarray(step), where.device)
             scale = jax.tree.map(lambda x: put_everywhere(np.asarray(x), where.device), scale)
-        params, opt_state = flat(saved["params"]), flat(saved["opt_state"])
+        params, opt_state = saved["params"].units(), saved["opt_state"].units()
         del saved
         units = self._start.start(_restored_units(ctx.plan, params, opt_state))
         return OffloadState.of_units(step, units, scale)

@@ -7,9 +7,9 @@ The trainer is four parts, each its own module, each reading the context and not
     jaxzero.offload.checkpointing   the state to and from its saved form (`CheckpointAdapter`)
     jaxzero.offload.breakdown       where the steps' time went (`StepTimings`)
 
-`jaxzero.offload.engine` builds the context (`build_context`) and wires the parts into a `Trainer`.
-Units are addressed in forward order (embedding, blocks, head): `flat`, `unflat` and `map_units`
-turn a `ModelParams` into that list and back.
+`jaxzero.offload.engine` builds the context (`build_engine_context`) and wires the parts into a `Trainer`.
+Units are addressed in forward order (embedding, blocks, head): `ModelParams.units()` and
+`ModelParams.from_units` turn a `ModelParams` into that list and back, `map_units` maps over it.
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ from jaxzero.plan import OffloadPlan, Tier, TwoPass, UnitPlan
 from jaxzero.write_fence import WriteFence
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EngineContext:
-    """The offload trainer's shared pieces, made once by `build_context`.
+    """The offload trainer's shared pieces, made once by `build_engine_context`.
 
     plan:          the trainer's plan: the one given, with the host update on optax's path for a
                    researcher's own optimizer (`optax_host_update`).
@@ -72,7 +72,7 @@ class EngineContext:
     fp16: bool
 
 
-def build_context(
+def build_engine_context(
     cfg: TrainConfig,
     mesh: Mesh,
     plan: OffloadPlan,
@@ -105,9 +105,20 @@ def build_context(
     clock = StepClock()
     fence = WriteFence()  # a checkpoint being written from the units' arrays (`jaxzero.write_fence`)
     pipeline = UpdatePipeline(host, plan, clock, disk, fence)
-    fp16 = plan.compute_dtype == "float16"
     return EngineContext(
-        cfg, plan, model, mesh, where, masters_shape, host, device, disk, clock, fence, pipeline, fp16
+        cfg=cfg,
+        plan=plan,
+        model=model,
+        mesh=mesh,
+        where=where,
+        masters_shape=masters_shape,
+        host=host,
+        device=device,
+        disk=disk,
+        clock=clock,
+        fence=fence,
+        pipeline=pipeline,
+        fp16=plan.compute_dtype == "float16",
     )
 
 
@@ -147,19 +158,9 @@ def put_everywhere(value: Any, sharding: Sharding) -> jax.Array:
     return global_from_local(np.asarray(value), sharding, np.shape(value))
 
 
-def flat(tree: ModelParams) -> list[Any]:
-    """A `ModelParams`' units in forward order (embedding, blocks, head): index = `UnitPlan.position`."""
-    return [tree.embed, *tree.blocks, tree.head]
-
-
-def unflat(units: list[Any]) -> ModelParams:
-    """`flat`'s inverse."""
-    return ModelParams(units[0], tuple(units[1:-1]), units[-1])
-
-
 def map_units(plan: OffloadPlan, f: Callable[..., Any], *trees: ModelParams) -> ModelParams:
     """`f(unit, *its subtrees)` for each unit of `plan`, over trees with a subtree per unit."""
-    return unflat([f(u, *ts) for u, *ts in zip(plan.units, *map(flat, trees))])
+    return ModelParams.from_units([f(u, *ts) for u, *ts in zip(plan.units, *(t.units() for t in trees))])
 
 
 def no_disk(u: UnitPlan, tree: Any) -> Any:

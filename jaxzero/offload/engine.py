@@ -24,7 +24,7 @@ from jaxzero.config import TrainConfig
 from jaxzero.models import Model
 from jaxzero.offload.breakdown import StepTimings
 from jaxzero.offload.checkpointing import CheckpointAdapter
-from jaxzero.offload.context import build_context
+from jaxzero.offload.context import build_engine_context
 from jaxzero.offload.state_init import StateInit
 from jaxzero.offload.step import OffloadStep
 from jaxzero.offload.streaming import StreamedModel
@@ -52,10 +52,10 @@ def build_offload_trainer(
     (`jaxzero.planner.memory.pinned_pool_reservation`).
 
     `model` and `optimizer`: the researcher's own, in place of `cfg.model`'s and `cfg.optimizer`'s;
-    the optimizer is applied to each unit alone, on the host as optax on XLA:CPU (`build_context`).
+    the optimizer is applied to each unit alone, on the host as optax on XLA:CPU (`build_engine_context`).
     `trainer.plan` says what runs."""
     plan = resolve_plan(cfg) if plan is None else plan
-    ctx = build_context(cfg, mesh, plan, model=model, optimizer=optimizer)
+    ctx = build_engine_context(cfg, mesh, plan, model=model, optimizer=optimizer)
     plan = ctx.plan  # with the host update a custom optimizer needs
     streamed = StreamedModel(ctx.model, ctx.where, cfg.data.grad_accum, prefetch=plan.prefetch)
     start = StateInit(ctx, pinned_reserve)

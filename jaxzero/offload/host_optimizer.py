@@ -249,9 +249,8 @@ class HostOptimizer:
         """`fn(unit, tree's unit)` for each unit the host updates (state in host RAM or on disk), None
         for the others."""
         units = self.placement.plan.units
-        flat = [tree.embed, *tree.blocks, tree.head]
-        out = [fn(u, x) if u.state in (Tier.HOST, Tier.DISK) else None for u, x in zip(units, flat)]
-        return ModelParams(out[0], tuple(out[1:-1]), out[-1])
+        out = [fn(u, x) if u.state in (Tier.HOST, Tier.DISK) else None for u, x in zip(units, tree.units())]
+        return ModelParams.from_units(out)
 
     # -- the update ----------------------------------------------------------------------------------
 

@@ -182,16 +182,17 @@ class UpdatePipeline:
             # Only float16 has a loss scale; reading a copy of it would wait behind the gradients' copies.
             scale=HostScalar(copy_to(scale, pinned)) if self.policy.skips_nonfinite else None,
         )
-        flat = lambda tree: [tree.embed, *tree.blocks, tree.head]  # noqa: E731 - in forward order
         jobs: list[UnitJob | None] = [
-            UnitJob(u, prev, r, g, Future(), shared) if u.state in (Tier.HOST, Tier.DISK) else None
-            for u, prev, r, g in zip(self.plan.units, flat(units), flat(read), flat(grads))
+            UnitJob(unit=u, previous=prev, read=r, grads=g, weights=Future(), shared=shared)
+            if u.state in (Tier.HOST, Tier.DISK)
+            else None
+            for u, prev, r, g in zip(self.plan.units, units.units(), read.units(), grads.units())
         ]
         if self.disk is not None:  # their reads start now, during the backward pass, in update order
             self.disk.schedule()
         tasks = [None if job is None else self._tasks.submit(self._task, job) for job in jobs]
         weights = [None if job is None else job.weights for job in jobs]
-        return Submitted(_as_params(tasks), _as_params(weights))
+        return Submitted(ModelParams.from_units(tasks), ModelParams.from_units(weights))
 
     def take_counts(self) -> UpdateCounts:
         """Two-pass updates since the last call."""
@@ -295,10 +296,6 @@ class UpdatePipeline:
             self.two_pass.end(job.slot.step, ended)
         self.clock.updated(start, time.perf_counter())
         return new
-
-
-def _as_params(in_forward_order: list[Any]) -> ModelParams:
-    return ModelParams(in_forward_order[0], tuple(in_forward_order[1:-1]), in_forward_order[-1])
 
 
 def _scale(scale: HostScalar | None) -> np.float32:

@@ -18,7 +18,7 @@ import numpy as np
 from jaxzero.deferred import resolved
 from jaxzero.loss_scale import init_loss_scale
 from jaxzero.models import ModelParams, init_keys
-from jaxzero.offload.context import EngineContext, flat, put_everywhere, result, unflat
+from jaxzero.offload.context import EngineContext, put_everywhere, result
 from jaxzero.offload.disk import OnDisk
 from jaxzero.offload.futures import OffloadState
 from jaxzero.offload.host_memory import release, reserve_pinned
@@ -73,7 +73,7 @@ class StateInit:
         """A fresh state from float32 masters: NumPy (or fully addressable) arrays, or units
         `Deferred` until read. Each unit's source is dropped once placed (the caller passes its only
         reference): the load peaks at the masters plus one unit, not at two or three copies."""
-        sources = flat(params)
+        sources = params.units()
         del params
 
         def taken(i: int) -> Any:  # unit i's source, no longer held here
@@ -109,7 +109,7 @@ class StateInit:
         self.reserve_pool()  # before the first copy to the accelerator, which may stage in the pool
         units = [self.start_unit(u, m, o) for u, (m, o) in zip(self.ctx.plan.units, made)]
         # Host units' weights are cast and placed in the background, all at once.
-        return unflat([u._replace(weights=result(u.weights)) for u in units])
+        return ModelParams.from_units([u._replace(weights=result(u.weights)) for u in units])
 
     def start_unit(self, u: UnitPlan, masters: Any, opt_state: Any = None) -> HostUnit:
         """One unit as a `HostUnit` where the plan keeps it, from this process's host blocks of its

@@ -26,7 +26,7 @@ from jaxzero.config import FP16Config
 from jaxzero.loss_scale import LossScaleState, update_loss_scale
 from jaxzero.models import ModelParams
 from jaxzero.objective import document_eot, document_segments
-from jaxzero.offload.context import EngineContext, flat, put_everywhere, unflat
+from jaxzero.offload.context import EngineContext, put_everywhere
 from jaxzero.offload.futures import OffloadState, done, weights_of
 from jaxzero.offload.host_optimizer import HostUnit
 from jaxzero.offload.pipeline import Submitted
@@ -84,7 +84,7 @@ class OffloadStep:
     ) -> list[HostUnit | None]:
         """Issue the update of each unit whose state is on the accelerator (no host sync); None in
         the places of the others."""
-        units, g = flat(state.units), flat(grads)
+        units, g = state.units.units(), grads.units()
         updated: list[HostUnit | None] = [None] * len(units)
         fence, device = self._fence, self._device
         for u in self._on_device:
@@ -140,7 +140,11 @@ class DynamicLossScale(LossScaling):
         self, state: OffloadState, loss: jax.Array, norm: jax.Array, lr: jax.Array
     ) -> tuple[jax.Array, LossScaleState, StepMetrics]:
         next_step, next_ls, skipped = self._advance(state.step, state.loss_scale, norm)
-        return next_step, next_ls, StepMetrics(loss, norm, lr, state.loss_scale.scale, skipped)
+        return (
+            next_step,
+            next_ls,
+            StepMetrics(loss=loss, grad_norm=norm, lr=lr, loss_scale=state.loss_scale.scale, skipped=skipped),
+        )
 
 
 def _advance_fp16(
@@ -172,6 +176,6 @@ def _weights_after_update(state: OffloadState, submitted: Submitted) -> ModelPar
 
 def _merged(submitted: Submitted, on_accelerator: list[HostUnit | None]) -> Submitted:
     """The host's Futures with the accelerator's updates in the places the host left empty."""
-    pairs = zip(flat(submitted.units), flat(submitted.weights), on_accelerator)
+    pairs = zip(submitted.units.units(), submitted.weights.units(), on_accelerator)
     units, weights = zip(*((h, w) if d is None else (done(d), done(d.weights)) for h, w, d in pairs))
-    return Submitted(unflat(list(units)), unflat(list(weights)))
+    return Submitted(ModelParams.from_units(units), ModelParams.from_units(weights))

@@ -149,8 +149,8 @@ def backward_phases(transient: Transient, head_grad: int = 0) -> int:
     are, so XLA's allocator places them past those; the temporaries' space, freed, is then a hole
     below outputs that are still alive. A block's backward needs its temporaries in one piece: when
     they are larger than that hole they go past the head's outputs, so the GPU must hold the hole,
-    the outputs and the block's temporaries at once (BENCHMARKS.md, "2026-11-25 (fourth session): the
-    longest llama-7b sequence on one H100, with and without the activation tier")."""
+    the outputs and the block's temporaries at once (BENCHMARKS.md, "the longest llama-7b sequence on
+    one H100, with and without the activation tier")."""
     head = transient.head + head_grad
     hole = transient.head - transient.head_out
     if transient.block <= hole:
@@ -170,7 +170,7 @@ def transient_activations(
     projection in float32 and its float32 gradient sum), and the gradient it returns. With
     `documents` (attention kept inside each document), a block's backward also holds two float32
     (rows, heads, seq_len, seq_len) arrays: what document-aware attention compiled to on the GPU
-    (BENCHMARKS.md, "Issue 29 on one H200: determinism, and document-aware attention's cost")."""
+    (BENCHMARKS.md, "on one H200: determinism, and document-aware attention's cost")."""
     compute = dtype_bytes(m.compute_dtype)
     kv = m.hidden_size * m.num_kv_heads // m.num_heads
     widths = 2 * (m.hidden_size + 2 * kv) + 2 * m.hidden_size + 4 * m.intermediate_size

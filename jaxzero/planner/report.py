@@ -308,6 +308,7 @@ def _machine_rows(mc: Machine) -> list[str]:
 
 
 def refusal(
+    *,
     cfg: TrainConfig,
     mc: Machine,
     strict: bool,

@@ -305,19 +305,29 @@ def _refusal(search: _Search) -> str:
     unit = d.grad_accum * mc.devices  # batch sizes validate accepts on this many devices
     frontier = search.frontier()
     if not frontier:  # no placement to reason from: the refusal's first sentence alone
-        return refusal(cfg, mc, search.strict, frontier, [], None, unit, None, search.strict_for)
+        return refusal(
+            cfg=cfg,
+            mc=mc,
+            strict=search.strict,
+            frontier=frontier,
+            settings=[],
+            batch=None,
+            smallest_batch=unit,
+            largest_model=None,
+            strict_of=search.strict_for,
+        )
     batch = _last(range(unit, d.batch_size, unit), lambda b: _fits(_variant(cfg, data={"batch_size": b}), mc))
     settings = _settings_that_fit(search)
     return refusal(
-        cfg,
-        mc,
-        search.strict,
-        frontier,
-        settings,
-        batch,
-        unit,
-        _largest_model(search),
-        search.strict_for,
+        cfg=cfg,
+        mc=mc,
+        strict=search.strict,
+        frontier=frontier,
+        settings=settings,
+        batch=batch,
+        smallest_batch=unit,
+        largest_model=_largest_model(search),
+        strict_of=search.strict_for,
     )
 
 
