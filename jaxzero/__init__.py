@@ -7,7 +7,7 @@ The library API in one screen:
     data = build_data(cfg.data, cfg.model.vocab_size, cfg.seed)
     state = trainer.init(jax.random.key(cfg.seed))
     state, metrics = trainer.step(state, trainer.put_batch(next(data.train_iter())))
-    save_state(trainer, state, "runs/x", step=1)   # restore_state, export_state: jaxzero.state_io
+    save_state(trainer, state, "runs/x", step=1)   # restore_state, export_state: jaxzero.storage.state_io
 
 Each name is imported from its module on first use: Python runs this file before any submodule, so
 importing it eagerly would load every layer (Orbax, the exporters, the argument parser) into a
@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time `__getattr__` im
     from jaxzero.overrides import apply_overrides, parse_args
     from jaxzero.plan import OffloadPlan, resolve_plan
     from jaxzero.state import StepMetrics, Trainer, TrainState
-    from jaxzero.state_io import export_state, restore_state, save_state
+    from jaxzero.storage.state_io import export_state, restore_state, save_state
     from jaxzero.trainer import build_trainer
 
 # The public names (`__all__`) and the module that defines each.
@@ -43,9 +43,9 @@ _HOMES = {
     "StepMetrics": "jaxzero.state",
     "Trainer": "jaxzero.state",
     "TrainState": "jaxzero.state",
-    "export_state": "jaxzero.state_io",
-    "restore_state": "jaxzero.state_io",
-    "save_state": "jaxzero.state_io",
+    "export_state": "jaxzero.storage.state_io",
+    "restore_state": "jaxzero.storage.state_io",
+    "save_state": "jaxzero.storage.state_io",
     "build_trainer": "jaxzero.trainer",
 }
 

@@ -7,7 +7,7 @@ otherwise the blocks stay in pinned host memory and each is copied in when a tok
 (every token then moves the blocks across the link once).
 
 Documents: generation continues one prompt, read as one document: every token attends to the whole
-prompt and what follows it (no segment ids; `jaxzero.objective.document_segments` is training's and
+prompt and what follows it (no segment ids; `jaxzero.numerics.objective.document_segments` is training's and
 evaluation's). A prompt holding end-of-text ids is not split at them.
 """
 

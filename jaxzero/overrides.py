@@ -36,11 +36,11 @@ from jaxzero.config import (
     OptimizerConfig,
     TrainConfig,
 )
-from jaxzero.config_checks import validate
+from jaxzero.config.checks import validate
 from jaxzero.deepspeed import Translation
 from jaxzero.interop import model_config_from_hf
 
-log = logging.getLogger(__name__)  # the library speaks through logging (`jaxzero.console`)
+log = logging.getLogger(__name__)  # the library speaks through logging (`jaxzero.run.console`)
 
 
 def _field_types(cls: type) -> dict[str, Any]:

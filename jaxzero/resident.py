@@ -25,23 +25,22 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-from jaxzero import placement
 from jaxzero.config import FP16Config, TrainConfig
 from jaxzero.custom import check_optimizer, model_of
-from jaxzero.deferred import resolved
-from jaxzero.loss_scale import all_finite, init_loss_scale, update_loss_scale
 from jaxzero.models import Model, ModelParams
-from jaxzero.objective import document_eot, loss_fn, step_weight
-from jaxzero.optim import (
+from jaxzero.numerics.loss_scale import all_finite, init_loss_scale, update_loss_scale
+from jaxzero.numerics.objective import document_eot, loss_fn, step_weight
+from jaxzero.numerics.optim import (
     build_optimizer,
     global_norm,
     join_opt_state,
     reported_rate,
     split_opt_state,
 )
-from jaxzero.plan import OffloadPlan, resolve_plan
+from jaxzero.plan import OffloadPlan, placement, resolve_plan
+from jaxzero.primitives.deferred import resolved
+from jaxzero.primitives.write_fence import WriteFence
 from jaxzero.state import StepMetrics, Trainer, TrainState, abstract_placed
-from jaxzero.write_fence import WriteFence
 
 
 def averaged_grads(

@@ -6,11 +6,11 @@ of the per-step breakdown that the offload engine measures.
     for batch in batches:                            # int32 numpy (grad_accum, micro_batch, seq_len + 1)
         state, metrics = trainer.step(state, trainer.put_batch(batch))
     trainer.evaluate(state, val_batches)             # float, mean loss over (B, seq_len + 1) batches
-    save_state(trainer, state, "runs/x", step=100)   # jaxzero.state_io: runs/x/checkpoints/100
+    save_state(trainer, state, "runs/x", step=100)   # jaxzero.storage.state_io: runs/x/checkpoints/100
     state, step, data_state = restore_state(trainer, "runs/x")
     export_state(trainer, state, "export/x")         # Hugging Face safetensors
 
-This module holds types only: saving, restoring and exporting a state are I/O, in `jaxzero.state_io`,
+This module holds types only: saving, restoring and exporting a state are I/O, in `jaxzero.storage.state_io`,
 so that the engines that build a `Trainer` load no Orbax, run directory or exporter.
 
 Ownership: `step` consumes the state it is given, in every mode (its accelerator buffers are donated,
@@ -32,9 +32,9 @@ from jax.sharding import Mesh
 
 from jaxzero.config import TrainConfig
 from jaxzero.models import Model, ModelParams
-from jaxzero.placement import process_count
 from jaxzero.plan import OffloadPlan
-from jaxzero.write_fence import WriteFence
+from jaxzero.plan.placement import process_count
+from jaxzero.primitives.write_fence import WriteFence
 
 
 class TrainState(NamedTuple):
@@ -127,7 +127,7 @@ class Trainer:
     # training is over; its states are then unusable.
     close: Callable[[], None] = lambda: None
     # Where `step` waits for a checkpoint being written from its state before changing it in place:
-    # pass it to `jaxzero.checkpoint.Checkpointer.save` (`jaxzero.write_fence`).
+    # pass it to `jaxzero.storage.checkpoint.Checkpointer.save` (`jaxzero.primitives.write_fence`).
     fence: WriteFence = dataclasses.field(default_factory=WriteFence)
     # `strategy`'s line where the plan does not say it (a LoRA run: `jaxzero.finetune`)
     description: str | None = None
@@ -180,7 +180,7 @@ def check_batch(
 ) -> np.ndarray:
     """`batch` as int32 NumPy, or ValueError saying what it should be: `shape` (None: any length), an
     integer dtype, ids in [0, vocab_size), each possibly marked not-a-target as ~id (negative; see
-    `jaxzero.objective`). `source` names what yields such batches."""
+    `jaxzero.numerics.objective`). `source` names what yields such batches."""
     array = np.asarray(batch)
     want = "(" + ", ".join("N" if d is None else str(d) for d in shape) + ")"
     if array.ndim != len(shape) or any(d is not None and a != d for a, d in zip(array.shape, shape)):

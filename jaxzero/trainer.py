@@ -5,7 +5,7 @@ This is the library API. The config comes resolved and its placement decided
 (`jaxzero.planner.preflight.decide_before_jax`, before JAX starts, as the programs do), and is trusted
 as it is; or the resolution pass runs here once, for the mesh's devices
 (`jaxzero.planner.preflight.decide`). The decided config's offload plan (`jaxzero.plan`) is checked
-against host and accelerator memory (`jaxzero.runtime`), and the plan picks the trainer: whether
+against host and accelerator memory (`jaxzero.planner.runtime`), and the plan picks the trainer: whether
 weights are resident or streamed from host memory is decided here, when the step function is built,
 never inside it:
 
@@ -28,7 +28,6 @@ import jax
 import optax
 from jax.sharding import Mesh
 
-from jaxzero import placement, runtime
 from jaxzero.config import ConfigError, TrainConfig
 from jaxzero.data.eot import FROM_DATA
 from jaxzero.finetune.trainer import build_partial_trainer
@@ -36,13 +35,14 @@ from jaxzero.models import Model
 from jaxzero.models.sizes import param_count
 from jaxzero.offload import build_offload_trainer
 from jaxzero.overrides import apply_overrides
-from jaxzero.planner import memory, preflight
+from jaxzero.plan import placement
+from jaxzero.planner import memory, preflight, runtime
 from jaxzero.planner.machine import accelerators_of
 from jaxzero.planner.report import Decision
 from jaxzero.resident import build_resident_trainer
 from jaxzero.state import Trainer, with_checks
 
-log = logging.getLogger(__name__)  # the library speaks through logging (`jaxzero.console`)
+log = logging.getLogger(__name__)  # the library speaks through logging (`jaxzero.run.console`)
 
 
 def build_trainer(

@@ -28,7 +28,7 @@ def measure(name: str, tokens: int, seq: int) -> dict:
 
     from jaxzero.config import ModelConfig
     from jaxzero.models import build_model
-    from jaxzero.objective import head_loss
+    from jaxzero.numerics.objective import head_loss
     from jaxzero.planner.memory import GiB, transient_activations
 
     seq = seq or tokens  # 0: one sequence of all the tokens

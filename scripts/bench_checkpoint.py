@@ -4,7 +4,7 @@ host-resident offload state.
     python scripts/bench_checkpoint.py --model=llama-1b --dir=/tmp/ckpt
 
 Builds the ZeRO-3 offload trainer (masters and AdamW state in host RAM), takes one step, then saves
-through `jaxzero.checkpoint.Checkpointer`, alternating saves with and without `checksums.json` (the
+through `jaxzero.storage.checkpoint.Checkpointer`, alternating saves with and without `checksums.json` (the
 checksum pass runs inside Orbax's commit, so "committed" includes it): "blocked" is the time `save`
 holds the training loop, "committed" the time until the checkpoint is final;
 throughput counts the bytes of masters + optimizer state. A blocking save
@@ -23,10 +23,10 @@ import time
 import jax
 import numpy as np
 
-from jaxzero.checkpoint import Checkpointer
-from jaxzero.checkpoint_layout import make_meta
 from jaxzero.config import TrainConfig
 from jaxzero.overrides import apply_overrides
+from jaxzero.storage.checkpoint import Checkpointer
+from jaxzero.storage.checkpoint_layout import make_meta
 from jaxzero.trainer import build_trainer
 
 

@@ -121,8 +121,8 @@ def masters_digest(run_dir: str) -> str:
     import jax
     import numpy as np
 
-    from jaxzero.checkpoint_masters import masters_by_unit
-    from jaxzero.deferred import resolved
+    from jaxzero.primitives.deferred import resolved
+    from jaxzero.storage.checkpoint_masters import masters_by_unit
 
     _, params, step = masters_by_unit(run_dir)
     h = hashlib.sha256(f"step {step}".encode())

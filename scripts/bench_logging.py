@@ -23,8 +23,8 @@ from pathlib import Path
 
 import jax
 
-from jaxzero.metrics import TensorBoardLog
 from jaxzero.offload.timeline import span
+from jaxzero.run.metrics import TensorBoardLog
 from jaxzero.state import BREAKDOWN
 
 

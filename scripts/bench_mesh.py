@@ -29,7 +29,7 @@ import sys
 import time
 from functools import partial
 
-from jaxzero.launch import split_cores
+from jaxzero.cli.launch import split_cores
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -91,13 +91,12 @@ def run_grad_case(case: str, args) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxzero import placement
     from jaxzero.config import TrainConfig
     from jaxzero.models import ModelParams, build_model
     from jaxzero.models.sizes import flops_per_token, param_count, unit_param_counts
     from jaxzero.offload.streaming import StreamedModel
     from jaxzero.overrides import apply_overrides
-    from jaxzero.plan import resolve_plan
+    from jaxzero.plan import placement, resolve_plan
     from jaxzero.resident import averaged_grads
 
     params_mode = "cpu" if case.startswith("stream") else "none"
@@ -154,14 +153,14 @@ def run_step_case(case: str, args) -> dict:
     import jax
     import numpy as np
 
-    from jaxzero import distributed
     from jaxzero.config import TrainConfig
     from jaxzero.data import DataShard, build_data
-    from jaxzero.loop import settle_heap
-    from jaxzero.metrics import host_rss_gib
     from jaxzero.models.sizes import flops_per_token, param_count
     from jaxzero.overrides import apply_overrides
     from jaxzero.planner import preflight
+    from jaxzero.run import distributed
+    from jaxzero.run.loop import settle_heap
+    from jaxzero.run.metrics import host_rss_gib
     from jaxzero.trainer import build_trainer
 
     # Every case names its placement: the planner (offload.*=auto, the default) would choose its own;
@@ -279,9 +278,9 @@ def run_step_case(case: str, args) -> dict:
 def _predicted(trainer) -> dict:
     import jax
 
-    from jaxzero import placement, runtime
     from jaxzero.models import build_model
-    from jaxzero.planner import memory
+    from jaxzero.plan import placement
+    from jaxzero.planner import memory, runtime
     from jaxzero.planner.cost import predict
     from jaxzero.planner.machine import detect_machine
 
@@ -322,12 +321,11 @@ def run_host_case(case: str, args) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxzero import placement
     from jaxzero.config import TrainConfig
     from jaxzero.models import build_model
     from jaxzero.offload.host_optimizer import HostOptimizer, HostUnit, UnitUpdate
     from jaxzero.overrides import apply_overrides
-    from jaxzero.plan import resolve_plan
+    from jaxzero.plan import placement, resolve_plan
 
     over = {"model.name": args.model, "optimizer.warmup_steps": "0", "data.grad_accum": "1"}
     cfg = apply_overrides(TrainConfig(), {**over, "offload.optimizer": "cpu", "offload.params": "cpu"})
@@ -502,7 +500,7 @@ def main() -> None:
         type=int,
         default=1,
         help="step cases: 1 (the program's way): exempt the objects alive after the first step from "
-        "Python's full garbage collections (`jaxzero.loop.settle_heap`); 0: leave the collector as it is",
+        "Python's full garbage collections (`jaxzero.run.loop.settle_heap`); 0: leave the collector as it is",
     )
     ap.add_argument(
         "--start_count",

@@ -52,8 +52,8 @@ def main() -> None:
     decision = preflight.decide_before_jax(cfg)  # before JAX starts: sizes XLA's pinned pool for it
     import jax
 
-    from jaxzero.checkpoint import Checkpointer
     from jaxzero.data import DataShard, build_data
+    from jaxzero.storage.checkpoint import Checkpointer
     from jaxzero.trainer import build_trainer
 
     trainer = build_trainer(decision.config, decision=decision)

@@ -40,10 +40,10 @@ def main() -> None:
     import torch
     import transformers
 
-    from jaxzero.checkpoint_masters import load_masters, saved_adapters
     from jaxzero.finetune.merged import merged_units
     from jaxzero.interop import export_hf
     from jaxzero.models import build_model, forward
+    from jaxzero.storage.checkpoint_masters import load_masters, saved_adapters
 
     cfg, _, step = saved_adapters(args.run_dir)
     if not os.path.exists(os.path.join(args.base_out, "config.json")):  # an earlier check's base is reused

@@ -18,12 +18,11 @@ from collections import Counter
 import jax
 import jax.numpy as jnp
 
-from jaxzero import placement
 from jaxzero.config import TrainConfig
 from jaxzero.models import build_model
 from jaxzero.offload.streaming import StreamedModel
 from jaxzero.overrides import apply_overrides
-from jaxzero.plan import resolve_plan
+from jaxzero.plan import placement, resolve_plan
 
 # `%name = SHAPE op(`: SHAPE one shape, or the (tuple, of, shapes) of collectives XLA combined
 COLLECTIVE = re.compile(

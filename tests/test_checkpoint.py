@@ -20,18 +20,18 @@ import orbax.checkpoint as ocp
 import pytest
 from subprocess_run import run_module, run_program, user_env
 
-from jaxzero import checkpoint as checkpoint_lib
-from jaxzero import placement
-from jaxzero.checkpoint import Checkpointer
-from jaxzero.checkpoint_disk import CheckpointWriteError, ensure_disk_room
-from jaxzero.checkpoint_layout import largest_array_bytes, make_meta, state_bytes
-from jaxzero.checkpoint_masters import read_saved_state
 from jaxzero.config import CheckpointError, TrainConfig
-from jaxzero.deferred import resolved
 from jaxzero.overrides import apply_overrides
-from jaxzero.state_io import restore_state, save_state
+from jaxzero.plan import placement
+from jaxzero.primitives.deferred import resolved
+from jaxzero.primitives.write_fence import WriteFence
+from jaxzero.storage import checkpoint as checkpoint_lib
+from jaxzero.storage.checkpoint import Checkpointer
+from jaxzero.storage.checkpoint_disk import CheckpointWriteError, ensure_disk_room
+from jaxzero.storage.checkpoint_layout import largest_array_bytes, make_meta, state_bytes
+from jaxzero.storage.checkpoint_masters import read_saved_state
+from jaxzero.storage.state_io import restore_state, save_state
 from jaxzero.trainer import build_trainer
-from jaxzero.write_fence import WriteFence
 
 RUN = [
     "--steps=12",

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from subprocess_run import REPO, run_module, user_env
 
-from jaxzero import train as train_lib
+from jaxzero.cli import train as train_lib
 
 pytestmark = pytest.mark.slow  # end to end: `python -m jaxzero.train` in subprocesses
 

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from jaxzero.config import CheckpointConfig, ConfigError, ModelConfig, OffloadConfig, TrainConfig
-from jaxzero.config_checks import validate
+from jaxzero.config.checks import validate
 from jaxzero.models.sizes import NAMED_SIZES, param_count
 from jaxzero.overrides import apply_overrides, config_from_dict, parse_args
 from jaxzero.planner import memory

@@ -17,10 +17,10 @@ import optax
 import pytest
 from test_offload import STEPS, TOLERANCE, rel, tiny
 
-from jaxzero import placement
 from jaxzero.config import ConfigError, ModelConfig
 from jaxzero.data import build_data
 from jaxzero.models import ModelParams, init_params
+from jaxzero.plan import placement
 from jaxzero.trainer import build_trainer
 
 

@@ -16,8 +16,8 @@ from subprocess_run import run_module
 
 from jaxzero import deepspeed
 from jaxzero.config import ConfigError, TrainConfig
-from jaxzero.config_checks import resolve_batch, validate
-from jaxzero.optim import learning_rate_schedule
+from jaxzero.config.checks import resolve_batch, validate
+from jaxzero.numerics.optim import learning_rate_schedule
 from jaxzero.overrides import apply_overrides, layer, split_args
 
 CONFIGS = Path(__file__).parent / "deepspeed_configs"
@@ -551,7 +551,7 @@ def _file(tmp_path: Path, ds: dict) -> list[str]:
 def test_the_batch_rule_for_the_gpus_found_in_the_files_words(tmp_path, capsys, ds, says):
     """Consistent for some GPU count, refused for the 4 devices the tests run on: `python -m
     jaxzero.train` in-process, exit 2, nothing written."""
-    from jaxzero import train as train_lib  # the program: imported by its test only
+    from jaxzero.cli import train as train_lib  # the program: imported by its test only
 
     run_dir = tmp_path / "run"
     code = train_lib.main([*_file(tmp_path, ds), f"--run_dir={run_dir}", "--data.seq_len=16"])
@@ -562,7 +562,7 @@ def test_the_batch_rule_for_the_gpus_found_in_the_files_words(tmp_path, capsys, 
 
 
 def test_the_planner_refuses_the_batch_in_the_files_words(tmp_path, capsys):
-    from jaxzero.plan.__main__ import main as plan_main  # the program: imported by its test only
+    from jaxzero.cli.plan import main as plan_main  # the program: imported by its test only
 
     ds = {TB: 6, MB: 1, GAS: 2, "zero_optimization": {"stage": 0}}
     assert plan_main([*_file(tmp_path, ds), "--machine.gpu_gib=80", "--machine.host_gib=64"]) == 2

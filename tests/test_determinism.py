@@ -21,12 +21,12 @@ import numpy as np
 import pytest
 from subprocess_run import user_env
 
-from jaxzero import placement, runtime
 from jaxzero.config import ConfigError, TrainConfig
 from jaxzero.data import build_data
 from jaxzero.offload import host_kernels
 from jaxzero.overrides import apply_overrides
-from jaxzero.planner import preflight
+from jaxzero.plan import placement
+from jaxzero.planner import preflight, runtime
 from jaxzero.trainer import build_trainer
 
 ADDED = "--xla_gpu_deterministic_ops=true --xla_gpu_exclude_nondeterministic_ops=true"

@@ -20,14 +20,13 @@ import pytest
 from subprocess_run import run_module
 from test_offload import run, tiny
 
-from jaxzero import placement
 from jaxzero.config import ConfigError
 from jaxzero.data import build_data
-from jaxzero.deferred import resolved
 from jaxzero.models import build_model
 from jaxzero.offload.disk import DiskStore
-from jaxzero.plan import Tier, resolve_plan
-from jaxzero.state_io import restore_state, save_state
+from jaxzero.plan import Tier, placement, resolve_plan
+from jaxzero.primitives.deferred import resolved
+from jaxzero.storage.state_io import restore_state, save_state
 from jaxzero.trainer import build_trainer
 
 HOST = {"offload.optimizer": "cpu", "offload.params": "cpu"}

@@ -1,4 +1,4 @@
-"""Tests for jaxzero.distributed: which environments start a run of several processes, what JAX is
+"""Tests for jaxzero.run.distributed: which environments start a run of several processes, what JAX is
 given, and the errors for variables that miss a partner. No processes are started here (the launcher's
 tests in test_launch.py start some)."""
 
@@ -11,9 +11,9 @@ from typing import Any
 import jax
 import pytest
 
-from jaxzero import distributed
 from jaxzero.config import ConfigError
-from jaxzero.distributed import Processes, detect, initialize_arguments
+from jaxzero.run import distributed
+from jaxzero.run.distributed import Processes, detect, initialize_arguments
 
 JAX_VARS = {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "2"}
 SLURM = {

@@ -6,10 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxzero import placement
 from jaxzero.config import TrainConfig
-from jaxzero.deferred import resolved
-from jaxzero.loss_scale import init_loss_scale
+from jaxzero.numerics.loss_scale import init_loss_scale
 from jaxzero.offload.breakdown import StepTimings
 from jaxzero.offload.checkpointing import CheckpointAdapter
 from jaxzero.offload.context import EngineContext, build_engine_context
@@ -18,7 +16,8 @@ from jaxzero.offload.pipeline import UpdateCounts
 from jaxzero.offload.state_init import StateInit
 from jaxzero.offload.step import DynamicLossScale, NoLossScale
 from jaxzero.overrides import apply_overrides
-from jaxzero.plan import resolve_plan
+from jaxzero.plan import placement, resolve_plan
+from jaxzero.primitives.deferred import resolved
 from jaxzero.resident import ResidentCheckpoint, ResidentInit, build_resident_context
 from jaxzero.state import BREAKDOWN, BREAKDOWN_TIMES
 

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 from test_offload import TOLERANCE
 
-from jaxzero import eval as eval_lib
-from jaxzero import train as train_lib  # the programs: imported by their tests only
-from jaxzero.checkpoint_masters import load_masters
+from jaxzero.cli import eval as eval_lib
+from jaxzero.cli import train as train_lib  # the programs: imported by their tests only
 from jaxzero.data import write_tokens
 from jaxzero.models import build_model
-from jaxzero.objective import decode_window
+from jaxzero.numerics.objective import decode_window
+from jaxzero.storage.checkpoint_masters import load_masters
 
 SEQ = 16
 
@@ -114,7 +114,7 @@ def test_eval_refuses_in_one_line(trained, tmp_path, capsys):
 
 
 def test_eval_of_the_exported_hugging_face_checkpoint_equals_the_runs(trained, tmp_path, capsys):
-    from jaxzero import export as export_lib  # the program: imported by its test only
+    from jaxzero.cli import export as export_lib  # the program: imported by its test only
 
     run, data = trained
     out = tmp_path / "hf"
@@ -138,7 +138,7 @@ def test_eval_of_the_exported_hugging_face_checkpoint_equals_the_runs(trained, t
 def test_fine_tuning_examples_packed_or_one_per_row_evaluate_alike(tmp_path, capsys):
     """With attention inside each example, packing examples into rows changes nothing of their loss:
     the eval of a fine-tuning set packed best fit equals one example per row, every target once."""
-    from jaxzero import prepare as prepare_lib  # the program: imported by its test only
+    from jaxzero.cli import prepare as prepare_lib  # the program: imported by its test only
 
     rng = np.random.default_rng(1)
     words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]

@@ -11,8 +11,8 @@ import torch
 import transformers
 from subprocess_run import run_module
 
-from jaxzero.checkpoint_masters import load_masters
 from jaxzero.models import build_model, forward
+from jaxzero.storage.checkpoint_masters import load_masters
 
 pytestmark = pytest.mark.slow  # trains through the CLI, then exports
 
@@ -58,8 +58,8 @@ def test_hf_export_loads_in_transformers_with_matching_logits(trained, name):
 def test_hf_export_reads_the_checkpoint_one_unit_at_a_time(trained, tmp_path, monkeypatch):
     """`masters_by_unit` defers every unit; the export reads each only when it writes it, so host RAM
     holds one unit of the masters at a time, and the files equal an export of the whole masters."""
-    from jaxzero import checkpoint_masters
     from jaxzero.interop import export_hf
+    from jaxzero.storage import checkpoint_masters
 
     cfg, lazy, step = checkpoint_masters.masters_by_unit(trained / "llama-tiny")
     units = lazy.units()

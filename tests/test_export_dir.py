@@ -1,5 +1,5 @@
 """An export writes only into a new or empty directory or over an earlier export of jaxzero's (its
-`.jaxzero-export` marker), never over anything else, `--overwrite` or not (`jaxzero.export_dir`).
+`.jaxzero-export` marker), never over anything else, `--overwrite` or not (`jaxzero.storage.export_dir`).
 `python -m jaxzero.export` in-process (`main(argv)`) on a one-step run, and the writers themselves."""
 
 from __future__ import annotations
@@ -17,15 +17,15 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from jaxzero import export as export_lib
-from jaxzero import export_dir
-from jaxzero import train as train_lib
-from jaxzero.checkpoint_masters import export_orbax
+from jaxzero.cli import export as export_lib
+from jaxzero.cli import train as train_lib
 from jaxzero.config import ModelConfig, TrainConfig
 from jaxzero.interop import export_hf, import_hf
 from jaxzero.interop.safetensors import SafetensorsWriter
 from jaxzero.models import build_model
 from jaxzero.overrides import apply_overrides
+from jaxzero.storage import export_dir
+from jaxzero.storage.checkpoint_masters import export_orbax
 
 MODEL = dataclasses.replace(ModelConfig.named("llama-tiny"), num_layers=1)
 
@@ -250,7 +250,7 @@ def test_an_unreadable_marker_is_refused(params, tmp_path):
 HOLDER = """
 import sys, time
 from pathlib import Path
-from jaxzero.run_lock import lock_export_dir
+from jaxzero.storage.run_lock import lock_export_dir
 lock = lock_export_dir(Path(sys.argv[1]))
 print("held", flush=True)
 time.sleep(120)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from subprocess_run import run_module, run_program
 
-from jaxzero import train as train_lib
+from jaxzero.cli import train as train_lib
 
 pytestmark = pytest.mark.slow  # the CLI in subprocesses
 

@@ -4,14 +4,14 @@ import jax
 import numpy as np
 import pytest
 
-from jaxzero import placement
-from jaxzero.checkpoint import Checkpointer
-from jaxzero.checkpoint_layout import make_meta
 from jaxzero.config import FP16Config, TrainConfig
 from jaxzero.data import build_data
-from jaxzero.loss_scale import init_loss_scale, update_loss_scale
-from jaxzero.optim import learning_rate_schedule
+from jaxzero.numerics.loss_scale import init_loss_scale, update_loss_scale
+from jaxzero.numerics.optim import learning_rate_schedule
 from jaxzero.overrides import apply_overrides
+from jaxzero.plan import placement
+from jaxzero.storage.checkpoint import Checkpointer
+from jaxzero.storage.checkpoint_layout import make_meta
 from jaxzero.trainer import build_trainer
 
 

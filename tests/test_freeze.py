@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 from test_lora import batches, resident_then_streamed, trainer_of
 
-from jaxzero import train as train_lib
-from jaxzero.checkpoint_masters import load_masters, read_saved_state
+from jaxzero.cli import train as train_lib
 from jaxzero.config import ConfigError, TrainConfig
-from jaxzero.config_checks import validate
+from jaxzero.config.checks import validate
 from jaxzero.models import ModelParams, build_model
-from jaxzero.objective import loss_fn, step_weight
+from jaxzero.numerics.objective import loss_fn, step_weight
 from jaxzero.overrides import apply_overrides
 from jaxzero.planner.partial import partial_bytes, partial_memory
+from jaxzero.storage.checkpoint_masters import load_masters, read_saved_state
 
 FREEZE = {
     "finetune.freeze": "embed,blocks:0-0",

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from jaxzero import decode
-from jaxzero import generate as gen_lib
+from jaxzero.cli import generate as gen_lib
 from jaxzero.config import ConfigError, ModelConfig, TrainConfig
 from jaxzero.decode import Generator, Sampling, sample_next
 from jaxzero.models import build_model, forward
@@ -151,7 +151,7 @@ def test_bad_requests_are_refused():
 
 
 def test_a_run_on_the_builtin_corpus_ends_with_samples_and_the_cli_reads_it(tmp_path, capsys):
-    from jaxzero import train as train_lib
+    from jaxzero.cli import train as train_lib
 
     over = {
         "steps": "3",

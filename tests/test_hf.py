@@ -533,7 +533,7 @@ def test_sharded_export(jax_params: dict, tmp_path: Path) -> None:
         export_hf(params, cfg, tmp_path / "ckpt")
     export_hf(params, cfg, tmp_path / "ckpt", overwrite=True)
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
-        ".jaxzero-export",  # the export's marker (jaxzero.export_dir)
+        ".jaxzero-export",  # the export's marker (jaxzero.storage.export_dir)
         "config.json",
         "model.safetensors",
     ]
@@ -674,7 +674,7 @@ def test_sliding_windows() -> None:
     )
 
     from jaxzero.config import TrainConfig
-    from jaxzero.config_checks import validate
+    from jaxzero.config.checks import validate
 
     windowed = dataclasses.replace(MISTRAL, sliding_window=8, max_seq_len=64)
     validate(
@@ -694,10 +694,10 @@ def test_an_import_reads_each_unit_when_the_trainer_places_it(jax_params: dict, 
     """`load_hf_by_unit` checks every name and shape from the headers at once, then reads a unit's
     tensors only when the offload trainer places it (one unit in host RAM at a time), in forward
     order; the state equals one made from the whole masters, bit for bit."""
-    from jaxzero import placement
     from jaxzero.config import TrainConfig
     from jaxzero.interop import hf_io, load_hf_by_unit
     from jaxzero.overrides import apply_overrides
+    from jaxzero.plan import placement
     from jaxzero.trainer import build_trainer
 
     cfg, params = LLAMA, jax_params["llama"]

@@ -13,8 +13,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxzero import generate as generate_lib
-from jaxzero import train as train_lib
+from jaxzero.cli import generate as generate_lib
+from jaxzero.cli import train as train_lib
 from jaxzero.config import ModelConfig
 from jaxzero.interop import export_hf
 from jaxzero.models import build_model

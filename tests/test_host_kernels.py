@@ -23,13 +23,12 @@ import numpy as np
 import pytest
 from subprocess_run import REPO, user_env
 
-from jaxzero import placement
 from jaxzero.config import TrainConfig
 from jaxzero.models import build_model
 from jaxzero.offload import host_kernels
 from jaxzero.offload.host_optimizer import HostOptimizer, HostUnit, UnitUpdate
 from jaxzero.overrides import apply_overrides
-from jaxzero.plan import resolve_plan
+from jaxzero.plan import placement, resolve_plan
 
 OPTIMIZERS = {
     "adamw": {"optimizer.name": "adamw", "optimizer.weight_decay": "0.1"},

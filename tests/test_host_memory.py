@@ -7,11 +7,10 @@ from concurrent.futures import ThreadPoolExecutor
 import jax
 import numpy as np
 
-from jaxzero import placement
 from jaxzero.config import TrainConfig
 from jaxzero.offload import host_kernels, host_memory
 from jaxzero.overrides import apply_overrides
-from jaxzero.plan import resolve_plan
+from jaxzero.plan import placement, resolve_plan
 
 
 def where() -> placement.OffloadPlacement:

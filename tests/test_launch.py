@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from subprocess_run import REPO, run_module, user_env
 
-from jaxzero import launch
-from jaxzero.launch import LaunchArgs, UsageError, child_env, parse_args, split_gpus, visible_gpus
+from jaxzero.cli import launch
+from jaxzero.cli.launch import LaunchArgs, UsageError, child_env, parse_args, split_gpus, visible_gpus
 
 TINY = [
     "--model.num_layers=2",
@@ -355,7 +355,8 @@ def test_two_processes_with_blocking_saves_restore_every_checkpoint_and_resume(t
 
     import jax  # the checkpoints restore in this process too, on one device
 
-    from jaxzero import build_trainer, placement, restore_state
+    from jaxzero import build_trainer, restore_state
+    from jaxzero.plan import placement
 
     trainer = build_trainer(
         mesh=placement.make_mesh(jax.devices()[:1]),

@@ -137,35 +137,29 @@ def test_imports_inside_functions_say_why():
 
 
 # What the run's side of the house is made of, which the engines and the contract must not load.
-STORAGE = {
-    "jaxzero.checkpoint",
-    "jaxzero.checkpoint_layout",
-    "jaxzero.checkpoint_handler",
-    "jaxzero.checkpoint_disk",
-    "jaxzero.checkpoint_masters",
-    "jaxzero.state_io",
-    "jaxzero.run_dir",
-    "jaxzero.run_lock",
-}
+STORAGE = {"jaxzero.storage"}
 CONFIG_BUILDING = {"jaxzero.interop", "jaxzero.overrides", "jaxzero.deepspeed"}  # the CLI, the HF exporter
+# The run's loop and its reporting (not `jaxzero.run.distributed`, which the planner's pass reads).
 THE_RUN = {
-    "jaxzero.metrics",
-    "jaxzero.loop",
-    "jaxzero.start",
-    "jaxzero.nonfinite",
-    "jaxzero.finish",
-    "jaxzero.samples",
+    "jaxzero.run.metrics",
+    "jaxzero.run.loop",
+    "jaxzero.run.start",
+    "jaxzero.run.nonfinite",
+    "jaxzero.run.finish",
+    "jaxzero.run.samples",
 }
 ENGINES = {"jaxzero.offload", "jaxzero.trainer", "jaxzero.decode"}
+# The programs: `jaxzero.cli`, and the flat modules and `jaxzero.plan.__main__` that `python -m` runs.
 PROGRAMS = {
+    "jaxzero.cli",
     "jaxzero.train",
     "jaxzero.export",
     "jaxzero.generate",
     "jaxzero.eval",
     "jaxzero.prepare",
     "jaxzero.launch",
-    "jaxzero.plan.__main__",
     "jaxzero.plot",
+    "jaxzero.plan.__main__",
 }
 
 
@@ -178,25 +172,25 @@ def test_the_directions_of_the_layers():
     forbidden = {
         # The package's names are imported on first use: importing any module loads no other layer.
         "jaxzero": {"jaxzero"},
-        "jaxzero.models": {"jaxzero.plan", "jaxzero.planner", "jaxzero.placement", "jaxzero.offload"},
+        "jaxzero.models": {"jaxzero.plan", "jaxzero.planner", "jaxzero.plan.placement", "jaxzero.offload"},
         # The engine and the contract every trainer returns: no Orbax, run directory, exporter, CLI,
-        # logging of the run or program (saving, restoring and exporting are `jaxzero.state_io`'s).
+        # logging of the run or program (saving, restoring and exporting are `jaxzero.storage.state_io`'s).
         "jaxzero.offload": STORAGE | CONFIG_BUILDING | THE_RUN | PROGRAMS,
         "jaxzero.state": STORAGE | CONFIG_BUILDING | THE_RUN | PROGRAMS | ENGINES | {"jaxzero.data"},
         # The plan the engines read is below everything that decides: it imports nothing of the
         # planner (which counts each placement's memory); `python -m jaxzero.plan` is a program.
-        "jaxzero.plan": {"jaxzero.offload", "jaxzero.placement", "jaxzero.planner", "jaxzero.trainer"},
+        "jaxzero.plan": {"jaxzero.offload", "jaxzero.plan.placement", "jaxzero.planner", "jaxzero.trainer"},
         # The planner is below the engines, the run and storage; its search and its parts below the
         # shardings too (the resolution pass, `preflight`, reads the model's shapes through them).
         "jaxzero.planner": STORAGE | ENGINES | THE_RUN | PROGRAMS,
         **{
-            f"jaxzero.planner.{m}": {"jaxzero.offload", "jaxzero.placement", "jaxzero.trainer"}
+            f"jaxzero.planner.{m}": {"jaxzero.offload", "jaxzero.plan.placement", "jaxzero.trainer"}
             for m in ("machine", "cost", "candidates", "search", "report", "partial")
         },
         # The calibration is data; the memory plan only counts: no Orbax, no process environment, no
         # engine.
         "jaxzero.planner.calibration": {"jaxzero"},
-        "jaxzero.planner.memory": STORAGE | ENGINES | {"jaxzero.runtime"},
+        "jaxzero.planner.memory": STORAGE | ENGINES | {"jaxzero.planner.runtime"},
     }
     wrong = []
     for layer, names in forbidden.items():
@@ -209,7 +203,10 @@ def test_the_directions_of_the_layers():
             # Where each path first enters what is forbidden (what that loads in turn is not listed).
             wrong += [f"{layer}: {chain(member, n)}" for n in bad if via[n] not in bad]
     assert not wrong, "imports against the layers:\n" + "\n".join(sorted(wrong))
-    importers = {m for m, ns in graph().items() if PROGRAMS & ns}
+    def program(m: str) -> bool:
+        return any(in_layer(m, p) for p in PROGRAMS)
+
+    importers = {m for m, ns in graph().items() if not program(m) and any(program(n) for n in ns)}
     assert importers == set(), f"programs are imported by {importers}"
 
 
@@ -223,3 +220,63 @@ def test_the_engine_and_the_contract_load_no_orbax():
     banned = STORAGE | CONFIG_BUILDING | THE_RUN | PROGRAMS
     wrong = [m for m in loaded if in_layer(m, "orbax") or any(in_layer(m, b) for b in banned)]
     assert not wrong, f"importing jaxzero.offload.engine loads {wrong}"
+
+
+# The layers as folders, bottom up: a module imports from its own layer and those below. Each entry is
+# a package (or a flat module) of `jaxzero`; `jaxzero` itself (the lazy library API) is on top.
+LAYERS = [
+    {"config", "primitives"},
+    {"models"},
+    {"numerics"},
+    {"data"},
+    {"plan"},
+    {"planner"},
+    {"offload", "finetune", "resident", "custom", "decode", "state", "trainer"},
+    {"storage"},
+    {"interop", "deepspeed", "overrides"},
+    {"run"},
+    {"cli", "train", "export", "generate", "eval", "prepare", "launch", "plot"},
+]
+# The imports that still run back up those layers, each with what would remove it. No other may
+# be added: a new one is a module in the wrong folder.
+UPWARD = {
+    # the planner's pass agrees the machine's figures across a run's processes
+    ("jaxzero.planner", "jaxzero.run"),
+    # the frozen-part placement reads what trains (finetune's shape helpers, not yet below the planner)
+    ("jaxzero.planner", "jaxzero.finetune"),
+    # a frozen base from Hugging Face files; PEFT's layout of the adapters
+    ("jaxzero.finetune", "jaxzero.interop"),
+    # build_trainer(**overrides); the exports of a trainer's state and a saved config.json read back
+    ("jaxzero.trainer", "jaxzero.overrides"),
+    ("jaxzero.storage", "jaxzero.interop"),
+    ("jaxzero.storage", "jaxzero.overrides"),
+}
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 1 else module
+
+
+def test_imports_run_down_the_folders():
+    rank = {f"jaxzero.{name}": i for i, layer in enumerate(LAYERS) for name in layer}
+    assert {_layer(m) for m in MODULES} - {"jaxzero"} == set(rank), "a folder or module without a layer"
+    upward: dict[tuple[str, str], list[str]] = {}
+    for m, ns in graph().items():
+        for n in ns:
+            a, b = _layer(m), _layer(n)
+            if a != "jaxzero" and m != "jaxzero.plan.__main__" and rank[b] > rank[a]:
+                upward.setdefault((a, b), []).append(f"{m} -> {n}")
+    new = {k: v for k, v in upward.items() if k not in UPWARD}
+    assert not new, f"imports up the layers: {new}"
+    gone = UPWARD - set(upward)
+    assert not gone, f"no longer imported up the layers (remove from UPWARD): {gone}"
+
+
+def test_the_house_has_walls():
+    """At most 14 modules directly in `jaxzero/` (the rest in their layers' folders), none over 600
+    lines (a module past that does more than one job)."""
+    flat = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(flat) <= 14, f"{len(flat)} modules directly in jaxzero/: {flat}"
+    long = {m: n for m, p in MODULES.items() if (n := len(p.read_text().splitlines())) > 600}
+    assert not long, f"modules over 600 lines: {long}"

@@ -11,11 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxzero import placement
-from jaxzero import train as train_lib
-from jaxzero.checkpoint_masters import load_masters, read_saved_state
+from jaxzero.cli import train as train_lib
 from jaxzero.config import ConfigError, TrainConfig
-from jaxzero.config_checks import validate
+from jaxzero.config.checks import validate
 from jaxzero.data import build_data
 from jaxzero.finetune.adapters import adapter_shapes, lora_spec
 from jaxzero.finetune.base import narrow_block
@@ -23,11 +21,12 @@ from jaxzero.finetune.merged import merge_block, widen
 from jaxzero.finetune.trainer import PartialTrainer, build_partial_trainer
 from jaxzero.models import ModelParams, build_model
 from jaxzero.models.lora import merge_trees, quantize_kernel
-from jaxzero.objective import loss_fn, step_weight
+from jaxzero.numerics.objective import loss_fn, step_weight
 from jaxzero.overrides import apply_overrides
-from jaxzero.plan import resolve_plan
+from jaxzero.plan import placement, resolve_plan
 from jaxzero.planner.partial import partial_memory as lora_memory
-from jaxzero.state_io import restore_state
+from jaxzero.storage.checkpoint_masters import load_masters, read_saved_state
+from jaxzero.storage.state_io import restore_state
 
 LORA = {
     "finetune.method": "lora",
@@ -255,10 +254,10 @@ def test_eval_and_export_of_an_int8_lora_run_keep_the_trained_adapters(tmp_path,
     """`python -m jaxzero.eval` restores the adapters over the base rebuilt as trained (a merge
     quantised again would round small adapter updates away); `python -m jaxzero.export` writes the
     adapter, refuses merged-model flags without --merge, and merges with it; `export_state` alike."""
-    from jaxzero import eval as eval_lib
-    from jaxzero import export as export_lib
+    from jaxzero.cli import eval as eval_lib
+    from jaxzero.cli import export as export_lib
     from jaxzero.data import write_tokens
-    from jaxzero.state_io import export_state
+    from jaxzero.storage.state_io import export_state
 
     data = tmp_path / "tokens"
     data.mkdir()
@@ -325,7 +324,8 @@ def test_the_plan_counts_the_pinned_pool_and_three_streamed_blocks():
 
 
 def test_end_of_run_samples_are_skipped_where_the_weights_would_not_fit(tmp_path, monkeypatch):
-    from jaxzero import runtime, samples
+    from jaxzero.planner import runtime
+    from jaxzero.run import samples
 
     monkeypatch.setattr(runtime, "host_memory_available", lambda: 1000)  # bytes: nothing fits
     out = io.StringIO()
@@ -339,10 +339,10 @@ def test_a_base_from_files_that_changed_since_training_is_refused(tmp_path, caps
     import torch
     import transformers
 
-    from jaxzero import eval as eval_lib
-    from jaxzero import export as export_lib
-    from jaxzero.checkpoint_layout import read_meta
+    from jaxzero.cli import eval as eval_lib
+    from jaxzero.cli import export as export_lib
     from jaxzero.data import write_tokens
+    from jaxzero.storage.checkpoint_layout import read_meta
 
     def save_hf(seed: int) -> None:
         torch.manual_seed(seed)

@@ -5,11 +5,10 @@ import os
 import jax
 import pytest
 
-from jaxzero import runtime
 from jaxzero.config import ConfigError, TrainConfig
 from jaxzero.models.sizes import param_count, unit_param_counts
 from jaxzero.overrides import apply_overrides
-from jaxzero.planner import memory
+from jaxzero.planner import memory, runtime
 from jaxzero.planner.calibration import SAVE_WORKING_BYTES
 
 GiB = 2**30
@@ -214,8 +213,8 @@ def test_processes_on_one_host_share_its_ram():
 def test_arrays_no_stage_can_split_are_counted_whole():
     """llama-7b on 6 devices: no first axis (4096, 11008, 32000) divides by 6, so every array stays
     whole on every device, and the plan counts it so; on 4 devices they all split."""
-    from jaxzero import placement
     from jaxzero.models import build_model
+    from jaxzero.plan import placement
 
     c = cfg(parallel__zero_stage="3", checkpoint__async_save="false")
     shapes = jax.eval_shape(build_model(c.model).init, jax.random.key(0))

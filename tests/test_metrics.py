@@ -9,9 +9,9 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from test_train import tiny
 
-from jaxzero import metrics
-from jaxzero import train as train_lib
-from jaxzero.metrics import (
+from jaxzero.cli import train as train_lib
+from jaxzero.run import metrics
+from jaxzero.run.metrics import (
     MetricsLog,
     ProgressBar,
     Throughput,

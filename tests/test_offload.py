@@ -15,11 +15,11 @@ import jax
 import numpy as np
 import pytest
 
-from jaxzero import placement
 from jaxzero.config import TrainConfig
 from jaxzero.data import build_data
 from jaxzero.offload import OffloadState
 from jaxzero.overrides import apply_overrides
+from jaxzero.plan import placement
 from jaxzero.trainer import build_trainer
 
 STEPS = 4
@@ -307,7 +307,7 @@ def test_delayed_update_is_the_reference_shifted_by_one_step(mode):
     """offload.update=delayed (DPU): the gradient of step k is taken at the weights from before update
     k-1 (w_{k-2}, with w_{-1} = w_0) and applied to the newest masters. The oracle is that rule written
     out with optax on whole parameters; the same tolerances as offload == resident."""
-    from jaxzero.optim import build_optimizer
+    from jaxzero.numerics.optim import build_optimizer
     from jaxzero.resident import averaged_grads
 
     cfg = tiny("llama", "float32", **MODES[mode], **{"offload.update": "delayed"})
@@ -422,7 +422,7 @@ def test_the_head_loss_in_pieces_is_the_same_function(references, monkeypatch, d
     pieces of each sequence (one piece's logits at a time, remade in the backward pass). Lowered
     here so that the tiny model's sequences run in 4 pieces: the resident and the offload trainer
     train as the unpieced reference does, within the module's tolerances."""
-    from jaxzero import objective
+    from jaxzero.numerics import objective
 
     monkeypatch.setattr(objective, "HEAD_LOGITS_BYTES", 4 * 8 * 256 * 8)
     cfg = tiny("llama", dtype, **MODES["zero3-offload"])

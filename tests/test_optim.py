@@ -8,7 +8,7 @@ import pytest
 
 from jaxzero.config import ConfigError, OptimizerConfig, TrainConfig
 from jaxzero.models import build_model
-from jaxzero.optim import (
+from jaxzero.numerics.optim import (
     build_optimizer,
     clip_by_norm,
     learning_rate_schedule,

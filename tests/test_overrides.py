@@ -114,7 +114,7 @@ def test_a_key_given_twice_takes_the_last_value_and_says_so(caplog, capsys, monk
     assert parse_args(["--steps=10", "--steps=20"]).steps == 20
     assert "--steps is given twice ('10', then '20'): using '20'." in caplog.text
     assert capsys.readouterr().err == ""  # a library prints nothing of its own
-    from jaxzero.plan.__main__ import main as plan_main  # a program: its messages on stderr
+    from jaxzero.cli.plan import main as plan_main  # a program: its messages on stderr
 
     assert plan_main(["--steps=10", "--steps=20"]) == 0
     assert "jaxzero: --steps is given twice ('10', then '20'): using '20'." in capsys.readouterr().err
@@ -206,7 +206,7 @@ def test_a_run_saved_with_a_removed_key_resumes_without_it():
 
 def test_the_training_program_refuses_a_removed_key_in_one_line_before_any_work(tmp_path, capsys):
     """`python -m jaxzero.train` in-process: exit 2, the reason on one line, nothing written."""
-    from jaxzero import train as train_lib  # the program: imported by its test only
+    from jaxzero.cli import train as train_lib  # the program: imported by its test only
 
     run_dir = tmp_path / "run"
     code = train_lib.main([f"--run_dir={run_dir}", "--offload.speculative_units=8"])

@@ -19,12 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxzero import placement
 from jaxzero.config import ConfigError, DataConfig, TrainConfig
 from jaxzero.models import ModelParams, build_model, forward
-from jaxzero.objective import decode_window, document_eot, document_segments
+from jaxzero.numerics.objective import decode_window, document_eot, document_segments
 from jaxzero.offload.streaming import StreamedModel
 from jaxzero.overrides import apply_overrides
+from jaxzero.plan import placement
 from jaxzero.trainer import build_trainer
 
 EOT = 3

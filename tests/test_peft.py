@@ -25,8 +25,6 @@ import torch
 import transformers
 
 from jaxzero.config import CheckpointError, ConfigError, FinetuneConfig, ModelConfig, TrainConfig
-from jaxzero.deferred import is_deferred, resolved
-from jaxzero.export_dir import ExportRefused
 from jaxzero.finetune.adapters import TARGET_PATHS, init_adapters, lora_spec
 from jaxzero.finetune.merged import merged_params
 from jaxzero.interop import export_hf, import_hf, load_hf_by_unit
@@ -39,6 +37,8 @@ from jaxzero.interop.peft import (
 from jaxzero.interop.safetensors import load_file, save_file
 from jaxzero.models import Llama, ModelParams, forward
 from jaxzero.models.lora import merge_trees, quantize_kernel
+from jaxzero.primitives.deferred import is_deferred, resolved
+from jaxzero.storage.export_dir import ExportRefused
 
 VOCAB, HIDDEN, LAYERS, SEQ = 100, 32, 2, 12
 TOKENS = np.random.default_rng(0).integers(0, VOCAB, size=(2, SEQ), dtype=np.int32)
@@ -479,10 +479,10 @@ def test_a_lora_run_of_an_hf_checkpoint_exports_what_peft_loads(tmp_path: Path) 
     logits of jaxzero's merged model (`--merge`'s), and the adapters moved from their init."""
     import io
 
-    from jaxzero import export as export_lib
-    from jaxzero import train as train_lib
-    from jaxzero.checkpoint_masters import load_masters
+    from jaxzero.cli import export as export_lib
+    from jaxzero.cli import train as train_lib
     from jaxzero.overrides import apply_overrides
+    from jaxzero.storage.checkpoint_masters import load_masters
 
     hf_dir = tmp_path / "hf"
     torch_model("llama").save_pretrained(hf_dir)

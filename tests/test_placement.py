@@ -5,10 +5,9 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxzero import placement
 from jaxzero.config import ConfigError, TrainConfig
 from jaxzero.overrides import apply_overrides
-from jaxzero.plan import resolve_plan
+from jaxzero.plan import placement, resolve_plan
 
 
 def plan_of(**over):

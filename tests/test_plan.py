@@ -6,12 +6,12 @@ import jax
 import numpy as np
 import pytest
 
-from jaxzero import placement, plan
+from jaxzero import plan
 from jaxzero.config import ConfigError, TrainConfig
 from jaxzero.data import build_data
 from jaxzero.models.sizes import unit_param_counts
 from jaxzero.overrides import apply_overrides, parse_args
-from jaxzero.plan import Tier, TwoPass, UnitKind, UpdateMode, resolve_plan
+from jaxzero.plan import Tier, TwoPass, UnitKind, UpdateMode, placement, resolve_plan
 from jaxzero.planner import memory
 from jaxzero.trainer import build_trainer
 

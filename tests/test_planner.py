@@ -10,15 +10,14 @@ import jax
 import numpy as np
 import pytest
 
-from jaxzero import placement, runtime
+from jaxzero.cli.plan import main as plan_main
 from jaxzero.config import ConfigError, TrainConfig
-from jaxzero.config_checks import validate
+from jaxzero.config.checks import validate
 from jaxzero.data import build_data
 from jaxzero.models.sizes import unit_param_counts
 from jaxzero.overrides import apply_overrides, parse_args
-from jaxzero.plan import Tier, resolve_plan
-from jaxzero.plan.__main__ import main as plan_main
-from jaxzero.planner import memory, preflight, search
+from jaxzero.plan import Tier, placement, resolve_plan
+from jaxzero.planner import memory, preflight, runtime, search
 from jaxzero.planner.calibration import CUDA_CONTEXT_BYTES, GPU_HEADROOM, SAVE_WORKING_BYTES
 from jaxzero.planner.cost import predict
 from jaxzero.planner.machine import H200, Accelerators, Machine, accelerators_before_backend, detect_machine

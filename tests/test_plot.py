@@ -9,11 +9,11 @@ import matplotlib.image
 import numpy as np
 import pytest
 
-from jaxzero import plot
-from jaxzero import train as train_lib
+from jaxzero.cli import plot
+from jaxzero.cli import train as train_lib
 from jaxzero.config import ConfigError, TrainConfig
 from jaxzero.overrides import apply_overrides
-from jaxzero.run_dir import inspect_run_dir
+from jaxzero.storage.run_dir import inspect_run_dir
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 TINY = {

@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 from subprocess_run import user_env
 
-from jaxzero import config_checks, placement
-from jaxzero import train as train_lib
+from jaxzero.cli import train as train_lib
 from jaxzero.config import ConfigError, ModelConfig, TrainConfig
+from jaxzero.config import checks as config_checks
 from jaxzero.models import build_model
 from jaxzero.models.sizes import unit_param_shapes
 from jaxzero.overrides import apply_overrides
-from jaxzero.plan import resolve_plan
+from jaxzero.plan import placement, resolve_plan
 from jaxzero.planner import preflight, search
 from jaxzero.trainer import build_trainer, decide_and_build
 
@@ -127,7 +127,7 @@ def test_a_decision_for_another_config_is_refused_and_one_for_other_devices_redo
 
 def test_the_plan_program_starts_no_backend():
     code = (
-        "from jaxzero.plan.__main__ import main\n"
+        "from jaxzero.cli.plan import main\n"
         "from jax._src import xla_bridge\n"
         "assert main(['--model.name=llama-7b', '--machine.host_gib=125']) == 0\n"
         "assert main(['--offload.optimizer=cpu', '--offload.params=cpu']) == 0\n"
@@ -144,7 +144,7 @@ def test_the_program_decides_before_jax_starts(tmp_path):
     JAX, even a run whose short warmup is warned about (the warning is computed with JAX)."""
     code = (
         "import sys\n"
-        "import jaxzero.planner.preflight as preflight, jaxzero.runtime as runtime\n"
+        "import jaxzero.planner.preflight as preflight, jaxzero.planner.runtime as runtime\n"
         "decide = preflight.decide_before_jax\n"
         "def checked(cfg, processes=None, **kw):\n"
         "    assert not runtime.backends_started(), 'JAX started before the placement was decided'\n"
@@ -169,8 +169,8 @@ def test_the_program_decides_before_jax_starts(tmp_path):
 def test_a_node_of_eight_gpus_is_planned_without_one(monkeypatch):
     """`machine.gpus` with `machine.gpu_gib`: that many GPUs of one host, one process each, share its
     RAM; ZeRO-3 offload's host state per process falls with the GPU count and the step does not grow."""
-    from jaxzero import runtime
     from jaxzero.overrides import parse_args
+    from jaxzero.planner import runtime
 
     monkeypatch.setattr(runtime, "backends_started", lambda: False)  # as in a program, before JAX starts
     box = ["--machine.gpu_gib=79.2", "--machine.host_gib=560", "--machine.cores=128"]
@@ -197,8 +197,8 @@ def test_a_described_node_says_which_figures_were_taken_from_this_machine(monkey
     a warning names each figure taken from here and the key that gives the node's own."""
     import logging
 
-    from jaxzero import runtime
     from jaxzero.overrides import parse_args
+    from jaxzero.planner import runtime
 
     monkeypatch.setattr(runtime, "backends_started", lambda: False)
     node = ["--machine.gpu_gib=79.2", "--machine.gpus=8", "--data.batch_size=64"]

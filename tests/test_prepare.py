@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from subprocess_run import user_env
 
+from jaxzero.cli.prepare import main, prepare
 from jaxzero.config import DataConfig
 from jaxzero.data import DataError, build_data, load_token_files
-from jaxzero.prepare import main, prepare
 
 DOCS = ["def f(x):\n    return x\n", "héllo wörld", "", "the end\n"]
 
@@ -344,7 +344,7 @@ def test_bad_fine_tuning_records_name_the_line(tmp_path):
 def _train_on_examples(tmp_path, records, val_docs: int, console, over: dict[str, str]) -> list[dict]:
     """`prepare --sft` of `records`, then a 1-block model trained on them in-process (one record per
     step, `over` on top); the metrics records."""
-    from jaxzero import train as train_lib
+    from jaxzero.cli import train as train_lib
     from jaxzero.config import TrainConfig
     from jaxzero.overrides import apply_overrides
 
@@ -426,10 +426,10 @@ class _Stream(io.StringIO):
 def test_progress_is_not_printed_twice(tty, monkeypatch):
     """On a terminal the progress line is rewritten and erased at the end (the summary says the same);
     in a log, a line every 30 s and nothing at the end."""
-    from jaxzero.prepare import _Progress
+    from jaxzero.cli.prepare import _Progress
 
     clock = iter([0.0, 1.0, 31.0, 32.0, 70.0])
-    monkeypatch.setattr("jaxzero.prepare.time.monotonic", lambda: next(clock))
+    monkeypatch.setattr("jaxzero.cli.prepare.time.monotonic", lambda: next(clock))
     stream = _Stream(tty)
     shown = _Progress(stream)
     for _ in range(2):

@@ -8,11 +8,11 @@ import jax.numpy as jnp
 import pytest
 from test_train import tiny
 
-from jaxzero import train as train_lib
+from jaxzero.cli import train as train_lib
 from jaxzero.config import ConfigError, ProfileConfig, TrainConfig
-from jaxzero.config_checks import validate
+from jaxzero.config.checks import validate
 from jaxzero.overrides import apply_overrides, parse_args
-from jaxzero.profiling import StepTrace
+from jaxzero.run.profiling import StepTrace
 
 
 @pytest.mark.parametrize(

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from jaxzero import run_dir as rd
 from jaxzero.config import ConfigError, TrainConfig
 from jaxzero.overrides import apply_overrides, layer, split_args
-from jaxzero.run_dir import RunKind
+from jaxzero.storage import run_dir as rd
+from jaxzero.storage.run_dir import RunKind
 
 
 def jaxzero_run(path: Path, checkpoint: bool = True, summary: bool = False, **over) -> TrainConfig:

@@ -1,5 +1,5 @@
-"""One trainer per run directory (`jaxzero.run_lock`): the lock against another process (held, released,
-its holder killed), within one process, shared by the processes of one job, and what it leaves."""
+"""One trainer per run directory (`jaxzero.storage.run_lock`): the lock against another process (held,
+released, its holder killed), within one process, shared by the processes of one job, and what it leaves."""
 
 import errno
 import os
@@ -12,13 +12,13 @@ import pytest
 from subprocess_run import user_env
 
 from jaxzero.config import ConfigError
-from jaxzero.run_lock import LOCK_FILE, RunDirInUse, lock_run_dir
+from jaxzero.storage.run_lock import LOCK_FILE, RunDirInUse, lock_run_dir
 
 # Another process: hold `argv[1]` until killed, or try to take it once and say what happened.
 HOLD = """
 import sys, time
 from pathlib import Path
-from jaxzero.run_lock import lock_run_dir
+from jaxzero.storage.run_lock import lock_run_dir
 lock = lock_run_dir(Path(sys.argv[1]))
 print("held", flush=True)
 time.sleep(600)
@@ -26,7 +26,7 @@ time.sleep(600)
 TRY = """
 import sys
 from pathlib import Path
-from jaxzero.run_lock import RunDirInUse, lock_run_dir
+from jaxzero.storage.run_lock import RunDirInUse, lock_run_dir
 try:
     lock_run_dir(Path(sys.argv[1])).release()
     print("taken")

@@ -10,10 +10,10 @@ import jax
 import numpy as np
 import pytest
 
-from jaxzero import placement
 from jaxzero.config import ConfigError, TrainConfig
 from jaxzero.data import build_data
 from jaxzero.overrides import apply_overrides
+from jaxzero.plan import placement
 from jaxzero.trainer import build_trainer
 
 STEPS = 4

@@ -1,5 +1,6 @@
 """The Trainer contract as research code uses it: build with keyword overrides, step, evaluate, then
-save, restore and export (`jaxzero.state_io`); batches checked; the same ownership rule in every mode."""
+save, restore and export (`jaxzero.storage.state_io`); batches checked; the same ownership rule in every
+mode."""
 
 import io
 import json
@@ -8,11 +9,12 @@ import jax
 import numpy as np
 import pytest
 
-from jaxzero import build_data, build_trainer, export_state, placement, restore_state, save_state
-from jaxzero import run_dir as run_dir_lib
+from jaxzero import build_data, build_trainer, export_state, restore_state, save_state
+from jaxzero.cli.train import train
 from jaxzero.config import CheckpointError, ConfigError
 from jaxzero.interop import import_hf
-from jaxzero.train import train
+from jaxzero.plan import placement
+from jaxzero.storage import run_dir as run_dir_lib
 
 MODES = {"resident": {}, "zero3-offload": {"offload__optimizer": "cpu", "offload__params": "cpu"}}
 TINY = {

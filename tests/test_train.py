@@ -12,14 +12,14 @@ from pathlib import Path
 import jax.numpy as jnp
 import pytest
 
-from jaxzero import loop, stopping
-from jaxzero import train as train_lib
+from jaxzero.cli import train as train_lib
 from jaxzero.config import ConfigError, TrainConfig
-from jaxzero.nonfinite import nonfinite_cause
 from jaxzero.overrides import apply_overrides
-from jaxzero.run_lock import LOCK_FILE
-from jaxzero.start import Start
+from jaxzero.run import loop, stopping
+from jaxzero.run.nonfinite import nonfinite_cause
+from jaxzero.run.start import Start
 from jaxzero.state import StepMetrics
+from jaxzero.storage.run_lock import LOCK_FILE
 
 TINY = {
     "steps": "3",

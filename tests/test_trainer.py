@@ -6,11 +6,11 @@ import numpy as np
 import optax
 import pytest
 
-from jaxzero import placement
 from jaxzero.config import TrainConfig
 from jaxzero.models import build_model
-from jaxzero.objective import loss_fn
+from jaxzero.numerics.objective import loss_fn
 from jaxzero.overrides import apply_overrides
+from jaxzero.plan import placement
 from jaxzero.resident import averaged_grads
 from jaxzero.trainer import build_trainer
 

@@ -1,7 +1,7 @@
 """Batches: the resumable, shuffled window stream over a token array and its fixed validation windows
 (`WindowData`, `WindowIterator`), and uniform random tokens (`SyntheticData`, `SyntheticIterator`); the
 order, resume and sharding rules are `jaxzero.data`'s docstring. A token a loss mask leaves out is
-handed out as ``~id`` (`jaxzero.objective`)."""
+handed out as ``~id`` (`jaxzero.numerics.objective`)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def _gather_windows(
     tokens: np.ndarray, window_ids: np.ndarray, seq_len: int, counted: np.ndarray | None = None
 ) -> np.ndarray:
     """Window ``tokens[i*seq_len : i*seq_len + seq_len + 1]`` per id ``i``: ``(len(ids), seq_len + 1)`` int32,
-    each token that `counted` marks 0 written as ``~id`` (not a target; `jaxzero.objective`).
+    each token that `counted` marks 0 written as ``~id`` (not a target; `jaxzero.numerics.objective`).
 
     One contiguous slice copy per window: on a memmap that is a sequential read per window, faster than
     a single 2-D fancy-index gather.

@@ -16,8 +16,8 @@ import numpy as np
 
 from jaxzero.data.chat_template import ChatTemplate
 from jaxzero.data.documents import Example, read_documents, read_examples
+from jaxzero.data.tokenizer import ByteTokenizer, HFTokenizer
 from jaxzero.data.types import DataError
-from jaxzero.tokenizer import ByteTokenizer, HFTokenizer
 
 # Documents per task handed to a worker: large enough to amortise the pickling, small enough that
 # the progress line moves and the ordered results do not pile up in memory.

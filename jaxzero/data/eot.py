@@ -24,9 +24,9 @@ from pathlib import Path
 from jaxzero.config import DataConfig, TrainConfig
 from jaxzero.data.types import DataError
 
-log = logging.getLogger(__name__)  # the library speaks through logging (`jaxzero.console`)
+log = logging.getLogger(__name__)  # the library speaks through logging (`jaxzero.run.console`)
 
-# The recipe `jaxzero.prepare` writes beside its token files (`jaxzero.tokenizer.META_NAME`).
+# The recipe `jaxzero.prepare` writes beside its token files (`jaxzero.data.tokenizer.META_NAME`).
 PREPARE_META = "prepare.json"
 FROM_DATA = -1  # data.eot_id: the one the data says
 NO_EOT = -2  # data.eot_id: none, the token stream is one document

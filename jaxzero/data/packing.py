@@ -7,7 +7,7 @@ Rows. A row holds ``seq_len + 1`` tokens: whole examples one after another, then
 TRL's ``bfd`` packing), with ``data.pack=false`` one. An example longer than a row is cut to the row,
 which it fills alone (`Data.truncated_examples` per epoch, `BatchIterator.truncated` as they pass).
 Every example ends with the end-of-text id; the padding is another id marked not-a-target (``~pad``,
-`jaxzero.objective`): it counts no loss, and attention reads it as the tail of the row's last
+`jaxzero.numerics.objective`): it counts no loss, and attention reads it as the tail of the row's last
 example, after that example's tokens, so the example's loss is unchanged. An example's first token
 is marked not-a-target too: nothing of its example precedes it, as at
 the start of a row (so a packed example's loss is its loss alone).
@@ -37,7 +37,7 @@ import numpy as np
 from jaxzero.data.batches import seed_entropy, weyl_stride
 from jaxzero.data.types import BatchIterator, Data, DataError, DataShard, DataState, TokenSplits
 
-log = logging.getLogger(__name__)  # the library speaks through logging (`jaxzero.console`)
+log = logging.getLogger(__name__)  # the library speaks through logging (`jaxzero.run.console`)
 
 # Examples packed together: the permutation is cut into blocks of this many, each packed alone, so the
 # cost of packing is paid as the stream reaches a block and rows mix examples of one block only (TRL

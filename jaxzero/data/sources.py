@@ -19,7 +19,7 @@ import numpy as np
 from jaxzero.data.eot import PREPARE_META
 from jaxzero.data.types import DataError, TokenSplits
 
-log = logging.getLogger(__name__)  # the library speaks through logging (`jaxzero.console`)
+log = logging.getLogger(__name__)  # the library speaks through logging (`jaxzero.run.console`)
 
 BUILTIN_VOCAB_SIZE = 256
 # 8 MiB: ~8M byte tokens, plenty for a tiny model to learn Python's surface syntax, and quick to read

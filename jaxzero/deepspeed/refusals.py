@@ -8,7 +8,7 @@ import re
 from typing import Any
 
 from jaxzero.config import ConfigError, TrainConfig
-from jaxzero.config_checks import validate
+from jaxzero.config.checks import validate
 from jaxzero.deepspeed.keys import BATCH_KEYS
 from jaxzero.deepspeed.reading import Translation
 
@@ -17,7 +17,7 @@ def check(t: Translation, cfg: TrainConfig, num_devices: int | None = None) -> N
     """Raise ConfigError in the words of the DeepSpeed file (its path, its keys and values as it writes
     them, DeepSpeed's arithmetic) where `cfg`, the config the file's `t` was applied to, holds a value
     the file set that jaxzero refuses: DeepSpeed's batch rule (with `num_devices`, for that many GPUs),
-    the ranges and combinations `jaxzero.config_checks.validate` checks, and disk offload's fused update. A
+    the ranges and combinations `jaxzero.config.checks.validate` checks, and disk offload's fused update. A
     key the command line changed is named as jaxzero's (`data.batch_size=8`); a refusal of such keys
     alone is left to `validate`. Any other refusal `validate` makes of a key the file set gets the
     file's key and value appended."""

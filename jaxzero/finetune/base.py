@@ -20,21 +20,15 @@ from functools import partial
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import Sharding
 
 from jaxzero.config import TrainConfig
-from jaxzero.deferred import Deferred, resolved
 from jaxzero.models import Model, ModelParams, init_keys
-from jaxzero.models.lora import quantize_kernel
+from jaxzero.models.lora import quantize_kernel, storage_dtype
 from jaxzero.offload.host_memory import reserve_pinned
+from jaxzero.primitives.deferred import Deferred, resolved
 
 KERNEL = "kernel"
-
-
-def storage_dtype(base_dtype: str) -> jnp.dtype:
-    """The dtype of a base's non-quantised leaves: bfloat16 for int8 bases."""
-    return jnp.dtype(jnp.float32 if base_dtype == "float32" else jnp.bfloat16)
 
 
 def narrow_block(block: Any, base_dtype: str) -> Any:

@@ -17,12 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxzero.config import FinetuneConfig, TrainConfig
-from jaxzero.deferred import Deferred, is_deferred
 from jaxzero.finetune.adapters import lora_spec
 from jaxzero.finetune.base import narrow_block, narrow_unit, source_units
 from jaxzero.finetune.trainable import base_positions
 from jaxzero.models import ModelParams, build_model
 from jaxzero.models.lora import dequantize
+from jaxzero.primitives.deferred import Deferred, is_deferred
 
 
 def widen(unit: Any) -> Any:

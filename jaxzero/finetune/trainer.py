@@ -12,7 +12,7 @@ copied one block ahead of the pass that needs it by the schedule's prefetch. One
                              rematerialised backward, so one micro-batch's activations live)
     grads = sum of grads_a;  trainable, opt_state = optax update (global-norm clipping)
 
-The loss is the resident trainer's (`jaxzero.objective`: the mean cross-entropy over the step's
+The loss is the resident trainer's (`jaxzero.numerics.objective`: the mean cross-entropy over the step's
 counted targets, micro-batches weighted by their targets). Dropout on the adapters' inputs takes a key
 per step, micro-batch and block, the same in a block's forward pass and its recomputation.
 
@@ -31,27 +31,26 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, SingleDeviceSharding
 
-from jaxzero import placement
 from jaxzero.config import ConfigError, TrainConfig
-from jaxzero.deferred import resolved
 from jaxzero.finetune.adapters import init_adapters, lora_spec
 from jaxzero.finetune.base import BaseBuilder, FrozenBase, source_units
 from jaxzero.finetune.trainable import base_positions, layout_of, lowest_trainable_block, trainable_shapes
 from jaxzero.models import ModelParams, build_model
-from jaxzero.objective import document_eot, document_segments, step_weight
-from jaxzero.offload.streaming import StreamedModel
-from jaxzero.offload.trains import FrozenPart
-from jaxzero.optim import (
+from jaxzero.numerics.objective import document_eot, document_segments, step_weight
+from jaxzero.numerics.optim import (
     build_optimizer,
     global_norm,
     join_opt_state,
     learning_rate_schedule,
     split_opt_state,
 )
-from jaxzero.placement import OffloadPlacement
-from jaxzero.plan import OffloadPlan, Tier, UnitKind
+from jaxzero.offload.streaming import StreamedModel
+from jaxzero.offload.trains import FrozenPart
+from jaxzero.plan import OffloadPlan, Tier, UnitKind, placement
+from jaxzero.plan.placement import OffloadPlacement
+from jaxzero.primitives.deferred import resolved
+from jaxzero.primitives.write_fence import WriteFence
 from jaxzero.state import StepMetrics, Trainer, abstract_placed
-from jaxzero.write_fence import WriteFence
 
 ADAPTER_KEY = 0x10A  # folded into the run's key for the adapters' init, so the base keeps the model's keys
 DROPOUT_KEY = 0xD0  # folded into the run's key for the adapters' dropout
@@ -114,7 +113,7 @@ class PartialTrainer:
         self._dropout = self.lora and ft.lora_dropout > 0
         self._base: FrozenBase | None = None
         self._initial: ModelParams | None = None  # under freeze: the trainable units' starting values
-        self.fence = WriteFence()  # a checkpoint being written from a state's arrays (`jaxzero.write_fence`)
+        self.fence = WriteFence()  # a checkpoint being written from a state's arrays
         model = self.model
         # The one streamed schedule of every engine, over what trains: the base's blocks prefetched
         # from pinned_host (or resident), each merged with its trainable part in the block programs.

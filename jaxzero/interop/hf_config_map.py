@@ -7,7 +7,7 @@ cannot compute exactly (dynamic/yarn/longrope rope, partial rotary, o_proj or ML
 other than hidden_size / num_heads, other activations, quantized weights, ...) is refused with a
 ConfigError that names the field, rather than loaded into a model that would silently compute
 something else. A sliding window is kept in ModelConfig.sliding_window, and runs longer than it are
-refused (`jaxzero.config_checks.validate`).
+refused (`jaxzero.config.checks.validate`).
 """
 
 from __future__ import annotations

@@ -20,9 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxzero import export_dir
 from jaxzero.config import CheckpointError, ConfigError, ModelConfig
-from jaxzero.deferred import Deferred, abstract, resolved
 from jaxzero.interop.hf_config_map import CONFIG_NAME, EXPORT_DTYPES, hf_config, model_config_from_hf
 from jaxzero.interop.hf_names import (
     BASE_PREFIX,
@@ -36,6 +34,8 @@ from jaxzero.interop.hf_names import (
 )
 from jaxzero.interop.safetensors import SafetensorsError, SafetensorsReader, SafetensorsWriter, TensorSpec
 from jaxzero.models import ModelParams
+from jaxzero.primitives.deferred import Deferred, abstract, resolved
+from jaxzero.storage import export_dir
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -98,7 +98,7 @@ def export_hf(
 
     params: a `cfg`-shaped ModelParams; leaves float32/bfloat16, NumPy or jax arrays on any device
         (each unit is fetched with `jax.device_get` when it is written), or a unit a
-        `jaxzero.deferred.Deferred`, read when it is written (`checkpoint.masters_by_unit`).
+        `jaxzero.primitives.deferred.Deferred`, read when it is written (`checkpoint.masters_by_unit`).
     dtype: "bfloat16" (default), "float32" or "float16", the dtype of the written tensors (rounded to
         nearest even, as torch's `.to()` does) and of config.json's `dtype`.
     max_shard_bytes: if the tensors total more than this, they are split into
@@ -106,7 +106,7 @@ def export_hf(
         shard of its own) plus `model.safetensors.index.json`; otherwise one `model.safetensors`.
     overwrite: replace an earlier export in `out_dir` (the files its marker lists are deleted first,
         so no stale shard survives). `out_dir` must be new, empty or an earlier jaxzero export; anything
-        else is refused (`jaxzero.export_dir.ExportRefused`, a FileExistsError) with or without it.
+        else is refused (`jaxzero.storage.export_dir.ExportRefused`, a FileExistsError) with or without it.
     source: what is exported (e.g. {"run_dir": ..., "step": ...}), recorded in the export's marker.
 
     Returns [config.json, weight file(s)..., index (when sharded)]; the directory also holds the marker
@@ -410,9 +410,9 @@ def load_hf_into(
 def load_hf_by_unit(
     cfg: ModelConfig, path: str | os.PathLike[str], *, check_numerics: bool = True
 ) -> ModelParams:
-    """`load_hf_into`, each unit a `jaxzero.deferred.Deferred` read (as float32 NumPy) when resolved:
-    `Trainer.init_from_params` places each before the next is read, so host RAM holds one unit of the
-    checkpoint at a time. Every check is made now."""
+    """`load_hf_into`, each unit a `jaxzero.primitives.deferred.Deferred` read (as float32 NumPy) when
+    resolved: `Trainer.init_from_params` places each before the next is read, so host RAM holds one unit of
+    the checkpoint at a time. Every check is made now."""
     ckpt = Path(path)
     _check_hf_config(cfg, ckpt, check_numerics)
     return _params_by_unit(cfg, ckpt)

@@ -12,7 +12,7 @@ PEFT saves the tensors without the adapter's name ("default"), adding it back on
 (`jaxzero.finetune.adapters`) are the same matrices transposed, lora_a (in, r) = lora_A.weight.T and
 lora_b (r, out) = lora_B.weight.T; both apply y += x @ lora_a @ lora_b * (lora_alpha / r).
 
-Exports also hold jaxzero's marker `.jaxzero-export` (`jaxzero.export_dir`), which PEFT ignores.
+Exports also hold jaxzero's marker `.jaxzero-export` (`jaxzero.storage.export_dir`), which PEFT ignores.
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxzero import export_dir
 from jaxzero.config import LORA_TARGETS, CheckpointError, ConfigError, FinetuneConfig, ModelConfig
 from jaxzero.finetune.adapters import TARGET_PATHS, block_adapter_shapes
 from jaxzero.interop.safetensors import SafetensorsError, SafetensorsReader, SafetensorsWriter, TensorSpec
 from jaxzero.models import Llama, ModelParams
+from jaxzero.storage import export_dir
 
 ADAPTER_CONFIG_NAME = "adapter_config.json"
 ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
@@ -219,7 +219,7 @@ def export_peft_adapter(
     base_model_name_or_path: recorded in adapter_config.json (PEFT's hint of which base to load).
     overwrite, source: as for `export_hf`: `out_dir` must be new, empty or an earlier jaxzero export (a
         finished one replaced only with `overwrite`); a directory holding anything else is refused with
-        `jaxzero.export_dir.ExportRefused` (a FileExistsError) before anything is written.
+        `jaxzero.storage.export_dir.ExportRefused` (a FileExistsError) before anything is written.
 
     Writes adapter_model.safetensors (float32 lora_A.weight (r, in) and lora_B.weight (out, r) per
     adapted projection, the transposes of lora_a and lora_b) and then adapter_config.json

@@ -27,7 +27,7 @@ from flax.core import unfreeze
 from jax.extend.backend import get_backend
 
 from jaxzero.config import ConfigError, ModelConfig
-from jaxzero.config_checks import validate_model
+from jaxzero.config.checks import validate_model
 
 COMPUTE_DTYPES: dict[str, jnp.dtype] = {
     "bfloat16": jnp.dtype(jnp.bfloat16),
@@ -64,7 +64,7 @@ def cast_tree(tree: Any, dtype: jnp.dtype) -> Any:
 def check_shape(config: ModelConfig, family: str) -> None:
     """Raise ConfigError if `config` cannot describe a `family` transformer.
 
-    `jaxzero.config_checks.validate` checks the same rules for whole runs; models check them again because
+    `jaxzero.config.checks.validate` checks the same rules for whole runs; models check them again because
     they are also built directly (tests, conversion scripts) without a TrainConfig.
     """
     if config.family != family:
@@ -81,7 +81,7 @@ def check_shape(config: ModelConfig, family: str) -> None:
 # Tensors are drawn one by one, each from its own key: one flat draw per block, sliced, compiles slower
 # on GPU and on XLA:CPU keeps every draw's temporaries live at once. XLA:GPU unrolls every threefry draw
 # unless `jax_threefry_gpu_kernel_lowering` is on (same values, far shorter compiles of a large init);
-# that flag is process-wide, so the program sets it (`jaxzero.train.main`), not this library.
+# that flag is process-wide, so the program sets it (`jaxzero.cli.train.main`), not this library.
 
 
 def init_block_module(block: Any, config: ModelConfig, key: jax.Array) -> dict[str, Any]:

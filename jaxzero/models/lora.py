@@ -76,3 +76,8 @@ def merge_trees(base: Any, extra: Any) -> Any:
     for k, v in extra.items():
         out[k] = merge_trees(base[k], v) if k in base and isinstance(base[k], dict) else v
     return out
+
+
+def storage_dtype(base_dtype: str) -> jnp.dtype:
+    """The dtype of a frozen base's non-quantised leaves (`finetune.base_dtype`): bfloat16 for int8 bases."""
+    return jnp.dtype(jnp.float32 if base_dtype == "float32" else jnp.bfloat16)

@@ -18,7 +18,7 @@ streams the compute weights block by block.
     timeline.py        where a step's time goes, measured while it runs
 
 Which unit lives where, and which host-update strategies apply, is the offload plan's
-(`jaxzero.plan`); shardings are `jaxzero.placement`'s.
+(`jaxzero.plan`); shardings are `jaxzero.plan.placement`'s.
 """
 
 from jaxzero.offload.engine import build_offload_trainer

@@ -5,7 +5,7 @@ the optimizer state one per unit), whatever the plan keeps where: a run saved by
 resumes under another. Host units are saved from host RAM, each process's blocks seen as global
 arrays over one CPU device per process (`OffloadPlacement.saved`); the accelerator's units as they
 are; disk units as `Deferred` reads, one unit in RAM at a time. This module does no I/O of its own:
-`jaxzero.checkpoint` writes and reads the saved form.
+`jaxzero.storage.checkpoint` writes and reads the saved form.
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ import jax
 import numpy as np
 from jax.sharding import Sharding
 
-from jaxzero.deferred import Deferred, resolved
-from jaxzero.loss_scale import init_loss_scale
 from jaxzero.models import ModelParams
+from jaxzero.numerics.loss_scale import init_loss_scale
 from jaxzero.offload.context import EngineContext, map_units, no_disk, put_everywhere
 from jaxzero.offload.futures import OffloadState
 from jaxzero.offload.state_init import StateInit
-from jaxzero.placement import OffloadPlacement
 from jaxzero.plan import OffloadPlan, Tier, UnitPlan
+from jaxzero.plan.placement import OffloadPlacement
+from jaxzero.primitives.deferred import Deferred, resolved
 from jaxzero.state import abstract_placed
 
 
@@ -54,7 +54,7 @@ class CheckpointAdapter:
         """`state` in its saved form; the state is not consumed. Waits for the pending host updates
         (a host sync). Host units are global arrays over the processes' CPU devices, the
         accelerator's units global arrays that the checkpoint copies out one unit at a time, disk
-        units `Deferred` reads (`jaxzero.deferred.resolved` reads them)."""
+        units `Deferred` reads (`jaxzero.primitives.deferred.resolved` reads them)."""
         ctx, plan, where = self.ctx, self.ctx.plan, self.ctx.where
         units = state.resolved()
         params, opt_state = units.params, units.opt_state

@@ -26,7 +26,6 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, Sharding
 
-from jaxzero import placement as placement_lib
 from jaxzero.config import OFFLOAD_STATE_DIR, ConfigError, TrainConfig
 from jaxzero.custom import check_optimizer, model_of
 from jaxzero.models import Model, ModelParams
@@ -36,9 +35,10 @@ from jaxzero.offload.host_memory import global_from_local
 from jaxzero.offload.host_optimizer import HostOptimizer
 from jaxzero.offload.pipeline import UpdatePipeline
 from jaxzero.offload.timeline import StepClock
-from jaxzero.placement import OffloadPlacement
 from jaxzero.plan import OffloadPlan, Tier, TwoPass, UnitPlan
-from jaxzero.write_fence import WriteFence
+from jaxzero.plan import placement as placement_lib
+from jaxzero.plan.placement import OffloadPlacement
+from jaxzero.primitives.write_fence import WriteFence
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,7 +103,7 @@ def build_engine_context(
     device = DeviceOptimizer(cfg.optimizer, steps, masters_shape, where, accum, custom=optimizer)
     disk = disk_store(cfg, plan) if plan.disk_units else None
     clock = StepClock()
-    fence = WriteFence()  # a checkpoint being written from the units' arrays (`jaxzero.write_fence`)
+    fence = WriteFence()  # a checkpoint being written from the units' arrays (`primitives.write_fence`)
     pipeline = UpdatePipeline(host, plan, clock, disk, fence)
     return EngineContext(
         cfg=cfg,

@@ -29,11 +29,11 @@ import optax
 
 from jaxzero.config import OptimizerConfig
 from jaxzero.models import ModelParams
+from jaxzero.numerics.optim import scaled_update, unit_optimizers
 from jaxzero.offload.host_memory import place
 from jaxzero.offload.host_optimizer import HostUnit
-from jaxzero.optim import scaled_update, unit_optimizers
-from jaxzero.placement import DEVICE, OffloadPlacement
 from jaxzero.plan import Tier, UnitKind, UnitPlan
+from jaxzero.plan.placement import DEVICE, OffloadPlacement
 
 
 class DeviceOptimizer:

@@ -9,7 +9,7 @@ carries is an `OffloadState`. It builds the parts' shared context and wires four
     StepTimings        (jaxzero.offload.breakdown)      timings
 
 Where each unit's arrays live and how the host update runs is the offload plan's (`jaxzero.plan`);
-its shardings are `jaxzero.placement.OffloadPlacement`'s.
+its shardings are `jaxzero.plan.placement.OffloadPlacement`'s.
 """
 
 from __future__ import annotations
@@ -19,17 +19,17 @@ from functools import partial
 import optax
 from jax.sharding import Mesh
 
-from jaxzero import placement as placement_lib
 from jaxzero.config import TrainConfig
 from jaxzero.models import Model
+from jaxzero.numerics.optim import build_optimizer
 from jaxzero.offload.breakdown import StepTimings
 from jaxzero.offload.checkpointing import CheckpointAdapter
 from jaxzero.offload.context import build_engine_context
 from jaxzero.offload.state_init import StateInit
 from jaxzero.offload.step import OffloadStep
 from jaxzero.offload.streaming import StreamedModel
-from jaxzero.optim import build_optimizer
 from jaxzero.plan import OffloadPlan, resolve_plan
+from jaxzero.plan import placement as placement_lib
 from jaxzero.state import Trainer
 
 

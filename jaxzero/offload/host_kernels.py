@@ -9,7 +9,7 @@ torch's fused CPU AdamW"). They are compiled by numba (a wheel; no compiler at i
 on chunks of ~1M parameters from a pool of threads, without the GIL.
 
 They reproduce optax's arithmetic in float32 and in optax's order of operations, for the optimizers
-`jaxzero.optim.build_optimizer` builds (AdamW/Adam, Lion, SGD with or without momentum; moments in
+`jaxzero.numerics.optim.build_optimizer` builds (AdamW/Adam, Lion, SGD with or without momentum; moments in
 float32 or bfloat16; `jaxzero.plan.FUSED_OPTIMIZERS`). They are tested against optax's own update
 (tests/test_host_kernels.py). Any other transformation keeps running as optax on XLA:CPU.
 

@@ -40,13 +40,13 @@ import optax
 
 from jaxzero.config import OptimizerConfig
 from jaxzero.models import ModelParams
+from jaxzero.numerics.optim import reported_rate, scaled_update, unit_optimizers, weight_decay_mask
 from jaxzero.offload import host_kernels as hk
 from jaxzero.offload.host_kernels import Pass
 from jaxzero.offload.host_memory import PinnedStaging, copy_to, host_view, local_shards, place, release
 from jaxzero.offload.timeline import span
-from jaxzero.optim import reported_rate, scaled_update, unit_optimizers, weight_decay_mask
-from jaxzero.placement import PINNED_HOST, OffloadPlacement
 from jaxzero.plan import Tier, UnitKind, UnitPlan
+from jaxzero.plan.placement import PINNED_HOST, OffloadPlacement
 
 
 class HostUnit(NamedTuple):

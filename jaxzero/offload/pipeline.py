@@ -40,7 +40,7 @@ many units take two passes: `TwoPassCounter`), never what it computes: a two-pas
 one-pass update's bits, and the host kernels are elementwise (`host_kernels`). The global norm is
 summed on the accelerator, in unit order (`jaxzero.offload.streaming`). So the host side is
 reproducible as it is, and `--determinism` (XLA's deterministic GPU kernels,
-`jaxzero.runtime.request_determinism`) pins nothing here.
+`jaxzero.planner.runtime.request_determinism`) pins nothing here.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ from jaxzero.offload.host_optimizer import HostOptimizer, HostUnit, UnitUpdate
 from jaxzero.offload.timeline import StepClock, span
 from jaxzero.offload.two_pass import TwoPassCounter
 from jaxzero.plan import HostUpdate, OffloadPlan, Tier, UnitPlan, UpdateMode
-from jaxzero.write_fence import WriteFence
+from jaxzero.primitives.write_fence import WriteFence
 
 
 class Submitted(NamedTuple):

@@ -15,16 +15,16 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxzero.deferred import resolved
-from jaxzero.loss_scale import init_loss_scale
 from jaxzero.models import ModelParams, init_keys
+from jaxzero.numerics.loss_scale import init_loss_scale
 from jaxzero.offload.context import EngineContext, put_everywhere, result
 from jaxzero.offload.disk import OnDisk
 from jaxzero.offload.futures import OffloadState
 from jaxzero.offload.host_memory import release, reserve_pinned
 from jaxzero.offload.host_optimizer import HostUnit
-from jaxzero.placement import OffloadPlacement
 from jaxzero.plan import Tier, UnitPlan
+from jaxzero.plan.placement import OffloadPlacement
+from jaxzero.primitives.deferred import resolved
 
 
 class StateInit:

@@ -23,16 +23,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxzero.config import FP16Config
-from jaxzero.loss_scale import LossScaleState, update_loss_scale
 from jaxzero.models import ModelParams
-from jaxzero.objective import document_eot, document_segments
+from jaxzero.numerics.loss_scale import LossScaleState, update_loss_scale
+from jaxzero.numerics.objective import document_eot, document_segments
 from jaxzero.offload.context import EngineContext, put_everywhere
 from jaxzero.offload.futures import OffloadState, done, weights_of
 from jaxzero.offload.host_optimizer import HostUnit
 from jaxzero.offload.pipeline import Submitted
 from jaxzero.offload.streaming import StreamedModel
-from jaxzero.placement import OffloadPlacement
 from jaxzero.plan import Tier, UpdateMode
+from jaxzero.plan.placement import OffloadPlacement
 from jaxzero.state import StepMetrics
 
 

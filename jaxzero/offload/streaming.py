@@ -52,14 +52,14 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jaxzero import objective
 from jaxzero.models import Model, ModelParams
 from jaxzero.models.sizes import ties_output
+from jaxzero.numerics import objective
 from jaxzero.offload.host_memory import copy_to
 from jaxzero.offload.timeline import StepClock, span
 from jaxzero.offload.trains import EVERY, FrozenPart, WholeUnits
-from jaxzero.placement import DEVICE, PINNED_HOST, OffloadPlacement, batch_rows_sharding
 from jaxzero.plan import Tier
+from jaxzero.plan.placement import DEVICE, PINNED_HOST, OffloadPlacement, batch_rows_sharding
 
 
 def _f32(tree: Any) -> Any:

@@ -16,7 +16,7 @@ weights, a window of steps gives the times of `jaxzero.state.BREAKDOWN_TIMES`:
 The times are host-observed completion times (a thread wakes when the work is done), so they
 are slightly late, by roughly the thread wake-up latency (tens of microseconds per item).
 
-In a profiler trace (`profile.steps`, `jaxzero.profiling`) the same work shows as spans named by
+In a profiler trace (`profile.steps`, `jaxzero.run.profiling`) the same work shows as spans named by
 `span`: each unit's host update, the waits for its gradients, the norm and its new weights, the copies
 issued and the disk tier's reads and writes.
 """

@@ -3,7 +3,7 @@
 Config keys say what the user asked for (`offload.two_pass_units=-1`, `offload.fused_update=true`,
 ...); the plan says what this run will do (two-pass updates for up to 30 units, adaptively; the fused
 host kernels; blocks 0-1 resident, 2-27 streamed). The memory check (`jaxzero.planner.memory`), the placement
-(`jaxzero.placement`), the offload engine and the run's log all read the plan; nothing downstream
+(`jaxzero.plan.placement`), the offload engine and the run's log all read the plan; nothing downstream
 interprets an offload setting or a sentinel again (error messages still quote the user's settings).
 
 A model is a sequence of units in forward order: the embedding (position 0), block i (position

@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 
 from jaxzero.config import ConfigError, TrainConfig
-from jaxzero.config_checks import validate_placement
+from jaxzero.config.checks import validate_placement
 from jaxzero.plan import OffloadPlan, resolve_plan
 from jaxzero.planner import memory
 from jaxzero.planner.calibration import GB, GiB

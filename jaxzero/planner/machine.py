@@ -7,7 +7,7 @@ by `machine.*` (`detect_machine`), with the measured figures of a device kind wh
     machine.gpu_usable, machine.host_usable     # what a chosen placement may fill
 
 Detecting starts JAX's backend only where neither `device` nor `machine.gpu_gib` is given; the host's
-free RAM, this process's RSS and a device's memory are read through `jaxzero.runtime`, the GPU's total
+free RAM, this process's RSS and a device's memory are read through `jaxzero.planner.runtime`, the GPU's total
 memory before JAX starts from `nvidia-smi`, the free disk from the filesystem.
 """
 
@@ -22,9 +22,9 @@ from pathlib import Path
 
 import jax
 
-from jaxzero import runtime
 from jaxzero.config import ConfigError, TrainConfig
 from jaxzero.plan import available_cores
+from jaxzero.planner import runtime
 from jaxzero.planner.calibration import (
     CUDA_CONTEXT_BYTES,
     DISK_BPS,

@@ -26,7 +26,7 @@ buffers of the largest of them.)
 Every element counts `dtype_bytes` of its dtype: float32 4, bfloat16 and float16 2.
 With checkpoints on, a save or a restore, asynchronous or not, adds `checkpoint_bytes` to host RAM:
 the checkpoint buffer (`checkpoint.buffer_gib`), one unit's masters and state (a part is copied
-from the accelerator, or read from disk, whole; `jaxzero.checkpoint`), and `SAVE_WORKING_BYTES`.
+from the accelerator, or read from disk, whole; `jaxzero.storage.checkpoint`), and `SAVE_WORKING_BYTES`.
 The pinned bytes of an offloaded run live in XLA's pinned pool, which takes host RAM by regions of
 powers of two (`pinned_pool_bytes`). Activations are the saved block inputs and the head's and a block's
 backward transients (`transient_activations`): the larger of the two, or, where a block's do not fit
@@ -43,7 +43,7 @@ divide by D is whole everywhere (`whole`), counted so.
 
 Where each unit's arrays live comes from the offload plan (`jaxzero.plan`); the measured constants
 from `jaxzero.planner.calibration`. This module only counts, and checks counts against capacities it is
-given: what the process's environment and the machine say is read by `jaxzero.runtime`.
+given: what the process's environment and the machine say is read by `jaxzero.planner.runtime`.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from typing import NamedTuple
 
 from jaxzero.config import CheckpointConfig, ConfigError, ModelConfig, TrainConfig, buffer_bytes
 from jaxzero.models.sizes import NAMED_SIZES, param_count, unit_param_counts
-from jaxzero.objective import head_pieces
+from jaxzero.numerics.objective import head_pieces
 from jaxzero.plan import OffloadPlan, Tier, UnitKind, UpdateMode, resolve_plan
 from jaxzero.planner.calibration import (
     CPU_HOST_ALLOWANCE,

@@ -23,8 +23,8 @@ import dataclasses
 
 from jaxzero.config import ConfigError, TrainConfig
 from jaxzero.finetune.adapters import projection_shapes
-from jaxzero.finetune.base import storage_dtype
 from jaxzero.finetune.trainable import base_positions, lowest_trainable_block
+from jaxzero.models.lora import storage_dtype
 from jaxzero.models.sizes import block_matmul_params, param_count, ties_output, unit_param_counts
 from jaxzero.plan import resolve_plan
 from jaxzero.planner import memory

@@ -27,12 +27,11 @@ import socket
 
 import jax
 
-from jaxzero import distributed, placement, runtime
 from jaxzero.config import ConfigError, TrainConfig
-from jaxzero.config_checks import check_batch_split, resolve_batch, validate
+from jaxzero.config.checks import check_batch_split, resolve_batch, validate
 from jaxzero.data.eot import FROM_DATA, resolve_eot_id
-from jaxzero.distributed import Processes
-from jaxzero.planner import search
+from jaxzero.plan import placement
+from jaxzero.planner import runtime, search
 from jaxzero.planner.machine import (
     Accelerators,
     Machine,
@@ -42,8 +41,10 @@ from jaxzero.planner.machine import (
 )
 from jaxzero.planner.partial import decide_partial
 from jaxzero.planner.report import Decision
+from jaxzero.run import distributed
+from jaxzero.run.distributed import Processes
 
-log = logging.getLogger(__name__)  # the library speaks through logging (`jaxzero.console`)
+log = logging.getLogger(__name__)  # the library speaks through logging (`jaxzero.run.console`)
 
 
 def decide_before_jax(

@@ -10,11 +10,10 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from jaxzero import runtime
 from jaxzero.config import TrainConfig
 from jaxzero.models.sizes import NAMED_SIZES, param_count, unit_param_counts
 from jaxzero.plan import OffloadPlan, Tier, UnitKind, UnitPlan
-from jaxzero.planner import memory
+from jaxzero.planner import memory, runtime
 from jaxzero.planner.calibration import (
     CHECKPOINT_WRITE_BPS,
     GB,

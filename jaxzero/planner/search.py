@@ -41,7 +41,7 @@ import itertools
 from collections.abc import Callable
 
 from jaxzero.config import ConfigError, TrainConfig
-from jaxzero.config_checks import validate
+from jaxzero.config.checks import validate
 from jaxzero.models.sizes import NAMED_SIZES, param_count
 from jaxzero.plan import resolve_plan
 from jaxzero.planner import memory

@@ -13,7 +13,7 @@ import os
 import sys
 import threading
 
-from jaxzero import train
+from jaxzero.cli import train
 
 real_mkdir = os.mkdir
 never = threading.Event()

@@ -21,10 +21,11 @@ import time
 import jax
 import numpy as np
 
-from jaxzero import checkpoint as checkpoint_lib
-from jaxzero import checkpoint_layout, placement
 from jaxzero.config import TrainConfig
 from jaxzero.overrides import apply_overrides
+from jaxzero.plan import placement
+from jaxzero.storage import checkpoint as checkpoint_lib
+from jaxzero.storage import checkpoint_layout
 from jaxzero.trainer import build_trainer
 
 

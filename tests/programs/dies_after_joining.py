@@ -1,4 +1,4 @@
-"""A process of a run of several that joins as `python -m jaxzero.train` does (`jaxzero.distributed`,
+"""A process of a run of several that joins as `python -m jaxzero.train` does (`jaxzero.run.distributed`,
 from JAX's variables or the launcher's), after which process 1 kills itself with SIGKILL while the
 others wait for it, as they would in a step's collective.
 
@@ -9,7 +9,7 @@ import os
 import signal
 import sys
 
-from jaxzero import distributed
+from jaxzero.run import distributed
 
 
 def main(timeout_s: int) -> None:

@@ -7,7 +7,8 @@ checkpoint is written: from then on `shutil.disk_usage` reports 1 KB free.
 import shutil
 import sys
 
-from jaxzero import checkpoint, train
+from jaxzero.cli import train
+from jaxzero.storage import checkpoint
 
 real = shutil.disk_usage
 save = checkpoint.Checkpointer.save

@@ -8,7 +8,8 @@ import os
 import signal
 import sys
 
-from jaxzero import checkpoint, train
+from jaxzero.cli import train
+from jaxzero.storage import checkpoint
 
 kill_at = int(sys.argv[1])
 save = checkpoint.Checkpointer.save

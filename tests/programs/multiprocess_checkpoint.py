@@ -9,11 +9,11 @@ import sys
 import jax
 import numpy as np
 
-from jaxzero import placement
-from jaxzero.checkpoint import Checkpointer
-from jaxzero.checkpoint_layout import make_meta
 from jaxzero.config import TrainConfig
 from jaxzero.overrides import apply_overrides
+from jaxzero.plan import placement
+from jaxzero.storage.checkpoint import Checkpointer
+from jaxzero.storage.checkpoint_layout import make_meta
 from jaxzero.trainer import build_trainer
 
 

@@ -8,8 +8,8 @@ files and the checkpoint it supersedes are both on disk.
 import sys
 import time
 
-from jaxzero import train
-from jaxzero.checkpoint_handler import PartsHandler
+from jaxzero.cli import train
+from jaxzero.storage.checkpoint_handler import PartsHandler
 
 finalize = PartsHandler.finalize
 

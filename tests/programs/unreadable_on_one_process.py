@@ -11,8 +11,10 @@ import sys
 import jax
 import orbax.checkpoint as ocp
 
-from jaxzero import checkpoint, loop, train
+from jaxzero.cli import train
 from jaxzero.config import CheckpointError
+from jaxzero.run import loop
+from jaxzero.storage import checkpoint
 
 verify_checksums = checkpoint.verify_checksums
 manager_restore = ocp.CheckpointManager.restore

@@ -11,14 +11,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxzero import placement
 from jaxzero.config import TrainConfig
 from jaxzero.models import build_model
 from jaxzero.offload import host_kernels
 from jaxzero.offload.host_memory import local_views
 from jaxzero.offload.host_optimizer import HostOptimizer, HostUnit, UnitUpdate
 from jaxzero.overrides import apply_overrides
-from jaxzero.plan import resolve_plan
+from jaxzero.plan import placement, resolve_plan
 
 over = {
     "model.name": "llama-tiny",

@@ -7,7 +7,8 @@ Orbax's background commit with `OSError(ENOSPC)` (injected where jaxzero's write
 import errno
 import sys
 
-from jaxzero import checkpoint, train
+from jaxzero.cli import train
+from jaxzero.storage import checkpoint
 
 write = checkpoint.write_checksums
 written = []

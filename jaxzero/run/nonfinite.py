@@ -1,10 +1,10 @@
 """What most likely made a step's loss non-finite, from the facts the loop has at hand, and what to do:
-the text of the `TrainingError` the metrics raise (`jaxzero.metrics.LogWindow`)."""
+the text of the `TrainingError` the metrics raise (`jaxzero.run.metrics.LogWindow`)."""
 
 from __future__ import annotations
 
 from jaxzero.config import TrainConfig
-from jaxzero.start import Start
+from jaxzero.run.start import Start
 from jaxzero.state import StepMetrics
 
 

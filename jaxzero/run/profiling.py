@@ -29,7 +29,7 @@ from typing import Any, TextIO
 
 import jax
 
-from jaxzero.run_dir import PROFILE_DIR
+from jaxzero.storage.run_dir import PROFILE_DIR
 
 
 def trace_dir(run_dir: Path) -> Path:

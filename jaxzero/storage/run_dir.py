@@ -6,12 +6,12 @@ now is. A jaxzero run directory holds
     config.json        the resolved config (written atomically, once the run has validated and started)
     metrics.jsonl      one record per logged step
     summary.json       written when the run completes
-    checkpoints/       Orbax checkpoints (`jaxzero.checkpoint`)
+    checkpoints/       Orbax checkpoints (`jaxzero.storage.checkpoint`)
     tensorboard/       the records as TensorBoard event files (`logging.tensorboard`); a resume adds a file
     profile/           JAX profiler traces (`profile.steps`)
     offload-state/     the disk tier's working files (`offload.optimizer=disk` without offload.disk_path)
     previous-attempts/ files of attempts that stopped before their first checkpoint, kept aside
-    trainer.lock       while a trainer runs there: its lock, naming it (`jaxzero.run_lock`)
+    trainer.lock       while a trainer runs there: its lock, naming it (`jaxzero.storage.run_lock`)
     error.log          tracebacks of errors, and the runtime's own messages as several processes end
                        (its first line `ERROR_HEADER`: a lone error.log without it is not jaxzero's)
 
@@ -34,18 +34,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jaxzero.checkpoint_layout import CHECKPOINT_DIR, UNREADABLE_DIR, saved_steps
 from jaxzero.config import OFFLOAD_STATE_DIR, ConfigError, TrainConfig
 from jaxzero.overrides import all_keys, config_from_dict, set_by_preset
-from jaxzero.run_lock import LOCK_FILE, RunLock, lock_run_dir
+from jaxzero.storage.checkpoint_layout import CHECKPOINT_DIR, UNREADABLE_DIR, saved_steps
+from jaxzero.storage.run_lock import LOCK_FILE, RunLock, lock_run_dir
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 ERROR_FILE = "error.log"  # tracebacks of errors, and what the runtime prints as several processes shut down
 ATTEMPTS_DIR = "previous-attempts"
-TENSORBOARD_DIR = "tensorboard"  # TensorBoard event files of the records (`jaxzero.metrics.TensorBoardLog`)
-PROFILE_DIR = "profile"  # JAX profiler traces (`jaxzero.profiling.StepTrace`)
+TENSORBOARD_DIR = "tensorboard"  # TensorBoard event files of the records (`run.metrics.TensorBoardLog`)
+PROFILE_DIR = "profile"  # JAX profiler traces (`jaxzero.run.profiling.StepTrace`)
 PLOTS_DIR = "plots"  # `python -m jaxzero.plot`'s figures, by default
 # Files and directories a run creates; a directory holding anything else is not (only) a jaxzero run.
 # The disk tier's working directories (`OFFLOAD_STATE_DIR`) are the run's own: each is removed at the
@@ -191,7 +191,7 @@ def _transient(name: str) -> bool:
 
 
 def hold(path: Path, owner: bool = True) -> RunLock:
-    """Hold the run directory `path` for this trainer until the lock is released (`jaxzero.run_lock`:
+    """Hold the run directory `path` for this trainer until the lock is released (`jaxzero.storage.run_lock`:
     one trainer per directory; created if absent), once `inspect_run_dir` has found it one jaxzero may
     write into: a foreign or finished directory is refused before the lock file is written there.
     Raises ConfigError, naming the trainer that holds it, or why it cannot be written. Decide what the

@@ -4,7 +4,7 @@ and the error types.
 This module is a leaf: it imports nothing of jaxzero, so every other module may import it. The
 dataclass defaults are the built-in default run (a tiny Llama on bundled bytes). How a config is built
 from presets and `--section.key=value` overrides is `jaxzero.overrides`; every cross-field rule is
-checked by `jaxzero.config_checks.validate` before anything is compiled or allocated.
+checked by `jaxzero.config.checks.validate` before anything is compiled or allocated.
 """
 
 from __future__ import annotations
@@ -197,7 +197,7 @@ class DataConfig:
     `grad_accum` micro-batches; each sequence is `seq_len` inputs plus one shifted target. As in
     DeepSpeed, batch_size = micro_batch_size x grad_accum x devices of the data axis: one of the three
     may be 0 and is derived from the others when the devices are known
-    (`jaxzero.config_checks.resolve_batch`).
+    (`jaxzero.config.checks.resolve_batch`).
     """
 
     # builtin: bytes of Python's standard library; tokens: nanoGPT .bin files; synthetic: random ids

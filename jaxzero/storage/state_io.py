@@ -19,18 +19,24 @@ from typing import Any
 
 import jax
 
-from jaxzero import run_dir as run_dir_lib
-from jaxzero.checkpoint import Checkpointer
-from jaxzero.checkpoint_layout import CHECKPOINT_DIR, largest_array_bytes, make_meta, saved_step, saved_steps
-from jaxzero.checkpoint_masters import export_orbax
 from jaxzero.data.types import DataState
 from jaxzero.finetune.adapters import LORA_LAYOUT
 from jaxzero.finetune.merged import merged_units
 from jaxzero.finetune.trainable import FROZEN_LAYOUT
 from jaxzero.interop import export_hf
 from jaxzero.interop.peft import export_peft_adapter
-from jaxzero.placement import process_count
+from jaxzero.plan.placement import process_count
 from jaxzero.state import Trainer, ensure_live
+from jaxzero.storage import run_dir as run_dir_lib
+from jaxzero.storage.checkpoint import Checkpointer
+from jaxzero.storage.checkpoint_layout import (
+    CHECKPOINT_DIR,
+    largest_array_bytes,
+    make_meta,
+    saved_step,
+    saved_steps,
+)
+from jaxzero.storage.checkpoint_masters import export_orbax
 
 
 def save_state(
@@ -95,7 +101,7 @@ def export_state(
 ) -> Path:
     """Write the weights of `trainer`'s `state` for inference: `format="hf"` a transformers
     checkpoint (`config.json` + safetensors), `"orbax"` the parameters alone; `dtype` bfloat16,
-    float32 or float16. `out_dir` must be new, empty or an earlier export (`jaxzero.export_dir`):
+    float32 or float16. `out_dir` must be new, empty or an earlier export (`jaxzero.storage.export_dir`):
     `overwrite` replaces a finished one, and anything else is refused (FileExistsError) with or
     without it. Returns `out_dir`. The state is not consumed; the float32 masters are copied to host
     RAM whole, so one process must hold them all (a run of several processes exports a checkpoint

@@ -2,7 +2,7 @@
 float32 masters one unit at a time (`load_masters`, `masters_by_unit`: for export, generation and
 fine-tuning from a run), every array of it for inspection (`read_saved_state`), and parameters cast
 and saved as an Orbax export (`export_orbax`). A training process restores through
-`jaxzero.checkpoint.Checkpointer` instead.
+`jaxzero.storage.checkpoint.Checkpointer` instead.
 """
 
 from __future__ import annotations
@@ -16,8 +16,16 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxzero import export_dir
-from jaxzero.checkpoint_layout import (
+from jaxzero.config import CheckpointError, TrainConfig
+from jaxzero.finetune.adapters import LORA_LAYOUT
+from jaxzero.finetune.merged import merged_units
+from jaxzero.finetune.provenance import check_base
+from jaxzero.finetune.trainable import FROZEN_LAYOUT, trainable_shapes
+from jaxzero.models import ModelParams, build_model
+from jaxzero.overrides import config_from_dict
+from jaxzero.primitives.deferred import Deferred, resolved
+from jaxzero.storage import export_dir
+from jaxzero.storage.checkpoint_layout import (
     PYTREE_METADATA,
     SCALARS,
     checkpoints_dir,
@@ -27,14 +35,6 @@ from jaxzero.checkpoint_layout import (
     saved_step,
     unreadable_files,
 )
-from jaxzero.config import CheckpointError, TrainConfig
-from jaxzero.deferred import Deferred, resolved
-from jaxzero.finetune.adapters import LORA_LAYOUT
-from jaxzero.finetune.merged import merged_units
-from jaxzero.finetune.provenance import check_base
-from jaxzero.finetune.trainable import FROZEN_LAYOUT, trainable_shapes
-from jaxzero.models import ModelParams, build_model
-from jaxzero.overrides import config_from_dict
 
 ORBAX_STAGE = ".orbax-export"  # where an Orbax export is written, inside its directory, before moving up
 
@@ -48,7 +48,7 @@ def export_orbax(
     source: dict[str, Any] | None = None,
 ) -> Path:
     """Save `params` cast to `dtype` as an Orbax checkpoint at `out`, casting one unit at a time.
-    `out` must be new, empty or an earlier jaxzero export (`jaxzero.export_dir`: `overwrite` replaces
+    `out` must be new, empty or an earlier jaxzero export (`jaxzero.storage.export_dir`: `overwrite` replaces
     a finished one; anything else is refused with or without it). Orbax writes into a directory of
     its own inside `out`, whose entries then move up into `out`, beside the export's marker; `source`
     (e.g. run_dir and step) is recorded in the marker."""

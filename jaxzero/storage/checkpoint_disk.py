@@ -21,7 +21,7 @@ from pathlib import Path
 from jaxzero.config import CheckpointConfig, CheckpointError
 from jaxzero.planner.memory import checkpoints_on_disk
 
-log = logging.getLogger(__name__)  # the library speaks through logging (`jaxzero.console`)
+log = logging.getLogger(__name__)  # the library speaks through logging (`jaxzero.run.console`)
 
 CHECKSUMS_FILE = "checksums.json"
 CHECKSUM_PIECE = 64 << 20  # bytes per CRC-32: pieces of one file are summed in parallel

@@ -1,6 +1,6 @@
 """How a training run ends: the exceptions that stop it and the exit status of each, shared by the
-loop (`jaxzero.loop`), its reporting (`jaxzero.metrics`), its stop requests (`jaxzero.stopping`) and
-the program (`python -m jaxzero.train`)."""
+loop (`jaxzero.run.loop`), its reporting (`jaxzero.run.metrics`), its stop requests (`jaxzero.run.stopping`)
+and the program (`python -m jaxzero.train`)."""
 
 from __future__ import annotations
 

@@ -9,12 +9,12 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
-from jaxzero import run_dir as run_dir_lib
-from jaxzero.checkpoint import Checkpointer
-from jaxzero.checkpoint_disk import CheckpointWriteError
 from jaxzero.config import TrainConfig
-from jaxzero.outcome import EXIT_INTERRUPTED, EXIT_PREEMPTED
-from jaxzero.run_dir import SUMMARY_FILE
+from jaxzero.run.outcome import EXIT_INTERRUPTED, EXIT_PREEMPTED
+from jaxzero.storage import run_dir as run_dir_lib
+from jaxzero.storage.checkpoint import Checkpointer
+from jaxzero.storage.checkpoint_disk import CheckpointWriteError
+from jaxzero.storage.run_dir import SUMMARY_FILE
 
 
 def finish(
@@ -77,7 +77,7 @@ def stopped_message(
 
 
 def stop_exit_code(reason: str) -> int:
-    """The exit status of a run stopped by `reason` (`jaxzero.stopping`'s "Ctrl-C" or a signal's name)."""
+    """The exit status of a run stopped by `reason` (`jaxzero.run.stopping`'s "Ctrl-C" or a signal's name)."""
     return EXIT_INTERRUPTED if reason == "Ctrl-C" else EXIT_PREEMPTED
 
 

@@ -11,10 +11,10 @@ A checkpoint is one step directory under `<run_dir>/checkpoints/` holding two it
            (`ocp.PyTreeCheckpointer().restore(<step>/state/block_0003)` reads one back as NumPy)
     meta   JSON: the data iterator's position, the resolved config, the trainer's layout, the step
 
-beside `checksums.json` (`jaxzero.checkpoint_disk`). Checkpoints of the earlier layout hold the whole
+beside `checksums.json` (`jaxzero.storage.checkpoint_disk`). Checkpoints of the earlier layout hold the whole
 state as one PyTree under `state/`. The compute-dtype weights of the offload engine are not saved: they
-are a cast of the masters and are rebuilt on restore. `jaxzero.checkpoint_handler` writes and reads
-the parts, `jaxzero.checkpoint` runs saves and restores.
+are a cast of the masters and are rebuilt on restore. `jaxzero.storage.checkpoint_handler` writes and reads
+the parts, `jaxzero.storage.checkpoint` runs saves and restores.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ import jax
 import numpy as np
 
 from jaxzero.config import CheckpointError, TrainConfig
-from jaxzero.deferred import abstract, is_deferred, pair
 from jaxzero.finetune.provenance import base_record
 from jaxzero.models import ModelParams
+from jaxzero.primitives.deferred import abstract, is_deferred, pair
 
 CHECKPOINT_DIR = "checkpoints"
 UNREADABLE_DIR = f"{CHECKPOINT_DIR}-unreadable"  # checkpoints that failed to restore, set aside

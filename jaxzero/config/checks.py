@@ -208,7 +208,7 @@ def check_batch_split(cfg: TrainConfig, num_devices: int) -> None:
     _need(
         d.micro_batch_size == 0,
         f"{_show(batch)} is not resolved for the {num_devices} devices: pass the config through "
-        "jaxzero.config_checks.resolve_batch(cfg, num_devices) first (python -m jaxzero.train does).",
+        "jaxzero.config.checks.resolve_batch(cfg, num_devices) first (python -m jaxzero.train does).",
     )
     micro = d.batch_size // d.grad_accum
     _need(

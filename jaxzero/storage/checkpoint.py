@@ -1,7 +1,8 @@
 """Saves and restores of the whole training state (`Checkpointer`), written from where it lives and
-restored to where it belongs, in bounded host RAM; the layout on disk is `jaxzero.checkpoint_layout`'s.
+restored to where it belongs, in bounded host RAM; the layout on disk is
+`jaxzero.storage.checkpoint_layout`'s.
 
-Host RAM. A save writes one part at a time with Orbax's PyTree handler (`jaxzero.checkpoint_handler`),
+Host RAM. A save writes one part at a time with Orbax's PyTree handler (`jaxzero.storage.checkpoint_handler`),
 at most half of `checkpoint.buffer_gib` (1 GiB at most) in flight to disk at once
 (`save_concurrent_gb`); accelerator arrays are copied to host RAM one part at a time. A restore reads
 one part at a time, at most the buffer at once, and places each array where the target says. So a
@@ -22,7 +23,7 @@ into accelerator memory. Checkpoints of the earlier layout (the whole state as o
 `state/`) are restored too.
 
 Integrity: a save commits with its files' checksums, which a restore checks first
-(`jaxzero.checkpoint_disk`). A checkpoint whose files changed, whose metadata cannot be read, or whose
+(`jaxzero.storage.checkpoint_disk`). A checkpoint whose files changed, whose metadata cannot be read, or whose
 data-loader state is invalid is set aside to `checkpoints-unreadable/` and the previous one is used;
 one whose shapes do not match the run is an error. A save that fails (disk full, permission denied)
 raises `CheckpointWriteError` as soon as it is known, and what it left half-written is removed.
@@ -49,7 +50,11 @@ import orbax.checkpoint as ocp
 from absl import flags
 from jax.experimental import multihost_utils
 
-from jaxzero.checkpoint_disk import (
+from jaxzero.config import CheckpointConfig, CheckpointError, TrainConfig, buffer_bytes
+from jaxzero.finetune.provenance import check_base
+from jaxzero.primitives.deferred import is_deferred, resolved
+from jaxzero.primitives.write_fence import WriteFence
+from jaxzero.storage.checkpoint_disk import (
     TMP_MARKER,
     CheckpointWriteError,
     describe_write_error,
@@ -57,8 +62,8 @@ from jaxzero.checkpoint_disk import (
     verify_checksums,
     write_checksums,
 )
-from jaxzero.checkpoint_handler import PartsHandler, PartsRestore, PartsSave
-from jaxzero.checkpoint_layout import (
+from jaxzero.storage.checkpoint_handler import PartsHandler, PartsRestore, PartsSave
+from jaxzero.storage.checkpoint_layout import (
     CHECKPOINT_DIR,
     UNREADABLE_DIR,
     CheckpointMismatch,
@@ -68,12 +73,8 @@ from jaxzero.checkpoint_layout import (
     state_bytes,
     state_parts,
 )
-from jaxzero.config import CheckpointConfig, CheckpointError, TrainConfig, buffer_bytes
-from jaxzero.deferred import is_deferred, resolved
-from jaxzero.finetune.provenance import check_base
-from jaxzero.write_fence import WriteFence
 
-log = logging.getLogger(__name__)  # the library speaks through logging (`jaxzero.console`)
+log = logging.getLogger(__name__)  # the library speaks through logging (`jaxzero.run.console`)
 
 IN_FLIGHT_MAX = 2**30  # bytes a save keeps in flight to disk at most (`in_flight_bytes`)
 # Orbax's barriers are named with this prefix (set on the manager), so that the name of the barrier

@@ -1,5 +1,5 @@
 """How the library speaks: through Python's `logging`, under the `jaxzero` logger (`jaxzero.trainer`,
-`jaxzero.checkpoint`, ...), never by printing. A researcher embedding jaxzero silences or captures it
+`jaxzero.storage.checkpoint`, ...), never by printing. A researcher embedding jaxzero silences or captures it
 as any library (`logging.getLogger("jaxzero").setLevel(logging.ERROR)`); without configuration,
 Python shows its warnings on stderr. The programs (`python -m jaxzero.train` and the others) call
 `to_stderr`, so that their users read each message as one `jaxzero: ...` line."""

@@ -8,12 +8,12 @@ from typing import TextIO
 
 import jax
 
-from jaxzero import runtime
-from jaxzero.checkpoint_masters import load_masters
 from jaxzero.config import TrainConfig
+from jaxzero.data.tokenizer import codec_for
 from jaxzero.decode import Generator, Sampling
 from jaxzero.models.sizes import param_count
-from jaxzero.tokenizer import codec_for
+from jaxzero.planner import runtime
+from jaxzero.storage.checkpoint_masters import load_masters
 
 # The samples read the model's float32 weights whole: at most this share of the free RAM.
 SAMPLES_RAM_SHARE = 0.5

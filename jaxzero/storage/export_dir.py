@@ -1,8 +1,8 @@
 """The directory an export writes into: a new or empty one, or an earlier jaxzero export; never anything
 else, `--overwrite` or not.
 
-An export (`jaxzero.interop.export_hf`, `jaxzero.checkpoint_masters.export_orbax`, `python -m
-jaxzero.export`, `jaxzero.state_io.export_state`) writes the marker `.jaxzero-export` first, a small
+An export (`jaxzero.interop.export_hf`, `jaxzero.storage.checkpoint_masters.export_orbax`, `python -m
+jaxzero.export`, `jaxzero.storage.state_io.export_state`) writes the marker `.jaxzero-export` first, a small
 JSON object naming what it exports (format, dtype, `run_dir` and step when known, start time) and the
 files it writes, and marks it finished last. The marker is what makes a directory an export of jaxzero's:
 
@@ -15,13 +15,12 @@ files it writes, and marks it finished last. The marker is what makes a director
 - an unfinished export (its writer was killed, or the machine died): replaced, with or without
   `overwrite`: it never held a usable result, and its marker says which files are its own.
 
-One export writes into a directory at a time: it holds a POSIX lock on `.jaxzero-export.lock` there
-while it writes (`jaxzero.run_lock`), and a second, on any host, is refused naming the first. An export
-that fails with an exception removes the files it wrote; the marker goes too when the directory held
-nothing before (a directory the export created is removed), else it stays, unfinished, so that a rerun
-replaces the rest. An export killed midway leaves its marker unfinished: the rerun of
-the same command replaces it. Refusals are `ExportRefused` (a FileExistsError), raised before anything
-is written.
+One export writes into a directory at a time: it holds a POSIX lock on `.jaxzero-export.lock` there while it
+writes (`jaxzero.storage.run_lock`), and a second, on any host, is refused naming the first. An export that
+fails with an exception removes the files it wrote; the marker goes too when the directory held nothing before
+(a directory the export created is removed), else it stays, unfinished, so that a rerun replaces the rest. An
+export killed midway leaves its marker unfinished: the rerun of the same command replaces it. Refusals are
+`ExportRefused` (a FileExistsError), raised before anything is written.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jaxzero.run_lock import EXPORT_LOCK_FILE, RunDirInUse, lock_export_dir
+from jaxzero.storage.run_lock import EXPORT_LOCK_FILE, RunDirInUse, lock_export_dir
 
 MARKER = ".jaxzero-export"
 # What a writer leaves beside a file it has not finished: SafetensorsWriter's and the JSON writers'

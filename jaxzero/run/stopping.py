@@ -14,8 +14,8 @@ from typing import Any
 import jax
 from jax.experimental import multihost_utils
 
-from jaxzero.console import detach_hung_up_terminal
-from jaxzero.outcome import EXIT_INTERRUPTED
+from jaxzero.run.console import detach_hung_up_terminal
+from jaxzero.run.outcome import EXIT_INTERRUPTED
 
 
 class _StopRequest:

@@ -299,7 +299,7 @@ def offload_placement(mesh: Mesh, plan: OffloadPlan) -> OffloadPlacement:
         raise ConfigError(
             f"the mesh's devices are not grouped by process in process order (processes {order}); "
             "host-resident state keeps one block of rows per process. Build it with "
-            "jaxzero.placement.make_mesh(devices), which orders them."
+            "jaxzero.plan.placement.make_mesh(devices), which orders them."
         )
     accelerator = mesh.local_devices[0]
     if not supports_memory_kind(accelerator, PINNED_HOST):

@@ -10,14 +10,14 @@ from typing import Any, TextIO
 
 import jax
 
-from jaxzero import run_dir as run_dir_lib
-from jaxzero.checkpoint import Checkpointer, trim_host_heap
-from jaxzero.checkpoint_layout import unreadable_files
 from jaxzero.config import CheckpointError, TrainConfig
 from jaxzero.data.types import BatchIterator, Data, DataState
 from jaxzero.interop import load_hf_by_unit
-from jaxzero.run_dir import METRICS_FILE
 from jaxzero.state import Trainer
+from jaxzero.storage import run_dir as run_dir_lib
+from jaxzero.storage.checkpoint import Checkpointer, trim_host_heap
+from jaxzero.storage.checkpoint_layout import unreadable_files
+from jaxzero.storage.run_dir import METRICS_FILE
 
 
 @dataclasses.dataclass(frozen=True)

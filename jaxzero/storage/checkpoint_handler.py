@@ -1,7 +1,7 @@
-"""Orbax's handler of a checkpoint's `state` item: each part (`jaxzero.checkpoint_layout`) an Orbax
+"""Orbax's handler of a checkpoint's `state` item: each part (`jaxzero.storage.checkpoint_layout`) an Orbax
 PyTree checkpoint in a directory of its own, written and read one after another with a bounded number
 of bytes in flight to or from disk, so that a save or a restore holds about one unit beyond the state
-in host RAM. `jaxzero.checkpoint` registers it with the CheckpointManager.
+in host RAM. `jaxzero.storage.checkpoint` registers it with the CheckpointManager.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jaxzero.checkpoint_layout import PYTREE_METADATA, Part, join_parts
-from jaxzero.deferred import Deferred, resolved
+from jaxzero.primitives.deferred import Deferred, resolved
+from jaxzero.storage.checkpoint_layout import PYTREE_METADATA, Part, join_parts
 
 
 @dataclass

@@ -34,10 +34,10 @@ from jax.experimental import multihost_utils
 
 from jaxzero.config import TrainConfig
 from jaxzero.models.sizes import flops_per_token
-from jaxzero.outcome import TrainingError
 from jaxzero.planner.partial import model_flops_per_token
-from jaxzero.run_dir import METRICS_FILE, TENSORBOARD_DIR
+from jaxzero.run.outcome import TrainingError
 from jaxzero.state import BREAKDOWN, BREAKDOWN_COUNTS, BREAKDOWN_DISK, BREAKDOWN_TIMES, StepMetrics, Trainer
+from jaxzero.storage.run_dir import METRICS_FILE, TENSORBOARD_DIR
 
 # Dense bf16 tensor-core peaks in TFLOP/s by device kind substring (vendor datasheets, SXM parts).
 PEAK_BF16_TFLOPS = {

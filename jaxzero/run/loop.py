@@ -2,8 +2,8 @@
 (init or restore) -> for each step: step, log (every `logging.log_every` steps), save, stop.
 
 `train(cfg)` is the library's whole run, as `python -m jaxzero.train` runs it: it writes only into
-`cfg.run_dir`, holds that directory's lock (`jaxzero.run_lock`) while it runs, and raises the
-exceptions of `jaxzero.outcome` (and `ConfigError`) for the program to turn into exit statuses.
+`cfg.run_dir`, holds that directory's lock (`jaxzero.storage.run_lock`) while it runs, and raises the
+exceptions of `jaxzero.run.outcome` (and `ConfigError`) for the program to turn into exit statuses.
 """
 
 from __future__ import annotations
@@ -19,29 +19,37 @@ from typing import TextIO
 import jax
 import numpy as np
 
-from jaxzero import deepspeed, distributed, objective
-from jaxzero import run_dir as run_dir_lib
-from jaxzero.checkpoint import Checkpointer
-from jaxzero.checkpoint_disk import CheckpointWriteError, ensure_disk_room
-from jaxzero.checkpoint_layout import CHECKPOINT_DIR, largest_array_bytes, make_meta, saved_steps, state_bytes
+from jaxzero import deepspeed
 from jaxzero.config import ConfigError, TrainConfig
 from jaxzero.data.build import build_data
 from jaxzero.data.types import DataShard
-from jaxzero.finish import close_quietly, finish, nothing_to_do, stop_exit_code, stopped_message
-from jaxzero.metrics import LogWindow, ProgressBar
 from jaxzero.models.sizes import param_count
-from jaxzero.nonfinite import nonfinite_cause
-from jaxzero.optim import warmup_warning
-from jaxzero.outcome import Preempted, TrainingError
+from jaxzero.numerics import objective
+from jaxzero.numerics.optim import warmup_warning
 from jaxzero.planner.memory import checkpoint_saves
 from jaxzero.planner.preflight import as_written
 from jaxzero.planner.report import Decision
-from jaxzero.profiling import StepTrace, trace_dir
-from jaxzero.run_dir import CONFIG_FILE, RunKind
-from jaxzero.samples import print_samples
-from jaxzero.start import Start, start
+from jaxzero.run import distributed
+from jaxzero.run.finish import close_quietly, finish, nothing_to_do, stop_exit_code, stopped_message
+from jaxzero.run.metrics import LogWindow, ProgressBar
+from jaxzero.run.nonfinite import nonfinite_cause
+from jaxzero.run.outcome import Preempted, TrainingError
+from jaxzero.run.profiling import StepTrace, trace_dir
+from jaxzero.run.samples import print_samples
+from jaxzero.run.start import Start, start
+from jaxzero.run.stopping import stop_requested
 from jaxzero.state import Trainer
-from jaxzero.stopping import stop_requested
+from jaxzero.storage import run_dir as run_dir_lib
+from jaxzero.storage.checkpoint import Checkpointer
+from jaxzero.storage.checkpoint_disk import CheckpointWriteError, ensure_disk_room
+from jaxzero.storage.checkpoint_layout import (
+    CHECKPOINT_DIR,
+    largest_array_bytes,
+    make_meta,
+    saved_steps,
+    state_bytes,
+)
+from jaxzero.storage.run_dir import CONFIG_FILE, RunKind
 from jaxzero.trainer import decide_and_build
 
 
@@ -68,7 +76,7 @@ def train(
     (`jaxzero.planner.preflight.decide_before_jax`); without it, the trainer runs it once on the
     running backend's devices.
 
-    One trainer runs in a run directory at a time: it holds the directory's lock (`jaxzero.run_lock`)
+    One trainer runs in a run directory at a time: it holds the directory's lock (`jaxzero.storage.run_lock`)
     from before it decides what the directory is until it returns or raises. Nothing else is written
     until the config is validated, the run directory inspected, the data checked, the memory planned
     and the state initialised or restored; `config.json` is then written atomically."""
