@@ -130,7 +130,7 @@ def test_a_clean_stop_sends_the_runtimes_shutdown_chatter_to_the_error_log(tmp_p
     from subprocess_run import user_env
 
     code = (
-        "import os, sys; from pathlib import Path; from jaxzero import distributed; "
+        "import os, sys; from pathlib import Path; from jaxzero.run import distributed; "
         "print('before', file=sys.stderr, flush=True); "
         f"distributed.stop(chatter=Path({str(tmp_path / 'error.log')!r})); "
         "os.write(2, b'W pjrt_client.cc WatchTasksAsync failed: CANCELLED\\n')"

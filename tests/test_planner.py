@@ -572,3 +572,5 @@ def test_the_plan_refuses_what_train_refuses_for_checkpoint_disk(capsys, monkeyp
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("jaxzero: config error: the run's checkpoints need"), err
     assert "(4 of" in err[0] and "100.0 GiB is free there: train refuses it" in err[0]
+    assert plan_main([*run, *box, "--checkpoint.keep=3", "--checkpoint.every=2"]) == 0  # a box described,
+    capsys.readouterr()  # its disk not given: this machine's says nothing of it

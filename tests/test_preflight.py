@@ -129,7 +129,9 @@ def test_the_plan_program_starts_no_backend():
     code = (
         "from jaxzero.cli.plan import main\n"
         "from jax._src import xla_bridge\n"
-        "assert main(['--model.name=llama-7b', '--machine.host_gib=125']) == 0\n"
+        # (no checkpoints: llama-7b's may not fit this machine's disk, which the plan refuses as train does)
+        "assert main(['--model.name=llama-7b', '--machine.host_gib=125', '--checkpoint.enabled=false'])"
+        " == 0\n"
         "assert main(['--offload.optimizer=cpu', '--offload.params=cpu']) == 0\n"
         "assert not xla_bridge.backends_are_initialized()\n"
     )

@@ -18,13 +18,18 @@ def scripts() -> dict[str, str]:
 
 
 def programs() -> set[str]:
-    """Modules of the package run as `python -m`: those ending in `if __name__ == "__main__":`."""
+    """The programs `python -m` runs: modules ending in `if __name__ == "__main__":`, each named by the
+    module its `main` comes from (`jaxzero/train.py` runs `jaxzero.cli.train`'s)."""
     found = set()
     for path in (REPO / "jaxzero").rglob("*.py"):
-        for node in ast.parse(path.read_text()).body:
-            if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test):
-                parts = path.relative_to(REPO).with_suffix("").parts
-                found.add(".".join(parts))
+        body = ast.parse(path.read_text()).body
+        if any(isinstance(node, ast.If) and "__main__" in ast.unparse(node.test) for node in body):
+            shim = [
+                node.module
+                for node in body
+                if isinstance(node, ast.ImportFrom) and any(a.name == "main" for a in node.names)
+            ]
+            found.add(shim[0] if shim else ".".join(path.relative_to(REPO).with_suffix("").parts))
     return found
 
 

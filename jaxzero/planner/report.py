@@ -82,16 +82,18 @@ class Decision:
 
     def checkpoint_shortfall(self) -> str | None:
         """Why the run's checkpoints cannot fit the free disk under its run directory (the check
-        `python -m jaxzero.train` makes at start), or None."""
+        `python -m jaxzero.train` makes at start), or None; None also for a machine described by
+        `machine.gpu_gib` without `machine.disk_gib` (this machine's disk says nothing of it)."""
         need, count = self.checkpoint_disk()
-        free = self.machine.run_dir_bytes
-        if need <= free:
+        free, mc = self.machine.run_dir_bytes, self.config.machine
+        # A machine described by machine.gpu_gib is not this one: its disk is known only if given.
+        if need <= free or (mc.gpu_gib and not mc.disk_gib):
             return None
         return (
             f"the run's checkpoints need {gib(need)} of disk under run_dir at once ({count} of "
-            f"{gib(need // count)}: checkpoint.keep={self.config.checkpoint.keep} and the one being "
-            f"written), and {gib(free)} is free there: train refuses it. Pass a --run_dir on a larger "
-            "disk, a lower checkpoint.keep, or checkpoint.enabled=false."
+            f"{gib(need // count)}: the newest checkpoint.keep={self.config.checkpoint.keep} and the one "
+            f"being written, as many as the run saves), and {gib(free)} is free there: train refuses it. "
+            "Pass a --run_dir on a larger disk, a lower checkpoint.keep, or checkpoint.enabled=false."
         )
 
     def save_seconds(self) -> float:

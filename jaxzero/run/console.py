@@ -36,7 +36,8 @@ def to_stderr(level: int = logging.INFO) -> None:
 def ignore_closed_event_loops() -> None:
     """Drop one kind of error Python reports as ignored (`sys.unraisablehook`): "Event loop is
     closed", which Orbax's leftover TensorStore callbacks raise after a failed read or write, a
-    traceback each, once the error itself has been reported. Every other one goes to the hook as
+    traceback each, once the error itself has been reported; and asyncio's report of those callbacks'
+    tasks whose failure nobody read. Every other one goes to the hook as
     it was. Process-wide: the programs call it, never the library."""
     previous = sys.unraisablehook
     if getattr(previous, "drops_closed_event_loops", False):  # installed already (a second main())
@@ -52,6 +53,13 @@ def ignore_closed_event_loops() -> None:
 
     hook.drops_closed_event_loops = True
     sys.unraisablehook = hook
+    # The same leftovers' tasks, collected with the error they failed with: asyncio logs each with its
+    # traceback ("Task exception was never retrieved") as the process ends.
+    logging.getLogger("asyncio").addFilter(_drop_unretrieved)
+
+
+def _drop_unretrieved(record: logging.LogRecord) -> bool:
+    return not str(record.msg).partition("\n")[0].endswith("exception was never retrieved")
 
 
 def detach_hung_up_terminal() -> None:
