@@ -242,8 +242,6 @@ LAYERS = [
 UPWARD = {
     # the planner's pass agrees the machine's figures across a run's processes
     ("jaxzero.planner", "jaxzero.run"),
-    # the frozen-part placement reads what trains (finetune's shape helpers, not yet below the planner)
-    ("jaxzero.planner", "jaxzero.finetune"),
     # a frozen base from Hugging Face files; PEFT's layout of the adapters
     ("jaxzero.finetune", "jaxzero.interop"),
     # build_trainer(**overrides); the exports of a trainer's state and a saved config.json read back

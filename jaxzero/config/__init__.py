@@ -491,6 +491,22 @@ class FinetuneConfig:
             )
         return frozenset(out)
 
+    def base_positions(self, num_layers: int) -> frozenset[int]:
+        """The units the frozen base keeps (embedding 0, block i at 1 + i, head num_layers + 1): all
+        under LoRA, the frozen ones under `freeze`."""
+        return frozenset(range(num_layers + 2)) if self.method == "lora" else self.frozen(num_layers)
+
+    def lowest_trainable_block(self, num_layers: int) -> int:
+        """The first block whose backward pass matters: 0 where the embedding or block 0 trains (or
+        under LoRA), else the lowest trainable block (below it nothing trains and no gradient flows);
+        num_layers where only the head trains."""
+        if self.method == "lora":
+            return 0
+        frozen = self.frozen(num_layers)
+        if 0 not in frozen:
+            return 0
+        return next((i for i in range(num_layers) if 1 + i not in frozen), num_layers)
+
     @property
     def targets(self) -> tuple[str, ...]:
         """`lora_targets` as a tuple of names, in `LORA_TARGETS` order."""

@@ -19,9 +19,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxzero.config import FinetuneConfig, ModelConfig
+from jaxzero.config import FinetuneConfig
 from jaxzero.models import Model, ModelParams
 from jaxzero.models.lora import LoraSpec
+from jaxzero.models.sizes import projection_shapes
 
 # What a LoRA run's checkpoints name their layout (`Trainer.layout`): the adapters and their state.
 LORA_LAYOUT = "lora"
@@ -41,22 +42,6 @@ TARGET_PATHS: dict[str, tuple[str, str]] = {
 def lora_spec(cfg: FinetuneConfig) -> LoraSpec:
     """The model-side rule of `cfg`'s adapters: scale alpha / r, and the dropout."""
     return LoraSpec(scale=cfg.lora_alpha / cfg.lora_rank, dropout=cfg.lora_dropout)
-
-
-def projection_shapes(m: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(in, out) of each of a Llama block's projections, by `LORA_TARGETS` name, from the config
-    alone (no JAX: the planner counts with it before JAX starts)."""
-    d, f = m.hidden_size, m.intermediate_size
-    q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
-    return {
-        "q": (d, q),
-        "k": (d, kv),
-        "v": (d, kv),
-        "o": (q, d),
-        "gate": (d, f),
-        "up": (d, f),
-        "down": (f, d),
-    }
 
 
 def block_adapter_shapes(model: Model, cfg: FinetuneConfig) -> dict[str, Any]:

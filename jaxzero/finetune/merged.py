@@ -19,7 +19,6 @@ import numpy as np
 from jaxzero.config import FinetuneConfig, TrainConfig
 from jaxzero.finetune.adapters import lora_spec
 from jaxzero.finetune.base import narrow_block, narrow_unit, source_units
-from jaxzero.finetune.trainable import base_positions
 from jaxzero.models import ModelParams, build_model
 from jaxzero.models.lora import dequantize
 from jaxzero.primitives.deferred import Deferred, is_deferred
@@ -145,7 +144,7 @@ def merged_units(
     ft = cfg.finetune
     n = cfg.model.num_layers
     scale = lora_spec(ft).scale if ft.method == "lora" else 0.0
-    kept = base_positions(ft, cfg.model)
+    kept = ft.base_positions(cfg.model.num_layers)
     source = base if base is not None else source_units(cfg, model)
     units = source.units()
     shapes = jax.eval_shape(model.init, jax.random.key(0))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import jax
 
-from jaxzero.config import FinetuneConfig, ModelConfig
+from jaxzero.config import FinetuneConfig
 from jaxzero.finetune.adapters import LORA_LAYOUT, adapter_shapes
 from jaxzero.models import Model, ModelParams
 
@@ -26,12 +26,6 @@ def layout_of(ft: FinetuneConfig) -> str:
     return LORA_LAYOUT if ft.method == "lora" else FROZEN_LAYOUT
 
 
-def base_positions(ft: FinetuneConfig, m: ModelConfig) -> frozenset[int]:
-    """The units the frozen base keeps (embedding 0, block i at 1 + i, head L + 1): all under LoRA,
-    the frozen ones under `freeze`."""
-    return frozenset(range(m.num_layers + 2)) if ft.method == "lora" else ft.frozen(m.num_layers)
-
-
 def trainable_shapes(model: Model, ft: FinetuneConfig) -> ModelParams:
     """The trainable tree's float32 `ShapeDtypeStruct`s (`{}` where a unit has nothing that trains)."""
     if ft.method == "lora":
@@ -41,15 +35,3 @@ def trainable_shapes(model: Model, ft: FinetuneConfig) -> ModelParams:
     units = whole.units()
     kept = [{} if k in frozen else u for k, u in enumerate(units)]
     return ModelParams.from_units(kept)
-
-
-def lowest_trainable_block(ft: FinetuneConfig, m: ModelConfig) -> int:
-    """The first block whose backward pass matters: 0 where the embedding or block 0 trains (or under
-    LoRA), else the lowest trainable block (below it nothing trains and no gradient flows); L where
-    only the head trains."""
-    if ft.method == "lora":
-        return 0
-    frozen = ft.frozen(m.num_layers)
-    if 0 not in frozen:
-        return 0
-    return next((i for i in range(m.num_layers) if 1 + i not in frozen), m.num_layers)

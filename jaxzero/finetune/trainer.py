@@ -34,7 +34,7 @@ from jax.sharding import Mesh, SingleDeviceSharding
 from jaxzero.config import ConfigError, TrainConfig
 from jaxzero.finetune.adapters import init_adapters, lora_spec
 from jaxzero.finetune.base import BaseBuilder, FrozenBase, source_units
-from jaxzero.finetune.trainable import base_positions, layout_of, lowest_trainable_block, trainable_shapes
+from jaxzero.finetune.trainable import layout_of, trainable_shapes
 from jaxzero.models import ModelParams, build_model
 from jaxzero.numerics.objective import document_eot, document_segments, step_weight
 from jaxzero.numerics.optim import (
@@ -98,7 +98,7 @@ class PartialTrainer:
         )
         self.shapes = trainable_shapes(self.model, ft)
         self.layout = layout_of(ft)
-        self._kept = base_positions(ft, cfg.model)  # the units the base holds
+        self._kept = ft.base_positions(cfg.model.num_layers)  # the units the base holds
         self._builder = BaseBuilder(
             self._kept,
             ft.base_dtype,
@@ -117,7 +117,7 @@ class PartialTrainer:
         model = self.model
         # The one streamed schedule of every engine, over what trains: the base's blocks prefetched
         # from pinned_host (or resident), each merged with its trainable part in the block programs.
-        low = lowest_trainable_block(ft, cfg.model)
+        low = ft.lowest_trainable_block(cfg.model.num_layers)
         trains = FrozenPart(lowest_block=low, embed=bool(self.shapes.embed), device=self.device)
         where = OffloadPlacement(mesh, jax.local_devices(backend="cpu")[0], schedule_plan(plan, streamed))
         self._streamed = StreamedModel(model, where, grad_accum=1, trains=trains)

@@ -122,3 +122,19 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     Remat would add another forward pass; that is hardware FLOPs, not the model FLOPs MFU counts.
     """
     return float(6 * matmul_param_count(cfg) + 12 * cfg.num_layers * cfg.hidden_size * seq_len)
+
+
+def projection_shapes(m: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(in, out) of each of a Llama block's projections, by `LORA_TARGETS` name, from the config
+    alone (no JAX: the planner counts with it before JAX starts)."""
+    d, f = m.hidden_size, m.intermediate_size
+    q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    return {
+        "q": (d, q),
+        "k": (d, kv),
+        "v": (d, kv),
+        "o": (q, d),
+        "gate": (d, f),
+        "up": (d, f),
+        "down": (f, d),
+    }

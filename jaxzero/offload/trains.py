@@ -62,7 +62,7 @@ class WholeUnits:
 class FrozenPart:
     """A unit is (frozen, trainable), on one device; see the module docstring.
 
-    lowest_block: the first block whose backward pass matters (`finetune.trainable.lowest_trainable_block`).
+    lowest_block: the first block whose backward pass matters (`FinetuneConfig.lowest_trainable_block`).
     embed:        whether the embedding has a trainable part.
     device:       where a streamed frozen block is copied (the accelerator's memory).
     """

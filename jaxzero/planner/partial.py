@@ -22,10 +22,14 @@ from __future__ import annotations
 import dataclasses
 
 from jaxzero.config import ConfigError, TrainConfig
-from jaxzero.finetune.adapters import projection_shapes
-from jaxzero.finetune.trainable import base_positions, lowest_trainable_block
 from jaxzero.models.lora import storage_dtype
-from jaxzero.models.sizes import block_matmul_params, param_count, ties_output, unit_param_counts
+from jaxzero.models.sizes import (
+    block_matmul_params,
+    param_count,
+    projection_shapes,
+    ties_output,
+    unit_param_counts,
+)
 from jaxzero.plan import resolve_plan
 from jaxzero.planner import memory
 from jaxzero.planner.calibration import CHECKPOINT_WRITE_BPS
@@ -61,7 +65,7 @@ def partial_bytes(cfg: TrainConfig, streamed: bool) -> PartialBytes:
         block = kernels + 4 * outs + (n_block - kernels) * narrow
     else:
         block = n_block * narrow
-    kept = base_positions(ft, m)
+    kept = ft.base_positions(m.num_layers)
     last = m.num_layers + 1
     frozen_blocks = sum(1 for k in kept if 0 < k < last)
     edges = ((n_embed if 0 in kept else 0) + (n_head if last in kept else 0)) * narrow
@@ -76,7 +80,7 @@ def partial_bytes(cfg: TrainConfig, streamed: bool) -> PartialBytes:
     compute = memory.dtype_bytes(m.compute_dtype)
     documents = not d.cross_document_attention and d.eot_id >= 0
     transient = memory.transient_activations(m, micro_tokens, d.seq_len, documents)
-    lowest = lowest_trainable_block(ft, m)
+    lowest = ft.lowest_trainable_block(m.num_layers)
     saved = (m.num_layers - lowest) * micro_tokens * m.hidden_size * compute
     working = memory.backward_phases(transient)
     if ft.base_dtype == "int8":  # a block's kernels dequantised while it runs
@@ -103,7 +107,7 @@ def step_flops(cfg: TrainConfig) -> float:
     if ft.method == "lora":
         return 6 * param_count(m) * tokens
     _, n_block, _ = unit_param_counts(m)
-    kept, lowest = base_positions(ft, m), lowest_trainable_block(ft, m)
+    kept, lowest = ft.base_positions(m.num_layers), ft.lowest_trainable_block(m.num_layers)
     flops = 0.0
     for i in range(m.num_layers):  # blocks: forward 2, recomputation and input gradients 4, weights 2
         frozen = 1 + i in kept
@@ -124,8 +128,8 @@ def model_flops_per_token(cfg: TrainConfig) -> float:
     12 where a gradient flows through it. LoRA's adapters themselves are left out (under 1%)."""
     m, ft, seq = cfg.model, cfg.finetune, cfg.data.seq_len
     per_block, attention = block_matmul_params(m), m.hidden_size * seq
-    lowest = lowest_trainable_block(ft, m)
-    kept = base_positions(ft, m) if ft.method == "full" else frozenset(range(m.num_layers + 2))
+    lowest = ft.lowest_trainable_block(m.num_layers)
+    kept = ft.base_positions(m.num_layers) if ft.method == "full" else frozenset(range(m.num_layers + 2))
     flops = 0.0
     for i in range(m.num_layers):
         if i < lowest:
@@ -142,11 +146,11 @@ def link_bytes(cfg: TrainConfig) -> int:
     pass, and again for the backward pass from the lowest block that matters, per micro-batch."""
     m, ft = cfg.model, cfg.finetune
     b = partial_bytes(cfg, True)
-    frozen = [i for i in range(m.num_layers) if 1 + i in base_positions(ft, m)]
+    frozen = [i for i in range(m.num_layers) if 1 + i in ft.base_positions(m.num_layers)]
     if not frozen:
         return 0
     per_block = b.base_blocks // len(frozen)
-    lowest = lowest_trainable_block(ft, m)
+    lowest = ft.lowest_trainable_block(m.num_layers)
     crossings = len(frozen) + sum(1 for i in frozen if i >= lowest)
     return cfg.data.grad_accum * crossings * per_block
 
