@@ -7,8 +7,9 @@ import pytest
 
 from jaxzero.config import CheckpointConfig, ConfigError, ModelConfig, OffloadConfig, TrainConfig
 from jaxzero.config.checks import validate
+from jaxzero.config.keys import config_from_dict
 from jaxzero.models.sizes import NAMED_SIZES, param_count
-from jaxzero.overrides import apply_overrides, config_from_dict, parse_args
+from jaxzero.overrides import apply_overrides, parse_args
 from jaxzero.planner import memory
 
 

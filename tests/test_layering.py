@@ -244,10 +244,10 @@ UPWARD = {
     ("jaxzero.planner", "jaxzero.run"),
     # a frozen base from Hugging Face files; PEFT's layout of the adapters
     ("jaxzero.finetune", "jaxzero.interop"),
-    # build_trainer(**overrides); the exports of a trainer's state and a saved config.json read back
+    # build_trainer(**overrides) (model.name=hf:DIR reads a checkpoint's shape); the exports of a
+    # trainer's state (Hugging Face, PEFT)
     ("jaxzero.trainer", "jaxzero.overrides"),
     ("jaxzero.storage", "jaxzero.interop"),
-    ("jaxzero.storage", "jaxzero.overrides"),
 }
 
 

@@ -7,17 +7,8 @@ from pathlib import Path
 import pytest
 
 from jaxzero.config import SECTIONS, ConfigError, TrainConfig
-from jaxzero.overrides import (
-    COMMAND_LINE,
-    all_keys,
-    config_from_dict,
-    field_meanings,
-    help_text,
-    layer,
-    parse_args,
-    set_by_preset,
-    split_args,
-)
+from jaxzero.config.keys import COMMAND_LINE, all_keys, config_from_dict, set_by_preset
+from jaxzero.overrides import field_meanings, help_text, layer, parse_args, split_args
 
 
 def test_defaults_are_valid_and_keys_listed():

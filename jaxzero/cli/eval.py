@@ -31,12 +31,13 @@ import jax
 import numpy as np
 
 from jaxzero.config import ConfigError, ModelConfig, TrainConfig
+from jaxzero.config.keys import config_from_dict
 from jaxzero.data.packing import every_example_rows
 from jaxzero.data.sources import open_split
 from jaxzero.finetune.adapters import LORA_LAYOUT
 from jaxzero.finetune.trainable import FROZEN_LAYOUT
 from jaxzero.interop import load_hf_by_unit
-from jaxzero.overrides import apply_overrides, config_from_dict, layer, split_args
+from jaxzero.overrides import apply_overrides, layer, split_args
 from jaxzero.planner import preflight
 from jaxzero.run.console import ignore_closed_event_loops, to_stderr
 from jaxzero.run.outcome import EXIT_CONFIG, EXIT_INTERRUPTED

@@ -17,12 +17,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxzero.config import CheckpointError, TrainConfig
+from jaxzero.config.keys import config_from_dict
 from jaxzero.finetune.adapters import LORA_LAYOUT
 from jaxzero.finetune.merged import merged_units
 from jaxzero.finetune.provenance import check_base
 from jaxzero.finetune.trainable import FROZEN_LAYOUT, trainable_shapes
 from jaxzero.models import ModelParams, build_model
-from jaxzero.overrides import config_from_dict
 from jaxzero.primitives.deferred import Deferred, resolved
 from jaxzero.storage import export_dir
 from jaxzero.storage.checkpoint_layout import (

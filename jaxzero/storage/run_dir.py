@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxzero.config import OFFLOAD_STATE_DIR, ConfigError, TrainConfig
-from jaxzero.overrides import all_keys, config_from_dict, set_by_preset
+from jaxzero.config.keys import all_keys, config_from_dict, set_by_preset
 from jaxzero.storage.checkpoint_layout import CHECKPOINT_DIR, UNREADABLE_DIR, saved_steps
 from jaxzero.storage.run_lock import LOCK_FILE, RunLock, lock_run_dir
 
