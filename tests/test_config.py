@@ -25,10 +25,6 @@ from jaxzero.planner import memory
             "data.batch_size=10 must be a positive multiple of",
         ),
         (["--data.source=tokens"], "data.source=tokens needs data.path=DIR"),
-        (
-            ["--data.path=/data/owt"],
-            "data.path='/data/owt' is read only with data.source=tokens, but data.source=builtin",
-        ),
         (["--data.path=d", "--data.source=synthetic"], "Add --data.source=tokens to train on its train.bin"),
         (["--optimizer.name=adamx"], "optimizer.name='adamx' is not one of ['adamw', 'adam', 'lion', 'sgd']"),
         (["--optimizer.lr=0"], "optimizer.lr=0.0 must be > 0"),
@@ -172,3 +168,14 @@ def test_an_hf_name_is_left_to_the_parser():
     """A ModelConfig reads no file: an hf:DIR name without its shape says what builds it."""
     with pytest.raises(ConfigError, match="model_config_from_hf"):
         ModelConfig.named("hf:/no/such/checkpoint")
+
+
+def test_a_data_path_alone_names_token_files():
+    """--data.path without --data.source means the token files it names (it was refused, so the README's
+    and docs/lora.md's commands exited 2); a source that contradicts it is still refused."""
+    assert parse_args(["--data.path=/data/owt"]).data.source == "tokens"
+    assert apply_overrides(TrainConfig(), {"data.path": "d", "data.seq_len": "64"}).data.source == "tokens"
+    preset_then_cli = apply_overrides(apply_overrides(TrainConfig(), {"data.path": "d"}), {"steps": "3"})
+    assert preset_then_cli.data.source == "tokens"
+    with pytest.raises(ConfigError, match="data.path='d' is read only with data.source=tokens"):
+        parse_args(["--data.path=d", "--data.source=builtin"])

@@ -202,7 +202,8 @@ class DataConfig:
 
     # builtin: bytes of Python's standard library; tokens: nanoGPT .bin files; synthetic: random ids
     source: Literal["builtin", "tokens", "synthetic"] = "builtin"
-    path: str = ""  # source=tokens: directory holding train.bin (and optionally val.bin)
+    # source=tokens: directory holding train.bin (and optionally val.bin); given alone, source=tokens
+    path: str = ""
     # source=tokens: the dtype the .bin files hold; auto: what their prepare.json records, else uint16
     token_dtype: Literal["auto", "uint16", "uint32"] = "auto"
     seq_len: int = 128  # tokens per sequence (each sequence also reads one shifted target)

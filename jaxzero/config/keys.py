@@ -17,6 +17,7 @@ from jaxzero.config import (
     SIZE_SHAPES,
     TOP_LEVEL_KEYS,
     ConfigError,
+    DataConfig,
     ModelConfig,
     OptimizerConfig,
     TrainConfig,
@@ -134,6 +135,10 @@ def set_keys(cfg: TrainConfig, overrides: dict[str, Any]) -> TrainConfig:
         # Adam has no weight decay: where no setting names one, it takes its own default, not adamw's
         if cfg.optimizer.weight_decay == OptimizerConfig().weight_decay:
             optimizer["weight_decay"] = 0.0
+    data = per_section.get("data", {})
+    if data.get("path") and "source" not in data and cfg.data.source == DataConfig().source:
+        # a data.path names token files: where no setting names the source, that is the source
+        data["source"] = "tokens"
     model = cfg.model
     model_over = per_section.pop("model", {})
     if "name" in model_over:
