@@ -8,6 +8,7 @@ import contextlib
 import multiprocessing
 import os
 import signal
+import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -75,8 +76,7 @@ _WORKER: Encoder | None = None
 
 def _init_worker(*args: Any) -> None:
     global _WORKER
-    # Ctrl-C reaches the whole process group: the parent stops the pool, and a worker's own
-    # KeyboardInterrupt would only add a traceback each
+    # deaf to Ctrl-C for good (spawned with it blocked: `encoded_chunks`), from any thread's pool
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # one thread per worker process: the processes are the parallelism
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
@@ -88,18 +88,30 @@ def _encode_chunk(items: list[Any]) -> list[tuple[np.ndarray, np.ndarray | None]
     return _WORKER(items)
 
 
-def _in_order(pool: Any, chunks: Iterator[list[Any]], ahead: int) -> Iterator[tuple[list[Any], list[Any]]]:
+def _in_order(
+    pool: Any, chunks: Iterator[list[Any]], ahead: int, stop: threading.Event
+) -> Iterator[tuple[list[Any], list[Any]]]:
     """(items, encoded) of each chunk, in input order, with at most `ahead` chunks read and not yet
-    written: the inputs are never read into memory whole."""
+    written: the inputs are never read into memory whole. KeyboardInterrupt, between the pool's calls,
+    once `stop` is set (Ctrl-C)."""
+
+    def done(result: Any) -> list[Any]:
+        while not result.ready():
+            if stop.wait(0.05):
+                raise KeyboardInterrupt
+        return result.get()
+
     pending: collections.deque[tuple[list[Any], Any]] = collections.deque()
     for chunk in chunks:
+        if stop.is_set():
+            raise KeyboardInterrupt
         pending.append((chunk, pool.apply_async(_encode_chunk, (chunk,))))
         if len(pending) >= ahead:
             texts, result = pending.popleft()
-            yield texts, result.get()
+            yield texts, done(result)
     while pending:
         texts, result = pending.popleft()
-        yield texts, result.get()
+        yield texts, done(result)
 
 
 @contextlib.contextmanager
@@ -118,9 +130,26 @@ def encoded_chunks(
         encoder = Encoder(*encoder_args)
         yield ((c, encoder(c)) for c in chunks)
         return
-    # spawn, not fork: a library caller may run JAX, whose threads a fork would copy mid-lock
-    pool = multiprocessing.get_context("spawn").Pool(workers, initializer=_init_worker, initargs=encoder_args)
+    # Ctrl-C reaches the whole process group. The workers are deaf to it: spawned with SIGINT blocked
+    # (a signal mask survives exec), none prints a traceback, even while starting. The parent takes it
+    # as a request, acted on between the pool's calls: a KeyboardInterrupt inside them could leave the
+    # pool's queue locked and its terminate waiting forever.
+    main = threading.current_thread() is threading.main_thread()
+    stop, previous = threading.Event(), None
+    if main:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
-        yield _in_order(pool, chunks, 4 * workers)
+        # spawn, not fork: a library caller may run JAX, whose threads a fork would copy mid-lock
+        spawn = multiprocessing.get_context("spawn")
+        pool = spawn.Pool(workers, initializer=_init_worker, initargs=encoder_args)
+        if main:
+            previous = signal.signal(signal.SIGINT, lambda signum, frame: stop.set())
+    finally:
+        if main:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # one pressed meanwhile: now
+    try:
+        yield _in_order(pool, chunks, 4 * workers, stop)
     finally:
         pool.terminate()
+        if main:
+            signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)
