@@ -179,3 +179,13 @@ def test_a_data_path_alone_names_token_files():
     assert preset_then_cli.data.source == "tokens"
     with pytest.raises(ConfigError, match="data.path='d' is read only with data.source=tokens"):
         parse_args(["--data.path=d", "--data.source=builtin"])
+
+
+def test_a_named_size_built_as_a_plain_dataclass_is_refused():
+    """`ModelConfig(name="llama-7b")` is llama-tiny's shape labelled llama-7b (a plain dataclass looks
+    no name up): refused with the constructor that builds the size, not trained silently."""
+    with pytest.raises(ConfigError, match=r"ModelConfig.named\('llama-7b'\)"):
+        validate(TrainConfig(model=ModelConfig(name="llama-7b")))
+    validate(TrainConfig(model=ModelConfig.named("llama-7b")))
+    validate(TrainConfig(model=ModelConfig.named("llama-7b", num_layers=2)))
+    validate(TrainConfig(model=ModelConfig(name="mine", hidden_size=64)))

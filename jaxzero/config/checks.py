@@ -14,6 +14,7 @@ import math
 from jaxzero.config import (
     LORA_TARGETS,
     SECTIONS,
+    SIZE_SHAPES,
     CheckpointConfig,
     ConfigError,
     FP16Config,
@@ -143,7 +144,16 @@ def _validate_finite(cfg: TrainConfig) -> None:
 
 
 def _validate_model_numerics(m: ModelConfig) -> None:
-    """The model's numerical constants."""
+    """The model's numerical constants, and a named size's name on the default shape: the
+    `ModelConfig(name="llama-7b")` that meant `ModelConfig.named("llama-7b")` (a plain dataclass
+    looks no name up), which would train llama-tiny labelled as the size."""
+    default = ModelConfig()
+    _need(
+        m.name == default.name or m.name not in SIZE_SHAPES or m != ModelConfig(name=m.name),
+        f"model.name={m.name!r} names a size, but every other field is llama-tiny's default: "
+        f"ModelConfig(name={m.name!r}) labels llama-tiny's shape. Build the size with "
+        f"ModelConfig.named({m.name!r}) (as --model.name={m.name} does).",
+    )
     _need(m.rope_theta > 0, f"model.rope_theta={m.rope_theta} must be > 0.")
     _need(m.norm_eps > 0, f"model.norm_eps={m.norm_eps} must be > 0.")
     _need(m.init_std > 0, f"model.init_std={m.init_std} must be > 0.")
