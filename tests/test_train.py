@@ -193,3 +193,18 @@ def test_background_errors_the_log_cannot_take_are_one_line_on_stderr(tmp_path, 
     assert len(err) == 1, err
     assert "30 error report(s) of background threads could not be written to" in err[0]
     assert "OSError: [Errno 28] no room 0" in err[0]
+
+
+def test_the_printed_commands_paste_into_a_shell(tmp_path):
+    """The finished run's "train further", "export" and samples' "generate" commands name a run_dir
+    with a space as one shell argument (they broke at the space when pasted)."""
+    import shlex
+
+    out = io.StringIO()
+    run_dir = tmp_path / "my runs" / "first"
+    loop.train(tiny(tmp_path, run_dir=str(run_dir)), out)
+    lines = [ln for ln in out.getvalue().splitlines() if "python -m jaxzero." in ln]
+    assert len(lines) == 3, out.getvalue()  # train further, export, and the samples' generate
+    for line in lines:
+        command = "python -m " + line.partition("python -m ")[2].removesuffix("):")
+        assert f"--run_dir={run_dir}" in shlex.split(command), line

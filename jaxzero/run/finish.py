@@ -50,10 +50,11 @@ def finish(
     losses = ", ".join(f"{k} {last[k]:.4f}" for k in ("loss", "val_loss") if last.get(k) is not None)
     print(f"jaxzero: done: step {cfg.steps} in {wall:.0f} s; {losses}", file=console)
     if checkpoint:
+        run = run_dir_lib.pasteable(cfg.run_dir)  # as a shell argument: a path with a space pastes
         print(
             f"jaxzero: checkpoint {checkpoint}\n"
-            f"jaxzero: train further: python -m jaxzero.train --run_dir={cfg.run_dir} --steps=N\n"
-            f"jaxzero: export: python -m jaxzero.export --run_dir={cfg.run_dir} --out=DIR",
+            f"jaxzero: train further: python -m jaxzero.train --run_dir={run} --steps=N\n"
+            f"jaxzero: export: python -m jaxzero.export --run_dir={run} --out=DIR",
             file=console,
         )
 
@@ -68,11 +69,11 @@ def stopped_message(
     if defaulted:
         return (
             f"{reason}: saved a checkpoint at step {step} in {ckpt.directory}; to resume it: add "
-            f"--run_dir={run_dir_lib.shown(Path(cfg.run_dir))} to the command."
+            f"--run_dir={run_dir_lib.pasteable(cfg.run_dir)} to the command."
         )
     return (
         f"{reason}: saved a checkpoint at step {step} in {ckpt.directory}; rerun with "
-        f"--run_dir={cfg.run_dir} to resume."
+        f"--run_dir={run_dir_lib.pasteable(cfg.run_dir)} to resume."
     )
 
 

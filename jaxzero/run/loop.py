@@ -102,7 +102,7 @@ def _train_held(
     if defaulted:  # rerunning the same command would start another run: say how to come back to this one
         print(
             f"jaxzero: run_dir {run_dir_lib.shown(path)} ({_KINDS[run.kind]}); to resume it: add "
-            f"--run_dir={run_dir_lib.shown(path)}",
+            f"--run_dir={run_dir_lib.pasteable(path)}",
             file=console,
         )
     cfg, notes = run_dir_lib.config_for_run_dir(cfg, run, path, sources)

@@ -14,6 +14,7 @@ from jaxzero.decode import Generator, Sampling
 from jaxzero.models.sizes import param_count
 from jaxzero.planner import runtime
 from jaxzero.storage.checkpoint_masters import load_masters
+from jaxzero.storage.run_dir import pasteable
 
 # The samples read the model's float32 weights whole: at most this share of the free RAM.
 SAMPLES_RAM_SHARE = 0.5
@@ -30,8 +31,8 @@ def print_samples(cfg: TrainConfig, console: TextIO) -> None:
     if whole > SAMPLES_RAM_SHARE * runtime.host_memory_available():
         print(
             f"jaxzero: samples skipped: the model's float32 weights ({whole / 2**30:.1f} GiB) would not fit "
-            f"this host's free RAM beside the run; python -m jaxzero.generate --run_dir={cfg.run_dir} "
-            "--prompt=TEXT samples on a machine that holds them.",
+            "this host's free RAM beside the run; python -m jaxzero.generate "
+            f"--run_dir={pasteable(cfg.run_dir)} --prompt=TEXT samples on a machine that holds them.",
             file=console,
         )
         return
@@ -42,7 +43,7 @@ def print_samples(cfg: TrainConfig, console: TextIO) -> None:
     gen = Generator(cfg_saved.model, params, max(map(len, prompts)) + sampling.max_new_tokens)
     print(
         f"jaxzero: samples of step {step} (temperature 0.8, top_p 0.95; more: python -m jaxzero.generate "
-        f"--run_dir={cfg.run_dir} --prompt=TEXT):",
+        f"--run_dir={pasteable(cfg.run_dir)} --prompt=TEXT):",
         file=console,
     )
     for k, prompt in enumerate(prompts):

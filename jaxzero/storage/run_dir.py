@@ -28,6 +28,7 @@ import datetime
 import enum
 import json
 import os
+import shlex
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -205,6 +206,12 @@ def shown(path: Path) -> str:
     """`path` as a user types it: relative to the working directory when inside it (`runs/x`)."""
     relative = os.path.relpath(path)
     return str(path) if relative.startswith("..") else relative
+
+
+def pasteable(path: str | Path) -> str:
+    """`shown(path)` as a shell argument: quoted where the shell would split or expand it (a space), so
+    that a printed command pastes as it reads."""
+    return shlex.quote(shown(Path(path)))
 
 
 def _check_creatable(path: Path) -> None:
