@@ -12,6 +12,7 @@ import jax
 import pytest
 
 from jaxzero.config import ConfigError
+from jaxzero.primitives import coordination
 from jaxzero.run import distributed
 from jaxzero.run.distributed import Processes, detect, initialize_arguments
 
@@ -118,7 +119,7 @@ def test_start_passes_what_jax_accepts_and_nothing_for_one_process(
 
 def test_barrier_and_agree_are_nothing_for_one_process() -> None:
     distributed.barrier("alone", 1)
-    assert distributed.agree("run_dir", "runs/x", 1) == "runs/x"
+    assert coordination.agree("run_dir", "runs/x", 1) == "runs/x"
 
 
 def test_a_clean_stop_sends_the_runtimes_shutdown_chatter_to_the_error_log(tmp_path) -> None:

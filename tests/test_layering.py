@@ -240,8 +240,6 @@ LAYERS = [
 # The imports that still run back up those layers, each with what would remove it. No other may
 # be added: a new one is a module in the wrong folder.
 UPWARD = {
-    # the planner's pass agrees the machine's figures across a run's processes
-    ("jaxzero.planner", "jaxzero.run"),
     # a frozen base from Hugging Face files; PEFT's layout of the adapters
     ("jaxzero.finetune", "jaxzero.interop"),
     # build_trainer(**overrides) (model.name=hf:DIR reads a checkpoint's shape); the exports of a

@@ -61,6 +61,7 @@ from jaxzero.config import ConfigError, TrainConfig
 from jaxzero.config.checks import validate
 from jaxzero.overrides import Layered, help_text, layer, split_args
 from jaxzero.planner import preflight
+from jaxzero.primitives.coordination import agree
 from jaxzero.run import distributed
 from jaxzero.run.console import HangupSafe, to_stderr
 from jaxzero.run.loop import train
@@ -217,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         if layered.deepspeed is not None and (processes is None or processes.index == 0):
             print(layered.deepspeed.report())
         if processes is not None:  # the default run_dir is named after each process's start time
-            run_dir = distributed.agree("run_dir", cfg.run_dir, cfg.parallel.timeout_s)
+            run_dir = agree("run_dir", cfg.run_dir, cfg.parallel.timeout_s)
             cfg = dataclasses.replace(cfg, run_dir=run_dir)
         background = BackgroundErrorLog(Path(cfg.run_dir))
         background.install()

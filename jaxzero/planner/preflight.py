@@ -12,7 +12,7 @@ XLA reads its pinned pool's cap and its share of each GPU once, when its backend
 must be sized from the placement before that, and the placement needs the machine. So the machine is
 told without JAX (`machine.accelerators_before_backend`: `nvidia-smi`, or the CPU backend's
 settings), the model's shapes from its config (`placement.whole_params_of`), and the processes of a
-run agree on the figures each sees through the coordination service (`distributed.gather`).
+run agree on the figures each sees through the coordination service (`primitives.coordination`).
 `python -m jaxzero.plan` decides through the same path (`decide`), and sets nothing; so does
 `build_trainer` for a library caller who passes no decision, on the devices of its running backend.
 """
@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import socket
+from typing import TYPE_CHECKING
 
 import jax
 
@@ -41,8 +42,10 @@ from jaxzero.planner.machine import (
 )
 from jaxzero.planner.partial import decide_partial
 from jaxzero.planner.report import Decision
-from jaxzero.run import distributed
-from jaxzero.run.distributed import Processes
+from jaxzero.primitives.coordination import gather
+
+if TYPE_CHECKING:  # a type of the run's, given by the program: nothing of the run is loaded
+    from jaxzero.run.distributed import Processes
 
 log = logging.getLogger(__name__)  # the library speaks through logging (`jaxzero.run.console`)
 
@@ -185,14 +188,14 @@ def _agreed(cfg: TrainConfig, seen: Accelerators | None, count: int, pool_fixed:
     if count == 1:
         return detect_machine(cfg, seen, devices=local, processes=1, pool_fixed=pool_fixed)
     host = socket.gethostname()
-    hosts = distributed.gather("host", host, cfg.parallel.timeout_s)
+    hosts = gather("host", host, cfg.parallel.timeout_s)
     here = hosts.count(host)
     mine = detect_machine(
         cfg, seen, devices=local * count, processes=count, local_processes=here, pool_fixed=pool_fixed
     )
     figures = [mine.gpu_bytes or 0, mine.host_share, mine.host_bw / here, mine.cores, local]
     every = [
-        json.loads(t) for t in distributed.gather("machine", json.dumps(figures), cfg.parallel.timeout_s)
+        json.loads(t) for t in gather("machine", json.dumps(figures), cfg.parallel.timeout_s)
     ]
     gpu, share, bw, cores, _ = (min(column) for column in zip(*every, strict=True))
     devices = sum(e[4] for e in every)

@@ -43,7 +43,7 @@ from jax._src import distributed as jax_distributed
 
 from jaxzero.config import ConfigError
 
-__all__ = ["Processes", "agree", "barrier", "detect", "index", "initialize_arguments", "start", "stop"]
+__all__ = ["Processes", "barrier", "detect", "index", "initialize_arguments", "start", "stop"]
 
 COORDINATOR = "JAX_COORDINATOR_ADDRESS"
 NUM_PROCESSES = "JAX_NUM_PROCESSES"
@@ -235,27 +235,3 @@ def index() -> int:
     """This process's id in the run (0 for one process), read from JAX's runtime without starting a
     backend (which a GPU process would otherwise start early, taking GPU memory)."""
     return jax_distributed.global_state.process_id if jax_distributed.global_state.client is not None else 0
-
-
-def agree(name: str, text: str, timeout_s: int) -> str:
-    """Process 0's `text`, in every process, waiting at most `timeout_s` seconds for it; `text` itself
-    for one process. E.g. the default run directory, named after the time each process started. Starts
-    no backend."""
-    client = jax_distributed.global_state.client
-    if client is None:
-        return text
-    key = f"jaxzero/{name}"
-    if jax_distributed.global_state.process_id == 0:
-        client.key_value_set(key, text)
-    return client.blocking_key_value_get(key, timeout_s * 1000)
-
-
-def gather(name: str, text: str, timeout_s: int) -> list[str]:
-    """Every process's `text`, in process order, in every process, waiting at most `timeout_s` seconds
-    for them; `[text]` for one process. Starts no backend (the coordination service carries it)."""
-    client = jax_distributed.global_state.client
-    if client is None:
-        return [text]
-    mine, count = jax_distributed.global_state.process_id, jax_distributed.global_state.num_processes
-    client.key_value_set(f"jaxzero/{name}/{mine}", text)
-    return [client.blocking_key_value_get(f"jaxzero/{name}/{i}", timeout_s * 1000) for i in range(count)]
