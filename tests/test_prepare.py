@@ -6,15 +6,10 @@ from __future__ import annotations
 import io
 import json
 import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from subprocess_run import user_env
 
 from jaxzero.cli.prepare import main, prepare
 from jaxzero.config import DataConfig
@@ -448,38 +443,3 @@ def test_negative_workers_are_refused_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "--workers=-3: give a number of encoding processes" in err and "Traceback" not in err
     assert not (tmp_path / "out").exists()
-
-
-@pytest.mark.slow  # a subprocess with worker processes
-def test_ctrl_c_stops_at_once_in_one_line_and_leaves_nothing(tmp_path):
-    """Ctrl-C at a terminal reaches the program and its encoding workers (one process group): one line,
-    exit 130, within seconds, no unfinished file left (it printed a traceback per process and
-    sometimes ran on for minutes)."""
-    big = tmp_path / "in"
-    big.mkdir()
-    line = json.dumps({"text": "the quick brown fox jumps over the lazy dog " * 40})
-    (big / "docs.jsonl").write_text("\n".join([line] * 200_000) + "\n")
-    out = tmp_path / "out"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "jaxzero.prepare", f"--input={big}/docs.jsonl", f"--out={out}", "--workers=2"],
-        env=user_env(),
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # its own process group, as a terminal's foreground job
-        # as at a terminal: a pytest-xdist worker ignores SIGINT, and its children would inherit that
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.default_int_handler),
-    )
-    deadline = time.time() + 120
-    while time.time() < deadline and not (out.is_dir() and any(p.stat().st_size for p in out.iterdir())):
-        time.sleep(0.1)
-    assert proc.poll() is None, proc.communicate()[1]
-    os.killpg(proc.pid, signal.SIGINT)
-    pressed = time.time()
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, err
-    assert time.time() - pressed < 20
-    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
-    assert "interrupted (Ctrl-C)" in err
-    assert not out.exists() or list(out.iterdir()) == []

@@ -8,6 +8,7 @@ import contextlib
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -78,6 +79,11 @@ def _init_worker(*args: Any) -> None:
     global _WORKER
     # deaf to Ctrl-C for good (spawned with it blocked: `encoded_chunks`), from any thread's pool
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # silent: an encoding error reaches the parent with the chunk's result; what a worker would print
+    # itself is the traceback of its pipes closing as the pool is terminated (cut off mid-line)
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, sys.stderr.fileno())
+    os.close(null)
     # one thread per worker process: the processes are the parallelism
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _WORKER = Encoder(*args)
