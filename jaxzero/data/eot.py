@@ -36,16 +36,30 @@ GPT2_EOT_ID = 50256
 GPT2_VOCAB_SIZES = (50257, 50304)
 
 
-def prepared_eot_id(directory: str | Path) -> int | None:
-    """The ``eot_id`` of the ``prepare.json`` in `directory`, or None where it has none. DataError
-    if the file is there but does not say (not JSON, or no ``recipe.eot_id`` integer)."""
+def prepared_meta(directory: str | Path) -> dict | None:
+    """The ``prepare.json`` in `directory` (what `jaxzero.prepare` recorded of its token files), or
+    None where there is none; DataError where it is not the JSON object prepare writes."""
     path = Path(directory) / PREPARE_META
     if not path.is_file():
         return None
     try:
-        eot = json.loads(path.read_text()).get("recipe", {}).get("eot_id")
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+        meta = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise DataError(f"{path} is not the JSON jaxzero.prepare writes ({e}); rerun jaxzero.prepare.") from e
+    if not isinstance(meta, dict):
+        raise DataError(f"{path} is not the JSON object jaxzero.prepare writes; rerun jaxzero.prepare.")
+    return meta
+
+
+def prepared_eot_id(directory: str | Path) -> int | None:
+    """The ``eot_id`` of the ``prepare.json`` in `directory`, or None where it has none. DataError
+    if the file is there but does not say (not JSON, or no ``recipe.eot_id`` integer)."""
+    meta = prepared_meta(directory)
+    if meta is None:
+        return None
+    path = Path(directory) / PREPARE_META
+    recipe = meta.get("recipe", {})
+    eot = recipe.get("eot_id") if isinstance(recipe, dict) else None
     if not isinstance(eot, int) or isinstance(eot, bool) or eot < 0:
         raise DataError(
             f"{path} records no end-of-text id (recipe.eot_id={eot!r}); rerun jaxzero.prepare, or pass "

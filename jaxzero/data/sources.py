@@ -5,7 +5,6 @@ tokens have no source: `jaxzero.data.batches` draws them."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -16,7 +15,7 @@ from typing import Literal
 
 import numpy as np
 
-from jaxzero.data.eot import PREPARE_META
+from jaxzero.data.eot import PREPARE_META, prepared_meta
 from jaxzero.data.types import DataError, TokenSplits
 
 log = logging.getLogger(__name__)  # the library speaks through logging (`jaxzero.run.console`)
@@ -184,12 +183,9 @@ def token_dtype_of(directory: Path, token_dtype: str) -> str:
     if token_dtype not in ("auto", *_TOKEN_DTYPES):
         raise DataError(f"data.token_dtype={token_dtype!r} is not one of {['auto', *_TOKEN_DTYPES]}.")
     meta = directory / PREPARE_META
-    recorded = None
-    if meta.is_file():
-        try:
-            recorded = json.loads(meta.read_text()).get("token_dtype")
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
-            raise DataError(f"{meta} is not the JSON jaxzero.prepare writes ({e}); rerun it.") from e
+    prepared = prepared_meta(directory)
+    recorded = None if prepared is None else prepared.get("token_dtype")
+    if prepared is not None:
         if recorded is not None and recorded not in _TOKEN_DTYPES:
             raise DataError(
                 f"{meta} records token_dtype={recorded!r}, not one of {list(_TOKEN_DTYPES)}; rerun "

@@ -71,14 +71,17 @@ class Decision:
         """Accelerator memory per device: the state kept there and the activations."""
         return self.memory.accelerator_state + self.memory.activations
 
+    def checkpoint_bytes(self) -> int:
+        """Bytes of one checkpoint: the float32 masters and the optimizer state."""
+        return param_count(self.config.model) * (4 + memory.optimizer_state_bytes(self.config))
+
     def checkpoint_disk(self) -> tuple[int, int]:
         """(bytes, count) of the checkpoints on disk at once at most: `checkpoint.keep` and the one
         being written, as many as the run saves (`memory.checkpoints_on_disk`); (0, 0) without
         checkpoints."""
         cfg = self.config
-        size = param_count(cfg.model) * (4 + memory.optimizer_state_bytes(cfg))
         count = memory.checkpoints_on_disk(cfg.checkpoint, 0, memory.checkpoint_saves(cfg))
-        return count * size, count
+        return count * self.checkpoint_bytes(), count
 
     def checkpoint_shortfall(self) -> str | None:
         """Why the run's checkpoints cannot fit the free disk under its run directory (the check
@@ -99,9 +102,8 @@ class Decision:
     def save_seconds(self) -> float:
         """Seconds one checkpoint takes to write: this host's processes' share of the masters and
         optimizer state at the writer's rate (`CHECKPOINT_WRITE_BPS`)."""
-        cfg, mc = self.config, self.machine
-        size = param_count(cfg.model) * (4 + memory.optimizer_state_bytes(cfg))
-        return size * mc.local_processes / mc.processes / CHECKPOINT_WRITE_BPS
+        mc = self.machine
+        return self.checkpoint_bytes() * mc.local_processes / mc.processes / CHECKPOINT_WRITE_BPS
 
     def save_warning(self) -> str | None:
         """A warning where saves every `checkpoint.every` steps may block training for more than
@@ -194,7 +196,7 @@ class Decision:
                 f"{cfg.offload.disk_path or 'under the run directory'})"
             )
         if cfg.checkpoint.enabled:
-            size = param_count(m) * (4 + memory.optimizer_state_bytes(cfg))
+            size = self.checkpoint_bytes()
             need, count = self.checkpoint_disk()
             lines.append(
                 f"  checkpoints     {gib(size)} each, {gib(need)} of disk under run_dir at most "

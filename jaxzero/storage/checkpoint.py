@@ -57,6 +57,7 @@ from jaxzero.primitives.write_fence import WriteFence
 from jaxzero.storage.checkpoint_disk import (
     TMP_MARKER,
     CheckpointWriteError,
+    bytes_under,
     describe_write_error,
     ensure_room,
     verify_checksums,
@@ -222,7 +223,7 @@ class Checkpointer:
         free space, where the next save of about `size` bytes will not fit (it would stop the run)."""
         free = shutil.disk_usage(self.directory).free
         if jax.process_count() == 1:
-            free += sum(_bytes_under(self.directory / str(s)) for s in self._superseded(step + 1))
+            free += sum(bytes_under(self.directory / str(s)) for s in self._superseded(step + 1))
         if free < size:
             log.warning(
                 f"warning: checkpoint {step} is written, but the next one will not fit: it needs about "
@@ -461,10 +462,6 @@ class _Failure:
     text: str
     mismatch: bool
     error: BaseException | None = None
-
-
-def _bytes_under(directory: Path) -> int:
-    return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
 
 
 def _allgather_text(text: str) -> list[str]:

@@ -116,12 +116,17 @@ def ensure_room(directory: Path, nbytes: int, what: str) -> None:
         )
 
 
+def bytes_under(directory: Path) -> int:
+    """Bytes of the files under `directory` (a checkpoint's on disk)."""
+    return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+
+
 def ensure_disk_room(directory: Path, size: int, cfg: CheckpointConfig, saves: int) -> None:
     """Raise `CheckpointWriteError`, before training, if the file system holding `directory` cannot
     hold the checkpoints (each `size` bytes) a run keeps at once while it makes `saves` more saves
     (`checkpoints_on_disk`), counting the room its checkpoints already there take."""
     steps = [p for p in directory.iterdir() if p.name.isdigit()] if directory.is_dir() else []
-    have = sum(f.stat().st_size for p in steps for f in p.rglob("*") if f.is_file())
+    have = sum(bytes_under(p) for p in steps)
     count = checkpoints_on_disk(cfg, len(steps), saves)
     if count * size - have > 0:
         ensure_room(
