@@ -1,7 +1,8 @@
 """Runs `python -m jaxzero.train` as a user does, with and without checkpoints, and reports what the
 saves cost: peak host RSS against the plan's figure, seconds per step, seconds training waited for
 the writer. Each run is its own process, sampled every 0.2 s (`/proc/<pid>/status`): its peak RSS,
-the anonymous, file and shared parts at the peak, and its largest mappings (`<name>.smaps`).
+the anonymous, file and shared parts at the peak, and its largest mappings (`<name>.smaps`); and the
+peak bytes on disk under its run directory (every second) beside the plan's disk figure.
 
     python scripts/bench_checkpoint_runs.py --out=DIR RUN [RUN ...]
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -31,13 +33,31 @@ from pathlib import Path
 GiB = 2**30
 
 
-def sample(proc: subprocess.Popen, smaps: Path) -> tuple[int, float, dict[str, float]]:
-    """(peak RSS bytes, seconds, the RSS's parts at its peak in GiB) of a running process, sampled
-    until it exits; at each new peak (1 GiB past the last one kept) its largest mappings go to
-    `smaps`, so that what grew can be named."""
+def bytes_under(path: Path) -> int:
+    """The bytes of the files under `path` (0 where it does not exist); files removed mid-walk skipped."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(root, f)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def sample(
+    proc: subprocess.Popen, smaps: Path, run_dir: Path
+) -> tuple[int, float, dict[str, float], int]:
+    """(peak RSS bytes, seconds, the RSS's parts at its peak in GiB, peak bytes on disk under
+    `run_dir`) of a running process, sampled until it exits (the disk every second); at each new
+    RSS peak (1 GiB past the last one kept) its largest mappings go to `smaps`, so that what grew
+    can be named."""
     peak, kept, parts, start = 0, 0, {}, time.perf_counter()
+    disk, walked = 0, 0.0
     status = Path(f"/proc/{proc.pid}/status")
     while proc.poll() is None:
+        if time.perf_counter() - walked >= 1.0:
+            disk, walked = max(disk, bytes_under(run_dir)), time.perf_counter()
         try:
             fields = dict(line.split(":", 1) for line in status.read_text().splitlines() if ":" in line)
         except OSError:
@@ -57,7 +77,7 @@ def sample(proc: subprocess.Popen, smaps: Path) -> tuple[int, float, dict[str, f
                 except OSError:
                     pass
         time.sleep(0.2)
-    return peak, time.perf_counter() - start, parts
+    return peak, time.perf_counter() - start, parts, max(disk, bytes_under(run_dir))
 
 
 def largest_mappings(text: str, count: int = 25) -> str:
@@ -107,7 +127,7 @@ def main() -> None:
         before = len(metrics.read_text().splitlines()) if metrics.exists() else 0  # a resumed run appends
         with open(out / f"{name}.out", "w") as stdout, open(out / f"{name}.err", "w") as stderr:
             proc = subprocess.Popen(cmd, stdout=stdout, stderr=stderr)
-            peak, wall, parts = sample(proc, out / f"{name}.smaps")
+            peak, wall, parts, disk = sample(proc, out / f"{name}.smaps", run_dir)
         text = (out / f"{name}.out").read_text() + (out / f"{name}.err").read_text()
         if args.nproc == 1:  # the plan's table, for this machine (a run prints it only where it decided)
             planned = subprocess.run(
@@ -115,6 +135,7 @@ def main() -> None:
             )
             text = planned.stdout + text
         plan = re.search(r"host RAM\s+([\d.]+) GiB of ([\d.]+) GiB", text)
+        plan_disk = re.search(r"([\d.]+) GiB of disk under run_dir at most", text)
         records = []
         if metrics.exists():
             records = [json.loads(line) for line in metrics.read_text().splitlines()]
@@ -133,6 +154,8 @@ def main() -> None:
                 "peak_rss_gib": per_process_peak(records) or round(peak / GiB, 1),
                 "rss_parts_gib": parts,
                 "plan_host_gib": float(plan.group(1)) if plan else None,
+                "peak_disk_gib": round(disk / GiB, 1),
+                "plan_disk_gib": float(plan_disk.group(1)) if plan_disk else None,
                 "median_step_s": round(step_s, 3),
                 # over the run: equal windows of steps, so the harmonic mean of their rates
                 "tokens_per_s": round(len(tokens) / sum(1 / t for t in tokens)) if tokens else None,
