@@ -343,7 +343,9 @@ def test_bfloat16_groupings_agree_and_stay_in_bfloat16():
     spec = SPECS["qwen3_moe"]
     params = random_params(spec)
     x = tokens(40).astype(jnp.bfloat16)
-    y_r, routing = jax.jit(functools.partial(moe.moe_block, spec=spec))(params, x)
+    y_r, routing = jax.jit(functools.partial(moe.moe_block, spec=spec, experts_fn=moe.experts_ragged_dot))(
+        params, x
+    )
     y_p, _ = jax.jit(functools.partial(moe.moe_block, spec=spec, experts_fn=moe.experts_padded))(params, x)
     assert y_r.dtype == y_p.dtype == jnp.bfloat16 and routing.logits.dtype == jnp.float32
     assert rel_err(y_p, y_r) < 2e-2
@@ -355,3 +357,23 @@ def test_bad_spec_and_mismatched_router_are_refused():
     params = random_params(SPECS["mixtral"])
     with pytest.raises(ValueError, match="num_experts=8"):
         moe.moe_block(params, tokens(3), SPECS["qwen3_moe"])
+
+
+def test_a_grouped_matmul_passed_in_replaces_ragged_dot():
+    """`matmul` of ragged_dot's contract (here each row gathers its expert's kernel) is what runs."""
+    spec = SPECS["mixtral"]
+    params = random_params(spec)
+    x = tokens(9)
+    calls = []
+
+    def gathered(rows, kernels, group_sizes):
+        calls.append(rows.shape)
+        expert_of_row = jnp.repeat(
+            jnp.arange(kernels.shape[0]), group_sizes, total_repeat_length=rows.shape[0]
+        )
+        return jnp.einsum("ni,nio->no", rows, kernels[expert_of_row])
+
+    fn = functools.partial(moe.experts_ragged_dot, matmul=gathered)
+    y, _ = jax.jit(functools.partial(moe.moe_block, spec=spec, experts_fn=fn))(params, x)
+    assert calls == [(9 * 2, D), (9 * 2, F)]
+    assert rel_err(y, reference_block(params, x, spec)[0]) < RTOL32

@@ -28,11 +28,15 @@ Experts are dropless: each token reaches all of its k experts, no capacity facto
 expert) pairs are sorted by expert (stable) and each projection is one grouped matmul over the sorted
 rows; the outputs are put back in pair order, weighted by the routing weights in float32 and summed
 over k. Two groupings compute the same numbers and are chosen when the step function is built:
-`experts_ragged_dot` (`jax.lax.ragged_dot`, whose gradients JAX defines) and `experts_padded` (each
-expert's rows padded to a multiple of `block_rows`, then one batched matmul over blocks, each block
-reading its expert's weights). Putting rows in and out of sorted order is a gather by a permutation,
-so the backward pass scatters without collisions (deterministic on GPUs, unlike a scatter-add of T*k
-rows into T).
+`experts_padded` (the default: each expert's rows padded to a multiple of `block_rows`, then one
+batched matmul over blocks, each block reading its expert's kernels) and `experts_ragged_dot`
+(`jax.lax.ragged_dot`, or any grouped matmul of its signature passed as `matmul`, such as a GPU
+kernel). JAX defines ragged_dot's gradients, but outside TPUs it lowers to a dense masked expansion:
+every row against every expert's kernel, E times the FLOPs and an (E, T*k, D) operand (on CPU with
+JAX 0.10.2, one layer of 1024 tokens and 32 experts took 9 times padded's time; the same expansion is
+reported on GPUs for JAX 0.9-0.11), hence the default; `scripts/bench_moe.py` times both.
+Putting rows in and out of sorted order is a gather by a permutation, so the backward pass scatters
+without collisions (deterministic on GPUs, unlike a scatter-add of T*k rows into T).
 
 Load-balancing loss, as transformers' `load_balancing_loss_func` computes it from the router logits of
 ALL layers concatenated (the Switch Transformer loss, scaled by E):
@@ -265,17 +269,30 @@ def _combine(ys: jax.Array, weights: jax.Array, s: _Sorted, dtype: jnp.dtype) ->
     return jnp.sum(y.astype(jnp.float32) * weights.astype(jnp.float32)[:, :, None], axis=1).astype(dtype)
 
 
+GroupedMatmul = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+
+
 def experts_ragged_dot(
-    params: Params, x: jax.Array, weights: jax.Array, experts: jax.Array, spec: MoeSpec
+    params: Params,
+    x: jax.Array,
+    weights: jax.Array,
+    experts: jax.Array,
+    spec: MoeSpec,
+    *,
+    matmul: GroupedMatmul = jax.lax.ragged_dot,
 ) -> jax.Array:
-    """Dropless experts by `jax.lax.ragged_dot`: x (T, D) in the compute dtype, weights (T, k) float32,
-    experts (T, k) int32, params (gate_up, down; in x's dtype) -> (T, D) in x's dtype."""
+    """Dropless experts by a grouped matmul: x (T, D) in the compute dtype, weights (T, k) float32,
+    experts (T, k) int32, params (gate_up, down; in x's dtype) -> (T, D) in x's dtype.
+
+    `matmul(rows (N, I), kernels (E, I, O), group_sizes (E,) int32) -> (N, O)` multiplies each
+    expert's consecutive rows by its kernel, as `jax.lax.ragged_dot` does; group sizes sum to N.
+    """
     s = _sort_pairs(experts, spec.num_experts)
     xs = _gather_rows(x, experts.shape[1], s)
-    h = jax.lax.ragged_dot(xs, params["gate_up"]["kernel"], s.group_sizes)
+    h = matmul(xs, params["gate_up"]["kernel"], s.group_sizes)
     if "bias" in params["gate_up"]:
         h = h + params["gate_up"]["bias"][s.experts]
-    ys = jax.lax.ragged_dot(activation(h, spec), params["down"]["kernel"], s.group_sizes)
+    ys = matmul(activation(h, spec), params["down"]["kernel"], s.group_sizes)
     if "bias" in params["down"]:
         ys = ys + params["down"]["bias"][s.experts]
     return _combine(ys, weights, s, x.dtype)
@@ -329,7 +346,7 @@ EXPERTS: dict[str, ExpertsFn] = {"ragged_dot": experts_ragged_dot, "padded": exp
 
 
 def moe_block(
-    params: Params, x: jax.Array, spec: MoeSpec, *, experts_fn: ExpertsFn = experts_ragged_dot
+    params: Params, x: jax.Array, spec: MoeSpec, *, experts_fn: ExpertsFn = experts_padded
 ) -> tuple[jax.Array, Routing]:
     """The sparse MoE layer: x (..., D) in the compute dtype -> (y (..., D) in x's dtype, `Routing` of
     the T = prod(...) tokens flattened). Parameters are cast to x's dtype (free when they already are);
