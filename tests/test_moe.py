@@ -377,3 +377,13 @@ def test_a_grouped_matmul_passed_in_replaces_ragged_dot():
     y, _ = jax.jit(functools.partial(moe.moe_block, spec=spec, experts_fn=fn))(params, x)
     assert calls == [(9 * 2, D), (9 * 2, F)]
     assert rel_err(y, reference_block(params, x, spec)[0]) < RTOL32
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_parameter_counts_follow_the_shapes(family):
+    spec = SPECS[family]
+    params = moe.init_moe(jax.random.key(0), spec, D, F)
+    assert moe.param_count(spec, D, F) == sum(leaf.size for leaf in jax.tree.leaves(params))
+    one_expert = params["gate_up"]["kernel"][0].size + params["down"]["kernel"][0].size
+    active = params["router"]["kernel"].size + spec.top_k * one_expert
+    assert moe.active_matmul_params(spec, D, F) == active

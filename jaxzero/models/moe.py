@@ -167,6 +167,19 @@ def init_moe(key: jax.Array, spec: MoeSpec, hidden: int, intermediate: int, std:
     return params
 
 
+def param_count(spec: MoeSpec, hidden: int, intermediate: int) -> int:
+    """Elements of all leaves of `init_moe(key, spec, hidden, intermediate)`, from the shapes alone."""
+    E, D, F = spec.num_experts, hidden, intermediate
+    biases = (E + E * 2 * F + E * D) if spec.bias else 0
+    return D * E + E * D * 2 * F + E * F * D + biases
+
+
+def active_matmul_params(spec: MoeSpec, hidden: int, intermediate: int) -> int:
+    """Kernel elements one token multiplies by: the router's and its k experts' (biases not counted).
+    Times 6 is the layer's training FLOPs per token, the convention of `jaxzero.models.sizes`."""
+    return hidden * spec.num_experts + spec.top_k * 3 * hidden * intermediate
+
+
 def route(router: Params, x: jax.Array, spec: MoeSpec) -> Routing:
     """Route tokens x (T, D) in the compute dtype with the router's parameters ({"kernel": (D, E)},
     plus "bias" (E,) for gpt-oss). Returns `Routing` (float32 logits and weights, int32 experts)."""
