@@ -103,7 +103,8 @@ class MoeSpec:
 
 
 def mixtral_spec(num_experts: int = 8, top_k: int = 2) -> MoeSpec:
-    """Mixtral (`num_local_experts`, `num_experts_per_tok`): softmax, top-k, renormalised, SwiGLU."""
+    """Mixtral (`num_local_experts`, `num_experts_per_tok`): softmax, top-k, renormalised, SwiGLU.
+    `router_jitter_noise` (training only; 0 in the released configs) is not modelled."""
     return MoeSpec(num_experts, top_k, "softmax_topk", normalize=True, activation="swiglu", bias=False)
 
 
