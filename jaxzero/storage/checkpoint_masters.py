@@ -98,11 +98,12 @@ def load_masters(
 
 
 def masters_by_unit(
-    run_dir: str | Path, step: int | None = None, *, verify: bool = True
+    run_dir: str | Path, step: int | None = None, *, verify: bool = True, base_as_given: bool = False
 ) -> tuple[TrainConfig, ModelParams, int]:
     """As `load_masters`, but each unit a `Deferred`, read (as float32 NumPy) when resolved: an export
     holds one unit in host RAM at a time; the checksums are checked now, before any unit is read. A
-    checkpoint of the earlier one-PyTree layout is read whole."""
+    checkpoint of the earlier one-PyTree layout is read whole. A run with a frozen base: the base
+    rebuilt as trained, or with `base_as_given` as `model.init_from` gives it (`merged_units`)."""
     ckpt_dir, step, meta = _checkpoint(run_dir, step)
     if verify:
         _verify(ckpt_dir, step)
@@ -114,7 +115,8 @@ def masters_by_unit(
     names = part_names(len(shapes.blocks))
     if meta.get("layout") in (LORA_LAYOUT, FROZEN_LAYOUT):  # what trained saved; the base rebuilt
         check_base(meta, f"checkpoint {ckpt_dir / str(step)}")
-        return cfg, merged_units(cfg, _trainable_reader(state_dir, cfg)), step
+        units = merged_units(cfg, _trainable_reader(state_dir, cfg), base_as_given=base_as_given)
+        return cfg, units, step
     units = shapes.units()
 
     def unit(name: str, u: Any) -> Deferred:
