@@ -291,6 +291,8 @@ def test_eval_and_export_of_an_int8_lora_run_keep_the_trained_adapters(tmp_path,
     ]
     assert json.loads((tmp_path / "a" / "adapter_config.json").read_text())["base_model_name_or_path"] is None
     assert export_lib.main([f"--run_dir={run}", f"--out={tmp_path / 'm'}", "--merge", "--dtype=float32"]) == 0
+    seed = "the adapters merged into the base initialised from seed 0, as trained (finetune.base_dtype=int8)"
+    assert seed in capsys.readouterr().out  # no init_from: the base that trained is the only one
     export_state(trainer, state, tmp_path / "p", format="peft")
     a = (tmp_path / "a" / "adapter_model.safetensors").read_bytes()
     assert a == (tmp_path / "p" / "adapter_model.safetensors").read_bytes()

@@ -473,40 +473,44 @@ def test_export_names_adapters_that_do_not_match(tmp_path: Path) -> None:
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
+def lora_run_over_hf(tmp_path: Path, **over: str) -> tuple[Path, Path]:
+    """`python -m jaxzero.train --model.name=hf:DIR --finetune.method=lora` (4 steps, float32 compute)
+    over a tiny random float32 Llama that transformers saved: (the HF directory, the run directory)."""
+    import io
+
+    from jaxzero.cli import train as train_lib
+    from jaxzero.overrides import apply_overrides
+
+    hf_dir = tmp_path / "hf"
+    torch_model("llama").save_pretrained(hf_dir)
+    settings = {
+        "model.name": f"hf:{hf_dir}",
+        "model.compute_dtype": "float32",
+        "finetune.method": "lora",
+        "finetune.lora_rank": "4",
+        "finetune.lora_targets": "q,v,down",
+        "data.source": "synthetic",
+        "data.seq_len": str(SEQ),
+        "data.batch_size": "4",
+        "steps": "4",
+        "optimizer.lr": "1e-2",
+        "optimizer.warmup_steps": "0",
+        "logging.progress": "false",
+        "logging.samples": "0",
+        "run_dir": str(tmp_path / "run"),
+    }
+    run = train_lib.train(apply_overrides(TrainConfig(), settings | over), io.StringIO())
+    return hf_dir, run
+
+
 def test_a_lora_run_of_an_hf_checkpoint_exports_what_peft_loads(tmp_path: Path) -> None:
     """The user's path: `python -m jaxzero.train --model.name=hf:DIR --finetune.method=lora` trains
     and saves; `python -m jaxzero.export` writes the adapter; PEFT over the same checkpoint gives the
     logits of jaxzero's merged model (`--merge`'s), and the adapters moved from their init."""
-    import io
-
     from jaxzero.cli import export as export_lib
-    from jaxzero.cli import train as train_lib
-    from jaxzero.overrides import apply_overrides
     from jaxzero.storage.checkpoint_masters import load_masters
 
-    hf_dir = tmp_path / "hf"
-    torch_model("llama").save_pretrained(hf_dir)
-    cfg = apply_overrides(
-        TrainConfig(),
-        {
-            "model.name": f"hf:{hf_dir}",
-            "model.compute_dtype": "float32",
-            "finetune.method": "lora",
-            "finetune.base_dtype": "float32",
-            "finetune.lora_rank": "4",
-            "finetune.lora_targets": "q,v,down",
-            "data.source": "synthetic",
-            "data.seq_len": str(SEQ),
-            "data.batch_size": "4",
-            "steps": "4",
-            "optimizer.lr": "1e-2",
-            "optimizer.warmup_steps": "0",
-            "logging.progress": "false",
-            "logging.samples": "0",
-            "run_dir": str(tmp_path / "run"),
-        },
-    )
-    run = train_lib.train(cfg, io.StringIO())
+    hf_dir, run = lora_run_over_hf(tmp_path, **{"finetune.base_dtype": "float32"})
     assert export_lib.main([f"--run_dir={run}", f"--out={tmp_path / 'adapter'}"]) == 0
     peft_model = peft.PeftModel.from_pretrained(load_torch(hf_dir), tmp_path / "adapter").eval()
     saved_cfg, merged, _ = load_masters(run)
@@ -514,3 +518,31 @@ def test_a_lora_run_of_an_hf_checkpoint_exports_what_peft_loads(tmp_path: Path) 
     theirs = torch_logits(peft_model)
     assert max_diff(ours, theirs) <= 1e-4
     assert max_diff(theirs, torch_logits(load_torch(hf_dir))) > 1e-3  # the trained adapters change them
+
+
+def test_merge_is_into_the_float32_base_the_user_gave(tmp_path: Path, capsys) -> None:
+    """A LoRA run over a float32 HF base trains over a bfloat16 copy (`finetune.base_dtype`'s default);
+    `export --merge --dtype=float32` merges into the base as its files hold it, so transformers' logits
+    of the merged export equal PEFT's adapter over the user's float32 base (the bfloat16 copy's merge
+    is ~1e-3 away), and the message says which base it merged into. `export_state` merges alike."""
+    from jaxzero import build_trainer, export_state, restore_state
+    from jaxzero.cli import export as export_lib
+    from jaxzero.storage.checkpoint_masters import load_masters
+
+    hf_dir, run = lora_run_over_hf(tmp_path)
+    saved_cfg, as_trained, _ = load_masters(run)
+    assert saved_cfg.finetune.base_dtype == "bfloat16"
+    assert export_lib.main([f"--run_dir={run}", f"--out={tmp_path / 'adapter'}"]) == 0
+    merged_dir = tmp_path / "merged"
+    assert export_lib.main([f"--run_dir={run}", f"--out={merged_dir}", "--merge", "--dtype=float32"]) == 0
+    assert f"the adapters merged into the base read from {hf_dir}" in capsys.readouterr().out
+    theirs = torch_logits(peft.PeftModel.from_pretrained(load_torch(hf_dir), tmp_path / "adapter").eval())
+    assert max_diff(torch_logits(load_torch(merged_dir)), theirs) <= LOGIT_ATOL
+    trained_over = jax_logits(Llama(saved_cfg.model), jax.tree.map(jnp.asarray, as_trained))
+    assert max_diff(trained_over, theirs) > 10 * LOGIT_ATOL  # the bfloat16 copy's merge is not it
+    # The library's export of the restored state writes the same merged model.
+    trainer = build_trainer(saved_cfg)
+    state = restore_state(trainer, run)[0]
+    export_state(trainer, state, tmp_path / "state", format="hf", dtype="float32")
+    written = (tmp_path / "state" / "model.safetensors").read_bytes()
+    assert written == (merged_dir / "model.safetensors").read_bytes()

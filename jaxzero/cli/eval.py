@@ -11,7 +11,9 @@ trainer's own validation path (`Trainer.eval_loss`, the same function validation
 in the placement the planner decides for the model on this machine (`jaxzero.planner.preflight`); the other
 `--section.key=value` settings apply on top of the run's saved config (or, with `--hf`, the defaults),
 e.g. `--data.batch_size=32` (rows per evaluated batch) or `--data.cross_document_attention=true`. Only
-the weights are read: a checkpoint's masters, one unit at a time, or a Hugging Face checkpoint.
+the weights are read: a checkpoint's masters, one unit at a time, or a Hugging Face checkpoint. A
+checkpoint's files are first checked against the checksums its save wrote, as a resume checks them
+(`--checkpoint.verify=false` skips that).
 
 The last line of standard output is one JSON object: `{"loss": ..., "perplexity": ..., "tokens": ...}`
 with the split, the token files and the checkpoint it evaluated. Exit status 0; 2 with one line on
@@ -42,7 +44,7 @@ from jaxzero.planner import preflight
 from jaxzero.run.console import ignore_closed_event_loops, to_stderr
 from jaxzero.run.outcome import EXIT_CONFIG, EXIT_INTERRUPTED
 from jaxzero.storage.checkpoint_layout import checkpoints_dir, read_meta, saved_step
-from jaxzero.storage.checkpoint_masters import masters_by_unit
+from jaxzero.storage.checkpoint_masters import masters_by_unit, verify_checkpoint
 from jaxzero.storage.state_io import restore_state
 from jaxzero.trainer import build_trainer
 
@@ -135,6 +137,9 @@ def evaluate(cfg: TrainConfig, source: str, args: argparse.Namespace, split: str
     `cfg.data`, one pass, every target once (see the module docstring)."""
     d = cfg.data
     tokens, counted, starts, split, path = open_split(d.path, d.token_dtype, cfg.model.vocab_size, split)
+    if args.run_dir and cfg.checkpoint.verify:  # once, before any work: the reads below need not again
+        verify_checkpoint(args.run_dir, args.step)
+        cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, verify=False))
     decision = preflight.decide_before_jax(cfg)  # before JAX's backend starts: it sizes XLA's pools
     # The resolution pass's config: attention within the token set's documents, as training's (its
     # end-of-text id resolved).
@@ -143,7 +148,7 @@ def evaluate(cfg: TrainConfig, source: str, args: argparse.Namespace, split: str
     if args.run_dir and trainer.layout in (LORA_LAYOUT, FROZEN_LAYOUT):  # restored; the base rebuilt
         state = restore_state(trainer, args.run_dir, args.step)[0]
     elif args.run_dir:
-        state = trainer.init_from_params(masters_by_unit(args.run_dir, args.step)[1])
+        state = trainer.init_from_params(masters_by_unit(args.run_dir, args.step, verify=False)[1])
     else:
         state = trainer.init_from_params(load_hf_by_unit(cfg.model, args.hf))
     rows = max(d.batch_size, jax.device_count())

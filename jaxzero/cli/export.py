@@ -1,9 +1,17 @@
 """`python -m jaxzero.export --run_dir=DIR --out=DIR [--format=hf|orbax] [--dtype=bfloat16|float32]
-[--step=N] [--overwrite] [--merge]`: a consolidated inference checkpoint from a training run's checkpoint.
+[--step=N] [--overwrite] [--merge] [--checkpoint.verify=false]`: a consolidated inference checkpoint from
+a training run's checkpoint.
 
 A LoRA run (`finetune.method=lora`) exports its adapter in PEFT's format (`adapter_config.json` and
 `adapter_model.safetensors`, for `peft.PeftModel.from_pretrained` over the base); with `--merge`, the
-base with the adapters merged in, as `--format` says.
+base with the adapters merged in, as `--format` says. The base merged into is the one the user gave:
+`model.init_from`'s weights as its files hold them (float32 files stay float32, not the
+`finetune.base_dtype` copy the run trained over), so the merged model computes what PEFT's adapter
+over that base does; a base drawn from the seed (no `model.init_from`) is merged into as trained.
+
+The checkpoint's files are checked against the checksums its save wrote, as a resume checks them,
+before anything is written: a changed file is refused, naming it. `--checkpoint.verify=false` skips
+the check.
 
 `hf` writes Hugging Face safetensors plus `config.json` for `LlamaForCausalLM` / `GPT2LMHeadModel`
 (sharded with an index file past `--max_shard_gb`); `orbax` writes the parameters alone as an Orbax
@@ -26,6 +34,8 @@ import os
 import sys
 
 from jaxzero.config import ConfigError
+from jaxzero.config.keys import coerce
+from jaxzero.finetune.merged import merged_into
 from jaxzero.interop import export_hf
 from jaxzero.interop.peft import export_peft_adapter
 from jaxzero.run.console import ignore_closed_event_loops, to_stderr
@@ -57,8 +67,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--merge", action="store_true", help="a LoRA run: the merged model instead of the PEFT adapter"
     )
+    ap.add_argument(
+        "--checkpoint.verify",
+        dest="verify",
+        default="true",
+        metavar="true|false",
+        help="check the checkpoint's files against their checksums first (default true)",
+    )
     args = ap.parse_args(argv)
     try:
+        verify = coerce("checkpoint.verify", args.verify, bool)
         if not 2**-30 <= args.max_shard_gb < 2**33:  # NaN too: at least a byte, at most 8 EiB
             raise ConfigError(
                 f"--max_shard_gb={args.max_shard_gb} is no file size: give the largest shard file in GB, "
@@ -70,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"jaxzero: {args.out} holds an unfinished export (killed midway): replacing it",
                 file=sys.stderr,
             )
-        lora = saved_adapters(args.run_dir, args.step)
+        lora = saved_adapters(args.run_dir, args.step, verify=verify)
         if lora is None and args.merge:
             raise ConfigError(
                 f"--merge merges LoRA adapters; {args.run_dir} trained none: leave --merge out."
@@ -92,8 +110,13 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 0
         args.dtype = args.dtype or "bfloat16"
-        cfg, params, step = masters_by_unit(args.run_dir, args.step)  # read one unit at a time
+        # Read one unit at a time; a LoRA run's files were verified as its adapters were read above.
+        step = lora[2] if lora is not None else args.step
+        cfg, params, step = masters_by_unit(
+            args.run_dir, step, verify=verify and lora is None, base_as_given=lora is not None
+        )
         source = {"run_dir": os.path.abspath(args.run_dir), "step": step}
+        merged = f", the adapters merged into {merged_into(cfg)}" if lora is not None else ""
         if args.format == "hf":
             files = export_hf(
                 params,
@@ -105,12 +128,12 @@ def main(argv: list[str] | None = None) -> int:
                 source=source,
             )
             print(
-                f"jaxzero: exported step {step} of {args.run_dir} as Hugging Face {args.dtype}: "
+                f"jaxzero: exported step {step} of {args.run_dir} as Hugging Face {args.dtype}{merged}: "
                 f"{', '.join(str(f) for f in files)}"
             )
         else:
             out = export_orbax(params, args.out, args.dtype, overwrite=args.overwrite, source=source)
-            print(f"jaxzero: exported step {step} of {args.run_dir} as Orbax {args.dtype}: {out}")
+            print(f"jaxzero: exported step {step} of {args.run_dir} as Orbax {args.dtype}{merged}: {out}")
     except (ConfigError, FileExistsError) as e:
         print(f"jaxzero: export error: {e}", file=sys.stderr)
         return 2

@@ -1,6 +1,8 @@
 """`python -m jaxzero.generate --run_dir=DIR --prompt=TEXT [--prompt=TEXT ...]`: what a trained model
 writes after a prompt. Also `--hf=DIR` (a Hugging Face checkpoint), `--step=N` (a checkpoint of the run;
 default the newest), `--max_new_tokens`, `--temperature` (0: greedy, the default), `--top_p`, `--seed`.
+A run's checkpoint is checked against the checksums its save wrote before its weights are read, as a
+resume checks it (`--checkpoint.verify=false` skips that).
 
 Decoding (`jaxzero.decode`) keeps each block's keys and values in a cache on the accelerator, and
 streams the blocks from pinned host memory when they do not fit beside it.
@@ -16,6 +18,7 @@ import argparse
 import sys
 
 from jaxzero.config import CheckpointError, ConfigError, TrainConfig
+from jaxzero.config.keys import coerce
 from jaxzero.data.tokenizer import codec_for
 from jaxzero.data.types import DataError
 from jaxzero.decode import Generator, Sampling
@@ -42,12 +45,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     ap.add_argument("--top_p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--checkpoint.verify",
+        dest="verify",
+        default="true",
+        metavar="true|false",
+        help="--run_dir: check the checkpoint's files against their checksums first (default true)",
+    )
     args = ap.parse_args(argv)
     sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.seed)
     try:
         sampling.check()
+        verify = coerce("checkpoint.verify", args.verify, bool)
         if args.run_dir:
-            cfg, params, step = load_masters(args.run_dir, args.step)
+            cfg, params, step = load_masters(args.run_dir, args.step, verify=verify)
             codec = codec_for(cfg, args.tokenizer)
             model_cfg, source = cfg.model, f"{args.run_dir} step {step}"
         else:

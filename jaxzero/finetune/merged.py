@@ -3,7 +3,9 @@ trained (narrowed, then widened back), with LoRA's adapters merged in (kernel + 
 lora_a @ lora_b), or beside the units `finetune.freeze` left to train.
 
 What sampling, evaluation and a merged export of a LoRA checkpoint read, one unit at a time
-(`merged_units`), in the layout of a full run's masters.
+(`merged_units`), in the layout of a full run's masters. A merged export merges into the base the user
+gave (`model.init_from`'s weights at their own precision, not the `finetune.base_dtype` copy that
+trained); a base drawn from the seed was given by no one, and is merged into as trained (`merged_into`).
 """
 
 from __future__ import annotations
@@ -131,21 +133,38 @@ def _merged_shapes(shapes: Any, adapters: Any) -> Any:
     return walk(shapes, adapters)
 
 
+def merged_into(cfg: TrainConfig) -> str:
+    """Which base a merged export of a LoRA run of `cfg` holds (`merged_units`' `base_as_given`), in
+    words, for its message."""
+    if cfg.model.init_from:
+        return f"the base read from {cfg.model.init_from} (model.init_from), at the precision of its files"
+    dtype = cfg.finetune.base_dtype
+    return f"the base initialised from seed {cfg.seed}, as trained (finetune.base_dtype={dtype})"
+
+
 def merged_units(
-    cfg: TrainConfig, trainable_of: Callable[[int], Any], base: ModelParams | None = None
+    cfg: TrainConfig,
+    trainable_of: Callable[[int], Any],
+    base: ModelParams | None = None,
+    *,
+    base_as_given: bool = False,
 ) -> ModelParams:
     """The model of a run of `cfg` with a frozen part, each unit a `Deferred` made (as float32 NumPy)
     when resolved: under LoRA, the base as trained with block i's adapters merged in; under
     `finetune.freeze`, the units that trained as they are and the frozen ones as trained (narrowed and
     widened). `trainable_of(k)`: what trains of the unit at position k (embedding 0, block i at 1 + i,
     head L + 1), `{}` where nothing does; `base`: float32 units (NumPy or `Deferred`) before
-    narrowing, default `cfg.model.init_from`'s or the model's init from `cfg.seed`."""
+    narrowing, default `cfg.model.init_from`'s or the model's init from `cfg.seed`. `base_as_given`
+    (a merged export): the frozen units of an `init_from` base as read, float32, not narrowed to
+    `finetune.base_dtype`; a base drawn from the seed stays as trained (`merged_into`)."""
     model = build_model(cfg.model)
     ft = cfg.finetune
     n = cfg.model.num_layers
     scale = lora_spec(ft).scale if ft.method == "lora" else 0.0
     kept = ft.base_positions(cfg.model.num_layers)
     source = base if base is not None else source_units(cfg, model)
+    # The base the user gave as read (float32 holds any file's dtype exactly), or narrowed as trained.
+    as_read = base_as_given and bool(cfg.model.init_from)
     units = source.units()
     shapes = jax.eval_shape(model.init, jax.random.key(0))
 
@@ -155,9 +174,10 @@ def merged_units(
                 return (_numpy(trainable_of(k)),)
             u = units[k].load() if isinstance(units[k], Deferred) else units[k]
             if 0 < k <= n:
-                merged = merge_block(widen(narrow_block(u, ft.base_dtype)), trainable_of(k), scale)
+                block = widen(u if as_read else narrow_block(u, ft.base_dtype))
+                merged = merge_block(block, trainable_of(k), scale)
             else:
-                merged = widen(narrow_unit(u, ft.base_dtype))
+                merged = widen(u if as_read else narrow_unit(u, ft.base_dtype))
             return (_numpy(merged),)
 
         return Deferred(read, 0, shape)

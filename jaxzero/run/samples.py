@@ -36,7 +36,7 @@ def print_samples(cfg: TrainConfig, console: TextIO) -> None:
             file=console,
         )
         return
-    cfg_saved, params, step = load_masters(cfg.run_dir)
+    cfg_saved, params, step = load_masters(cfg.run_dir, verify=cfg.checkpoint.verify)
     codec = codec_for(cfg_saved)
     prompts = [SAMPLE_PROMPTS[i % len(SAMPLE_PROMPTS)] for i in range(cfg.logging.samples)]
     sampling = Sampling(max_new_tokens=120, temperature=0.8, top_p=0.95, seed=cfg.seed)

@@ -2,9 +2,10 @@
 write in a few words.
 
 Integrity: as a save commits, the CRC-32 of every file of its items (in 64 MiB pieces) goes to
-`<step>/checksums.json`; a restore checks them first (`checkpoint.verify`). Room: a save whose
-checkpoint cannot fit on its file system is refused before anything is written, and a run that cannot
-hold the checkpoints it keeps is refused before training (`ensure_disk_room`).
+`<step>/checksums.json`; a restore, and every program that reads a checkpoint (export, eval,
+generate), checks them first (`checkpoint.verify`). Room: a save whose checkpoint cannot fit on its
+file system is refused before anything is written, and a run that cannot hold the checkpoints it
+keeps is refused before training (`ensure_disk_room`).
 """
 
 from __future__ import annotations
@@ -75,23 +76,30 @@ def write_checksums(step_dir: Path, pool: ThreadPoolExecutor) -> None:
 
 def verify_checksums(step_dir: Path, pool: ThreadPoolExecutor) -> None:
     """Raise CheckpointError if a file of `step_dir` is missing or changed since its checksum was
-    written. A checkpoint without `checksums.json` (saved by an older jaxzero, or by a process that
-    stopped right after the save committed) is restored unverified, with a note."""
-    path = step_dir / CHECKSUMS_FILE
-    if not path.exists():
-        log.warning(f"checkpoint {step_dir} has no {CHECKSUMS_FILE}; restoring it unverified.")
-        return
-    try:
-        expected = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path} is unreadable: {e}") from e
-    actual = file_checksums(step_dir, pool)
-    bad = sorted(k for k in expected if actual.get(k) != expected[k])
+    written (`changed_files`)."""
+    bad = changed_files(step_dir, pool)
     if bad:
         raise CheckpointError(
             f"the bytes of {len(bad)} file(s) of checkpoint {step_dir} changed since it was saved "
             f"(checksum mismatch or missing): {', '.join(bad[:4])}"
         )
+
+
+def changed_files(step_dir: Path, pool: ThreadPoolExecutor) -> list[str]:
+    """The files of `step_dir`'s items missing or changed since their checksums were written, as paths
+    relative to it; [] where all match. A checkpoint without `checksums.json` (saved by an older
+    jaxzero, or by a process that stopped right after the save committed) is read unverified, with a
+    note; CheckpointError where that file is unreadable."""
+    path = step_dir / CHECKSUMS_FILE
+    if not path.exists():
+        log.warning(f"checkpoint {step_dir} has no {CHECKSUMS_FILE}; reading it unverified.")
+        return []
+    try:
+        expected = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path} is unreadable: {e}") from e
+    actual = file_checksums(step_dir, pool)
+    return sorted(k for k in expected if actual.get(k) != expected[k])
 
 
 # -- room on disk ------------------------------------------------------------------------------------

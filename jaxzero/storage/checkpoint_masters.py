@@ -3,12 +3,17 @@ float32 masters one unit at a time (`load_masters`, `masters_by_unit`: for expor
 fine-tuning from a run), every array of it for inspection (`read_saved_state`), and parameters cast
 and saved as an Orbax export (`export_orbax`). A training process restores through
 `jaxzero.storage.checkpoint.Checkpointer` instead.
+
+Each reader first checks the checkpoint's files against their checksums, as a resume does (`verify`,
+the programs' `--checkpoint.verify`): all of them, since a unit's masters share their files with its
+optimizer state.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +30,7 @@ from jaxzero.finetune.trainable import FROZEN_LAYOUT, trainable_shapes
 from jaxzero.models import ModelParams, build_model
 from jaxzero.primitives.deferred import Deferred, resolved
 from jaxzero.storage import export_dir
+from jaxzero.storage.checkpoint_disk import changed_files
 from jaxzero.storage.checkpoint_layout import (
     PYTREE_METADATA,
     SCALARS,
@@ -33,6 +39,7 @@ from jaxzero.storage.checkpoint_layout import (
     part_names,
     read_meta,
     saved_step,
+    saved_steps,
     unreadable_files,
 )
 
@@ -80,17 +87,26 @@ def export_orbax(
     return out
 
 
-def load_masters(run_dir: str | Path, step: int | None = None) -> tuple[TrainConfig, ModelParams, int]:
+def load_masters(
+    run_dir: str | Path, step: int | None = None, *, verify: bool = True
+) -> tuple[TrainConfig, ModelParams, int]:
     """(config, float32 NumPy masters, step) of the newest (or given) checkpoint of `run_dir`, read
-    one unit at a time (the optimizer state is not read)."""
-    cfg, params, step = masters_by_unit(run_dir, step)
+    one unit at a time (the optimizer state is not read), its files checked against their checksums
+    first unless not `verify` (CheckpointError naming those that changed)."""
+    cfg, params, step = masters_by_unit(run_dir, step, verify=verify)
     return cfg, resolved(params), step
 
 
-def masters_by_unit(run_dir: str | Path, step: int | None = None) -> tuple[TrainConfig, ModelParams, int]:
+def masters_by_unit(
+    run_dir: str | Path, step: int | None = None, *, verify: bool = True, base_as_given: bool = False
+) -> tuple[TrainConfig, ModelParams, int]:
     """As `load_masters`, but each unit a `Deferred`, read (as float32 NumPy) when resolved: an export
-    holds one unit in host RAM at a time. A checkpoint of the earlier one-PyTree layout is read whole."""
+    holds one unit in host RAM at a time; the checksums are checked now, before any unit is read. A
+    checkpoint of the earlier one-PyTree layout is read whole. A run with a frozen base: the base
+    rebuilt as trained, or with `base_as_given` as `model.init_from` gives it (`merged_units`)."""
     ckpt_dir, step, meta = _checkpoint(run_dir, step)
+    if verify:
+        _verify(ckpt_dir, step)
     cfg = config_from_dict(meta["config"])
     shapes = jax.eval_shape(build_model(cfg.model).init, jax.random.key(0))
     state_dir = ckpt_dir / str(step) / "state"
@@ -99,7 +115,8 @@ def masters_by_unit(run_dir: str | Path, step: int | None = None) -> tuple[Train
     names = part_names(len(shapes.blocks))
     if meta.get("layout") in (LORA_LAYOUT, FROZEN_LAYOUT):  # what trained saved; the base rebuilt
         check_base(meta, f"checkpoint {ckpt_dir / str(step)}")
-        return cfg, merged_units(cfg, _trainable_reader(state_dir, cfg)), step
+        units = merged_units(cfg, _trainable_reader(state_dir, cfg), base_as_given=base_as_given)
+        return cfg, units, step
     units = shapes.units()
 
     def unit(name: str, u: Any) -> Deferred:
@@ -110,14 +127,17 @@ def masters_by_unit(run_dir: str | Path, step: int | None = None) -> tuple[Train
 
 
 def saved_adapters(
-    run_dir: str | Path, step: int | None = None
+    run_dir: str | Path, step: int | None = None, *, verify: bool = True
 ) -> tuple[TrainConfig, ModelParams, int] | None:
     """(config, float32 NumPy adapters, step) of a LoRA run's newest (or given) checkpoint
-    (`jaxzero.finetune.adapters`' layout), or None where the run trained whole units."""
+    (`jaxzero.finetune.adapters`' layout), its files checked against their checksums first unless not
+    `verify`; None where the run trained whole units (nothing but its metadata read)."""
     ckpt_dir, step, meta = _checkpoint(run_dir, step)
     if meta.get("layout") != LORA_LAYOUT:
         return None
     check_base(meta, f"checkpoint {ckpt_dir / str(step)}")
+    if verify:
+        _verify(ckpt_dir, step)
     cfg = config_from_dict(meta["config"])
     read = _trainable_reader(ckpt_dir / str(step) / "state", cfg)
     return cfg, ModelParams({}, tuple(read(1 + i) for i in range(cfg.model.num_layers)), {}), step
@@ -135,6 +155,34 @@ def _trainable_reader(state_dir: Path, cfg: TrainConfig) -> Callable[[int], Any]
         return _read_numpy(state_dir / names[k], {"params": shapes[k]})["params"] if shapes[k] else {}
 
     return read
+
+
+def verify_checkpoint(run_dir: str | Path, step: int | None = None) -> int:
+    """Check the files of the newest (or given) checkpoint of `run_dir` against their checksums, as the
+    readers here do with `verify=True` (for a program that then reads it otherwise, e.g. restores a
+    LoRA run's state); CheckpointError naming those that changed, before JAX starts. Returns the step."""
+    ckpt_dir = checkpoints_dir(run_dir)
+    step = saved_step(run_dir, step, "read")
+    _verify(ckpt_dir, step)
+    return step
+
+
+def _verify(ckpt_dir: Path, step: int) -> None:
+    """Raise CheckpointError, naming the files and how to go on, if a file of checkpoint `step`
+    changed since it was saved. Every file is summed, as a resume sums them: a unit's masters share
+    their files with its optimizer state. Called before any array is read or anything is written."""
+    step_dir = ckpt_dir / str(step)
+    workers = max(1, min(16, os.cpu_count() or 1))
+    with ThreadPoolExecutor(workers, thread_name_prefix="jaxzero-verify") as pool:
+        bad = changed_files(step_dir, pool)
+    if bad:
+        others = [s for s in saved_steps(ckpt_dir.parent) if s != step]
+        raise CheckpointError(
+            f"checkpoint {step_dir} could not be read as saved: the bytes of {len(bad)} of its files "
+            f"changed since it was saved (checksum mismatch or missing): {', '.join(bad[:4])}. Name "
+            f"another with --step=N (this run has {others or 'no other'}), or read it unchecked with "
+            "--checkpoint.verify=false."
+        )
 
 
 def _checkpoint(run_dir: str | Path, step: int | None) -> tuple[Path, int, dict[str, Any]]:

@@ -106,7 +106,9 @@ def export_state(
     without it. Returns `out_dir`. The state is not consumed; the float32 masters are copied to host
     RAM whole, so one process must hold them all (a run of several processes exports a checkpoint
     with `python -m jaxzero.export` instead). A LoRA trainer's state: `format="peft"` its adapter in
-    PEFT's format, "hf" / "orbax" the base (as trained) with the adapter merged in."""
+    PEFT's format, "hf" / "orbax" the adapter merged into the base the user gave (`model.init_from`'s
+    weights as read, not the `finetune.base_dtype` copy that trained; a base drawn from the seed, as
+    trained: `jaxzero.finetune.merged.merged_into`), as `python -m jaxzero.export --merge` does."""
     ensure_live(state)
     lora = trainer.layout == LORA_LAYOUT
     partial = lora or trainer.layout == FROZEN_LAYOUT
@@ -126,7 +128,7 @@ def export_state(
             base = cfg.model.init_from or None
             return export_peft_adapter(trained, cfg.model, cfg.finetune, out_dir, base, overwrite=overwrite)
         by_position = trained.units()
-        masters = merged_units(cfg, lambda k: by_position[k])
+        masters = merged_units(cfg, lambda k: by_position[k], base_as_given=lora)
     else:
         masters = jax.device_get(state.params)  # float32, one host copy
     if format == "hf":
