@@ -4,6 +4,7 @@ parameters readable by plain Orbax (V0's restore, the V1 API's load) without jax
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 
@@ -254,3 +255,27 @@ def test_a_finetune_from_the_orbax_export_starts_at_the_hf_exports_loss(trained)
         ]
         first[fmt] = next(r["loss"] for r in records if r.get("step") == 1)
     np.testing.assert_allclose(first["orbax"], first["hf"], rtol=1e-6, atol=0)
+
+
+def test_a_frozen_base_from_an_orbax_export_is_fingerprinted_by_its_files(exported, tmp_path):
+    """A LoRA run over `orbax:DIR` records its base's fingerprint; a changed array file changes it."""
+    out = tmp_path / "base"
+    shutil.copytree(exported / "export" / "x-orbax", out)
+    before = provenance.fingerprint(out)
+    (out / export_dir.MARKER).write_text((out / export_dir.MARKER).read_text())  # not a weight file
+    assert provenance.fingerprint(out) == before
+    data = max((p for p in (out / "d").iterdir() if p.is_file()), key=lambda p: p.stat().st_size)
+    data.write_bytes(data.read_bytes()[:-1] + bytes([data.read_bytes()[-1] ^ 1]))
+    assert provenance.fingerprint(out) != before
+
+
+def test_a_gpt2_export_reads_back_as_written(tmp_path):
+    cfg = ModelConfig.named("gpt2-tiny", num_layers=1, max_seq_len=64)
+    written = jax.tree.map(np.asarray, build_model(cfg).init(jax.random.key(1)))
+    export_orbax(written, cfg, tmp_path / "gpt2", "float32")
+    model, got = from_export(tmp_path / "gpt2")
+    assert model.config.family == "gpt2" and model.config.max_seq_len == 64
+    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(written), strict=True):
+        np.testing.assert_array_equal(x, y)
+    with pytest.raises(ConfigError, match="model.max_seq_len: run config has 128, export has 64"):
+        load_by_unit(ModelConfig.named("gpt2-tiny", num_layers=1, max_seq_len=128), tmp_path / "gpt2")
