@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -19,7 +20,7 @@ from jaxzero.finetune import provenance
 from jaxzero.interop import export_hf, from_export, load_by_unit
 from jaxzero.models import build_model, forward
 from jaxzero.overrides import parse_args
-from jaxzero.storage import export_dir, orbax_export
+from jaxzero.storage import checkpoint_masters, export_dir, orbax_export
 from jaxzero.storage.checkpoint_masters import export_orbax
 
 MODEL = ModelConfig(num_layers=2, compute_dtype="float32", attention_impl="xla")
@@ -279,3 +280,28 @@ def test_a_gpt2_export_reads_back_as_written(tmp_path):
         np.testing.assert_array_equal(x, y)
     with pytest.raises(ConfigError, match="model.max_seq_len: run config has 128, export has 64"):
         load_by_unit(ModelConfig.named("gpt2-tiny", num_layers=1, max_seq_len=128), tmp_path / "gpt2")
+
+
+def test_an_unfinished_or_earlier_orbax_export_is_refused_saying_what_to_do(exported, tmp_path):
+    out = tmp_path / "killed"
+    shutil.copytree(exported / "export" / "x-orbax", out)
+    record = json.loads((out / export_dir.MARKER).read_text())
+    (out / export_dir.MARKER).write_text(json.dumps({**record, "finished": None}))
+    with pytest.raises(ConfigError, match="did not finish .* run the export again"):
+        parse_args([f"--model.name=orbax:{out}"])
+    (out / export_dir.MARKER).write_text(json.dumps(record))
+    (out / "model.json").unlink()  # what an export of an earlier jaxzero holds
+    with pytest.raises(ConfigError, match="an Orbax checkpoint without one .*: export it again"):
+        from_export(out)
+
+
+def test_model_json_moves_into_place_after_the_parameters(params, tmp_path, monkeypatch):
+    """An export killed while its files move up leaves no model.json over missing parameters."""
+    moved: list[str] = []
+    replace = checkpoint_masters.os.replace
+    monkeypatch.setattr(
+        checkpoint_masters.os, "replace", lambda a, b: (moved.append(Path(b).name), replace(a, b))
+    )
+    export_orbax(params, MODEL, tmp_path / "out", "float32")
+    entries = [m for m in moved if not m.startswith(".jaxzero-export")]
+    assert entries[-1] == "model.json" and len(entries) > 1

@@ -23,7 +23,13 @@ from jaxzero.interop.hf_config_map import CONFIG_NAME, model_config_from_hf
 from jaxzero.interop.hf_io import load_hf_by_unit
 from jaxzero.models import Model, ModelParams, build_model
 from jaxzero.primitives.deferred import resolved
-from jaxzero.storage.orbax_export import MODEL_FILE, is_orbax_export, load_orbax_by_unit, read_model
+from jaxzero.storage.orbax_export import (
+    MODEL_FILE,
+    earlier_export_hint,
+    is_orbax_export,
+    load_orbax_by_unit,
+    read_model,
+)
 
 
 def load_by_unit(cfg: ModelConfig, path: str | os.PathLike[str]) -> ModelParams:
@@ -45,7 +51,7 @@ def export_model(path: str | os.PathLike[str]) -> ModelConfig:
     if not (Path(path) / CONFIG_NAME).is_file():
         raise ConfigError(
             f"{path} is no export: it holds neither {MODEL_FILE} (an Orbax export, python -m jaxzero.export "
-            f"--format=orbax) nor {CONFIG_NAME} (a Hugging Face checkpoint)."
+            f"--format=orbax) nor {CONFIG_NAME} (a Hugging Face checkpoint).{earlier_export_hint(Path(path))}"
         )
     return model_config_from_hf(path, name=f"hf:{path}")
 

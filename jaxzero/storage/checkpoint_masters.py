@@ -36,7 +36,7 @@ from jaxzero.storage.checkpoint_layout import (
     saved_step,
     unreadable_files,
 )
-from jaxzero.storage.orbax_export import write_model_file
+from jaxzero.storage.orbax_export import MODEL_FILE, write_model_file
 
 ORBAX_STAGE = ".orbax-export"  # where an Orbax export is written, inside its directory, before moving up
 
@@ -79,7 +79,8 @@ def export_orbax(
                 f"{out} holds {clash}, which the export did not write and Orbax's checkpoint needs: remove "
                 "them yourself, or choose a new directory (--out)."
             )
-        for e in entries:
+        # model.json last: where it is, the parameters it describes are
+        for e in sorted(entries, key=lambda e: e == MODEL_FILE):
             os.replace(out / ORBAX_STAGE / e, out / e)
         (out / ORBAX_STAGE).rmdir()
         export.finish(entries)

@@ -26,6 +26,7 @@ import numpy as np
 from jaxzero.config import ConfigError, ModelConfig
 from jaxzero.models import ModelParams, build_model
 from jaxzero.primitives.deferred import Deferred
+from jaxzero.storage.export_dir import MARKER
 
 MODEL_FILE = "model.json"
 FORMAT = "jaxzero-orbax-export"
@@ -76,14 +77,16 @@ def read_model(path: str | os.PathLike[str], *, name: str | None = None) -> tupl
     if not where.is_dir():
         raise ConfigError(f"{name}: {where} is not a directory; give an Orbax export's directory.")
     if not is_orbax_export(where):
-        hint = (
-            f" It holds a Hugging Face checkpoint: use model.name=hf:{path}."
-            if (where / "config.json").is_file()
-            else ""
-        )
+        hint = f" It holds a Hugging Face checkpoint: use model.name=hf:{path}." if _is_hf(where) else ""
         raise ConfigError(
             f"{name}: {where} holds no {MODEL_FILE}, so it is not an Orbax export of jaxzero's (python -m "
-            f"jaxzero.export --format=orbax writes one).{hint}"
+            f"jaxzero.export --format=orbax writes one).{hint or earlier_export_hint(where)}"
+        )
+    marker = _marker(where)
+    if marker is not None and not marker.get("finished"):
+        raise ConfigError(
+            f"{name}: {where} is an export that did not finish (killed midway, or still being written): "
+            "run the export again."
         )
     try:
         record = json.loads((where / MODEL_FILE).read_text())
@@ -110,6 +113,27 @@ def read_model(path: str | os.PathLike[str], *, name: str | None = None) -> tupl
     except (TypeError, ConfigError) as e:
         raise ConfigError(f"{name}: {where / MODEL_FILE} describes no valid model: {e}") from e
     return model, dtype
+
+
+def earlier_export_hint(where: Path) -> str:
+    """What to do with a directory that holds Orbax's files but no model.json ("" for anything else)."""
+    if (where / "_METADATA").is_file():  # Orbax's own file
+        return " It holds an Orbax checkpoint without one (an earlier jaxzero's export): export it again."
+    return ""
+
+
+def _is_hf(where: Path) -> bool:
+    return (where / "config.json").is_file()
+
+
+def _marker(where: Path) -> dict[str, Any] | None:
+    """The export marker's record in `where` (`jaxzero.storage.export_dir`), None where there is none or
+    it cannot be read (a copy without it is still an export: model.json says what it is)."""
+    try:
+        record = json.loads((where / MARKER).read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
 
 
 def load_orbax_by_unit(cfg: ModelConfig, path: str | os.PathLike[str]) -> ModelParams:
