@@ -305,3 +305,14 @@ def test_model_json_moves_into_place_after_the_parameters(params, tmp_path, monk
     export_orbax(params, MODEL, tmp_path / "out", "float32")
     entries = [m for m in moved if not m.startswith(".jaxzero-export")]
     assert entries[-1] == "model.json" and len(entries) > 1
+
+
+def test_the_planner_reads_an_orbax_export_as_train_does(exported, tmp_path, capsys):
+    from jaxzero.cli.plan import main as plan_main  # a program: its messages on stderr
+
+    out = exported / "export" / "x-orbax"
+    assert plan_main([f"--model.name=orbax:{out}", "--data.seq_len=32", "--data.batch_size=4"]) == 0
+    assert capsys.readouterr().out.startswith(f"plan for orbax:{out}: ")
+    assert plan_main([f"--model.name=orbax:{tmp_path}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds no model.json, so it is not an Orbax export" in err[0]
