@@ -8,6 +8,7 @@ The library API in one screen:
     state = trainer.init(jax.random.key(cfg.seed))
     state, metrics = trainer.step(state, trainer.put_batch(next(data.train_iter())))
     save_state(trainer, state, "runs/x", step=1)   # restore_state, export_state: jaxzero.storage.state_io
+    model, params = from_export("export/x")        # an export's model and weights (Orbax or HF)
 
 Each name is imported from its module on first use: Python runs this file before any submodule, so
 importing it eagerly would load every layer (Orbax, the exporters, the argument parser) into a
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # for type checkers and editors; at run time `__getattr__` imports on first use
     from jaxzero.config import ConfigError, TrainConfig
     from jaxzero.data import build_data
+    from jaxzero.interop.exports import from_export
     from jaxzero.models import ModelParams, build_model
     from jaxzero.overrides import apply_overrides, parse_args
     from jaxzero.plan import OffloadPlan, resolve_plan
@@ -34,6 +36,7 @@ _HOMES = {
     "ConfigError": "jaxzero.config",
     "TrainConfig": "jaxzero.config",
     "build_data": "jaxzero.data",
+    "from_export": "jaxzero.interop.exports",
     "ModelParams": "jaxzero.models",
     "build_model": "jaxzero.models",
     "apply_overrides": "jaxzero.overrides",
@@ -62,6 +65,7 @@ __all__ = [
     "build_model",
     "build_trainer",
     "export_state",
+    "from_export",
     "parse_args",
     "resolve_plan",
     "restore_state",

@@ -8,7 +8,8 @@ A run's config is built in three layers, later ones winning:
    `--determinism`).
 
 `model.name` selects a named size (`jaxzero.models.sizes`) or, as `hf:DIR`, the shape of a Hugging
-Face checkpoint (`jaxzero.interop`); every other `model.*` key then overrides one field of it. All
+Face checkpoint (`jaxzero.interop`), or, as `orbax:DIR`, of an Orbax export's `model.json`
+(`jaxzero.storage.orbax_export`); every other `model.*` key then overrides one field of it. All
 values are type-checked against the field annotations, and `parse_args` ends with `validate`.
 """
 
@@ -29,6 +30,7 @@ from jaxzero.config import (
     SECTIONS,
     TOP_LEVEL_KEYS,
     ConfigError,
+    ModelConfig,
     TrainConfig,
 )
 from jaxzero.config.checks import validate
@@ -46,6 +48,7 @@ from jaxzero.config.keys import (
 )
 from jaxzero.deepspeed import Translation
 from jaxzero.interop import model_config_from_hf
+from jaxzero.storage import orbax_export
 
 log = logging.getLogger(__name__)  # the library speaks through logging (`jaxzero.run.console`)
 
@@ -54,13 +57,20 @@ def apply_overrides(cfg: TrainConfig, overrides: dict[str, Any]) -> TrainConfig:
     """Return `cfg` with dotted `overrides` applied (values as strings or TOML-typed values).
 
     `model.name` is applied first: it resets the model section to that named size (or, for
-    `hf:DIR`, to the shape of a Hugging Face checkpoint whose weights the run starts from), and the
+    `hf:DIR`, to the shape of a Hugging Face checkpoint whose weights the run starts from; for
+    `orbax:DIR`, of an Orbax export, its compute dtype and attention the run's own as for `hf:DIR`), and the
     other `model.*` keys then override single fields of it (`jaxzero.config.keys.set_keys`).
     """
     name = overrides.get("model.name")
     if isinstance(name, str) and name.startswith("hf:"):  # a Hugging Face checkpoint: its shape, and
         model = model_config_from_hf(name[3:], name=name)  # its weights to start from
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(model, init_from=name[3:]))
+        overrides = {k: v for k, v in overrides.items() if k != "model.name"}
+    elif isinstance(name, str) and name.startswith(orbax_export.PREFIX):  # an Orbax export: likewise
+        path = name[len(orbax_export.PREFIX) :]
+        model, _ = orbax_export.read_model(path, name=name)
+        run_choices = {k: getattr(ModelConfig(), k) for k in orbax_export.RUN_CHOICES}
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(model, init_from=path, **run_choices))
         overrides = {k: v for k, v in overrides.items() if k != "model.name"}
     return set_keys(cfg, overrides)
 

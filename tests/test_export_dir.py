@@ -243,7 +243,7 @@ def test_an_unreadable_marker_is_refused(params, tmp_path):
     (out / export_dir.MARKER).write_text("{not json")
     (out / "config.json").write_text("{}")
     with pytest.raises(export_dir.ExportRefused, match=r"\.jaxzero-export cannot be read"):
-        export_orbax(params, out, "float32", overwrite=True)
+        export_orbax(params, MODEL, out, "float32", overwrite=True)
     assert (out / "config.json").read_text() == "{}"
 
 

@@ -14,10 +14,12 @@ before anything is written: a changed file is refused, naming it. `--checkpoint.
 the check.
 
 `hf` writes Hugging Face safetensors plus `config.json` for `LlamaForCausalLM` / `GPT2LMHeadModel`
-(sharded with an index file past `--max_shard_gb`); `orbax` writes the parameters alone as an Orbax
-checkpoint. No optimizer state is read or written. Only the master weights are restored (Orbax
-partial restore), as host NumPy arrays, and they are converted one unit (embedding, block, head) at
-a time, so the model is never held twice in RAM.
+(sharded with an index file past `--max_shard_gb`); `orbax` writes the parameters as an Orbax
+checkpoint with `model.json`, the model's description, beside them: `jaxzero.from_export(DIR)` loads
+it, `--model.name=orbax:DIR` fine-tunes from it, and plain Orbax restores it. No optimizer state is
+read or written. Only the master weights are restored (Orbax partial restore), as host NumPy arrays,
+and they are converted one unit (embedding, block, head) at a time, so the model is never held twice
+in RAM.
 
 `--out` must be new, empty, or an earlier export (the `.jaxzero-export` marker each export writes
 says which files are its own): `--overwrite` replaces a finished export, an unfinished one (a killed
@@ -132,7 +134,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{', '.join(str(f) for f in files)}"
             )
         else:
-            out = export_orbax(params, args.out, args.dtype, overwrite=args.overwrite, source=source)
+            out = export_orbax(
+                params, cfg.model, args.out, args.dtype, overwrite=args.overwrite, source=source
+            )
             print(f"jaxzero: exported step {step} of {args.run_dir} as Orbax {args.dtype}{merged}: {out}")
     except (ConfigError, FileExistsError) as e:
         print(f"jaxzero: export error: {e}", file=sys.stderr)

@@ -33,10 +33,13 @@ class ModelConfig:
     A plain frozen dataclass: the fields given, llama-tiny's shape for the rest. A named size's shape
     is `ModelConfig.named(NAME, **fields)` (what `--model.name=NAME --model.KEY=VALUE` builds); any
     other name labels a shape of your own. An `hf:DIR` name is a Hugging Face checkpoint whose shape
-    is in its files: `jaxzero.interop.model_config_from_hf` builds it (`--model.name=hf:DIR` calls it).
+    is in its files: `jaxzero.interop.model_config_from_hf` builds it (`--model.name=hf:DIR` calls it);
+    an `orbax:DIR` name an Orbax export of jaxzero's, whose shape is its `model.json`
+    (`jaxzero.storage.orbax_export.read_model`).
     """
 
-    name: str = "llama-tiny"  # a named size (sets every other model.* key) or hf:DIR, a HF checkpoint
+    # a named size (sets every other model.* key), hf:DIR (a HF checkpoint) or orbax:DIR (an Orbax export)
+    name: str = "llama-tiny"
     family: Literal["llama", "gpt2"] = "llama"  # the architecture
     vocab_size: int = 256  # rows of the token embedding; every token id must be below it
     hidden_size: int = 128  # width of the residual stream
@@ -66,7 +69,9 @@ class ModelConfig:
     # matmul and activation dtype (masters are float32); float16 adds dynamic loss scaling
     compute_dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
     attention_impl: Literal["auto", "xla", "cudnn"] = "auto"  # auto: cuDNN on GPU when it applies, else XLA
-    init_from: str = ""  # a Hugging Face safetensors directory to start from (set by model.name=hf:DIR)
+    # an export to start from: a Hugging Face checkpoint or an Orbax export (set by model.name=hf:DIR or
+    # orbax:DIR)
+    init_from: str = ""
 
     @classmethod
     def named(cls, name: str, **fields: Any) -> ModelConfig:
@@ -85,6 +90,12 @@ class ModelConfig:
 
 def _not_a_size(name: str) -> str:
     """The refusal of `ModelConfig.named(name)` for a `name` of no named size."""
+    if name.startswith("orbax:"):
+        return (
+            f"model.name={name!r} is an Orbax export, whose shape is in its model.json, which a ModelConfig "
+            "does not read: build it with jaxzero.storage.orbax_export.read_model(DIR) (as "
+            "--model.name=orbax:DIR does)."
+        )
     if name.startswith("hf:"):
         return (
             f"model.name={name!r} is a Hugging Face checkpoint, whose shape is in its config.json, which "

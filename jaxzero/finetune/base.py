@@ -59,9 +59,9 @@ def source_units(cfg: TrainConfig, model: Model) -> ModelParams:
     (or drawn) when resolved: `model.init_from`'s weights, else the model's own init from `seed` (so a
     base rebuilt from a checkpoint's config is the one that trained)."""
     if cfg.model.init_from:
-        from jaxzero.interop.hf_io import load_hf_by_unit  # the HF reader only where it is used
+        from jaxzero.interop.exports import load_by_unit  # the export's reader only where it is used
 
-        return load_hf_by_unit(cfg.model, cfg.model.init_from)
+        return load_by_unit(cfg.model, cfg.model.init_from)
     k_embed, k_blocks, k_head = init_keys(jax.random.key(cfg.seed), cfg.model.num_layers)
 
     def drawn(init: Any, key: jax.Array) -> Deferred:

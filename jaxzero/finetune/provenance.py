@@ -6,8 +6,8 @@ fine-tune saved over them). A checkpoint of such a run records a fingerprint of 
 (`base_record`), and resuming, evaluating or exporting it checks that the files still match
 (`check_base`): adapters or units trained against other weights are refused, not silently combined.
 
-The fingerprint reads little: each safetensors file's name, size, and first and last MiB (its header,
-and weights at both ends), so it is cheap at every save and for a 140 GB checkpoint.
+The fingerprint reads little: each weight file's name, size, and first and last MiB (its header, and
+weights at both ends), so it is cheap at every save and for a 140 GB checkpoint.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any
 from jaxzero.config import CheckpointError, TrainConfig
 
 SAMPLE = 1 << 20  # bytes read at each end of each file
+ORBAX_MODEL_FILE = "model.json"  # what marks an Orbax export (`jaxzero.storage.orbax_export.MODEL_FILE`)
 
 
 def base_record(cfg: TrainConfig) -> dict[str, str] | None:
@@ -32,9 +33,14 @@ def base_record(cfg: TrainConfig) -> dict[str, str] | None:
 
 
 def fingerprint(path: Path) -> str:
-    """A hex digest of the safetensors files of a checkpoint directory (the module docstring)."""
-    files = sorted(path.glob("*.safetensors"))
-    stats = tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+    """A hex digest of the weight files of a checkpoint directory (the module docstring): a Hugging
+    Face checkpoint's safetensors files, or every file of an Orbax export (known by its `model.json`,
+    `jaxzero.storage.orbax_export`) but its marker."""
+    if (path / ORBAX_MODEL_FILE).is_file():
+        files = sorted(f for f in path.rglob("*") if f.is_file() and not f.name.startswith(".jaxzero-export"))
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    stats = tuple((str(f.relative_to(path)), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
     return _digest(str(path), stats)
 
 

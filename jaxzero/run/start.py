@@ -1,5 +1,5 @@
 """Where a run starts: its state restored from the run directory's newest good checkpoint (a resume),
-or initialised from a Hugging Face checkpoint (`model.init_from`) or from the seed; the first step
+or initialised from an export, Hugging Face or Orbax (`model.init_from`), or from the seed; the first step
 and the batches from there."""
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ import jax
 
 from jaxzero.config import CheckpointError, TrainConfig
 from jaxzero.data.types import BatchIterator, Data, DataState
-from jaxzero.interop import load_hf_by_unit
+from jaxzero.interop import load_by_unit
 from jaxzero.state import Trainer
 from jaxzero.storage import run_dir as run_dir_lib
 from jaxzero.storage.checkpoint import Checkpointer, trim_host_heap
 from jaxzero.storage.checkpoint_layout import unreadable_files
+from jaxzero.storage.orbax_export import is_orbax_export
 from jaxzero.storage.run_dir import METRICS_FILE
 
 
@@ -40,7 +41,7 @@ def start(
     main_process: bool = True,
 ) -> Start:
     """Restore from `ckpt`'s newest good checkpoint when resuming (`ckpt` given), else initialise from
-    the Hugging Face checkpoint `model.init_from` or from `seed`. The main process (process 0) drops
+    the export `model.init_from` (Hugging Face or Orbax) or from `seed`. The main process (process 0) drops
     the metrics records past the restored step."""
     restored = None
     if ckpt is not None:
@@ -63,7 +64,8 @@ def start(
         return Start(state, restored.step + 1, batches, restored.step)
     if cfg.model.init_from:
         # each unit read from the files as it is placed: host RAM holds one at a time
-        state = trainer.init_from_params(load_hf_by_unit(cfg.model, cfg.model.init_from))
-        print(f"jaxzero: initialised from the Hugging Face checkpoint {cfg.model.init_from}", file=console)
+        state = trainer.init_from_params(load_by_unit(cfg.model, cfg.model.init_from))
+        what = "Orbax export" if is_orbax_export(cfg.model.init_from) else "Hugging Face checkpoint"
+        print(f"jaxzero: initialised from the {what} {cfg.model.init_from}", file=console)
         return Start(state, 1, data.train_iter(), None)
     return Start(trainer.init(jax.random.key(cfg.seed)), 1, data.train_iter(), None)

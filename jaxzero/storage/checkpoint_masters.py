@@ -1,7 +1,8 @@
 """A checkpoint read outside training, and weights written for inference as Orbax: a checkpoint's
 float32 masters one unit at a time (`load_masters`, `masters_by_unit`: for export, generation and
 fine-tuning from a run), every array of it for inspection (`read_saved_state`), and parameters cast
-and saved as an Orbax export (`export_orbax`). A training process restores through
+and saved as an Orbax export with its model's description (`export_orbax`; the format is
+`jaxzero.storage.orbax_export`). A training process restores through
 `jaxzero.storage.checkpoint.Checkpointer` instead.
 
 Each reader first checks the checkpoint's files against their checksums, as a resume does (`verify`,
@@ -21,7 +22,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxzero.config import CheckpointError, TrainConfig
+from jaxzero.config import CheckpointError, ModelConfig, TrainConfig
 from jaxzero.config.keys import config_from_dict
 from jaxzero.finetune.adapters import LORA_LAYOUT
 from jaxzero.finetune.merged import merged_units
@@ -42,22 +43,26 @@ from jaxzero.storage.checkpoint_layout import (
     saved_steps,
     unreadable_files,
 )
+from jaxzero.storage.orbax_export import MODEL_FILE, write_model_file
 
 ORBAX_STAGE = ".orbax-export"  # where an Orbax export is written, inside its directory, before moving up
 
 
 def export_orbax(
     params: ModelParams,
+    model: ModelConfig,
     out: str | Path,
     dtype: str,
     *,
     overwrite: bool = False,
     source: dict[str, Any] | None = None,
 ) -> Path:
-    """Save `params` cast to `dtype` as an Orbax checkpoint at `out`, casting one unit at a time.
+    """Save `params` (of the model `model` describes) cast to `dtype` as an Orbax checkpoint at `out`,
+    casting one unit at a time, with `model.json` beside it (`jaxzero.storage.orbax_export`).
     `out` must be new, empty or an earlier jaxzero export (`jaxzero.storage.export_dir`: `overwrite` replaces
     a finished one; anything else is refused with or without it). Orbax writes into a directory of
-    its own inside `out`, whose entries then move up into `out`, beside the export's marker; `source`
+    its own inside `out`, where `model.json` joins them, whose entries then move up into `out`, beside the
+    export's marker; `source`
     (e.g. run_dir and step) is recorded in the marker."""
     out = Path(out).absolute()
     np_dtype = np.dtype(jax.numpy.dtype(dtype))
@@ -73,6 +78,7 @@ def export_orbax(
         checkpointer.save(out / ORBAX_STAGE, tree)
         checkpointer.wait_until_finished()  # host sync: committed before the process exits
         checkpointer.close()
+        write_model_file(out / ORBAX_STAGE, model, dtype)
         entries = sorted(p.name for p in (out / ORBAX_STAGE).iterdir())
         clash = [e for e in entries if (out / e).exists() or (out / e).is_symlink()]
         if clash:  # files put beside an earlier export by hand are never replaced
@@ -80,7 +86,8 @@ def export_orbax(
                 f"{out} holds {clash}, which the export did not write and Orbax's checkpoint needs: remove "
                 "them yourself, or choose a new directory (--out)."
             )
-        for e in entries:
+        # model.json last: where it is, the parameters it describes are
+        for e in sorted(entries, key=lambda e: e == MODEL_FILE):
             os.replace(out / ORBAX_STAGE / e, out / e)
         (out / ORBAX_STAGE).rmdir()
         export.finish(entries)

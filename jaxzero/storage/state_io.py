@@ -100,7 +100,7 @@ def export_state(
     overwrite: bool = False,
 ) -> Path:
     """Write the weights of `trainer`'s `state` for inference: `format="hf"` a transformers
-    checkpoint (`config.json` + safetensors), `"orbax"` the parameters alone; `dtype` bfloat16,
+    checkpoint (`config.json` + safetensors), `"orbax"` the parameters with `model.json`; `dtype` bfloat16,
     float32 or float16. `out_dir` must be new, empty or an earlier export (`jaxzero.storage.export_dir`):
     `overwrite` replaces a finished one, and anything else is refused (FileExistsError) with or
     without it. Returns `out_dir`. The state is not consumed; the float32 masters are copied to host
@@ -134,5 +134,5 @@ def export_state(
     if format == "hf":
         export_hf(masters, trainer.config.model, out_dir, dtype=dtype, overwrite=overwrite)
     else:
-        export_orbax(masters, out_dir, dtype, overwrite=overwrite)
+        export_orbax(masters, trainer.config.model, out_dir, dtype, overwrite=overwrite)
     return Path(out_dir)
