@@ -27,7 +27,7 @@ from jaxzero.planner.machine import Machine
 from jaxzero.planner.memory import MemoryPlan
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Option:
     """One placement the planner may choose: the offload keys it sets."""
 

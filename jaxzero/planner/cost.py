@@ -59,7 +59,7 @@ FORWARD_SHARE = 0.25
 EXPOSED_NAMES_IT = 0.05
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Prediction:
     """Predicted seconds per step and their parts."""
 
@@ -97,7 +97,9 @@ def predict(cfg: TrainConfig, plan: OffloadPlan, machine: Machine) -> Prediction
     forward = [FORWARD_SHARE * gpu_s * work[u.kind] / total_work for u in plan.units]
     update = plan.host_update
     if update is None:
-        return Prediction(gpu_s, gpu_s, 0.0, 0.0, 0.0, "GPU compute")
+        return Prediction(
+            step_s=gpu_s, gpu_s=gpu_s, exposed_s=0.0, link_s=0.0, host_s=0.0, bottleneck="GPU compute"
+        )
 
     compute, opt = memory.dtype_bytes(plan.compute_dtype), memory.optimizer_state_bytes(cfg)
     # The host kernels run at the fp32-moment rate per parameter with bf16 moments too (they convert
@@ -144,7 +146,15 @@ def predict(cfg: TrainConfig, plan: OffloadPlan, machine: Machine) -> Prediction
     step_s = terms[bottleneck]
     if bottleneck == "GPU compute" and exposed > EXPOSED_NAMES_IT * step_s:
         bottleneck = "host update before the forward"
-    return Prediction(step_s, gpu_s, exposed, link_s, host_s, bottleneck, disk_s)
+    return Prediction(
+        step_s=step_s,
+        gpu_s=gpu_s,
+        exposed_s=exposed,
+        link_s=link_s,
+        host_s=host_s,
+        bottleneck=bottleneck,
+        disk_s=disk_s,
+    )
 
 
 def _exposed(

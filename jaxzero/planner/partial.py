@@ -161,10 +161,17 @@ def predict_partial(cfg: TrainConfig, streamed: bool, machine: Machine) -> Predi
     gpu_s = step_flops(cfg) / machine.gpu_flops
     link_s = link_bytes(cfg) / machine.h2d if streamed else 0.0
     bottleneck = "link" if link_s > gpu_s else "GPU compute"
-    return Prediction(max(gpu_s, link_s), gpu_s, 0.0, link_s, 0.0, bottleneck)
+    return Prediction(
+        step_s=max(gpu_s, link_s),
+        gpu_s=gpu_s,
+        exposed_s=0.0,
+        link_s=link_s,
+        host_s=0.0,
+        bottleneck=bottleneck,
+    )
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class PartialDecision(Decision):
     """The placement of a run with a frozen part: the base resident or streamed; what trains on the
     accelerator."""
@@ -278,12 +285,12 @@ def decide_partial(cfg: TrainConfig, machine: Machine) -> PartialDecision:
                 )
             )
             return PartialDecision(
-                decided_cfg,
-                plan,
-                need,
-                predict_partial(cfg, streamed, machine),
-                machine,
-                decided,
+                config=decided_cfg,
+                plan=plan,
+                memory=need,
+                prediction=predict_partial(cfg, streamed, machine),
+                machine=machine,
+                decided=decided,
                 streamed=streamed,
             )
     rows = "; ".join(

@@ -28,7 +28,7 @@ from jaxzero.planner.machine import Machine
 from jaxzero.planner.memory import MemoryPlan
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Decision:
     """Where this run's state lives, why, and how fast it is predicted to be."""
 

@@ -113,7 +113,15 @@ def choose(cfg: TrainConfig, machine: Machine, whole: tuple[int, int, int] = (0,
         if (getattr(given, k) == "auto" or getattr(given, k) != getattr(placed, k))
         and not (k == "device_state_units" and (chosen.plan.host_update is None or not search.k_open))
     )
-    return Decision(chosen.cfg, chosen.plan, chosen.need, search.predict(chosen), machine, decided, warning)
+    return Decision(
+        config=chosen.cfg,
+        plan=chosen.plan,
+        memory=chosen.need,
+        prediction=search.predict(chosen),
+        machine=machine,
+        decided=decided,
+        warning=warning,
+    )
 
 
 def as_configured(cfg: TrainConfig, machine: Machine, whole: tuple[int, int, int] = (0, 0, 0)) -> Decision:
@@ -123,7 +131,14 @@ def as_configured(cfg: TrainConfig, machine: Machine, whole: tuple[int, int, int
     plan = resolve_plan(cfg)
     pool_cap = None if machine.pinned_limit_gb is None else int(machine.pinned_limit_gb * GiB)
     need = memory.plan_memory(cfg, plan, machine.devices, machine.processes, whole, pool_cap)
-    return Decision(cfg, plan, need, predict(cfg, plan, machine), machine, ())
+    return Decision(
+        config=cfg,
+        plan=plan,
+        memory=need,
+        prediction=predict(cfg, plan, machine),
+        machine=machine,
+        decided=(),
+    )
 
 
 class _Search:
@@ -188,7 +203,16 @@ class _Search:
         disk = self.disk_fixed if disk is None or optimizer != "cpu" else disk
         for act in self.activations if optimizer == "cpu" else ("none",):
             for tp in self.two_pass:
-                e = self.evaluate(Option(optimizer, params, k, r, tp, act, disk if optimizer == "cpu" else 0))
+                option = Option(
+                    optimizer=optimizer,
+                    params=params,
+                    device_state_units=k,
+                    resident_blocks=r,
+                    two_pass_units=tp,
+                    activations=act,
+                    disk_units=disk if optimizer == "cpu" else 0,
+                )
+                e = self.evaluate(option)
                 if e is not None and e.fits(self.strict_for(e), disk_fits):
                     return [e]
         return []
@@ -198,7 +222,19 @@ class _Search:
         acts = self.activations if optimizer == "cpu" else ("none",)
         disk = self.disk_fixed if optimizer == "cpu" else 0
         options = [
-            self.evaluate(Option(optimizer, params, k, r, tp, a, disk)) for tp in self.two_pass for a in acts
+            self.evaluate(
+                Option(
+                    optimizer=optimizer,
+                    params=params,
+                    device_state_units=k,
+                    resident_blocks=r,
+                    two_pass_units=tp,
+                    activations=a,
+                    disk_units=disk,
+                )
+            )
+            for tp in self.two_pass
+            for a in acts
         ]
         shorts = [e.gpu_short if self.strict_for(e) else e.state_short for e in options if e is not None]
         return bool(shorts) and all(shorts)
@@ -262,7 +298,16 @@ class _Search:
                 for tp in self.two_pass:
                     for act in self.activations if optimizer == "cpu" else ("none",):
                         for disk in sorted(disks):
-                            e = self.evaluate(Option(optimizer, params, k, r, tp, act, disk))
+                            option = Option(
+                                optimizer=optimizer,
+                                params=params,
+                                device_state_units=k,
+                                resident_blocks=r,
+                                two_pass_units=tp,
+                                activations=act,
+                                disk_units=disk,
+                            )
+                            e = self.evaluate(option)
                             if e is not None:
                                 out.append(e)
         return out
