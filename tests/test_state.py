@@ -1,6 +1,6 @@
 """The Trainer contract as research code uses it: build with keyword overrides, step, evaluate, then
-save, restore and export (`jaxzero.storage.state_io`); batches checked; the same ownership rule in every
-mode."""
+save and restore (`jaxzero.storage.state_io`), export (`jaxzero.interop.state_export`); batches
+checked; the same ownership rule in every mode."""
 
 import io
 import json
