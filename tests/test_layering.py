@@ -241,10 +241,9 @@ LAYERS = [
 # The imports that still run back up those layers, each with what would remove it. No other may
 # be added: a new one is a module in the wrong folder.
 UPWARD = {
-    # a frozen base from Hugging Face files; PEFT's layout of the adapters
+    # a frozen base rebuilt from `model.init_from`'s Hugging Face files (`finetune.base.source_units`,
+    # on every resume): removed once the reader is handed to the trainer by the run and the programs
     ("jaxzero.finetune", "jaxzero.interop"),
-    # build_trainer(**overrides) (model.name=hf:DIR reads a checkpoint's shape)
-    ("jaxzero.trainer", "jaxzero.overrides"),
 }
 
 

@@ -30,6 +30,13 @@ def build(mode: str):
     return build_trainer(mesh=placement.make_mesh(jax.devices()[:1]), **TINY, **MODES[mode])
 
 
+def test_keyword_overrides_set_keys_and_leave_a_checkpoint_s_shape_to_the_config_builders():
+    """`build_trainer(**overrides)` sets keys as the config reads them (the engine layer reads no file of
+    Hugging Face's): an `hf:DIR` model name is refused, saying which builder reads its shape."""
+    with pytest.raises(ConfigError, match=r"jaxzero.apply_overrides\(cfg, \{'model.name': 'hf:DIR'\}\)"):
+        build_trainer(model__name="hf:/no/such/checkpoint")
+
+
 @pytest.mark.parametrize("mode", list(MODES))
 def test_save_and_restore_continue_exactly(tmp_path, mode):
     """Three steps, save, three more; against restore after three in a new trainer, three more: the same
