@@ -7,7 +7,8 @@ The library API in one screen:
     data = build_data(cfg.data, cfg.model.vocab_size, cfg.seed)
     state = trainer.init(jax.random.key(cfg.seed))
     state, metrics = trainer.step(state, trainer.put_batch(next(data.train_iter())))
-    save_state(trainer, state, "runs/x", step=1)   # restore_state, export_state: jaxzero.storage.state_io
+    save_state(trainer, state, "runs/x", step=1)   # restore_state: jaxzero.storage.state_io
+    export_state(trainer, state, "export/x")       # jaxzero.interop.state_export
     model, params = from_export("export/x")        # an export's model and weights (Orbax or HF)
 
 Each name is imported from its module on first use: Python runs this file before any submodule, so
@@ -24,11 +25,12 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time `__getattr__` im
     from jaxzero.config import ConfigError, TrainConfig
     from jaxzero.data import build_data
     from jaxzero.interop.exports import from_export
+    from jaxzero.interop.state_export import export_state
     from jaxzero.models import ModelParams, build_model
     from jaxzero.overrides import apply_overrides, parse_args
     from jaxzero.plan import OffloadPlan, resolve_plan
     from jaxzero.state import StepMetrics, Trainer, TrainState
-    from jaxzero.storage.state_io import export_state, restore_state, save_state
+    from jaxzero.storage.state_io import restore_state, save_state
     from jaxzero.trainer import build_trainer
 
 # The public names (`__all__`) and the module that defines each.
@@ -46,7 +48,7 @@ _HOMES = {
     "StepMetrics": "jaxzero.state",
     "Trainer": "jaxzero.state",
     "TrainState": "jaxzero.state",
-    "export_state": "jaxzero.storage.state_io",
+    "export_state": "jaxzero.interop.state_export",
     "restore_state": "jaxzero.storage.state_io",
     "save_state": "jaxzero.storage.state_io",
     "build_trainer": "jaxzero.trainer",

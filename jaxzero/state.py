@@ -8,10 +8,11 @@ of the per-step breakdown that the offload engine measures.
     trainer.evaluate(state, val_batches)             # float, mean loss over (B, seq_len + 1) batches
     save_state(trainer, state, "runs/x", step=100)   # jaxzero.storage.state_io: runs/x/checkpoints/100
     state, step, data_state = restore_state(trainer, "runs/x")
-    export_state(trainer, state, "export/x")         # Hugging Face safetensors
+    export_state(trainer, state, "export/x")         # jaxzero.interop.state_export: Hugging Face safetensors
 
-This module holds types only: saving, restoring and exporting a state are I/O, in `jaxzero.storage.state_io`,
-so that the engines that build a `Trainer` load no Orbax, run directory or exporter.
+This module holds types only: saving and restoring a state are I/O, in `jaxzero.storage.state_io`, and
+exporting it is the exporters' (`jaxzero.interop.state_export`), so that the engines that build a
+`Trainer` load no Orbax, run directory or exporter.
 
 Ownership: `step` consumes the state it is given, in every mode (its accelerator buffers are donated,
 or its host arrays are updated in place); keep only the state it returns. Reading a consumed state

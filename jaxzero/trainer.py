@@ -29,12 +29,12 @@ import optax
 from jax.sharding import Mesh
 
 from jaxzero.config import ConfigError, TrainConfig
+from jaxzero.config.keys import set_keys
 from jaxzero.data.eot import FROM_DATA
 from jaxzero.finetune.trainer import build_partial_trainer
 from jaxzero.models import Model
 from jaxzero.models.sizes import param_count
 from jaxzero.offload import build_offload_trainer
-from jaxzero.overrides import apply_overrides
 from jaxzero.plan import placement
 from jaxzero.planner import memory, preflight, runtime
 from jaxzero.planner.machine import accelerators_of
@@ -58,7 +58,9 @@ def build_trainer(
     plan asks for.
 
     `cfg` defaults to the built-in default run; keyword `overrides` change single keys, with `__` for
-    the dot: `build_trainer(model__name="gpt2-tiny", offload__optimizer="cpu")`. `decision`: the
+    the dot: `build_trainer(model__name="gpt2-tiny", offload__optimizer="cpu")` (as
+    `jaxzero.config.keys.set_keys` reads them: a Hugging Face checkpoint's shape, `model.name=hf:DIR`,
+    is read into `cfg` first by `jaxzero.apply_overrides` or `jaxzero.parse_args`). `decision`: the
     resolution pass's result from before JAX started (`jaxzero.planner.preflight.decide_before_jax`,
     which also sized XLA's pinned pool for it), whose config is final and checked again nowhere;
     without one, the pass runs here once (`jaxzero.planner.preflight.decide`: validation, the batch
@@ -75,7 +77,7 @@ def build_trainer(
     """
     cfg = TrainConfig() if cfg is None else cfg
     if overrides:
-        cfg = apply_overrides(cfg, {k.replace("__", "."): v for k, v in overrides.items()})
+        cfg = set_keys(cfg, {k.replace("__", "."): v for k, v in overrides.items()})
     return decide_and_build(cfg, mesh, decision, model=model, optimizer=optimizer)[0]
 
 

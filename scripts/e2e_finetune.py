@@ -56,8 +56,8 @@ def stage_train(args: argparse.Namespace) -> None:
 
     from jaxzero.data import build_data
     from jaxzero.interop import load_hf_into
+    from jaxzero.interop.state_export import export_state
     from jaxzero.overrides import parse_args
-    from jaxzero.storage.state_io import export_state
     from jaxzero.trainer import build_trainer
 
     out = Path(args.out)

@@ -116,7 +116,8 @@ def test_the_host_kernels_give_the_same_bits_over_any_chunking_threads_and_order
     p0 = rng.standard_normal(n).astype(np.float32)
     m0, v0 = bits(rng.standard_normal(n) * 0.1), bits(np.abs(rng.standard_normal(n)))
     g = bits(rng.standard_normal(n))
-    kernel = host_kernels.FusedRule("adamw", 0.9, 0.95, 1e-8, 0.1, 0.0).kernel(6, 3e-4, 0.37)
+    rule = host_kernels.FusedRule(name="adamw", b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, momentum=0.0)
+    kernel = rule.kernel(6, 3e-4, 0.37)
 
     def update(size: int | None, threads: int, seed: int):
         p, m, v, w = p0.copy(), m0.copy(), v0.copy(), np.zeros(n, np.uint16)

@@ -263,7 +263,9 @@ def test_bfloat16_rounding_is_round_to_nearest_even():
     p, w = x.copy(), np.zeros(x.size, np.uint16)
     # SGD with lr 0 and no decay writes the parameter through to the compute-dtype copy unchanged
     # (ties 1.00390625 and 1.01171875 round to even; 3.4e38 overflows to inf, as XLA's convert does).
-    host_kernels.FusedRule("sgd", 0.9, 0.99, 1e-8, 0.0, 0.0).kernel(0, 0.0, 1.0)(p, np.zeros_like(x), w, 0.0)
+    host_kernels.FusedRule(name="sgd", b1=0.9, b2=0.99, eps=1e-8, weight_decay=0.0, momentum=0.0).kernel(
+        0, 0.0, 1.0
+    )(p, np.zeros_like(x), w, 0.0)
     expected = np.asarray(jnp.asarray(x).astype(jnp.bfloat16)).view(np.uint16)
     nan = np.isnan(x)
     np.testing.assert_array_equal(w[~nan], expected[~nan])
@@ -288,7 +290,7 @@ def test_chunks_and_tiles_do_not_change_the_result(moments):
         return p, m.astype(mdt), v.astype(mdt)
 
     g = (rng.standard_normal(n).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
-    rule = host_kernels.FusedRule("adamw", 0.9, 0.95, 1e-8, 0.1, 0.0)
+    rule = host_kernels.FusedRule(name="adamw", b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, momentum=0.0)
     kernel = rule.kernel(4, 3e-4, 0.7)
     (p1, m1, v1), (p2, m2, v2) = state(), state()
     w1, w2 = np.zeros(n, np.uint16), np.zeros(n, np.uint16)

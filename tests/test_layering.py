@@ -174,7 +174,8 @@ def test_the_directions_of_the_layers():
         "jaxzero": {"jaxzero"},
         "jaxzero.models": {"jaxzero.plan", "jaxzero.planner", "jaxzero.plan.placement", "jaxzero.offload"},
         # The engine and the contract every trainer returns: no Orbax, run directory, exporter, CLI,
-        # logging of the run or program (saving, restoring and exporting are `jaxzero.storage.state_io`'s).
+        # logging of the run or program (saving and restoring are `jaxzero.storage.state_io`'s, exporting
+        # `jaxzero.interop.state_export`'s).
         "jaxzero.offload": STORAGE | CONFIG_BUILDING | THE_RUN | PROGRAMS,
         "jaxzero.state": STORAGE | CONFIG_BUILDING | THE_RUN | PROGRAMS | ENGINES | {"jaxzero.data"},
         # The plan the engines read is below everything that decides: it imports nothing of the
@@ -240,12 +241,9 @@ LAYERS = [
 # The imports that still run back up those layers, each with what would remove it. No other may
 # be added: a new one is a module in the wrong folder.
 UPWARD = {
-    # a frozen base from Hugging Face files; PEFT's layout of the adapters
+    # a frozen base rebuilt from `model.init_from`'s Hugging Face files (`finetune.base.source_units`,
+    # on every resume): removed once the reader is handed to the trainer by the run and the programs
     ("jaxzero.finetune", "jaxzero.interop"),
-    # build_trainer(**overrides) (model.name=hf:DIR reads a checkpoint's shape); the exports of a
-    # trainer's state (Hugging Face, PEFT)
-    ("jaxzero.trainer", "jaxzero.overrides"),
-    ("jaxzero.storage", "jaxzero.interop"),
 }
 
 

@@ -257,7 +257,7 @@ def test_eval_and_export_of_an_int8_lora_run_keep_the_trained_adapters(tmp_path,
     from jaxzero.cli import eval as eval_lib
     from jaxzero.cli import export as export_lib
     from jaxzero.data import write_tokens
-    from jaxzero.storage.state_io import export_state
+    from jaxzero.interop.state_export import export_state
 
     data = tmp_path / "tokens"
     data.mkdir()

@@ -574,3 +574,63 @@ def test_the_plan_refuses_what_train_refuses_for_checkpoint_disk(capsys, monkeyp
     assert "(4 of" in err[0] and "100.0 GiB is free there: train refuses it" in err[0]
     assert plan_main([*run, *box, "--checkpoint.keep=3", "--checkpoint.every=2"]) == 0  # a box described,
     capsys.readouterr()  # its disk not given: this machine's says nothing of it
+
+
+LORA_70B = {
+    "finetune.method": "lora", "finetune.base_dtype": "int8", "model.name": "llama-3.1-70b",
+    "data.batch_size": "8", "data.seq_len": "1024", "machine.gpu_gib": "80", "machine.host_gib": "125",
+    "machine.cores": "16", "machine.disk_gib": "1000",
+}  # fmt: skip
+
+
+def test_a_frozen_part_is_placed_by_the_same_search(tmp_path):
+    """LoRA and freezing are candidates of `choose`: the base on the accelerator or streamed are
+    `Option`s, counted by `candidates.evaluate` (the run's own bytes, `planner.partial`), timed by the
+    cost model's `predict`, and decided as the one `Decision` type; its table and line say what they
+    said (a 70B int8 base streamed beside 80 GiB, an 8B one resident)."""
+    from jaxzero.planner.candidates import Option, evaluate
+    from jaxzero.planner.partial import partial_memory
+    from jaxzero.planner.report import Decision
+
+    lora = apply_overrides(TrainConfig(), {**LORA_70B, "run_dir": str(tmp_path)})
+    d = preflight.decide(lora)
+    assert type(d) is Decision and d.decided == ("offload.params=cpu", "offload.optimizer=none")
+    assert d.memory == partial_memory(d.config, streamed=True)
+    assert d.prediction == predict(d.config, d.plan, d.machine)
+    streamed = evaluate(d.config, Option(optimizer="none", params="cpu"), d.machine)
+    resident = evaluate(d.config, Option(optimizer="none", params="none"), d.machine)
+    assert streamed.need == d.memory and streamed.fits(strict=True) and not resident.fits(strict=True)
+    assert d.line() == (
+        "plan: LoRA rank 16, the frozen int8 base streamed from pinned host memory (decided "
+        "offload.params=cpu, offload.optimizer=none); 28.9 GiB of 76.0 GiB device memory; predicted 6 s "
+        "per step, bound by GPU compute"
+    )
+    assert d.table().splitlines()[3:7] == [
+        "  device     28.9 GiB of 76.0 GiB (base 0.0 GiB + embedding and head 3.9 GiB, what trains with "
+        "gradients and adamw state 3.1 GiB, activations ~21.9 GiB)",
+        "  pinned     63.8 GiB of host RAM (the base's blocks)",
+        "  host RAM   98.0 GiB of 118.8 GiB (XLA's pinned pool and 10.0 GiB for the process itself)",
+        "  checkpoints 2.3 GiB each (what trains, its optimizer state, the step; the base is rebuilt from "
+        "the config)",
+    ]
+    assert not d.obvious()
+    small = preflight.decide(apply_overrides(TrainConfig(), {**LORA_70B, "model.name": "llama-3.1-8b"}))
+    assert small.decided == ("offload.params=none", "offload.optimizer=none") and small.obvious()
+    assert small.table().splitlines()[1] == (
+        "placement: LoRA rank 16, the frozen int8 base on the accelerator (decided offload.params=none, "
+        "offload.optimizer=none)"
+    )
+    with pytest.raises(ConfigError, match="train on one device; this run has 2"):
+        choose(d.config, dataclasses.replace(d.machine, devices=2))
+
+
+def test_a_frozen_part_s_checkpoints_are_what_trains(tmp_path):
+    """A run with a frozen part saves what trains and its optimizer state: the disk its checkpoints
+    need (`python -m jaxzero.plan`'s check) counts those bytes, not the whole model's."""
+    from jaxzero.planner.partial import checkpoint_bytes
+
+    over = {**LORA_70B, "run_dir": str(tmp_path), "machine.disk_gib": "20", "checkpoint.keep": "3",
+            "steps": "1000", "checkpoint.every": "100"}  # fmt: skip
+    d = preflight.decide(apply_overrides(TrainConfig(), over))
+    assert d.checkpoint_bytes() == checkpoint_bytes(d.config) < 3 * GiB
+    assert d.checkpoint_disk() == (4 * d.checkpoint_bytes(), 4) and d.checkpoint_shortfall() is None

@@ -1,6 +1,6 @@
 """The Trainer contract as research code uses it: build with keyword overrides, step, evaluate, then
-save, restore and export (`jaxzero.storage.state_io`); batches checked; the same ownership rule in every
-mode."""
+save and restore (`jaxzero.storage.state_io`), export (`jaxzero.interop.state_export`); batches
+checked; the same ownership rule in every mode."""
 
 import io
 import json
@@ -28,6 +28,13 @@ TINY = {
 
 def build(mode: str):
     return build_trainer(mesh=placement.make_mesh(jax.devices()[:1]), **TINY, **MODES[mode])
+
+
+def test_keyword_overrides_set_keys_and_leave_a_checkpoint_s_shape_to_the_config_builders():
+    """`build_trainer(**overrides)` sets keys as the config reads them (the engine layer reads no file of
+    Hugging Face's): an `hf:DIR` model name is refused, saying which builder reads its shape."""
+    with pytest.raises(ConfigError, match=r"jaxzero.apply_overrides\(cfg, \{'model.name': 'hf:DIR'\}\)"):
+        build_trainer(model__name="hf:/no/such/checkpoint")
 
 
 @pytest.mark.parametrize("mode", list(MODES))

@@ -99,8 +99,10 @@ def _not_a_size(name: str) -> str:
     if name.startswith("hf:"):
         return (
             f"model.name={name!r} is a Hugging Face checkpoint, whose shape is in its config.json, which "
-            "a ModelConfig does not read: build it with jaxzero.interop.model_config_from_hf(DIR) (as "
-            "--model.name=hf:DIR does), or give the shape's fields as ModelConfig(name=..., ...)."
+            "a ModelConfig does not read: build the config with jaxzero.apply_overrides(cfg, "
+            "{'model.name': 'hf:DIR'}) or jaxzero.parse_args (as --model.name=hf:DIR does), the model "
+            "with jaxzero.interop.model_config_from_hf(DIR), or give the shape's fields as "
+            "ModelConfig(name=..., ...)."
         )
     return (
         f"unknown model.name {name!r}. Valid names: {', '.join(SIZE_SHAPES)}. A shape of your own takes "

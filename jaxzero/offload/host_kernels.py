@@ -367,7 +367,7 @@ def readable_view(x: np.ndarray) -> np.ndarray:
 # -- which optimizers --------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class FusedRule:
     """The fused form of `build_optimizer(cfg, clip=False, mask=...)`'s update for one unit."""
 
@@ -384,7 +384,14 @@ class FusedRule:
         offload plan decides whether they run at all)."""
         if cfg.name not in FUSED_OPTIMIZERS:
             raise ValueError(f"the fused host kernels implement {FUSED_OPTIMIZERS}, not {cfg.name!r}")
-        return FusedRule(cfg.name, cfg.b1, cfg.b2, cfg.eps, cfg.weight_decay, cfg.momentum)
+        return FusedRule(
+            name=cfg.name,
+            b1=cfg.b1,
+            b2=cfg.b2,
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+            momentum=cfg.momentum,
+        )
 
     def moments(self) -> tuple[str, ...]:
         """Names of the optax state fields that hold per-parameter moments, in kernel order."""

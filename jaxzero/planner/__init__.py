@@ -13,7 +13,8 @@ which the trainer and the loop trust and never check again.
     cost.py         a placement's predicted step time (`predict`)
     candidates.py   the placements it may choose (`Option`) and each one's memory (`evaluate`)
     search.py       the fastest placement that fits (`choose`), or a refusal
-    partial.py      the placement of a run with a frozen part (LoRA, `finetune.freeze`)
+    partial.py      what a run with a frozen part (LoRA, `finetune.freeze`) weighs and costs, which
+                    the same candidates, cost model and search place
     report.py       what was decided, for a person (`Decision`, its table, the refusal's text)
 
 The plan the engines read (`jaxzero.plan`: `OffloadPlan`, `Tier`, `resolve_plan`) sits below this

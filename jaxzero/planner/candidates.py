@@ -2,6 +2,11 @@
 (`place`), and each one's memory against a machine (`evaluate` -> `Candidate`: how far it is from
 fitting).
 
+A run with a frozen part (LoRA, `finetune.freeze`) is placed by the same options: what trains stays on
+the accelerator with no host update (`offload.optimizer=none`), and its frozen base's blocks stay there
+too (`offload.params=none`) or stream from pinned host memory (`cpu`); its bytes are its own
+(`jaxzero.planner.partial`), held to the same fit rule.
+
 The fit rule: the accelerator must hold its state plus the activation estimate per device within
 `Machine.gpu_usable`; host RAM, what one process holds (`memory.host_ram_need`: the plan's host bytes,
 XLA's pinned pool, what a checkpoint save adds and the process itself) within `Machine.host_usable`;
@@ -21,15 +26,16 @@ from dataclasses import dataclass
 from jaxzero.config import ConfigError, TrainConfig
 from jaxzero.config.checks import validate_placement
 from jaxzero.plan import OffloadPlan, resolve_plan
-from jaxzero.planner import memory
+from jaxzero.planner import memory, partial
 from jaxzero.planner.calibration import GB, GiB
 from jaxzero.planner.machine import Machine
 from jaxzero.planner.memory import MemoryPlan
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Option:
-    """One placement the planner may choose: the offload keys it sets."""
+    """One placement the planner may choose: the offload keys it sets (of a run with a frozen part,
+    `optimizer` and `params` alone)."""
 
     optimizer: str
     params: str
@@ -41,10 +47,10 @@ class Option:
 
     @property
     def rank(self) -> tuple[int, int, bool, bool, int, int]:
-        """Simpler first: no disk; resident, ZeRO-Offload, ZeRO-3 offload; the user's two-pass
-        setting; block inputs on the accelerator; fewer units with state on the accelerator; fewer
-        resident blocks."""
-        mode = 0 if self.optimizer == "none" else 1 if self.params == "none" else 2
+        """Simpler first: no disk; resident, ZeRO-Offload, ZeRO-3 offload (a frozen base streamed
+        with it); the user's two-pass setting; block inputs on the accelerator; fewer units with state
+        on the accelerator; fewer resident blocks."""
+        mode = 0 if self.optimizer == self.params == "none" else 1 if self.params == "none" else 2
         away = self.activations == "cpu"
         disk = self.disk_units if self.disk_units >= 0 else 10**6
         return (disk, mode, self.two_pass_units == 0, away, self.device_state_units, self.resident_blocks)
@@ -85,6 +91,9 @@ class Candidate:
 def place(cfg: TrainConfig, option: Option) -> TrainConfig | None:
     """`cfg` placed as `option` says, or None where its other settings rule that out (`cfg` is
     validated: only the placement's rules, `validate_placement`, can break)."""
+    if cfg.finetune.partial:  # only the base is placed; no unit's state leaves the accelerator
+        offload = dataclasses.replace(cfg.offload, optimizer=option.optimizer, params=option.params)
+        return dataclasses.replace(cfg, offload=offload)
     offload = dataclasses.replace(
         cfg.offload,
         optimizer="disk" if option.disk_units else option.optimizer,
@@ -113,12 +122,16 @@ def evaluate(
     placed = place(cfg, option)
     if placed is None:
         return None
-    plan = resolve_plan(placed)
     mc = machine
-    # XLA's pinned pool cap, which bounds the regions its pool grows by: fixed already, or, where the
-    # run will size it for the placement decided (`jaxzero.trainer`), each option's own.
-    pool_cap = None if mc.pinned_limit_gb is None else int(mc.pinned_limit_gb * GiB)
-    need = memory.plan_memory(placed, plan, mc.devices, mc.processes, whole, pool_cap)
+    if placed.finetune.partial:  # its own bytes: the base, what trains and its state
+        plan = partial.partial_plan(placed)
+        need = partial.partial_memory(placed, streamed=option.params == "cpu")
+    else:
+        plan = resolve_plan(placed)
+        # XLA's pinned pool cap, which bounds the regions its pool grows by: fixed already, or, where
+        # the run will size it for the placement decided (`jaxzero.trainer`), each option's own.
+        pool_cap = None if mc.pinned_limit_gb is None else int(mc.pinned_limit_gb * GiB)
+        need = memory.plan_memory(placed, plan, mc.devices, mc.processes, whole, pool_cap)
     cpu_backend = mc.gpu_bytes is None
     host_need = memory.host_ram_need(need, cpu_backend)
     host_state_need = memory.host_ram_need(need, cpu_backend, activations=False)

@@ -28,6 +28,11 @@ Per step (tokens per device T, parameters N; `Machine`'s rates):
   "host update before the forward" when the exposed wait is over 5% of the step), "link", "host
   update" or "disk".
 
+A run with a frozen part (LoRA, `finetune.freeze`) has no host update: its step is the larger of the
+accelerator's work (`partial.step_flops`, what trains and what the frozen part costs, at the
+machine's dense rate) and, with its base streamed (`offload.params=cpu`), the base's crossings of the
+link (`partial.link_bytes`).
+
 The rates and constants are `jaxzero.planner.calibration`'s; where they come from, and the measured steps
 `tests/test_planner.py` holds the model to within 20%: BENCHMARKS.md, "The planner's calibration
 (where its constants come from)". These are predictions: measured steps vary from machine to machine
@@ -42,7 +47,7 @@ from dataclasses import dataclass
 from jaxzero.config import TrainConfig
 from jaxzero.models.sizes import param_count, unit_param_counts
 from jaxzero.plan import OffloadPlan, Tier, UnitKind, UpdateMode
-from jaxzero.planner import memory
+from jaxzero.planner import memory, partial
 from jaxzero.planner.calibration import (
     ATTENTION_COST,
     CALIBRATION_SEQ,
@@ -59,7 +64,7 @@ FORWARD_SHARE = 0.25
 EXPOSED_NAMES_IT = 0.05
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Prediction:
     """Predicted seconds per step and their parts."""
 
@@ -75,6 +80,8 @@ class Prediction:
 def predict(cfg: TrainConfig, plan: OffloadPlan, machine: Machine) -> Prediction:
     """The predicted step of `cfg` placed by `plan` on `machine` (the module docstring's model), in
     seconds, with its parts and the term that bounds it."""
+    if cfg.finetune.partial:
+        return _predict_partial(cfg, machine)
     m, d = cfg.model, cfg.data
     n_embed, n_block, n_head = unit_param_counts(m)
     count = {UnitKind.EMBED: n_embed, UnitKind.BLOCK: n_block, UnitKind.HEAD: n_head}
@@ -97,7 +104,9 @@ def predict(cfg: TrainConfig, plan: OffloadPlan, machine: Machine) -> Prediction
     forward = [FORWARD_SHARE * gpu_s * work[u.kind] / total_work for u in plan.units]
     update = plan.host_update
     if update is None:
-        return Prediction(gpu_s, gpu_s, 0.0, 0.0, 0.0, "GPU compute")
+        return Prediction(
+            step_s=gpu_s, gpu_s=gpu_s, exposed_s=0.0, link_s=0.0, host_s=0.0, bottleneck="GPU compute"
+        )
 
     compute, opt = memory.dtype_bytes(plan.compute_dtype), memory.optimizer_state_bytes(cfg)
     # The host kernels run at the fp32-moment rate per parameter with bf16 moments too (they convert
@@ -144,7 +153,30 @@ def predict(cfg: TrainConfig, plan: OffloadPlan, machine: Machine) -> Prediction
     step_s = terms[bottleneck]
     if bottleneck == "GPU compute" and exposed > EXPOSED_NAMES_IT * step_s:
         bottleneck = "host update before the forward"
-    return Prediction(step_s, gpu_s, exposed, link_s, host_s, bottleneck, disk_s)
+    return Prediction(
+        step_s=step_s,
+        gpu_s=gpu_s,
+        exposed_s=exposed,
+        link_s=link_s,
+        host_s=host_s,
+        bottleneck=bottleneck,
+        disk_s=disk_s,
+    )
+
+
+def _predict_partial(cfg: TrainConfig, machine: Machine) -> Prediction:
+    """The step of a run with a frozen part: the accelerator's work (`partial.step_flops`) at the
+    machine's rate, against a streamed base's crossings of the link (`partial.link_bytes`)."""
+    gpu_s = partial.step_flops(cfg) / machine.gpu_flops
+    link_s = partial.link_bytes(cfg) / machine.h2d if cfg.offload.params == "cpu" else 0.0
+    return Prediction(
+        step_s=max(gpu_s, link_s),
+        gpu_s=gpu_s,
+        exposed_s=0.0,
+        link_s=link_s,
+        host_s=0.0,
+        bottleneck="link" if link_s > gpu_s else "GPU compute",
+    )
 
 
 def _exposed(

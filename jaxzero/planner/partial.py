@@ -1,5 +1,6 @@
-"""Where the arrays of a run with a frozen part (LoRA, `finetune.freeze`) live and how fast it is
-predicted to be: `decide_partial`.
+"""What a run with a frozen part (LoRA, `finetune.freeze`) weighs and costs, counted from its config:
+the planner's search (`jaxzero.planner.search`) places its base through these counts, as one of its
+candidates (`jaxzero.planner.candidates`), and the cost model (`jaxzero.planner.cost`) times it.
 
 What such a run holds (`partial_memory`):
 
@@ -10,11 +11,10 @@ What such a run holds (`partial_memory`):
     pinned host  the frozen blocks when streamed (`offload.params=cpu`): no masters, no optimizer
                  state, no gradients come back; XLA's pinned pool around them
 
-`offload.params=auto` keeps the base on the accelerator where it fits beside the rest, else streams
-its blocks. The step is predicted as the larger of the accelerator's work and, when streamed, the
-blocks' two crossings of the link per micro-batch: LoRA's 6 x parameters x tokens (forward,
-recomputation, input gradients); freeze's 8 x the trainable units' parameters and 6 x the frozen ones
-above the lowest unit that trains, 2 x those below it (forward only), at the machine's dense rate.
+Its work per step (`step_flops`): LoRA's 6 x parameters x tokens (forward, recomputation, input
+gradients); freeze's 8 x the trainable units' parameters and 6 x the frozen ones above the lowest
+unit that trains, 2 x those below it (forward only); and, with a streamed base, the blocks' two
+crossings of the link per micro-batch (`link_bytes`).
 """
 
 from __future__ import annotations
@@ -30,13 +30,9 @@ from jaxzero.models.sizes import (
     ties_output,
     unit_param_counts,
 )
-from jaxzero.plan import resolve_plan
+from jaxzero.plan import OffloadPlan, resolve_plan
 from jaxzero.planner import memory
-from jaxzero.planner.calibration import CHECKPOINT_WRITE_BPS
-from jaxzero.planner.cost import Prediction
-from jaxzero.planner.machine import Machine
 from jaxzero.planner.memory import MemoryPlan
-from jaxzero.planner.report import Decision, gib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,151 +151,24 @@ def link_bytes(cfg: TrainConfig) -> int:
     return cfg.data.grad_accum * crossings * per_block
 
 
-def predict_partial(cfg: TrainConfig, streamed: bool, machine: Machine) -> Prediction:
-    """The predicted step: the accelerator's work (`step_flops`) at the machine's rate, against the
-    streamed blocks' crossings of the link (`link_bytes`)."""
-    gpu_s = step_flops(cfg) / machine.gpu_flops
-    link_s = link_bytes(cfg) / machine.h2d if streamed else 0.0
-    bottleneck = "link" if link_s > gpu_s else "GPU compute"
-    return Prediction(max(gpu_s, link_s), gpu_s, 0.0, link_s, 0.0, bottleneck)
-
-
-@dataclasses.dataclass(frozen=True)
-class PartialDecision(Decision):
-    """The placement of a run with a frozen part: the base resident or streamed; what trains on the
-    accelerator."""
-
-    streamed: bool = False
-
-    def save_seconds(self) -> float:
-        return _checkpoint_bytes(self.config) / CHECKPOINT_WRITE_BPS
-
-    def obvious(self) -> bool:
-        return not self.streamed and super().obvious()
-
-    def line(self) -> str:
-        chosen = f"decided {', '.join(self.decided)}" if self.decided else "as configured"
-        return (
-            f"plan: {self.mode_words()} ({chosen}); {gib(self._gpu_needed())} "
-            f"of {gib(self.machine.gpu_usable or self.machine.host_usable)} device memory; predicted "
-            f"{self.step_s:.3g} s per step, bound by {self.bottleneck}"
-        )
-
-    def mode_words(self) -> str:
-        ft = self.config.finetune
-        where = "streamed from pinned host memory" if self.streamed else "on the accelerator"
-        if ft.method == "lora":
-            return f"LoRA rank {ft.lora_rank}, the frozen {ft.base_dtype} base {where}"
-        return (
-            f"units frozen ({ft.freeze}) in {ft.base_dtype} {where}, the others training on the accelerator"
-        )
-
-    def table(self) -> str:
-        cfg, mc, need, p = self.config, self.machine, self.memory, self.prediction
-        b = partial_bytes(cfg, self.streamed)
-        d = cfg.data
-        tokens = d.batch_size * d.seq_len
-        chosen = f"decided {', '.join(self.decided)}" if self.decided else "as configured"
-        flops = step_flops(cfg) / p.step_s / 1e12
-        capacity = mc.gpu_usable if mc.gpu_usable is not None else mc.host_usable
-        what = (
-            f"LoRA on {', '.join(cfg.finetune.targets)}"
-            if cfg.finetune.method == "lora"
-            else "units training"
-        )
-        lines = [
-            f"plan for {cfg.model.name}: {param_count(cfg.model) / 1e9:.2f}B parameters, "
-            f"{d.batch_size} x {d.seq_len} = {tokens:,} tokens per step, {what} "
-            f"({b.trainable // 4 / 1e6:.2f}M parameters train)",
-            f"placement: {self.mode_words()} ({chosen})",
-            "memory, needed of available:",
-            f"  device     {gib(self._gpu_needed())} of {gib(capacity)} (base "
-            f"{gib(0 if self.streamed else b.base_blocks)} + embedding and head {gib(b.base_edges)}, "
-            f"what trains with gradients and {cfg.optimizer.name} state {gib(b.trainable_state)}, "
-            f"activations ~{gib(need.activations)})",
-        ]
-        if need.pinned:
-            lines.append(f"  pinned     {gib(need.pinned)} of host RAM (the base's blocks)")
-        if mc.gpu_bytes is not None:
-            lines.append(
-                f"  host RAM   {gib(self._ram_needed())} of {gib(mc.host_usable)} (XLA's pinned pool and "
-                f"{gib(memory.process_allowance(need))} for the process itself)"
-            )
-        if cfg.checkpoint.enabled:
-            lines.append(
-                f"  checkpoints {gib(_checkpoint_bytes(cfg))} each (what trains, its optimizer state, the "
-                "step; the base is rebuilt from the config)"
-            )
-        lines += [
-            f"predicted step: {p.step_s:.3g} s ({tokens / p.step_s:,.0f} tokens/s, {flops:.3g} TFLOP/s "
-            f"(its FLOPs: docs/lora.md)); bottleneck: {p.bottleneck}",
-            "These are predictions, not measurements.",
-        ]
-        return "\n".join(lines)
-
-
-def _checkpoint_bytes(cfg: TrainConfig) -> int:
-    """Bytes of a checkpoint: what trains and its optimizer state."""
+def checkpoint_bytes(cfg: TrainConfig) -> int:
+    """Bytes of a checkpoint: what trains and its optimizer state (the base is rebuilt from the
+    config)."""
     trainable = partial_bytes(cfg, False).trainable
     return trainable + trainable // 4 * memory.optimizer_state_bytes(cfg)
 
 
-def decide_partial(cfg: TrainConfig, machine: Machine) -> PartialDecision:
-    """Where `cfg`'s LoRA run keeps its base (`offload.params`: none, cpu, or auto: resident where it
-    fits), checked against the machine's memory; ConfigError with the numbers where nothing fits."""
-    if machine.devices != 1:
+def partial_plan(cfg: TrainConfig) -> OffloadPlan:
+    """The offload plan of `cfg`'s placed run: every unit's state on the accelerator (what trains
+    lives there), no host update. Where the base's blocks live is `offload.params` (`cpu`: streamed
+    from `pinned_host`), which the streamed schedule reads with it."""
+    return resolve_plan(dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, params="none")))
+
+
+def check_one_device(devices: int) -> None:
+    """A run with a frozen part trains on one device: ConfigError for `devices` other than 1."""
+    if devices != 1:
         raise ConfigError(
-            f"finetune.method=lora and finetune.freeze train on one device; this run has {machine.devices}. "
+            f"finetune.method=lora and finetune.freeze train on one device; this run has {devices}. "
             "Run it on one GPU (CUDA_VISIBLE_DEVICES=0), or train every unit on several."
         )
-    capacity = machine.gpu_usable if machine.gpu_usable is not None else machine.host_usable
-    options = {"none": [False], "cpu": [True], "auto": [False, True]}[cfg.offload.params]
-    tried = []
-    for streamed in options:
-        need = partial_memory(cfg, streamed)
-        device = need.accelerator_state + need.activations
-        host = need.host + (memory.process_allowance(need) if machine.gpu_bytes is not None else device)
-        tried.append((streamed, device, host))
-        if device <= capacity and host <= machine.host_usable:
-            decided_cfg = dataclasses.replace(
-                cfg,
-                offload=dataclasses.replace(
-                    cfg.offload, params="cpu" if streamed else "none", optimizer="none"
-                ),
-            )
-            decided = tuple(
-                f"offload.{k}={getattr(decided_cfg.offload, k)}"
-                for k in ("params", "optimizer")
-                if getattr(cfg.offload, k) == "auto"
-            )
-            plan = resolve_plan(
-                dataclasses.replace(
-                    decided_cfg, offload=dataclasses.replace(decided_cfg.offload, params="none")
-                )
-            )
-            return PartialDecision(
-                decided_cfg,
-                plan,
-                need,
-                predict_partial(cfg, streamed, machine),
-                machine,
-                decided,
-                streamed=streamed,
-            )
-    rows = "; ".join(
-        f"base {'streamed' if s else 'on the device'}: {gib(dev)} of {gib(capacity)} device memory, "
-        f"{gib(h)} of {gib(machine.host_usable)} host RAM"
-        for s, dev, h in tried
-    )
-    ft = cfg.finetune
-    hint = ""
-    if ft.base_dtype != "int8" and cfg.model.family == "llama":
-        hint += " finetune.base_dtype=int8 halves the base;"
-    if ft.method == "full":
-        hint += " freezing more units saves 16 bytes of each one's parameters;"
-    raise ConfigError(
-        f"{cfg.model.name} with a frozen part at {cfg.data.batch_size} x {cfg.data.seq_len} tokens per step "
-        f"does not fit this machine: {rows}.{hint} a smaller data.batch_size (or more data.grad_accum: a "
-        "streamed base crosses the link once per micro-batch) shrinks the activations"
-        + ("; offload.params=cpu streams the base from host memory." if cfg.offload.params == "none" else ".")
-    )

@@ -40,7 +40,6 @@ from jaxzero.planner.machine import (
     accelerators_of,
     detect_machine,
 )
-from jaxzero.planner.partial import decide_partial
 from jaxzero.planner.report import Decision
 from jaxzero.primitives.coordination import gather
 
@@ -120,8 +119,6 @@ def decide(
     machine = _agreed(cfg, seen, processes, pool_fixed)
     cfg = resolve_batch(cfg, machine.devices)
     check_batch_split(cfg, machine.devices)
-    if cfg.finetune.partial:  # what trains on the accelerator; only the frozen base is placed
-        return decide_partial(cfg, machine)
     whole = placement.whole_params_of(cfg.model, machine.devices)
     if search.concrete(cfg):
         return search.as_configured(cfg, machine, whole)

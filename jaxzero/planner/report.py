@@ -1,5 +1,6 @@
 """What the planner decided, for a person: the `Decision` with its table (`python -m jaxzero.plan`,
-`logging.plan=full`) and its one-line summary, and the text of a refusal when nothing fits.
+`logging.plan=full`) and its one-line summary, and the text of a refusal when nothing fits. A run with
+a frozen part (LoRA, `finetune.freeze`) is told in its own words: what trains, and where its base is.
 
 Nothing here decides: `jaxzero.planner.search` chooses, and hands this module what it found.
 """
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from jaxzero.config import TrainConfig
 from jaxzero.models.sizes import NAMED_SIZES, param_count, unit_param_counts
 from jaxzero.plan import OffloadPlan, Tier, UnitKind, UnitPlan
-from jaxzero.planner import memory, runtime
+from jaxzero.planner import memory, partial, runtime
 from jaxzero.planner.calibration import (
     CHECKPOINT_WRITE_BPS,
     GB,
@@ -28,7 +29,7 @@ from jaxzero.planner.machine import Machine
 from jaxzero.planner.memory import MemoryPlan
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Decision:
     """Where this run's state lives, why, and how fast it is predicted to be."""
 
@@ -54,8 +55,9 @@ class Decision:
     OBVIOUS_FILL = 0.5
 
     def obvious(self) -> bool:
-        """Whether one line says it all: resident state, no warning, every memory at most half full."""
-        if self.plan.host_update is not None or self.warning or self.memory.disk:
+        """Whether one line says it all: resident state (a frozen base too), no warning, every memory
+        at most half full."""
+        if self.plan.host_update is not None or self.memory.pinned or self.warning or self.memory.disk:
             return False
         fills = [self._ram_needed() / self.machine.host_usable]
         if self.machine.gpu_bytes is not None:
@@ -72,7 +74,10 @@ class Decision:
         return self.memory.accelerator_state + self.memory.activations
 
     def checkpoint_bytes(self) -> int:
-        """Bytes of one checkpoint: the float32 masters and the optimizer state."""
+        """Bytes of one checkpoint: the float32 masters and the optimizer state (of a run with a
+        frozen part, of what trains: the base is rebuilt from the config)."""
+        if self.config.finetune.partial:
+            return partial.checkpoint_bytes(self.config)
         return param_count(self.config.model) * (4 + memory.optimizer_state_bytes(self.config))
 
     def checkpoint_disk(self) -> tuple[int, int]:
@@ -130,6 +135,12 @@ class Decision:
         """The plan in one line: placement, the fullest memory, the predicted step."""
         word = _device_word(self.machine)
         chosen = f"decided {', '.join(self.decided)}" if self.decided else "as configured"
+        if self.config.finetune.partial:
+            return (
+                f"plan: {_frozen_part_words(self.config)} ({chosen}); {gib(self._gpu_needed())} "
+                f"of {gib(self.machine.gpu_usable or self.machine.host_usable)} device memory; predicted "
+                f"{self.step_s:.3g} s per step, bound by {self.bottleneck}"
+            )
         memories = [f"{gib(self._ram_needed())} of {gib(self.machine.host_usable)} RAM"]
         if self.machine.gpu_bytes is not None:
             memories.insert(0, f"{gib(self._gpu_needed())} of {gib(self.machine.gpu_usable)} {word} memory")
@@ -141,6 +152,8 @@ class Decision:
     def table(self) -> str:
         """What the planner chose and why, for a person: the units by tier, memory against capacity,
         the predicted step and its bottleneck, and the machine's figures with their sources."""
+        if self.config.finetune.partial:
+            return _frozen_part_table(self)
         cfg, mc, need, p = self.config, self.machine, self.memory, self.prediction
         m, d = cfg.model, cfg.data
         tokens = d.batch_size * d.seq_len
@@ -224,6 +237,58 @@ class Decision:
             "measured in BENCHMARKS.md), not measurements."
         )
         return "\n".join(lines)
+
+
+def _frozen_part_words(cfg: TrainConfig) -> str:
+    """The placement of a run with a frozen part: what trains, and where its base is."""
+    ft = cfg.finetune
+    where = "streamed from pinned host memory" if cfg.offload.params == "cpu" else "on the accelerator"
+    if ft.method == "lora":
+        return f"LoRA rank {ft.lora_rank}, the frozen {ft.base_dtype} base {where}"
+    return f"units frozen ({ft.freeze}) in {ft.base_dtype} {where}, the others training on the accelerator"
+
+
+def _frozen_part_table(d: Decision) -> str:
+    """`Decision.table` of a run with a frozen part: what trains, the base's place, its memory (the
+    base, the embedding and head, what trains with its state, the activations) and its step."""
+    cfg, mc, need, p = d.config, d.machine, d.memory, d.prediction
+    streamed = cfg.offload.params == "cpu"
+    b = partial.partial_bytes(cfg, streamed)
+    data = cfg.data
+    tokens = data.batch_size * data.seq_len
+    chosen = f"decided {', '.join(d.decided)}" if d.decided else "as configured"
+    flops = partial.step_flops(cfg) / p.step_s / 1e12
+    capacity = mc.gpu_usable if mc.gpu_usable is not None else mc.host_usable
+    what = f"LoRA on {', '.join(cfg.finetune.targets)}" if cfg.finetune.method == "lora" else "units training"
+    lines = [
+        f"plan for {cfg.model.name}: {param_count(cfg.model) / 1e9:.2f}B parameters, "
+        f"{data.batch_size} x {data.seq_len} = {tokens:,} tokens per step, {what} "
+        f"({b.trainable // 4 / 1e6:.2f}M parameters train)",
+        f"placement: {_frozen_part_words(cfg)} ({chosen})",
+        "memory, needed of available:",
+        f"  device     {gib(d._gpu_needed())} of {gib(capacity)} (base "
+        f"{gib(0 if streamed else b.base_blocks)} + embedding and head {gib(b.base_edges)}, "
+        f"what trains with gradients and {cfg.optimizer.name} state {gib(b.trainable_state)}, "
+        f"activations ~{gib(need.activations)})",
+    ]
+    if need.pinned:
+        lines.append(f"  pinned     {gib(need.pinned)} of host RAM (the base's blocks)")
+    if mc.gpu_bytes is not None:
+        lines.append(
+            f"  host RAM   {gib(d._ram_needed())} of {gib(mc.host_usable)} (XLA's pinned pool and "
+            f"{gib(memory.process_allowance(need))} for the process itself)"
+        )
+    if cfg.checkpoint.enabled:
+        lines.append(
+            f"  checkpoints {gib(d.checkpoint_bytes())} each (what trains, its optimizer state, the "
+            "step; the base is rebuilt from the config)"
+        )
+    lines += [
+        f"predicted step: {p.step_s:.3g} s ({tokens / p.step_s:,.0f} tokens/s, {flops:.3g} TFLOP/s "
+        f"(its FLOPs: docs/lora.md)); bottleneck: {p.bottleneck}",
+        "These are predictions, not measurements.",
+    ]
+    return "\n".join(lines)
 
 
 def gib(nbytes: float) -> str:
@@ -369,6 +434,31 @@ def refusal(
     if on_this_gpu or mc.gpu_bytes is None:
         text.append(f"For the record, {which} needs {needs}.")
     return " ".join(t for t in text if t)
+
+
+def partial_refusal(cfg: TrainConfig, mc: Machine, frontier: list[Candidate]) -> str:
+    """Why a run with a frozen part fits `mc` in none of its placements (`frontier`: the base on the
+    device, streamed, or both as `offload.params` allows), in numbers, and what would: the text of the
+    planner's ConfigError."""
+    capacity = mc.gpu_usable if mc.gpu_usable is not None else mc.host_usable
+    rows = "; ".join(
+        f"base {'streamed' if e.option.params == 'cpu' else 'on the device'}: "
+        f"{gib(e.need.accelerator_state + e.need.activations)} of {gib(capacity)} device memory, "
+        f"{gib(e.host_need)} of {gib(mc.host_usable)} host RAM"
+        for e in frontier
+    )
+    ft = cfg.finetune
+    hint = ""
+    if ft.base_dtype != "int8" and cfg.model.family == "llama":
+        hint += " finetune.base_dtype=int8 halves the base;"
+    if ft.method == "full":
+        hint += " freezing more units saves 16 bytes of each one's parameters;"
+    return (
+        f"{cfg.model.name} with a frozen part at {cfg.data.batch_size} x {cfg.data.seq_len} tokens per step "
+        f"does not fit this machine: {rows}.{hint} a smaller data.batch_size (or more data.grad_accum: a "
+        "streamed base crosses the link once per micro-batch) shrinks the activations"
+        + ("; offload.params=cpu streams the base from host memory." if cfg.offload.params == "none" else ".")
+    )
 
 
 def _settings_text(settings: list[str]) -> str:

@@ -32,6 +32,12 @@ auto, `resident_blocks` left at 0). K is decided whenever `offload.device_state_
 mode too, where the machine has an accelerator of its own (the fewest first units within 1% of the
 fastest, so a GPU without room keeps every unit's state on the host; a K above 0 must hold its
 activations, the user's own K = 0 only its state).
+
+A run with a frozen part (LoRA, `finetune.freeze`) is searched the same way over its own two options:
+its frozen base on the accelerator (`offload.params=none`) or streamed from pinned host memory
+(`cpu`), what trains on the accelerator either way (`offload.optimizer=none`); with
+`offload.params=auto`, the base stays on the accelerator wherever that fits (it is never slower). It
+trains on one device, and must hold its activations.
 """
 
 from __future__ import annotations
@@ -44,12 +50,12 @@ from jaxzero.config import ConfigError, TrainConfig
 from jaxzero.config.checks import validate
 from jaxzero.models.sizes import NAMED_SIZES, param_count
 from jaxzero.plan import resolve_plan
-from jaxzero.planner import memory
+from jaxzero.planner import memory, partial
 from jaxzero.planner.candidates import Candidate, Option, evaluate
 from jaxzero.planner.cost import Prediction, predict
 from jaxzero.planner.machine import Machine
 from jaxzero.planner.memory import GiB
-from jaxzero.planner.report import Decision, refusal
+from jaxzero.planner.report import Decision, partial_refusal, refusal
 
 # A placement must be predicted this much faster than a simpler one to be chosen over it: the model
 # is good to ~20%, so smaller gains are not worth more memory or more moving parts.
@@ -69,8 +75,13 @@ DECIDED_KEYS = (
 def concrete(cfg: TrainConfig) -> bool:
     """Whether `cfg` names its placement itself (no `auto` offload key, and no unit count left to the
     planner where it applies): `resolve_plan` reads it as is, and `build_trainer` does not call the
-    planner."""
-    return "auto" not in (cfg.offload.params, cfg.offload.optimizer) and not _open_device_state(cfg)
+    planner. A run with a frozen part never does: the search checks its base's place against the
+    machine."""
+    return (
+        not cfg.finetune.partial
+        and "auto" not in (cfg.offload.params, cfg.offload.optimizer)
+        and not _open_device_state(cfg)
+    )
 
 
 def _open_device_state(cfg: TrainConfig, machine: Machine | None = None) -> bool:
@@ -92,6 +103,8 @@ def choose(cfg: TrainConfig, machine: Machine, whole: tuple[int, int, int] = (0,
     parameters no ZeRO stage splits over the machine's devices. Raises ConfigError, before anything
     is allocated, if nothing fits: what the closest placement needs against what is available, and
     what would fit (a batch size, a named model size, more host RAM or a larger GPU, settings)."""
+    if cfg.finetune.partial:
+        partial.check_one_device(machine.devices)
     search = _Search(cfg, machine, whole)
     fitting = search.fitting()
     if not fitting:
@@ -113,7 +126,15 @@ def choose(cfg: TrainConfig, machine: Machine, whole: tuple[int, int, int] = (0,
         if (getattr(given, k) == "auto" or getattr(given, k) != getattr(placed, k))
         and not (k == "device_state_units" and (chosen.plan.host_update is None or not search.k_open))
     )
-    return Decision(chosen.cfg, chosen.plan, chosen.need, search.predict(chosen), machine, decided, warning)
+    return Decision(
+        config=chosen.cfg,
+        plan=chosen.plan,
+        memory=chosen.need,
+        prediction=search.predict(chosen),
+        machine=machine,
+        decided=decided,
+        warning=warning,
+    )
 
 
 def as_configured(cfg: TrainConfig, machine: Machine, whole: tuple[int, int, int] = (0, 0, 0)) -> Decision:
@@ -123,7 +144,14 @@ def as_configured(cfg: TrainConfig, machine: Machine, whole: tuple[int, int, int
     plan = resolve_plan(cfg)
     pool_cap = None if machine.pinned_limit_gb is None else int(machine.pinned_limit_gb * GiB)
     need = memory.plan_memory(cfg, plan, machine.devices, machine.processes, whole, pool_cap)
-    return Decision(cfg, plan, need, predict(cfg, plan, machine), machine, ())
+    return Decision(
+        config=cfg,
+        plan=plan,
+        memory=need,
+        prediction=predict(cfg, plan, machine),
+        machine=machine,
+        decided=(),
+    )
 
 
 class _Search:
@@ -132,11 +160,19 @@ class _Search:
     def __init__(self, cfg: TrainConfig, machine: Machine, whole: tuple[int, int, int] = (0, 0, 0)):
         self.cfg, self.machine, self.whole = cfg, machine, whole
         o, layers = cfg.offload, cfg.model.num_layers
+        self._evaluated: dict[Option, Candidate | None] = {}
+        self._predicted: dict[Option, Prediction] = {}
+        if cfg.finetune.partial:  # the frozen base on the accelerator or streamed; nothing else moves
+            self.strict, self.k_open = True, False
+            self.two_pass, self.activations = (o.two_pass_units,), (o.activations,)
+            self.k_range, self.r_range = range(1), range(1)
+            self.disk_fixed, self.disk_search = 0, False
+            bases = {"auto": ("none", "cpu"), "none": ("none",), "cpu": ("cpu",)}[o.params]
+            self.modes = [("none", params) for params in bases]
+            return
         # A placement the planner chooses must hold its activations; the user's own mode, with every
         # unit's state on the host, is held only to what the memory check refuses.
         self.strict = "auto" in (o.params, o.optimizer)
-        self._evaluated: dict[Option, Candidate | None] = {}
-        self._predicted: dict[Option, Prediction] = {}
         # Keys are decided only while the mode is: an explicit mode keeps its explicit meaning.
         self.two_pass = (-1, 0) if self.strict and o.two_pass_units == -1 else (o.two_pass_units,)
         # Block inputs move to pinned memory only where the accelerator cannot hold them (they cost
@@ -188,7 +224,16 @@ class _Search:
         disk = self.disk_fixed if disk is None or optimizer != "cpu" else disk
         for act in self.activations if optimizer == "cpu" else ("none",):
             for tp in self.two_pass:
-                e = self.evaluate(Option(optimizer, params, k, r, tp, act, disk if optimizer == "cpu" else 0))
+                option = Option(
+                    optimizer=optimizer,
+                    params=params,
+                    device_state_units=k,
+                    resident_blocks=r,
+                    two_pass_units=tp,
+                    activations=act,
+                    disk_units=disk if optimizer == "cpu" else 0,
+                )
+                e = self.evaluate(option)
                 if e is not None and e.fits(self.strict_for(e), disk_fits):
                     return [e]
         return []
@@ -198,7 +243,19 @@ class _Search:
         acts = self.activations if optimizer == "cpu" else ("none",)
         disk = self.disk_fixed if optimizer == "cpu" else 0
         options = [
-            self.evaluate(Option(optimizer, params, k, r, tp, a, disk)) for tp in self.two_pass for a in acts
+            self.evaluate(
+                Option(
+                    optimizer=optimizer,
+                    params=params,
+                    device_state_units=k,
+                    resident_blocks=r,
+                    two_pass_units=tp,
+                    activations=a,
+                    disk_units=disk,
+                )
+            )
+            for tp in self.two_pass
+            for a in acts
         ]
         shorts = [e.gpu_short if self.strict_for(e) else e.state_short for e in options if e is not None]
         return bool(shorts) and all(shorts)
@@ -262,7 +319,16 @@ class _Search:
                 for tp in self.two_pass:
                     for act in self.activations if optimizer == "cpu" else ("none",):
                         for disk in sorted(disks):
-                            e = self.evaluate(Option(optimizer, params, k, r, tp, act, disk))
+                            option = Option(
+                                optimizer=optimizer,
+                                params=params,
+                                device_state_units=k,
+                                resident_blocks=r,
+                                two_pass_units=tp,
+                                activations=act,
+                                disk_units=disk,
+                            )
+                            e = self.evaluate(option)
                             if e is not None:
                                 out.append(e)
         return out
@@ -301,6 +367,8 @@ def _refusal(search: _Search) -> str:
     """Why nothing fits, in numbers, and what would: the fewest settings of this run, a smaller batch
     or a smaller named model, then more memory (`report.refusal` words it)."""
     cfg, mc = search.cfg, search.machine
+    if cfg.finetune.partial:  # its own advice: a narrower base, more units frozen, the base streamed
+        return partial_refusal(cfg, mc, search.frontier())
     d = cfg.data
     unit = d.grad_accum * mc.devices  # batch sizes validate accepts on this many devices
     frontier = search.frontier()

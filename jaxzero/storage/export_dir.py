@@ -2,9 +2,10 @@
 else, `--overwrite` or not.
 
 An export (`jaxzero.interop.export_hf`, `jaxzero.storage.checkpoint_masters.export_orbax`, `python -m
-jaxzero.export`, `jaxzero.storage.state_io.export_state`) writes the marker `.jaxzero-export` first, a small
-JSON object naming what it exports (format, dtype, `run_dir` and step when known, start time) and the
-files it writes, and marks it finished last. The marker is what makes a directory an export of jaxzero's:
+jaxzero.export`, `jaxzero.interop.state_export.export_state`) writes the marker `.jaxzero-export`
+first, a small JSON object naming what it exports (format, dtype, `run_dir` and step when known, start
+time) and the files it writes, and marks it finished last. The marker is what makes a directory an
+export of jaxzero's:
 
 - new, or empty: written.
 - holding anything without the marker (a Hugging Face download, an export jaxzero made before markers,
