@@ -128,7 +128,7 @@ def test_the_adapters_gradient_is_whole_model_autodiffs():
 
 
 def resident_then_streamed(cfg: TrainConfig, steps: int) -> list[tuple[list[float], list[np.ndarray]]]:
-    """`steps` steps of `cfg`'s frozen-part trainer from one init, its base resident then streamed:
+    """`steps` steps of `cfg`'s run with a frozen part from one init, its base resident then streamed:
     for each, the losses and the trainable leaves after the last step."""
     data = batches(cfg, steps)
     out = []
