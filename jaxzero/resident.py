@@ -12,6 +12,18 @@ transformation, the state's shapes and shardings) and wires three parts into a `
 The ZeRO stage of the plan says what is split over the `data` mesh axis: 0 nothing (data parallel),
 1 the optimizer state, 2 also the gradients (reduce-scattered), 3 also the parameters (FSDP:
 all-gathered per use).
+
+What trains is the builder's parameter (`trains`): every parameter (the above), or the trainable
+part of a run with a frozen part (LoRA adapters, the units `finetune.freeze` leaves;
+`jaxzero.offload.trains.FrozenTrains`), on one device. Then the state, its update (`apply_update`:
+optax over what trains, global-norm clipping over all of it) and its checkpoint form are the same
+over the trainable tree; its init (`FrozenPartInit`) and gradients (`FrozenPartStep`: the streamed
+schedule over the frozen base, one pass per micro-batch, `StreamedModel.grads_per_micro_batch`) are
+chosen when the trainer is built:
+
+    for each micro-batch a:  loss_a, grads_a = one pass of the schedule (its own forward and
+                             rematerialised backward, so one micro-batch's activations live)
+    grads = sum of grads_a;  params, opt_state = optax update (global-norm clipping)
 """
 
 from __future__ import annotations
@@ -22,14 +34,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from jaxzero.config import FP16Config, TrainConfig
+from jaxzero.config import ConfigError, FP16Config, TrainConfig
 from jaxzero.custom import check_optimizer, model_of
 from jaxzero.models import Model, ModelParams
 from jaxzero.numerics.loss_scale import all_finite, init_loss_scale, update_loss_scale
-from jaxzero.numerics.objective import document_eot, loss_fn, step_weight
+from jaxzero.numerics.objective import document_eot, document_segments, loss_fn, step_weight
 from jaxzero.numerics.optim import (
     build_optimizer,
     global_norm,
@@ -37,7 +50,10 @@ from jaxzero.numerics.optim import (
     reported_rate,
     split_opt_state,
 )
+from jaxzero.offload.streaming import StreamedModel
+from jaxzero.offload.trains import FrozenTrains, frozen_part_plan
 from jaxzero.plan import OffloadPlan, placement, resolve_plan
+from jaxzero.plan.placement import OffloadPlacement
 from jaxzero.primitives.deferred import resolved
 from jaxzero.primitives.write_fence import WriteFence
 from jaxzero.state import StepMetrics, Trainer, TrainState, abstract_placed
@@ -97,6 +113,8 @@ class ResidentContext:
     grad_sharding:  the gradients' shardings (split from ZeRO stage 2: a reduce-scatter).
     eot_id:         the end-of-text id whose documents attend only within themselves, or None
                     (`objective.document_eot`): baked into the step and evaluation programs.
+    trains:         what trains beside a frozen base (the state is over its tree, on its device), or
+                    None: every parameter.
     """
 
     cfg: TrainConfig
@@ -110,6 +128,7 @@ class ResidentContext:
     state_sharding: TrainState
     grad_sharding: ModelParams
     eot_id: int | None
+    trains: FrozenTrains | None = None
 
 
 def build_resident_context(
@@ -119,26 +138,38 @@ def build_resident_context(
     *,
     model: Model | None = None,
     optimizer: optax.GradientTransformation | None = None,
+    trains: FrozenTrains | None = None,
 ) -> ResidentContext:
     """The resident trainer's context for `plan` (every unit's state on the accelerator) over every
     device of `mesh`: `cfg.model`'s model and `cfg.optimizer`'s transformation, or the researcher's
-    own `model` (described by `cfg.model`) and `optimizer` (`jaxzero.custom`). Allocates nothing,
-    compiles nothing."""
+    own `model` (described by `cfg.model`) and `optimizer` (`jaxzero.custom`); over every parameter,
+    or over what `trains` beside a frozen base (its model, its tree, its one device). Allocates
+    nothing, compiles nothing."""
     if plan.host_update is not None:
         raise ValueError("build_resident_trainer needs a plan with accelerator-resident state")
-    model = model_of(cfg.model, model)
+    if trains is not None and (model is not None or optimizer is not None):
+        raise ConfigError(
+            "finetune.method=lora and finetune.freeze train jaxzero's models with cfg.optimizer: "
+            "build_trainer's model= and optimizer= apply to runs that train every unit."
+        )
+    model = model_of(cfg.model, model) if trains is None else trains.model
     tx = build_optimizer(cfg.optimizer, cfg.schedule_steps, custom=optimizer)
     if optimizer is not None:
         check_optimizer(cfg, optimizer, jax.eval_shape(model.init, jax.random.key(0)))
     fp16 = cfg.fp16 if cfg.model.compute_dtype == "float16" else None
-    shapes = jax.eval_shape(partial(init_state, model, tx, fp16), jax.random.key(0))
-    state_sharding = TrainState(
-        step=placement.replicated(mesh),
-        params=placement.zero_shardings(mesh, shapes.params, plan.shards_weights),
-        opt_state=placement.zero_shardings(mesh, shapes.opt_state, plan.shards_state),
-        loss_scale=jax.tree.map(lambda _: placement.replicated(mesh), shapes.loss_scale),
-    )
-    grad_sharding = placement.zero_shardings(mesh, shapes.params, plan.shards_grads)
+    if trains is None:
+        shapes = jax.eval_shape(partial(init_state, model, tx, fp16), jax.random.key(0))
+        state_sharding = TrainState(
+            step=placement.replicated(mesh),
+            params=placement.zero_shardings(mesh, shapes.params, plan.shards_weights),
+            opt_state=placement.zero_shardings(mesh, shapes.opt_state, plan.shards_state),
+            loss_scale=jax.tree.map(lambda _: placement.replicated(mesh), shapes.loss_scale),
+        )
+        grad_sharding = placement.zero_shardings(mesh, shapes.params, plan.shards_grads)
+    else:  # one device (float16 is refused for a frozen part): every array where `trains` keeps it
+        shapes = jax.eval_shape(partial(fresh, model, tx, None), trains.shapes)
+        state_sharding = jax.tree.map(lambda _: trains.device, shapes)
+        grad_sharding = state_sharding.params
     schedule = reported_rate(cfg.optimizer, cfg.schedule_steps, optimizer)
     eot_id = document_eot(cfg.data, model)
     return ResidentContext(
@@ -153,6 +184,7 @@ def build_resident_context(
         state_sharding=state_sharding,
         grad_sharding=grad_sharding,
         eot_id=eot_id,
+        trains=trains,
     )
 
 
@@ -185,14 +217,45 @@ class ResidentInit:
         return self._start_from(jax.device_put(resolved(params), self._params_sharding))
 
 
-def train_step(ctx: ResidentContext, state: TrainState, batch: jax.Array) -> tuple[TrainState, StepMetrics]:
-    """One optimizer update over int32 (A, mb, S+1); traced."""
-    loss, grads = averaged_grads(ctx.model, state.params, batch, eot_id=ctx.eot_id)
-    grads = _split(ctx, grads)
+class FrozenPartInit:
+    """`init(key)` and `init_from_params(params)` of a run with a frozen part: what trains at its
+    start (`ctx.trains`, which builds the base first) and a fresh optimizer state over it, on its
+    device."""
+
+    def __init__(self, ctx: ResidentContext):
+        self._trains = ctx.trains
+        self._device = ctx.state_sharding.step
+        self._opt_init = jax.jit(ctx.tx.init, out_shardings=ctx.state_sharding.opt_state)
+
+    def init(self, key: jax.Array) -> TrainState:
+        """A fresh state: what trains from `key` over the base the config names."""
+        return self._state_of(self._trains.fresh(key))
+
+    def init_from_params(self, params: ModelParams) -> TrainState:
+        """A fresh state over a base from float32 host units (`Deferred` until read)."""
+        return self._state_of(self._trains.fresh_from(params))
+
+    def _state_of(self, trainable: ModelParams) -> TrainState:
+        # Not through a jitted `fresh`: that would copy the trainable units, twice their memory at once.
+        step = jax.device_put(np.int32(0), self._device)
+        return TrainState(step, trainable, self._opt_init(trainable))
+
+
+def apply_update(
+    ctx: ResidentContext, state: TrainState, grads: ModelParams, loss: jax.Array
+) -> tuple[TrainState, StepMetrics]:
+    """The optimizer update of `state` by float32 mean gradients `grads` (optax, clipped by their
+    global norm where `optimizer.grad_clip` > 0), and the step's metrics; traced."""
     updates, opt_state = ctx.tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = StepMetrics(loss, global_norm(grads), jnp.asarray(ctx.schedule(state.step), jnp.float32))
     return TrainState(state.step + 1, params, opt_state), metrics
+
+
+def train_step(ctx: ResidentContext, state: TrainState, batch: jax.Array) -> tuple[TrainState, StepMetrics]:
+    """One optimizer update over int32 (A, mb, S+1); traced."""
+    loss, grads = averaged_grads(ctx.model, state.params, batch, eot_id=ctx.eot_id)
+    return apply_update(ctx, state, _split(ctx, grads), loss)
 
 
 def train_step_fp16(
@@ -253,14 +316,68 @@ class ResidentStep:
         return self._jitted(state, batch)
 
 
+class FrozenPartStep:
+    """`step(state, batch)` and `eval_loss(state, window)` of a run with a frozen part: the
+    gradients of what trains from `streamed` (the streamed schedule over the frozen base, one pass per
+    micro-batch), then one jitted update (`apply_update`) that donates the state. `fence`: as
+    `ResidentStep`'s."""
+
+    def __init__(self, ctx: ResidentContext, fence: WriteFence, streamed: StreamedModel):
+        trains, device = ctx.trains, ctx.state_sharding.step
+        self.fence = fence
+        self._trains, self._streamed = trains, streamed
+        # One placement for every state, fresh or updated: the update compiles once.
+        self._update = jax.jit(
+            partial(apply_update, ctx), donate_argnums=(0,), out_shardings=(ctx.state_sharding, device)
+        )
+        self._one = jax.device_put(np.float32(1.0), device)  # the loss's cotangent: no loss scale
+        eot_id = ctx.eot_id
+        self._segments = (
+            _no_segments if eot_id is None else jax.jit(partial(document_segments, eot_id=eot_id))
+        )
+        self._keys = trains.dropout_keys
+
+    def step(self, state: TrainState, batch: jax.Array) -> tuple[TrainState, StepMetrics]:
+        """One update from int32 (A, mb, S+1) on the accelerator; consumes `state` (donated)."""
+        self.fence.wait_all()  # the update donates every array a checkpoint being written may still read
+        keys = _no_keys if self._keys is None else partial(self._keys, state.step)
+        loss, grads = self._streamed.grads_per_micro_batch(
+            self._trains.base_units(),
+            batch,
+            self._one,
+            trainable=state.params,
+            segments=self._segments,
+            keys=keys,
+        )
+        return self._update(state, grads, loss)
+
+    def eval_loss(self, state: TrainState, window: jax.Array) -> jax.Array:
+        """Mean loss (float32 scalar) over int32 (B, S+1), without dropout."""
+        batch = window[None]
+        return self._streamed.loss(self._trains.base_units(), batch, self._segments(batch), state.params)
+
+
+def _no_segments(batch: jax.Array) -> None:
+    """Attention across each whole row: no segment ids."""
+    return None
+
+
+def _no_keys(a: int) -> None:
+    """No dropout: no keys."""
+    return None
+
+
 class ResidentCheckpoint:
     """The resident state to and from the saved form every trainer shares: the optimizer state per
-    unit (the offload engine's layout), so a run saved by either trainer resumes under the other."""
+    unit (the offload engine's layout), so a run saved by either trainer resumes under the other.
+    A run with a frozen part saves what trains (its base is rebuilt from the config: `restored`,
+    called once a state is restored, builds it)."""
 
     def __init__(self, ctx: ResidentContext):
         self.ctx = ctx
         self._clipped = ctx.cfg.optimizer.grad_clip > 0
         self._blocks = ctx.cfg.model.num_layers
+        self._restored = _nothing if ctx.trains is None else ctx.trains.base_units
 
     def saved_state(self, state: TrainState) -> dict[str, Any]:
         """`state` (or its abstract form) as {"step", "params", "opt_state"[, "loss_scale"]}."""
@@ -279,7 +396,13 @@ class ResidentCheckpoint:
         """A state from a restored saved form (units may be `Deferred`: read now)."""
         saved = resolved(saved)  # every unit straight to its place on the accelerator
         opt_state = join_opt_state(saved["opt_state"], self.ctx.shapes.opt_state, self._clipped)
-        return TrainState(saved["step"], saved["params"], opt_state, saved.get("loss_scale"))
+        state = TrainState(saved["step"], saved["params"], opt_state, saved.get("loss_scale"))
+        self._restored()
+        return state
+
+
+def _nothing() -> None:
+    pass
 
 
 def build_resident_trainer(
@@ -289,15 +412,24 @@ def build_resident_trainer(
     *,
     model: Model | None = None,
     optimizer: optax.GradientTransformation | None = None,
+    trains: FrozenTrains | None = None,
 ) -> Trainer:
     """Everything in accelerator memory; one jitted step per optimizer update. The ZeRO stage of
     `plan` (default `resolve_plan(cfg)`, which must keep every unit's state on the accelerator) says
     what is split over the `data` mesh axis (the module docstring). `model` and `optimizer`: the
-    researcher's own, in place of `cfg.model`'s and `cfg.optimizer`'s (`build_resident_context`)."""
+    researcher's own, in place of `cfg.model`'s and `cfg.optimizer`'s (`build_resident_context`).
+    `trains`: what trains beside a frozen base (`jaxzero.finetune.part.TrainableOverBase`), the
+    base's blocks streamed from `pinned_host` where it says so; None: every parameter."""
     plan = resolve_plan(cfg) if plan is None else plan
-    ctx = build_resident_context(cfg, mesh, plan, model=model, optimizer=optimizer)
-    start = ResidentInit(ctx)
-    steps = ResidentStep(ctx, WriteFence())
+    ctx = build_resident_context(cfg, mesh, plan, model=model, optimizer=optimizer, trains=trains)
+    if trains is None:
+        start, steps = ResidentInit(ctx), ResidentStep(ctx, WriteFence())
+    else:  # the streamed schedule over the frozen base, what trains and its state on the accelerator
+        where = OffloadPlacement(
+            mesh, jax.local_devices(backend="cpu")[0], frozen_part_plan(plan, trains.streamed)
+        )
+        passes = StreamedModel(ctx.model, where, grad_accum=1, trains=trains.schedule)
+        start, steps = FrozenPartInit(ctx), FrozenPartStep(ctx, WriteFence(), passes)
     saved = ResidentCheckpoint(ctx)
     return Trainer(
         config=cfg,
@@ -311,9 +443,10 @@ def build_resident_trainer(
         eval_loss=steps.eval_loss,
         put_batch=partial(placement.put_train_batch, mesh=mesh),
         put_eval_batch=partial(placement.put_eval_batch, mesh=mesh),
-        layout="resident",
+        layout="resident" if trains is None else trains.layout,
         saved_state=saved.saved_state,
         abstract_saved_state=saved.abstract_saved_state,
         from_saved_state=saved.from_saved_state,
         fence=steps.fence,
+        description=None if trains is None else trains.description,
     )

@@ -31,7 +31,7 @@ from jax.sharding import Mesh
 from jaxzero.config import ConfigError, TrainConfig
 from jaxzero.config.keys import set_keys
 from jaxzero.data.eot import FROM_DATA
-from jaxzero.finetune.trainer import build_partial_trainer
+from jaxzero.finetune.part import TrainableOverBase
 from jaxzero.models import Model
 from jaxzero.models.sizes import param_count
 from jaxzero.offload import build_offload_trainer
@@ -92,7 +92,7 @@ def decide_and_build(
     """`build_trainer` of `cfg`, with the decision it was built from (`decision` where it holds for
     the mesh, else one made here): `python -m jaxzero.train` prints its table. `model` and
     `optimizer`: as `build_trainer`'s."""
-    if mesh is None:  # a run with a frozen part trains on the first device (`jaxzero.finetune.trainer`)
+    if mesh is None:  # a run with a frozen part trains on the first device (`jaxzero.finetune.part`)
         mesh = placement.make_mesh(jax.devices()[:1] if cfg.finetune.partial else None)
     processes = placement.process_count(mesh)
     sharing = placement.processes_on_this_host(mesh)  # a collective: every process calls it, here
@@ -131,21 +131,19 @@ def decide_and_build(
     warning = runtime.check_fits(cfg, need, device, sharing=sharing)
     if warning:
         log.warning(warning)
+    # What trains: every parameter, or the trainable part beside a frozen base (LoRA, freezing), whose
+    # state the plan keeps on the accelerator: the resident engine's, its passes the streamed schedule.
+    trains = None
     if cfg.finetune.partial:
-        if model is not None or optimizer is not None:
-            raise ConfigError(
-                "finetune.method=lora and finetune.freeze train jaxzero's models with cfg.optimizer: "
-                "build_trainer's model= and optimizer= apply to runs that train every unit."
-            )
         reserve = memory.pinned_pool_reservation(need, device.platform) if need.pinned else 0
-        trainer = build_partial_trainer(cfg, mesh, plan, pinned_reserve=reserve)
-    elif plan.host_update is not None:
+        trains = TrainableOverBase(cfg, mesh, pinned_reserve=reserve)
+    if plan.host_update is not None and trains is None:  # a frozen part's host plan: refused there
         reserve = memory.pinned_pool_reservation(need, device.platform)
         trainer = build_offload_trainer(
             cfg, mesh, plan=plan, pinned_reserve=reserve, model=model, optimizer=optimizer
         )
     else:
-        trainer = build_resident_trainer(cfg, mesh, plan, model=model, optimizer=optimizer)
+        trainer = build_resident_trainer(cfg, mesh, plan, model=model, optimizer=optimizer, trains=trains)
     return with_checks(trainer), decision
 
 

@@ -64,12 +64,12 @@ def test_the_units_that_train_step_by_whole_model_autodiff(over, trains):
     model = build_model(cfg.model)
     trainer = trainer_of(cfg)
     state = trainer.init(jax.random.key(0))
-    before = [jax.tree.map(np.asarray, u) for u in units(state.trainable)]
+    before = [jax.tree.map(np.asarray, u) for u in units(state.params)]
     assert [k for k, u in enumerate(before) if u] == trains
     full = model.init(jax.random.key(cfg.seed))  # the base and the starting units: the seed's init
     batch = batches(cfg, 1)[0]
     state, metrics = trainer.step(state, trainer.put_batch(batch))
-    after = [jax.tree.map(np.asarray, u) for u in units(state.trainable)]
+    after = [jax.tree.map(np.asarray, u) for u in units(state.params)]
 
     weight = step_weight(jnp.asarray(batch)) / batch.shape[0]
     eot = None if cfg.data.cross_document_attention or cfg.data.eot_id < 0 else cfg.data.eot_id

@@ -18,13 +18,14 @@ from jaxzero.data import build_data
 from jaxzero.finetune.adapters import adapter_shapes, lora_spec
 from jaxzero.finetune.base import narrow_block
 from jaxzero.finetune.merged import merge_block, widen
-from jaxzero.finetune.trainer import PartialTrainer, build_partial_trainer
+from jaxzero.finetune.part import TrainableOverBase
 from jaxzero.models import ModelParams, build_model
 from jaxzero.models.lora import merge_trees, quantize_kernel
 from jaxzero.numerics.objective import loss_fn, step_weight
 from jaxzero.overrides import apply_overrides
 from jaxzero.plan import placement, resolve_plan
 from jaxzero.planner.partial import partial_memory as lora_memory
+from jaxzero.resident import build_resident_trainer
 from jaxzero.storage.checkpoint_masters import load_masters, read_saved_state
 from jaxzero.storage.state_io import restore_state
 
@@ -50,12 +51,19 @@ def lora_cfg(**over: str) -> TrainConfig:
     return apply_overrides(TrainConfig(), {**LORA, **over})
 
 
-def trainer_of(cfg: TrainConfig, streamed: bool = False):
+def built(cfg: TrainConfig, streamed: bool = False):
+    """The trainer of `cfg`'s run with a frozen part, and what trains in it (which holds the base)."""
     cfg = dataclasses.replace(
         cfg, offload=dataclasses.replace(cfg.offload, params="cpu" if streamed else "none", optimizer="none")
     )
     plan = resolve_plan(dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, params="none")))
-    return build_partial_trainer(cfg, placement.make_mesh(jax.devices()[:1]), plan)
+    mesh = placement.make_mesh(jax.devices()[:1])
+    trains = TrainableOverBase(cfg, mesh)
+    return build_resident_trainer(cfg, mesh, plan, trains=trains), trains
+
+
+def trainer_of(cfg: TrainConfig, streamed: bool = False):
+    return built(cfg, streamed)[0]
 
 
 def batches(cfg: TrainConfig, n: int) -> list[np.ndarray]:
@@ -70,14 +78,14 @@ def test_the_adapters_gradient_is_whole_model_autodiffs():
            "optimizer.grad_clip": "0", "optimizer.lr": "1", "optimizer.schedule": "constant",
            "data.eot_id": "10"}  # fmt: skip
     cfg = lora_cfg(**EXACT, **sgd)
-    trainer = trainer_of(cfg)
+    trainer, trains = built(cfg)
     state = trainer.init(jax.random.key(3))
-    adapters0 = jax.tree.map(np.asarray, state.trainable)
-    base = jax.tree.map(np.asarray, trainer.init.__self__.base().units)
+    adapters0 = jax.tree.map(np.asarray, state.params)
+    base = jax.tree.map(np.asarray, trains.base().units)
     batch = batches(cfg, 1)[0]
     state, metrics = trainer.step(state, trainer.put_batch(batch))
     stepped = -np.concatenate([np.ravel(np.asarray(x)) for x in jax.tree.leaves(
-        jax.tree.map(lambda b: b, [blk for blk in state.trainable.blocks]))])  # fmt: skip
+        jax.tree.map(lambda b: b, [blk for blk in state.params.blocks]))])  # fmt: skip
 
     model = dataclasses.replace(build_model(cfg.model), lora=lora_spec(cfg.finetune))
     weight = step_weight(jnp.asarray(batch)) / batch.shape[0]
@@ -92,9 +100,7 @@ def test_the_adapters_gradient_is_whole_model_autodiffs():
     # lora_a's gradient is 0 while lora_b is 0, so its step leaves it where it was.
     a_moved = [
         np.asarray(b["lora_a"])
-        for b in jax.tree.leaves(
-            state.trainable.blocks, is_leaf=lambda x: isinstance(x, dict) and "lora_a" in x
-        )
+        for b in jax.tree.leaves(state.params.blocks, is_leaf=lambda x: isinstance(x, dict) and "lora_a" in x)
     ]
     a_before = [
         np.asarray(b["lora_a"])
@@ -105,7 +111,7 @@ def test_the_adapters_gradient_is_whole_model_autodiffs():
         [
             -np.ravel(np.asarray(b["lora_b"]))
             for b in jax.tree.leaves(
-                state.trainable.blocks, is_leaf=lambda x: isinstance(x, dict) and "lora_a" in x
+                state.params.blocks, is_leaf=lambda x: isinstance(x, dict) and "lora_a" in x
             )
         ]
     )
@@ -122,7 +128,7 @@ def test_the_adapters_gradient_is_whole_model_autodiffs():
 
 
 def resident_then_streamed(cfg: TrainConfig, steps: int) -> list[tuple[list[float], list[np.ndarray]]]:
-    """`steps` steps of `cfg`'s frozen-part trainer from one init, its base resident then streamed:
+    """`steps` steps of `cfg`'s run with a frozen part from one init, its base resident then streamed:
     for each, the losses and the trainable leaves after the last step."""
     data = batches(cfg, steps)
     out = []
@@ -133,7 +139,7 @@ def resident_then_streamed(cfg: TrainConfig, steps: int) -> list[tuple[list[floa
         for b in data:
             state, m = trainer.step(state, trainer.put_batch(b))
             losses.append(float(m.loss))
-        out.append((losses, [np.asarray(x) for x in jax.tree.leaves(state.trainable)]))
+        out.append((losses, [np.asarray(x) for x in jax.tree.leaves(state.params)]))
     return out
 
 
@@ -244,10 +250,21 @@ def test_lora_trains_on_one_device_only():
     cfg = lora_cfg()
     if len(jax.devices()) < 2:
         pytest.skip("needs two devices")
+    with pytest.raises(ConfigError, match="trains on one device"):
+        TrainableOverBase(cfg, placement.make_mesh(jax.devices()[:2]))
+
+
+def test_a_frozen_part_trains_jaxzeros_model_with_the_configured_optimizer():
+    import optax
+
+    cfg = lora_cfg()
     offload = dataclasses.replace(cfg.offload, params="none", optimizer="none")
     plan = resolve_plan(dataclasses.replace(cfg, offload=offload))
-    with pytest.raises(ConfigError, match="trains on one device"):
-        PartialTrainer(cfg, placement.make_mesh(jax.devices()[:2]), plan, streamed=False)
+    mesh = placement.make_mesh(jax.devices()[:1])
+    with pytest.raises(ConfigError, match="model= and optimizer= apply to runs that train every unit"):
+        build_resident_trainer(
+            cfg, mesh, plan, optimizer=optax.sgd(1e-2), trains=TrainableOverBase(cfg, mesh)
+        )
 
 
 def test_eval_and_export_of_an_int8_lora_run_keep_the_trained_adapters(tmp_path, capsys):
@@ -303,12 +320,12 @@ def test_eval_and_export_of_an_int8_lora_run_keep_the_trained_adapters(tmp_path,
 def test_the_base_is_the_seeds_whatever_key_starts_the_adapters():
     """A checkpoint holds no base: every reader rebuilds it from `seed`, so `init` must too."""
     cfg = lora_cfg(**EXACT)
-    t1, t2 = trainer_of(cfg), trainer_of(cfg)
+    (t1, trains1), (t2, trains2) = built(cfg), built(cfg)
     s1, s2 = t1.init(jax.random.key(0)), t2.init(jax.random.key(7))
-    b1 = jax.tree.leaves(t1.init.__self__.base().units)
-    b2 = jax.tree.leaves(t2.init.__self__.base().units)
+    b1 = jax.tree.leaves(trains1.base().units)
+    b2 = jax.tree.leaves(trains2.base().units)
     assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(b1, b2))
-    a1, a2 = jax.tree.leaves(s1.trainable), jax.tree.leaves(s2.trainable)
+    a1, a2 = jax.tree.leaves(s1.params), jax.tree.leaves(s2.params)
     assert not all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(a1, a2))
 
 

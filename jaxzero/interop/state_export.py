@@ -57,7 +57,7 @@ def export_state(
         )
     if partial:  # LoRA's adapters in PEFT's format, or what trained with the base as it was trained
         cfg = trainer.config
-        trained = jax.device_get(state.trainable)
+        trained = jax.device_get(state.params)
         if format == "peft":
             base = cfg.model.init_from or None
             return export_peft_adapter(trained, cfg.model, cfg.finetune, out_dir, base, overwrite=overwrite)

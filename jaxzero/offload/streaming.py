@@ -23,8 +23,9 @@ block's gradient copy to the host overlaps the next block's backward.
 
 What trains is the schedule's parameter (`jaxzero.offload.trains`): every parameter of each unit
 (the offload engine), or a frozen part merged with a trainable one in each program (LoRA and
-`finetune.freeze`, one micro-batch per pass), where gradients are formed only for what trains and
-the activations, and below the lowest block that trains no input is saved and no backward runs.
+`finetune.freeze`, one micro-batch per pass: `grads_per_micro_batch`), where gradients are formed
+only for what trains and the activations, and below the lowest block that trains no input is saved
+and no backward runs.
 
 Micro-batches are processed layer-major: every micro-batch passes block i before block i+1 starts,
 so weights cross the link twice per optimizer step however large `grad_accum` is, and a block's
@@ -353,6 +354,8 @@ class StreamedModel:
         self._block_bwd = jax.jit(programs.block_bwd, donate_argnums=(2,))
         self._embed_grad = jax.jit(programs.embed_grad)
         self._global_norm = jax.jit(programs.global_norm)
+        self._add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b), donate_argnums=(0,))
+        self._micro_weight = jax.jit(lambda b: objective.step_weight(b) / b.shape[0])
 
     def loss(
         self,
@@ -472,6 +475,40 @@ class StreamedModel:
             head=self._leave(num_layers + 1, g_head, to_host.head, clock),
         )
         return loss, grads, self._global_norm(sq, loss_scale)
+
+    def grads_per_micro_batch(
+        self,
+        weights: ModelParams,
+        batch: jax.Array,
+        loss_scale: jax.Array,
+        *,
+        trainable: ModelParams,
+        segments: Callable[[jax.Array], jax.Array | None],
+        keys: Callable[[int], jax.Array | None],
+    ) -> tuple[jax.Array, ModelParams]:
+        """Loss and gradient of what trains beside a frozen part (`FrozenPart`) over int32
+        (A, mb, S+1), one pass of the schedule per micro-batch: only one micro-batch's activations
+        live (a streamed base crosses the link twice per micro-batch). Each micro-batch's summed
+        cross-entropy is weighted by the step's counted targets (`objective.step_weight`), so the
+        loss (float32 scalar) and the gradients (float32, added on the accelerator) are the step's
+        means. `segments(window)` and `keys(a)`: micro-batch a's segment ids and dropout keys (or
+        None)."""
+        weight = self._micro_weight(batch)
+        grads, loss = None, None
+        for a in range(batch.shape[0]):
+            window = batch[a : a + 1]
+            part, g, _ = self.grads(
+                weights,
+                window,
+                loss_scale,
+                segments=segments(window),
+                trainable=trainable,
+                keys=keys(a),
+                weight=weight,
+            )
+            grads = g if grads is None else self._add(grads, g)
+            loss = part if loss is None else loss + part
+        return loss, grads
 
     def _leave(self, position: int, g: Any, target: Any, clock: StepClock) -> Any:
         """A unit's gradient: an async DMA to `target` in pinned_host, or kept on the accelerator

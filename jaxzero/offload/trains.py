@@ -11,19 +11,27 @@
 
 Below `lowest_block` nothing trains: the pass saves no input there and runs no backward. Where the
 embedding does not train, its lookup's gradient is never formed.
+
+A run with a frozen part hands the engine what trains as a `FrozenTrains` (built by
+`jaxzero.finetune.part`): the model, the trainable tree's shapes and starting values, the frozen
+base, the dropout keys; the engine keeps its own state, update and checkpoint form over that tree.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Sharding
 
+from jaxzero.models import Model, ModelParams
 from jaxzero.models.layers import cast_tree
 from jaxzero.models.lora import merge_trees
+from jaxzero.plan import OffloadPlan, Tier, UnitKind
 
 
 @dataclass(frozen=True)
@@ -96,3 +104,52 @@ class FrozenPart:
 
 
 EVERY = WholeUnits()
+
+
+class FrozenTrains(Protocol):
+    """What trains of a run with a frozen part, as an engine builds from it (one device).
+
+    model:        the model the passes run (with its LoRA adapters' spec, where there are some).
+    shapes:       float32 `ShapeDtypeStruct`s of the trainable tree, a `ModelParams` (`{}` where a
+                  unit has nothing that trains): the engine's masters, gradients and optimizer state.
+    device:       the accelerator's memory, where every array of the state lives.
+    schedule:     the streamed schedule's parameter (`FrozenPart`).
+    streamed:     whether the base's blocks live in `pinned_host` (copied in per use).
+    dropout_keys: (step int32 scalar, micro-batch a) -> block i's dropout keys in row i, (L, 1);
+                  None without dropout.
+    layout:       the checkpoints' layout name; description: the run's one-line `strategy`.
+    """
+
+    model: Model
+    shapes: ModelParams
+    device: Sharding
+    schedule: FrozenPart
+    streamed: bool
+    dropout_keys: Callable[[jax.Array, int], jax.Array] | None
+    layout: str
+    description: str
+
+    def base_units(self) -> ModelParams:
+        """The frozen units in storage form (`{}` where a unit trains whole), built on first use."""
+        ...
+
+    def fresh(self, key: jax.Array) -> ModelParams:
+        """What trains at its start, on `device`, from `key` (the base built from the config)."""
+        ...
+
+    def fresh_from(self, params: ModelParams) -> ModelParams:
+        """What trains at its start, the base built from float32 host units `params`."""
+        ...
+
+
+def frozen_part_plan(plan: OffloadPlan, streamed: bool) -> OffloadPlan:
+    """The decided plan of a run with a frozen part as the streamed schedule reads it: what trains
+    and its optimizer state on the accelerator (`Tier.DEVICE` state, so its gradients stay there),
+    the base's blocks in `pinned_host` where the base is `streamed`, and block inputs on the
+    accelerator."""
+    weights = Tier.PINNED_HOST if streamed else Tier.DEVICE
+    units = tuple(
+        dataclasses.replace(u, weights=weights if u.kind is UnitKind.BLOCK else u.weights, state=Tier.DEVICE)
+        for u in plan.units
+    )
+    return dataclasses.replace(plan, units=units, activations=Tier.DEVICE)

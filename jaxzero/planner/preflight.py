@@ -71,7 +71,7 @@ def decide_before_jax(
 
 
 def partial_on_one_device(processes: Processes | None) -> None:
-    """A run with a frozen part (LoRA, `finetune.freeze`) trains on one GPU (`jaxzero.finetune.trainer`):
+    """A run with a frozen part (LoRA, `finetune.freeze`) trains on one GPU (`jaxzero.finetune.part`):
     refused in several processes; in one, only the first GPU it would see is made visible (before JAX
     starts), so that XLA claims no memory on the others."""
     if processes is not None and processes.count > 1:
@@ -164,7 +164,7 @@ def _accelerators(cfg: TrainConfig) -> Accelerators | None:
         seen = accelerators_of(jax.local_devices())
     else:
         seen = accelerators_before_backend()
-    if cfg.finetune.partial:  # trains on the first device (`jaxzero.finetune.trainer`)
+    if cfg.finetune.partial:  # trains on the first device (`jaxzero.finetune.part`)
         seen = dataclasses.replace(seen, local=1)
     return None if cfg.machine.gpu_gib and seen.platform == "cpu" else seen
 
