@@ -131,7 +131,8 @@ def test_accelerator_too_small_is_refused_with_a_hint():
 def test_pinned_pool_is_sized_or_the_user_is_told(monkeypatch):
     big = memory.MemoryPlan(host=0, pinned=100 * 10**9, accelerator_state=0, activations=0)
     small = memory.MemoryPlan(host=0, pinned=10 * 10**9, accelerator_state=0, activations=0)
-    monkeypatch.delenv(runtime.PINNED_POOL_ENV, raising=False)
+    monkeypatch.setenv(runtime.PINNED_POOL_ENV, "0")  # so that teardown unsets what the test sets
+    monkeypatch.delenv(runtime.PINNED_POOL_ENV)
     jax.devices()  # the backend is running, as it is in any session that already used JAX
     assert runtime.configure_pinned_pool(small) == runtime.PINNED_POOL_DEFAULT_GB
     # Raising the cap after the backend started is impossible: the error says what to set.
@@ -159,7 +160,8 @@ def test_pinned_pool_is_capped_at_the_plan_when_jaxzero_starts_the_backend(monke
     plan = memory.MemoryPlan(host=0, pinned=20 * 10**9, accelerator_state=0, activations=0)
     monkeypatch.setattr(runtime, "backends_started", lambda: False)
     monkeypatch.setattr(runtime, "_pool_set_here", {})
-    monkeypatch.delenv(runtime.PINNED_POOL_ENV, raising=False)
+    monkeypatch.setenv(runtime.PINNED_POOL_ENV, "0")  # so that teardown unsets what the test sets
+    monkeypatch.delenv(runtime.PINNED_POOL_ENV)
     assert runtime.configure_pinned_pool(plan) == 27  # 1.25 x 20 + 2 (the minimum is 1.1 x 20 + 2 = 24)
     assert os.environ[runtime.PINNED_POOL_ENV] == "27"
     # A second, larger run in the same process meets the pool sized for the first: it is told so.

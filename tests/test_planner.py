@@ -440,7 +440,10 @@ def test_the_pinned_pool_is_sized_for_the_placement_decided_before_jax_starts(tm
     monkeypatch.delenv("JAX_PLATFORMS", raising=False)
     monkeypatch.delenv(runtime.MEM_FRACTION_ENV, raising=False)  # the programs' 0.95 is assumed
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    monkeypatch.delenv(runtime.PINNED_POOL_ENV, raising=False)  # not fixed yet, as before JAX starts
+    # not fixed yet, as before JAX starts; set first so that monkeypatch unsets what decide_before_jax
+    # sets below (a pool left in the environment caps later tests' pinned memory)
+    monkeypatch.setenv(runtime.PINNED_POOL_ENV, "0")
+    monkeypatch.delenv(runtime.PINNED_POOL_ENV)
     both = accelerators_before_backend()
     h100_bytes = int((81559 * 2**20 - CUDA_CONTEXT_BYTES) * 0.95)
     assert (both.platform, both.local, both.memory) == ("gpu", 2, h100_bytes)  # the smaller of the two
