@@ -3,13 +3,19 @@ Hugging Face tokenizer; reruns, refusals and errors naming the file and line."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from subprocess_run import user_env
 
 from jaxzero.cli.prepare import main, prepare
 from jaxzero.config import DataConfig
@@ -428,7 +434,7 @@ def test_progress_is_not_printed_twice(tty, monkeypatch):
     stream = _Stream(tty)
     shown = _Progress(stream)
     for _ in range(2):
-        shown.add(["abc"], [(np.zeros(3), None)])
+        shown.add(1, 3, 3)
     shown.close()
     out = stream.getvalue()
     if tty:
@@ -443,3 +449,59 @@ def test_negative_workers_are_refused_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "--workers=-3: give a number of encoding processes" in err and "Traceback" not in err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow  # a subprocess with worker processes, a few seconds of encoding
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_signal_ends_it_at_once_in_one_line_and_leaves_nothing(tmp_path, signum):
+    """Ctrl-C at a terminal reaches the program and its encoding workers (one process group); SIGTERM
+    from a service manager reaches the program alone. Either way: one line, exit 128 + the signal,
+    within seconds, its workers gone and no unfinished file left (it printed a traceback per process,
+    sometimes ran on for minutes with the pool's terminate stuck on a full pipe, and a SIGTERM left
+    its `.partial` files)."""
+    big = tmp_path / "in"
+    big.mkdir()
+    line = json.dumps({"text": "the quick brown fox jumps over the lazy dog " * 40})
+    (big / "docs.jsonl").write_text("\n".join([line] * 60_000) + "\n")
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jaxzero.prepare", f"--input={big}/docs.jsonl", f"--out={out}", "--workers=2"],
+        env=user_env(),
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, as a terminal's foreground job
+        # as at a terminal: a pytest-xdist worker ignores SIGINT, and its children would inherit that
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.default_int_handler),
+    )
+    deadline = time.time() + 120
+    while time.time() < deadline and not (out.is_dir() and any(p.stat().st_size for p in out.iterdir())):
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.communicate()[1]
+    if signum == signal.SIGINT:
+        os.killpg(proc.pid, signum)  # Ctrl-C: the whole foreground group
+    else:
+        os.kill(proc.pid, signum)  # the program alone: its workers are its to end
+    sent = time.time()
+    try:
+        _, err = proc.communicate(timeout=60)
+        # no worker outlives the program (multiprocessing's resource tracker ends on its own, just after)
+        left, gone = True, time.time() + 10
+        while left and time.time() < gone:
+            try:
+                os.killpg(proc.pid, 0)
+                time.sleep(0.05)
+            except ProcessLookupError:
+                left = False
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of the group, should it hang
+    assert proc.returncode == 128 + signum, err
+    assert time.time() - sent < 20
+    how = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
+    assert err.splitlines() == [
+        f"jaxzero.prepare: interrupted ({how}): nothing of this preparation is left in {out}."
+    ], err
+    assert not left
+    assert not out.exists() or list(out.iterdir()) == []
