@@ -505,3 +505,46 @@ def test_a_stop_signal_ends_it_at_once_in_one_line_and_leaves_nothing(tmp_path, 
     ], err
     assert not left
     assert not out.exists() or list(out.iterdir()) == []
+
+
+def test_spans_encoded_by_workers_come_back_in_order_and_errors_name_their_line(tmp_path, monkeypatch):
+    """Inputs cut into many small spans (64 bytes of JSONL lines each) encode, over 3 workers, to the
+    bytes one process writes; a bad record is named by its line in the file, and of two the first."""
+    monkeypatch.setattr("jaxzero.data.documents._SPAN_BYTES", 64)  # cut in this process, read by workers
+    lines = [json.dumps({"text": f"document {i} " + "x" * (i % 13)}) for i in range(200)]
+    (tmp_path / "d.jsonl").write_text("\n".join(lines[:50]) + "\n\n" + "\n".join(lines[50:]))  # blank line 51
+    one = prepare([str(tmp_path / "d.jsonl")], tmp_path / "one", val_docs=7, workers=1, progress=False)
+    three = prepare([str(tmp_path / "d.jsonl")], tmp_path / "three", val_docs=7, workers=3, progress=False)
+    assert one["train"] == three["train"] and one["val"] == three["val"]
+    for name in ("train.bin", "val.bin"):
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "three" / name).read_bytes()
+    want = b"".join(json.loads(line)["text"].encode() + b"\0" for line in lines)
+    assert (tmp_path / "one" / "val.bin").read_bytes() + (tmp_path / "one" / "train.bin").read_bytes() == (
+        np.frombuffer(want, np.uint8).astype(np.uint16).tobytes()
+    )
+    bad = lines[:120] + ['{"body": 1}'] + lines[120:150] + ["not json"] + lines[150:]
+    (tmp_path / "bad.jsonl").write_text("\n".join(bad) + "\n")
+    with pytest.raises(DataError, match=r"bad\.jsonl:121: no text field 'text'"):
+        prepare([str(tmp_path / "bad.jsonl")], tmp_path / "bad", workers=3, progress=False)
+
+
+def test_a_worker_that_dies_is_an_error_naming_it():
+    """A worker killed from outside (the kernel's OOM killer) ends the preparation with a line that says
+    so, instead of waiting for its result forever."""
+    import signal as signals
+
+    from jaxzero.data.documents import Span
+    from jaxzero.data.encoding import _Workers
+
+    workers = _Workers()
+    try:
+        workers.start(1, "text", ("bytes", 0, False, None))
+        os.kill(workers.procs[0].pid, signals.SIGKILL)
+        workers.procs[0].join()
+        workers.send(0, 0, Span(Path("nowhere.txt")))
+        with pytest.raises(
+            DataError, match=r"an encoding process \(pid \d+\) ended without its result \(exit code -9"
+        ):
+            workers.receive()
+    finally:
+        workers.kill()

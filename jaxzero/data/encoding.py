@@ -129,8 +129,8 @@ def _work(tasks: connection.Connection, results: connection.Connection, args: tu
 class _Workers:
     """`n` spawned encoding processes, each with a pipe of spans in and a pipe of results out. Only
     small spans go in (never more than `_PER_WORKER` per worker, well under a pipe's buffer), so no
-    send can block; results are read only by the caller's thread. Nothing waits on a worker: `kill`
-    ends them all at once, whatever they are doing."""
+    send can block; results are read only by the caller's thread, and no thread of this process waits
+    on a worker: `kill` ends them all at once, whatever they are doing."""
 
     _PER_WORKER = 2
 
@@ -171,22 +171,24 @@ class _Workers:
         return min(free, key=lambda w: len(self.queued[w])) if free else None
 
     def send(self, worker: int, number: int, span: Span) -> None:
-        self.tasks[worker].send(span)
+        with contextlib.suppress(BrokenPipeError):  # a dead worker: `receive` reads its end and says so
+            self.tasks[worker].send(span)
         self.queued[worker].append(number)
 
     def receive(self) -> tuple[int, Encoded | BaseException]:
         """The next result of any worker: its span's number, and the Encoded or the error it raised."""
         busy = [self.results[w] for w, q in enumerate(self.queued) if q]
         ready = connection.wait(busy)[0]
-        w = self.results.index(ready)  # type: ignore[arg-type]
+        w = next(w for w, c in enumerate(self.results) if c is ready)
         try:
-            result = ready.recv()  # type: ignore[union-attr]
+            result = self.results[w].recv()
         except (EOFError, OSError) as e:
             self.procs[w].join(1)
             raise DataError(
                 f"an encoding process (pid {self.procs[w].pid}) ended without its result (exit code "
-                f"{self.procs[w].exitcode}; killed for memory?). Nothing was written; run again with "
-                "fewer --workers."
+                f"{self.procs[w].exitcode}; a negative code is the signal that killed it, as the kernel "
+                "does when memory runs out). Nothing was kept; run again, with fewer --workers if memory "
+                "was short."
             ) from e
         return self.queued[w].pop(0), result
 
