@@ -452,13 +452,13 @@ def test_negative_workers_are_refused_in_one_line(tmp_path, capsys):
 
 
 @pytest.mark.slow  # a subprocess with worker processes, a few seconds of encoding
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_a_stop_signal_ends_it_at_once_in_one_line_and_leaves_nothing(tmp_path, signum):
-    """Ctrl-C at a terminal reaches the program and its encoding workers (one process group); SIGTERM
-    from a service manager reaches the program alone. Either way: one line, exit 128 + the signal,
-    within seconds, its workers gone and no unfinished file left (it printed a traceback per process,
-    sometimes ran on for minutes with the pool's terminate stuck on a full pipe, and a SIGTERM left
-    its `.partial` files)."""
+    """Ctrl-C at a terminal reaches the program and its encoding workers (one process group), as the
+    SIGHUP of a closed terminal does; SIGTERM from a service manager reaches the program alone. Each
+    way: one line, exit 128 + the signal, within seconds, its workers gone and no unfinished file left
+    (it printed a traceback per process, sometimes ran on for minutes with the pool's terminate stuck
+    on a full pipe, and a SIGTERM left its `.partial` files)."""
     big = tmp_path / "in"
     big.mkdir()
     line = json.dumps({"text": "the quick brown fox jumps over the lazy dog " * 40})
@@ -479,8 +479,8 @@ def test_a_stop_signal_ends_it_at_once_in_one_line_and_leaves_nothing(tmp_path, 
     while time.time() < deadline and not (out.is_dir() and any(p.stat().st_size for p in out.iterdir())):
         time.sleep(0.05)
     assert proc.poll() is None, proc.communicate()[1]
-    if signum == signal.SIGINT:
-        os.killpg(proc.pid, signum)  # Ctrl-C: the whole foreground group
+    if signum != signal.SIGTERM:
+        os.killpg(proc.pid, signum)  # Ctrl-C, a closed terminal: the whole foreground group
     else:
         os.kill(proc.pid, signum)  # the program alone: its workers are its to end
     sent = time.time()
@@ -499,7 +499,7 @@ def test_a_stop_signal_ends_it_at_once_in_one_line_and_leaves_nothing(tmp_path, 
             os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of the group, should it hang
     assert proc.returncode == 128 + signum, err
     assert time.time() - sent < 20
-    how = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
+    how = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
     assert err.splitlines() == [
         f"jaxzero.prepare: interrupted ({how}): nothing of this preparation is left in {out}."
     ], err
