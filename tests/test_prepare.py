@@ -3,13 +3,19 @@ Hugging Face tokenizer; reruns, refusals and errors naming the file and line."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from subprocess_run import user_env
 
 from jaxzero.cli.prepare import main, prepare
 from jaxzero.config import DataConfig
@@ -428,7 +434,7 @@ def test_progress_is_not_printed_twice(tty, monkeypatch):
     stream = _Stream(tty)
     shown = _Progress(stream)
     for _ in range(2):
-        shown.add(["abc"], [(np.zeros(3), None)])
+        shown.add(1, 3, 3)
     shown.close()
     out = stream.getvalue()
     if tty:
@@ -443,3 +449,102 @@ def test_negative_workers_are_refused_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "--workers=-3: give a number of encoding processes" in err and "Traceback" not in err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow  # a subprocess with worker processes, a few seconds of encoding
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_a_stop_signal_ends_it_at_once_in_one_line_and_leaves_nothing(tmp_path, signum):
+    """Ctrl-C at a terminal reaches the program and its encoding workers (one process group), as the
+    SIGHUP of a closed terminal does; SIGTERM from a service manager reaches the program alone. Each
+    way: one line, exit 128 + the signal, within seconds, its workers gone and no unfinished file left
+    (it printed a traceback per process, sometimes ran on for minutes with the pool's terminate stuck
+    on a full pipe, and a SIGTERM left its `.partial` files)."""
+    big = tmp_path / "in"
+    big.mkdir()
+    line = json.dumps({"text": "the quick brown fox jumps over the lazy dog " * 40})
+    (big / "docs.jsonl").write_text("\n".join([line] * 60_000) + "\n")
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jaxzero.prepare", f"--input={big}/docs.jsonl", f"--out={out}", "--workers=2"],
+        env=user_env(),
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, as a terminal's foreground job
+        # as at a terminal: a pytest-xdist worker ignores SIGINT, and its children would inherit that
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.default_int_handler),
+    )
+    deadline = time.time() + 120
+    while time.time() < deadline and not (out.is_dir() and any(p.stat().st_size for p in out.iterdir())):
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.communicate()[1]
+    if signum != signal.SIGTERM:
+        os.killpg(proc.pid, signum)  # Ctrl-C, a closed terminal: the whole foreground group
+    else:
+        os.kill(proc.pid, signum)  # the program alone: its workers are its to end
+    sent = time.time()
+    try:
+        _, err = proc.communicate(timeout=60)
+        # no worker outlives the program (multiprocessing's resource tracker ends on its own, just after)
+        left, gone = True, time.time() + 10
+        while left and time.time() < gone:
+            try:
+                os.killpg(proc.pid, 0)
+                time.sleep(0.05)
+            except ProcessLookupError:
+                left = False
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of the group, should it hang
+    assert proc.returncode == 128 + signum, err
+    assert time.time() - sent < 20
+    how = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+    assert err.splitlines() == [
+        f"jaxzero.prepare: interrupted ({how}): nothing of this preparation is left in {out}."
+    ], err
+    assert not left
+    assert not out.exists() or list(out.iterdir()) == []
+
+
+def test_spans_encoded_by_workers_come_back_in_order_and_errors_name_their_line(tmp_path, monkeypatch):
+    """Inputs cut into many small spans (64 bytes of JSONL lines each) encode, over 3 workers, to the
+    bytes one process writes; a bad record is named by its line in the file, and of two the first."""
+    monkeypatch.setattr("jaxzero.data.documents._SPAN_BYTES", 64)  # cut in this process, read by workers
+    lines = [json.dumps({"text": f"document {i} " + "x" * (i % 13)}) for i in range(200)]
+    (tmp_path / "d.jsonl").write_text("\n".join(lines[:50]) + "\n\n" + "\n".join(lines[50:]))  # blank line 51
+    one = prepare([str(tmp_path / "d.jsonl")], tmp_path / "one", val_docs=7, workers=1, progress=False)
+    three = prepare([str(tmp_path / "d.jsonl")], tmp_path / "three", val_docs=7, workers=3, progress=False)
+    assert one["train"] == three["train"] and one["val"] == three["val"]
+    for name in ("train.bin", "val.bin"):
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "three" / name).read_bytes()
+    want = b"".join(json.loads(line)["text"].encode() + b"\0" for line in lines)
+    assert (tmp_path / "one" / "val.bin").read_bytes() + (tmp_path / "one" / "train.bin").read_bytes() == (
+        np.frombuffer(want, np.uint8).astype(np.uint16).tobytes()
+    )
+    bad = lines[:120] + ['{"body": 1}'] + lines[120:150] + ["not json"] + lines[150:]
+    (tmp_path / "bad.jsonl").write_text("\n".join(bad) + "\n")
+    with pytest.raises(DataError, match=r"bad\.jsonl:121: no text field 'text'"):
+        prepare([str(tmp_path / "bad.jsonl")], tmp_path / "bad", workers=3, progress=False)
+
+
+def test_a_worker_that_dies_is_an_error_naming_it():
+    """A worker killed from outside (the kernel's OOM killer) ends the preparation with a line that says
+    so, instead of waiting for its result forever."""
+    import signal as signals
+
+    from jaxzero.data.documents import Span
+    from jaxzero.data.encoding import _Workers
+
+    workers = _Workers()
+    try:
+        workers.start(1, "text", ("bytes", 0, False, None))
+        os.kill(workers.procs[0].pid, signals.SIGKILL)
+        workers.procs[0].join()
+        workers.send(0, 0, Span(Path("nowhere.txt")))
+        with pytest.raises(
+            DataError, match=r"an encoding process \(pid \d+\) ended without its result \(exit code -9"
+        ):
+            workers.receive()
+    finally:
+        workers.kill()

@@ -29,7 +29,9 @@ counts: completions and their end-of-text, assistant turns; prompts, system and 
 file. Training reads the masks with the token files, and packs whole examples into rows by the index
 (`jaxzero.data.packing`).
 
-Documents are encoded in parallel over `--workers` processes (default: the cores), in order.
+Documents are encoded in parallel over `--workers` processes (default: the cores), in order. Ctrl-C,
+SIGTERM or SIGHUP stops it at once: the workers are killed, the unfinished files removed, one line
+printed, exit status 128 + the signal (130 for Ctrl-C).
 """
 
 from __future__ import annotations
@@ -39,7 +41,9 @@ import contextlib
 import hashlib
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -50,9 +54,12 @@ import numpy as np
 
 from jaxzero.data.chat_template import ChatTemplate
 from jaxzero.data.documents import expand_inputs
-from jaxzero.data.encoding import encoded_chunks
+from jaxzero.data.encoding import encoded_spans
 from jaxzero.data.tokenizer import META_NAME, ByteTokenizer, HFTokenizer, default_eot_id, tokenizer_file
 from jaxzero.data.types import DataError
+
+# What stops a preparation, cleaning up: Ctrl-C, a service manager's SIGTERM, a closed terminal's SIGHUP.
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 OUTPUTS = (
     "train.bin",
@@ -159,10 +166,10 @@ class _Progress:
         self.docs = self.tokens = self.chars = 0
         self.width = 0  # of the line on the terminal
 
-    def add(self, items: list[Any], encoded: list[tuple[np.ndarray, Any]]) -> None:
-        self.docs += len(items)
-        self.chars += sum(len(t) if isinstance(t, str) else t.chars for t in items)
-        self.tokens += sum(ids.size for ids, _ in encoded)
+    def add(self, docs: int, chars: int, tokens: int) -> None:
+        self.docs += docs
+        self.chars += chars
+        self.tokens += tokens
         now = time.monotonic()
         if now - self.last >= (0.5 if self.tty else self.LOG_EVERY_S):
             self.last = now
@@ -266,20 +273,28 @@ def prepare(
     try:
         with contextlib.ExitStack() as stack:
             files_out = {name: stack.enter_context(t.open("wb")) for name, t in temps.items()}
-            results = stack.enter_context(encoded_chunks(files, text_field, sft, encoder_args, workers))
-            for items, encoded in results:
-                for ids, marks in encoded:
-                    split = "val" if counts["val"][0] < val_docs else "train"
-                    if sft:  # where this example starts, then the example (it ends with the eot)
-                        files_out[f"{split}.idx.bin"].write(np.uint64(counts[split][1]).tobytes())
-                    files_out[f"{split}.bin"].write(ids.astype(dtype).tobytes())
-                    if marks is not None:
-                        files_out[f"{split}.mask.bin"].write(marks.tobytes())
-                    counts[split][0] += 1
-                    counts[split][1] += ids.size
-                    counts[split][2] += ids.size if marks is None else int(marks.sum())
+            results = stack.enter_context(encoded_spans(files, text_field, encoder_args, workers))
+            for enc in results:
+                # the first val_docs documents of the inputs go to val, the rest to train
+                n = enc.ends.size
+                to_val = min(max(val_docs - counts["val"][0], 0), n)
+                bounds = np.concatenate([np.zeros(1, np.int64), enc.ends])
+                for split, lo, hi in (("val", 0, to_val), ("train", to_val, n)):
+                    if lo == hi:
+                        continue
+                    a, b, c = int(bounds[lo]), int(bounds[hi]), counts[split]
+                    if sft:  # where each example starts in its token file
+                        files_out[f"{split}.idx.bin"].write(
+                            (bounds[lo:hi] - a + c[1]).astype(np.uint64).tobytes()
+                        )
+                    files_out[f"{split}.bin"].write(enc.ids[a:b].astype(dtype).tobytes())
+                    if enc.marks is not None:
+                        files_out[f"{split}.mask.bin"].write(enc.marks[a:b].tobytes())
+                    c[0] += hi - lo
+                    c[1] += b - a
+                    c[2] += b - a if enc.marks is None else int(enc.marks[a:b].sum())
                 if shown:
-                    shown.add(items, encoded)
+                    shown.add(n, enc.chars, enc.ids.size)
         documents, tokens = counts["train"][0] + counts["val"][0], counts["train"][1] + counts["val"][1]
         if documents and tokens <= documents:  # at most each document's end-of-text id: empty inputs
             raise DataError(
@@ -338,6 +353,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=0, help="encoding processes (0: one per core)")
     ap.add_argument("--overwrite", action="store_true", help="replace an earlier preparation in --out")
     args = ap.parse_args(argv)
+    stopped: list[int] = []
+
+    def stop(signum: int, frame: Any) -> None:
+        # the first one interrupts where the program is; the rest are ignored, so that the cleanup it
+        # runs (the workers killed, the unfinished files removed) is not cut short
+        for s in _STOP_SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+        stopped.append(signum)
+        raise KeyboardInterrupt
+
+    # a signal ignored when the program started (nohup, a shell's background job) stays ignored
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for s in _STOP_SIGNALS:
+            if signal.getsignal(s) != signal.SIG_IGN:
+                previous[s] = signal.signal(s, stop)
     try:
         meta = prepare(
             args.input,
@@ -354,11 +385,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jaxzero.prepare: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        signum = stopped[0] if stopped else signal.SIGINT
+        how = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
         print(
-            f"jaxzero.prepare: interrupted (Ctrl-C): nothing of this preparation is left in {args.out}.",
+            f"jaxzero.prepare: interrupted ({how}): nothing of this preparation is left in {args.out}.",
             file=sys.stderr,
         )
-        return 130
+        return 128 + signum
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     t = meta["train"]
     print(
         f"jaxzero.prepare: {args.out}: {t['documents']:,} documents, {t['tokens']:,} tokens in train.bin"

@@ -1,6 +1,7 @@
-"""The documents `python -m jaxzero.prepare` reads: input globs expanded to files, and each file's
-documents (a text file, one document; JSONL records' text field; a Parquet column) or fine-tuning
-examples (JSONL prompt/completion or chat messages), each bad record refused naming its file and line."""
+"""The documents `python -m jaxzero.prepare` reads: input globs expanded to files, each file cut into
+spans that processes read on their own (`spans`), and each span's documents (a text file, one document;
+JSONL records' text field; a Parquet column) or fine-tuning examples (JSONL prompt/completion or chat
+messages), each bad record refused naming its file and line."""
 
 from __future__ import annotations
 
@@ -32,11 +33,56 @@ def expand_inputs(patterns: Sequence[str]) -> list[Path]:
     return files
 
 
-def read_documents(path: Path, text_field: str) -> Iterator[str]:
-    """The documents of one input file; DataError naming the file (and line or row) on bad input."""
+# Bytes of JSONL per span: enough to keep an encoding process busy for a while, few enough that the
+# progress line moves and the spans read ahead of the writer stay small in memory.
+_SPAN_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class Span:
+    """A piece of one input file that a process reads and encodes alone, small to send: JSONL lines
+    `[start, end)` by byte offset, `first` the number of the first (for messages); a Parquet file's row
+    group `start`, `first` the number of its first row; a text file whole (`start = end = first = 0`)."""
+
+    path: Path
+    start: int = 0
+    end: int = 0
+    first: int = 0
+
+
+def spans(path: Path, text_field: str, sft: bool) -> Iterator[Span]:
+    """The spans of one input file, in order (a JSONL file is read through once to cut it at line
+    ends). A file that cannot be read, a Parquet file without the column, or `sft` of anything but
+    JSONL: DataError naming the file."""
+    if sft and path.suffix != ".jsonl":
+        raise DataError(f"{path}: --sft reads JSONL records (.jsonl), one example per line.")
     try:
         if path.suffix == ".jsonl":
-            for line_no, record in _json_lines(path):
+            with path.open("rb") as f:
+                start, line = 0, 1
+                while block := f.read(_SPAN_BYTES):
+                    if not block.endswith(b"\n"):
+                        block += f.readline()  # the rest of the last line, so that lines stay whole
+                    yield Span(path, start, start + len(block), line)
+                    start, line = start + len(block), line + block.count(b"\n")
+        elif path.suffix == ".parquet":
+            first = 1
+            for group, rows in enumerate(_parquet_row_groups(path, text_field)):
+                yield Span(path, group, group, first)
+                first += rows
+        else:
+            with path.open("rb"):  # readable: the error here, in order, not in a worker
+                yield Span(path)
+    except OSError as e:
+        raise DataError(f"{path}: cannot be read: {e.strerror or e}.") from e
+
+
+def read_documents(span: Span, text_field: str) -> Iterator[str]:
+    """The documents of one span; DataError naming the file (and line or row) on bad input."""
+    path = span.path
+    try:
+        if path.suffix == ".jsonl":
+            for line_no, record in _json_lines(span):
                 text = record.get(text_field)
                 if not isinstance(text, str):
                     raise DataError(
@@ -45,7 +91,7 @@ def read_documents(path: Path, text_field: str) -> Iterator[str]:
                     )
                 yield text
         elif path.suffix == ".parquet":
-            yield from _parquet_documents(path, text_field)
+            yield from _parquet_documents(span, text_field)
         else:
             data = path.read_bytes()
             try:
@@ -56,7 +102,7 @@ def read_documents(path: Path, text_field: str) -> Iterator[str]:
         raise DataError(f"{path}: cannot be read: {e.strerror or e}.") from e
 
 
-def _parquet_documents(path: Path, text_field: str) -> Iterator[str]:
+def _parquet_file(path: Path, text_field: str) -> Any:
     try:
         import pyarrow.parquet as pq  # optional (jaxzero[prepare]): only Parquet inputs need it
     except ImportError as e:
@@ -71,8 +117,19 @@ def _parquet_documents(path: Path, text_field: str) -> Iterator[str]:
         raise DataError(
             f"{path}: no column {text_field!r} (it has {pf.schema_arrow.names}); set --text_field."
         )
-    row = 0
-    for batch in pf.iter_batches(columns=[text_field]):
+    return pf
+
+
+def _parquet_row_groups(path: Path, text_field: str) -> list[int]:
+    """The rows of each row group of a Parquet file holding the column `text_field`."""
+    meta = _parquet_file(path, text_field).metadata
+    return [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+
+
+def _parquet_documents(span: Span, text_field: str) -> Iterator[str]:
+    path, pf = span.path, _parquet_file(span.path, text_field)
+    row = span.first - 1
+    for batch in pf.iter_batches(columns=[text_field], row_groups=[span.start]):
         for text in batch.column(0).to_pylist():
             row += 1
             if not isinstance(text, str):
@@ -96,11 +153,11 @@ class Example:
         return sum(len(m["content"]) for m in self.messages)
 
 
-def read_examples(path: Path) -> Iterator[Example]:
-    """The fine-tuning examples of a JSONL file; DataError naming the file and line on bad records."""
-    if path.suffix != ".jsonl":
-        raise DataError(f"{path}: --sft reads JSONL records (.jsonl), one example per line.")
-    for line_no, record in _json_lines(path):
+def read_examples(span: Span) -> Iterator[Example]:
+    """The fine-tuning examples of a span of a JSONL file; DataError naming the file and line on bad
+    records."""
+    path = span.path
+    for line_no, record in _json_lines(span):
         where = f"{path}:{line_no}"
         if "messages" in record:
             msgs = record["messages"]
@@ -129,15 +186,18 @@ def read_examples(path: Path) -> Iterator[Example]:
             )
 
 
-def _json_lines(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+def _json_lines(span: Span) -> Iterator[tuple[int, dict[str, Any]]]:
+    path = span.path
     with path.open("rb") as f:
-        for line_no, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            try:
-                record = json.loads(raw)
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise DataError(f"{path}:{line_no}: not a JSON object: {e}") from e
-            if not isinstance(record, dict):
-                raise DataError(f"{path}:{line_no}: not a JSON object but a {type(record).__name__}.")
-            yield line_no, record
+        f.seek(span.start)
+        lines = f.read(span.end - span.start).split(b"\n")  # as a file's lines: "\r" is no line end
+    for line_no, raw in enumerate(lines, span.first):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise DataError(f"{path}:{line_no}: not a JSON object: {e}") from e
+        if not isinstance(record, dict):
+            raise DataError(f"{path}:{line_no}: not a JSON object but a {type(record).__name__}.")
+        yield line_no, record
