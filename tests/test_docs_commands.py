@@ -77,6 +77,7 @@ RUN: dict[str, str] = {
     "docs/models.md: python -m jaxzero.train --model.name=hf:path/to/hf-checkpoint --steps=500": (
         f"--steps=2 {SMALL}"
     ),
+    "docs/models.md: python -m jaxzero.train --model.name=orbax:export/x-orbax --steps=500": "--steps=2",
     "docs/models.md: python -m jaxzero.generate --run_dir=runs/x '--prompt=def fib(n):' "
     "--max_new_tokens=80": ("--max_new_tokens=4"),
     "docs/models.md: python -m jaxzero.generate --run_dir=runs/x '--prompt=import ' --temperature=0.8 "
