@@ -25,6 +25,7 @@ from jaxzero.config import ConfigError, TrainConfig
 from jaxzero.models.lora import storage_dtype
 from jaxzero.models.sizes import (
     block_matmul_params,
+    flops_per_token,
     param_count,
     projection_shapes,
     ties_output,
@@ -117,12 +118,15 @@ def step_flops(cfg: TrainConfig) -> float:
 
 
 def model_flops_per_token(cfg: TrainConfig) -> float:
-    """Model FLOPs per token of a run with a frozen part, in the accounting of the program's `tflops`
-    and `mfu` (`jaxzero.models.sizes.flops_per_token`: no recomputation, PaLM's attention term): per
-    matmul weight 2 for the forward pass, 2 more for the input gradient where a gradient flows through
-    it, 2 more for its own gradient where it trains; attention 4 x hidden x seq_len per layer forward,
-    12 where a gradient flows through it. LoRA's adapters themselves are left out (under 1%)."""
+    """Model FLOPs per token of a run, in the accounting of the program's `tflops` and `mfu`
+    (`jaxzero.models.sizes.flops_per_token`: no recomputation, PaLM's attention term), where a run
+    that trains every parameter counts `flops_per_token`. With a frozen part: per matmul weight 2 for
+    the forward pass, 2 more for the input gradient where a gradient flows through it, 2 more for its
+    own gradient where it trains; attention 4 x hidden x seq_len per layer forward, 12 where a
+    gradient flows through it. LoRA's adapters themselves are left out (under 1%)."""
     m, ft, seq = cfg.model, cfg.finetune, cfg.data.seq_len
+    if not ft.partial:
+        return flops_per_token(m, seq)
     per_block, attention = block_matmul_params(m), m.hidden_size * seq
     lowest = ft.lowest_trainable_block(m.num_layers)
     kept = ft.base_positions(m.num_layers) if ft.method == "full" else frozenset(range(m.num_layers + 2))

@@ -33,7 +33,6 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxzero.config import TrainConfig
-from jaxzero.models.sizes import flops_per_token
 from jaxzero.planner.partial import model_flops_per_token
 from jaxzero.run.outcome import TrainingError
 from jaxzero.state import BREAKDOWN, BREAKDOWN_COUNTS, BREAKDOWN_DISK, BREAKDOWN_TIMES, StepMetrics, Trainer
@@ -364,10 +363,7 @@ class LogWindow:
         self.grad_norms: list[float] = []  # finite gradient norms of the steps read so far (the last few)
         self.throughput = Throughput(
             cfg.data.batch_size * cfg.data.seq_len,
-            # a run with a frozen part forms no frozen weight's gradient: its own count
-            model_flops_per_token(cfg)
-            if cfg.finetune.partial
-            else flops_per_token(cfg.model, cfg.data.seq_len),
+            model_flops_per_token(cfg),  # a frozen weight forms no gradient: the run's own count
             job_peak(peak_tflops(trainer.mesh.devices.flat[0], cfg.logging.peak_tflops), trainer.mesh.size),
         )
         self.pending: list[tuple[int, StepMetrics]] = []
