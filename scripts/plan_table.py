@@ -1,7 +1,8 @@
 """The table of docs/how-big.md ("What it plans for one H200 and one H100"): the planner's decision for
 each named model at 16K and 32K tokens per step, fp32 and bf16 moments, on an H200 and an H100 80 GB
-box (125 GiB of host RAM, 16 cores, 80 GiB of free local disk), checkpoints on (the default). Runs on
-any machine: it starts no backend.
+box (125 GiB of host RAM, 16 cores, 1,000 GiB of free local disk), checkpoints on (the default): a
+placement whose checkpoints the disk cannot hold is refused, as the program refuses it. Runs on any
+machine: it starts no backend.
 
     python scripts/plan_table.py
 """
@@ -38,7 +39,11 @@ def cell(args: list[str]) -> str:
     if plan.host_update is not None and plan.host_update.two_pass.max_units == 0:
         extras.append("one-pass updates")
     more = f" ({', '.join(extras)})" if extras else ""
-    return f"{plan.mode}{more}: {d.step_s:.3g} s, {d.bottleneck}"
+    placed = f"{plan.mode}{more}: {d.step_s:.3g} s, {d.bottleneck}"
+    if d.checkpoint_shortfall() is not None:  # as `python -m jaxzero.plan` and train refuse it
+        need, count = d.checkpoint_disk()
+        return f"refused: checkpoints need {count} x {need / count / 2**30:.0f} GiB of disk ({placed})"
+    return placed
 
 
 def main() -> None:
@@ -59,7 +64,7 @@ def main() -> None:
                                 f"--machine.gpu_gib={gib}",
                                 "--machine.host_gib=125",
                                 "--machine.cores=16",
-                                "--machine.disk_gib=80",
+                                "--machine.disk_gib=1000",
                             ]  # fmt: skip
                         )
                     )
