@@ -30,6 +30,7 @@ VARIANTS = {
         rope_factor=8.0,
         rope_original_max_len=16,
     ),
+    "qwen3": dict(qk_norm=True, head_size=48, hf_model_type="qwen3"),
 }
 
 

@@ -48,7 +48,7 @@ TOKENS = np.random.default_rng(0).integers(0, VOCAB, size=(2, SEQ), dtype=np.int
 LOGIT_ATOL = 1e-4
 
 # Per family: the transformers config's extras, and adapters on a few targets (a non-integer alpha / r
-# for Qwen2, every projection for Mistral).
+# for Qwen2, every projection for Mistral and Qwen3).
 FAMILIES: dict[str, dict[str, Any]] = {
     "llama": dict(
         hf={}, ft=FinetuneConfig(method="lora", lora_rank=4, lora_alpha=8, lora_targets="q,v,down")
@@ -57,6 +57,11 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "mistral": dict(
         hf={"sliding_window": SEQ},
         ft=FinetuneConfig(method="lora", lora_rank=4, lora_alpha=16, lora_targets="q,k,v,o,gate,up,down"),
+    ),
+    # Qwen3: q/k norms, heads twice as wide as hidden_size / num_heads; every projection.
+    "qwen3": dict(
+        hf={"head_dim": 16},
+        ft=FinetuneConfig(method="lora", lora_rank=4, lora_alpha=8, lora_targets="q,k,v,o,gate,up,down"),
     ),
 }
 
@@ -84,6 +89,7 @@ def torch_model(family: str) -> torch.nn.Module:
         "llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig),
         "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config),
         "mistral": (transformers.MistralForCausalLM, transformers.MistralConfig),
+        "qwen3": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config),
     }
     model_cls, config_cls = classes[family]
     model = model_cls(config_cls(**common))
@@ -356,8 +362,8 @@ def test_merged_params_and_their_export(case: Case, tmp_path: Path) -> None:
                     assert got["kernel"].dtype == np.float32
                     # float32 rounding of an O(1) sum of r + 1 terms
                     assert max_diff(got["kernel"], want) <= 1e-6 * np.max(np.abs(want))
-                else:
-                    assert got["kernel"] is params["kernel"]
+                else:  # an unadapted projection's kernel and bias, or a q/k norm's scale (Qwen3)
+                    assert all(got[leaf] is params[leaf] for leaf in params)
     # The merged plain model computes the adapted one.
     adapted_logits = jax_logits(case.lora_model(), with_adapters(case.base, case.adapters))
     merged_logits = jax_logits(Llama(case.cfg), merged)

@@ -43,6 +43,9 @@ class ModelConfig:
     num_layers: int = 4  # transformer blocks
     num_heads: int = 4  # attention (query) heads
     num_kv_heads: int = 2  # grouped-query attention; == num_heads is plain multi-head attention
+    # Width of each attention head (transformers' head_dim, which Qwen3 sets apart from the hidden
+    # size); 0: hidden_size / num_heads. `ModelConfig.head_dim` is the width either way.
+    head_size: int = 0
     intermediate_size: int = 384  # MLP width (SwiGLU for llama, GELU for gpt2)
     max_seq_len: int = 1024  # longest sequence (gpt2: rows of the position table)
     tie_embeddings: bool = False  # the output head reuses the token embedding (gpt2 always does)
@@ -55,12 +58,13 @@ class ModelConfig:
     rope_high_freq_factor: float = 4.0  # llama3
     rope_original_max_len: int = 8192  # llama3: the context length pretraining used
     attention_bias: bool = False  # biases on the q, k and v projections (Qwen2)
+    qk_norm: bool = False  # RMSNorm of each query and key head before the rotary embedding (Qwen3)
     # Sliding-window attention's window (Mistral v0.1, some Qwen2): 0 is none. Attention is computed
     # in full, which equals the windowed attention only while data.seq_len <= the window.
     sliding_window: int = 0
     # The transformers model_type an export writes: "" is the family's own (llama, gpt2); Llama-family
-    # checkpoints imported as qwen2 or mistral keep theirs.
-    hf_model_type: Literal["", "llama", "qwen2", "mistral", "gpt2"] = ""
+    # checkpoints imported as qwen2, qwen3 or mistral keep theirs.
+    hf_model_type: Literal["", "llama", "qwen2", "qwen3", "mistral", "gpt2"] = ""
     norm_eps: float = 1e-5  # epsilon of RMSNorm / LayerNorm
     init_std: float = 0.02  # standard deviation of the random init of matrices
     # matmul and activation dtype (masters are float32); float16 adds dynamic loss scaling
@@ -80,7 +84,8 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        """Width of each attention head: `head_size`, or hidden_size / num_heads where it is 0."""
+        return self.head_size or self.hidden_size // self.num_heads
 
 
 def _not_a_size(name: str) -> str:
@@ -147,8 +152,15 @@ _ROWS: dict[str, tuple[Any, ...]] = {
     "qwen2.5-0.5b":     ("llama", 151936, 896,   24,    14,   2,  4864,  32768,  True,  1e6,  1e-6),
     "qwen2.5-7b":       ("llama", 152064, 3584,  28,    28,   4,  18944, 131072, False, 1e6,  1e-6),
     "qwen2.5-14b":      ("llama", 152064, 5120,  48,    40,   8,  13824, 131072, False, 1e6,  1e-5),
-    # and Mistral 7B v0.3 (no sliding window).
+    # Mistral 7B v0.3 (no sliding window),
     "mistral-7b":       ("llama", 32768,  4096,  32,    32,   8,  14336, 32768,  False, 1e6,  1e-5),
+    # and Qwen3 0.6B ... 32B (q/k norms, head_dim 128 whatever the width: _QWEN3).
+    "qwen3-0.6b":       ("llama", 151936, 1024,  28,    16,   8,  3072,  40960,  True,  1e6,  1e-6),
+    "qwen3-1.7b":       ("llama", 151936, 2048,  28,    16,   8,  6144,  40960,  True,  1e6,  1e-6),
+    "qwen3-4b":         ("llama", 151936, 2560,  36,    32,   8,  9728,  40960,  True,  1e6,  1e-6),
+    "qwen3-8b":         ("llama", 151936, 4096,  36,    32,   8,  12288, 40960,  False, 1e6,  1e-6),
+    "qwen3-14b":        ("llama", 151936, 5120,  40,    40,   8,  17408, 40960,  False, 1e6,  1e-6),
+    "qwen3-32b":        ("llama", 151936, 5120,  64,    64,   8,  25600, 40960,  False, 1e6,  1e-6),
 }
 # fmt: on
 # The other size fields: llama-tiny's, and every size's except where _DIFFERENT says.
@@ -158,7 +170,9 @@ _REST: dict[str, Any] = dict(
     rope_low_freq_factor=1.0,
     rope_high_freq_factor=4.0,
     rope_original_max_len=8192,
+    head_size=0,
     attention_bias=False,
+    qk_norm=False,
     sliding_window=0,
     hf_model_type="",
 )
@@ -167,6 +181,7 @@ _LLAMA3_ROPE = dict(
     rope_type="llama3", rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_len=8192
 )
 _QWEN2 = dict(attention_bias=True, hf_model_type="qwen2")  # q, k, v biases
+_QWEN3 = dict(qk_norm=True, head_size=128, hf_model_type="qwen3")  # q/k norms; head_dim 128 at every width
 _DIFFERENT: dict[str, dict[str, Any]] = {
     "llama-3.1-8b": {**_LLAMA3_ROPE, "rope_factor": 8.0},
     "llama-3.1-70b": {**_LLAMA3_ROPE, "rope_factor": 8.0},
@@ -176,6 +191,7 @@ _DIFFERENT: dict[str, dict[str, Any]] = {
     "qwen2.5-7b": _QWEN2,
     "qwen2.5-14b": _QWEN2,
     "mistral-7b": {"hf_model_type": "mistral"},
+    **{f"qwen3-{size}": _QWEN3 for size in ("0.6b", "1.7b", "4b", "8b", "14b", "32b")},
 }
 
 SIZE_SHAPES: Mapping[str, Mapping[str, Any]] = MappingProxyType(

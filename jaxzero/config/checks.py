@@ -75,9 +75,12 @@ def validate_model(m: ModelConfig) -> None:
     ):
         if getattr(m, k) < 1:
             raise ConfigError(f"model.{k}={getattr(m, k)} must be >= 1.")
-    if m.hidden_size % m.num_heads:
+    if m.head_size < 0:
+        raise ConfigError(f"model.head_size={m.head_size} must be >= 1, or 0 for hidden_size / num_heads.")
+    if not m.head_size and m.hidden_size % m.num_heads:
         raise ConfigError(
-            f"model.hidden_size={m.hidden_size} must be divisible by model.num_heads={m.num_heads}."
+            f"model.hidden_size={m.hidden_size} must be divisible by model.num_heads={m.num_heads} "
+            "(or set model.head_size, the width of each head)."
         )
     if m.num_heads % m.num_kv_heads:
         raise ConfigError(
@@ -87,7 +90,7 @@ def validate_model(m: ModelConfig) -> None:
     if m.family == "llama" and m.head_dim % 2:
         raise ConfigError(
             f"rotary embeddings need an even head_dim; got {m.head_dim} "
-            f"(hidden_size={m.hidden_size} / num_heads={m.num_heads})."
+            f"(model.head_size={m.head_size}, hidden_size={m.hidden_size} / num_heads={m.num_heads})."
         )
     if m.family == "gpt2" and m.num_kv_heads != m.num_heads:
         raise ConfigError(
@@ -98,12 +101,14 @@ def validate_model(m: ModelConfig) -> None:
         llama_only = {
             "rope_type": "default",
             "attention_bias": False,
+            "qk_norm": False,
+            "head_size": 0,
             "sliding_window": 0,
         }
         bad = [f"model.{k}={getattr(m, k)!r}" for k, v in llama_only.items() if getattr(m, k) != v]
         if bad:
             raise ConfigError(f"{', '.join(bad)}: Llama-family settings; gpt2 has none of them.")
-    hf_types = {"llama": ("", "llama", "qwen2", "mistral"), "gpt2": ("", "gpt2")}[m.family]
+    hf_types = {"llama": ("", "llama", "qwen2", "qwen3", "mistral"), "gpt2": ("", "gpt2")}[m.family]
     if m.hf_model_type not in hf_types:
         raise ConfigError(
             f"model.hf_model_type={m.hf_model_type!r} cannot describe a {m.family} model; one of {hf_types}."
@@ -111,6 +116,23 @@ def validate_model(m: ModelConfig) -> None:
     if m.hf_model_type == "qwen2" and not m.attention_bias:
         raise ConfigError(
             "model.hf_model_type='qwen2' needs model.attention_bias=true (Qwen2 biases q, k, v)."
+        )
+    if m.hf_model_type == "qwen3" and (not m.qk_norm or m.attention_bias):
+        raise ConfigError(
+            f"model.hf_model_type='qwen3' needs model.qk_norm=true and model.attention_bias=false (Qwen3 "
+            f"normalises q and k heads; its attention_bias also biases o_proj); got qk_norm={m.qk_norm}, "
+            f"attention_bias={m.attention_bias}."
+        )
+    if m.family == "llama" and m.hf_model_type in ("llama", "qwen2", "mistral") and m.qk_norm:
+        raise ConfigError(
+            f"model.qk_norm=true has no {m.hf_model_type} counterpart in transformers; use "
+            "model.hf_model_type=qwen3 or ''."
+        )
+    if m.family == "llama" and not m.qk_norm and m.head_size and m.head_size * m.num_heads != m.hidden_size:
+        raise ConfigError(
+            f"model.head_size={m.head_size} x model.num_heads={m.num_heads} != model.hidden_size="
+            f"{m.hidden_size}: a head width of its own is Qwen3's (model.qk_norm=true); Llama, Qwen2 and "
+            "Mistral checkpoints derive it from hidden_size / num_heads. Set model.head_size=0."
         )
     if m.attention_bias and m.hf_model_type in ("llama", "mistral"):
         raise ConfigError(
@@ -448,7 +470,7 @@ def _validate_finetune(cfg: TrainConfig) -> None:
     )
     _need(
         cfg.model.family == "llama",
-        f"finetune.method=lora adapts the llama family's projections (Llama, Qwen2, Mistral); "
+        f"finetune.method=lora adapts the llama family's projections (Llama, Qwen2, Qwen3, Mistral); "
         f"model.family={cfg.model.family!r} has none of PEFT's names: use finetune.method=full.",
     )
     _need(f.lora_rank >= 1, f"finetune.lora_rank={f.lora_rank} must be >= 1 (16 is common).")

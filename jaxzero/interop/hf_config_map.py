@@ -1,10 +1,11 @@
 """Translate between a transformers `config.json` and jaxzero's ModelConfig, in both directions.
 
 Supported: the Llama family (`LlamaForCausalLM` "llama" with default, linear or llama3 rope scaling;
-`Qwen2ForCausalLM` "qwen2", biases on q, k, v; `MistralForCausalLM` "mistral"; tied or untied head,
-grouped-query attention) and GPT-2 (`GPT2LMHeadModel`, model_type "gpt2"). Anything these models
-cannot compute exactly (dynamic/yarn/longrope rope, partial rotary, o_proj or MLP biases, a head_dim
-other than hidden_size / num_heads, other activations, quantized weights, ...) is refused with a
+`Qwen2ForCausalLM` "qwen2", biases on q, k, v; `Qwen3ForCausalLM` "qwen3", q/k norms and a head_dim of
+its own; `MistralForCausalLM` "mistral"; tied or untied head, grouped-query attention) and GPT-2
+(`GPT2LMHeadModel`, model_type "gpt2"). Anything these models cannot compute exactly
+(dynamic/yarn/longrope rope, partial rotary, o_proj or MLP biases, a head_dim other than hidden_size /
+num_heads outside Qwen3, other activations, quantized weights, ...) is refused with a
 ConfigError that names the field, rather than loaded into a model that would silently compute
 something else. A sliding window is kept in ModelConfig.sliding_window, and runs longer than it are
 refused (`jaxzero.config.checks.validate`).
@@ -60,14 +61,28 @@ _GPT2_DEFAULTS: dict[str, Any] = {
     "tie_word_embeddings": True,
 }
 # The Llama-family model types and their causal-LM classes.
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
-# Defaults of Qwen2Config / MistralConfig (transformers 5) that differ from LlamaConfig's.
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
+# Defaults of Qwen2Config / Qwen3Config / MistralConfig (transformers 5) that differ from LlamaConfig's.
 _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {},
     "qwen2": {
         "vocab_size": 151936,
         "intermediate_size": 22016,
         "max_position_embeddings": 32768,
+        "use_sliding_window": False,
+        "sliding_window": 4096,
+        "max_window_layers": 28,
+    },
+    "qwen3": {
+        "vocab_size": 151936,
+        "intermediate_size": 22016,
+        "max_position_embeddings": 32768,
+        "head_dim": 128,
         "use_sliding_window": False,
         "sliding_window": 4096,
         "max_window_layers": 28,
@@ -87,7 +102,8 @@ def hf_config(cfg: ModelConfig, dtype: str = "bfloat16") -> dict[str, Any]:
     """The transformers `config.json` (as a dict) of a `cfg`-shaped model whose weights are `dtype`.
 
     Llama family -> `LlamaForCausalLM` (model_type "llama"), or `Qwen2ForCausalLM` /
-    `MistralForCausalLM` as `cfg.hf_model_type` says (with q, k, v biases: Qwen2); GPT-2 ->
+    `Qwen3ForCausalLM` / `MistralForCausalLM` as `cfg.hf_model_type` says (with q, k, v biases: Qwen2;
+    with q/k norms: Qwen3); GPT-2 ->
     `GPT2LMHeadModel` (model_type "gpt2").
     Written for transformers 5 (`dtype`, `rope_parameters`) and readable by transformers 4 (`torch_dtype`,
     top-level `rope_theta`; transformers 5 reads both spellings). Token ids (bos/eos/pad) are null:
@@ -107,7 +123,8 @@ def hf_config(cfg: ModelConfig, dtype: str = "bfloat16") -> dict[str, Any]:
         "torch_dtype": dtype,
     }
     if cfg.family == "llama":
-        model_type = cfg.hf_model_type or ("qwen2" if cfg.attention_bias else "llama")
+        implied = "qwen3" if cfg.qk_norm else "qwen2" if cfg.attention_bias else "llama"
+        model_type = cfg.hf_model_type or implied
         rope: dict[str, Any] = {"rope_type": cfg.rope_type, "rope_theta": cfg.rope_theta}
         if cfg.rope_type != "default":
             rope["factor"] = cfg.rope_factor
@@ -139,7 +156,9 @@ def hf_config(cfg: ModelConfig, dtype: str = "bfloat16") -> dict[str, Any]:
         }
         if model_type == "llama":
             out.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
-        elif model_type == "qwen2":
+        elif model_type in ("qwen2", "qwen3"):
+            if model_type == "qwen3":
+                out.update(attention_bias=False)
             window = cfg.sliding_window or cfg.max_seq_len
             out.update(
                 use_sliding_window=bool(cfg.sliding_window),
@@ -277,7 +296,13 @@ def _llama_from_hf(d: Mapping[str, Any], model_type: str, name: str, where: str)
         unsupported.append("quantization_config (quantized weights)")
     hidden, heads = f.get_int("hidden_size"), f.get_int("num_attention_heads")
     head_dim = d.get("head_dim")
-    if head_dim is not None and heads and head_dim != hidden // heads:
+    if model_type == "qwen3":
+        head_dim = f.get_int("head_dim")  # a width of its own, whatever hidden_size / heads is
+        if d.get("attention_bias"):
+            unsupported.append(
+                "attention_bias=true (biases on q, k, v and o_proj; jaxzero's biases q, k, v only)"
+            )
+    elif head_dim is not None and heads and head_dim != hidden // heads:
         unsupported.append(
             f"head_dim={head_dim} != hidden_size/num_attention_heads = {hidden}/{heads} "
             "(jaxzero derives head_dim from the two)"
@@ -285,7 +310,7 @@ def _llama_from_hf(d: Mapping[str, Any], model_type: str, name: str, where: str)
     window = 0
     if model_type == "mistral" and f.raw("sliding_window") is not None:
         window = f.get_int("sliding_window")
-    if model_type == "qwen2" and f.get_bool("use_sliding_window"):
+    if model_type in ("qwen2", "qwen3") and f.get_bool("use_sliding_window"):
         window = f.get_int("sliding_window")
     if unsupported:
         raise ConfigError(f"{where}: unsupported {arch} features: " + "; ".join(unsupported) + ".")
@@ -306,7 +331,9 @@ def _llama_from_hf(d: Mapping[str, Any], model_type: str, name: str, where: str)
         rope_theta=float(theta),
         rope_type=rope_type,
         **scaling,
+        head_size=head_dim if model_type == "qwen3" else 0,
         attention_bias=model_type == "qwen2",
+        qk_norm=model_type == "qwen3",
         sliding_window=window,
         hf_model_type="" if model_type == "llama" else model_type,
         norm_eps=f.get_float("rms_norm_eps"),

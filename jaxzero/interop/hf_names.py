@@ -71,6 +71,9 @@ def _llama_units(cfg: ModelConfig) -> list[HFUnit]:
             )
             if cfg.attention_bias:
                 attn.append(HFTensor(f"{p}self_attn.{proj}.bias", ("self_attn", proj, "bias"), (width,)))
+        if cfg.qk_norm:
+            for norm in ("q_norm", "k_norm"):
+                attn.append(HFTensor(f"{p}self_attn.{norm}.weight", ("self_attn", norm, "scale"), (hd,)))
         units.append(
             HFUnit(
                 f"block {i}",

@@ -94,7 +94,7 @@ def _block_shapes(
     if model_cfg.family != "llama":
         raise ValueError(
             f"model {model_cfg.name!r} is of family {model_cfg.family!r}: PEFT LoRA adapters here are the "
-            "llama family's (Llama, Qwen2, Mistral) projections."
+            "llama family's (Llama, Qwen2, Qwen3, Mistral) projections."
         )
     shapes = block_adapter_shapes(Llama(model_cfg), ft)
     return {
@@ -376,7 +376,7 @@ def import_peft_adapter(
     if model_cfg.family != "llama":
         raise CheckpointError(
             f"model {model_cfg.name!r} is of family {model_cfg.family!r}: PEFT LoRA adapters here are the "
-            "llama family's (Llama, Qwen2, Mistral) projections."
+            "llama family's (Llama, Qwen2, Qwen3, Mistral) projections."
         )
     weights = src / ADAPTER_WEIGHTS_NAME
     with _open_weights(src) as reader:

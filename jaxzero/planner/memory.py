@@ -172,8 +172,8 @@ def transient_activations(
     (rows, heads, seq_len, seq_len) arrays: what document-aware attention compiled to on the GPU
     (BENCHMARKS.md, "on one H200: determinism, and document-aware attention's cost")."""
     compute = dtype_bytes(m.compute_dtype)
-    kv = m.hidden_size * m.num_kv_heads // m.num_heads
-    widths = 2 * (m.hidden_size + 2 * kv) + 2 * m.hidden_size + 4 * m.intermediate_size
+    q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    widths = 2 * (q + 2 * kv) + 2 * m.hidden_size + 4 * m.intermediate_size
     block = micro_tokens * widths * compute
     seq_len = seq_len or micro_tokens
     if documents:

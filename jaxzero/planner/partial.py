@@ -124,10 +124,11 @@ def model_flops_per_token(cfg: TrainConfig) -> float:
     """Model FLOPs per token of a run with a frozen part, in the accounting of the program's `tflops`
     and `mfu` (`jaxzero.models.sizes.flops_per_token`: no recomputation, PaLM's attention term): per
     matmul weight 2 for the forward pass, 2 more for the input gradient where a gradient flows through
-    it, 2 more for its own gradient where it trains; attention 4 x hidden x seq_len per layer forward,
-    12 where a gradient flows through it. LoRA's adapters themselves are left out (under 1%)."""
+    it, 2 more for its own gradient where it trains; attention 4 x heads x head_dim x seq_len per
+    layer forward, 12 where a gradient flows through it. LoRA's adapters themselves are left out
+    (under 1%)."""
     m, ft, seq = cfg.model, cfg.finetune, cfg.data.seq_len
-    per_block, attention = block_matmul_params(m), m.hidden_size * seq
+    per_block, attention = block_matmul_params(m), m.num_heads * m.head_dim * seq
     lowest = ft.lowest_trainable_block(m.num_layers)
     kept = ft.base_positions(m.num_layers) if ft.method == "full" else frozenset(range(m.num_layers + 2))
     flops = 0.0
