@@ -115,6 +115,26 @@ QWEN3 = dataclasses.replace(
     qk_norm=True,
     hf_model_type="qwen3",
 )
+# Gemma 3: layer 0 local (window 4 of the 16 positions, rope base 1e4), layer 1 global (rope base 1e6
+# scaled linearly by 4); heads of 32 where hidden / heads is 16; scores scaled by 24^-1/2; logits
+# soft-capped at 2.
+GEMMA3 = dataclasses.replace(
+    LLAMA,
+    name="gemma3-hf-test",
+    family="gemma3",
+    tie_embeddings=True,
+    rope_theta=1e6,
+    rope_type="linear",
+    rope_factor=4.0,
+    norm_eps=1e-6,
+    head_size=32,
+    sliding_window=4,
+    sliding_window_pattern=2,
+    rope_local_theta=1e4,
+    query_pre_attn_scalar=24,
+    final_logit_softcap=2.0,
+    hf_model_type="gemma3_text",
+)
 CONFIGS = {
     "llama": LLAMA,
     "llama_tied": LLAMA_TIED,
@@ -123,6 +143,7 @@ CONFIGS = {
     "qwen2": QWEN2,
     "mistral": MISTRAL,
     "qwen3": QWEN3,
+    "gemma3": GEMMA3,
     "gpt2": GPT2,
 }
 
@@ -171,7 +192,37 @@ def torch_model(key: str) -> torch.nn.Module:
     """
     torch.manual_seed(zlib.crc32(key.encode()))  # str hash() is salted per process: not reproducible
     c = CONFIGS[key]
-    if c.family == "llama":
+    if c.family == "gemma3":
+        model = transformers.Gemma3ForCausalLM(
+            transformers.Gemma3TextConfig(
+                vocab_size=VOCAB,
+                hidden_size=HIDDEN,
+                intermediate_size=c.intermediate_size,
+                num_hidden_layers=LAYERS,
+                num_attention_heads=c.num_heads,
+                num_key_value_heads=c.num_kv_heads,
+                head_dim=c.head_dim,
+                max_position_embeddings=SEQ,
+                rms_norm_eps=c.norm_eps,
+                rope_parameters={
+                    "full_attention": {
+                        "rope_type": "linear",
+                        "factor": c.rope_factor,
+                        "rope_theta": c.rope_theta,
+                    },
+                    "sliding_attention": {"rope_type": "default", "rope_theta": c.rope_local_theta},
+                },
+                sliding_window=c.sliding_window,
+                layer_types=["sliding_attention", "full_attention"],
+                query_pre_attn_scalar=c.query_pre_attn_scalar,
+                final_logit_softcapping=c.final_logit_softcap,
+                tie_word_embeddings=True,
+                pad_token_id=None,
+                bos_token_id=None,
+                eos_token_id=None,
+            )
+        )
+    elif c.family == "llama":
         common = dict(
             vocab_size=VOCAB,
             hidden_size=HIDDEN,
@@ -504,6 +555,7 @@ def test_export_loads_in_transformers(key: str, jax_params: dict, tmp_path: Path
         "qwen2": "Qwen2ForCausalLM",
         "qwen3": "Qwen3ForCausalLM",
         "mistral": "MistralForCausalLM",
+        "gemma3_text": "Gemma3ForCausalLM",
     }.get(cfg.hf_model_type, "GPT2LMHeadModel" if cfg.family == "gpt2" else "LlamaForCausalLM")
     assert type(model).__name__ == want_class
     if cfg.tie_embeddings:
@@ -571,6 +623,10 @@ def test_hf_config_round_trip() -> None:
             assert cfg.head_dim == (32 if cfg.qk_norm else 16)
             assert hf.rope_parameters == hf_rope(cfg)
             assert getattr(hf, "sliding_window", None) == (cfg.sliding_window or None)
+        elif cfg.family == "gemma3":
+            assert hf.layer_types == ["sliding_attention", "full_attention"] and hf.sliding_window == 4
+            assert hf.rope_parameters["full_attention"]["factor"] == cfg.rope_factor
+            assert hf.rope_parameters["sliding_attention"]["rope_theta"] == cfg.rope_local_theta
         else:
             assert (hf.n_embd, hf.n_inner, hf.activation_function) == (HIDDEN, 4 * HIDDEN, "gelu_new")
 
@@ -662,7 +718,7 @@ def test_export_rejects_params_that_do_not_match_the_config(jax_params: dict, tm
 # -------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("key", ["llama3", "llama_linear", "qwen2", "qwen3"])
+@pytest.mark.parametrize("key", ["llama3", "llama_linear", "qwen2", "qwen3", "gemma3"])
 def test_what_the_families_add_changes_the_logits(key: str, hf_checkpoints: dict) -> None:
     """The import tests could not pass without each feature: the checkpoint computed without its rope
     scaling, or without its q, k, v biases, misses transformers' logits by over 10x the import
@@ -686,12 +742,21 @@ def test_what_the_families_add_changes_the_logits(key: str, hf_checkpoints: dict
             for norm in ("q_norm", "k_norm"):
                 block["self_attn"][norm]["scale"][...] = 1.0
         plain = cfg
+    elif key == "gemma3":  # each of: the window, the local rope base, the global scaling, the cap
+        for change in (
+            dict(sliding_window=SEQ),
+            dict(rope_local_theta=cfg.rope_theta),
+            dict(rope_type="default"),
+            dict(final_logit_softcap=0.0),
+        ):
+            assert rel_err(jax_logits(dataclasses.replace(cfg, **change), params), want) > 1e-3, change
+        plain = dataclasses.replace(cfg, sliding_window_pattern=1)  # every layer global
     else:
         plain = dataclasses.replace(cfg, rope_type="default")
     assert rel_err(jax_logits(plain, params), want) > 1e-3
 
 
-@pytest.mark.parametrize("key", ["qwen3"])
+@pytest.mark.parametrize("key", ["qwen3", "gemma3"])
 def test_one_training_step_matches_transformers(key: str, hf_checkpoints: dict) -> None:
     """An imported checkpoint's first step through the offload engine (blocks streamed, the update on
     the host): its loss is transformers' loss of the same batch, and after one plain SGD step of both

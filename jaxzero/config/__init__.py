@@ -37,15 +37,13 @@ class ModelConfig:
     """
 
     name: str = "llama-tiny"  # a named size (sets every other model.* key) or hf:DIR, a HF checkpoint
-    family: Literal["llama", "gpt2"] = "llama"  # the architecture
+    family: Literal["llama", "gpt2", "gemma3"] = "llama"  # the architecture
     vocab_size: int = 256  # rows of the token embedding; every token id must be below it
     hidden_size: int = 128  # width of the residual stream
     num_layers: int = 4  # transformer blocks
     num_heads: int = 4  # attention (query) heads
     num_kv_heads: int = 2  # grouped-query attention; == num_heads is plain multi-head attention
-    # Width of each attention head (transformers' head_dim, which Qwen3 sets apart from the hidden
-    # size); 0: hidden_size / num_heads. `ModelConfig.head_dim` is the width either way.
-    head_size: int = 0
+    head_size: int = 0  # width of each head (HF's head_dim; Qwen3, Gemma 3); 0: hidden_size / num_heads
     intermediate_size: int = 384  # MLP width (SwiGLU for llama, GELU for gpt2)
     max_seq_len: int = 1024  # longest sequence (gpt2: rows of the position table)
     tie_embeddings: bool = False  # the output head reuses the token embedding (gpt2 always does)
@@ -62,9 +60,13 @@ class ModelConfig:
     # Sliding-window attention's window (Mistral v0.1, some Qwen2): 0 is none. Attention is computed
     # in full, which equals the windowed attention only while data.seq_len <= the window.
     sliding_window: int = 0
+    sliding_window_pattern: int = 0  # gemma3: every N-th layer global, the others windowed (any seq_len)
+    rope_local_theta: float = 0.0  # gemma3: the rotary base of the windowed layers
+    query_pre_attn_scalar: int = 0  # gemma3: scores scaled by its -1/2 power; 0: head_dim's
+    final_logit_softcap: float = 0.0  # gemma3: logits = cap * tanh(logits / cap); 0: none
     # The transformers model_type an export writes: "" is the family's own (llama, gpt2); Llama-family
     # checkpoints imported as qwen2, qwen3 or mistral keep theirs.
-    hf_model_type: Literal["", "llama", "qwen2", "qwen3", "mistral", "gpt2"] = ""
+    hf_model_type: Literal["", "llama", "qwen2", "qwen3", "mistral", "gpt2", "gemma3_text"] = ""
     norm_eps: float = 1e-5  # epsilon of RMSNorm / LayerNorm
     init_std: float = 0.02  # standard deviation of the random init of matrices
     # matmul and activation dtype (masters are float32); float16 adds dynamic loss scaling
@@ -161,6 +163,11 @@ _ROWS: dict[str, tuple[Any, ...]] = {
     "qwen3-8b":         ("llama", 151936, 4096,  36,    32,   8,  12288, 40960,  False, 1e6,  1e-6),
     "qwen3-14b":        ("llama", 151936, 5120,  40,    40,   8,  17408, 40960,  False, 1e6,  1e-6),
     "qwen3-32b":        ("llama", 151936, 5120,  64,    64,   8,  25600, 40960,  False, 1e6,  1e-6),
+    # Gemma 3 1B, 4B, 12B, 27B, text models (_GEMMA3: windows, local rope, head widths).
+    "gemma-3-1b":       ("gemma3", 262144, 1152, 26,    4,    1,  6912,  32768,  True,  1e6,  1e-6),
+    "gemma-3-4b":       ("gemma3", 262208, 2560, 34,    8,    4,  10240, 131072, True,  1e6,  1e-6),
+    "gemma-3-12b":      ("gemma3", 262208, 3840, 48,    16,   8,  15360, 131072, True,  1e6,  1e-6),
+    "gemma-3-27b":      ("gemma3", 262208, 5376, 62,    32,   16, 21504, 131072, True,  1e6,  1e-6),
 }
 # fmt: on
 # The other size fields: llama-tiny's, and every size's except where _DIFFERENT says.
@@ -174,6 +181,7 @@ _REST: dict[str, Any] = dict(
     attention_bias=False,
     qk_norm=False,
     sliding_window=0,
+    **dict(sliding_window_pattern=0, rope_local_theta=0.0, query_pre_attn_scalar=0, final_logit_softcap=0.0),
     hf_model_type="",
 )
 # Llama 3.1's rope scaling (transformers' "llama3"), each size with its own factor.
@@ -182,6 +190,11 @@ _LLAMA3_ROPE = dict(
 )
 _QWEN2 = dict(attention_bias=True, hf_model_type="qwen2")  # q, k, v biases
 _QWEN3 = dict(qk_norm=True, head_size=128, hf_model_type="qwen3")  # q/k norms; head_dim 128 at every width
+# Gemma 3: five local layers (window 1024, rope base 1e4) to one global; from 4B on, global rope linear x8.
+_GEMMA3 = dict(
+    sliding_window=1024, sliding_window_pattern=6, rope_local_theta=1e4, hf_model_type="gemma3_text"
+)
+_GEMMA3_LINEAR = {**_GEMMA3, "rope_type": "linear", "rope_factor": 8.0}
 _DIFFERENT: dict[str, dict[str, Any]] = {
     "llama-3.1-8b": {**_LLAMA3_ROPE, "rope_factor": 8.0},
     "llama-3.1-70b": {**_LLAMA3_ROPE, "rope_factor": 8.0},
@@ -192,6 +205,10 @@ _DIFFERENT: dict[str, dict[str, Any]] = {
     "qwen2.5-14b": _QWEN2,
     "mistral-7b": {"hf_model_type": "mistral"},
     **{f"qwen3-{size}": _QWEN3 for size in ("0.6b", "1.7b", "4b", "8b", "14b", "32b")},
+    "gemma-3-1b": {**_GEMMA3, "head_size": 256, "query_pre_attn_scalar": 256, "sliding_window": 512},
+    "gemma-3-4b": {**_GEMMA3_LINEAR, "head_size": 256, "query_pre_attn_scalar": 256},
+    "gemma-3-12b": {**_GEMMA3_LINEAR, "head_size": 256, "query_pre_attn_scalar": 256},
+    "gemma-3-27b": {**_GEMMA3_LINEAR, "head_size": 128, "query_pre_attn_scalar": 168},
 }
 
 SIZE_SHAPES: Mapping[str, Mapping[str, Any]] = MappingProxyType(

@@ -87,7 +87,7 @@ def validate_model(m: ModelConfig) -> None:
             f"model.num_heads={m.num_heads} must be divisible by model.num_kv_heads={m.num_kv_heads} "
             "(each key/value head serves a whole group of query heads)."
         )
-    if m.family == "llama" and m.head_dim % 2:
+    if m.family in ("llama", "gemma3") and m.head_dim % 2:
         raise ConfigError(
             f"rotary embeddings need an even head_dim; got {m.head_dim} "
             f"(model.head_size={m.head_size}, hidden_size={m.hidden_size} / num_heads={m.num_heads})."
@@ -108,7 +108,18 @@ def validate_model(m: ModelConfig) -> None:
         bad = [f"model.{k}={getattr(m, k)!r}" for k, v in llama_only.items() if getattr(m, k) != v]
         if bad:
             raise ConfigError(f"{', '.join(bad)}: Llama-family settings; gpt2 has none of them.")
-    hf_types = {"llama": ("", "llama", "qwen2", "qwen3", "mistral"), "gpt2": ("", "gpt2")}[m.family]
+    gemma_only = {"sliding_window_pattern": 0, "rope_local_theta": 0.0, "query_pre_attn_scalar": 0}
+    gemma_only["final_logit_softcap"] = 0.0
+    bad = [f"model.{k}={getattr(m, k)!r}" for k, v in gemma_only.items() if getattr(m, k) != v]
+    if m.family != "gemma3" and bad:
+        raise ConfigError(f"{', '.join(bad)}: Gemma 3 settings; model.family={m.family!r} has none of them.")
+    if m.family == "gemma3":
+        _validate_gemma3(m)
+    hf_types = {
+        "llama": ("", "llama", "qwen2", "qwen3", "mistral"),
+        "gpt2": ("", "gpt2"),
+        "gemma3": ("", "gemma3_text"),
+    }[m.family]
     if m.hf_model_type not in hf_types:
         raise ConfigError(
             f"model.hf_model_type={m.hf_model_type!r} cannot describe a {m.family} model; one of {hf_types}."
@@ -155,6 +166,25 @@ def validate_model(m: ModelConfig) -> None:
         )
 
 
+def _validate_gemma3(m: ModelConfig) -> None:
+    """Gemma 3's own rules: a tied head, its layer pattern and local rope base, no q/k/v biases."""
+    need = {
+        "model.tie_embeddings=true (Gemma 3's head is its embedding)": m.tie_embeddings,
+        "model.sliding_window_pattern >= 1 (every N-th layer global)": m.sliding_window_pattern >= 1,
+        "model.rope_local_theta > 0 (the local layers' rotary base)": m.rope_local_theta > 0,
+        "model.query_pre_attn_scalar >= 0 and model.final_logit_softcap >= 0": min(
+            m.query_pre_attn_scalar, m.final_logit_softcap
+        )
+        >= 0,
+        "model.attention_bias=false and model.qk_norm=false (its q/k norms are always there)": not (
+            m.attention_bias or m.qk_norm
+        ),
+    }
+    missing = [k for k, ok in need.items() if not ok]
+    if missing:
+        raise ConfigError(f"model.family=gemma3 needs {'; '.join(missing)}.")
+
+
 def _validate_finite(cfg: TrainConfig) -> None:
     """No setting is meaningful at inf or nan."""
     for section in (cfg.model, cfg.data, cfg.optimizer, cfg.fp16, cfg.logging):
@@ -197,7 +227,7 @@ def _validate_data(cfg: TrainConfig, num_devices: int | None) -> None:
         "raise model.max_seq_len.",
     )
     _need(
-        not m.sliding_window or d.seq_len <= m.sliding_window,
+        not m.sliding_window or m.family == "gemma3" or d.seq_len <= m.sliding_window,
         f"data.seq_len={d.seq_len} exceeds model.sliding_window={m.sliding_window}: jaxzero attends over "
         "the whole sequence, which equals this model's windowed attention only within one window. "
         f"Lower data.seq_len to at most {m.sliding_window}.",

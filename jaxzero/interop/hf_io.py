@@ -428,6 +428,10 @@ def _check_hf_config(cfg: ModelConfig, ckpt: Path, check_numerics: bool) -> None
         names += ["tie_embeddings", "attention_bias", "qk_norm", "head_dim"]
     if cfg.family == "gpt2":
         names.append("max_seq_len")
+    if cfg.family == "gemma3" and hf.family == "gemma3":
+        names += ["head_dim", "sliding_window", "sliding_window_pattern", "query_pre_attn_scalar"]
+        if check_numerics:
+            names += ["rope_theta", "rope_type", "rope_factor", "rope_local_theta", "final_logit_softcap"]
     if check_numerics:
         names += list(_NUMERIC_FIELDS)
         if cfg.family == "llama":

@@ -23,7 +23,7 @@ from jaxzero.models import ModelParams, build_model
 # The prefix of the base model's modules inside `*ForCausalLM` (transformers' `base_model_prefix`).
 # Checkpoints saved from the headless base class (`LlamaModel`, `GPT2Model`; e.g. the original
 # openai-community/gpt2 files) lack it, and transformers accepts both, so import does too.
-BASE_PREFIX = {"llama": "model.", "gpt2": "transformer."}
+BASE_PREFIX = {"llama": "model.", "gpt2": "transformer.", "gemma3": "model."}
 
 # Tensors some writers saved that are buffers or duplicates, not parameters: RoPE inverse frequencies
 # (old Llama checkpoints), GPT-2's causal-mask buffers `attn.bias`/`attn.masked_bias` (not the
@@ -32,6 +32,7 @@ BASE_PREFIX = {"llama": "model.", "gpt2": "transformer."}
 IGNORED = {
     "llama": re.compile(r"^(model\.)?layers\.\d+\.self_attn\.rotary_emb\.inv_freq$"),
     "gpt2": re.compile(r"^(transformer\.)?h\.\d+\.attn\.(bias|masked_bias)$|^lm_head\.weight$"),
+    "gemma3": re.compile(r"^lm_head\.weight$"),
 }
 
 
@@ -97,6 +98,39 @@ def _llama_units(cfg: ModelConfig) -> list[HFUnit]:
     return units
 
 
+def _gemma3_units(cfg: ModelConfig) -> list[HFUnit]:
+    d, f, v, hd = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
+    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    units = [HFUnit("embed", (HFTensor("model.embed_tokens.weight", ("embed_tokens", "embedding"), (v, d)),))]
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+
+        def norm(name: str, width: int = d) -> HFTensor:
+            return HFTensor(p + name + ".weight", tuple(name.split(".")) + ("scale",), (width,))  # noqa: B023
+
+        def linear(name: str, shape: tuple[int, int]) -> HFTensor:
+            return HFTensor(p + name + ".weight", (*name.split("."), "kernel"), shape, True)  # noqa: B023
+
+        tensors = (
+            norm("input_layernorm"),
+            linear("self_attn.q_proj", (d, q)),
+            linear("self_attn.k_proj", (d, kv)),
+            linear("self_attn.v_proj", (d, kv)),
+            linear("self_attn.o_proj", (q, d)),
+            norm("self_attn.q_norm", hd),
+            norm("self_attn.k_norm", hd),
+            norm("post_attention_layernorm"),
+            norm("pre_feedforward_layernorm"),
+            linear("mlp.gate_proj", (d, f)),
+            linear("mlp.up_proj", (d, f)),
+            linear("mlp.down_proj", (f, d)),
+            norm("post_feedforward_layernorm"),
+        )
+        units.append(HFUnit(f"block {i}", tensors))
+    units.append(HFUnit("head", (HFTensor("model.norm.weight", ("norm", "scale"), (d,)),)))
+    return units
+
+
 def _gpt2_units(cfg: ModelConfig) -> list[HFUnit]:
     d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     units = [
@@ -144,7 +178,7 @@ def _gpt2_units(cfg: ModelConfig) -> list[HFUnit]:
 def hf_units(cfg: ModelConfig) -> list[HFUnit]:
     """embed, block 0 .. block L-1, head: the units of `ModelParams` in order, with their HF tensors."""
     build_model(cfg)  # validates the shape (divisibility, even head_dim, gpt2 multi-head) first
-    return _llama_units(cfg) if cfg.family == "llama" else _gpt2_units(cfg)
+    return {"llama": _llama_units, "gpt2": _gpt2_units, "gemma3": _gemma3_units}[cfg.family](cfg)
 
 
 def hf_tensor_names(cfg: ModelConfig) -> list[str]:

@@ -38,7 +38,7 @@ NAMED_SIZES: Mapping[str, ModelConfig] = MappingProxyType(
 
 def ties_output(cfg: ModelConfig) -> bool:
     """Whether the output projection is the token embedding (`tie_embeddings`; gpt2 always is)."""
-    return cfg.tie_embeddings or cfg.family == "gpt2"
+    return cfg.tie_embeddings or cfg.family in ("gpt2", "gemma3")
 
 
 def block_matmul_params(cfg: ModelConfig) -> int:
@@ -46,13 +46,13 @@ def block_matmul_params(cfg: ModelConfig) -> int:
     d, f = cfg.hidden_size, cfg.intermediate_size
     q_width = cfg.num_heads * cfg.head_dim
     kv_width = cfg.num_kv_heads * cfg.head_dim
-    if cfg.family == "llama":
-        # q, k, v, o projections and the three SwiGLU matrices.
+    if cfg.family in ("llama", "gemma3"):
+        # q, k, v, o projections and the three SwiGLU (GeGLU) matrices.
         return d * q_width + 2 * d * kv_width + q_width * d + 3 * d * f
     if cfg.family == "gpt2":
         # fused qkv (D, 3D), attention c_proj (D, D), c_fc (D, F), mlp c_proj (F, D).
         return 3 * d * d + d * d + 2 * d * f
-    raise ConfigError(f"unknown model family {cfg.family!r}; choose 'llama' or 'gpt2'.")
+    raise ConfigError(f"unknown model family {cfg.family!r}; choose 'llama', 'gpt2' or 'gemma3'.")
 
 
 Shape = tuple[int, ...]
@@ -73,11 +73,16 @@ def unit_param_shapes(cfg: ModelConfig) -> tuple[list[Shape], list[Shape], list[
             block += [(cfg.head_dim,), (cfg.head_dim,)]  # one scale over each q head, one over each k head
         head = [(d,)] + ([] if cfg.tie_embeddings else [(d, v)])  # final norm (+ lm_head)
         return [(v, d)], block, head
+    if cfg.family == "gemma3":
+        # q, k, v, o, the three GeGLU matrices, four norms of the width, the q and k head norms
+        block = [(d, q_width), (d, kv_width), (d, kv_width), (q_width, d), (d, f), (d, f), (f, d)]
+        block += [(d,)] * 4 + [(cfg.head_dim,)] * 2
+        return [(v, d)], block, [(d,)]  # the embedding; the final norm (the head is always tied)
     if cfg.family == "gpt2":
         # fused qkv (D, 3D), attention c_proj, c_fc, mlp c_proj with their biases; ln_1, ln_2
         block = [(d, 3 * d), (3 * d,), (d, d), (d,), (d, f), (f,), (f, d), (d,), (d,), (d,), (d,), (d,)]
         return [(v, d), (cfg.max_seq_len, d)], block, [(d,), (d,)]  # wte, wpe; ln_f (always tied)
-    raise ConfigError(f"unknown model family {cfg.family!r}; choose 'llama' or 'gpt2'.")
+    raise ConfigError(f"unknown model family {cfg.family!r}; choose 'llama', 'gpt2' or 'gemma3'.")
 
 
 def unit_param_counts(cfg: ModelConfig) -> tuple[int, int, int]:
