@@ -643,6 +643,14 @@ def test_gemma3_sizes_are_the_released_configs(name: str) -> None:
     assert cfg.query_pre_attn_scalar == (168 if name == "gemma-3-27b" else 256)
 
 
+def test_gemma3_attention_flops_count_each_local_layer_over_its_window():
+    cfg = ModelConfig.named("gemma-3-12b")  # 48 layers: 8 global, 40 within 1024 positions
+    width, seq = cfg.num_heads * cfg.head_dim, 8192
+    want = 6 * matmul_param_count(cfg) + 12 * width * (8 * seq + 40 * 1024)
+    assert flops_per_token(cfg, seq) == want
+    assert flops_per_token(cfg, 512) == 6 * matmul_param_count(cfg) + 12 * width * 48 * 512
+
+
 @pytest.mark.parametrize("name", list(QWEN3_RELEASED))
 def test_qwen3_sizes_are_the_released_configs(name: str) -> None:
     """Each qwen3 size is its released config, and its count rounds to the published figures (the

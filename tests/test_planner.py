@@ -281,7 +281,7 @@ def test_plan_cli_prints_the_table_and_refuses_with_status_2(capsys, monkeypatch
     assert plan_main(["--offload.params=gpu"]) == 2  # the arguments are train's, checked the same way
 
 
-def test_plan_cli_plans_qwen3_14b_full_and_lora(capsys, monkeypatch):
+def test_plan_cli_plans_qwen3_and_gemma3(capsys, monkeypatch):
     monkeypatch.setattr(runtime, "backends_started", lambda: False)  # as in the program's fresh process
     box = ["--machine.gpu_gib=133", "--machine.host_gib=250", "--machine.cores=16"]
     run = ["--model.name=qwen3-14b", "--data.batch_size=16", "--data.seq_len=2048", *box]
@@ -291,6 +291,9 @@ def test_plan_cli_plans_qwen3_14b_full_and_lora(capsys, monkeypatch):
     assert "predicted step:" in out
     assert plan_main([*run, "--finetune.method=lora"]) == 0
     assert "plan for qwen3-14b" in capsys.readouterr().out
+    gemma = ["--model.name=gemma-3-27b", "--data.batch_size=8", "--data.seq_len=4096", *box]
+    assert plan_main([*gemma, "--finetune.method=lora"]) == 0
+    assert capsys.readouterr().out.startswith("plan for gemma-3-27b: 27.01B parameters, 8 x 4096")
 
 
 def test_cpu_backend_plans_with_host_ram_as_the_device_memory():

@@ -127,13 +127,23 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     The second term is the attention itself, in the accounting of the PaLM paper (Chowdhery et al.
     2022, appendix B): per layer and token, QK^T and the attention-weighted sum of V each take
     2 * seq_len * num_heads * head_dim forward FLOPs (hidden_size * seq_len but where heads have a
-    width of their own, as Qwen3's), times 3 for forward + backward. It is not halved for causal
+    width of their own, as Qwen3's; over a Gemma 3 local layer's window where shorter:
+    `attention_span`), times 3 for forward + backward. It is not halved for causal
     masking (the convention MFU numbers are quoted in), and does not depend on num_kv_heads (GQA
     shares k/v across heads but every query head still attends).
     Remat would add another forward pass; that is hardware FLOPs, not the model FLOPs MFU counts.
     """
     attention_width = cfg.num_heads * cfg.head_dim
-    return float(6 * matmul_param_count(cfg) + 12 * cfg.num_layers * attention_width * seq_len)
+    spans = sum(attention_span(cfg, i, seq_len) for i in range(cfg.num_layers))
+    return float(6 * matmul_param_count(cfg) + 12 * attention_width * spans)
+
+
+def attention_span(cfg: ModelConfig, layer: int, seq_len: int) -> int:
+    """The keys each query of block `layer` is counted against in the FLOP accounting: seq_len, or
+    a Gemma 3 local layer's window where that is shorter."""
+    if cfg.family == "gemma3" and (layer + 1) % cfg.sliding_window_pattern and cfg.sliding_window:
+        return min(seq_len, cfg.sliding_window)
+    return seq_len
 
 
 def projection_shapes(m: ModelConfig) -> dict[str, tuple[int, int]]:
