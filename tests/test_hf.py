@@ -756,6 +756,64 @@ def test_what_the_families_add_changes_the_logits(key: str, hf_checkpoints: dict
     assert rel_err(jax_logits(plain, params), want) > 1e-3
 
 
+def test_import_reads_the_text_model_of_gemma3_for_conditional_generation(tmp_path: Path) -> None:
+    """Gemma 3 4B-27B are released as Gemma3ForConditionalGeneration: the text model's tensors under
+    "language_model.", beside a vision tower. Import reads the text model, whose logits on text are
+    the multimodal model's."""
+    torch.manual_seed(3)
+    c = GEMMA3
+    text = transformers.Gemma3TextConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=c.num_heads,
+        num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        max_position_embeddings=SEQ,
+        sliding_window=c.sliding_window,
+        layer_types=["sliding_attention", "full_attention"],
+        query_pre_attn_scalar=c.query_pre_attn_scalar,
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    vision = transformers.SiglipVisionConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
+    model = transformers.Gemma3ForConditionalGeneration(
+        transformers.Gemma3Config(
+            text_config=text,
+            vision_config=vision,
+            mm_tokens_per_image=4,
+            image_token_index=VOCAB - 1,
+            boi_token_index=VOCAB - 3,
+            eoi_token_index=VOCAB - 2,
+        )
+    ).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1 and "language_model" in name:
+                p.copy_(0.1 * torch.randn_like(p))
+    model.save_pretrained(tmp_path / "mm")
+    with SafetensorsReader(tmp_path / "mm" / "model.safetensors") as r:
+        assert any(k.startswith("vision_tower.") for k in r) and "language_model.model.norm.weight" in r
+    tokens = np.where(TOKENS >= VOCAB - 3, 0, TOKENS)  # no image tokens
+    with torch.no_grad():
+        want = model(torch.from_numpy(tokens).long()).logits.float().numpy()
+    cfg, params = import_hf(tmp_path / "mm")
+    assert cfg.family == "gemma3" and cfg.sliding_window_pattern == 2 and cfg.head_dim == c.head_dim
+    cfg = dataclasses.replace(cfg, compute_dtype="float32", attention_impl="xla")
+    with jax.default_matmul_precision("highest"):
+        got = np.asarray(forward(build_model(cfg), params, jnp.asarray(tokens)))
+    assert rel_err(got, want) < 1e-4
+
+
 @pytest.mark.parametrize("key", ["qwen3", "gemma3"])
 def test_one_training_step_matches_transformers(key: str, hf_checkpoints: dict) -> None:
     """An imported checkpoint's first step through the offload engine (blocks streamed, the update on

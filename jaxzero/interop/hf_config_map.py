@@ -549,11 +549,16 @@ def model_config_from_hf(
         cfg = _gpt2_from_hf(d, name, where)
     elif model_type == "gemma3_text":
         cfg = _gemma3_from_hf(d, name, where)
+    elif model_type == "gemma3" and isinstance(d.get("text_config"), Mapping):
+        # Gemma3ForConditionalGeneration (4B-27B): its text model, the vision tower left out.
+        _check_architectures(d, ("Gemma3ForConditionalGeneration",), where)
+        cfg = _gemma3_from_hf(d["text_config"], name, f"{where} (text_config)")
     else:
         raise ConfigError(
             f"{where}: model_type={model_type!r} is not supported; jaxzero imports "
             + ", ".join(f"{t!r} ({a})" for t, a in _ARCHITECTURES.items())
-            + ", 'gpt2' (GPT2LMHeadModel) and 'gemma3_text' (Gemma3ForCausalLM)."
+            + ", 'gpt2' (GPT2LMHeadModel), 'gemma3_text' (Gemma3ForCausalLM) and 'gemma3' (the text model "
+            "of Gemma3ForConditionalGeneration)."
         )
     try:
         build_model(cfg)  # divisibility, even head_dim, ...: the same checks a run would make

@@ -23,6 +23,7 @@ import numpy as np
 from jaxzero.config import CheckpointError, ConfigError, ModelConfig
 from jaxzero.interop.hf_config_map import CONFIG_NAME, EXPORT_DTYPES, hf_config, model_config_from_hf
 from jaxzero.interop.hf_names import (
+    BASE_ALIASES,
     BASE_PREFIX,
     IGNORED,
     HFUnit,
@@ -293,7 +294,8 @@ def _params_by_unit(cfg: ModelConfig, ckpt: Path) -> ModelParams:
             for t in unit.tensors:
                 candidates = [t.hf_name]
                 if t.hf_name.startswith(prefix):
-                    candidates.append(t.hf_name[len(prefix) :])
+                    rest = t.hf_name[len(prefix) :]
+                    candidates += [rest] + [alias + rest for alias in BASE_ALIASES.get(cfg.family, ())]
                 name = next((c for c in candidates if c in where), None)
                 if name is None:
                     missing.append(t.hf_name)

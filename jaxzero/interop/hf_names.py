@@ -24,6 +24,10 @@ from jaxzero.models import ModelParams, build_model
 # Checkpoints saved from the headless base class (`LlamaModel`, `GPT2Model`; e.g. the original
 # openai-community/gpt2 files) lack it, and transformers accepts both, so import does too.
 BASE_PREFIX = {"llama": "model.", "gpt2": "transformer.", "gemma3": "model."}
+# Where else a family's base model may sit: Gemma 3 4B-27B are released as
+# Gemma3ForConditionalGeneration, whose text model's tensors are "language_model.model.*" on the
+# Hub ("model.language_model.*" inside transformers 5); import reads the text model from either.
+BASE_ALIASES = {"gemma3": ("language_model.model.", "model.language_model.")}
 
 # Tensors some writers saved that are buffers or duplicates, not parameters: RoPE inverse frequencies
 # (old Llama checkpoints), GPT-2's causal-mask buffers `attn.bias`/`attn.masked_bias` (not the
@@ -32,7 +36,9 @@ BASE_PREFIX = {"llama": "model.", "gpt2": "transformer.", "gemma3": "model."}
 IGNORED = {
     "llama": re.compile(r"^(model\.)?layers\.\d+\.self_attn\.rotary_emb\.inv_freq$"),
     "gpt2": re.compile(r"^(transformer\.)?h\.\d+\.attn\.(bias|masked_bias)$|^lm_head\.weight$"),
-    "gemma3": re.compile(r"^lm_head\.weight$"),
+    "gemma3": re.compile(
+        r"^(language_model\.)?lm_head\.weight$|^(model\.)?(vision_tower|multi_modal_projector)\."
+    ),
 }
 
 
