@@ -41,7 +41,11 @@ KVCache = tuple[jax.Array, jax.Array]
 
 
 class Model(Protocol):
-    """What every model family provides. All functions are pure and jit-able."""
+    """What every model family provides. All functions are pure and jit-able.
+
+    A family whose layers share one parameter structure but not one computation (Gemma 3's local and
+    global layers) also has `layer_input(i)`, a small pytree of arrays for block i, which `block` and
+    `block_step` then take as their `layer` argument (`layer_input` below)."""
 
     config: ModelConfig
 

@@ -465,6 +465,8 @@ def causal_attention(
         s = q.shape[1]
         near = (jnp.arange(s)[:, None] - jnp.arange(s)[None, :] < window)[None, None]  # (1, 1, S, S)
         mask = near if mask is None else mask & near
+        if impl == "cudnn":  # cuDNN's bias is per row: (B, 1, S, S), as the segments' mask is
+            mask = jnp.broadcast_to(mask, (q.shape[0], 1, s, s))
     if impl == "xla" and q.dtype == jnp.float16:
         # XLA's CPU backend has no float16 x float16 -> float32 dot, which the XLA path asks for;
         # float16 inputs are exact in float32, so attend there and round once at the end.

@@ -59,7 +59,7 @@ from jaxzero.offload.host_memory import copy_to
 from jaxzero.offload.timeline import StepClock, span
 from jaxzero.offload.trains import EVERY, FrozenPart, WholeUnits
 from jaxzero.plan import Tier
-from jaxzero.plan.placement import DEVICE, PINNED_HOST, OffloadPlacement, batch_rows_sharding
+from jaxzero.plan.placement import DEVICE, PINNED_HOST, OffloadPlacement, batch_rows_sharding, replicated
 
 
 def _f32(tree: Any) -> Any:
@@ -365,8 +365,9 @@ class StreamedModel:
         self._block_bwd = jax.jit(programs.block_bwd, donate_argnums=(2,))
         self._embed_grad = jax.jit(programs.embed_grad)
         self._global_norm = jax.jit(programs.global_norm)
-        # Each block's per-layer input (None for models without one), made once.
-        self._layers = [layer_input(model, i) for i in range(self.num_layers)]
+        # Each block's per-layer input (None for models without one), made once, on every device.
+        everywhere = replicated(placement.mesh)
+        self._layers = [jax.device_put(layer_input(model, i), everywhere) for i in range(self.num_layers)]
 
     def loss(
         self,
