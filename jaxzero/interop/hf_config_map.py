@@ -2,8 +2,9 @@
 
 Supported: the Llama family (`LlamaForCausalLM` "llama" with default, linear or llama3 rope scaling;
 `Qwen2ForCausalLM` "qwen2", biases on q, k, v; `Qwen3ForCausalLM` "qwen3", q/k norms and a head_dim of
-its own; `MistralForCausalLM` "mistral"; tied or untied head, grouped-query attention) and GPT-2
-(`GPT2LMHeadModel`, model_type "gpt2"). Anything these models cannot compute exactly
+its own; `MistralForCausalLM` "mistral"; tied or untied head, grouped-query attention), GPT-2
+(`GPT2LMHeadModel`, model_type "gpt2") and Gemma 3's text models (`Gemma3ForCausalLM` "gemma3_text",
+and the text model of `Gemma3ForConditionalGeneration` "gemma3"). Anything these models cannot compute exactly
 (dynamic/yarn/longrope rope, partial rotary, o_proj or MLP biases, a head_dim other than hidden_size /
 num_heads outside Qwen3, other activations, quantized weights, ...) is refused with a
 ConfigError that names the field, rather than loaded into a model that would silently compute
@@ -104,7 +105,7 @@ def hf_config(cfg: ModelConfig, dtype: str = "bfloat16") -> dict[str, Any]:
     Llama family -> `LlamaForCausalLM` (model_type "llama"), or `Qwen2ForCausalLM` /
     `Qwen3ForCausalLM` / `MistralForCausalLM` as `cfg.hf_model_type` says (with q, k, v biases: Qwen2;
     with q/k norms: Qwen3); GPT-2 ->
-    `GPT2LMHeadModel` (model_type "gpt2").
+    `GPT2LMHeadModel` (model_type "gpt2"); Gemma 3 -> `Gemma3ForCausalLM` (model_type "gemma3_text").
     Written for transformers 5 (`dtype`, `rope_parameters`) and readable by transformers 4 (`torch_dtype`,
     top-level `rope_theta`; transformers 5 reads both spellings). Token ids (bos/eos/pad) are null:
     jaxzero does not know the tokenizer; set them if you ship one. Dropout is 0, as jaxzero trains.
