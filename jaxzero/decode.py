@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxzero.config import ConfigError, ModelConfig
-from jaxzero.models import KVCache, ModelParams, build_model
+from jaxzero.models import KVCache, ModelParams, build_model, layer_input
 from jaxzero.models.layers import cast_tree, compute_dtype
 
 # Free accelerator memory kept unused when deciding whether the weights fit.
@@ -93,6 +93,7 @@ class Generator:
         m = self.model
         self._embed = jax.jit(m.embed_step)
         self._block = jax.jit(m.block_step, donate_argnums=(2,))  # the cache is updated in place
+        self._layers = [layer_input(m, i) for i in range(len(self.blocks))]  # None without one
         self._head = jax.jit(lambda h, e, x: m.head(h, e, x[:, -1:])[:, 0])  # the last position's logits
         self._sample = jax.jit(sample_next, static_argnames=("temperature", "top_p"))
 
@@ -101,7 +102,8 @@ class Generator:
         for i, block in enumerate(self.blocks):
             if self.streamed:
                 block = jax.device_put(block, self._on_device)
-            x, caches[i] = self._block(block, x, caches[i], jnp.int32(pos))
+            layer = () if self._layers[i] is None else (self._layers[i],)
+            x, caches[i] = self._block(block, x, caches[i], jnp.int32(pos), *layer)
         return self._head(self.head, self.embed, x)
 
     def generate(self, prompt: Sequence[int], sampling: Sampling, stop_id: int | None = None) -> list[int]:

@@ -58,6 +58,22 @@ from jaxzero.planner import memory
             "model.attention_bias=true has no mistral counterpart",
         ),
         (["--model.hf_model_type=gpt2"], "model.hf_model_type='gpt2' cannot describe a llama model"),
+        (["--model.hf_model_type=qwen3"], "model.hf_model_type='qwen3' needs model.qk_norm=true"),
+        (
+            ["--model.qk_norm=true", "--model.attention_bias=true", "--model.hf_model_type=qwen2"],
+            "model.qk_norm=true has no qwen2 counterpart",
+        ),
+        (["--model.head_size=64"], "model.head_size=64 x model.num_heads=4 != model.hidden_size=128"),
+        (["--model.name=gpt2-tiny", "--model.qk_norm=true"], "model.qk_norm=True: Llama-family settings"),
+        (["--model.head_size=-1"], "model.head_size=-1 must be >= 1, or 0"),
+        (["--model.sliding_window_pattern=6"], "model.sliding_window_pattern=6: Gemma 3 settings"),
+        (
+            ["--model.family=gemma3", "--model.tie_embeddings=true"],
+            "model.family=gemma3 needs model.sliding_window_pattern >= 1 (every N-th layer global); "
+            "model.rope_local_theta > 0",
+        ),
+        (["--model.name=gemma-3-1b", "--model.tie_embeddings=false"], "needs model.tie_embeddings=true"),
+        (["--model.qk_norm=true", "--model.head_size=33"], "rotary embeddings need an even head_dim; got 33"),
         (
             ["--model.rope_type=llama3", "--model.rope_factor=8", "--model.rope_low_freq_factor=4"],
             "needs 0 < model.rope_low_freq_factor < model.rope_high_freq_factor; got 4.0 and 4.0",

@@ -17,7 +17,7 @@ from jaxzero import decode
 from jaxzero.cli import generate as gen_lib
 from jaxzero.config import ConfigError, ModelConfig, TrainConfig
 from jaxzero.decode import Generator, Sampling, sample_next
-from jaxzero.models import build_model, forward
+from jaxzero.models import build_model, forward, layer_input
 from jaxzero.overrides import apply_overrides
 
 VARIANTS = {
@@ -29,6 +29,19 @@ VARIANTS = {
         rope_type="llama3",
         rope_factor=8.0,
         rope_original_max_len=16,
+    ),
+    "qwen3": dict(qk_norm=True, head_size=48, hf_model_type="qwen3"),
+    # Gemma 3: layers 0 and 2 local (window 4), 1 and 3 global, each with its rope base.
+    "gemma3": dict(
+        family="gemma3",
+        tie_embeddings=True,
+        head_size=48,
+        sliding_window=4,
+        sliding_window_pattern=2,
+        rope_local_theta=1e4,
+        query_pre_attn_scalar=24,
+        final_logit_softcap=30.0,
+        hf_model_type="gemma3_text",
     ),
 }
 
@@ -53,7 +66,8 @@ def test_cached_decoding_equals_the_full_forward_pass(name):
         def run(tok, pos):
             x = model.embed_step(params.embed, tok, jnp.int32(pos))
             for i, p in enumerate(params.blocks):
-                x, caches[i] = model.block_step(p, x, caches[i], jnp.int32(pos))
+                layer = () if layer_input(model, i) is None else (layer_input(model, i),)
+                x, caches[i] = model.block_step(p, x, caches[i], jnp.int32(pos), *layer)
             return np.asarray(model.head(params.head, params.embed, x))
 
         np.testing.assert_allclose(run(tokens[:, :8], 0), full[:, :8], atol=1e-5, rtol=0)

@@ -104,6 +104,37 @@ QWEN2 = dataclasses.replace(
 MISTRAL = dataclasses.replace(
     LLAMA, name="mistral-hf-test", rope_theta=1e6, sliding_window=SEQ, hf_model_type="mistral"
 )
+# Qwen3: q/k norms, and heads twice as wide as hidden_size / num_heads (the 0.6B and 4B's shape).
+QWEN3 = dataclasses.replace(
+    LLAMA,
+    name="qwen3-hf-test",
+    tie_embeddings=True,
+    rope_theta=1e6,
+    norm_eps=1e-6,
+    head_size=32,
+    qk_norm=True,
+    hf_model_type="qwen3",
+)
+# Gemma 3: layer 0 local (window 4 of the 16 positions, rope base 1e4), layer 1 global (rope base 1e6
+# scaled linearly by 4); heads of 32 where hidden / heads is 16; scores scaled by 24^-1/2; logits
+# soft-capped at 2.
+GEMMA3 = dataclasses.replace(
+    LLAMA,
+    name="gemma3-hf-test",
+    family="gemma3",
+    tie_embeddings=True,
+    rope_theta=1e6,
+    rope_type="linear",
+    rope_factor=4.0,
+    norm_eps=1e-6,
+    head_size=32,
+    sliding_window=4,
+    sliding_window_pattern=2,
+    rope_local_theta=1e4,
+    query_pre_attn_scalar=24,
+    final_logit_softcap=2.0,
+    hf_model_type="gemma3_text",
+)
 CONFIGS = {
     "llama": LLAMA,
     "llama_tied": LLAMA_TIED,
@@ -111,6 +142,8 @@ CONFIGS = {
     "llama_linear": LLAMA_LINEAR,
     "qwen2": QWEN2,
     "mistral": MISTRAL,
+    "qwen3": QWEN3,
+    "gemma3": GEMMA3,
     "gpt2": GPT2,
 }
 
@@ -159,7 +192,37 @@ def torch_model(key: str) -> torch.nn.Module:
     """
     torch.manual_seed(zlib.crc32(key.encode()))  # str hash() is salted per process: not reproducible
     c = CONFIGS[key]
-    if c.family == "llama":
+    if c.family == "gemma3":
+        model = transformers.Gemma3ForCausalLM(
+            transformers.Gemma3TextConfig(
+                vocab_size=VOCAB,
+                hidden_size=HIDDEN,
+                intermediate_size=c.intermediate_size,
+                num_hidden_layers=LAYERS,
+                num_attention_heads=c.num_heads,
+                num_key_value_heads=c.num_kv_heads,
+                head_dim=c.head_dim,
+                max_position_embeddings=SEQ,
+                rms_norm_eps=c.norm_eps,
+                rope_parameters={
+                    "full_attention": {
+                        "rope_type": "linear",
+                        "factor": c.rope_factor,
+                        "rope_theta": c.rope_theta,
+                    },
+                    "sliding_attention": {"rope_type": "default", "rope_theta": c.rope_local_theta},
+                },
+                sliding_window=c.sliding_window,
+                layer_types=["sliding_attention", "full_attention"],
+                query_pre_attn_scalar=c.query_pre_attn_scalar,
+                final_logit_softcapping=c.final_logit_softcap,
+                tie_word_embeddings=True,
+                pad_token_id=None,
+                bos_token_id=None,
+                eos_token_id=None,
+            )
+        )
+    elif c.family == "llama":
         common = dict(
             vocab_size=VOCAB,
             hidden_size=HIDDEN,
@@ -176,6 +239,8 @@ def torch_model(key: str) -> torch.nn.Module:
         )
         if key == "qwen2":
             model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+        elif key == "qwen3":
+            model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=c.head_dim))
         elif key == "mistral":
             model = transformers.MistralForCausalLM(
                 transformers.MistralConfig(**common, sliding_window=c.sliding_window)
@@ -486,9 +551,12 @@ def test_export_loads_in_transformers(key: str, jax_params: dict, tmp_path: Path
         assert list(r.tensors) and set(r) == set(hf_tensor_names(cfg))
         assert r.metadata["format"] == "pt"  # transformers 4 refuses metadata without it
     model = load_torch(tmp_path / "f32")
-    want_class = {"qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}.get(
-        cfg.hf_model_type, "GPT2LMHeadModel" if cfg.family == "gpt2" else "LlamaForCausalLM"
-    )
+    want_class = {
+        "qwen2": "Qwen2ForCausalLM",
+        "qwen3": "Qwen3ForCausalLM",
+        "mistral": "MistralForCausalLM",
+        "gemma3_text": "Gemma3ForCausalLM",
+    }.get(cfg.hf_model_type, "GPT2LMHeadModel" if cfg.family == "gpt2" else "LlamaForCausalLM")
     assert type(model).__name__ == want_class
     if cfg.tie_embeddings:
         emb = model.get_input_embeddings().weight
@@ -547,9 +615,18 @@ def test_hf_config_round_trip() -> None:
         # transformers parses it to the same shape.
         hf = transformers.AutoConfig.for_model(**d)
         if cfg.family == "llama":
-            assert (hf.hidden_size, hf.num_key_value_heads, hf.head_dim) == (HIDDEN, cfg.num_kv_heads, 16)
+            assert (hf.hidden_size, hf.num_key_value_heads, hf.head_dim) == (
+                HIDDEN,
+                cfg.num_kv_heads,
+                cfg.head_dim,
+            )
+            assert cfg.head_dim == (32 if cfg.qk_norm else 16)
             assert hf.rope_parameters == hf_rope(cfg)
             assert getattr(hf, "sliding_window", None) == (cfg.sliding_window or None)
+        elif cfg.family == "gemma3":
+            assert hf.layer_types == ["sliding_attention", "full_attention"] and hf.sliding_window == 4
+            assert hf.rope_parameters["full_attention"]["factor"] == cfg.rope_factor
+            assert hf.rope_parameters["sliding_attention"]["rope_theta"] == cfg.rope_local_theta
         else:
             assert (hf.n_embd, hf.n_inner, hf.activation_function) == (HIDDEN, 4 * HIDDEN, "gelu_new")
 
@@ -641,7 +718,7 @@ def test_export_rejects_params_that_do_not_match_the_config(jax_params: dict, tm
 # -------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("key", ["llama3", "llama_linear", "qwen2"])
+@pytest.mark.parametrize("key", ["llama3", "llama_linear", "qwen2", "qwen3", "gemma3"])
 def test_what_the_families_add_changes_the_logits(key: str, hf_checkpoints: dict) -> None:
     """The import tests could not pass without each feature: the checkpoint computed without its rope
     scaling, or without its q, k, v biases, misses transformers' logits by over 10x the import
@@ -654,9 +731,141 @@ def test_what_the_families_add_changes_the_logits(key: str, hf_checkpoints: dict
             for proj in ("q_proj", "k_proj", "v_proj"):
                 block["self_attn"][proj]["bias"][...] = 0.0
         plain = cfg
+    elif key == "qwen3":
+        # The q/k norms make each head's scale irrelevant: q and k three times larger, same logits;
+        # then the norms' own weights set to one.
+        for block in params.blocks:
+            for proj in ("q_proj", "k_proj"):
+                block["self_attn"][proj]["kernel"] *= 3.0
+        assert rel_err(jax_logits(cfg, params), want) < 1e-4
+        for block in params.blocks:
+            for norm in ("q_norm", "k_norm"):
+                block["self_attn"][norm]["scale"][...] = 1.0
+        plain = cfg
+    elif key == "gemma3":  # each of: the window, the local rope base, the global scaling, the cap
+        for change in (
+            dict(sliding_window=SEQ),
+            dict(rope_local_theta=cfg.rope_theta),
+            dict(rope_type="default"),
+            dict(final_logit_softcap=0.0),
+        ):
+            assert rel_err(jax_logits(dataclasses.replace(cfg, **change), params), want) > 1e-3, change
+        plain = dataclasses.replace(cfg, sliding_window_pattern=1)  # every layer global
     else:
         plain = dataclasses.replace(cfg, rope_type="default")
     assert rel_err(jax_logits(plain, params), want) > 1e-3
+
+
+def test_import_reads_the_text_model_of_gemma3_for_conditional_generation(tmp_path: Path) -> None:
+    """Gemma 3 4B-27B are released as Gemma3ForConditionalGeneration: the text model's tensors under
+    "language_model.", beside a vision tower. Import reads the text model, whose logits on text are
+    the multimodal model's."""
+    torch.manual_seed(3)
+    c = GEMMA3
+    text = transformers.Gemma3TextConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=c.num_heads,
+        num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        max_position_embeddings=SEQ,
+        sliding_window=c.sliding_window,
+        layer_types=["sliding_attention", "full_attention"],
+        query_pre_attn_scalar=c.query_pre_attn_scalar,
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    vision = transformers.SiglipVisionConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
+    model = transformers.Gemma3ForConditionalGeneration(
+        transformers.Gemma3Config(
+            text_config=text,
+            vision_config=vision,
+            mm_tokens_per_image=4,
+            image_token_index=VOCAB - 1,
+            boi_token_index=VOCAB - 3,
+            eoi_token_index=VOCAB - 2,
+        )
+    ).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1 and "language_model" in name:
+                p.copy_(0.1 * torch.randn_like(p))
+    model.save_pretrained(tmp_path / "mm")
+    with SafetensorsReader(tmp_path / "mm" / "model.safetensors") as r:
+        assert any(k.startswith("vision_tower.") for k in r) and "language_model.model.norm.weight" in r
+    tokens = np.where(TOKENS >= VOCAB - 3, 0, TOKENS)  # no image tokens
+    with torch.no_grad():
+        want = model(torch.from_numpy(tokens).long()).logits.float().numpy()
+    cfg, params = import_hf(tmp_path / "mm")
+    assert cfg.family == "gemma3" and cfg.sliding_window_pattern == 2 and cfg.head_dim == c.head_dim
+    cfg = dataclasses.replace(cfg, compute_dtype="float32", attention_impl="xla")
+    with jax.default_matmul_precision("highest"):
+        got = np.asarray(forward(build_model(cfg), params, jnp.asarray(tokens)))
+    assert rel_err(got, want) < 1e-4
+
+
+@pytest.mark.parametrize("key", ["qwen3", "gemma3"])
+def test_one_training_step_matches_transformers(key: str, hf_checkpoints: dict) -> None:
+    """An imported checkpoint's first step through the offload engine (blocks streamed, the update on
+    the host): its loss is transformers' loss of the same batch, and after one plain SGD step of both
+    the next step's loss is transformers' after its step, at float32 tolerance."""
+    from jaxzero.config import TrainConfig
+    from jaxzero.overrides import apply_overrides
+    from jaxzero.plan import placement
+    from jaxzero.trainer import build_trainer
+
+    path, _ = hf_checkpoints[key]
+    cfg, params = import_hf(path)
+    cfg = dataclasses.replace(cfg, compute_dtype="float32", attention_impl="xla")
+    lr = 0.5
+    run = apply_overrides(
+        dataclasses.replace(TrainConfig(), model=cfg),
+        {
+            "offload.optimizer": "cpu",
+            "offload.params": "cpu",
+            "data.seq_len": str(SEQ - 1),
+            "data.batch_size": "2",
+            "data.eot_id": "-2",
+            "optimizer.name": "sgd",
+            "optimizer.momentum": "0",
+            "optimizer.weight_decay": "0",
+            "optimizer.grad_clip": "0",
+            "optimizer.lr": str(lr),
+            "optimizer.warmup_steps": "0",
+            "optimizer.schedule": "constant",
+        },
+    )
+    trainer = build_trainer(run, placement.make_mesh(jax.devices()[:1]))
+    state = trainer.init_from_params(params)
+    losses = []
+    with jax.default_matmul_precision("highest"):
+        for _ in range(2):
+            state, m = trainer.step(state, trainer.put_batch(TOKENS[None]))
+            losses.append(float(m.loss))
+
+    model = load_torch(path, dtype=torch.float32)
+    ids = torch.from_numpy(TOKENS).long()
+    want = []
+    for _ in range(2):
+        loss = model(ids, labels=ids).loss  # the mean over every next-token target
+        want.append(float(loss.detach()))
+        model.zero_grad()
+        loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= lr * p.grad
+    np.testing.assert_allclose(losses, want, rtol=1e-5)
+    assert abs(want[1] - want[0]) > 1e-3  # the step moved the loss: the second one compares updates
 
 
 def test_sliding_windows() -> None:

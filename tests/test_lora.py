@@ -150,6 +150,26 @@ def test_a_streamed_base_trains_bitwise_as_a_resident_one():
     assert out[0][0][-1] < out[0][0][0]
 
 
+def test_a_streamed_gemma3_base_trains_bitwise_as_a_resident_one():
+    """Gemma 3's layers differ by their per-layer input (window, rope base), which the frozen-part
+    trainer's streamed schedule passes as the resident one does; an int8 base as well."""
+    gemma3 = {
+        "model.family": "gemma3",
+        "model.tie_embeddings": "true",
+        "model.head_size": "32",
+        "model.sliding_window": "8",
+        "model.sliding_window_pattern": "2",
+        "model.rope_local_theta": "1e4",
+        "model.hf_model_type": "gemma3_text",
+    }
+    out = resident_then_streamed(lora_cfg(**EXACT, **gemma3), 3)
+    assert out[0][0] == out[1][0]
+    assert all(np.array_equal(a, b) for a, b in zip(out[0][1], out[1][1]))
+    assert out[0][0][-1] < out[0][0][0]
+    int8 = resident_then_streamed(lora_cfg(**gemma3, **{"finetune.base_dtype": "int8"}), 2)
+    assert int8[0][0] == int8[1][0] and np.all(np.isfinite(int8[0][0]))
+
+
 def test_int8_kernels_stay_within_half_a_step_of_their_channel_and_dequantise_inside_the_block():
     rng = np.random.default_rng(0)
     k = rng.standard_normal((48, 40)).astype(np.float32) * rng.uniform(0.01, 3, (1, 40)).astype(np.float32)

@@ -569,6 +569,116 @@ PUBLISHED_COUNTS = {
 }
 
 
+def _qwen3_count(
+    hidden: int, layers: int, heads: int, kv: int, head_dim: int, mlp: int, vocab: int, tie: bool
+) -> int:
+    """Parameters of a Qwen3 checkpoint from its config.json's numbers, written out from
+    transformers' Qwen3ForCausalLM: per layer q, k, v, o (no biases), the SwiGLU's three matrices, two
+    RMSNorms of the width and the q/k norms of one head's width; the embedding, the final norm, and
+    the head unless tied."""
+    q, k = heads * head_dim, kv * head_dim
+    layer = hidden * q + 2 * hidden * k + q * hidden + 3 * hidden * mlp + 2 * hidden + 2 * head_dim
+    return vocab * hidden + layers * layer + hidden + (0 if tie else hidden * vocab)
+
+
+# The released Qwen3 configs (Qwen/Qwen3-*'s config.json: hidden_size, num_hidden_layers,
+# num_attention_heads, num_key_value_heads, head_dim, intermediate_size, vocab_size,
+# tie_word_embeddings), and the totals and non-embedding counts their model cards publish.
+QWEN3_RELEASED = {
+    "qwen3-0.6b": ((1024, 28, 16, 8, 128, 3072, 151936, True), "0.6B", "0.44B"),
+    "qwen3-1.7b": ((2048, 28, 16, 8, 128, 6144, 151936, True), "1.7B", "1.4B"),
+    "qwen3-4b": ((2560, 36, 32, 8, 128, 9728, 151936, True), "4.0B", "3.6B"),
+    "qwen3-8b": ((4096, 36, 32, 8, 128, 12288, 151936, False), "8.2B", "6.95B"),
+    "qwen3-14b": ((5120, 40, 40, 8, 128, 17408, 151936, False), "14.8B", "13.2B"),
+    "qwen3-32b": ((5120, 64, 64, 8, 128, 25600, 151936, False), "32.8B", "31.2B"),
+}
+PUBLISHED_COUNTS.update({name: _qwen3_count(*shape) for name, (shape, _, _) in QWEN3_RELEASED.items()})
+
+
+def _gemma3_count(hidden: int, layers: int, heads: int, kv: int, head_dim: int, mlp: int, vocab: int) -> int:
+    """Parameters of a Gemma 3 text model from its config's numbers, written out from transformers'
+    Gemma3ForCausalLM: per layer q, k, v, o (no biases), the GeGLU's three matrices, four RMSNorms of
+    the width and the q/k norms of one head's width; the embedding (the head is tied) and the final
+    norm."""
+    q, k = heads * head_dim, kv * head_dim
+    layer = hidden * q + 2 * hidden * k + q * hidden + 3 * hidden * mlp + 4 * hidden + 2 * head_dim
+    return vocab * hidden + layers * layer + hidden
+
+
+# The released Gemma 3 text configs (google/gemma-3-1b-pt's config.json, and the text_config of the 4B,
+# 12B and 27B: hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim,
+# intermediate_size, vocab_size), and their text models' published sizes (the 4B, 12B and 27B
+# checkpoints also hold a ~0.42B vision tower, which is not counted here: 4.3B, 12.2B, 27.4B in all).
+GEMMA3_RELEASED = {
+    "gemma-3-1b": ((1152, 26, 4, 1, 256, 6912, 262144), 999_885_952),
+    "gemma-3-4b": ((2560, 34, 8, 4, 256, 10240, 262208), 3_880_263_168),
+    "gemma-3-12b": ((3840, 48, 16, 8, 256, 15360, 262208), 11_766_034_176),
+    "gemma-3-27b": ((5376, 62, 32, 16, 128, 21504, 262208), 27_009_346_304),
+}
+PUBLISHED_COUNTS.update({name: _gemma3_count(*shape) for name, (shape, _) in GEMMA3_RELEASED.items()})
+
+
+@pytest.mark.parametrize("name", list(GEMMA3_RELEASED))
+def test_gemma3_sizes_are_the_released_configs(name: str) -> None:
+    (hidden, layers, heads, kv, head_dim, mlp, vocab), published = GEMMA3_RELEASED[name]
+    cfg = ModelConfig.named(name)
+    assert _gemma3_count(hidden, layers, heads, kv, head_dim, mlp, vocab) == published
+    assert (cfg.family, cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (
+        "gemma3",
+        hidden,
+        layers,
+        heads,
+        kv,
+        head_dim,
+    )
+    assert (cfg.intermediate_size, cfg.vocab_size, cfg.tie_embeddings) == (mlp, vocab, True)
+    # Five local layers of window 512 (1B) or 1024 to one global; global rope scaled by 8 from 4B on.
+    assert (cfg.sliding_window_pattern, cfg.sliding_window, cfg.rope_local_theta, cfg.rope_theta) == (
+        6,
+        512 if name == "gemma-3-1b" else 1024,
+        1e4,
+        1e6,
+    )
+    assert (cfg.rope_type, cfg.rope_factor) == (("default", 1.0) if name == "gemma-3-1b" else ("linear", 8.0))
+    assert cfg.query_pre_attn_scalar == (168 if name == "gemma-3-27b" else 256)
+
+
+def test_gemma3_attention_flops_count_each_local_layer_over_its_window():
+    cfg = ModelConfig.named("gemma-3-12b")  # 48 layers: 8 global, 40 within 1024 positions
+    width, seq = cfg.num_heads * cfg.head_dim, 8192
+    want = 6 * matmul_param_count(cfg) + 12 * width * (8 * seq + 40 * 1024)
+    assert flops_per_token(cfg, seq) == want
+    assert flops_per_token(cfg, 512) == 6 * matmul_param_count(cfg) + 12 * width * 48 * 512
+
+
+@pytest.mark.parametrize("name", list(QWEN3_RELEASED))
+def test_qwen3_sizes_are_the_released_configs(name: str) -> None:
+    """Each qwen3 size is its released config, and its count rounds to the published figures (the
+    total, and the count without the embedding and the untied head)."""
+    (hidden, layers, heads, kv, head_dim, mlp, vocab, tie), total, non_embedding = QWEN3_RELEASED[name]
+    cfg = ModelConfig.named(name)
+    assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (
+        hidden,
+        layers,
+        heads,
+        kv,
+        head_dim,
+    )
+    assert (cfg.intermediate_size, cfg.vocab_size, cfg.tie_embeddings) == (mlp, vocab, tie)
+    assert (cfg.qk_norm, cfg.attention_bias, cfg.hf_model_type, cfg.rope_theta, cfg.norm_eps) == (
+        True,
+        False,
+        "qwen3",
+        1e6,
+        1e-6,
+    )
+    count = param_count(cfg)
+    embeddings = vocab * hidden * (1 if tie else 2)
+    for n, published in ((count, total), (count - embeddings, non_embedding)):
+        digits = len(published.split(".")[1]) - 1  # as many as the card gives
+        assert f"{n / 1e9:.{digits}f}B" == published
+
+
 def _eval_shape_count(cfg: ModelConfig) -> int:
     shapes = jax.eval_shape(build_model(cfg).init, jax.random.key(0))
     assert all(s.dtype == jnp.float32 for s in jax.tree.leaves(shapes))

@@ -179,6 +179,63 @@ def test_biased_llama3_rope_variant_offloads_like_resident(mode):
             assert rel(a, b) < param_tol, name
 
 
+# Qwen3's block: q/k norms (unit parameters, streamed and updated with the rest) and heads of a width
+# of their own (48, where hidden_size / num_heads is 32).
+QWEN3 = {"model.qk_norm": "true", "model.head_size": "48", "model.hf_model_type": "qwen3"}
+
+
+def test_qwen3_block_offloads_like_resident():
+    _, ref_state, ref_losses, ref_norms, ref_val = run(tiny("llama", "float32", **QWEN3))
+    _, state, losses, norms, val = run(
+        tiny("llama", "float32", **QWEN3, **MODES["zero3-offload"]), guard=True
+    )
+    param_tol, loss_tol = TOLERANCE["float32"]
+    np.testing.assert_allclose(losses, ref_losses, atol=loss_tol, rtol=0)
+    np.testing.assert_allclose(norms, ref_norms, rtol=param_tol)
+    assert abs(val - ref_val) < loss_tol and losses[-1] < losses[0]
+    flat = jax.tree_util.tree_flatten_with_path(jax.device_get(state.params))[0]
+    ref = jax.tree_util.tree_flatten_with_path(jax.device_get(ref_state.params))[0]
+    norms_seen = 0
+    for (path, a), (ref_path, b) in zip(flat, ref):
+        name = jax.tree_util.keystr(path)
+        assert name == jax.tree_util.keystr(ref_path)
+        assert rel(a, b) < param_tol, name
+        if name.endswith("_norm']['scale']"):
+            norms_seen += 1
+            assert np.asarray(a).shape == (48,) and not np.allclose(a, 1.0)  # trained, not left at init
+    assert norms_seen == 2 * 3
+
+
+# A Gemma 3 shape: layers 0 and 2 local (window 8 of the 32 positions), layer 1 global, each kind with its
+# rope base: one block program, the layer's kind its per-layer input.
+GEMMA3 = {
+    "model.family": "gemma3",
+    "model.tie_embeddings": "true",
+    "model.head_size": "48",
+    "model.sliding_window": "8",
+    "model.sliding_window_pattern": "2",
+    "model.rope_local_theta": "1e4",
+    "model.query_pre_attn_scalar": "24",
+    "model.final_logit_softcap": "30",
+    "model.hf_model_type": "gemma3_text",
+}
+
+
+def test_gemma3_block_offloads_like_resident():
+    _, ref_state, ref_losses, ref_norms, ref_val = run(tiny("llama", "float32", **GEMMA3))
+    _, state, losses, norms, val = run(
+        tiny("llama", "float32", **GEMMA3, **MODES["zero3-offload"]), guard=True
+    )
+    param_tol, loss_tol = TOLERANCE["float32"]
+    np.testing.assert_allclose(losses, ref_losses, atol=loss_tol, rtol=0)
+    np.testing.assert_allclose(norms, ref_norms, rtol=param_tol)
+    assert abs(val - ref_val) < loss_tol and losses[-1] < losses[0]
+    for a, b in zip(
+        jax.tree.leaves(jax.device_get(state.params)), jax.tree.leaves(jax.device_get(ref_state.params))
+    ):
+        assert rel(a, b) < param_tol
+
+
 def kinds(tree) -> set:
     return {(x.sharding.memory_kind, next(iter(x.devices())).platform) for x in jax.tree.leaves(tree)}
 

@@ -35,7 +35,7 @@ from jaxzero.interop.peft import (
     import_peft_adapter,
 )
 from jaxzero.interop.safetensors import load_file, save_file
-from jaxzero.models import Llama, ModelParams, forward
+from jaxzero.models import Llama, Model, ModelParams, build_model, forward
 from jaxzero.models.lora import merge_trees, quantize_kernel
 from jaxzero.primitives.deferred import is_deferred, resolved
 from jaxzero.storage.export_dir import ExportRefused
@@ -48,7 +48,7 @@ TOKENS = np.random.default_rng(0).integers(0, VOCAB, size=(2, SEQ), dtype=np.int
 LOGIT_ATOL = 1e-4
 
 # Per family: the transformers config's extras, and adapters on a few targets (a non-integer alpha / r
-# for Qwen2, every projection for Mistral).
+# for Qwen2, every projection for Mistral and Qwen3).
 FAMILIES: dict[str, dict[str, Any]] = {
     "llama": dict(
         hf={}, ft=FinetuneConfig(method="lora", lora_rank=4, lora_alpha=8, lora_targets="q,v,down")
@@ -57,6 +57,22 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "mistral": dict(
         hf={"sliding_window": SEQ},
         ft=FinetuneConfig(method="lora", lora_rank=4, lora_alpha=16, lora_targets="q,k,v,o,gate,up,down"),
+    ),
+    # Gemma 3: layer 0 local (window 4 of 12 positions), layer 1 global; sandwich norms, GeGLU.
+    "gemma3": dict(
+        hf={
+            "head_dim": 16,
+            "sliding_window": 4,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "query_pre_attn_scalar": 12,
+            "pad_token_id": None,
+        },
+        ft=FinetuneConfig(method="lora", lora_rank=4, lora_alpha=8, lora_targets="q,k,v,o,gate,up,down"),
+    ),
+    # Qwen3: q/k norms, heads twice as wide as hidden_size / num_heads; every projection.
+    "qwen3": dict(
+        hf={"head_dim": 16},
+        ft=FinetuneConfig(method="lora", lora_rank=4, lora_alpha=8, lora_targets="q,k,v,o,gate,up,down"),
     ),
 }
 
@@ -75,7 +91,7 @@ def torch_model(family: str) -> torch.nn.Module:
         max_position_embeddings=SEQ,
         rms_norm_eps=1e-6,
         initializer_range=0.1,
-        tie_word_embeddings=family == "qwen2",
+        tie_word_embeddings=family in ("qwen2", "gemma3"),
         bos_token_id=None,
         eos_token_id=None,
         **FAMILIES[family]["hf"],
@@ -84,6 +100,8 @@ def torch_model(family: str) -> torch.nn.Module:
         "llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig),
         "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config),
         "mistral": (transformers.MistralForCausalLM, transformers.MistralConfig),
+        "qwen3": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config),
+        "gemma3": (transformers.Gemma3ForCausalLM, transformers.Gemma3TextConfig),
     }
     model_cls, config_cls = classes[family]
     model = model_cls(config_cls(**common))
@@ -106,7 +124,7 @@ def torch_logits(model: torch.nn.Module) -> np.ndarray:
 def random_adapters(cfg: ModelConfig, ft: FinetuneConfig, seed: int) -> ModelParams:
     """Adapters of `ft`'s shapes with lora_a ~ N(0, 1/in) and lora_b ~ N(0, 0.25/r), both nonzero: each
     adapter's product is of the size of its base projection's output."""
-    shapes = init_adapters(jax.random.key(seed), Llama(cfg), ft)
+    shapes = init_adapters(jax.random.key(seed), build_model(cfg), ft)
     rng = np.random.default_rng(seed)
 
     def draw(path: tuple[Any, ...], x: jax.Array) -> np.ndarray:
@@ -124,7 +142,7 @@ def with_adapters(base: ModelParams, adapters: ModelParams) -> ModelParams:
     )
 
 
-def jax_logits(model: Llama, params: ModelParams) -> np.ndarray:
+def jax_logits(model: Model, params: ModelParams) -> np.ndarray:
     """(2, SEQ, VOCAB) float32 logits of jaxzero's forward, full-precision matmuls."""
     with jax.default_matmul_precision("highest"):
         return np.asarray(forward(model, params, jnp.asarray(TOKENS)))
@@ -152,8 +170,8 @@ class Case:
             load_torch(self.hf_dir), self.adapter_dir, is_trainable=trainable
         ).eval()
 
-    def lora_model(self) -> Llama:
-        return Llama(self.cfg, lora=lora_spec(self.ft))
+    def lora_model(self) -> Model:
+        return dataclasses.replace(build_model(self.cfg), lora=lora_spec(self.ft))
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -356,11 +374,11 @@ def test_merged_params_and_their_export(case: Case, tmp_path: Path) -> None:
                     assert got["kernel"].dtype == np.float32
                     # float32 rounding of an O(1) sum of r + 1 terms
                     assert max_diff(got["kernel"], want) <= 1e-6 * np.max(np.abs(want))
-                else:
-                    assert got["kernel"] is params["kernel"]
+                else:  # an unadapted projection's kernel and bias, or a q/k norm's scale (Qwen3)
+                    assert all(got[leaf] is params[leaf] for leaf in params)
     # The merged plain model computes the adapted one.
     adapted_logits = jax_logits(case.lora_model(), with_adapters(case.base, case.adapters))
-    merged_logits = jax_logits(Llama(case.cfg), merged)
+    merged_logits = jax_logits(build_model(case.cfg), merged)
     assert max_diff(merged_logits, adapted_logits) <= LOGIT_ATOL
     # PEFT's merge_and_unload, and our merged export read by transformers, give the same logits.
     peft_merged = torch_logits(case.peft_model().merge_and_unload())
@@ -393,7 +411,7 @@ def test_merge_of_an_int8_base(case: Case) -> None:
                 want = want + scale * (np.float64(pair["lora_a"]) @ np.float64(pair["lora_b"]))
             assert max_diff(got["kernel"], want) <= 1e-6 * np.max(np.abs(want))
     adapted_logits = jax_logits(case.lora_model(), with_adapters(base, case.adapters))
-    assert max_diff(jax_logits(Llama(case.cfg), merged), adapted_logits) <= LOGIT_ATOL
+    assert max_diff(jax_logits(build_model(case.cfg), merged), adapted_logits) <= LOGIT_ATOL
 
 
 def test_merge_of_a_deferred_base_is_deferred(case: Case) -> None:

@@ -155,9 +155,9 @@ def test_refusal_says_what_was_needed_and_what_would_fit():
     assert "of host RAM per process (118.8 GiB usable of 125.0 GiB)" in text  # 5% left free
     assert "To fit it, add more host RAM:" in text and "or a GPU with" in text
     assert "With this model no data.batch_size fits, not even 1" in text
-    # A checkpoint adds its buffer and one unit to host RAM, whatever the model: a 13B model with
-    # float32 moments fits with checkpoints on.
-    assert "the largest named model that fits with these settings is llama-13b (13.02B parameters)" in text
+    # A checkpoint adds its buffer and one unit to host RAM, whatever the model: a 14.8B model
+    # (Qwen3 14B, 40 blocks) with float32 moments fits with checkpoints on.
+    assert "the largest named model that fits with these settings is qwen3-14b (14.77B parameters)" in text
     # llama-13b with float32 moments fits that box with checkpoints on, saved in the background; with
     # 60 GiB of host RAM only bfloat16 moments fit.
     thirteen = choose(cfg(**{"model.name": "llama-13b"}), h200(139))
@@ -279,6 +279,21 @@ def test_plan_cli_prints_the_table_and_refuses_with_status_2(capsys, monkeypatch
     err = capsys.readouterr().err
     assert err.startswith("jaxzero: config error: llama-20b") and "the largest named model that fits" in err
     assert plan_main(["--offload.params=gpu"]) == 2  # the arguments are train's, checked the same way
+
+
+def test_plan_cli_plans_qwen3_and_gemma3(capsys, monkeypatch):
+    monkeypatch.setattr(runtime, "backends_started", lambda: False)  # as in the program's fresh process
+    box = ["--machine.gpu_gib=133", "--machine.host_gib=250", "--machine.cores=16"]
+    run = ["--model.name=qwen3-14b", "--data.batch_size=16", "--data.seq_len=2048", *box]
+    assert plan_main([*run, "--optimizer.state_dtype=bfloat16"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("plan for qwen3-14b: 14.77B parameters, 16 x 2048 = 32,768 tokens per step")
+    assert "predicted step:" in out
+    assert plan_main([*run, "--finetune.method=lora"]) == 0
+    assert "plan for qwen3-14b" in capsys.readouterr().out
+    gemma = ["--model.name=gemma-3-27b", "--data.batch_size=8", "--data.seq_len=4096", *box]
+    assert plan_main([*gemma, "--finetune.method=lora"]) == 0
+    assert capsys.readouterr().out.startswith("plan for gemma-3-27b: 27.01B parameters, 8 x 4096")
 
 
 def test_cpu_backend_plans_with_host_ram_as_the_device_memory():

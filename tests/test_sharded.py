@@ -206,6 +206,29 @@ def test_biased_llama3_rope_variant_sharded_over_four_devices_matches_one_device
             assert rel(a, b) < PARAM_TOL, name
 
 
+def test_gemma3_sharded_over_four_devices_matches_one_device():
+    """Gemma 3's per-layer inputs (window, rope frequencies) reach the one block program on a mesh as
+    on one device: ZeRO-3 offload over four devices trains as one device does."""
+    gemma3 = {
+        "model.family": "gemma3",
+        "model.tie_embeddings": "true",
+        "model.head_size": "32",
+        "model.sliding_window": "8",
+        "model.sliding_window_pattern": "2",
+        "model.rope_local_theta": "1e4",
+        "model.hf_model_type": "gemma3_text",
+    }
+    _, ref_state, ref_losses, _, _ = run(tiny("llama", **gemma3), devices=1)
+    cfg = tiny("llama", **gemma3, **OFFLOAD["params"], **{"parallel.zero_stage": "3"})
+    trainer, state, losses, _, _ = run(cfg, devices=4)
+    assert trainer.mesh.size == 4
+    np.testing.assert_allclose(losses, ref_losses, atol=LOSS_TOL, rtol=0)
+    for a, b in zip(
+        jax.tree.leaves(jax.device_get(state.params)), jax.tree.leaves(jax.device_get(ref_state.params))
+    ):
+        assert rel(a, b) < PARAM_TOL
+
+
 def test_zero3_offload_on_eight_devices_matches_one_device(tmp_path):
     """The 8-GPU node's layout on 8 fake CPU devices (a process of its own: the suite's have 4)."""
     from subprocess_run import run_program

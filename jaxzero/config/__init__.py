@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Any, Literal
+
+from jaxzero.config.sizes import SIZE_SHAPES
 
 
 class ConfigError(ValueError):
@@ -40,12 +40,13 @@ class ModelConfig:
 
     # a named size (sets every other model.* key), hf:DIR (a HF checkpoint) or orbax:DIR (an Orbax export)
     name: str = "llama-tiny"
-    family: Literal["llama", "gpt2"] = "llama"  # the architecture
+    family: Literal["llama", "gpt2", "gemma3"] = "llama"  # the architecture
     vocab_size: int = 256  # rows of the token embedding; every token id must be below it
     hidden_size: int = 128  # width of the residual stream
     num_layers: int = 4  # transformer blocks
     num_heads: int = 4  # attention (query) heads
     num_kv_heads: int = 2  # grouped-query attention; == num_heads is plain multi-head attention
+    head_size: int = 0  # width of each head (HF's head_dim; Qwen3, Gemma 3); 0: hidden_size / num_heads
     intermediate_size: int = 384  # MLP width (SwiGLU for llama, GELU for gpt2)
     max_seq_len: int = 1024  # longest sequence (gpt2: rows of the position table)
     tie_embeddings: bool = False  # the output head reuses the token embedding (gpt2 always does)
@@ -58,12 +59,17 @@ class ModelConfig:
     rope_high_freq_factor: float = 4.0  # llama3
     rope_original_max_len: int = 8192  # llama3: the context length pretraining used
     attention_bias: bool = False  # biases on the q, k and v projections (Qwen2)
+    qk_norm: bool = False  # RMSNorm of each query and key head before the rotary embedding (Qwen3)
     # Sliding-window attention's window (Mistral v0.1, some Qwen2): 0 is none. Attention is computed
     # in full, which equals the windowed attention only while data.seq_len <= the window.
     sliding_window: int = 0
+    sliding_window_pattern: int = 0  # gemma3: every N-th layer global, the others windowed (any seq_len)
+    rope_local_theta: float = 0.0  # gemma3: the rotary base of the windowed layers
+    query_pre_attn_scalar: int = 0  # gemma3: scores scaled by its -1/2 power; 0: head_dim's
+    final_logit_softcap: float = 0.0  # gemma3: logits = cap * tanh(logits / cap); 0: none
     # The transformers model_type an export writes: "" is the family's own (llama, gpt2); Llama-family
-    # checkpoints imported as qwen2 or mistral keep theirs.
-    hf_model_type: Literal["", "llama", "qwen2", "mistral", "gpt2"] = ""
+    # checkpoints imported as qwen2, qwen3 or mistral keep theirs.
+    hf_model_type: Literal["", "llama", "qwen2", "qwen3", "mistral", "gpt2", "gemma3_text"] = ""
     norm_eps: float = 1e-5  # epsilon of RMSNorm / LayerNorm
     init_std: float = 0.02  # standard deviation of the random init of matrices
     # matmul and activation dtype (masters are float32); float16 adds dynamic loss scaling
@@ -85,7 +91,8 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        """Width of each attention head: `head_size`, or hidden_size / num_heads where it is 0."""
+        return self.head_size or self.hidden_size // self.num_heads
 
 
 def _not_a_size(name: str) -> str:
@@ -110,96 +117,6 @@ def _not_a_size(name: str) -> str:
     )
 
 
-# The named sizes' shapes (published or released checkpoints'; parameter counts in
-# `jaxzero.models.sizes`): the fields of _ROW, then the settings in which a size differs from _REST.
-_ROW = (
-    "family",
-    "vocab_size",
-    "hidden_size",
-    "num_layers",
-    "num_heads",
-    "num_kv_heads",
-    "intermediate_size",
-    "max_seq_len",
-    "tie_embeddings",
-    "rope_theta",
-    "norm_eps",
-)
-# fmt: off
-_ROWS: dict[str, tuple[Any, ...]] = {
-    # name               family   vocab   hidden layers heads kv  mlp    context tied   theta eps
-    # Tiny shapes for tests and the default run.
-    "llama-tiny":       ("llama", 256,    128,   4,     4,    2,  384,   1024,   False, 1e4,  1e-5),
-    "gpt2-tiny":        ("gpt2",  256,    128,   4,     4,    4,  512,   1024,   True,  1e4,  1e-5),
-    # OpenAI GPT-2 (HF gpt2, gpt2-medium, gpt2-large, gpt2-xl): context 1024, MLP 4D, tied.
-    "gpt2-small":       ("gpt2",  50257,  768,   12,    12,   12, 3072,  1024,   True,  1e4,  1e-5),
-    "gpt2-medium":      ("gpt2",  50257,  1024,  24,    16,   16, 4096,  1024,   True,  1e4,  1e-5),
-    "gpt2-large":       ("gpt2",  50257,  1280,  36,    20,   20, 5120,  1024,   True,  1e4,  1e-5),
-    "gpt2-xl":          ("gpt2",  50257,  1600,  48,    25,   25, 6400,  1024,   True,  1e4,  1e-5),
-    # Llama 3.2 1B / 3B (tied) with plain RoPE, to train from scratch (the released checkpoints'
-    # rope scaling is llama-3.2-1b / llama-3.2-3b).
-    "llama-1b":         ("llama", 128256, 2048,  16,    32,   8,  8192,  131072, True,  5e5,  1e-5),
-    "llama-3b":         ("llama", 128256, 3072,  28,    24,   8,  8192,  131072, True,  5e5,  1e-5),
-    # Llama 2 7B / 13B (untied, multi-head).
-    "llama-7b":         ("llama", 32000,  4096,  32,    32,   32, 11008, 4096,   False, 1e4,  1e-5),
-    "llama-13b":        ("llama", 32000,  5120,  40,    40,   40, 13824, 4096,   False, 1e4,  1e-5),
-    # InternLM2-20B's Llama-style shape.
-    "llama-20b":        ("llama", 92544,  6144,  48,    48,   8,  16384, 32768,  False, 1e6,  1e-5),
-    # LLaMA-1 "30B" (33B).
-    "llama-30b":        ("llama", 32000,  6656,  60,    52,   52, 17920, 2048,   False, 1e4,  1e-6),
-    # Llama 2 70B (grouped-query attention, 8 key/value heads).
-    "llama-70b":        ("llama", 32000,  8192,  80,    64,   8,  28672, 4096,   False, 1e4,  1e-5),
-    # The shape benchmarked against DeepSpeed: Llama 3.2 3B's trunk, multi-head, Llama 2's vocabulary.
-    "llama-3.4b-bench": ("llama", 32000,  3072,  28,    24,   24, 8192,  4096,   False, 1e4,  1e-5),
-    # Released checkpoints (`model.name=hf:DIR` loads their weights): Meta's Llama 3.1 8B, 3.2 1B / 3B,
-    "llama-3.1-8b":     ("llama", 128256, 4096,  32,    32,   8,  14336, 131072, False, 5e5,  1e-5),
-    "llama-3.1-70b":    ("llama", 128256, 8192,  80,    64,   8,  28672, 131072, False, 5e5,  1e-5),
-    "llama-3.2-1b":     ("llama", 128256, 2048,  16,    32,   8,  8192,  131072, True,  5e5,  1e-5),
-    "llama-3.2-3b":     ("llama", 128256, 3072,  28,    24,   8,  8192,  131072, True,  5e5,  1e-5),
-    # Qwen2.5 0.5B, 7B, 14B,
-    "qwen2.5-0.5b":     ("llama", 151936, 896,   24,    14,   2,  4864,  32768,  True,  1e6,  1e-6),
-    "qwen2.5-7b":       ("llama", 152064, 3584,  28,    28,   4,  18944, 131072, False, 1e6,  1e-6),
-    "qwen2.5-14b":      ("llama", 152064, 5120,  48,    40,   8,  13824, 131072, False, 1e6,  1e-5),
-    # and Mistral 7B v0.3 (no sliding window).
-    "mistral-7b":       ("llama", 32768,  4096,  32,    32,   8,  14336, 32768,  False, 1e6,  1e-5),
-}
-# fmt: on
-# The other size fields: llama-tiny's, and every size's except where _DIFFERENT says.
-_REST: dict[str, Any] = dict(
-    rope_type="default",
-    rope_factor=1.0,
-    rope_low_freq_factor=1.0,
-    rope_high_freq_factor=4.0,
-    rope_original_max_len=8192,
-    attention_bias=False,
-    sliding_window=0,
-    hf_model_type="",
-)
-# Llama 3.1's rope scaling (transformers' "llama3"), each size with its own factor.
-_LLAMA3_ROPE = dict(
-    rope_type="llama3", rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_len=8192
-)
-_QWEN2 = dict(attention_bias=True, hf_model_type="qwen2")  # q, k, v biases
-_DIFFERENT: dict[str, dict[str, Any]] = {
-    "llama-3.1-8b": {**_LLAMA3_ROPE, "rope_factor": 8.0},
-    "llama-3.1-70b": {**_LLAMA3_ROPE, "rope_factor": 8.0},
-    "llama-3.2-1b": {**_LLAMA3_ROPE, "rope_factor": 32.0},
-    "llama-3.2-3b": {**_LLAMA3_ROPE, "rope_factor": 32.0},
-    "qwen2.5-0.5b": _QWEN2,
-    "qwen2.5-7b": _QWEN2,
-    "qwen2.5-14b": _QWEN2,
-    "mistral-7b": {"hf_model_type": "mistral"},
-}
-
-SIZE_SHAPES: Mapping[str, Mapping[str, Any]] = MappingProxyType(
-    {
-        name: MappingProxyType({**_REST, **dict(zip(_ROW, row)), **_DIFFERENT.get(name, {})})
-        for name, row in _ROWS.items()
-    }
-)
-"""Every named size's value of each shape field (those of `_ROW` and `_REST`), read-only; the keys
-are the valid values of `model.name`, each built by `ModelConfig.named` (`jaxzero.models.sizes.NAMED_SIZES`
-holds them as ModelConfigs)."""
 
 
 @dataclass(frozen=True)

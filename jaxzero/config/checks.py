@@ -75,19 +75,22 @@ def validate_model(m: ModelConfig) -> None:
     ):
         if getattr(m, k) < 1:
             raise ConfigError(f"model.{k}={getattr(m, k)} must be >= 1.")
-    if m.hidden_size % m.num_heads:
+    if m.head_size < 0:
+        raise ConfigError(f"model.head_size={m.head_size} must be >= 1, or 0 for hidden_size / num_heads.")
+    if not m.head_size and m.hidden_size % m.num_heads:
         raise ConfigError(
-            f"model.hidden_size={m.hidden_size} must be divisible by model.num_heads={m.num_heads}."
+            f"model.hidden_size={m.hidden_size} must be divisible by model.num_heads={m.num_heads} "
+            "(or set model.head_size, the width of each head)."
         )
     if m.num_heads % m.num_kv_heads:
         raise ConfigError(
             f"model.num_heads={m.num_heads} must be divisible by model.num_kv_heads={m.num_kv_heads} "
             "(each key/value head serves a whole group of query heads)."
         )
-    if m.family == "llama" and m.head_dim % 2:
+    if m.family in ("llama", "gemma3") and m.head_dim % 2:
         raise ConfigError(
             f"rotary embeddings need an even head_dim; got {m.head_dim} "
-            f"(hidden_size={m.hidden_size} / num_heads={m.num_heads})."
+            f"(model.head_size={m.head_size}, hidden_size={m.hidden_size} / num_heads={m.num_heads})."
         )
     if m.family == "gpt2" and m.num_kv_heads != m.num_heads:
         raise ConfigError(
@@ -98,12 +101,25 @@ def validate_model(m: ModelConfig) -> None:
         llama_only = {
             "rope_type": "default",
             "attention_bias": False,
+            "qk_norm": False,
+            "head_size": 0,
             "sliding_window": 0,
         }
         bad = [f"model.{k}={getattr(m, k)!r}" for k, v in llama_only.items() if getattr(m, k) != v]
         if bad:
             raise ConfigError(f"{', '.join(bad)}: Llama-family settings; gpt2 has none of them.")
-    hf_types = {"llama": ("", "llama", "qwen2", "mistral"), "gpt2": ("", "gpt2")}[m.family]
+    gemma_only = {"sliding_window_pattern": 0, "rope_local_theta": 0.0, "query_pre_attn_scalar": 0}
+    gemma_only["final_logit_softcap"] = 0.0
+    bad = [f"model.{k}={getattr(m, k)!r}" for k, v in gemma_only.items() if getattr(m, k) != v]
+    if m.family != "gemma3" and bad:
+        raise ConfigError(f"{', '.join(bad)}: Gemma 3 settings; model.family={m.family!r} has none of them.")
+    if m.family == "gemma3":
+        _validate_gemma3(m)
+    hf_types = {
+        "llama": ("", "llama", "qwen2", "qwen3", "mistral"),
+        "gpt2": ("", "gpt2"),
+        "gemma3": ("", "gemma3_text"),
+    }[m.family]
     if m.hf_model_type not in hf_types:
         raise ConfigError(
             f"model.hf_model_type={m.hf_model_type!r} cannot describe a {m.family} model; one of {hf_types}."
@@ -111,6 +127,23 @@ def validate_model(m: ModelConfig) -> None:
     if m.hf_model_type == "qwen2" and not m.attention_bias:
         raise ConfigError(
             "model.hf_model_type='qwen2' needs model.attention_bias=true (Qwen2 biases q, k, v)."
+        )
+    if m.hf_model_type == "qwen3" and (not m.qk_norm or m.attention_bias):
+        raise ConfigError(
+            f"model.hf_model_type='qwen3' needs model.qk_norm=true and model.attention_bias=false (Qwen3 "
+            f"normalises q and k heads; its attention_bias also biases o_proj); got qk_norm={m.qk_norm}, "
+            f"attention_bias={m.attention_bias}."
+        )
+    if m.family == "llama" and m.hf_model_type in ("llama", "qwen2", "mistral") and m.qk_norm:
+        raise ConfigError(
+            f"model.qk_norm=true has no {m.hf_model_type} counterpart in transformers; use "
+            "model.hf_model_type=qwen3 or ''."
+        )
+    if m.family == "llama" and not m.qk_norm and m.head_size and m.head_size * m.num_heads != m.hidden_size:
+        raise ConfigError(
+            f"model.head_size={m.head_size} x model.num_heads={m.num_heads} != model.hidden_size="
+            f"{m.hidden_size}: a head width of its own is Qwen3's (model.qk_norm=true); Llama, Qwen2 and "
+            "Mistral checkpoints derive it from hidden_size / num_heads. Set model.head_size=0."
         )
     if m.attention_bias and m.hf_model_type in ("llama", "mistral"):
         raise ConfigError(
@@ -131,6 +164,25 @@ def validate_model(m: ModelConfig) -> None:
             f"model.rope_original_max_len={m.rope_original_max_len} must be >= 1 and "
             f"model.sliding_window={m.sliding_window} >= 0."
         )
+
+
+def _validate_gemma3(m: ModelConfig) -> None:
+    """Gemma 3's own rules: a tied head, its layer pattern and local rope base, no q/k/v biases."""
+    need = {
+        "model.tie_embeddings=true (Gemma 3's head is its embedding)": m.tie_embeddings,
+        "model.sliding_window_pattern >= 1 (every N-th layer global)": m.sliding_window_pattern >= 1,
+        "model.rope_local_theta > 0 (the local layers' rotary base)": m.rope_local_theta > 0,
+        "model.query_pre_attn_scalar >= 0 and model.final_logit_softcap >= 0": min(
+            m.query_pre_attn_scalar, m.final_logit_softcap
+        )
+        >= 0,
+        "model.attention_bias=false and model.qk_norm=false (its q/k norms are always there)": not (
+            m.attention_bias or m.qk_norm
+        ),
+    }
+    missing = [k for k, ok in need.items() if not ok]
+    if missing:
+        raise ConfigError(f"model.family=gemma3 needs {'; '.join(missing)}.")
 
 
 def _validate_finite(cfg: TrainConfig) -> None:
@@ -175,7 +227,7 @@ def _validate_data(cfg: TrainConfig, num_devices: int | None) -> None:
         "raise model.max_seq_len.",
     )
     _need(
-        not m.sliding_window or d.seq_len <= m.sliding_window,
+        not m.sliding_window or m.family == "gemma3" or d.seq_len <= m.sliding_window,
         f"data.seq_len={d.seq_len} exceeds model.sliding_window={m.sliding_window}: jaxzero attends over "
         "the whole sequence, which equals this model's windowed attention only within one window. "
         f"Lower data.seq_len to at most {m.sliding_window}.",
@@ -447,8 +499,9 @@ def _validate_finetune(cfg: TrainConfig) -> None:
         "leave finetune.freeze empty, or use finetune.method=full to train the units it leaves.",
     )
     _need(
-        cfg.model.family == "llama",
-        f"finetune.method=lora adapts the llama family's projections (Llama, Qwen2, Mistral); "
+        cfg.model.family in ("llama", "gemma3"),
+        f"finetune.method=lora adapts the projections of the llama family (Llama, Qwen2, Qwen3, Mistral) "
+        f"and Gemma 3; "
         f"model.family={cfg.model.family!r} has none of PEFT's names: use finetune.method=full.",
     )
     _need(f.lora_rank >= 1, f"finetune.lora_rank={f.lora_rank} must be >= 1 (16 is common).")
@@ -496,8 +549,8 @@ def _validate_freeze(cfg: TrainConfig) -> None:
         "a run that trains every unit; leave them at auto, 0 and none.",
     )
     _need(
-        f.base_dtype != "int8" or cfg.model.family == "llama",
-        f"finetune.base_dtype=int8 quantises the llama family's projections; model.family="
+        f.base_dtype != "int8" or cfg.model.family in ("llama", "gemma3"),
+        f"finetune.base_dtype=int8 quantises the llama family's and Gemma 3's projections; model.family="
         f"{cfg.model.family!r}: use bfloat16.",
     )
     _need(

@@ -1,10 +1,12 @@
 """Translate between a transformers `config.json` and jaxzero's ModelConfig, in both directions.
 
 Supported: the Llama family (`LlamaForCausalLM` "llama" with default, linear or llama3 rope scaling;
-`Qwen2ForCausalLM` "qwen2", biases on q, k, v; `MistralForCausalLM` "mistral"; tied or untied head,
-grouped-query attention) and GPT-2 (`GPT2LMHeadModel`, model_type "gpt2"). Anything these models
-cannot compute exactly (dynamic/yarn/longrope rope, partial rotary, o_proj or MLP biases, a head_dim
-other than hidden_size / num_heads, other activations, quantized weights, ...) is refused with a
+`Qwen2ForCausalLM` "qwen2", biases on q, k, v; `Qwen3ForCausalLM` "qwen3", q/k norms and a head_dim of
+its own; `MistralForCausalLM` "mistral"; tied or untied head, grouped-query attention), GPT-2
+(`GPT2LMHeadModel`, model_type "gpt2") and Gemma 3's text models (`Gemma3ForCausalLM` "gemma3_text",
+and the text model of `Gemma3ForConditionalGeneration` "gemma3"). Anything these models cannot compute exactly
+(dynamic/yarn/longrope rope, partial rotary, o_proj or MLP biases, a head_dim other than hidden_size /
+num_heads outside Qwen3, other activations, quantized weights, ...) is refused with a
 ConfigError that names the field, rather than loaded into a model that would silently compute
 something else. A sliding window is kept in ModelConfig.sliding_window, and runs longer than it are
 refused (`jaxzero.config.checks.validate`).
@@ -60,14 +62,28 @@ _GPT2_DEFAULTS: dict[str, Any] = {
     "tie_word_embeddings": True,
 }
 # The Llama-family model types and their causal-LM classes.
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
-# Defaults of Qwen2Config / MistralConfig (transformers 5) that differ from LlamaConfig's.
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
+# Defaults of Qwen2Config / Qwen3Config / MistralConfig (transformers 5) that differ from LlamaConfig's.
 _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {},
     "qwen2": {
         "vocab_size": 151936,
         "intermediate_size": 22016,
         "max_position_embeddings": 32768,
+        "use_sliding_window": False,
+        "sliding_window": 4096,
+        "max_window_layers": 28,
+    },
+    "qwen3": {
+        "vocab_size": 151936,
+        "intermediate_size": 22016,
+        "max_position_embeddings": 32768,
+        "head_dim": 128,
         "use_sliding_window": False,
         "sliding_window": 4096,
         "max_window_layers": 28,
@@ -87,8 +103,9 @@ def hf_config(cfg: ModelConfig, dtype: str = "bfloat16") -> dict[str, Any]:
     """The transformers `config.json` (as a dict) of a `cfg`-shaped model whose weights are `dtype`.
 
     Llama family -> `LlamaForCausalLM` (model_type "llama"), or `Qwen2ForCausalLM` /
-    `MistralForCausalLM` as `cfg.hf_model_type` says (with q, k, v biases: Qwen2); GPT-2 ->
-    `GPT2LMHeadModel` (model_type "gpt2").
+    `Qwen3ForCausalLM` / `MistralForCausalLM` as `cfg.hf_model_type` says (with q, k, v biases: Qwen2;
+    with q/k norms: Qwen3); GPT-2 ->
+    `GPT2LMHeadModel` (model_type "gpt2"); Gemma 3 -> `Gemma3ForCausalLM` (model_type "gemma3_text").
     Written for transformers 5 (`dtype`, `rope_parameters`) and readable by transformers 4 (`torch_dtype`,
     top-level `rope_theta`; transformers 5 reads both spellings). Token ids (bos/eos/pad) are null:
     jaxzero does not know the tokenizer; set them if you ship one. Dropout is 0, as jaxzero trains.
@@ -106,8 +123,11 @@ def hf_config(cfg: ModelConfig, dtype: str = "bfloat16") -> dict[str, Any]:
         "dtype": dtype,
         "torch_dtype": dtype,
     }
+    if cfg.family == "gemma3":
+        return _gemma3_to_hf(cfg, common)
     if cfg.family == "llama":
-        model_type = cfg.hf_model_type or ("qwen2" if cfg.attention_bias else "llama")
+        implied = "qwen3" if cfg.qk_norm else "qwen2" if cfg.attention_bias else "llama"
+        model_type = cfg.hf_model_type or implied
         rope: dict[str, Any] = {"rope_type": cfg.rope_type, "rope_theta": cfg.rope_theta}
         if cfg.rope_type != "default":
             rope["factor"] = cfg.rope_factor
@@ -139,7 +159,9 @@ def hf_config(cfg: ModelConfig, dtype: str = "bfloat16") -> dict[str, Any]:
         }
         if model_type == "llama":
             out.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
-        elif model_type == "qwen2":
+        elif model_type in ("qwen2", "qwen3"):
+            if model_type == "qwen3":
+                out.update(attention_bias=False)
             window = cfg.sliding_window or cfg.max_seq_len
             out.update(
                 use_sliding_window=bool(cfg.sliding_window),
@@ -169,6 +191,141 @@ def hf_config(cfg: ModelConfig, dtype: str = "bfloat16") -> dict[str, Any]:
         "tie_word_embeddings": True,
         **common,
     }
+
+
+# Defaults of transformers' Gemma3TextConfig (transformers 5) for fields a config.json leaves out.
+_GEMMA3_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262_208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131_072,
+    "initializer_range": 0.02,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "sliding_window_pattern": 6,
+}
+
+
+def _gemma3_to_hf(cfg: ModelConfig, common: dict[str, Any]) -> dict[str, Any]:
+    """`Gemma3ForCausalLM`'s config.json (model_type "gemma3_text") of a gemma3 `cfg`."""
+    full: dict[str, Any] = {"rope_type": cfg.rope_type, "rope_theta": cfg.rope_theta}
+    if cfg.rope_type != "default":
+        full["factor"] = cfg.rope_factor
+    layer_types = [
+        "full_attention" if (i + 1) % cfg.sliding_window_pattern == 0 else "sliding_attention"
+        for i in range(cfg.num_layers)
+    ]
+    return {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_parameters": {
+            "full_attention": full,
+            "sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_local_theta},
+        },
+        # transformers 4's spellings of the same (5 reads rope_parameters)
+        "rope_theta": cfg.rope_theta,
+        "rope_local_base_freq": cfg.rope_local_theta,
+        "rope_scaling": None
+        if cfg.rope_type == "default"
+        else {"rope_type": cfg.rope_type, "factor": cfg.rope_factor},
+        "sliding_window_pattern": cfg.sliding_window_pattern,
+        "layer_types": layer_types,
+        "sliding_window": cfg.sliding_window or cfg.max_seq_len,
+        "query_pre_attn_scalar": cfg.query_pre_attn_scalar or cfg.head_dim,
+        "final_logit_softcapping": cfg.final_logit_softcap or None,
+        "attn_logit_softcapping": None,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "use_bidirectional_attention": False,
+        "tie_word_embeddings": True,
+        **common,
+    }
+
+
+def _gemma3_from_hf(d: Mapping[str, Any], name: str, where: str) -> ModelConfig:
+    f = _Fields(d, _GEMMA3_DEFAULTS, where)
+    _check_architectures(d, ("Gemma3ForCausalLM", "Gemma3TextModel"), where)
+    unsupported = []
+    if f.raw("hidden_activation") not in _GPT2_ACTIVATIONS:
+        unsupported.append(
+            f"hidden_activation={f.raw('hidden_activation')!r} (jaxzero's Gemma 3 MLP is GeGLU, tanh)"
+        )
+    for key in (
+        "attention_bias",
+        "attn_logit_softcapping",
+        "use_bidirectional_attention",
+        "quantization_config",
+    ):
+        if d.get(key):
+            unsupported.append(f"{key}={d[key]!r}")
+    if not f.get_bool("tie_word_embeddings"):
+        unsupported.append("tie_word_embeddings=false (jaxzero's Gemma 3 head is its embedding)")
+    layers = f.get_int("num_hidden_layers")
+    # Transformers 5 nests each layer kind's rope in rope_parameters; 4 spelled the global one
+    # rope_theta + rope_scaling and the local one rope_local_base_freq.
+    rope = d.get("rope_parameters") or {}
+    if not isinstance(rope, Mapping) or not all(isinstance(v, Mapping) for v in rope.values()):
+        raise ConfigError(f"{where}: rope_parameters={rope!r} must map each layer kind to an object.")
+    full = {**(rope.get("full_attention") or {}), **(d.get("rope_scaling") or {})}
+    theta = full.get("rope_theta", d.get("rope_theta", 1e6))
+    local = (rope.get("sliding_attention") or {}).get("rope_theta", d.get("rope_local_base_freq", 1e4))
+    rope_type = full.get("rope_type", full.get("type", "default"))
+    if rope_type not in ("default", "linear"):
+        unsupported.append(f"global rope type {rope_type!r} (jaxzero implements default and linear)")
+    local_type = (rope.get("sliding_attention") or {}).get("rope_type", "default")
+    if local_type != "default":
+        unsupported.append(f"local rope type {local_type!r} (jaxzero's local layers use plain rope)")
+    pattern = f.get_int("sliding_window_pattern")
+    kinds = d.get("layer_types")
+    if kinds is not None:
+        # transformers' layer_types, read as a period: the first global layer's position.
+        pattern = next((i + 1 for i, k in enumerate(kinds) if k == "full_attention"), layers + 1)
+        want = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
+        if list(kinds) != want:
+            unsupported.append(f"layer_types={list(kinds)} (jaxzero's global layers are every N-th)")
+    if unsupported:
+        raise ConfigError(f"{where}: unsupported Gemma3ForCausalLM features: " + "; ".join(unsupported) + ".")
+    softcap = d.get("final_logit_softcapping")
+    return ModelConfig(
+        name=name,
+        family="gemma3",
+        vocab_size=f.get_int("vocab_size"),
+        hidden_size=f.get_int("hidden_size"),
+        num_layers=layers,
+        num_heads=f.get_int("num_attention_heads"),
+        num_kv_heads=f.get_int("num_key_value_heads"),
+        head_size=f.get_int("head_dim"),
+        intermediate_size=f.get_int("intermediate_size"),
+        max_seq_len=f.get_int("max_position_embeddings"),
+        tie_embeddings=True,
+        rope_theta=_positive(theta, "rope_theta", where),
+        rope_type=rope_type,
+        rope_factor=_positive(full.get("factor"), "rope factor", where) if rope_type == "linear" else 1.0,
+        sliding_window=f.get_int("sliding_window"),
+        sliding_window_pattern=pattern,
+        rope_local_theta=_positive(local, "rope_local_base_freq", where),
+        query_pre_attn_scalar=f.get_int("query_pre_attn_scalar"),
+        final_logit_softcap=0.0 if softcap is None else _positive(softcap, "final_logit_softcapping", where),
+        hf_model_type="gemma3_text",
+        norm_eps=f.get_float("rms_norm_eps"),
+        init_std=f.get_float("initializer_range"),
+    )
 
 
 def _read_config_json(path: Path) -> dict[str, Any]:
@@ -277,7 +434,13 @@ def _llama_from_hf(d: Mapping[str, Any], model_type: str, name: str, where: str)
         unsupported.append("quantization_config (quantized weights)")
     hidden, heads = f.get_int("hidden_size"), f.get_int("num_attention_heads")
     head_dim = d.get("head_dim")
-    if head_dim is not None and heads and head_dim != hidden // heads:
+    if model_type == "qwen3":
+        head_dim = f.get_int("head_dim")  # a width of its own, whatever hidden_size / heads is
+        if d.get("attention_bias"):
+            unsupported.append(
+                "attention_bias=true (biases on q, k, v and o_proj; jaxzero's biases q, k, v only)"
+            )
+    elif head_dim is not None and heads and head_dim != hidden // heads:
         unsupported.append(
             f"head_dim={head_dim} != hidden_size/num_attention_heads = {hidden}/{heads} "
             "(jaxzero derives head_dim from the two)"
@@ -285,7 +448,7 @@ def _llama_from_hf(d: Mapping[str, Any], model_type: str, name: str, where: str)
     window = 0
     if model_type == "mistral" and f.raw("sliding_window") is not None:
         window = f.get_int("sliding_window")
-    if model_type == "qwen2" and f.get_bool("use_sliding_window"):
+    if model_type in ("qwen2", "qwen3") and f.get_bool("use_sliding_window"):
         window = f.get_int("sliding_window")
     if unsupported:
         raise ConfigError(f"{where}: unsupported {arch} features: " + "; ".join(unsupported) + ".")
@@ -306,7 +469,9 @@ def _llama_from_hf(d: Mapping[str, Any], model_type: str, name: str, where: str)
         rope_theta=float(theta),
         rope_type=rope_type,
         **scaling,
+        head_size=head_dim if model_type == "qwen3" else 0,
         attention_bias=model_type == "qwen2",
+        qk_norm=model_type == "qwen3",
         sliding_window=window,
         hf_model_type="" if model_type == "llama" else model_type,
         norm_eps=f.get_float("rms_norm_eps"),
@@ -383,11 +548,18 @@ def model_config_from_hf(
         cfg = _llama_from_hf(d, model_type, name, where)
     elif model_type == "gpt2":
         cfg = _gpt2_from_hf(d, name, where)
+    elif model_type == "gemma3_text":
+        cfg = _gemma3_from_hf(d, name, where)
+    elif model_type == "gemma3" and isinstance(d.get("text_config"), Mapping):
+        # Gemma3ForConditionalGeneration (4B-27B): its text model, the vision tower left out.
+        _check_architectures(d, ("Gemma3ForConditionalGeneration",), where)
+        cfg = _gemma3_from_hf(d["text_config"], name, f"{where} (text_config)")
     else:
         raise ConfigError(
             f"{where}: model_type={model_type!r} is not supported; jaxzero imports "
             + ", ".join(f"{t!r} ({a})" for t, a in _ARCHITECTURES.items())
-            + " and 'gpt2' (GPT2LMHeadModel)."
+            + ", 'gpt2' (GPT2LMHeadModel), 'gemma3_text' (Gemma3ForCausalLM) and 'gemma3' (the text model "
+            "of Gemma3ForConditionalGeneration)."
         )
     try:
         build_model(cfg)  # divisibility, even head_dim, ...: the same checks a run would make

@@ -23,6 +23,7 @@ import numpy as np
 from jaxzero.config import CheckpointError, ConfigError, ModelConfig
 from jaxzero.interop.hf_config_map import CONFIG_NAME, EXPORT_DTYPES, hf_config, model_config_from_hf
 from jaxzero.interop.hf_names import (
+    BASE_ALIASES,
     BASE_PREFIX,
     IGNORED,
     HFUnit,
@@ -293,7 +294,8 @@ def _params_by_unit(cfg: ModelConfig, ckpt: Path) -> ModelParams:
             for t in unit.tensors:
                 candidates = [t.hf_name]
                 if t.hf_name.startswith(prefix):
-                    candidates.append(t.hf_name[len(prefix) :])
+                    rest = t.hf_name[len(prefix) :]
+                    candidates += [rest] + [alias + rest for alias in BASE_ALIASES.get(cfg.family, ())]
                 name = next((c for c in candidates if c in where), None)
                 if name is None:
                     missing.append(t.hf_name)
@@ -393,8 +395,9 @@ def load_hf_into(
     """float32 NumPy ModelParams for a run configured by `cfg`, from the HF checkpoint directory `path`.
 
     Checks that the checkpoint's config matches `cfg` in every shape field (family, vocab_size,
-    hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size, tie_embeddings and
-    attention_bias for Llama and max_seq_len for GPT-2, whose position table has that many rows) and,
+    hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size, tie_embeddings,
+    attention_bias, qk_norm and head_dim for Llama and max_seq_len for GPT-2, whose position table
+    has that many rows) and,
     unless `check_numerics=False`, in the fields that change what the weights compute (norm_eps, and
     rope_theta, rope_type and the scaling's fields for Llama; pass False to fine-tune with e.g. a raised
     rope_theta on purpose). Every mismatching field is named in one
@@ -424,9 +427,13 @@ def _check_hf_config(cfg: ModelConfig, ckpt: Path, check_numerics: bool) -> None
     hf = model_config_from_hf(ckpt)
     names = list(_SHAPE_FIELDS) + ["intermediate_size"]
     if cfg.family == "llama" and hf.family == "llama":
-        names += ["tie_embeddings", "attention_bias"]
+        names += ["tie_embeddings", "attention_bias", "qk_norm", "head_dim"]
     if cfg.family == "gpt2":
         names.append("max_seq_len")
+    if cfg.family == "gemma3" and hf.family == "gemma3":
+        names += ["head_dim", "sliding_window", "sliding_window_pattern", "query_pre_attn_scalar"]
+        if check_numerics:
+            names += ["rope_theta", "rope_type", "rope_factor", "rope_local_theta", "final_logit_softcap"]
     if check_numerics:
         names += list(_NUMERIC_FIELDS)
         if cfg.family == "llama":
@@ -439,7 +446,8 @@ def _check_hf_config(cfg: ModelConfig, ckpt: Path, check_numerics: bool) -> None
             f"model.{n}: run config has {getattr(cfg, n)!r}, checkpoint has {getattr(hf, n)!r}"
             for n in differ
         ]
-        overrides = " ".join(f"--model.{n}={getattr(hf, n)}" for n in differ)
+        key = {"head_dim": "head_size"}  # head_dim is read from model.head_size
+        overrides = " ".join(f"--model.{key.get(n, n)}={getattr(hf, n)}" for n in differ)
         raise ConfigError(
             f"the HF checkpoint {ckpt} does not match the model config {cfg.name!r}:\n  "
             + "\n  ".join(bad)

@@ -23,7 +23,11 @@ from jaxzero.models import ModelParams, build_model
 # The prefix of the base model's modules inside `*ForCausalLM` (transformers' `base_model_prefix`).
 # Checkpoints saved from the headless base class (`LlamaModel`, `GPT2Model`; e.g. the original
 # openai-community/gpt2 files) lack it, and transformers accepts both, so import does too.
-BASE_PREFIX = {"llama": "model.", "gpt2": "transformer."}
+BASE_PREFIX = {"llama": "model.", "gpt2": "transformer.", "gemma3": "model."}
+# Where else a family's base model may sit: Gemma 3 4B-27B are released as
+# Gemma3ForConditionalGeneration, whose text model's tensors are "language_model.model.*" on the
+# Hub ("model.language_model.*" inside transformers 5); import reads the text model from either.
+BASE_ALIASES = {"gemma3": ("language_model.model.", "model.language_model.")}
 
 # Tensors some writers saved that are buffers or duplicates, not parameters: RoPE inverse frequencies
 # (old Llama checkpoints), GPT-2's causal-mask buffers `attn.bias`/`attn.masked_bias` (not the
@@ -32,6 +36,9 @@ BASE_PREFIX = {"llama": "model.", "gpt2": "transformer."}
 IGNORED = {
     "llama": re.compile(r"^(model\.)?layers\.\d+\.self_attn\.rotary_emb\.inv_freq$"),
     "gpt2": re.compile(r"^(transformer\.)?h\.\d+\.attn\.(bias|masked_bias)$|^lm_head\.weight$"),
+    "gemma3": re.compile(
+        r"^(language_model\.)?lm_head\.weight$|^(model\.)?(vision_tower|multi_modal_projector)\."
+    ),
 }
 
 
@@ -71,6 +78,9 @@ def _llama_units(cfg: ModelConfig) -> list[HFUnit]:
             )
             if cfg.attention_bias:
                 attn.append(HFTensor(f"{p}self_attn.{proj}.bias", ("self_attn", proj, "bias"), (width,)))
+        if cfg.qk_norm:
+            for norm in ("q_norm", "k_norm"):
+                attn.append(HFTensor(f"{p}self_attn.{norm}.weight", ("self_attn", norm, "scale"), (hd,)))
         units.append(
             HFUnit(
                 f"block {i}",
@@ -91,6 +101,39 @@ def _llama_units(cfg: ModelConfig) -> list[HFUnit]:
     if not cfg.tie_embeddings:
         head.append(HFTensor("lm_head.weight", ("lm_head", "kernel"), (d, v), True))
     units.append(HFUnit("head", tuple(head)))
+    return units
+
+
+def _gemma3_units(cfg: ModelConfig) -> list[HFUnit]:
+    d, f, v, hd = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
+    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    units = [HFUnit("embed", (HFTensor("model.embed_tokens.weight", ("embed_tokens", "embedding"), (v, d)),))]
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+
+        def norm(name: str, width: int = d) -> HFTensor:
+            return HFTensor(p + name + ".weight", tuple(name.split(".")) + ("scale",), (width,))  # noqa: B023
+
+        def linear(name: str, shape: tuple[int, int]) -> HFTensor:
+            return HFTensor(p + name + ".weight", (*name.split("."), "kernel"), shape, True)  # noqa: B023
+
+        tensors = (
+            norm("input_layernorm"),
+            linear("self_attn.q_proj", (d, q)),
+            linear("self_attn.k_proj", (d, kv)),
+            linear("self_attn.v_proj", (d, kv)),
+            linear("self_attn.o_proj", (q, d)),
+            norm("self_attn.q_norm", hd),
+            norm("self_attn.k_norm", hd),
+            norm("post_attention_layernorm"),
+            norm("pre_feedforward_layernorm"),
+            linear("mlp.gate_proj", (d, f)),
+            linear("mlp.up_proj", (d, f)),
+            linear("mlp.down_proj", (f, d)),
+            norm("post_feedforward_layernorm"),
+        )
+        units.append(HFUnit(f"block {i}", tensors))
+    units.append(HFUnit("head", (HFTensor("model.norm.weight", ("norm", "scale"), (d,)),)))
     return units
 
 
@@ -141,7 +184,7 @@ def _gpt2_units(cfg: ModelConfig) -> list[HFUnit]:
 def hf_units(cfg: ModelConfig) -> list[HFUnit]:
     """embed, block 0 .. block L-1, head: the units of `ModelParams` in order, with their HF tensors."""
     build_model(cfg)  # validates the shape (divisibility, even head_dim, gpt2 multi-head) first
-    return _llama_units(cfg) if cfg.family == "llama" else _gpt2_units(cfg)
+    return {"llama": _llama_units, "gpt2": _gpt2_units, "gemma3": _gemma3_units}[cfg.family](cfg)
 
 
 def hf_tensor_names(cfg: ModelConfig) -> list[str]:

@@ -29,7 +29,7 @@ import numpy as np
 from jaxzero.config import LORA_TARGETS, CheckpointError, ConfigError, FinetuneConfig, ModelConfig
 from jaxzero.finetune.adapters import TARGET_PATHS, block_adapter_shapes
 from jaxzero.interop.safetensors import SafetensorsError, SafetensorsReader, SafetensorsWriter, TensorSpec
-from jaxzero.models import Llama, ModelParams
+from jaxzero.models import ModelParams, build_model
 from jaxzero.storage import export_dir
 
 ADAPTER_CONFIG_NAME = "adapter_config.json"
@@ -45,6 +45,8 @@ _KEY = re.compile(
 )
 # PEFT's module name of each target (q_proj ...) -> finetune.lora_targets' name (q ...).
 _TARGET_OF_MODULE = {proj: name for name, (_, proj) in TARGET_PATHS.items()}
+# The families whose blocks have PEFT's projections (q_proj ... down_proj).
+PEFT_FAMILIES = ("llama", "gemma3")
 # Stored dtypes import reads (and converts to float32).
 _FLOAT_CODES = ("F64", "F32", "F16", "BF16")
 
@@ -87,16 +89,21 @@ def _check_finetune(ft: FinetuneConfig) -> None:
         )
 
 
+def _check_family(model_cfg: ModelConfig) -> None:
+    """ValueError for a base whose blocks have none of PEFT's projection names."""
+    if model_cfg.family not in PEFT_FAMILIES:
+        raise ValueError(
+            f"model {model_cfg.name!r} is of family {model_cfg.family!r}: PEFT LoRA adapters here are the "
+            "projections of the llama family (Llama, Qwen2, Qwen3, Mistral) and Gemma 3."
+        )
+
+
 def _block_shapes(
     model_cfg: ModelConfig, ft: FinetuneConfig
 ) -> dict[tuple[str, str], dict[str, tuple[int, ...]]]:
     """{(group, proj): {"lora_a": (in, r), "lora_b": (r, out)}} of one block of `model_cfg` under `ft`."""
-    if model_cfg.family != "llama":
-        raise ValueError(
-            f"model {model_cfg.name!r} is of family {model_cfg.family!r}: PEFT LoRA adapters here are the "
-            "llama family's (Llama, Qwen2, Mistral) projections."
-        )
-    shapes = block_adapter_shapes(Llama(model_cfg), ft)
+    _check_family(model_cfg)
+    shapes = block_adapter_shapes(build_model(model_cfg), ft)
     return {
         (group, proj): {k: tuple(s.shape) for k, s in pair.items()}
         for group, projs in shapes.items()
@@ -373,10 +380,10 @@ def import_peft_adapter(
     config = _read_config(src)
     config_file = src / ADAPTER_CONFIG_NAME
     r, alpha, dropout, listed = _settings(config, config_file)
-    if model_cfg.family != "llama":
+    if model_cfg.family not in PEFT_FAMILIES:
         raise CheckpointError(
             f"model {model_cfg.name!r} is of family {model_cfg.family!r}: PEFT LoRA adapters here are the "
-            "llama family's (Llama, Qwen2, Mistral) projections."
+            "projections of the llama family (Llama, Qwen2, Qwen3, Mistral) and Gemma 3."
         )
     weights = src / ADAPTER_WEIGHTS_NAME
     with _open_weights(src) as reader:

@@ -15,12 +15,23 @@ pytrees.
 from __future__ import annotations
 
 from jaxzero.config import ModelConfig
-from jaxzero.models.base import KVCache, Model, ModelParams, forward, init_keys, init_params, run_block
+from jaxzero.models.base import (
+    KVCache,
+    Model,
+    ModelParams,
+    forward,
+    init_keys,
+    init_params,
+    layer_input,
+    run_block,
+)
+from jaxzero.models.gemma import Gemma3
 from jaxzero.models.gpt2 import GPT2
 from jaxzero.models.llama import Llama
 
 __all__ = [
     "GPT2",
+    "Gemma3",
     "KVCache",
     "Llama",
     "Model",
@@ -29,6 +40,7 @@ __all__ = [
     "forward",
     "init_keys",
     "init_params",
+    "layer_input",
     "run_block",
 ]
 
@@ -39,4 +51,6 @@ def build_model(config: ModelConfig) -> Model:
         return Llama(config)
     if config.family == "gpt2":
         return GPT2(config)
-    raise ValueError(f"unknown model family {config.family!r}; choose 'llama' or 'gpt2'.")
+    if config.family == "gemma3":
+        return Gemma3(config)
+    raise ValueError(f"unknown model family {config.family!r}; choose 'llama', 'gpt2' or 'gemma3'.")

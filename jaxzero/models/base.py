@@ -41,7 +41,11 @@ KVCache = tuple[jax.Array, jax.Array]
 
 
 class Model(Protocol):
-    """What every model family provides. All functions are pure and jit-able."""
+    """What every model family provides. All functions are pure and jit-able.
+
+    A family whose layers share one parameter structure but not one computation (Gemma 3's local and
+    global layers) also has `layer_input(i)`, a small pytree of arrays for block i, which `block` and
+    `block_step` then take as their `layer` argument (`layer_input` below)."""
 
     config: ModelConfig
 
@@ -105,9 +109,23 @@ def init_params(model: Model, key: jax.Array) -> ModelParams:
     return ModelParams(embed=model.init_embed(k_embed), blocks=blocks, head=model.init_head(k_head))
 
 
-def run_block(model: Model, block_params: Any, x: jax.Array, segments: jax.Array | None = None) -> jax.Array:
-    """`model.block(block_params, x)`, within `segments` (int32 (B, S)) where they are given; without
-    them the block is called as the protocol's first form, so models without the argument still run."""
+def layer_input(model: Model, i: int) -> Any:
+    """Block i's per-layer input, or None: what differs between layers of one parameter structure
+    (Gemma 3's local and global layers: rotary frequencies and window), a small pytree of arrays that
+    the one compiled block program takes beside the weights, from `model.layer_input(i)` where the
+    model has one. Models without it (Llama, GPT-2, one's own) take none."""
+    get = getattr(model, "layer_input", None)
+    return None if get is None else get(i)
+
+
+def run_block(
+    model: Model, block_params: Any, x: jax.Array, segments: jax.Array | None = None, layer: Any = None
+) -> jax.Array:
+    """`model.block(block_params, x)`, within `segments` (int32 (B, S)) where they are given, for the
+    layer whose `layer_input` is `layer` where there is one; without them the block is called as the
+    protocol's first form, so models without the arguments still run."""
+    if layer is not None:
+        return model.block(block_params, x, segments, None, layer)
     if segments is None:
         return model.block(block_params, x)
     return model.block(block_params, x, segments)
@@ -119,6 +137,6 @@ def forward(
     """Logits (B, S, V) float32 for int32 tokens (B, S), all blocks in sequence (no remat); attention
     within `segments` (int32 (B, S)) where given."""
     x = model.embed(params.embed, tokens)
-    for p in params.blocks:
-        x = run_block(model, p, x, segments)
+    for i, p in enumerate(params.blocks):
+        x = run_block(model, p, x, segments, layer_input(model, i))
     return model.head(params.head, params.embed, x)

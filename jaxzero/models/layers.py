@@ -424,7 +424,14 @@ def _cudnn_within_segments(q: jax.Array, k: jax.Array, v: jax.Array, segments: j
 
 
 def causal_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, requested_impl: str, segments: jax.Array | None = None
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    requested_impl: str,
+    segments: jax.Array | None = None,
+    *,
+    window: jax.Array | None = None,
+    scale: float | None = None,
 ) -> jax.Array:
     """Causal scaled dot-product attention with grouped-query heads, optionally within segments.
 
@@ -443,41 +450,64 @@ def causal_attention(
     additive bias (B, 1, S, S) instead: every causal tile computed, B * S * S bias bytes. All are
     exact; the choice is made per call on the device (`lax.switch`).
     `scripts/check_packed_attention.py` checks each against XLA and times them.
+
+    window: None, or an int32 scalar (traced: one program serves every window): query i also reads
+    only keys j > i - window (transformers' sliding window), as a dense (1, 1, S, S) mask beside the
+    segments' (cuDNN takes it as its bias). scale: the scores' factor (None: 1/sqrt(H)).
     """
     head_dim = q.shape[-1]
     impl = resolve_attention_impl(requested_impl, q.dtype, head_dim)
-    if impl == "cudnn" and segments is not None:
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    if impl == "cudnn" and segments is not None and window is None and scale == 1.0 / math.sqrt(head_dim):
         return _cudnn_within_segments(q, k, v, segments)
     mask = None if segments is None else same_segment(segments)
+    if window is not None:
+        s = q.shape[1]
+        near = (jnp.arange(s)[:, None] - jnp.arange(s)[None, :] < window)[None, None]  # (1, 1, S, S)
+        mask = near if mask is None else mask & near
+        if impl == "cudnn":  # cuDNN's bias is per row: (B, 1, S, S), as the segments' mask is
+            mask = jnp.broadcast_to(mask, (q.shape[0], 1, s, s))
     if impl == "xla" and q.dtype == jnp.float16:
         # XLA's CPU backend has no float16 x float16 -> float32 dot, which the XLA path asks for;
         # float16 inputs are exact in float32, so attend there and round once at the end.
         out = jax.nn.dot_product_attention(
             *(t.astype(jnp.float32) for t in (q, k, v)),
             mask=mask,
-            scale=1.0 / math.sqrt(head_dim),
+            scale=scale,
             is_causal=True,
             implementation="xla",
         )
         return out.astype(jnp.float16)
-    return jax.nn.dot_product_attention(
-        q, k, v, mask=mask, scale=1.0 / math.sqrt(head_dim), is_causal=True, implementation=impl
-    )
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, is_causal=True, implementation=impl)
 
 
-def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, pos: jax.Array) -> jax.Array:
+def cached_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    pos: jax.Array,
+    *,
+    window: jax.Array | None = None,
+    scale: float | None = None,
+) -> jax.Array:
     """Attention of T new queries at positions pos .. pos+T-1 over a key/value cache.
 
     q (B, T, N, H); k_cache, v_cache (B, L, K, H) holding positions 0 .. pos+T-1 (the rest unused);
     pos int32 scalar -> (B, T, N, H) in q's dtype. Query i sees cache positions j <= pos + i: the
     causal attention of `causal_attention` over the whole sequence so far, grouped-query heads
-    grouped the same way, scores and softmax in float32 (XLA's implementation).
+    grouped the same way, scores and softmax in float32 (XLA's implementation). `window` and `scale`
+    as in `causal_attention`.
     """
     t, length = q.shape[1], k_cache.shape[1]
     mask = jnp.arange(length)[None, :] <= pos + jnp.arange(t)[:, None]  # (T, L)
+    if window is not None:
+        mask = mask & (pos + jnp.arange(t)[:, None] - jnp.arange(length)[None, :] < window)
     f32 = q.dtype == jnp.float16  # XLA:CPU has no float16 dot with a float32 result
     args = [x.astype(jnp.float32) if f32 else x for x in (q, k_cache, v_cache)]
     out = jax.nn.dot_product_attention(
-        *args, mask=mask[None, None], scale=1.0 / math.sqrt(q.shape[-1]), implementation="xla"
+        *args,
+        mask=mask[None, None],
+        scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else scale,
+        implementation="xla",
     )
     return out.astype(q.dtype)

@@ -1,6 +1,7 @@
-"""Llama-family decoder (Llama 2/3, Qwen2/2.5, Mistral, and Llama-shaped models such as InternLM2):
-pre-norm blocks of RMSNorm, rotary grouped-query attention (rope scaled as `ModelConfig.rope_type`
-says; q, k, v biases with `attention_bias`) and a SwiGLU MLP, tied or untied output head.
+"""Llama-family decoder (Llama 2/3, Qwen2/2.5, Qwen3, Mistral, and Llama-shaped models such as
+InternLM2): pre-norm blocks of RMSNorm, rotary grouped-query attention (rope scaled as
+`ModelConfig.rope_type` says; q, k, v biases with `attention_bias`; each q and k head RMS-normalised
+before the rotation with `qk_norm`, as Qwen3) and a SwiGLU MLP, tied or untied output head.
 
 Parameter pytrees are plain nested dicts named after HF `LlamaForCausalLM`, so that conversion is a
 name map plus a transpose of each "kernel" (stored (in, out) here, (out, in) in torch):
@@ -11,7 +12,8 @@ name map plus a transpose of each "kernel" (stored (in, out) here, (out, in) in 
                                       (and "bias": (N*H,), K*H for k and v, with attention_bias)
                            "k_proj": {"kernel": (D, K*H)},
                            "v_proj": {"kernel": (D, K*H)},
-                           "o_proj": {"kernel": (N*H, D)}},
+                           "o_proj": {"kernel": (N*H, D)},
+                           (and "q_norm", "k_norm": {"scale": (H,)} with qk_norm)},
              "post_attention_layernorm": {"scale": (D,)},
              "mlp": {"gate_proj": {"kernel": (D, F)},         ...mlp.gate_proj.weight
                      "up_proj":   {"kernel": (D, F)},
@@ -20,7 +22,8 @@ name map plus a transpose of each "kernel" (stored (in, out) here, (out, in) in 
              "lm_head": {"kernel": (D, V)}}                   lm_head.weight
             ("lm_head" is absent when `tie_embeddings`; logits then use embed_tokens)
 
-D = hidden_size, N = num_heads, K = num_kv_heads, H = head_dim, F = intermediate_size, V = vocab_size.
+D = hidden_size, N = num_heads, K = num_kv_heads, H = head_dim (`head_size`, or D / N), F =
+intermediate_size, V = vocab_size.
 q/k heads are laid out head-major along the projection's output axis, (N, H), as in HF; the rotary
 embedding uses HF's rotate-half pairing (i, i + H/2), so HF checkpoints need no q/k permutation.
 """
@@ -105,6 +108,9 @@ class _Attention(nn.Module):
         q = _Linear(n * hd, c.init_std, bias, lora, name="q_proj")(h).reshape(b, s, n, hd)
         kk = _Linear(k * hd, c.init_std, bias, lora, name="k_proj")(h).reshape(b, s, k, hd)
         v = _Linear(k * hd, c.init_std, bias, lora, name="v_proj")(h).reshape(b, s, k, hd)
+        if c.qk_norm:  # each head normalised over its own width, before the rotation (Qwen3)
+            q = _RMSNorm(c.norm_eps, name="q_norm")(q)
+            kk = _RMSNorm(c.norm_eps, name="k_norm")(kk)
         out = _Linear(c.hidden_size, c.init_std, lora=lora, name="o_proj")
         if cache is None:
             cos, sin = layers.rope_cos_sin(s, layers.rope_inv_freq(c))

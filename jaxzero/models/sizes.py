@@ -18,6 +18,9 @@ Released checkpoints' shapes, with their rope scaling and biases (`model.name=hf
     llama-3.1-8b  8,030,261,248    qwen2.5-0.5b   494,032,768    mistral-7b  7,248,023,552 (v0.3)
     llama-3.2-1b  1,235,814,400    qwen2.5-7b   7,615,616,512
     llama-3.2-3b  3,212,749,824    qwen2.5-14b 14,770,033,664
+
+    qwen3-0.6b      596,049,920    qwen3-4b     4,022,468,096    qwen3-14b  14,768,307,200
+    qwen3-1.7b    1,720,574,976    qwen3-8b     8,190,735,360    qwen3-32b  32,762,123,264
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ NAMED_SIZES: Mapping[str, ModelConfig] = MappingProxyType(
 
 def ties_output(cfg: ModelConfig) -> bool:
     """Whether the output projection is the token embedding (`tie_embeddings`; gpt2 always is)."""
-    return cfg.tie_embeddings or cfg.family == "gpt2"
+    return cfg.tie_embeddings or cfg.family in ("gpt2", "gemma3")
 
 
 def block_matmul_params(cfg: ModelConfig) -> int:
@@ -43,13 +46,13 @@ def block_matmul_params(cfg: ModelConfig) -> int:
     d, f = cfg.hidden_size, cfg.intermediate_size
     q_width = cfg.num_heads * cfg.head_dim
     kv_width = cfg.num_kv_heads * cfg.head_dim
-    if cfg.family == "llama":
-        # q, k, v, o projections and the three SwiGLU matrices.
+    if cfg.family in ("llama", "gemma3"):
+        # q, k, v, o projections and the three SwiGLU (GeGLU) matrices.
         return d * q_width + 2 * d * kv_width + q_width * d + 3 * d * f
     if cfg.family == "gpt2":
         # fused qkv (D, 3D), attention c_proj (D, D), c_fc (D, F), mlp c_proj (F, D).
         return 3 * d * d + d * d + 2 * d * f
-    raise ConfigError(f"unknown model family {cfg.family!r}; choose 'llama' or 'gpt2'.")
+    raise ConfigError(f"unknown model family {cfg.family!r}; choose 'llama', 'gpt2' or 'gemma3'.")
 
 
 Shape = tuple[int, ...]
@@ -66,13 +69,20 @@ def unit_param_shapes(cfg: ModelConfig) -> tuple[list[Shape], list[Shape], list[
         block = [(d, q_width), (d, kv_width), (d, kv_width), (q_width, d), (d, f), (d, f), (f, d), (d,), (d,)]
         if cfg.attention_bias:
             block += [(q_width,), (kv_width,), (kv_width,)]
+        if cfg.qk_norm:
+            block += [(cfg.head_dim,), (cfg.head_dim,)]  # one scale over each q head, one over each k head
         head = [(d,)] + ([] if cfg.tie_embeddings else [(d, v)])  # final norm (+ lm_head)
         return [(v, d)], block, head
+    if cfg.family == "gemma3":
+        # q, k, v, o, the three GeGLU matrices, four norms of the width, the q and k head norms
+        block = [(d, q_width), (d, kv_width), (d, kv_width), (q_width, d), (d, f), (d, f), (f, d)]
+        block += [(d,)] * 4 + [(cfg.head_dim,)] * 2
+        return [(v, d)], block, [(d,)]  # the embedding; the final norm (the head is always tied)
     if cfg.family == "gpt2":
         # fused qkv (D, 3D), attention c_proj, c_fc, mlp c_proj with their biases; ln_1, ln_2
         block = [(d, 3 * d), (3 * d,), (d, d), (d,), (d, f), (f,), (f, d), (d,), (d,), (d,), (d,), (d,)]
         return [(v, d), (cfg.max_seq_len, d)], block, [(d,), (d,)]  # wte, wpe; ln_f (always tied)
-    raise ConfigError(f"unknown model family {cfg.family!r}; choose 'llama' or 'gpt2'.")
+    raise ConfigError(f"unknown model family {cfg.family!r}; choose 'llama', 'gpt2' or 'gemma3'.")
 
 
 def unit_param_counts(cfg: ModelConfig) -> tuple[int, int, int]:
@@ -110,18 +120,30 @@ def matmul_param_count(cfg: ModelConfig) -> int:
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token for one forward and backward pass without rematerialization.
 
-        flops_per_token = 6 * P_matmul + 12 * num_layers * hidden_size * seq_len
+        flops_per_token = 6 * P_matmul + 12 * num_layers * num_heads * head_dim * seq_len
 
     P_matmul = `matmul_param_count(cfg)`: each matmul weight costs 2 FLOPs (multiply, add) per token in
     the forward pass and 4 in the backward (gradients of the input and of the weight), hence 6.
     The second term is the attention itself, in the accounting of the PaLM paper (Chowdhery et al.
     2022, appendix B): per layer and token, QK^T and the attention-weighted sum of V each take
-    2 * seq_len * hidden_size forward FLOPs, times 3 for forward + backward = 12 * hidden_size *
-    seq_len. It is not halved for causal masking (the convention MFU numbers are quoted in), and does
-    not depend on num_kv_heads (GQA shares k/v across heads but every query head still attends).
+    2 * seq_len * num_heads * head_dim forward FLOPs (hidden_size * seq_len but where heads have a
+    width of their own, as Qwen3's; over a Gemma 3 local layer's window where shorter:
+    `attention_span`), times 3 for forward + backward. It is not halved for causal
+    masking (the convention MFU numbers are quoted in), and does not depend on num_kv_heads (GQA
+    shares k/v across heads but every query head still attends).
     Remat would add another forward pass; that is hardware FLOPs, not the model FLOPs MFU counts.
     """
-    return float(6 * matmul_param_count(cfg) + 12 * cfg.num_layers * cfg.hidden_size * seq_len)
+    attention_width = cfg.num_heads * cfg.head_dim
+    spans = sum(attention_span(cfg, i, seq_len) for i in range(cfg.num_layers))
+    return float(6 * matmul_param_count(cfg) + 12 * attention_width * spans)
+
+
+def attention_span(cfg: ModelConfig, layer: int, seq_len: int) -> int:
+    """The keys each query of block `layer` is counted against in the FLOP accounting: seq_len, or
+    a Gemma 3 local layer's window where that is shorter."""
+    if cfg.family == "gemma3" and (layer + 1) % cfg.sliding_window_pattern and cfg.sliding_window:
+        return min(seq_len, cfg.sliding_window)
+    return seq_len
 
 
 def projection_shapes(m: ModelConfig) -> dict[str, tuple[int, int]]:

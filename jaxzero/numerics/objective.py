@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxzero.config import ConfigError, DataConfig
-from jaxzero.models import Model, ModelParams
+from jaxzero.models import Model, ModelParams, layer_input
 
 
 def decode_window(window: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -144,6 +144,10 @@ def loss_fn(
     segments = None if eot_id is None else document_segments(window, eot_id)
     block = remat_block(model)
     x = model.embed(params.embed, inputs)
-    for p in params.blocks:
-        x = block(p, x) if segments is None else block(p, x, segments)
+    for i, p in enumerate(params.blocks):
+        layer = layer_input(model, i)
+        if layer is not None:
+            x = block(p, x, segments, None, layer)
+        else:
+            x = block(p, x) if segments is None else block(p, x, segments)
     return head_loss(model, params.head, params.embed, x, window, weight)

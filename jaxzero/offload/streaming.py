@@ -53,14 +53,14 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jaxzero.models import Model, ModelParams
+from jaxzero.models import Model, ModelParams, layer_input
 from jaxzero.models.sizes import ties_output
 from jaxzero.numerics import objective
 from jaxzero.offload.host_memory import copy_to
 from jaxzero.offload.timeline import StepClock, span
 from jaxzero.offload.trains import EVERY, FrozenPart, WholeUnits
 from jaxzero.plan import Tier
-from jaxzero.plan.placement import DEVICE, PINNED_HOST, OffloadPlacement, batch_rows_sharding
+from jaxzero.plan.placement import DEVICE, PINNED_HOST, OffloadPlacement, batch_rows_sharding, replicated
 
 
 def _f32(tree: Any) -> Any:
@@ -186,12 +186,19 @@ class UnitPrograms:
         return self.rows(jax.lax.map(lambda w: m.embed(embed_w, objective.decode_window(w)[0]), batch))
 
     def block_fwd(
-        self, w: Any, x: jax.Array, segments: jax.Array | None = None, keys: jax.Array | None = None
+        self,
+        w: Any,
+        x: jax.Array,
+        segments: jax.Array | None = None,
+        keys: jax.Array | None = None,
+        layer: Any = None,
     ) -> jax.Array:
         """(A, mb, S, D) -> the same, through one block; attention within `segments` (int32
-        (A, mb, S)) where given; dropout from `keys` ((A,) keys, one per micro-batch) where given."""
+        (A, mb, S)) where given; dropout from `keys` ((A,) keys, one per micro-batch) where given;
+        `layer`: the block's per-layer input (`jaxzero.models.layer_input`), an argument of the one
+        program, or None."""
         m, w = self.model, self.weights(w, self.whole.blocks)
-        return self.rows(jax.lax.map(lambda a: _run_block(m, w, *a), (x, segments, keys)))
+        return self.rows(jax.lax.map(lambda a: _run_block(m, w, *a, layer), (x, segments, keys)))
 
     def head_loss(self, head_w: Any, embed_w: Any, x: jax.Array, batch: jax.Array) -> jax.Array:
         """Float32 scalar: the step's mean over its counted targets."""
@@ -247,6 +254,7 @@ class UnitPrograms:
         dy: jax.Array,
         segments: jax.Array | None = None,
         keys: jax.Array | None = None,
+        layer: Any = None,
     ) -> tuple[jax.Array, Any, jax.Array]:
         """Recompute block(w, x_a) and backpropagate dy_a for each micro-batch -> (dx, dw, |dw|^2),
         dw with respect to what trains; attention within `segments` (int32 (A, mb, S)) and dropout
@@ -255,7 +263,9 @@ class UnitPrograms:
         fixed, w = t.split(w, self.compute, self.whole.blocks)
 
         def one(xa, dya, segments_a, key_a):
-            _, vjp = jax.vjp(lambda wb, xb: _run_block(m, t.join(fixed, wb), xb, segments_a, key_a), w, xa)
+            _, vjp = jax.vjp(
+                lambda wb, xb: _run_block(m, t.join(fixed, wb), xb, segments_a, key_a, layer), w, xa
+            )
             return vjp(dya)
 
         per_batch = (x, dy, segments, keys)
@@ -291,10 +301,12 @@ class UnitPrograms:
 
 
 def _run_block(
-    model: Model, w: Any, x: jax.Array, segments: jax.Array | None, key: jax.Array | None
+    model: Model, w: Any, x: jax.Array, segments: jax.Array | None, key: jax.Array | None, layer: Any = None
 ) -> jax.Array:
     """`model.block` given only the inputs there are: a model of one's own may take neither
-    segments nor a dropout key."""
+    segments nor a dropout key (nor a per-layer input)."""
+    if layer is not None:
+        return model.block(w, x, segments, key, layer)
     if key is not None:
         return model.block(w, x, segments, key)
     if segments is not None:
@@ -356,6 +368,9 @@ class StreamedModel:
         self._global_norm = jax.jit(programs.global_norm)
         self._add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b), donate_argnums=(0,))
         self._micro_weight = jax.jit(lambda b: objective.step_weight(b) / b.shape[0])
+        # Each block's per-layer input (None for models without one), made once, on every device.
+        everywhere = replicated(placement.mesh)
+        self._layers = [jax.device_put(layer_input(model, i), everywhere) for i in range(self.num_layers)]
 
     def loss(
         self,
@@ -375,7 +390,7 @@ class StreamedModel:
             weights.blocks, range(self.num_layers), self.placement.is_streamed, self._copy_in, self.prefetch
         )
         for i, w in enumerate(blocks):
-            x = self._block_fwd(unit(w, tr.blocks[i]), x, segments)
+            x = self._block_fwd(unit(w, tr.blocks[i]), x, segments, None, self._layers[i])
         head_w = unit(resolve(weights.head, self.num_layers + 1), tr.head)
         return self._head_loss(head_w, embed_w, x, batch)
 
@@ -431,7 +446,7 @@ class StreamedModel:
         for i in range(num_layers):
             with clock.waiting():
                 w = unit(next(fetched), tr.blocks[i])
-            y = clock.computed(self._block_fwd(w, x, segments, keys[i]))
+            y = clock.computed(self._block_fwd(w, x, segments, keys[i], self._layers[i]))
             # The block input is all the backward pass keeps: here, or in pinned_host (async DMA,
             # issued after the block that reads it, so it overlaps that block). The last block's
             # stays: the backward pass starts with it. Below the lowest block that trains, nothing.
@@ -457,7 +472,7 @@ class StreamedModel:
         for i in reversed(range(low, num_layers)):
             w = unit(next(fetched), tr.blocks[i])
             x_i, x_next = x_next, _back(saved, i - 1, rows) if i > low else None  # one block ahead of its use
-            dx, g, sq_i = self._block_bwd(w, x_i, dx, segments, keys[i])
+            dx, g, sq_i = self._block_bwd(w, x_i, dx, segments, keys[i], self._layers[i])
             del x_i
             clock.computed(sq_i)
             sq.append(sq_i)

@@ -170,13 +170,14 @@ def transient_activations(
     projection in float32 and its float32 gradient sum), and the gradient it returns. With
     `documents` (attention kept inside each document), a block's backward also holds two float32
     (rows, heads, seq_len, seq_len) arrays: what document-aware attention compiled to on the GPU
-    (BENCHMARKS.md, "on one H200: determinism, and document-aware attention's cost")."""
+    (BENCHMARKS.md, "on one H200: determinism, and document-aware attention's cost"); Gemma 3's
+    windowed attention, a mask as well, is counted as that (not measured)."""
     compute = dtype_bytes(m.compute_dtype)
-    kv = m.hidden_size * m.num_kv_heads // m.num_heads
-    widths = 2 * (m.hidden_size + 2 * kv) + 2 * m.hidden_size + 4 * m.intermediate_size
+    q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    widths = 2 * (q + 2 * kv) + 2 * m.hidden_size + 4 * m.intermediate_size
     block = micro_tokens * widths * compute
     seq_len = seq_len or micro_tokens
-    if documents:
+    if documents or m.family == "gemma3":  # Gemma 3's windows are a mask too, with or without documents
         block += 2 * (micro_tokens // seq_len) * m.num_heads * seq_len * seq_len * 4
     pieces = head_pieces(max(1, micro_tokens // seq_len), seq_len, m.vocab_size)
     head_out = micro_tokens * m.hidden_size * compute

@@ -24,6 +24,7 @@ import dataclasses
 from jaxzero.config import ConfigError, TrainConfig
 from jaxzero.models.lora import storage_dtype
 from jaxzero.models.sizes import (
+    attention_span,
     block_matmul_params,
     flops_per_token,
     param_count,
@@ -54,7 +55,7 @@ def partial_bytes(cfg: TrainConfig, streamed: bool) -> PartialBytes:
     n_embed, n_block, n_head = unit_param_counts(m)
     narrow = storage_dtype(ft.base_dtype).itemsize
     kernels = outs = 0
-    if m.family == "llama":
+    if m.family in ("llama", "gemma3"):  # the projections LoRA and int8 apply to
         shapes = projection_shapes(m)
         kernels = sum(i * o for i, o in shapes.values())
         outs = sum(o for _, o in shapes.values())
@@ -122,16 +123,18 @@ def model_flops_per_token(cfg: TrainConfig) -> float:
     (`jaxzero.models.sizes.flops_per_token`: no recomputation, PaLM's attention term), where a run
     that trains every parameter counts `flops_per_token`. With a frozen part: per matmul weight 2 for
     the forward pass, 2 more for the input gradient where a gradient flows through it, 2 more for its
-    own gradient where it trains; attention 4 x hidden x seq_len per layer forward, 12 where a
-    gradient flows through it. LoRA's adapters themselves are left out (under 1%)."""
+    own gradient where it trains; attention 4 x heads x head_dim x seq_len per layer forward (over a
+    Gemma 3 local layer's window where shorter), 12 where a gradient flows through it. LoRA's
+    adapters themselves are left out (under 1%)."""
     m, ft, seq = cfg.model, cfg.finetune, cfg.data.seq_len
     if not ft.partial:
         return flops_per_token(m, seq)
-    per_block, attention = block_matmul_params(m), m.hidden_size * seq
+    per_block, width = block_matmul_params(m), m.num_heads * m.head_dim
     lowest = ft.lowest_trainable_block(m.num_layers)
     kept = ft.base_positions(m.num_layers) if ft.method == "full" else frozenset(range(m.num_layers + 2))
     flops = 0.0
     for i in range(m.num_layers):
+        attention = width * attention_span(m, i, seq)
         if i < lowest:
             flops += 2 * per_block + 4 * attention
         else:
