@@ -10,6 +10,7 @@ and head have the parameter counts of the `llama` shape its `cfg.model` gives.
 
 import functools
 import math
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -237,3 +238,11 @@ def test_an_nnx_module_with_state_besides_parameters_is_refused():
 
     with pytest.raises(ConfigError, match=r"holds state other than nnx.Param: drop\.rngs"):
         nnx_model(cfg, block=functools.partial(Dropping, cfg))
+
+
+def test_the_docs_example_trains(capsys):
+    """docs/library.md's NNX example, verbatim: it builds, trains streamed and prints its metrics."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "library.md").read_text()
+    code = text.split("## Your own model in Flax NNX")[1].split("```python")[1].split("```")[0]
+    exec(compile(code, "docs/library.md", "exec"), {"__name__": "docs_example"})
+    assert "StepMetrics(loss=" in capsys.readouterr().out
