@@ -224,7 +224,8 @@ def test_an_nnx_model_whose_blocks_differ_is_refused():
     cfg = tiny("llama", "float32")
     widths = iter([0, 256] * cfg.model.num_layers)  # the second block's MLP is narrower
     model = nnx_model(cfg.model, block=lambda rngs: Block(cfg.model, rngs=rngs, width=next(widths)))
-    with pytest.raises(ConfigError, match="the block factory built a module unlike the one it built first"):
+    unlike = r"the block factory built a module unlike the one it built first \(down.kernel: \(\(384, 128\)"
+    with pytest.raises(ConfigError, match=unlike):
         build_trainer(cfg, placement.make_mesh(jax.devices()[:1]), model=model)
 
 
@@ -246,3 +247,26 @@ def test_the_docs_example_trains(capsys):
     code = text.split("## Your own model in Flax NNX")[1].split("```python")[1].split("```")[0]
     exec(compile(code, "docs/library.md", "exec"), {"__name__": "docs_example"})
     assert "StepMetrics(loss=" in capsys.readouterr().out
+
+
+def test_a_block_of_listed_modules_keeps_its_order():
+    """An `nnx.List`'s indices become string keys (as checkpoints name paths) and merge back in order."""
+    cfg = tiny("llama", "float32").model
+
+    class Stack(nnx.Module):
+        def __init__(self, *, rngs: nnx.Rngs):
+            self.layers = nnx.List([nnx.Linear(8, 8, rngs=rngs) for _ in range(3)])
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            for layer in self.layers:
+                x = jnp.tanh(layer(x))
+            return x
+
+    model = from_nnx(cfg, embed=Stack, block=Stack, head=Stack)
+    params = model.init_block(jax.random.key(1))
+    assert sorted(params["layers"]) == ["0", "1", "2"]
+    x = jnp.linspace(-1.0, 1.0, 16).reshape(2, 8)
+    direct = Stack(rngs=nnx.Rngs(jax.random.key(1)))  # the same module, from the same key, called
+    layers = params["layers"]
+    assert not np.array_equal(layers["0"]["kernel"], layers["1"]["kernel"])  # so their order shows
+    np.testing.assert_array_equal(model.block(params, x), direct(x))

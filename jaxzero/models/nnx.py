@@ -51,6 +51,7 @@ class NNXModel:
             name: nnx.eval_shape(lambda f=f: f(rngs=nnx.Rngs(0))) for name, f in self._factories.items()
         }
         self._defs = {name: _definition(name, m) for name, m in modules.items()}
+        self._shapes = {name: _param_shapes(nnx.state(m, nnx.Param)) for name, m in modules.items()}
         if not _takes_segments(modules["block"]):
             # The protocol's first form, which document-aware training refuses when the trainer is
             # built (`jaxzero.numerics.objective.document_eot` reads the signature).
@@ -97,11 +98,17 @@ class NNXModel:
     def _init(self, name: str, key: jax.Array) -> dict[str, Any]:
         graphdef, params, _ = nnx.split(self._factories[name](rngs=nnx.Rngs(key)), nnx.Param, ...)
         if graphdef != self._defs[name]:
+            first, now = self._shapes[name], _param_shapes(params)
+            differ = [
+                f"{p}: {first.get(p)} then {now.get(p)}"
+                for p in sorted({*first, *now})
+                if first.get(p) != now.get(p)
+            ]
             raise ConfigError(
-                f"the {name} factory built a module unlike the one it built first:\n  {graphdef}\nwhere "
-                f"the first was\n  {self._defs[name]}\nevery {name} must be the same module (one "
-                "compiled function serves every layer): build each alike, and pass what differs "
-                "between layers as data."
+                f"the {name} factory built a module unlike the one it built first "
+                f"({'; '.join(differ[:4]) or 'the same parameters, other module types or settings'}): "
+                f"every {name} must be the same module (one compiled function serves every layer): "
+                "build each alike, and pass what differs between layers as data."
             )
         return _string_keys(nnx.to_pure_dict(params))
 
@@ -136,6 +143,12 @@ def _takes_segments(module: nnx.Module) -> bool:
     """Whether `module` is called with a `segments` keyword."""
     params = inspect.signature(module.__call__).parameters.values()
     return any(p.name == "segments" or p.kind is p.VAR_KEYWORD for p in params)
+
+
+def _param_shapes(params: nnx.State) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Each parameter's (shape, dtype) by its dotted path."""
+    flat = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(params))[0]
+    return {".".join(str(k.key) for k in path): (tuple(x.shape), str(x.dtype)) for path, x in flat}
 
 
 def _string_keys(tree: Any) -> Any:
