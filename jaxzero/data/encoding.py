@@ -147,6 +147,10 @@ class _Workers:
         # Ctrl-C reaches the whole process group: spawned with the group's signals blocked (a signal
         # mask survives exec), a worker never dies of one or prints a traceback, even while starting.
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _GROUP_SIGNALS)
+        # and with stderr on /dev/null from their first instruction: a worker killed while its
+        # interpreter starts (a stop right after the spawn) cannot leave half a traceback on the terminal
+        saved_stderr, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 2)
         try:
             for _ in range(n):
                 task_r, task_w = ctx.Pipe(duplex=False)
@@ -163,6 +167,9 @@ class _Workers:
                 task_r.close()
                 result_w.close()
         finally:
+            os.dup2(saved_stderr, 2)
+            os.close(saved_stderr)
+            os.close(null)
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)  # one pressed meanwhile: now
 
     def idle(self) -> int | None:
