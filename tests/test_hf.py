@@ -115,6 +115,28 @@ QWEN3 = dataclasses.replace(
     qk_norm=True,
     hf_model_type="qwen3",
 )
+# Qwen3-MoE: Qwen3's attention, every MLP 4 experts of width 24, top 2 renormalised (as the released
+# ones); its dense intermediate_size only travels through the config. Mixtral: Mistral's attention
+# without a window, 4 experts of the MLP's width, top 2.
+QWEN3_MOE = dataclasses.replace(
+    QWEN3,
+    name="qwen3-moe-hf-test",
+    tie_embeddings=False,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=24,
+    norm_topk_prob=True,
+    hf_model_type="qwen3_moe",
+)
+MIXTRAL = dataclasses.replace(
+    LLAMA,
+    name="mixtral-hf-test",
+    rope_theta=1e6,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=LLAMA.intermediate_size,
+    hf_model_type="mixtral",
+)
 # Gemma 3: layer 0 local (window 4 of the 16 positions, rope base 1e4), layer 1 global (rope base 1e6
 # scaled linearly by 4); heads of 32 where hidden / heads is 16; scores scaled by 24^-1/2; logits
 # soft-capped at 2.
@@ -143,6 +165,8 @@ CONFIGS = {
     "qwen2": QWEN2,
     "mistral": MISTRAL,
     "qwen3": QWEN3,
+    "qwen3_moe": QWEN3_MOE,
+    "mixtral": MIXTRAL,
     "gemma3": GEMMA3,
     "gpt2": GPT2,
 }
@@ -241,6 +265,17 @@ def torch_model(key: str) -> torch.nn.Module:
             model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
         elif key == "qwen3":
             model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=c.head_dim))
+        elif key == "qwen3_moe":
+            moe = dict(num_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok)
+            model = transformers.Qwen3MoeForCausalLM(
+                transformers.Qwen3MoeConfig(
+                    **common, **moe, head_dim=c.head_dim, moe_intermediate_size=24, norm_topk_prob=True
+                )
+            )
+        elif key == "mixtral":
+            model = transformers.MixtralForCausalLM(
+                transformers.MixtralConfig(**common, num_local_experts=c.num_experts, num_experts_per_tok=2)
+            )
         elif key == "mistral":
             model = transformers.MistralForCausalLM(
                 transformers.MistralConfig(**common, sliding_window=c.sliding_window)
@@ -555,6 +590,8 @@ def test_export_loads_in_transformers(key: str, jax_params: dict, tmp_path: Path
         "qwen2": "Qwen2ForCausalLM",
         "qwen3": "Qwen3ForCausalLM",
         "mistral": "MistralForCausalLM",
+        "qwen3_moe": "Qwen3MoeForCausalLM",
+        "mixtral": "MixtralForCausalLM",
         "gemma3_text": "Gemma3ForCausalLM",
     }.get(cfg.hf_model_type, "GPT2LMHeadModel" if cfg.family == "gpt2" else "LlamaForCausalLM")
     assert type(model).__name__ == want_class
@@ -814,11 +851,13 @@ def test_import_reads_the_text_model_of_gemma3_for_conditional_generation(tmp_pa
     assert rel_err(got, want) < 1e-4
 
 
-@pytest.mark.parametrize("key", ["qwen3", "gemma3"])
+@pytest.mark.parametrize("key", ["qwen3", "gemma3", "qwen3_moe", "mixtral"])
 def test_one_training_step_matches_transformers(key: str, hf_checkpoints: dict) -> None:
     """An imported checkpoint's first step through the offload engine (blocks streamed, the update on
     the host): its loss is transformers' loss of the same batch, and after one plain SGD step of both
-    the next step's loss is transformers' after its step, at float32 tolerance."""
+    the next step's loss is transformers' after its step, at float32 tolerance. For the MoE models
+    both objectives are the cross-entropy alone (transformers' default, output_router_logits=false),
+    and the SGD step moves routers and experts through the routing weights."""
     from jaxzero.config import TrainConfig
     from jaxzero.overrides import apply_overrides
     from jaxzero.plan import placement
