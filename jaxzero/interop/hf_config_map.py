@@ -2,7 +2,9 @@
 
 Supported: the Llama family (`LlamaForCausalLM` "llama" with default, linear or llama3 rope scaling;
 `Qwen2ForCausalLM` "qwen2", biases on q, k, v; `Qwen3ForCausalLM` "qwen3", q/k norms and a head_dim of
-its own; `MistralForCausalLM` "mistral"; tied or untied head, grouped-query attention), GPT-2
+its own; `MistralForCausalLM` "mistral"; `Qwen3MoeForCausalLM` "qwen3_moe" and `MixtralForCausalLM`
+"mixtral", whose expert fields `jaxzero.interop.hf_moe_config` maps; tied or untied head,
+grouped-query attention), GPT-2
 (`GPT2LMHeadModel`, model_type "gpt2") and Gemma 3's text models (`Gemma3ForCausalLM` "gemma3_text",
 and the text model of `Gemma3ForConditionalGeneration` "gemma3"). Anything these models cannot compute exactly
 (dynamic/yarn/longrope rope, partial rotary, o_proj or MLP biases, a head_dim other than hidden_size /
