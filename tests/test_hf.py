@@ -673,6 +673,35 @@ def test_hf_config_round_trip() -> None:
 # -------------------------------------------------------------------------------------------------
 
 
+# The released config.json files of Qwen/Qwen3-30B-A3B and mistralai/Mixtral-8x7B-v0.1 (written by
+# transformers 4.51 and 4.36: the Hub's spelling), less their token ids.
+QWEN3_30B_A3B_JSON = {
+    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "decoder_sparse_step": 1,
+    "head_dim": 128, "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
+    "intermediate_size": 6144, "max_position_embeddings": 40960, "max_window_layers": 48,
+    "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 768, "norm_topk_prob": True,
+    "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 48,
+    "num_key_value_heads": 4, "output_router_logits": False, "rms_norm_eps": 1e-06, "rope_scaling": None,
+    "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None,
+    "tie_word_embeddings": False, "use_sliding_window": False, "vocab_size": 151936,
+}  # fmt: skip
+MIXTRAL_8X7B_JSON = {
+    "architectures": ["MixtralForCausalLM"], "hidden_act": "silu", "hidden_size": 4096,
+    "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 32768,
+    "model_type": "mixtral", "num_attention_heads": 32, "num_experts_per_tok": 2, "num_hidden_layers": 32,
+    "num_key_value_heads": 8, "num_local_experts": 8, "output_router_logits": False, "rms_norm_eps": 1e-05,
+    "rope_theta": 1000000.0, "router_aux_loss_coef": 0.02, "sliding_window": None,
+    "tie_word_embeddings": False, "vocab_size": 32000,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name, released", [("qwen3-30b-a3b", QWEN3_30B_A3B_JSON), ("mixtral-8x7b", MIXTRAL_8X7B_JSON)]
+)
+def test_released_moe_configs_import_as_their_named_sizes(name: str, released: dict) -> None:
+    assert model_config_from_hf(released, name=name) == ModelConfig.named(name)
+
+
 def test_unsupported_configs_are_refused() -> None:
     llama = hf_config(LLAMA)
     cases = [
@@ -697,6 +726,11 @@ def test_unsupported_configs_are_refused() -> None:
         ({**llama, "num_attention_heads": 5, "head_dim": None}, "must be divisible"),
         ({**hf_config(GPT2), "activation_function": "relu"}, "activation_function='relu'"),
         ({**hf_config(GPT2), "tie_word_embeddings": False}, "tie_word_embeddings=false"),
+        # Dense layers among the sparse ones, and router noise: no released checkpoint has them.
+        ({**hf_config(QWEN3_MOE), "mlp_only_layers": [1]}, "mlp_only_layers=[1]"),
+        ({**hf_config(QWEN3_MOE), "decoder_sparse_step": 2}, "decoder_sparse_step=2"),
+        ({**hf_config(MIXTRAL), "router_jitter_noise": 0.01}, "router_jitter_noise=0.01"),
+        ({**hf_config(MIXTRAL), "num_experts_per_tok": 5}, "num_experts_per_tok=5"),
     ]
     for d, match in cases:
         with pytest.raises(ConfigError, match=match.replace("(", r"\(").replace("[", r"\[")):
