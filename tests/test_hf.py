@@ -525,6 +525,10 @@ def test_load_hf_into_checks_every_shape_field(hf_checkpoints: dict) -> None:
 
     with pytest.raises(ConfigError, match=r"model.family: run config has 'gpt2', checkpoint has 'llama'"):
         load_hf_into(GPT2, path)
+    # A mixture of experts' routing is part of its shape: another top-k is refused, numerics or not.
+    moe_path, _ = hf_checkpoints["qwen3_moe"]
+    with pytest.raises(ConfigError, match="model.num_experts_per_tok: run config has 1, checkpoint has 2"):
+        load_hf_into(dataclasses.replace(QWEN3_MOE, num_experts_per_tok=1), moe_path, check_numerics=False)
 
 
 def _rewrite_checkpoint(src: Path, dst: Path, edit: Any) -> Path:

@@ -435,6 +435,7 @@ def _check_hf_config(cfg: ModelConfig, ckpt: Path, check_numerics: bool) -> None
     names = list(_SHAPE_FIELDS) + ["intermediate_size"]
     if cfg.family == "llama" and hf.family == "llama":
         names += ["tie_embeddings", "attention_bias", "qk_norm", "head_dim"]
+        names += ["num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob"]
     if cfg.family == "gpt2":
         names.append("max_seq_len")
     if cfg.family == "gemma3" and hf.family == "gemma3":
