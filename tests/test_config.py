@@ -79,6 +79,20 @@ from jaxzero.planner import memory
             "needs 0 < model.rope_low_freq_factor < model.rope_high_freq_factor; got 4.0 and 4.0",
         ),
         (["--model.rope_type=linear", "--model.rope_factor=0.5"], "model.rope_factor=0.5 must be >= 1"),
+        (["--model.hf_model_type=mixtral"], "model.hf_model_type='mixtral' needs model.num_experts >= 1"),
+        (["--model.num_experts=4"], "model.moe_intermediate_size=0 (each expert's width, >= 1)"),
+        (
+            ["--model.num_experts=4", "--model.moe_intermediate_size=64", "--model.num_experts_per_tok=5"],
+            "model.num_experts_per_tok=5 (1 .. num_experts=4)",
+        ),
+        (
+            ["--model.num_experts=4", "--model.moe_intermediate_size=64", "--model.hf_model_type=qwen3"],
+            "model.hf_model_type='qwen3' (a dense type; use qwen3_moe, mixtral or '')",
+        ),
+        (
+            ["--model.name=gemma-3-1b", "--model.num_experts=4", "--model.moe_intermediate_size=64"],
+            "model.family='gemma3' (experts are the llama family's)",
+        ),
         (
             ["--model.sliding_window=64", "--data.seq_len=128"],
             "data.seq_len=128 exceeds model.sliding_window=64",

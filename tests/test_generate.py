@@ -31,6 +31,15 @@ VARIANTS = {
         rope_original_max_len=16,
     ),
     "qwen3": dict(qk_norm=True, head_size=48, hf_model_type="qwen3"),
+    # Qwen3-MoE: each token routed to 2 of 4 experts, in the prefill as in each single-token step.
+    "qwen3_moe": dict(
+        qk_norm=True,
+        head_size=48,
+        hf_model_type="qwen3_moe",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+    ),
     # Gemma 3: layers 0 and 2 local (window 4), 1 and 3 global, each with its rope base.
     "gemma3": dict(
         family="gemma3",

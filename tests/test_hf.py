@@ -115,6 +115,28 @@ QWEN3 = dataclasses.replace(
     qk_norm=True,
     hf_model_type="qwen3",
 )
+# Qwen3-MoE: Qwen3's attention, every MLP 4 experts of width 24, top 2 renormalised (as the released
+# ones); its dense intermediate_size only travels through the config. Mixtral: Mistral's attention
+# without a window, 4 experts of the MLP's width, top 2.
+QWEN3_MOE = dataclasses.replace(
+    QWEN3,
+    name="qwen3-moe-hf-test",
+    tie_embeddings=False,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=24,
+    norm_topk_prob=True,
+    hf_model_type="qwen3_moe",
+)
+MIXTRAL = dataclasses.replace(
+    LLAMA,
+    name="mixtral-hf-test",
+    rope_theta=1e6,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=LLAMA.intermediate_size,
+    hf_model_type="mixtral",
+)
 # Gemma 3: layer 0 local (window 4 of the 16 positions, rope base 1e4), layer 1 global (rope base 1e6
 # scaled linearly by 4); heads of 32 where hidden / heads is 16; scores scaled by 24^-1/2; logits
 # soft-capped at 2.
@@ -143,6 +165,8 @@ CONFIGS = {
     "qwen2": QWEN2,
     "mistral": MISTRAL,
     "qwen3": QWEN3,
+    "qwen3_moe": QWEN3_MOE,
+    "mixtral": MIXTRAL,
     "gemma3": GEMMA3,
     "gpt2": GPT2,
 }
@@ -241,6 +265,17 @@ def torch_model(key: str) -> torch.nn.Module:
             model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
         elif key == "qwen3":
             model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=c.head_dim))
+        elif key == "qwen3_moe":
+            moe = dict(num_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok)
+            model = transformers.Qwen3MoeForCausalLM(
+                transformers.Qwen3MoeConfig(
+                    **common, **moe, head_dim=c.head_dim, moe_intermediate_size=24, norm_topk_prob=True
+                )
+            )
+        elif key == "mixtral":
+            model = transformers.MixtralForCausalLM(
+                transformers.MixtralConfig(**common, num_local_experts=c.num_experts, num_experts_per_tok=2)
+            )
         elif key == "mistral":
             model = transformers.MistralForCausalLM(
                 transformers.MistralConfig(**common, sliding_window=c.sliding_window)
@@ -490,6 +525,10 @@ def test_load_hf_into_checks_every_shape_field(hf_checkpoints: dict) -> None:
 
     with pytest.raises(ConfigError, match=r"model.family: run config has 'gpt2', checkpoint has 'llama'"):
         load_hf_into(GPT2, path)
+    # A mixture of experts' routing is part of its shape: another top-k is refused, numerics or not.
+    moe_path, _ = hf_checkpoints["qwen3_moe"]
+    with pytest.raises(ConfigError, match="model.num_experts_per_tok: run config has 1, checkpoint has 2"):
+        load_hf_into(dataclasses.replace(QWEN3_MOE, num_experts_per_tok=1), moe_path, check_numerics=False)
 
 
 def _rewrite_checkpoint(src: Path, dst: Path, edit: Any) -> Path:
@@ -555,6 +594,8 @@ def test_export_loads_in_transformers(key: str, jax_params: dict, tmp_path: Path
         "qwen2": "Qwen2ForCausalLM",
         "qwen3": "Qwen3ForCausalLM",
         "mistral": "MistralForCausalLM",
+        "qwen3_moe": "Qwen3MoeForCausalLM",
+        "mixtral": "MixtralForCausalLM",
         "gemma3_text": "Gemma3ForCausalLM",
     }.get(cfg.hf_model_type, "GPT2LMHeadModel" if cfg.family == "gpt2" else "LlamaForCausalLM")
     assert type(model).__name__ == want_class
@@ -636,6 +677,35 @@ def test_hf_config_round_trip() -> None:
 # -------------------------------------------------------------------------------------------------
 
 
+# The released config.json files of Qwen/Qwen3-30B-A3B and mistralai/Mixtral-8x7B-v0.1 (written by
+# transformers 4.51 and 4.36: the Hub's spelling), less their token ids.
+QWEN3_30B_A3B_JSON = {
+    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "decoder_sparse_step": 1,
+    "head_dim": 128, "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
+    "intermediate_size": 6144, "max_position_embeddings": 40960, "max_window_layers": 48,
+    "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 768, "norm_topk_prob": True,
+    "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 48,
+    "num_key_value_heads": 4, "output_router_logits": False, "rms_norm_eps": 1e-06, "rope_scaling": None,
+    "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None,
+    "tie_word_embeddings": False, "use_sliding_window": False, "vocab_size": 151936,
+}  # fmt: skip
+MIXTRAL_8X7B_JSON = {
+    "architectures": ["MixtralForCausalLM"], "hidden_act": "silu", "hidden_size": 4096,
+    "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 32768,
+    "model_type": "mixtral", "num_attention_heads": 32, "num_experts_per_tok": 2, "num_hidden_layers": 32,
+    "num_key_value_heads": 8, "num_local_experts": 8, "output_router_logits": False, "rms_norm_eps": 1e-05,
+    "rope_theta": 1000000.0, "router_aux_loss_coef": 0.02, "sliding_window": None,
+    "tie_word_embeddings": False, "vocab_size": 32000,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name, released", [("qwen3-30b-a3b", QWEN3_30B_A3B_JSON), ("mixtral-8x7b", MIXTRAL_8X7B_JSON)]
+)
+def test_released_moe_configs_import_as_their_named_sizes(name: str, released: dict) -> None:
+    assert model_config_from_hf(released, name=name) == ModelConfig.named(name)
+
+
 def test_unsupported_configs_are_refused() -> None:
     llama = hf_config(LLAMA)
     cases = [
@@ -660,6 +730,11 @@ def test_unsupported_configs_are_refused() -> None:
         ({**llama, "num_attention_heads": 5, "head_dim": None}, "must be divisible"),
         ({**hf_config(GPT2), "activation_function": "relu"}, "activation_function='relu'"),
         ({**hf_config(GPT2), "tie_word_embeddings": False}, "tie_word_embeddings=false"),
+        # Dense layers among the sparse ones, and router noise: no released checkpoint has them.
+        ({**hf_config(QWEN3_MOE), "mlp_only_layers": [1]}, "mlp_only_layers=[1]"),
+        ({**hf_config(QWEN3_MOE), "decoder_sparse_step": 2}, "decoder_sparse_step=2"),
+        ({**hf_config(MIXTRAL), "router_jitter_noise": 0.01}, "router_jitter_noise=0.01"),
+        ({**hf_config(MIXTRAL), "num_experts_per_tok": 5}, "num_experts_per_tok=5"),
     ]
     for d, match in cases:
         with pytest.raises(ConfigError, match=match.replace("(", r"\(").replace("[", r"\[")):
@@ -814,11 +889,13 @@ def test_import_reads_the_text_model_of_gemma3_for_conditional_generation(tmp_pa
     assert rel_err(got, want) < 1e-4
 
 
-@pytest.mark.parametrize("key", ["qwen3", "gemma3"])
+@pytest.mark.parametrize("key", ["qwen3", "gemma3", "qwen3_moe", "mixtral"])
 def test_one_training_step_matches_transformers(key: str, hf_checkpoints: dict) -> None:
     """An imported checkpoint's first step through the offload engine (blocks streamed, the update on
     the host): its loss is transformers' loss of the same batch, and after one plain SGD step of both
-    the next step's loss is transformers' after its step, at float32 tolerance."""
+    the next step's loss is transformers' after its step, at float32 tolerance. For the MoE models
+    both objectives are the cross-entropy alone (transformers' default, output_router_logits=false),
+    and the SGD step moves routers and experts through the routing weights."""
     from jaxzero.config import TrainConfig
     from jaxzero.overrides import apply_overrides
     from jaxzero.plan import placement

@@ -170,6 +170,29 @@ def test_a_streamed_gemma3_base_trains_bitwise_as_a_resident_one():
     assert int8[0][0] == int8[1][0] and np.all(np.isfinite(int8[0][0]))
 
 
+MOE = {"model.num_experts": "4", "model.num_experts_per_tok": "2", "model.moe_intermediate_size": "48",
+       "finetune.lora_targets": "q,k,v,o"}  # fmt: skip
+
+
+def test_a_streamed_moe_base_trains_bitwise_as_a_resident_one():
+    """Adapters on the attention of a mixture-of-experts base (router and experts frozen, PEFT's
+    q_proj ... o_proj), streamed or resident; an int8 base quantises each expert's kernels per
+    output channel, as one (in, out) kernel each."""
+    out = resident_then_streamed(lora_cfg(**EXACT, **MOE), 3)
+    assert out[0][0] == out[1][0]
+    assert all(np.array_equal(a, b) for a, b in zip(out[0][1], out[1][1]))
+    assert out[0][0][-1] < out[0][0][0]
+    int8 = resident_then_streamed(lora_cfg(**MOE, **{"finetune.base_dtype": "int8"}), 2)
+    assert int8[0][0] == int8[1][0] and np.all(np.isfinite(int8[0][0]))
+
+    stacked = jax.random.normal(jax.random.key(0), (3, 8, 5))
+    q, scale = quantize_kernel(stacked)
+    assert q.shape == (3, 8, 5) and scale.shape == (3, 5)
+    for e in range(3):
+        qe, se = quantize_kernel(stacked[e])
+        assert np.array_equal(q[e], qe) and np.array_equal(scale[e], se)
+
+
 def test_int8_kernels_stay_within_half_a_step_of_their_channel_and_dequantise_inside_the_block():
     rng = np.random.default_rng(0)
     k = rng.standard_normal((48, 40)).astype(np.float32) * rng.uniform(0.01, 3, (1, 40)).astype(np.float32)
@@ -259,6 +282,7 @@ def test_merge_block_adds_the_scaled_product():
         ({"finetune.lora_rank": "0"}, "finetune.lora_rank=0"),
         ({"finetune.lora_dropout": "1"}, r"finetune.lora_dropout=1.0 must be in \[0, 1\)"),
         ({"offload.optimizer": "cpu"}, "no state to place"),
+        ({**MOE, "finetune.lora_targets": "q,up"}, "model.num_experts=4 experts has not"),
     ],
 )
 def test_wrong_lora_settings_are_refused_before_any_work(over, message):

@@ -595,6 +595,69 @@ QWEN3_RELEASED = {
 PUBLISHED_COUNTS.update({name: _qwen3_count(*shape) for name, (shape, _, _) in QWEN3_RELEASED.items()})
 
 
+def _moe_count(
+    hidden: int, layers: int, heads: int, kv: int, head_dim: int, experts: int, width: int, vocab: int
+) -> tuple[int, int]:
+    """(total, per-token) parameters of a Qwen3-MoE (q/k norms) or Mixtral (none: head_dim 0) model
+    from its config.json's numbers, written out from transformers' Qwen3MoeForCausalLM and
+    MixtralForCausalLM: per layer q, k, v, o, the router (E, D), every expert's gate, up (F, D) and
+    down (D, F), two RMSNorms of the width (and the q/k norms); untied embedding and head, final norm.
+    Per token: the top-k experts only (k = 8 for Qwen3, 2 for Mixtral)."""
+    top_k = 8 if head_dim else 2
+    hd = head_dim or hidden // heads
+    q, k = heads * hd, kv * hd
+    attention = hidden * q + 2 * hidden * k + q * hidden + 2 * hidden + (2 * hd if head_dim else 0)
+    outside = 2 * vocab * hidden + hidden
+    total = outside + layers * (attention + hidden * experts + experts * 3 * hidden * width)
+    active = outside + layers * (attention + hidden * experts + top_k * 3 * hidden * width)
+    return total, active
+
+
+# The released MoE configs (Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B, mistralai/Mixtral-8x7B-v0.1:
+# hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim (Mixtral: none),
+# num_experts, moe_intermediate_size (Mixtral: intermediate_size), vocab_size; all untied), and the
+# totals their model cards publish: 30.5B (3.3B activated), 235B (22B activated), 46.7B (12.9B
+# active). Qwen's activated counts leave out something the formula keeps (3.35B and 22.1B here).
+MOE_RELEASED = {
+    "qwen3-30b-a3b": ((2048, 48, 32, 4, 128, 128, 768, 151936), "30.5B", 30_532_122_624),
+    "qwen3-235b-a22b": ((4096, 94, 64, 4, 128, 128, 1536, 151936), "235B", 235_093_634_560),
+    "mixtral-8x7b": ((4096, 32, 32, 8, 0, 8, 14336, 32000), "46.7B", 46_702_792_704),
+}
+PUBLISHED_COUNTS.update({name: count for name, (_, _, count) in MOE_RELEASED.items()})
+
+
+@pytest.mark.parametrize("name", list(MOE_RELEASED))
+def test_moe_sizes_are_the_released_configs(name: str) -> None:
+    """Each MoE size is its released config: the count of the config's numbers is the named size's,
+    rounds to the published total, and its FLOPs count the top-k experts (Mixtral: 12.9B active)."""
+    shape, published, count = MOE_RELEASED[name]
+    hidden, layers, heads, kv, head_dim, experts, width, vocab = shape
+    cfg = ModelConfig.named(name)
+    total, active = _moe_count(*shape)
+    assert total == count == param_count(cfg)
+    digits = len(published.split(".")[1]) - 1 if "." in published else 0
+    assert f"{total / 1e9:.{digits}f}B" == published
+    assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size) == (
+        hidden,
+        layers,
+        heads,
+        kv,
+        vocab,
+    )
+    assert (cfg.num_experts, cfg.moe_intermediate_size, cfg.tie_embeddings, cfg.rope_theta) == (
+        experts,
+        width,
+        False,
+        1e6,
+    )
+    assert cfg.qk_norm == bool(head_dim) and cfg.hf_model_type == ("qwen3_moe" if head_dim else "mixtral")
+    # FLOPs: 6 per multiplied weight (the embedding is a lookup, the norms no matmul).
+    matmul = active - vocab * hidden - (2 * hidden + (2 * head_dim if head_dim else 0)) * layers - hidden
+    assert matmul_param_count(cfg) == matmul
+    if name == "mixtral-8x7b":
+        assert f"{active / 1e9:.1f}B" == "12.9B"
+
+
 def _gemma3_count(hidden: int, layers: int, heads: int, kv: int, head_dim: int, mlp: int, vocab: int) -> int:
     """Parameters of a Gemma 3 text model from its config's numbers, written out from transformers'
     Gemma3ForCausalLM: per layer q, k, v, o (no biases), the GeGLU's three matrices, four RMSNorms of

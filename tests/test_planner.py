@@ -17,7 +17,7 @@ from jaxzero.data import build_data
 from jaxzero.models.sizes import unit_param_counts
 from jaxzero.overrides import apply_overrides, parse_args
 from jaxzero.plan import Tier, placement, resolve_plan
-from jaxzero.planner import memory, preflight, runtime, search
+from jaxzero.planner import memory, partial, preflight, runtime, search
 from jaxzero.planner.calibration import CUDA_CONTEXT_BYTES, GPU_HEADROOM, SAVE_WORKING_BYTES
 from jaxzero.planner.cost import predict
 from jaxzero.planner.machine import H200, Accelerators, Machine, accelerators_before_backend, detect_machine
@@ -294,6 +294,24 @@ def test_plan_cli_plans_qwen3_and_gemma3(capsys, monkeypatch):
     gemma = ["--model.name=gemma-3-27b", "--data.batch_size=8", "--data.seq_len=4096", *box]
     assert plan_main([*gemma, "--finetune.method=lora"]) == 0
     assert capsys.readouterr().out.startswith("plan for gemma-3-27b: 27.01B parameters, 8 x 4096")
+
+
+def test_plan_cli_plans_mixtures_of_experts_with_the_top_k_experts_flops(capsys, monkeypatch):
+    """Every expert is placed and stored; each token's FLOPs count its top-k experts only."""
+    monkeypatch.setattr(runtime, "backends_started", lambda: False)  # as in the program's fresh process
+    box = ["--machine.gpu_gib=133", "--machine.host_gib=500", "--machine.cores=16"]
+    lora = ["--finetune.method=lora", "--finetune.lora_targets=q,k,v,o"]
+    run = ["--model.name=qwen3-30b-a3b", "--data.batch_size=8", "--data.seq_len=2048", *box]
+    assert plan_main([*run, "--optimizer.state_dtype=bfloat16"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("plan for qwen3-30b-a3b: 30.53B parameters, 8 x 2048 = 16,384 tokens per step")
+    assert "predicted step:" in out
+    assert plan_main(["--model.name=mixtral-8x7b", "--data.batch_size=8", *box, *lora]) == 0
+    assert capsys.readouterr().out.startswith("plan for mixtral-8x7b: 46.70B parameters")
+    cfg = apply_overrides(TrainConfig(), {"model.name": "mixtral-8x7b", "finetune.method": "lora"})
+    tokens = cfg.data.batch_size * cfg.data.seq_len
+    active = 12_879_925_248  # 46.7B less 6 of 8 experts in each of 32 layers: Mixtral's "12.9B active"
+    assert partial.step_flops(cfg) == 6 * active * tokens
 
 
 def test_cpu_backend_plans_with_host_ram_as_the_device_memory():

@@ -229,6 +229,22 @@ def test_gemma3_sharded_over_four_devices_matches_one_device():
         assert rel(a, b) < PARAM_TOL
 
 
+def test_moe_sharded_over_four_devices_matches_one_device():
+    """A mixture of experts' (E, D, 2F) and (E, F, D) expert kernels and (D, E) routers shard like any
+    leaf under ZeRO-1 and ZeRO-3 offload (two micro-batches a step): four devices train as one does."""
+    moe = {"model.num_experts": "4", "model.num_experts_per_tok": "2", "model.moe_intermediate_size": "64"}
+    _, ref_state, ref_losses, _, _ = run(tiny("llama", **moe), devices=1)
+    ref_params = jax.device_get(ref_state.params)
+    for offload, stage in (("optimizer", 1), ("params", 3)):
+        cfg = tiny("llama", **moe, **OFFLOAD[offload], **{"parallel.zero_stage": str(stage)})
+        trainer, state, losses, _, _ = run(cfg, devices=4)
+        assert trainer.mesh.size == 4
+        np.testing.assert_allclose(losses, ref_losses, atol=LOSS_TOL, rtol=0)
+        params = jax.tree_util.tree_flatten_with_path(jax.device_get(state.params))[0]
+        for (path, a), b in zip(params, jax.tree.leaves(ref_params)):
+            assert rel(a, b) < PARAM_TOL, (offload, jax.tree_util.keystr(path))
+
+
 def test_zero3_offload_on_eight_devices_matches_one_device(tmp_path):
     """The 8-GPU node's layout on 8 fake CPU devices (a process of its own: the suite's have 4)."""
     from subprocess_run import run_program

@@ -60,6 +60,13 @@ class ModelConfig:
     rope_original_max_len: int = 8192  # llama3: the context length pretraining used
     attention_bias: bool = False  # biases on the q, k and v projections (Qwen2)
     qk_norm: bool = False  # RMSNorm of each query and key head before the rotary embedding (Qwen3)
+    # Mixture of experts (llama family; Qwen3-MoE, Mixtral): every block's MLP is a router over
+    # num_experts SwiGLU experts of width moe_intermediate_size, each token through its top
+    # num_experts_per_tok, their weights renormalised to sum 1 with norm_topk_prob. 0 experts: dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
     # Sliding-window attention's window (Mistral v0.1, some Qwen2): 0 is none. Attention is computed
     # in full, which equals the windowed attention only while data.seq_len <= the window.
     sliding_window: int = 0
@@ -69,7 +76,9 @@ class ModelConfig:
     final_logit_softcap: float = 0.0  # gemma3: logits = cap * tanh(logits / cap); 0: none
     # The transformers model_type an export writes: "" is the family's own (llama, gpt2); Llama-family
     # checkpoints imported as qwen2, qwen3 or mistral keep theirs.
-    hf_model_type: Literal["", "llama", "qwen2", "qwen3", "mistral", "gpt2", "gemma3_text"] = ""
+    hf_model_type: Literal[
+        "", "llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "gpt2", "gemma3_text"
+    ] = ""
     norm_eps: float = 1e-5  # epsilon of RMSNorm / LayerNorm
     init_std: float = 0.02  # standard deviation of the random init of matrices
     # matmul and activation dtype (masters are float32); float16 adds dynamic loss scaling

@@ -116,7 +116,7 @@ def validate_model(m: ModelConfig) -> None:
     if m.family == "gemma3":
         _validate_gemma3(m)
     hf_types = {
-        "llama": ("", "llama", "qwen2", "qwen3", "mistral"),
+        "llama": ("", "llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral"),
         "gpt2": ("", "gpt2"),
         "gemma3": ("", "gemma3_text"),
     }[m.family]
@@ -124,6 +124,7 @@ def validate_model(m: ModelConfig) -> None:
         raise ConfigError(
             f"model.hf_model_type={m.hf_model_type!r} cannot describe a {m.family} model; one of {hf_types}."
         )
+    _validate_moe(m)
     if m.hf_model_type == "qwen2" and not m.attention_bias:
         raise ConfigError(
             "model.hf_model_type='qwen2' needs model.attention_bias=true (Qwen2 biases q, k, v)."
@@ -134,7 +135,7 @@ def validate_model(m: ModelConfig) -> None:
             f"normalises q and k heads; its attention_bias also biases o_proj); got qk_norm={m.qk_norm}, "
             f"attention_bias={m.attention_bias}."
         )
-    if m.family == "llama" and m.hf_model_type in ("llama", "qwen2", "mistral") and m.qk_norm:
+    if m.family == "llama" and m.hf_model_type in ("llama", "qwen2", "mistral", "mixtral") and m.qk_norm:
         raise ConfigError(
             f"model.qk_norm=true has no {m.hf_model_type} counterpart in transformers; use "
             "model.hf_model_type=qwen3 or ''."
@@ -164,6 +165,31 @@ def validate_model(m: ModelConfig) -> None:
             f"model.rope_original_max_len={m.rope_original_max_len} must be >= 1 and "
             f"model.sliding_window={m.sliding_window} >= 0."
         )
+
+
+def _validate_moe(m: ModelConfig) -> None:
+    """Experts: llama family only, top-k of at least k experts, a width; the MoE checkpoint types
+    with experts and the dense ones without (Mixtral renormalises its top-k, no q/k norms)."""
+    moe_types = ("qwen3_moe", "mixtral")
+    if not m.num_experts:
+        if m.hf_model_type in moe_types:
+            raise ConfigError(f"model.hf_model_type={m.hf_model_type!r} needs model.num_experts >= 1.")
+        return
+    bad = []
+    if m.family != "llama":
+        bad.append(f"model.family={m.family!r} (experts are the llama family's)")
+    if m.num_experts < 0 or not 1 <= m.num_experts_per_tok <= m.num_experts:
+        bad.append(f"model.num_experts_per_tok={m.num_experts_per_tok} (1 .. num_experts={m.num_experts})")
+    if m.moe_intermediate_size < 1:
+        bad.append(f"model.moe_intermediate_size={m.moe_intermediate_size} (each expert's width, >= 1)")
+    if m.hf_model_type not in ("", *moe_types):
+        bad.append(f"model.hf_model_type={m.hf_model_type!r} (a dense type; use qwen3_moe, mixtral or '')")
+    if m.hf_model_type == "mixtral" and (not m.norm_topk_prob or m.attention_bias):
+        bad.append("model.hf_model_type='mixtral' with norm_topk_prob=false or attention_bias=true")
+    if m.hf_model_type == "qwen3_moe" and (not m.qk_norm or m.attention_bias):
+        bad.append("model.hf_model_type='qwen3_moe' without qk_norm=true and attention_bias=false")
+    if bad:
+        raise ConfigError(f"model.num_experts={m.num_experts}: unsupported settings: {'; '.join(bad)}.")
 
 
 def _validate_gemma3(m: ModelConfig) -> None:
@@ -513,6 +539,13 @@ def _validate_finetune(cfg: TrainConfig) -> None:
         names and not unknown,
         f"finetune.lora_targets={f.lora_targets!r}: {', '.join(unknown) or 'none named'}; name some of "
         f"{', '.join(LORA_TARGETS)}, comma-separated (PEFT's q_proj ... down_proj).",
+    )
+    dense = [t for t in names if t in ("gate", "up", "down")]
+    _need(
+        not (cfg.model.num_experts and dense),
+        f"finetune.lora_targets={f.lora_targets!r} names the dense MLP's {', '.join(dense)}, which a model "
+        f"of model.num_experts={cfg.model.num_experts} experts has not (its experts are not adapted): "
+        "use finetune.lora_targets=q,k,v,o.",
     )
     _need(
         cfg.offload.params in ("auto", "none", "cpu") and cfg.offload.optimizer in ("auto", "none"),

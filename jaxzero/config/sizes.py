@@ -71,6 +71,11 @@ _ROWS: dict[str, tuple[Any, ...]] = {
     "gemma-3-4b":       ("gemma3", 262208, 2560, 34,    8,    4,  10240, 131072, True,  1e6,  1e-6),
     "gemma-3-12b":      ("gemma3", 262208, 3840, 48,    16,   8,  15360, 131072, True,  1e6,  1e-6),
     "gemma-3-27b":      ("gemma3", 262208, 5376, 62,    32,   16, 21504, 131072, True,  1e6,  1e-6),
+    # Mixture-of-experts checkpoints (_QWEN3_MOE, _MIXTRAL: experts and their width; "mlp" is the
+    # dense width transformers' config carries, which no layer of the released ones uses).
+    "qwen3-30b-a3b":    ("llama", 151936, 2048,  48,    32,   4,  6144,  40960,  False, 1e6,  1e-6),
+    "qwen3-235b-a22b":  ("llama", 151936, 4096,  94,    64,   4,  12288, 40960,  False, 1e6,  1e-6),
+    "mixtral-8x7b":     ("llama", 32000,  4096,  32,    32,   8,  14336, 32768,  False, 1e6,  1e-5),
 }
 # fmt: on
 # The other size fields: llama-tiny's, and every size's except where _DIFFERENT says.
@@ -86,6 +91,7 @@ _REST: dict[str, Any] = dict(
     sliding_window=0,
     **dict(sliding_window_pattern=0, rope_local_theta=0.0, query_pre_attn_scalar=0, final_logit_softcap=0.0),
     hf_model_type="",
+    **dict(num_experts=0, num_experts_per_tok=2, moe_intermediate_size=0, norm_topk_prob=True),
 )
 # Llama 3.1's rope scaling (transformers' "llama3"), each size with its own factor.
 _LLAMA3_ROPE = dict(
@@ -93,6 +99,8 @@ _LLAMA3_ROPE = dict(
 )
 _QWEN2 = dict(attention_bias=True, hf_model_type="qwen2")  # q, k, v biases
 _QWEN3 = dict(qk_norm=True, head_size=128, hf_model_type="qwen3")  # q/k norms; head_dim 128 at every width
+_QWEN3_MOE = dict(_QWEN3, hf_model_type="qwen3_moe", num_experts=128, num_experts_per_tok=8)
+_MIXTRAL = dict(hf_model_type="mixtral", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=14336)
 # Gemma 3: five local layers (window 1024, rope base 1e4) to one global; from 4B on, global rope linear x8.
 _GEMMA3 = dict(
     sliding_window=1024, sliding_window_pattern=6, rope_local_theta=1e4, hf_model_type="gemma3_text"
@@ -108,6 +116,9 @@ _DIFFERENT: dict[str, dict[str, Any]] = {
     "qwen2.5-14b": _QWEN2,
     "mistral-7b": {"hf_model_type": "mistral"},
     **{f"qwen3-{size}": _QWEN3 for size in ("0.6b", "1.7b", "4b", "8b", "14b", "32b")},
+    "qwen3-30b-a3b": {**_QWEN3_MOE, "moe_intermediate_size": 768},
+    "qwen3-235b-a22b": {**_QWEN3_MOE, "moe_intermediate_size": 1536},
+    "mixtral-8x7b": _MIXTRAL,
     "gemma-3-1b": {**_GEMMA3, "head_size": 256, "query_pre_attn_scalar": 256, "sliding_window": 512},
     "gemma-3-4b": {**_GEMMA3_LINEAR, "head_size": 256, "query_pre_attn_scalar": 256},
     "gemma-3-12b": {**_GEMMA3_LINEAR, "head_size": 256, "query_pre_attn_scalar": 256},

@@ -2,7 +2,9 @@
 
 Supported: the Llama family (`LlamaForCausalLM` "llama" with default, linear or llama3 rope scaling;
 `Qwen2ForCausalLM` "qwen2", biases on q, k, v; `Qwen3ForCausalLM` "qwen3", q/k norms and a head_dim of
-its own; `MistralForCausalLM` "mistral"; tied or untied head, grouped-query attention), GPT-2
+its own; `MistralForCausalLM` "mistral"; `Qwen3MoeForCausalLM` "qwen3_moe" and `MixtralForCausalLM`
+"mixtral", whose expert fields `jaxzero.interop.hf_moe_config` maps; tied or untied head,
+grouped-query attention), GPT-2
 (`GPT2LMHeadModel`, model_type "gpt2") and Gemma 3's text models (`Gemma3ForCausalLM` "gemma3_text",
 and the text model of `Gemma3ForConditionalGeneration` "gemma3"). Anything these models cannot compute exactly
 (dynamic/yarn/longrope rope, partial rotary, o_proj or MLP biases, a head_dim other than hidden_size /
@@ -24,6 +26,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxzero.config import ConfigError, ModelConfig
+from jaxzero.interop.hf_moe_config import MOE_ARCHITECTURES, MOE_DEFAULTS, moe_from_hf, moe_to_hf
 from jaxzero.models import build_model
 
 CONFIG_NAME = "config.json"
@@ -67,6 +70,7 @@ _ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
+    **MOE_ARCHITECTURES,  # Qwen3-MoE and Mixtral: the Llama family with a sparse MLP
 }
 # Defaults of Qwen2Config / Qwen3Config / MistralConfig (transformers 5) that differ from LlamaConfig's.
 _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -94,6 +98,7 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 4096 * 32,
         "sliding_window": 4096,
     },
+    **MOE_DEFAULTS,
 }
 # GPT-2's "gelu_new" and "gelu_pytorch_tanh" are both the tanh approximation jaxzero computes.
 _GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")
@@ -127,6 +132,8 @@ def hf_config(cfg: ModelConfig, dtype: str = "bfloat16") -> dict[str, Any]:
         return _gemma3_to_hf(cfg, common)
     if cfg.family == "llama":
         implied = "qwen3" if cfg.qk_norm else "qwen2" if cfg.attention_bias else "llama"
+        if cfg.num_experts:
+            implied = "qwen3_moe" if cfg.qk_norm else "mixtral"
         model_type = cfg.hf_model_type or implied
         rope: dict[str, Any] = {"rope_type": cfg.rope_type, "rope_theta": cfg.rope_theta}
         if cfg.rope_type != "default":
@@ -159,8 +166,8 @@ def hf_config(cfg: ModelConfig, dtype: str = "bfloat16") -> dict[str, Any]:
         }
         if model_type == "llama":
             out.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
-        elif model_type in ("qwen2", "qwen3"):
-            if model_type == "qwen3":
+        elif model_type in ("qwen2", "qwen3", "qwen3_moe"):
+            if model_type != "qwen2":
                 out.update(attention_bias=False)
             window = cfg.sliding_window or cfg.max_seq_len
             out.update(
@@ -170,6 +177,8 @@ def hf_config(cfg: ModelConfig, dtype: str = "bfloat16") -> dict[str, Any]:
             )
         else:
             out["sliding_window"] = cfg.sliding_window or None
+        if cfg.num_experts:
+            out.update(moe_to_hf(cfg, model_type))
         return out
     return {
         "architectures": ["GPT2LMHeadModel"],
@@ -389,7 +398,7 @@ def _check_architectures(d: Mapping[str, Any], allowed: tuple[str, ...], where: 
 def _llama_from_hf(d: Mapping[str, Any], model_type: str, name: str, where: str) -> ModelConfig:
     defaults = {**_LLAMA_DEFAULTS, **_FAMILY_DEFAULTS[model_type]}
     if "sliding_window" in d and d["sliding_window"] is None:
-        defaults.pop("sliding_window")  # an explicit null: no window (transformers keeps the null)
+        defaults.pop("sliding_window", None)  # an explicit null: no window (transformers keeps the null)
     f = _Fields(d, defaults, where)
     arch = _ARCHITECTURES[model_type]
     _check_architectures(d, (arch, arch.replace("ForCausalLM", "Model")), where)
@@ -434,8 +443,9 @@ def _llama_from_hf(d: Mapping[str, Any], model_type: str, name: str, where: str)
         unsupported.append("quantization_config (quantized weights)")
     hidden, heads = f.get_int("hidden_size"), f.get_int("num_attention_heads")
     head_dim = d.get("head_dim")
-    if model_type == "qwen3":
-        head_dim = f.get_int("head_dim")  # a width of its own, whatever hidden_size / heads is
+    qwen3 = model_type in ("qwen3", "qwen3_moe")
+    if qwen3:  # a width of its own, whatever hidden_size / heads is (Qwen3-MoE's defaults to that)
+        head_dim = f.get_int("head_dim") if model_type == "qwen3" or head_dim is not None else hidden // heads
         if d.get("attention_bias"):
             unsupported.append(
                 "attention_bias=true (biases on q, k, v and o_proj; jaxzero's biases q, k, v only)"
@@ -446,10 +456,14 @@ def _llama_from_hf(d: Mapping[str, Any], model_type: str, name: str, where: str)
             "(jaxzero derives head_dim from the two)"
         )
     window = 0
-    if model_type == "mistral" and f.raw("sliding_window") is not None:
+    if model_type in ("mistral", "mixtral") and f.raw("sliding_window") is not None:
         window = f.get_int("sliding_window")
-    if model_type in ("qwen2", "qwen3") and f.get_bool("use_sliding_window"):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe") and f.get_bool("use_sliding_window"):
         window = f.get_int("sliding_window")
+    experts: dict[str, Any] = {}
+    if model_type in MOE_ARCHITECTURES:
+        experts, more = moe_from_hf(d, model_type, where)
+        unsupported += more
     if unsupported:
         raise ConfigError(f"{where}: unsupported {arch} features: " + "; ".join(unsupported) + ".")
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
@@ -469,9 +483,10 @@ def _llama_from_hf(d: Mapping[str, Any], model_type: str, name: str, where: str)
         rope_theta=float(theta),
         rope_type=rope_type,
         **scaling,
-        head_size=head_dim if model_type == "qwen3" else 0,
+        head_size=head_dim if qwen3 else 0,
         attention_bias=model_type == "qwen2",
-        qk_norm=model_type == "qwen3",
+        qk_norm=qwen3,
+        **experts,
         sliding_window=window,
         hf_model_type="" if model_type == "llama" else model_type,
         norm_eps=f.get_float("rms_norm_eps"),

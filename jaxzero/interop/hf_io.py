@@ -66,10 +66,10 @@ def _check_params(params: ModelParams, cfg: ModelConfig, units: list[HFUnit]) ->
         for path, t in want.items():
             if path not in have:
                 problems.append(f"{unit.label}: missing {'/'.join(path)} (-> {t.hf_name})")
-            elif tuple(np.shape(have[path])) != t.shape:
+            elif tuple(np.shape(have[path])) != t.full_shape:
                 problems.append(
                     f"{unit.label}: {'/'.join(path)} has shape {tuple(np.shape(have[path]))}, "
-                    f"the config needs {t.shape}"
+                    f"the config needs {t.full_shape}"
                 )
         problems += [f"{unit.label}: unexpected {'/'.join(p)}" for p in have if p not in want]
     if problems:
@@ -185,7 +185,7 @@ def _write_shards(
                     # transformers 4 refuses a safetensors file whose metadata lacks "format".
                     writer = SafetensorsWriter(out / files[k], shards[k], metadata={"format": "pt"})
                     current = k
-                leaf = np.asarray(get_path(host, t.path))
+                leaf = t.take(np.asarray(get_path(host, t.path)))
                 # One copy: transpose (Llama kernels) and cast together, C-contiguous for the writer.
                 array = np.array(leaf.T if t.transpose else leaf, dtype=np_dtype, order="C")
                 assert writer is not None
@@ -333,11 +333,18 @@ def _params_by_unit(cfg: ModelConfig, ckpt: Path) -> ModelParams:
         where, readers = _open_weights(ckpt)
         try:
             tree: dict[str, Any] = {}
+            stacked: dict[tuple[str, ...], np.ndarray] = {}
             for t in unit.tensors:
                 name = found[t.hf_name]
                 stored = where[name][name]  # a memory-mapped view: read as it is converted
                 # Always a fresh, writable float32 array that owns its memory, never a view of the file.
                 array = np.array(stored.T if t.transpose else stored, dtype=np.float32, order="C")
+                if t.part is not None:  # one expert's matrix, written into its (E, in, out) leaf
+                    if t.path not in stacked:
+                        stacked[t.path] = np.empty(t.leaf_shape, np.float32)
+                        set_path(tree, t.path, stacked[t.path])
+                    t.take(stacked[t.path])[...] = array
+                    continue
                 set_path(tree, t.path, array)
             return (tree,)
         finally:
@@ -352,7 +359,7 @@ def _shapes_tree(unit: HFUnit) -> dict[str, Any]:
     """The unit's tree of float32 ShapeDtypeStructs, as `_params_by_unit` reads it."""
     tree: dict[str, Any] = {}
     for t in unit.tensors:
-        set_path(tree, t.path, jax.ShapeDtypeStruct(t.shape, np.float32))
+        set_path(tree, t.path, jax.ShapeDtypeStruct(t.full_shape, np.float32))
     return tree
 
 
@@ -428,6 +435,7 @@ def _check_hf_config(cfg: ModelConfig, ckpt: Path, check_numerics: bool) -> None
     names = list(_SHAPE_FIELDS) + ["intermediate_size"]
     if cfg.family == "llama" and hf.family == "llama":
         names += ["tie_embeddings", "attention_bias", "qk_norm", "head_dim"]
+        names += ["num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob"]
     if cfg.family == "gpt2":
         names.append("max_seq_len")
     if cfg.family == "gemma3" and hf.family == "gemma3":

@@ -51,10 +51,26 @@ class HFTensor:
     path: tuple[str, ...]
     shape: tuple[int, ...]
     transpose: bool = False
+    # One expert's matrix inside a (E, in, out) leaf of shape `leaf_shape`: leaf[e, :, lo:hi], as
+    # (e, lo, hi). None: the tensor is the whole leaf.
+    part: tuple[int, int, int] | None = None
+    leaf_shape: tuple[int, ...] = ()
 
     @property
     def hf_shape(self) -> tuple[int, ...]:
         return self.shape[::-1] if self.transpose else self.shape
+
+    @property
+    def full_shape(self) -> tuple[int, ...]:
+        """The shape of the jaxzero leaf the tensor is (or is part of)."""
+        return self.leaf_shape if self.part else self.shape
+
+    def take(self, leaf: Any) -> Any:
+        """This tensor's values of its jaxzero leaf (a view), in jaxzero's orientation."""
+        if self.part is None:
+            return leaf
+        e, lo, hi = self.part
+        return leaf[e, :, lo:hi]
 
 
 @dataclass(frozen=True)
@@ -66,7 +82,7 @@ class HFUnit:
 
 
 def _llama_units(cfg: ModelConfig) -> list[HFUnit]:
-    d, f, v, hd = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
+    d, v, hd = cfg.hidden_size, cfg.vocab_size, cfg.head_dim
     q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
     units = [HFUnit("embed", (HFTensor("model.embed_tokens.weight", ("embed_tokens", "embedding"), (v, d)),))]
     for i in range(cfg.num_layers):
@@ -91,9 +107,7 @@ def _llama_units(cfg: ModelConfig) -> list[HFUnit]:
                     HFTensor(
                         p + "post_attention_layernorm.weight", ("post_attention_layernorm", "scale"), (d,)
                     ),
-                    HFTensor(p + "mlp.gate_proj.weight", ("mlp", "gate_proj", "kernel"), (d, f), True),
-                    HFTensor(p + "mlp.up_proj.weight", ("mlp", "up_proj", "kernel"), (d, f), True),
-                    HFTensor(p + "mlp.down_proj.weight", ("mlp", "down_proj", "kernel"), (f, d), True),
+                    *_llama_mlp(cfg, p),
                 ),
             )
         )
@@ -102,6 +116,33 @@ def _llama_units(cfg: ModelConfig) -> list[HFUnit]:
         head.append(HFTensor("lm_head.weight", ("lm_head", "kernel"), (d, v), True))
     units.append(HFUnit("head", tuple(head)))
     return units
+
+
+def _llama_mlp(cfg: ModelConfig, p: str) -> list[HFTensor]:
+    """Block `p`'s MLP tensors: dense, or the router and every expert's three matrices as the
+    released checkpoints store them (Qwen3-MoE `mlp.experts.e.gate_proj`, Mixtral
+    `block_sparse_moe.experts.e.w1`; transformers 5 saves them so and fuses them on load)."""
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    if not cfg.num_experts:
+        return [
+            HFTensor(p + "mlp.gate_proj.weight", ("mlp", "gate_proj", "kernel"), (d, f), True),
+            HFTensor(p + "mlp.up_proj.weight", ("mlp", "up_proj", "kernel"), (d, f), True),
+            HFTensor(p + "mlp.down_proj.weight", ("mlp", "down_proj", "kernel"), (f, d), True),
+        ]
+    e, f = cfg.num_experts, cfg.moe_intermediate_size
+    mixtral = cfg.hf_model_type == "mixtral"
+    m = p + ("block_sparse_moe." if mixtral else "mlp.")
+    names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    out = [HFTensor(m + "gate.weight", ("mlp", "router", "kernel"), (d, e), True)]
+    gate_up, down = ("mlp", "gate_up", "kernel"), ("mlp", "down", "kernel")
+    for i in range(e):
+        x = f"{m}experts.{i}."
+        out += [
+            HFTensor(x + names[0] + ".weight", gate_up, (d, f), True, (i, 0, f), (e, d, 2 * f)),
+            HFTensor(x + names[1] + ".weight", gate_up, (d, f), True, (i, f, 2 * f), (e, d, 2 * f)),
+            HFTensor(x + names[2] + ".weight", down, (f, d), True, (i, 0, d), (e, f, d)),
+        ]
+    return out
 
 
 def _gemma3_units(cfg: ModelConfig) -> list[HFUnit]:

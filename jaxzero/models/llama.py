@@ -22,6 +22,14 @@ name map plus a transpose of each "kernel" (stored (in, out) here, (out, in) in 
              "lm_head": {"kernel": (D, V)}}                   lm_head.weight
             ("lm_head" is absent when `tie_embeddings`; logits then use embed_tokens)
 
+With `num_experts` E > 0 (Qwen3-MoE, Mixtral) the block's "mlp" is the sparse MLP of
+`jaxzero.models.moe` instead, dropless top-k routing over SwiGLU experts of width F' =
+`moe_intermediate_size`:
+
+             "mlp": {"router":  {"kernel": (D, E)},           ...mlp.gate.weight (Mixtral: block_sparse_moe)
+                     "gate_up": {"kernel": (E, D, 2F')},      [gate | up] of each of experts.e.gate_proj,
+                     "down":    {"kernel": (E, F', D)}}       up_proj (Mixtral w1, w3) and down_proj (w2)
+
 D = hidden_size, N = num_heads, K = num_kv_heads, H = head_dim (`head_size`, or D / N), F =
 intermediate_size, V = vocab_size.
 q/k heads are laid out head-major along the projection's output axis, (N, H), as in HF; the rotary
@@ -38,7 +46,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxzero.config import ModelConfig
-from jaxzero.models import layers
+from jaxzero.models import layers, moe
 from jaxzero.models.base import KVCache, ModelParams, init_params
 from jaxzero.models.lora import LoraSpec, dequantize, lora_delta
 
@@ -144,6 +152,39 @@ class _MLP(nn.Module):
         return _Linear(c.hidden_size, c.init_std, lora=lora, name="down_proj")(jax.nn.silu(gate) * up)
 
 
+def moe_spec(c: ModelConfig) -> moe.MoeSpec:
+    """The experts' routing of a Llama-family config with `num_experts` > 0: softmax over all
+    experts, the top `num_experts_per_tok`, renormalised with `norm_topk_prob` (Mixtral always is)."""
+    return moe.qwen3_moe_spec(c.num_experts, c.num_experts_per_tok, c.norm_topk_prob)
+
+
+class _MoE(nn.Module):
+    """The sparse MLP (`jaxzero.models.moe`): router and experts, float32 masters used in x's dtype
+    (int8 kernels with their "kernel_scale" dequantised first, as `_Linear` does). Experts are grouped
+    by `moe.experts_padded`, which runs on every backend. No LoRA adapters: LoRA adapts attention."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, h: jax.Array) -> jax.Array:
+        c = self.config
+        spec = moe_spec(c)
+        d, f, e = c.hidden_size, c.moe_intermediate_size, c.num_experts
+
+        def kernel(shape: tuple[int, ...]) -> Any:
+            return lambda key: {"kernel": layers.normal(key, shape, c.init_std)}
+
+        params = {
+            "router": self.param("router", kernel((d, e))),
+            "gate_up": self.param("gate_up", kernel((e, d, 2 * f))),
+            "down": self.param("down", kernel((e, f, d))),
+        }
+        for name, p in params.items():
+            if "kernel_scale" in p:
+                params[name] = {"kernel": dequantize(p["kernel"], p["kernel_scale"], h.dtype)}
+        return moe.moe_block(params, h, spec)[0]
+
+
 class LlamaBlock(nn.Module):
     """One pre-norm Llama block as a Flax module: (B, S, D) -> (B, S, D) in the compute dtype.
 
@@ -176,7 +217,8 @@ class LlamaBlock(nn.Module):
         else:
             a, cache = attn(h, cache, pos)
             x = x + a
-        x = x + _MLP(c, self.lora, name="mlp")(_RMSNorm(c.norm_eps, name="post_attention_layernorm")(x))
+        mlp = _MoE(c, name="mlp") if c.num_experts else _MLP(c, self.lora, name="mlp")
+        x = x + mlp(_RMSNorm(c.norm_eps, name="post_attention_layernorm")(x))
         return x if cache is None else (x, cache)
 
 

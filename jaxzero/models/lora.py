@@ -38,19 +38,20 @@ class LoraSpec:
 
 
 def dequantize(kernel: jax.Array, scale: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """int8 kernel (in, out) times its per-output-channel float32 scale (out,), in float32, then cast
-    to `dtype`."""
-    return (kernel.astype(jnp.float32) * scale.astype(jnp.float32)[None, :]).astype(dtype)
+    """int8 kernel (..., in, out) times its per-output-channel float32 scale (..., out), in float32,
+    then cast to `dtype`. Leading axes are a stack of kernels (a block's experts)."""
+    return (kernel.astype(jnp.float32) * scale.astype(jnp.float32)[..., None, :]).astype(dtype)
 
 
 def quantize_kernel(kernel: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """A float kernel (in, out) as (int8 (in, out), float32 scale (out,)): symmetric, per output
-    channel, scale = max |column| / 127 (1 for an all-zero column), values rounded to nearest even.
-    Each element's dequantisation error is at most scale / 2 of its column (and float32 rounding)."""
+    """A float kernel (..., in, out) as (int8 (..., in, out), float32 scale (..., out)): symmetric,
+    per output channel of each kernel of the stack, scale = max |column| / 127 (1 for an all-zero
+    column), values rounded to nearest even. Each element's dequantisation error is at most scale / 2
+    of its column (and float32 rounding)."""
     k = kernel.astype(jnp.float32)
-    peak = jnp.max(jnp.abs(k), axis=0)
+    peak = jnp.max(jnp.abs(k), axis=-2)
     scale = jnp.where(peak > 0, peak / jnp.float32(INT8_MAX), jnp.float32(1.0))
-    q = jnp.clip(jnp.round(k / scale[None, :]), -INT8_MAX, INT8_MAX).astype(jnp.int8)
+    q = jnp.clip(jnp.round(k / scale[..., None, :]), -INT8_MAX, INT8_MAX).astype(jnp.int8)
     return q, scale
 
 

@@ -21,6 +21,11 @@ Released checkpoints' shapes, with their rope scaling and biases (`model.name=hf
 
     qwen3-0.6b      596,049,920    qwen3-4b     4,022,468,096    qwen3-14b  14,768,307,200
     qwen3-1.7b    1,720,574,976    qwen3-8b     8,190,735,360    qwen3-32b  32,762,123,264
+
+Mixtures of experts count every expert's parameters; their FLOPs count the parameters a token
+multiplies by (`block_matmul_params`: the router and its top-k experts):
+
+    qwen3-30b-a3b    30,532,122,624    qwen3-235b-a22b  235,093,634,560    mixtral-8x7b  46,702,792,704
 """
 
 from __future__ import annotations
@@ -42,10 +47,14 @@ def ties_output(cfg: ModelConfig) -> bool:
 
 
 def block_matmul_params(cfg: ModelConfig) -> int:
-    """Elements of one block's matmul kernels (no norms, no biases)."""
+    """Elements of one block's matmul kernels that each token multiplies by (no norms, no biases):
+    with experts, the router's and the top-k experts' (`jaxzero.models.moe.active_matmul_params`)."""
     d, f = cfg.hidden_size, cfg.intermediate_size
     q_width = cfg.num_heads * cfg.head_dim
     kv_width = cfg.num_kv_heads * cfg.head_dim
+    if cfg.num_experts:
+        experts = d * cfg.num_experts + cfg.num_experts_per_tok * 3 * d * cfg.moe_intermediate_size
+        return d * q_width + 2 * d * kv_width + q_width * d + experts
     if cfg.family in ("llama", "gemma3"):
         # q, k, v, o projections and the three SwiGLU (GeGLU) matrices.
         return d * q_width + 2 * d * kv_width + q_width * d + 3 * d * f
@@ -67,6 +76,9 @@ def unit_param_shapes(cfg: ModelConfig) -> tuple[list[Shape], list[Shape], list[
     if cfg.family == "llama":
         # q, k, v, o projections, the three SwiGLU matrices, the two RMSNorm scales
         block = [(d, q_width), (d, kv_width), (d, kv_width), (q_width, d), (d, f), (d, f), (f, d), (d,), (d,)]
+        if cfg.num_experts:  # the router and the experts' [gate | up] and down kernels instead
+            e, fe = cfg.num_experts, cfg.moe_intermediate_size
+            block[4:7] = [(d, e), (e, d, 2 * fe), (e, fe, d)]
         if cfg.attention_bias:
             block += [(q_width,), (kv_width,), (kv_width,)]
         if cfg.qk_norm:
@@ -108,8 +120,18 @@ def param_count(cfg: ModelConfig) -> int:
     return embed + cfg.num_layers * block + head
 
 
+def inactive_expert_params(cfg: ModelConfig) -> int:
+    """Parameters of one block that a token does not multiply by: the kernels of the experts outside
+    its top-k, (E - k) x 3 x D x F'; 0 without experts. A block's parameters less these are what a
+    token's FLOPs count."""
+    if not cfg.num_experts:
+        return 0
+    return (cfg.num_experts - cfg.num_experts_per_tok) * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+
+
 def matmul_param_count(cfg: ModelConfig) -> int:
-    """Parameters that take part in matmuls: all block kernels plus the (D, V) output projection.
+    """Parameters that take part in each token's matmuls: all block kernels (of experts, the top-k's)
+    plus the (D, V) output projection.
 
     The output projection counts whether tied or not (a tied head still runs a D x V matmul);
     embedding lookups, norms and biases do not count.

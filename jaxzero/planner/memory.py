@@ -175,6 +175,13 @@ def transient_activations(
     compute = dtype_bytes(m.compute_dtype)
     q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
     widths = 2 * (q + 2 * kv) + 2 * m.hidden_size + 4 * m.intermediate_size
+    if m.num_experts:
+        # Not measured: each of the k (token, expert) rows in and out of its expert (2 D) and four of
+        # the expert's width; the kernels each padded block of 256 rows gathers, and their gradients.
+        d, f, k = m.hidden_size, m.moe_intermediate_size, m.num_experts_per_tok
+        widths = 2 * (q + 2 * kv) + 2 * d + k * (2 * d + 4 * f)
+        blocks = -(-micro_tokens * k // 256) + m.num_experts
+        widths += -(-2 * blocks * 3 * d * f // micro_tokens)
     block = micro_tokens * widths * compute
     seq_len = seq_len or micro_tokens
     if documents or m.family == "gemma3":  # Gemma 3's windows are a mask too, with or without documents

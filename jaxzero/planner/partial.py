@@ -27,6 +27,7 @@ from jaxzero.models.sizes import (
     attention_span,
     block_matmul_params,
     flops_per_token,
+    inactive_expert_params,
     param_count,
     projection_shapes,
     ties_output,
@@ -103,8 +104,9 @@ def step_flops(cfg: TrainConfig) -> float:
     m, d, ft = cfg.model, cfg.data, cfg.finetune
     tokens = d.batch_size * d.seq_len
     if ft.method == "lora":
-        return 6 * param_count(m) * tokens
+        return 6 * (param_count(m) - m.num_layers * inactive_expert_params(m)) * tokens
     _, n_block, _ = unit_param_counts(m)
+    n_block -= inactive_expert_params(m)  # a token multiplies by its top-k experts only
     kept, lowest = ft.base_positions(m.num_layers), ft.lowest_trainable_block(m.num_layers)
     flops = 0.0
     for i in range(m.num_layers):  # blocks: forward 2, recomputation and input gradients 4, weights 2
