@@ -26,6 +26,10 @@ class CheckpointError(ConfigError):
     reports it as bad input (exit status 2)."""
 
 
+# The transformers model types an export may write (`ModelConfig.hf_model_type`).
+HFModelType = Literal["", "llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "gpt2", "gemma3_text"]
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Transformer shape and numerics. Masters are always float32; `compute_dtype` is the matmul dtype.
@@ -61,12 +65,11 @@ class ModelConfig:
     attention_bias: bool = False  # biases on the q, k and v projections (Qwen2)
     qk_norm: bool = False  # RMSNorm of each query and key head before the rotary embedding (Qwen3)
     # Mixture of experts (llama family; Qwen3-MoE, Mixtral): every block's MLP is a router over
-    # num_experts SwiGLU experts of width moe_intermediate_size, each token through its top
-    # num_experts_per_tok, their weights renormalised to sum 1 with norm_topk_prob. 0 experts: dense.
-    num_experts: int = 0
-    num_experts_per_tok: int = 2
-    moe_intermediate_size: int = 0
-    norm_topk_prob: bool = True
+    # num_experts SwiGLU experts, each token through its top num_experts_per_tok.
+    num_experts: int = 0  # experts per block's MLP (0: a dense MLP)
+    num_experts_per_tok: int = 2  # the experts each token goes through (top-k of the router)
+    moe_intermediate_size: int = 0  # each expert's MLP width
+    norm_topk_prob: bool = True  # the top-k routing weights renormalised to sum 1 (Mixtral: always)
     # Sliding-window attention's window (Mistral v0.1, some Qwen2): 0 is none. Attention is computed
     # in full, which equals the windowed attention only while data.seq_len <= the window.
     sliding_window: int = 0
@@ -76,9 +79,7 @@ class ModelConfig:
     final_logit_softcap: float = 0.0  # gemma3: logits = cap * tanh(logits / cap); 0: none
     # The transformers model_type an export writes: "" is the family's own (llama, gpt2); Llama-family
     # checkpoints imported as qwen2, qwen3 or mistral keep theirs.
-    hf_model_type: Literal[
-        "", "llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "gpt2", "gemma3_text"
-    ] = ""
+    hf_model_type: HFModelType = ""
     norm_eps: float = 1e-5  # epsilon of RMSNorm / LayerNorm
     init_std: float = 0.02  # standard deviation of the random init of matrices
     # matmul and activation dtype (masters are float32); float16 adds dynamic loss scaling
