@@ -184,6 +184,26 @@ def test_the_log_line_names_the_stage_and_the_mesh():
     assert "ZeRO" not in one.strategy
 
 
+def _four_devices_train_as_one(
+    variant: dict[str, str], placements=(("params", 3),), unchecked: str | None = None
+) -> None:
+    """`variant` of the tiny Llama trained on four devices with each (offload, ZeRO stage) of
+    `placements` equals one device: its losses, and every parameter but those whose path ends with
+    `unchecked`."""
+    _, ref_state, ref_losses, _, _ = run(tiny("llama", **variant), devices=1)
+    ref_params = jax.device_get(ref_state.params)
+    for offload, stage in placements:
+        cfg = tiny("llama", **variant, **OFFLOAD[offload], **{"parallel.zero_stage": str(stage)})
+        trainer, state, losses, _, _ = run(cfg, devices=4)
+        assert trainer.mesh.size == 4
+        np.testing.assert_allclose(losses, ref_losses, atol=LOSS_TOL, rtol=0)
+        params = jax.tree_util.tree_flatten_with_path(jax.device_get(state.params))[0]
+        for (path, a), b in zip(params, jax.tree.leaves(ref_params)):
+            name = jax.tree_util.keystr(path)
+            if unchecked is None or not name.endswith(unchecked):
+                assert rel(a, b) < PARAM_TOL, (offload, name)
+
+
 def test_biased_llama3_rope_variant_sharded_over_four_devices_matches_one_device():
     """Qwen2's q, k, v biases shard along their only axis like any other leaf; Llama 3.1's rope is the
     same on every device."""
@@ -194,16 +214,7 @@ def test_biased_llama3_rope_variant_sharded_over_four_devices_matches_one_device
         "model.rope_factor": "8",
         "model.rope_original_max_len": "16",
     }
-    _, ref_state, ref_losses, _, _ = run(tiny("llama", **variant), devices=1)
-    cfg = tiny("llama", **variant, **OFFLOAD["params"], **{"parallel.zero_stage": "3"})
-    trainer, state, losses, _, _ = run(cfg, devices=4)
-    assert trainer.mesh.size == 4
-    np.testing.assert_allclose(losses, ref_losses, atol=LOSS_TOL, rtol=0)
-    params, ref_params = jax.device_get(state.params), jax.device_get(ref_state.params)
-    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(ref_params)):
-        name = jax.tree_util.keystr(path)
-        if not name.endswith("['k_proj']['bias']"):  # see test_offload.py's docstring
-            assert rel(a, b) < PARAM_TOL, name
+    _four_devices_train_as_one(variant, unchecked="['k_proj']['bias']")  # see test_offload.py's docstring
 
 
 def test_gemma3_sharded_over_four_devices_matches_one_device():
@@ -218,31 +229,14 @@ def test_gemma3_sharded_over_four_devices_matches_one_device():
         "model.rope_local_theta": "1e4",
         "model.hf_model_type": "gemma3_text",
     }
-    _, ref_state, ref_losses, _, _ = run(tiny("llama", **gemma3), devices=1)
-    cfg = tiny("llama", **gemma3, **OFFLOAD["params"], **{"parallel.zero_stage": "3"})
-    trainer, state, losses, _, _ = run(cfg, devices=4)
-    assert trainer.mesh.size == 4
-    np.testing.assert_allclose(losses, ref_losses, atol=LOSS_TOL, rtol=0)
-    for a, b in zip(
-        jax.tree.leaves(jax.device_get(state.params)), jax.tree.leaves(jax.device_get(ref_state.params))
-    ):
-        assert rel(a, b) < PARAM_TOL
+    _four_devices_train_as_one(gemma3)
 
 
 def test_moe_sharded_over_four_devices_matches_one_device():
     """A mixture of experts' (E, D, 2F) and (E, F, D) expert kernels and (D, E) routers shard like any
     leaf under ZeRO-1 and ZeRO-3 offload (two micro-batches a step): four devices train as one does."""
     moe = {"model.num_experts": "4", "model.num_experts_per_tok": "2", "model.moe_intermediate_size": "64"}
-    _, ref_state, ref_losses, _, _ = run(tiny("llama", **moe), devices=1)
-    ref_params = jax.device_get(ref_state.params)
-    for offload, stage in (("optimizer", 1), ("params", 3)):
-        cfg = tiny("llama", **moe, **OFFLOAD[offload], **{"parallel.zero_stage": str(stage)})
-        trainer, state, losses, _, _ = run(cfg, devices=4)
-        assert trainer.mesh.size == 4
-        np.testing.assert_allclose(losses, ref_losses, atol=LOSS_TOL, rtol=0)
-        params = jax.tree_util.tree_flatten_with_path(jax.device_get(state.params))[0]
-        for (path, a), b in zip(params, jax.tree.leaves(ref_params)):
-            assert rel(a, b) < PARAM_TOL, (offload, jax.tree_util.keystr(path))
+    _four_devices_train_as_one(moe, placements=(("optimizer", 1), ("params", 3)))
 
 
 def test_zero3_offload_on_eight_devices_matches_one_device(tmp_path):
