@@ -8,7 +8,6 @@ import contextlib
 import os
 import pickle
 import signal
-import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing import connection, get_context
@@ -92,11 +91,8 @@ def _work(tasks: connection.Connection, results: connection.Connection, args: tu
     it raised, until a None or the end of the pipe."""
     for s in _GROUP_SIGNALS:
         signal.signal(s, signal.SIG_IGN)  # spawned with them blocked (`encoded_spans`); now for good
-    # silent: an error reaches the parent with its span's result; anything a worker printed itself
-    # would be cut off mid-line by the kill
-    null = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(null, sys.stderr.fileno())
-    os.close(null)
+    # Silent from exec (its stderr is /dev/null: `_Workers.start`): an error reaches the parent with
+    # its span's result; anything a worker printed itself would be cut off mid-line by the kill.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker: the processes are the parallelism
     text_field, encoder_args = args
     try:
