@@ -428,3 +428,9 @@ def test_only_third_party_lines_that_say_nothing_are_held_back() -> None:
     assert launch._says_nothing(connected)
     assert not launch._says_nothing(connected.replace("connected to 1", "connected to 0"))  # a peer missing
     assert not launch._says_nothing("jaxzero: done: step 6")
+    # Two ranks' threads of one process write their pieces into one line (seen in CI).
+    rest = " is connected to 3 peer ranks. Expected number of connected peer ranks is : 3"
+    interleaved = "[Gloo] Rank 1[Gloo] Rank 0" + rest
+    assert launch._says_nothing(interleaved) and launch._says_nothing(rest)
+    assert not launch._says_nothing(rest.replace("to 3", "to 2"))
+    assert not launch._says_nothing(interleaved + " jaxzero: done")

@@ -65,18 +65,26 @@ _POLL_S = 0.1  # how often the launcher looks at its processes
 _PR_SET_PDEATHSIG = 1  # prctl(2): the signal a child gets when its parent dies
 
 
-# Gloo (the CPU backend's cross-process collectives) prints this to stdout from C++ for every process
+# Gloo (the CPU backend's cross-process collectives) prints this to stdout from C++ for every rank
 # as the first collective connects, where no setting reaches it: passed on only when a peer is missing.
-_GLOO_CONNECTED = re.compile(
-    r"\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. Expected number of "
-    r"connected peer ranks is : (\d+)"
+# It writes the line in pieces from one thread per rank, so two ranks' pieces can share a line.
+_GLOO_PIECES = re.compile(
+    r"\[Gloo\] Rank \d+|is connected to (\d+)|peer ranks\. Expected number of "
+    r"connected peer ranks is : (\d+)|\s+"
 )
 
 
 def _says_nothing(line: str) -> bool:
-    """Whether `line` is third-party output that tells a user nothing (a complete Gloo connection)."""
-    gloo = _GLOO_CONNECTED.fullmatch(line.strip())
-    return gloo is not None and gloo.group(1) == gloo.group(2)
+    """Whether `line` is third-party output that tells a user nothing: pieces of Gloo's "connected"
+    lines, interleaved or not, in which every rank has as many peers as it expects."""
+    if "[Gloo]" not in line and "is connected to" not in line:
+        return False
+    pieces = list(_GLOO_PIECES.finditer(line))
+    if sum(m.end() - m.start() for m in pieces) != len(line):
+        return False  # something besides Gloo's pieces
+    connected = [m.group(1) for m in pieces if m.group(1) is not None]
+    expected = [m.group(2) for m in pieces if m.group(2) is not None]
+    return bool(connected) and len(set(connected + expected)) == 1 and len(connected) == len(expected)
 
 
 class UsageError(ValueError):
