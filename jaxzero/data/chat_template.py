@@ -133,6 +133,8 @@ class ChatTemplate:
                 start += len(header)
             elif full.startswith(prompt) and done <= len(prompt) <= first:
                 start = len(prompt)
+            elif k and done <= (start := self._end_of(messages, k - 1, full)) <= first:
+                pass  # no header (Mistral's) and a context rendered otherwise: after the message before
             else:
                 _refuse(where, f"the rendering does not begin with the conversation before message {k}")
             markers = [e for e in self._end_markers(messages[:k], header) if full.startswith(e, last)]
@@ -144,6 +146,17 @@ class ChatTemplate:
             spans += [(full[done:start], 0), (full[start:end], 1)]
             done = end
         return [(t, c) for t, c in spans + [(full[done:], 0)] if t]
+
+    def _end_of(self, messages: list[dict[str, str]], j: int, full: str) -> int:
+        """Where message `j` ends in `full`, the rendering of `messages`: after its content (where the
+        rendering changes when the content is replaced by a sentinel) and the text the template writes
+        after it as the last message; -1 where `full` does not go on with that text."""
+        variants = [self.render(_replaced(messages, j, s)) for s in _SENTINELS]
+        last = len(full) - min(_common_suffix(full, v) for v in variants)
+        text = self.render(_replaced(messages[: j + 1], j, _SENTINELS[0]))
+        at = text.rfind(_SENTINELS[0])
+        after = text[at + len(_SENTINELS[0]) :]
+        return last + len(after) if at >= 0 and full.startswith(after, last) else -1
 
     def _end_markers(self, context: list[dict[str, str]], header: str) -> list[str]:
         """What the template writes after an assistant turn's content that follows `context`: as the
