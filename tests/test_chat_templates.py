@@ -194,6 +194,21 @@ def test_qwen3_keeps_the_last_turns_reasoning_and_drops_the_earlier(fixed_date):
     assert [t for t, c in spans if c] == ["hello<|im_end|>\n", "<think>\nkeep\n</think>\n\nyes<|im_end|>\n"]
 
 
+def test_a_template_with_generation_blocks_renders_as_transformers_does(fixed_date):
+    """`{% generation %}` (transformers' assistant-mask blocks) renders its body: the spans are the
+    same as without the blocks."""
+    source, special, counted = FAMILIES["phi4"]
+    marked = source.replace(
+        "{{'<|im_start|>assistant<|im_sep|>' + message['content'] + '<|im_end|>'}}",
+        "{{'<|im_start|>assistant<|im_sep|>'}}{% generation %}{{ message['content'] + '<|im_end|>' }}"
+        "{% endgeneration %}",
+    )
+    assert marked != source
+    spans = ChatTemplate(marked, special).spans(CONV, "chat.jsonl:1")
+    assert "".join(t for t, _ in spans) == transformers_text(marked, special, CONV)
+    assert spans == ChatTemplate(source, special).spans(CONV, "chat.jsonl:1")
+
+
 def test_a_templates_date_is_fixed_not_the_day_prepare_ran():
     source, special, _ = FAMILIES["gpt-oss"]
     text = ChatTemplate(source, special).render(CONV)

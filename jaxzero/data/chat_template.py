@@ -36,7 +36,9 @@ class ChatTemplate:
             raise jinja2.exceptions.TemplateError(message)
 
         env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+            trim_blocks=True,
+            lstrip_blocks=True,
+            extensions=[jinja2.ext.loopcontrols, _generation_tag(jinja2)],
         )
         env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(
             x, ensure_ascii=False, indent=indent, **kw
@@ -175,6 +177,24 @@ class ChatTemplate:
                 after = after[: -len(header)]
             markers.append(after)
         return markers
+
+
+def _generation_tag(jinja2: Any) -> type:
+    """transformers' `{% generation %}...{% endgeneration %}` block (its tracker of assistant tokens),
+    rendering its body as transformers does: templates written for assistant masks render unchanged."""
+
+    class Generation(jinja2.ext.Extension):
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Any) -> str:
+            return caller()
+
+    return Generation
 
 
 def _replaced(messages: list[dict[str, str]], k: int, content: str) -> list[dict[str, str]]:
