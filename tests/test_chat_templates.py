@@ -1,8 +1,9 @@
 """`prepare` with the chat templates of the families jaxzero trains: each conversation cut into spans
 that joined are transformers' `apply_chat_template` text exactly, each assistant turn counted from
 after the generation prompt's header through its end-of-turn marker. The released Qwen3 and Gemma 3
-templates are in tests/chat_templates/, with gpt-oss's harmony format (its message logic, without
-tools); the short ones are below."""
+templates are in tests/chat_templates/, with gpt-oss's harmony format (the released template's
+system, developer, user and assistant messages without tools, rendering these conversations as it
+does); the short ones are below."""
 
 from __future__ import annotations
 
