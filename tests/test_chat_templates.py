@@ -228,6 +228,8 @@ def test_a_conversation_the_template_cannot_be_cut_in_is_refused_in_one_line():
         ChatTemplate(source, {}).spans(CONV, "chat.jsonl:3")
     with pytest.raises(DataError, match=r"^chat\.jsonl:4: the chat template refused .* must alternate"):
         ChatTemplate(MIXTRAL, {}).spans([CONV[0], CONV[2], CONV[1]], "chat.jsonl:4")
+    with pytest.raises(DataError, match=r"^chat\.jsonl:5: .* opens with an assistant turn .* no element 0"):
+        ChatTemplate(FAMILIES["qwen3"][0], {}).spans(CONV[2:], "chat.jsonl:5")
 
 
 def family_checkpoint(root: Path, family: str) -> Path:

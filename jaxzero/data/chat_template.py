@@ -88,7 +88,11 @@ class ChatTemplate:
             cut = self._by_prefixes(messages)
             return cut if cut is not None else self._located(messages, where)
         except self._errors as e:
-            raise DataError(f"{where}: the chat template refused this conversation: {e}") from e
+            raise DataError(
+                f"{where}: the chat template refused this conversation, or the part of it before an "
+                f"assistant turn (each turn is counted after the rendering of the messages before it; "
+                f"a conversation that opens with an assistant turn has none): {e}"
+            ) from e
 
     def _by_prefixes(self, messages: list[dict[str, str]]) -> list[tuple[str, int]] | None:
         """A turn's span is what rendering it adds after the conversation before it with the generation
