@@ -117,18 +117,21 @@ class ChatTemplate:
     def _located(self, messages: list[dict[str, str]], where: str) -> list[tuple[str, int]]:
         """Each assistant turn found in the one full rendering: its content where the rendering changes
         when the content is replaced by a sentinel, its start after the last generation-prompt header
-        before that, its end after the end-of-turn marker the template writes after the content (as
-        the last turn, or followed by another generation prompt) that the rendering goes on with."""
+        before that (without a header: after the conversation before it, or where the message before
+        it ends), its end after the end-of-turn marker the template writes after the content (as the
+        last turn, or followed by another generation prompt) that the rendering goes on with."""
         full = self.render(messages)
         spans: list[tuple[str, int]] = []
         done = 0
         for k, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
-            # the header: what the generation prompt writes where the conversation before would end
-            # (Phi-3's writes it instead of the end-of-text its rendering ends with otherwise)
+            # the header: what the generation prompt writes where the conversation before ends (Phi-3's
+            # writes it instead of the end-of-text that rendering ends with otherwise)
             prompt = self.render(messages[:k], add_generation_prompt=True)
-            header = prompt[_token_edge(prompt, _common_prefix(prompt, self.render(messages[:k]))) :]
+            context = self.render(messages[:k])
+            at = len(context) if prompt.startswith(context) else _common_prefix(prompt, context)
+            header = prompt[_token_edge(prompt, at) :]
             variants = [self.render(_replaced(messages, k, s)) for s in _SENTINELS]
             first = min(_common_prefix(full, v) for v in variants)  # where the content starts
             last = len(full) - min(_common_suffix(full, v) for v in variants)  # and where it ends
