@@ -195,6 +195,18 @@ def test_qwen3_keeps_the_last_turns_reasoning_and_drops_the_earlier(fixed_date):
     assert [t for t, c in spans if c] == ["hello<|im_end|>\n", "<think>\nkeep\n</think>\n\nyes<|im_end|>\n"]
 
 
+def test_gemma3_counts_the_trimmed_content_and_folds_the_system_message_into_the_first_turn(fixed_date):
+    source, special, _ = FAMILIES["gemma3"]
+    conv = [*CONV[:2], {"role": "assistant", "content": "  hello \n"}, *CONV[3:5]]
+    spans = ChatTemplate(source, special).spans(conv, "chat.jsonl:1")
+    assert "".join(t for t, _ in spans) == transformers_text(source, special, conv)
+    assert spans[0] == (
+        "<bos><start_of_turn>user\nbe brief\n\nhi there<end_of_turn>\n<start_of_turn>model\n",
+        0,
+    )
+    assert [t for t, c in spans if c] == ["hello<end_of_turn>\n", "see you<end_of_turn>\n"]
+
+
 def test_a_template_with_generation_blocks_renders_as_transformers_does(fixed_date):
     """`{% generation %}` (transformers' assistant-mask blocks) renders its body: the spans are the
     same as without the blocks."""
