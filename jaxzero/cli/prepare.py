@@ -22,11 +22,12 @@ changed it refuses unless `--overwrite`, and it never replaces token files that 
 Fine-tuning data (`--sft`): JSONL records `{"prompt": ..., "completion": ...}` (encoded separately,
 then the end-of-text id) or `{"messages": [{"role": ..., "content": ...}, ...]}` (rendered with the
 checkpoint's `chat_template` from tokenizer_config.json, as transformers' apply_chat_template renders
-it). Each example ends with the end-of-text id, and they are written one after another;
-`train.mask.bin` (and `val.mask.bin`) hold one byte per token, 1 where the token is a target the loss
-counts: completions and their end-of-text, assistant turns; prompts, system and user turns are 0;
-`train.idx.bin` (and `val.idx.bin`) hold the uint64 offset of each example's first token in its token
-file. Training reads the masks with the token files, and packs whole examples into rows by the index
+it, with `strftime_now` at a fixed date). Each example ends with the end-of-text id, and they are
+written one after another; `train.mask.bin` (and `val.mask.bin`) hold one byte per token, 1 where the
+token is a target the loss counts: completions and their end-of-text, assistant turns (from after
+the generation prompt's header through the turn's end-of-turn marker); prompts, system and user turns
+are 0; `train.idx.bin` (and `val.idx.bin`) hold the uint64 offset of each example's first token in its
+token file. Training reads the masks with the token files, and packs whole examples into rows by the index
 (`jaxzero.data.packing`).
 
 Documents are encoded in parallel over `--workers` processes (default: the cores), in order. Ctrl-C,

@@ -3,17 +3,27 @@ counts (assistant turns) or leaves out (everything around them)."""
 
 from __future__ import annotations
 
+import datetime
 import json
-import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from jaxzero.data.types import DataError
+
+# The date a template's `strftime_now` prints (gpt-oss's system message, Llama 3.2's): token files
+# must not depend on the day they were prepared, so every preparation sees this one.
+TEMPLATE_DATE = datetime.datetime(2026, 1, 1)
+
+# Stand-ins for one assistant turn's content: private-use characters, which no template writes and
+# `trim` keeps. Their first and last characters all differ, so a content that begins or ends like one
+# of them cannot hide its edges from the other.
+_SENTINELS = ("\ue000\ue001", "\ue002\ue003")
 
 
 class ChatTemplate:
     """A checkpoint's Jinja chat template, rendered as transformers' apply_chat_template renders it
-    (sandboxed, trim_blocks and lstrip_blocks, `raise_exception`, `tojson`, the special tokens)."""
+    (sandboxed, trim_blocks and lstrip_blocks, `raise_exception`, `tojson`, the special tokens), with
+    `strftime_now` at `TEMPLATE_DATE`."""
 
     def __init__(self, source: str, special: dict[str, str]) -> None:
         try:
@@ -26,16 +36,19 @@ class ChatTemplate:
             raise jinja2.exceptions.TemplateError(message)
 
         env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+            trim_blocks=True,
+            lstrip_blocks=True,
+            extensions=[jinja2.ext.loopcontrols, _generation_tag(jinja2)],
         )
         env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(
             x, ensure_ascii=False, indent=indent, **kw
         )
         env.globals["raise_exception"] = raise_exception
-        env.globals["strftime_now"] = lambda fmt: time.strftime(fmt)
+        env.globals["strftime_now"] = TEMPLATE_DATE.strftime
         self.template = env.from_string(source)
         self.special = special
         self.source = source
+        self._errors = (jinja2.exceptions.TemplateError,)
 
     def __reduce__(self) -> Any:  # workers rebuild it from the source
         return (ChatTemplate, (self.source, self.special))
@@ -66,9 +79,25 @@ class ChatTemplate:
         )
 
     def spans(self, messages: list[dict[str, str]], where: str) -> list[tuple[str, int]]:
-        """The rendered conversation cut into (text, counted) spans: each assistant turn counted (1),
-        the text around it not (0). A turn's span is what rendering it adds after the conversation
-        before it with the generation prompt, so the prompt's header stays uncounted."""
+        """The rendered conversation cut into (text, counted) spans, which joined are its rendering: each
+        assistant turn counted (1) from after the generation prompt's header through its end-of-turn
+        marker, the text around it not (0). Templates that render the conversation turn by turn are cut
+        where each turn's rendering ends (`_by_prefixes`); the others (a last turn rendered unlike an
+        earlier one: Qwen3, gpt-oss, Phi-3) inside the one full rendering (`_located`)."""
+        try:
+            cut = self._by_prefixes(messages)
+            return cut if cut is not None else self._located(messages, where)
+        except self._errors as e:
+            raise DataError(
+                f"{where}: the chat template refused this conversation, or the part of it before an "
+                f"assistant turn (each turn is counted after the rendering of the messages before it; "
+                f"a conversation that opens with an assistant turn has none): {e}"
+            ) from e
+
+    def _by_prefixes(self, messages: list[dict[str, str]]) -> list[tuple[str, int]] | None:
+        """A turn's span is what rendering it adds after the conversation before it with the generation
+        prompt, so the prompt's header stays uncounted; None where a rendering is not a prefix of the
+        later ones."""
         spans: list[tuple[str, int]] = []
         done = ""
         for i, m in enumerate(messages):
@@ -77,12 +106,138 @@ class ChatTemplate:
             before = self.render(messages[:i], add_generation_prompt=True)
             through = self.render(messages[: i + 1])
             if not (before.startswith(done) and through.startswith(before)):
-                raise DataError(
-                    f"{where}: the chat template does not render this conversation turn by turn "
-                    "(an earlier rendering is not a prefix of a later one), so its assistant turns "
-                    "cannot be told apart; write prompt/completion records instead."
-                )
+                return None
             spans += [(before[len(done) :], 0), (through[len(before) :], 1)]
             done = through
-        rest = self.render(messages)[len(done) :]
-        return [(t, c) for t, c in spans + [(rest, 0)] if t]
+        full = self.render(messages)
+        if not full.startswith(done):
+            return None
+        return [(t, c) for t, c in spans + [(full[len(done) :], 0)] if t]
+
+    def _located(self, messages: list[dict[str, str]], where: str) -> list[tuple[str, int]]:
+        """Each assistant turn found in the one full rendering: its content where the rendering changes
+        when the content is replaced by a sentinel, its start after the last generation-prompt header
+        before that (without a header: after the conversation before it, or where the message before
+        it ends), its end after the end-of-turn marker the template writes after the content (as the
+        last turn, or followed by another generation prompt) that the rendering goes on with."""
+        full = self.render(messages)
+        spans: list[tuple[str, int]] = []
+        done = 0
+        for k, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            # the header: what the generation prompt writes where the conversation before ends (Phi-3's
+            # writes it instead of the end-of-text that rendering ends with otherwise)
+            prompt = self.render(messages[:k], add_generation_prompt=True)
+            context = self.render(messages[:k])
+            at = len(context) if prompt.startswith(context) else _common_prefix(prompt, context)
+            header = prompt[_token_edge(prompt, at) :]
+            variants = [self.render(_replaced(messages, k, s)) for s in _SENTINELS]
+            first = min(_common_prefix(full, v) for v in variants)  # where the content starts
+            last = len(full) - min(_common_suffix(full, v) for v in variants)  # and where it ends
+            if header:
+                start = full.rfind(header, done, first)
+                if start < 0:
+                    _refuse(where, f"message {k} (assistant) is not after a generation prompt {header!r}")
+                start += len(header)
+            elif full.startswith(prompt) and done <= len(prompt) <= first:
+                start = len(prompt)
+            elif k and done <= (start := self._end_of(messages, k - 1, full)) <= first:
+                pass  # no header (Mistral's) and a context rendered otherwise: after the message before
+            else:
+                _refuse(where, f"the rendering does not begin with the conversation before message {k}")
+            markers = [e for e in self._end_markers(messages[:k], header) if full.startswith(e, last)]
+            if not markers or last < start:
+                _refuse(
+                    where, f"message {k} (assistant) is not followed by an end-of-turn the template writes"
+                )
+            end = last + max(map(len, markers))
+            spans += [(full[done:start], 0), (full[start:end], 1)]
+            done = end
+        return [(t, c) for t, c in spans + [(full[done:], 0)] if t]
+
+    def _end_of(self, messages: list[dict[str, str]], j: int, full: str) -> int:
+        """Where message `j` ends in `full`, the rendering of `messages`: after its content (where the
+        rendering changes when the content is replaced by a sentinel) and the text the template writes
+        after it as the last message; -1 where `full` does not go on with that text."""
+        variants = [self.render(_replaced(messages, j, s)) for s in _SENTINELS]
+        last = len(full) - min(_common_suffix(full, v) for v in variants)
+        text = self.render(_replaced(messages[: j + 1], j, _SENTINELS[0]))
+        at = text.rfind(_SENTINELS[0])
+        after = text[at + len(_SENTINELS[0]) :]
+        return last + len(after) if at >= 0 and full.startswith(after, last) else -1
+
+    def _end_markers(self, context: list[dict[str, str]], header: str) -> list[str]:
+        """What the template writes after an assistant turn's content that follows `context`: as the
+        conversation's last message, and followed by the generation prompt (`header`, taken off)."""
+        turn = [*context, {"role": "assistant", "content": _SENTINELS[0]}]
+        markers = []
+        for prompt in (False, True):
+            text = self.render(turn, add_generation_prompt=prompt)
+            at = text.rfind(_SENTINELS[0])
+            if at < 0:
+                continue
+            after = text[at + len(_SENTINELS[0]) :]
+            if prompt and header:
+                if not after.endswith(header):
+                    continue
+                after = after[: -len(header)]
+            markers.append(after)
+        return markers
+
+
+def _generation_tag(jinja2: Any) -> type:
+    """transformers' `{% generation %}...{% endgeneration %}` block (its tracker of assistant tokens),
+    rendering its body as transformers does: templates written for assistant masks render unchanged."""
+
+    class Generation(jinja2.ext.Extension):
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Any) -> str:
+            return caller()
+
+    return Generation
+
+
+def _replaced(messages: list[dict[str, str]], k: int, content: str) -> list[dict[str, str]]:
+    """`messages` with message `k`'s content replaced."""
+    return [{**m, "content": content} if i == k else m for i, m in enumerate(messages)]
+
+
+def _common_prefix(a: str, b: str) -> int:
+    """The length of the longest common prefix of `a` and `b` (a binary search over slice compares)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _common_suffix(a: str, b: str) -> int:
+    """The length of the longest common suffix of `a` and `b`."""
+    return _common_prefix(a[::-1], b[::-1])
+
+
+def _token_edge(text: str, at: int) -> int:
+    """`at`, moved back to the start of the special token (`<...>`, `[...]`) it falls inside: two
+    renderings that part inside one (`<|end|>` and `<|assistant|>` share `<|`) part at its start."""
+    for opening, closing in (("<", ">"), ("[", "]")):
+        start = text.rfind(opening, 0, at)
+        if start >= 0 and closing not in text[start:at]:
+            at = start
+    return at
+
+
+def _refuse(where: str, why: str) -> NoReturn:
+    raise DataError(
+        f"{where}: the chat template's rendering of this conversation cannot be cut into its assistant "
+        f"turns ({why}); write prompt/completion records instead."
+    )
