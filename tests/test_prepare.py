@@ -319,6 +319,29 @@ def test_chat_messages_render_as_transformers_does_and_mark_the_assistant_turns(
     assert counted.split() == tok.decode(tok.encode("hello <|im_end|> see you <|im_end|>").ids).split()
 
 
+def test_a_changed_chat_template_is_not_up_to_date(tmp_path, capsys):
+    """The chat template decides which tokens count, so prepare.json records it: the same inputs and
+    tokenizer.json with another template in tokenizer_config.json are another preparation."""
+    pytest.importorskip("transformers")
+    ckpt = hf_tokenizer(tmp_path / "ckpt")
+    config = json.loads((ckpt / "tokenizer_config.json").read_text())
+    (ckpt / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHATML}))
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": CHAT}) + "\n")
+    args = ([str(tmp_path / "chat.jsonl")], tmp_path / "out")
+    meta = prepare(*args, tokenizer=str(ckpt), sft=True, workers=1, progress=False)
+    assert len(meta["recipe"]["chat_template_sha256"]) == 64
+    prepare(*args, tokenizer=str(ckpt), sft=True, workers=1)
+    assert "up to date" in capsys.readouterr().err
+    other = CHATML.replace("<|im_start|>", "<|im_start|> ")
+    (ckpt / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": other}))
+    with pytest.raises(DataError, match="pass --overwrite"):
+        prepare(*args, tokenizer=str(ckpt), sft=True, workers=1, progress=False)
+    assert (
+        "chat_template_sha256"
+        not in prepare(write_inputs(tmp_path / "in"), tmp_path / "plain", workers=1, progress=False)["recipe"]
+    )
+
+
 def test_bad_fine_tuning_records_name_the_line(tmp_path):
     cases = [
         ('{"prompt": "a"}', r"ft\.jsonl:1: a fine-tuning record holds \"prompt\" and \"completion\""),

@@ -84,6 +84,17 @@ class Recipe:
     eot_id: int
     val_docs: int
     sft: bool = False
+    # The chat template that split SFT conversations (tokenizer_config.json's, with its special tokens
+    # and the date strftime_now prints): a changed template changes the counted tokens. "": none used.
+    chat_template_sha256: str = ""
+
+    def recorded(self) -> dict[str, Any]:
+        """What prepare.json holds: the fields, without an unused chat template's empty hash (so
+        preparations of plain text from before the field still read as up to date)."""
+        d = json.loads(json.dumps(asdict(self)))
+        if not d["chat_template_sha256"]:
+            del d["chat_template_sha256"]
+        return d
 
 
 def _sha256(path: Path) -> str:
@@ -144,7 +155,7 @@ def _check_outputs(out: Path, recipe: Recipe, overwrite: bool, names: Sequence[s
         meta = json.loads(meta_path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise DataError(f"{meta_path} is not valid JSON ({e}); move it away or choose another --out.") from e
-    if meta.get("recipe") == json.loads(json.dumps(asdict(recipe))):
+    if meta.get("recipe") == recipe.recorded():
         return all((out / name).is_file() for name in names)
     if not overwrite:
         raise DataError(
@@ -245,6 +256,7 @@ def prepare(
         eot_id=int(eot),
         val_docs=val_docs,
         sft=sft,
+        chat_template_sha256="" if chat is None else chat.sha256(),
     )
     out_dir = Path(out)
     if out_dir.exists() and not out_dir.is_dir():
@@ -308,7 +320,7 @@ def prepare(
                 f"{val_docs} took them all."
             )
         meta = {
-            "recipe": asdict(recipe),
+            "recipe": recipe.recorded(),
             "vocab_size": tok.vocab_size,
             "token_dtype": dtype.name,
             **{

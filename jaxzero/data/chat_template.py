@@ -4,6 +4,7 @@ counts (assistant turns) or leaves out (everything around them)."""
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 from pathlib import Path
 from typing import Any, NoReturn
@@ -52,6 +53,12 @@ class ChatTemplate:
 
     def __reduce__(self) -> Any:  # workers rebuild it from the source
         return (ChatTemplate, (self.source, self.special))
+
+    def sha256(self) -> str:
+        """A digest of everything a rendering depends on: the source, the special tokens it is given
+        and the date `strftime_now` prints."""
+        key = json.dumps([self.source, self.special, TEMPLATE_DATE.isoformat()], sort_keys=True)
+        return hashlib.sha256(key.encode()).hexdigest()
 
     @classmethod
     def of(cls, tokenizer_json: Path) -> ChatTemplate | None:
