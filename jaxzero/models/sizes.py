@@ -26,6 +26,7 @@ Mixtures of experts count every expert's parameters; their FLOPs count the param
 multiplies by (`block_matmul_params`: the router and its top-k experts):
 
     qwen3-30b-a3b    30,532,122,624    qwen3-235b-a22b  235,093,634,560    mixtral-8x7b  46,702,792,704
+    gpt-oss-20b      20,914,757,184    gpt-oss-120b     116,829,156,672
 """
 
 from __future__ import annotations
