@@ -519,9 +519,9 @@ def _validate_finetune(cfg: TrainConfig) -> None:
         "leave finetune.freeze empty, or use finetune.method=full to train the units it leaves.",
     )
     _need(
-        cfg.model.family in ("llama", "gemma3"),
-        f"finetune.method=lora adapts the projections of the llama family (Llama, Qwen2, Qwen3, Mistral) "
-        f"and Gemma 3; "
+        cfg.model.family in ("llama", "gemma3", "gpt_oss"),
+        f"finetune.method=lora adapts the projections of the llama family (Llama, Qwen2, Qwen3, Mistral), "
+        f"Gemma 3 and gpt-oss; "
         f"model.family={cfg.model.family!r} has none of PEFT's names: use finetune.method=full.",
     )
     _need(f.lora_rank >= 1, f"finetune.lora_rank={f.lora_rank} must be >= 1 (16 is common).")
@@ -576,9 +576,9 @@ def _validate_freeze(cfg: TrainConfig) -> None:
         "a run that trains every unit; leave them at auto, 0 and none.",
     )
     _need(
-        f.base_dtype != "int8" or cfg.model.family in ("llama", "gemma3"),
-        f"finetune.base_dtype=int8 quantises the llama family's and Gemma 3's projections; model.family="
-        f"{cfg.model.family!r}: use bfloat16.",
+        f.base_dtype != "int8" or cfg.model.family in ("llama", "gemma3", "gpt_oss"),
+        f"finetune.base_dtype=int8 quantises the llama family's, Gemma 3's and gpt-oss's projections; "
+        f"model.family={cfg.model.family!r}: use bfloat16.",
     )
     _need(
         cfg.model.compute_dtype != "float16",
