@@ -76,26 +76,15 @@ FAMILIES: dict[str, dict[str, Any]] = {
     ),
     # Qwen3-MoE: Qwen3's attention adapted, its 4 experts (top 2) and routers frozen.
     "qwen3_moe": dict(
-        hf={
-            "head_dim": 16,
-            "num_experts": 4,
-            "num_experts_per_tok": 2,
-            "moe_intermediate_size": 24,
-            "norm_topk_prob": True,
-        },  # fmt: skip
+        hf={"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
+            "norm_topk_prob": True},  # fmt: skip
         ft=FinetuneConfig(method="lora", lora_rank=4, lora_alpha=8, lora_targets="q,k,v,o"),
     ),
     # gpt-oss: attention biased on q, k, v and o, with sinks, layer 0 local (window 4), yarn rope; its
     # 4 biased experts (top 2) and routers frozen.
     "gpt_oss": dict(
-        hf={
-            "head_dim": 16,
-            "num_local_experts": 4,
-            "num_experts_per_tok": 2,
-            "sliding_window": 4,
-            "layer_types": ["sliding_attention", "full_attention"],
-            "pad_token_id": None,
-        },  # fmt: skip
+        hf={"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 4,
+            "layer_types": ["sliding_attention", "full_attention"], "pad_token_id": None},  # fmt: skip
         ft=FinetuneConfig(method="lora", lora_rank=4, lora_alpha=8, lora_targets="q,k,v,o"),
     ),
 }
