@@ -33,8 +33,7 @@ from jaxzero.interop.hf_names import (
     set_path,
     unit_trees,
 )
-from jaxzero.interop.mxfp4 import dequantize as mxfp4_dequantize
-from jaxzero.interop.mxfp4 import packed_shapes
+from jaxzero.interop.mxfp4 import dequantize_expert, packed_shapes
 from jaxzero.interop.safetensors import SafetensorsError, SafetensorsReader, SafetensorsWriter, TensorSpec
 from jaxzero.models import ModelParams
 from jaxzero.primitives.deferred import Deferred, abstract, resolved
@@ -344,14 +343,13 @@ def _params_by_unit(cfg: ModelConfig, ckpt: Path) -> ModelParams:
             stacked: dict[tuple[str, ...], np.ndarray] = {}
             for t in unit.tensors:
                 name = found[t.hf_name]
-                if name not in where:  # MXFP4: dequantised one expert at a time from the mapped file
-                    blocks, scales = name + "_blocks", name + "_scales"
-                    stored = mxfp4_dequantize(where[blocks][blocks], where[scales][scales])
-                else:
-                    stored = where[name][name]  # a memory-mapped view: read as it is converted
                 # Always a fresh, writable float32 array that owns its memory, never a view of the file.
-                array = t.from_hf(stored)
-                del stored
+                if len(t.shape) == 3:  # every expert's matrix (gpt-oss): converted one expert at a time
+                    array = np.empty(t.shape, np.float32)
+                    for e in range(t.shape[0]):
+                        array[e] = t.from_hf(_expert(where, name, e))
+                else:
+                    array = t.from_hf(where[name][name])  # memory-mapped: read as it is converted
                 if t.part is not None:  # one expert's matrix, written into its (E, in, out) leaf
                     if t.path not in stacked:
                         stacked[t.path] = np.empty(t.leaf_shape, np.float32)
@@ -366,6 +364,15 @@ def _params_by_unit(cfg: ModelConfig, ckpt: Path) -> ModelParams:
 
     trees = [Deferred(partial(read, unit), 0, _shapes_tree(unit)) for unit in units]
     return ModelParams.from_units(trees)
+
+
+def _expert(where: dict[str, SafetensorsReader], name: str, e: int) -> np.ndarray:
+    """Expert e's matrix of the (E, ...) tensor `name` as HF holds it: a view of the memory-mapped
+    file, or dequantised from its MXFP4 "<name>_blocks" and "<name>_scales" (`jaxzero.interop.mxfp4`)."""
+    if name in where:
+        return where[name][name][e]
+    blocks, scales = name + "_blocks", name + "_scales"
+    return dequantize_expert(where[blocks][blocks][e], where[scales][scales][e])
 
 
 def _packed_mismatches(
