@@ -16,7 +16,7 @@ import transformers
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from jaxzero.config import CheckpointError, ConfigError, ModelConfig
-from jaxzero.interop import hf_config, import_hf, model_config_from_hf
+from jaxzero.interop import hf_config, import_hf, load_hf_into, model_config_from_hf
 from jaxzero.interop.mxfp4 import dequantize
 from jaxzero.interop.safetensors import load_file, save_file
 from jaxzero.models import build_model, forward
@@ -149,6 +149,17 @@ def test_an_mxfp4_checkpoint_imports_to_transformers_logits(tmp_path: Path) -> N
         got = np.asarray(forward(build_model(cfg), params, jnp.asarray(tokens, jnp.int32)))
     assert np.max(np.abs(got - want)) / np.max(np.abs(want)) < 1e-4
 
+    # A run's config must be the checkpoint's in what the weights compute (the clamp, the window, yarn).
+    wrong = dataclasses.replace(cfg, swiglu_limit=5.0, sliding_window=8, rope_beta_fast=16.0)
+    with pytest.raises(ConfigError) as e:
+        load_hf_into(wrong, tmp_path / "ckpt")
+    for field, ours, theirs in [
+        ("swiglu_limit", 5.0, 7.0),
+        ("sliding_window", 8, 4),
+        ("rope_beta_fast", 16.0, 32.0),
+    ]:
+        assert f"model.{field}: run config has {ours!r}, checkpoint has {theirs!r}" in str(e.value)
+
     name = "model.layers.1.mlp.experts.down_proj_scales"
     tensors = {k: np.array(v) for k, v in load_file(tmp_path / "ckpt" / "model.safetensors").items()}
     tensors[name] = tensors[name][:, :, :0]
@@ -184,3 +195,33 @@ def test_what_gpt_oss_cannot_compute_is_refused() -> None:
         build_model(ModelConfig(rope_type="yarn", rope_factor=4.0))
     with pytest.raises(ConfigError, match=r"model.family=gpt_oss needs model.num_experts >= 1"):
         build_model(ModelConfig(family="gpt_oss", sliding_window_pattern=2, moe_intermediate_size=8))
+
+
+def test_an_mxfp4_checkpoint_fine_tunes_and_exports_the_users_way(tmp_path: Path) -> None:
+    """`python -m jaxzero.train --model.name=hf:DIR` over the released form (MXFP4 experts), streamed
+    under ZeRO-3 offload, then `python -m jaxzero.export`: transformers loads the export as
+    GptOssForCausalLM (experts in bfloat16) with jaxzero's logits of the trained weights, which moved."""
+    from jaxzero.cli import export as export_lib
+    from jaxzero.cli import train as train_lib
+
+    _tiny_hf(tmp_path / "ckpt")
+    run = tmp_path / "run"
+    argv = [f"--model.name=hf:{tmp_path / 'ckpt'}", "--model.compute_dtype=float32", "--steps=2"]
+    argv += ["--data.source=synthetic", "--data.seq_len=12", "--data.batch_size=4", "--optimizer.lr=1e-2"]
+    argv += ["--offload.params=cpu", "--offload.optimizer=cpu", f"--run_dir={run}", "--logging.eval_every=0"]
+    assert train_lib.main(argv) == 0
+    assert export_lib.main([f"--run_dir={run}", f"--out={tmp_path / 'hf'}", "--dtype=float32"]) == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    assert type(model).__name__ == "GptOssForCausalLM"
+    cfg, trained = import_hf(tmp_path / "hf")
+    _, start = import_hf(tmp_path / "ckpt")
+    assert not np.allclose(
+        trained.blocks[0]["mlp"]["gate_up"]["kernel"], start.blocks[0]["mlp"]["gate_up"]["kernel"]
+    )
+    tokens = np.random.default_rng(3).integers(0, VOCAB, (2, SEQ))
+    with torch.no_grad():
+        want = model(torch.from_numpy(tokens)).logits.numpy()
+    cfg = dataclasses.replace(cfg, compute_dtype="float32", attention_impl="xla")
+    with jax.default_matmul_precision("highest"):
+        got = np.asarray(forward(build_model(cfg), trained, jnp.asarray(tokens, jnp.int32)))
+    assert np.max(np.abs(got - want)) / np.max(np.abs(want)) < 1e-4
