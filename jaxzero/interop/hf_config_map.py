@@ -6,7 +6,8 @@ its own; `MistralForCausalLM` "mistral"; `Qwen3MoeForCausalLM` "qwen3_moe" and `
 "mixtral", whose expert fields `jaxzero.interop.hf_moe_config` maps; tied or untied head,
 grouped-query attention), GPT-2
 (`GPT2LMHeadModel`, model_type "gpt2") and Gemma 3's text models (`Gemma3ForCausalLM` "gemma3_text",
-and the text model of `Gemma3ForConditionalGeneration` "gemma3"). Anything these models cannot compute exactly
+and the text model of `Gemma3ForConditionalGeneration` "gemma3"), and gpt-oss (`GptOssForCausalLM`
+"gpt_oss", `jaxzero.interop.hf_gpt_oss`). Anything these models cannot compute exactly
 (dynamic/yarn/longrope rope, partial rotary, o_proj or MLP biases, a head_dim other than hidden_size /
 num_heads outside Qwen3, other activations, quantized weights, ...) is refused with a
 ConfigError that names the field, rather than loaded into a model that would silently compute

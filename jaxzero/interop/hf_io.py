@@ -407,7 +407,9 @@ def import_hf(path: str | os.PathLike[str]) -> tuple[ModelConfig, ModelParams]:
     `path` holds config.json and either model.safetensors or model.safetensors.index.json with its
     shards (transformers' `save_pretrained` layout, or `export_hf`'s). Tensors may be stored in any
     floating dtype; they are converted to float32 and Llama's (out, in) projections transposed to
-    jaxzero's (in, out). Names with or without the base prefix ("model." / "transformer.") are accepted.
+    jaxzero's (in, out); gpt-oss's experts, stored bf16 or MXFP4 (`jaxzero.interop.mxfp4`), are
+    converted one expert at a time, their gate and up de-interleaved. Names with or without the base
+    prefix ("model." / "transformer.") are accepted.
     Missing, unexpected or mis-shaped tensors raise CheckpointError listing all of them; known buffers
     (rotary inv_freq, GPT-2's attention-mask `attn.bias`) and the duplicate head of a tied model are
     skipped.
