@@ -53,7 +53,7 @@ class ModelConfig:
     num_heads: int = 4  # attention (query) heads
     num_kv_heads: int = 2  # grouped-query attention; == num_heads is plain multi-head attention
     head_size: int = 0  # width of each head (HF's head_dim; Qwen3, Gemma 3); 0: hidden_size / num_heads
-    intermediate_size: int = 384  # MLP width (SwiGLU for llama, GELU for gpt2)
+    intermediate_size: int = 384  # MLP width (SwiGLU for llama, GELU for gpt2; gpt_oss: unused)
     max_seq_len: int = 1024  # longest sequence (gpt2: rows of the position table)
     tie_embeddings: bool = False  # the output head reuses the token embedding (gpt2 always does)
     rope_theta: float = 1e4  # rotary embedding base (llama)

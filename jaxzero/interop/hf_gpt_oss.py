@@ -166,12 +166,8 @@ def gpt_oss_from_hf(d: Mapping[str, Any], name: str, where: str) -> ModelConfig:
 
 def gpt_oss_to_hf(cfg: ModelConfig, common: Mapping[str, Any]) -> dict[str, Any]:
     """`GptOssForCausalLM`'s config.json of a gpt_oss `cfg` (unquantised weights), with `common`'s
-    fields (vocabulary, token ids, dtype)."""
-    if cfg.intermediate_size != cfg.moe_intermediate_size:
-        raise ConfigError(
-            f"model.intermediate_size={cfg.intermediate_size} != model.moe_intermediate_size="
-            f"{cfg.moe_intermediate_size}: transformers' gpt-oss has one width, its experts'; set both alike."
-        )
+    fields (vocabulary, token ids, dtype). Its one width, `intermediate_size`, is the experts'
+    (`moe_intermediate_size`: a gpt_oss model has no dense MLP, so its `intermediate_size` is unused)."""
     rope: dict[str, Any] = {"rope_type": cfg.rope_type, "rope_theta": cfg.rope_theta}
     if cfg.rope_type == "yarn":
         rope.update(
