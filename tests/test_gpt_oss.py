@@ -20,7 +20,7 @@ from jaxzero.interop import hf_config, import_hf, load_hf_into, model_config_fro
 from jaxzero.interop.mxfp4 import dequantize
 from jaxzero.interop.safetensors import load_file, save_file
 from jaxzero.models import build_model, forward
-from jaxzero.models.sizes import matmul_param_count, param_count
+from jaxzero.models.sizes import flops_per_token, matmul_param_count, param_count
 
 # openai/gpt-oss-20b's config.json as released (transformers 4.55's spelling), less its token ids;
 # gpt-oss-120b's differs in num_hidden_layers (36) and num_local_experts (128).
@@ -83,6 +83,10 @@ def test_sizes_are_the_released_configs(name: str) -> None:
     biases = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim + d + e + k * (2 * f + d)
     matmul = active_count - d - cfg.num_layers * (2 * d + cfg.num_heads + biases)
     assert matmul_param_count(cfg) == matmul
+    # Attention: the global half of the layers over the sequence, the local half over their 128 keys.
+    half = cfg.num_layers // 2
+    attention = 12 * cfg.num_heads * cfg.head_dim * (half * 4096 + half * 128)
+    assert flops_per_token(cfg, 4096) == 6 * matmul + attention
 
 
 def test_mxfp4_dequantisation_is_transformers(tmp_path: Path) -> None:
