@@ -52,6 +52,21 @@ VARIANTS = {
         final_logit_softcap=30.0,
         hf_model_type="gemma3_text",
     ),
+    # gpt-oss: layers 0 and 2 local (window 4), 1 and 3 global; sinks, yarn rope, biased experts.
+    "gpt_oss": dict(
+        family="gpt_oss",
+        head_size=48,
+        attention_bias=True,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        sliding_window=4,
+        sliding_window_pattern=2,
+        rope_type="yarn",
+        rope_factor=32.0,
+        rope_original_max_len=64,
+        hf_model_type="gpt_oss",
+    ),
 }
 
 

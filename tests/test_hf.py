@@ -157,6 +157,28 @@ GEMMA3 = dataclasses.replace(
     final_logit_softcap=2.0,
     hf_model_type="gemma3_text",
 )
+# gpt-oss: q, k, v and o biased, a sink logit per head, heads of 32 where hidden / heads is 16, layer 0
+# local (window 4 of the 16 positions), layer 1 global, the released yarn rope (its ramp keeps head
+# dimensions 0-4 and scales those above 8 by 1/32), 4 biased experts of width 24, top 2.
+GPT_OSS = dataclasses.replace(
+    LLAMA,
+    name="gpt-oss-hf-test",
+    family="gpt_oss",
+    head_size=32,
+    attention_bias=True,
+    intermediate_size=24,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=24,
+    sliding_window=4,
+    sliding_window_pattern=2,
+    rope_theta=150000.0,
+    rope_type="yarn",
+    rope_factor=32.0,
+    rope_original_max_len=4096,
+    rope_truncate=False,
+    hf_model_type="gpt_oss",
+)
 CONFIGS = {
     "llama": LLAMA,
     "llama_tied": LLAMA_TIED,
@@ -168,6 +190,7 @@ CONFIGS = {
     "qwen3_moe": QWEN3_MOE,
     "mixtral": MIXTRAL,
     "gemma3": GEMMA3,
+    "gpt_oss": GPT_OSS,
     "gpt2": GPT2,
 }
 
@@ -182,6 +205,14 @@ def hf_rope(c: ModelConfig) -> dict[str, Any]:
             factor=c.rope_factor,
             low_freq_factor=c.rope_low_freq_factor,
             high_freq_factor=c.rope_high_freq_factor,
+            original_max_position_embeddings=c.rope_original_max_len,
+        )
+    if c.rope_type == "yarn":
+        rope.update(
+            factor=c.rope_factor,
+            beta_fast=c.rope_beta_fast,
+            beta_slow=c.rope_beta_slow,
+            truncate=c.rope_truncate,
             original_max_position_embeddings=c.rope_original_max_len,
         )
     return rope
@@ -246,6 +277,28 @@ def torch_model(key: str) -> torch.nn.Module:
                 eos_token_id=None,
             )
         )
+    elif c.family == "gpt_oss":
+        model = transformers.GptOssForCausalLM(
+            transformers.GptOssConfig(
+                vocab_size=VOCAB,
+                hidden_size=HIDDEN,
+                intermediate_size=c.moe_intermediate_size,
+                num_hidden_layers=LAYERS,
+                num_attention_heads=c.num_heads,
+                num_key_value_heads=c.num_kv_heads,
+                head_dim=c.head_dim,
+                num_local_experts=c.num_experts,
+                num_experts_per_tok=c.num_experts_per_tok,
+                sliding_window=c.sliding_window,
+                max_position_embeddings=SEQ,
+                rms_norm_eps=c.norm_eps,
+                rope_parameters=hf_rope(c),
+                tie_word_embeddings=False,
+                pad_token_id=None,
+                bos_token_id=None,
+                eos_token_id=None,
+            )
+        )
     elif c.family == "llama":
         common = dict(
             vocab_size=VOCAB,
@@ -292,6 +345,8 @@ def torch_model(key: str) -> torch.nn.Module:
         for name, p in model.named_parameters():
             if p.ndim == 1:
                 p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.1 * torch.randn_like(p))
+            elif name.endswith("_bias"):  # gpt-oss's experts' biases, (E, out)
+                p.copy_(0.1 * torch.randn_like(p))
     return model.eval()
 
 
@@ -312,7 +367,7 @@ def jax_params() -> dict[str, ModelParams]:
     """Random float32 jaxzero params per config, with random norm scales and biases (see torch_model)."""
 
     def perturb(path: tuple[Any, ...], x: jax.Array) -> jax.Array:
-        if x.ndim != 1:
+        if x.ndim != 1 and not jax.tree_util.keystr(path).endswith("['bias']"):  # gpt-oss's experts'
             return x
         k = jax.random.fold_in(jax.random.key(1), zlib.crc32(jax.tree_util.keystr(path).encode()))
         return x + 0.1 * jax.random.normal(k, x.shape)
@@ -597,6 +652,7 @@ def test_export_loads_in_transformers(key: str, jax_params: dict, tmp_path: Path
         "qwen3_moe": "Qwen3MoeForCausalLM",
         "mixtral": "MixtralForCausalLM",
         "gemma3_text": "Gemma3ForCausalLM",
+        "gpt_oss": "GptOssForCausalLM",
     }.get(cfg.hf_model_type, "GPT2LMHeadModel" if cfg.family == "gpt2" else "LlamaForCausalLM")
     assert type(model).__name__ == want_class
     if cfg.tie_embeddings:
@@ -668,6 +724,10 @@ def test_hf_config_round_trip() -> None:
             assert hf.layer_types == ["sliding_attention", "full_attention"] and hf.sliding_window == 4
             assert hf.rope_parameters["full_attention"]["factor"] == cfg.rope_factor
             assert hf.rope_parameters["sliding_attention"]["rope_theta"] == cfg.rope_local_theta
+        elif cfg.family == "gpt_oss":
+            assert hf.layer_types == ["sliding_attention", "full_attention"] and hf.sliding_window == 4
+            assert (hf.head_dim, hf.num_local_experts, hf.intermediate_size) == (32, 4, 24)
+            assert hf.rope_parameters == hf_rope(cfg)
         else:
             assert (hf.n_embd, hf.n_inner, hf.activation_function) == (HIDDEN, 4 * HIDDEN, "gelu_new")
 
@@ -793,7 +853,7 @@ def test_export_rejects_params_that_do_not_match_the_config(jax_params: dict, tm
 # -------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("key", ["llama3", "llama_linear", "qwen2", "qwen3", "gemma3"])
+@pytest.mark.parametrize("key", ["llama3", "llama_linear", "qwen2", "qwen3", "gemma3", "gpt_oss"])
 def test_what_the_families_add_changes_the_logits(key: str, hf_checkpoints: dict) -> None:
     """The import tests could not pass without each feature: the checkpoint computed without its rope
     scaling, or without its q, k, v biases, misses transformers' logits by over 10x the import
@@ -826,6 +886,12 @@ def test_what_the_families_add_changes_the_logits(key: str, hf_checkpoints: dict
         ):
             assert rel_err(jax_logits(dataclasses.replace(cfg, **change), params), want) > 1e-3, change
         plain = dataclasses.replace(cfg, sliding_window_pattern=1)  # every layer global
+    elif key == "gpt_oss":  # each of: the window, yarn, yarn's cos/sin factor alone; then the sinks
+        for change in (dict(sliding_window=SEQ), dict(rope_type="default"), dict(rope_attention_factor=1.0)):
+            assert rel_err(jax_logits(dataclasses.replace(cfg, **change), params), want) > 1e-3, change
+        for block in params.blocks:
+            block["self_attn"]["sinks"][...] = -1e9  # no weight on the sink: plain softmax attention
+        plain = cfg
     else:
         plain = dataclasses.replace(cfg, rope_type="default")
     assert rel_err(jax_logits(plain, params), want) > 1e-3
@@ -889,7 +955,7 @@ def test_import_reads_the_text_model_of_gemma3_for_conditional_generation(tmp_pa
     assert rel_err(got, want) < 1e-4
 
 
-@pytest.mark.parametrize("key", ["qwen3", "gemma3", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("key", ["qwen3", "gemma3", "qwen3_moe", "mixtral", "gpt_oss"])
 def test_one_training_step_matches_transformers(key: str, hf_checkpoints: dict) -> None:
     """An imported checkpoint's first step through the offload engine (blocks streamed, the update on
     the host): its loss is transformers' loss of the same batch, and after one plain SGD step of both

@@ -170,6 +170,32 @@ def test_a_streamed_gemma3_base_trains_bitwise_as_a_resident_one():
     assert int8[0][0] == int8[1][0] and np.all(np.isfinite(int8[0][0]))
 
 
+def test_a_streamed_gpt_oss_base_trains_bitwise_as_a_resident_one():
+    """gpt-oss's adapters on its biased attention (PEFT's q_proj ... o_proj) over a frozen base of
+    sinks and biased experts, whose windows are per-layer inputs: streamed as resident; int8 as well."""
+    gpt_oss = {
+        "model.family": "gpt_oss",
+        "model.head_size": "32",
+        "model.attention_bias": "true",
+        "model.num_experts": "4",
+        "model.num_experts_per_tok": "2",
+        "model.moe_intermediate_size": "48",
+        "model.sliding_window": "8",
+        "model.sliding_window_pattern": "2",
+        "model.rope_type": "yarn",
+        "model.rope_factor": "32",
+        "model.rope_original_max_len": "64",
+        "model.hf_model_type": "gpt_oss",
+        "finetune.lora_targets": "q,k,v,o",
+    }
+    out = resident_then_streamed(lora_cfg(**EXACT, **gpt_oss), 3)
+    assert out[0][0] == out[1][0]
+    assert all(np.array_equal(a, b) for a, b in zip(out[0][1], out[1][1]))
+    assert out[0][0][-1] < out[0][0][0]
+    int8 = resident_then_streamed(lora_cfg(**gpt_oss, **{"finetune.base_dtype": "int8"}), 2)
+    assert int8[0][0] == int8[1][0] and np.all(np.isfinite(int8[0][0]))
+
+
 MOE = {"model.num_experts": "4", "model.num_experts_per_tok": "2", "model.moe_intermediate_size": "48",
        "finetune.lora_targets": "q,k,v,o"}  # fmt: skip
 

@@ -679,6 +679,8 @@ GEMMA3_RELEASED = {
     "gemma-3-27b": ((5376, 62, 32, 16, 128, 21504, 262208), 27_009_346_304),
 }
 PUBLISHED_COUNTS.update({name: _gemma3_count(*shape) for name, (shape, _) in GEMMA3_RELEASED.items()})
+# gpt-oss 20B and 120B: the model card's 20.91B and 116.83B (tests/test_gpt_oss.py counts them).
+PUBLISHED_COUNTS.update({"gpt-oss-20b": 20_914_757_184, "gpt-oss-120b": 116_829_156_672})
 
 
 @pytest.mark.parametrize("name", list(GEMMA3_RELEASED))

@@ -314,6 +314,32 @@ def test_plan_cli_plans_mixtures_of_experts_with_the_top_k_experts_flops(capsys,
     assert partial.step_flops(cfg) == 6 * active * tokens
 
 
+def test_plan_cli_plans_gpt_oss(capsys, monkeypatch):
+    """gpt-oss-20b: a full fine-tune streams its blocks; LoRA on its attention keeps the bfloat16 base
+    on the GPU; each token's FLOPs count its top 4 of 32 experts."""
+    monkeypatch.setattr(runtime, "backends_started", lambda: False)  # as in the program's fresh process
+    box = ["--machine.gpu_gib=133", "--machine.host_gib=500", "--machine.cores=16"]
+    # One sequence a micro-batch: its attention's float32 scores are (64 heads, 4096, 4096) a block.
+    run = [
+        "--model.name=gpt-oss-20b",
+        "--data.batch_size=8",
+        "--data.seq_len=4096",
+        "--data.grad_accum=8",
+        *box,
+    ]
+    assert plan_main(run) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("plan for gpt-oss-20b: 20.91B parameters, 8 x 4096 = 32,768 tokens per step")
+    assert "predicted step:" in out
+    lora = ["--finetune.method=lora", "--finetune.lora_targets=q,k,v,o"]
+    assert plan_main([*run, *lora]) == 0
+    assert "LoRA on q, k, v, o" in capsys.readouterr().out
+    cfg = apply_overrides(TrainConfig(), {"model.name": "gpt-oss-20b", "finetune.method": "lora"})
+    tokens = cfg.data.batch_size * cfg.data.seq_len
+    active = 4_193_246_784  # 20.91B less 28 of 32 experts' kernels in each of 24 layers
+    assert partial.step_flops(cfg) == 6 * active * tokens
+
+
 def test_cpu_backend_plans_with_host_ram_as_the_device_memory():
     machine = detect_machine(TrainConfig(), jax.devices()[0])
     assert machine.gpu_bytes is None and machine.kind == "CPU" and machine.pinned_limit_gb is None

@@ -27,7 +27,9 @@ class CheckpointError(ConfigError):
 
 
 # The transformers model types an export may write (`ModelConfig.hf_model_type`).
-HFModelType = Literal["", "llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "gpt2", "gemma3_text"]
+HFModelType = Literal[
+    "", "llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "gpt2", "gemma3_text", "gpt_oss"
+]
 
 
 @dataclass(frozen=True)
@@ -44,36 +46,44 @@ class ModelConfig:
 
     # a named size (sets every other model.* key), hf:DIR (a HF checkpoint) or orbax:DIR (an Orbax export)
     name: str = "llama-tiny"
-    family: Literal["llama", "gpt2", "gemma3"] = "llama"  # the architecture
+    family: Literal["llama", "gpt2", "gemma3", "gpt_oss"] = "llama"  # the architecture
     vocab_size: int = 256  # rows of the token embedding; every token id must be below it
     hidden_size: int = 128  # width of the residual stream
     num_layers: int = 4  # transformer blocks
     num_heads: int = 4  # attention (query) heads
     num_kv_heads: int = 2  # grouped-query attention; == num_heads is plain multi-head attention
     head_size: int = 0  # width of each head (HF's head_dim; Qwen3, Gemma 3); 0: hidden_size / num_heads
-    intermediate_size: int = 384  # MLP width (SwiGLU for llama, GELU for gpt2)
+    intermediate_size: int = 384  # MLP width (SwiGLU for llama, GELU for gpt2; gpt_oss: unused)
     max_seq_len: int = 1024  # longest sequence (gpt2: rows of the position table)
     tie_embeddings: bool = False  # the output head reuses the token embedding (gpt2 always does)
     rope_theta: float = 1e4  # rotary embedding base (llama)
     # Rotary frequency scaling (transformers' rope_type): default (none), linear (positions / factor),
-    # or llama3 (Llama 3.1+: low frequencies / factor, high kept, the band between interpolated).
-    rope_type: Literal["default", "linear", "llama3"] = "default"
-    rope_factor: float = 1.0  # linear and llama3
+    # or llama3 (Llama 3.1+: low frequencies / factor, high kept, the band between interpolated), or
+    # yarn (gpt_oss: frequencies blended between / factor and kept, cos and sin scaled).
+    rope_type: Literal["default", "linear", "llama3", "yarn"] = "default"
+    rope_factor: float = 1.0  # linear, llama3 and yarn
     rope_low_freq_factor: float = 1.0  # llama3
     rope_high_freq_factor: float = 4.0  # llama3
-    rope_original_max_len: int = 8192  # llama3: the context length pretraining used
-    attention_bias: bool = False  # biases on the q, k and v projections (Qwen2)
+    rope_original_max_len: int = 8192  # llama3 and yarn: the context length pretraining used
+    rope_beta_fast: float = 32.0  # yarn: rotations at which the ramp to kept frequencies ends
+    rope_beta_slow: float = 1.0  # yarn: rotations at which the ramp from scaled frequencies starts
+    rope_truncate: bool = True  # yarn: the ramp's bounds rounded outward to whole dimensions
+    rope_attention_factor: float = 0.0  # yarn: cos and sin times it; 0: 0.1 ln(rope_factor) + 1
+    attention_bias: bool = False  # biases on the q, k and v projections (Qwen2; gpt_oss: and o)
     qk_norm: bool = False  # RMSNorm of each query and key head before the rotary embedding (Qwen3)
-    # Mixture of experts (llama family; Qwen3-MoE, Mixtral): every block's MLP is a router over
-    # num_experts SwiGLU experts, each token through its top num_experts_per_tok.
+    # Mixture of experts (llama family: Qwen3-MoE, Mixtral; gpt_oss always): every block's MLP is a
+    # router over num_experts SwiGLU experts, each token through its top num_experts_per_tok.
     num_experts: int = 0  # experts per block's MLP (0: a dense MLP)
     num_experts_per_tok: int = 2  # the experts each token goes through (top-k of the router)
     moe_intermediate_size: int = 0  # each expert's MLP width
     norm_topk_prob: bool = True  # the top-k routing weights renormalised to sum 1 (Mixtral: always)
+    swiglu_alpha: float = 1.702  # gpt_oss experts: gate * sigmoid(swiglu_alpha * gate)
+    swiglu_limit: float = 7.0  # gpt_oss experts: gate clipped above, up clipped both sides at it
     # Sliding-window attention's window (Mistral v0.1, some Qwen2): 0 is none. Attention is computed
     # in full, which equals the windowed attention only while data.seq_len <= the window.
     sliding_window: int = 0
-    sliding_window_pattern: int = 0  # gemma3: every N-th layer global, the others windowed (any seq_len)
+    # gemma3, gpt_oss: every N-th layer global, the others windowed (any seq_len)
+    sliding_window_pattern: int = 0
     rope_local_theta: float = 0.0  # gemma3: the rotary base of the windowed layers
     query_pre_attn_scalar: int = 0  # gemma3: scores scaled by its -1/2 power; 0: head_dim's
     final_logit_softcap: float = 0.0  # gemma3: logits = cap * tanh(logits / cap); 0: none

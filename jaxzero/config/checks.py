@@ -23,6 +23,7 @@ from jaxzero.config import (
     OptimizerConfig,
     TrainConfig,
 )
+from jaxzero.config.families import validate_gemma3, validate_gpt_oss
 
 
 def _need(cond: bool, msg: str) -> None:
@@ -87,7 +88,7 @@ def validate_model(m: ModelConfig) -> None:
             f"model.num_heads={m.num_heads} must be divisible by model.num_kv_heads={m.num_kv_heads} "
             "(each key/value head serves a whole group of query heads)."
         )
-    if m.family in ("llama", "gemma3") and m.head_dim % 2:
+    if m.family in ("llama", "gemma3", "gpt_oss") and m.head_dim % 2:
         raise ConfigError(
             f"rotary embeddings need an even head_dim; got {m.head_dim} "
             f"(model.head_size={m.head_size}, hidden_size={m.hidden_size} / num_heads={m.num_heads})."
@@ -110,15 +111,25 @@ def validate_model(m: ModelConfig) -> None:
             raise ConfigError(f"{', '.join(bad)}: Llama-family settings; gpt2 has none of them.")
     gemma_only = {"sliding_window_pattern": 0, "rope_local_theta": 0.0, "query_pre_attn_scalar": 0}
     gemma_only["final_logit_softcap"] = 0.0
+    if m.family == "gpt_oss":  # its layers alternate too
+        del gemma_only["sliding_window_pattern"]
     bad = [f"model.{k}={getattr(m, k)!r}" for k, v in gemma_only.items() if getattr(m, k) != v]
     if m.family != "gemma3" and bad:
         raise ConfigError(f"{', '.join(bad)}: Gemma 3 settings; model.family={m.family!r} has none of them.")
     if m.family == "gemma3":
-        _validate_gemma3(m)
+        validate_gemma3(m)
+    if m.family == "gpt_oss":
+        validate_gpt_oss(m)
+    elif m.rope_type == "yarn":
+        raise ConfigError(
+            f"model.rope_type=yarn scales cos and sin as gpt-oss does; model.family={m.family!r} "
+            "implements default, linear and llama3 rope."
+        )
     hf_types = {
         "llama": ("", "llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral"),
         "gpt2": ("", "gpt2"),
         "gemma3": ("", "gemma3_text"),
+        "gpt_oss": ("", "gpt_oss"),
     }[m.family]
     if m.hf_model_type not in hf_types:
         raise ConfigError(
@@ -171,6 +182,8 @@ def _validate_moe(m: ModelConfig) -> None:
     """Experts: llama family only, top-k of at least k experts, a width; the MoE checkpoint types
     with experts and the dense ones without (Mixtral renormalises its top-k, no q/k norms)."""
     moe_types = ("qwen3_moe", "mixtral")
+    if m.family == "gpt_oss":  # `validate_gpt_oss`
+        return
     if not m.num_experts:
         if m.hf_model_type in moe_types:
             raise ConfigError(f"model.hf_model_type={m.hf_model_type!r} needs model.num_experts >= 1.")
@@ -190,25 +203,6 @@ def _validate_moe(m: ModelConfig) -> None:
         bad.append("model.hf_model_type='qwen3_moe' without qk_norm=true and attention_bias=false")
     if bad:
         raise ConfigError(f"model.num_experts={m.num_experts}: unsupported settings: {'; '.join(bad)}.")
-
-
-def _validate_gemma3(m: ModelConfig) -> None:
-    """Gemma 3's own rules: a tied head, its layer pattern and local rope base, no q/k/v biases."""
-    need = {
-        "model.tie_embeddings=true (Gemma 3's head is its embedding)": m.tie_embeddings,
-        "model.sliding_window_pattern >= 1 (every N-th layer global)": m.sliding_window_pattern >= 1,
-        "model.rope_local_theta > 0 (the local layers' rotary base)": m.rope_local_theta > 0,
-        "model.query_pre_attn_scalar >= 0 and model.final_logit_softcap >= 0": min(
-            m.query_pre_attn_scalar, m.final_logit_softcap
-        )
-        >= 0,
-        "model.attention_bias=false and model.qk_norm=false (its q/k norms are always there)": not (
-            m.attention_bias or m.qk_norm
-        ),
-    }
-    missing = [k for k, ok in need.items() if not ok]
-    if missing:
-        raise ConfigError(f"model.family=gemma3 needs {'; '.join(missing)}.")
 
 
 def _validate_finite(cfg: TrainConfig) -> None:
@@ -253,7 +247,7 @@ def _validate_data(cfg: TrainConfig, num_devices: int | None) -> None:
         "raise model.max_seq_len.",
     )
     _need(
-        not m.sliding_window or m.family == "gemma3" or d.seq_len <= m.sliding_window,
+        not m.sliding_window or m.family in ("gemma3", "gpt_oss") or d.seq_len <= m.sliding_window,
         f"data.seq_len={d.seq_len} exceeds model.sliding_window={m.sliding_window}: jaxzero attends over "
         "the whole sequence, which equals this model's windowed attention only within one window. "
         f"Lower data.seq_len to at most {m.sliding_window}.",
@@ -525,9 +519,9 @@ def _validate_finetune(cfg: TrainConfig) -> None:
         "leave finetune.freeze empty, or use finetune.method=full to train the units it leaves.",
     )
     _need(
-        cfg.model.family in ("llama", "gemma3"),
-        f"finetune.method=lora adapts the projections of the llama family (Llama, Qwen2, Qwen3, Mistral) "
-        f"and Gemma 3; "
+        cfg.model.family in ("llama", "gemma3", "gpt_oss"),
+        f"finetune.method=lora adapts the projections of the llama family (Llama, Qwen2, Qwen3, Mistral), "
+        f"Gemma 3 and gpt-oss; "
         f"model.family={cfg.model.family!r} has none of PEFT's names: use finetune.method=full.",
     )
     _need(f.lora_rank >= 1, f"finetune.lora_rank={f.lora_rank} must be >= 1 (16 is common).")
@@ -582,9 +576,9 @@ def _validate_freeze(cfg: TrainConfig) -> None:
         "a run that trains every unit; leave them at auto, 0 and none.",
     )
     _need(
-        f.base_dtype != "int8" or cfg.model.family in ("llama", "gemma3"),
-        f"finetune.base_dtype=int8 quantises the llama family's and Gemma 3's projections; model.family="
-        f"{cfg.model.family!r}: use bfloat16.",
+        f.base_dtype != "int8" or cfg.model.family in ("llama", "gemma3", "gpt_oss"),
+        f"finetune.base_dtype=int8 quantises the llama family's, Gemma 3's and gpt-oss's projections; "
+        f"model.family={cfg.model.family!r}: use bfloat16.",
     )
     _need(
         cfg.model.compute_dtype != "float16",

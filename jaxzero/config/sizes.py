@@ -76,6 +76,9 @@ _ROWS: dict[str, tuple[Any, ...]] = {
     "qwen3-30b-a3b":    ("llama", 151936, 2048,  48,    32,   4,  6144,  40960,  False, 1e6,  1e-6),
     "qwen3-235b-a22b":  ("llama", 151936, 4096,  94,    64,   4,  12288, 40960,  False, 1e6,  1e-6),
     "mixtral-8x7b":     ("llama", 32000,  4096,  32,    32,   8,  14336, 32768,  False, 1e6,  1e-5),
+    # OpenAI's gpt-oss 20B and 120B (_GPT_OSS: heads of 64, biased experts of the width, yarn rope).
+    "gpt-oss-20b":      ("gpt_oss", 201088, 2880, 24,   64,   8,  2880,  131072, False, 1.5e5, 1e-5),
+    "gpt-oss-120b":     ("gpt_oss", 201088, 2880, 36,   64,   8,  2880,  131072, False, 1.5e5, 1e-5),
 }
 # fmt: on
 # The other size fields: llama-tiny's, and every size's except where _DIFFERENT says.
@@ -85,6 +88,7 @@ _REST: dict[str, Any] = dict(
     rope_low_freq_factor=1.0,
     rope_high_freq_factor=4.0,
     rope_original_max_len=8192,
+    **dict(rope_beta_fast=32.0, rope_beta_slow=1.0, rope_truncate=True, rope_attention_factor=0.0),
     head_size=0,
     attention_bias=False,
     qk_norm=False,
@@ -92,6 +96,7 @@ _REST: dict[str, Any] = dict(
     **dict(sliding_window_pattern=0, rope_local_theta=0.0, query_pre_attn_scalar=0, final_logit_softcap=0.0),
     hf_model_type="",
     **dict(num_experts=0, num_experts_per_tok=2, moe_intermediate_size=0, norm_topk_prob=True),
+    **dict(swiglu_alpha=1.702, swiglu_limit=7.0),
 )
 # Llama 3.1's rope scaling (transformers' "llama3"), each size with its own factor.
 _LLAMA3_ROPE = dict(
@@ -100,6 +105,20 @@ _LLAMA3_ROPE = dict(
 _QWEN2 = dict(attention_bias=True, hf_model_type="qwen2")  # q, k, v biases
 _QWEN3 = dict(qk_norm=True, head_size=128, hf_model_type="qwen3")  # q/k norms; head_dim 128 at every width
 _QWEN3_MOE = dict(_QWEN3, hf_model_type="qwen3_moe", num_experts=128, num_experts_per_tok=8)
+# gpt-oss: a window of 128 on every other layer, yarn x32 over 4096 positions, top 4 of the experts.
+_GPT_OSS = dict(
+    head_size=64,
+    attention_bias=True,
+    num_experts_per_tok=4,
+    moe_intermediate_size=2880,
+    sliding_window=128,
+    sliding_window_pattern=2,
+    rope_type="yarn",
+    rope_factor=32.0,
+    rope_original_max_len=4096,
+    rope_truncate=False,
+    hf_model_type="gpt_oss",
+)
 _MIXTRAL = dict(hf_model_type="mixtral", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=14336)
 # Gemma 3: five local layers (window 1024, rope base 1e4) to one global; from 4B on, global rope linear x8.
 _GEMMA3 = dict(
@@ -119,6 +138,8 @@ _DIFFERENT: dict[str, dict[str, Any]] = {
     "qwen3-30b-a3b": {**_QWEN3_MOE, "moe_intermediate_size": 768},
     "qwen3-235b-a22b": {**_QWEN3_MOE, "moe_intermediate_size": 1536},
     "mixtral-8x7b": _MIXTRAL,
+    "gpt-oss-20b": {**_GPT_OSS, "num_experts": 32},
+    "gpt-oss-120b": {**_GPT_OSS, "num_experts": 128},
     "gemma-3-1b": {**_GEMMA3, "head_size": 256, "query_pre_attn_scalar": 256, "sliding_window": 512},
     "gemma-3-4b": {**_GEMMA3_LINEAR, "head_size": 256, "query_pre_attn_scalar": 256},
     "gemma-3-12b": {**_GEMMA3_LINEAR, "head_size": 256, "query_pre_attn_scalar": 256},

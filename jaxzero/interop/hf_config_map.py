@@ -6,7 +6,8 @@ its own; `MistralForCausalLM` "mistral"; `Qwen3MoeForCausalLM` "qwen3_moe" and `
 "mixtral", whose expert fields `jaxzero.interop.hf_moe_config` maps; tied or untied head,
 grouped-query attention), GPT-2
 (`GPT2LMHeadModel`, model_type "gpt2") and Gemma 3's text models (`Gemma3ForCausalLM` "gemma3_text",
-and the text model of `Gemma3ForConditionalGeneration` "gemma3"). Anything these models cannot compute exactly
+and the text model of `Gemma3ForConditionalGeneration` "gemma3"), and gpt-oss (`GptOssForCausalLM`
+"gpt_oss", `jaxzero.interop.hf_gpt_oss`). Anything these models cannot compute exactly
 (dynamic/yarn/longrope rope, partial rotary, o_proj or MLP biases, a head_dim other than hidden_size /
 num_heads outside Qwen3, other activations, quantized weights, ...) is refused with a
 ConfigError that names the field, rather than loaded into a model that would silently compute
@@ -26,6 +27,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxzero.config import ConfigError, ModelConfig
+from jaxzero.interop.hf_gpt_oss import gpt_oss_from_hf, gpt_oss_to_hf
 from jaxzero.interop.hf_moe_config import MOE_ARCHITECTURES, MOE_DEFAULTS, moe_from_hf, moe_to_hf
 from jaxzero.models import build_model
 
@@ -130,6 +132,8 @@ def hf_config(cfg: ModelConfig, dtype: str = "bfloat16") -> dict[str, Any]:
     }
     if cfg.family == "gemma3":
         return _gemma3_to_hf(cfg, common)
+    if cfg.family == "gpt_oss":
+        return gpt_oss_to_hf(cfg, common)
     if cfg.family == "llama":
         implied = "qwen3" if cfg.qk_norm else "qwen2" if cfg.attention_bias else "llama"
         if cfg.num_experts:
@@ -565,6 +569,8 @@ def model_config_from_hf(
         cfg = _gpt2_from_hf(d, name, where)
     elif model_type == "gemma3_text":
         cfg = _gemma3_from_hf(d, name, where)
+    elif model_type == "gpt_oss":
+        cfg = gpt_oss_from_hf(d, name, where)
     elif model_type == "gemma3" and isinstance(d.get("text_config"), Mapping):
         # Gemma3ForConditionalGeneration (4B-27B): its text model, the vision tower left out.
         _check_architectures(d, ("Gemma3ForConditionalGeneration",), where)
@@ -573,8 +579,8 @@ def model_config_from_hf(
         raise ConfigError(
             f"{where}: model_type={model_type!r} is not supported; jaxzero imports "
             + ", ".join(f"{t!r} ({a})" for t, a in _ARCHITECTURES.items())
-            + ", 'gpt2' (GPT2LMHeadModel), 'gemma3_text' (Gemma3ForCausalLM) and 'gemma3' (the text model "
-            "of Gemma3ForConditionalGeneration)."
+            + ", 'gpt2' (GPT2LMHeadModel), 'gemma3_text' (Gemma3ForCausalLM), 'gemma3' (the text model "
+            "of Gemma3ForConditionalGeneration) and 'gpt_oss' (GptOssForCausalLM)."
         )
     try:
         build_model(cfg)  # divisibility, even head_dim, ...: the same checks a run would make

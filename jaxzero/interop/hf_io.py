@@ -33,6 +33,7 @@ from jaxzero.interop.hf_names import (
     set_path,
     unit_trees,
 )
+from jaxzero.interop.mxfp4 import dequantize_expert, packed_shapes
 from jaxzero.interop.safetensors import SafetensorsError, SafetensorsReader, SafetensorsWriter, TensorSpec
 from jaxzero.models import ModelParams
 from jaxzero.primitives.deferred import Deferred, abstract, resolved
@@ -186,8 +187,8 @@ def _write_shards(
                     writer = SafetensorsWriter(out / files[k], shards[k], metadata={"format": "pt"})
                     current = k
                 leaf = t.take(np.asarray(get_path(host, t.path)))
-                # One copy: transpose (Llama kernels) and cast together, C-contiguous for the writer.
-                array = np.array(leaf.T if t.transpose else leaf, dtype=np_dtype, order="C")
+                # One copy: transpose (Llama kernels) or interleave, and cast together, C-contiguous.
+                array = t.to_hf(leaf, np_dtype)
                 assert writer is not None
                 writer.write(t.hf_name, array)
                 del array
@@ -285,7 +286,7 @@ def _params_by_unit(cfg: ModelConfig, ckpt: Path) -> ModelParams:
     try:
         prefix = BASE_PREFIX[cfg.family]
         ignored = IGNORED[cfg.family]
-        if cfg.family == "llama" and cfg.tie_embeddings:
+        if cfg.family in ("llama", "gpt_oss") and cfg.tie_embeddings:
             ignored = re.compile(ignored.pattern + r"|^lm_head\.weight$")
         # Resolve every name and check every shape and dtype from the headers before reading any data.
         found: dict[str, str] = {}  # canonical name -> name in the checkpoint
@@ -297,6 +298,12 @@ def _params_by_unit(cfg: ModelConfig, ckpt: Path) -> ModelParams:
                     rest = t.hf_name[len(prefix) :]
                     candidates += [rest] + [alias + rest for alias in BASE_ALIASES.get(cfg.family, ())]
                 name = next((c for c in candidates if c in where), None)
+                if name is None and t.mxfp4:  # stored packed: "<name>_blocks" and "<name>_scales"
+                    name = next((c for c in candidates if c + "_blocks" in where), None)
+                    if name is not None:
+                        found[t.hf_name] = name
+                        mismatched += _packed_mismatches(where, name, t.hf_shape)
+                        continue
                 if name is None:
                     missing.append(t.hf_name)
                     continue
@@ -310,7 +317,7 @@ def _params_by_unit(cfg: ModelConfig, ckpt: Path) -> ModelParams:
                     mismatched.append(
                         f"{name}: dtype {info.dtype} is not one of {list(_FLOAT_CODES)} (quantized weights?)"
                     )
-        used = set(found.values())
+        used = set(found.values()) | {n + part for n in found.values() for part in ("_blocks", "_scales")}
         unexpected = sorted(n for n in where if n not in used and not ignored.match(n))
         if missing or mismatched or unexpected:
             parts = []
@@ -336,9 +343,13 @@ def _params_by_unit(cfg: ModelConfig, ckpt: Path) -> ModelParams:
             stacked: dict[tuple[str, ...], np.ndarray] = {}
             for t in unit.tensors:
                 name = found[t.hf_name]
-                stored = where[name][name]  # a memory-mapped view: read as it is converted
                 # Always a fresh, writable float32 array that owns its memory, never a view of the file.
-                array = np.array(stored.T if t.transpose else stored, dtype=np.float32, order="C")
+                if len(t.shape) == 3:  # every expert's matrix (gpt-oss): converted one expert at a time
+                    array = np.empty(t.shape, np.float32)
+                    for e in range(t.shape[0]):
+                        array[e] = t.from_hf(_expert(where, name, e))
+                else:
+                    array = t.from_hf(where[name][name])  # memory-mapped: read as it is converted
                 if t.part is not None:  # one expert's matrix, written into its (E, in, out) leaf
                     if t.path not in stacked:
                         stacked[t.path] = np.empty(t.leaf_shape, np.float32)
@@ -355,6 +366,33 @@ def _params_by_unit(cfg: ModelConfig, ckpt: Path) -> ModelParams:
     return ModelParams.from_units(trees)
 
 
+def _expert(where: dict[str, SafetensorsReader], name: str, e: int) -> np.ndarray:
+    """Expert e's matrix of the (E, ...) tensor `name` as HF holds it: a view of the memory-mapped
+    file, or dequantised from its MXFP4 "<name>_blocks" and "<name>_scales" (`jaxzero.interop.mxfp4`)."""
+    if name in where:
+        return where[name][name][e]
+    blocks, scales = name + "_blocks", name + "_scales"
+    return dequantize_expert(where[blocks][blocks][e], where[scales][scales][e])
+
+
+def _packed_mismatches(
+    where: dict[str, SafetensorsReader], name: str, hf_shape: tuple[int, ...]
+) -> list[str]:
+    """What is wrong with the MXFP4 pair "<name>_blocks" / "<name>_scales" standing for a tensor HF
+    holds as `hf_shape` (`jaxzero.interop.mxfp4`): each a message, none if they fit."""
+    problems = []
+    for part, shape in zip(("_blocks", "_scales"), packed_shapes(hf_shape)):
+        info = where[name + part].tensors[name + part] if name + part in where else None
+        if info is None:
+            problems.append(f"{name}{part}: missing (MXFP4 stores blocks and scales together)")
+        elif info.shape != shape or info.dtype != "U8":
+            problems.append(
+                f"{name}{part}: checkpoint {info.dtype} {list(info.shape)}, MXFP4 of {list(hf_shape)} "
+                f"needs U8 {list(shape)}"
+            )
+    return problems
+
+
 def _shapes_tree(unit: HFUnit) -> dict[str, Any]:
     """The unit's tree of float32 ShapeDtypeStructs, as `_params_by_unit` reads it."""
     tree: dict[str, Any] = {}
@@ -369,7 +407,9 @@ def import_hf(path: str | os.PathLike[str]) -> tuple[ModelConfig, ModelParams]:
     `path` holds config.json and either model.safetensors or model.safetensors.index.json with its
     shards (transformers' `save_pretrained` layout, or `export_hf`'s). Tensors may be stored in any
     floating dtype; they are converted to float32 and Llama's (out, in) projections transposed to
-    jaxzero's (in, out). Names with or without the base prefix ("model." / "transformer.") are accepted.
+    jaxzero's (in, out); gpt-oss's experts, stored bf16 or MXFP4 (`jaxzero.interop.mxfp4`), are
+    converted one expert at a time, their gate and up de-interleaved. Names with or without the base
+    prefix ("model." / "transformer.") are accepted.
     Missing, unexpected or mis-shaped tensors raise CheckpointError listing all of them; known buffers
     (rotary inv_freq, GPT-2's attention-mask `attn.bias`) and the duplicate head of a tied model are
     skipped.
@@ -438,6 +478,12 @@ def _check_hf_config(cfg: ModelConfig, ckpt: Path, check_numerics: bool) -> None
         names += ["num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob"]
     if cfg.family == "gpt2":
         names.append("max_seq_len")
+    if cfg.family == "gpt_oss" and hf.family == "gpt_oss":
+        names += ["tie_embeddings", "attention_bias", "head_dim", "num_experts", "moe_intermediate_size"]
+        names += ["num_experts_per_tok", "sliding_window", "sliding_window_pattern"]
+        if check_numerics:
+            names += list(_ROPE_FIELDS) + ["rope_beta_fast", "rope_beta_slow", "rope_truncate"]
+            names += ["rope_attention_factor", "swiglu_alpha", "swiglu_limit"]
     if cfg.family == "gemma3" and hf.family == "gemma3":
         names += ["head_dim", "sliding_window", "sliding_window_pattern", "query_pre_attn_scalar"]
         if check_numerics:

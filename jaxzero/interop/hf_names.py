@@ -17,13 +17,15 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from jaxzero.config import ModelConfig
 from jaxzero.models import ModelParams, build_model
 
 # The prefix of the base model's modules inside `*ForCausalLM` (transformers' `base_model_prefix`).
 # Checkpoints saved from the headless base class (`LlamaModel`, `GPT2Model`; e.g. the original
 # openai-community/gpt2 files) lack it, and transformers accepts both, so import does too.
-BASE_PREFIX = {"llama": "model.", "gpt2": "transformer.", "gemma3": "model."}
+BASE_PREFIX = {"llama": "model.", "gpt2": "transformer.", "gemma3": "model.", "gpt_oss": "model."}
 # Where else a family's base model may sit: Gemma 3 4B-27B are released as
 # Gemma3ForConditionalGeneration, whose text model's tensors are "language_model.model.*" on the
 # Hub ("model.language_model.*" inside transformers 5); import reads the text model from either.
@@ -39,6 +41,7 @@ IGNORED = {
     "gemma3": re.compile(
         r"^(language_model\.)?lm_head\.weight$|^(model\.)?(vision_tower|multi_modal_projector)\."
     ),
+    "gpt_oss": re.compile(r"(?!)"),  # none (a tied head's copy: as for llama, in hf_io)
 }
 
 
@@ -55,6 +58,11 @@ class HFTensor:
     # (e, lo, hi). None: the tensor is the whole leaf.
     part: tuple[int, int, int] | None = None
     leaf_shape: tuple[int, ...] = ()
+    # The halves [a | b] of the last axis are stored interleaved (a at ::2, b at 1::2): gpt-oss's
+    # gate_up kernels and biases.
+    interleaved: bool = False
+    # The checkpoint may store it in MXFP4 as "<name>_blocks" and "<name>_scales" (gpt-oss's experts).
+    mxfp4: bool = False
 
     @property
     def hf_shape(self) -> tuple[int, ...]:
@@ -71,6 +79,22 @@ class HFTensor:
             return leaf
         e, lo, hi = self.part
         return leaf[e, :, lo:hi]
+
+    def from_hf(self, stored: Any) -> np.ndarray:
+        """A fresh float32 C-contiguous array in jaxzero's layout of the tensor `stored` as HF holds it."""
+        array = stored.T if self.transpose else stored
+        if self.interleaved:
+            array = np.concatenate([array[..., 0::2], array[..., 1::2]], axis=-1)
+        return np.array(array, dtype=np.float32, order="C")
+
+    def to_hf(self, leaf: Any, dtype: Any) -> np.ndarray:
+        """`leaf` (this tensor's values in jaxzero's layout) as HF stores it, in `dtype`, C-contiguous."""
+        if self.interleaved:
+            half = leaf.shape[-1] // 2
+            out = np.empty(leaf.shape, dtype)
+            out[..., 0::2], out[..., 1::2] = leaf[..., :half], leaf[..., half:]
+            return out
+        return np.array(leaf.T if self.transpose else leaf, dtype=dtype, order="C")
 
 
 @dataclass(frozen=True)
@@ -178,6 +202,48 @@ def _gemma3_units(cfg: ModelConfig) -> list[HFUnit]:
     return units
 
 
+def _gpt_oss_units(cfg: ModelConfig) -> list[HFUnit]:
+    d, v, hd, e, f = cfg.hidden_size, cfg.vocab_size, cfg.head_dim, cfg.num_experts, cfg.moe_intermediate_size
+    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    units = [HFUnit("embed", (HFTensor("model.embed_tokens.weight", ("embed_tokens", "embedding"), (v, d)),))]
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        attn = []
+        for proj, (n_in, n_out) in (
+            ("q_proj", (d, q)),
+            ("k_proj", (d, kv)),
+            ("v_proj", (d, kv)),
+            ("o_proj", (q, d)),
+        ):
+            attn.append(
+                HFTensor(f"{p}self_attn.{proj}.weight", ("self_attn", proj, "kernel"), (n_in, n_out), True)
+            )
+            if cfg.attention_bias:
+                attn.append(HFTensor(f"{p}self_attn.{proj}.bias", ("self_attn", proj, "bias"), (n_out,)))
+        x = p + "mlp.experts."
+        tensors = (
+            HFTensor(p + "input_layernorm.weight", ("input_layernorm", "scale"), (d,)),
+            *attn,
+            HFTensor(p + "self_attn.sinks", ("self_attn", "sinks"), (cfg.num_heads,)),
+            HFTensor(p + "post_attention_layernorm.weight", ("post_attention_layernorm", "scale"), (d,)),
+            HFTensor(p + "mlp.router.weight", ("mlp", "router", "kernel"), (d, e), True),
+            HFTensor(p + "mlp.router.bias", ("mlp", "router", "bias"), (e,)),
+            # (E, D, 2F) and (E, F, D) as jaxzero holds them, but gate and up interleaved
+            HFTensor(
+                x + "gate_up_proj", ("mlp", "gate_up", "kernel"), (e, d, 2 * f), interleaved=True, mxfp4=True
+            ),
+            HFTensor(x + "gate_up_proj_bias", ("mlp", "gate_up", "bias"), (e, 2 * f), interleaved=True),
+            HFTensor(x + "down_proj", ("mlp", "down", "kernel"), (e, f, d), mxfp4=True),
+            HFTensor(x + "down_proj_bias", ("mlp", "down", "bias"), (e, d)),
+        )
+        units.append(HFUnit(f"block {i}", tensors))
+    head = [HFTensor("model.norm.weight", ("norm", "scale"), (d,))]
+    if not cfg.tie_embeddings:
+        head.append(HFTensor("lm_head.weight", ("lm_head", "kernel"), (d, v), True))
+    units.append(HFUnit("head", tuple(head)))
+    return units
+
+
 def _gpt2_units(cfg: ModelConfig) -> list[HFUnit]:
     d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     units = [
@@ -225,7 +291,13 @@ def _gpt2_units(cfg: ModelConfig) -> list[HFUnit]:
 def hf_units(cfg: ModelConfig) -> list[HFUnit]:
     """embed, block 0 .. block L-1, head: the units of `ModelParams` in order, with their HF tensors."""
     build_model(cfg)  # validates the shape (divisibility, even head_dim, gpt2 multi-head) first
-    return {"llama": _llama_units, "gpt2": _gpt2_units, "gemma3": _gemma3_units}[cfg.family](cfg)
+    families = {
+        "llama": _llama_units,
+        "gpt2": _gpt2_units,
+        "gemma3": _gemma3_units,
+        "gpt_oss": _gpt_oss_units,
+    }
+    return families[cfg.family](cfg)
 
 
 def hf_tensor_names(cfg: ModelConfig) -> list[str]:

@@ -46,7 +46,7 @@ _KEY = re.compile(
 # PEFT's module name of each target (q_proj ...) -> finetune.lora_targets' name (q ...).
 _TARGET_OF_MODULE = {proj: name for name, (_, proj) in TARGET_PATHS.items()}
 # The families whose blocks have PEFT's projections (q_proj ... down_proj).
-PEFT_FAMILIES = ("llama", "gemma3")
+PEFT_FAMILIES = ("llama", "gemma3", "gpt_oss")
 # Stored dtypes import reads (and converts to float32).
 _FLOAT_CODES = ("F64", "F32", "F16", "BF16")
 
@@ -94,7 +94,7 @@ def _check_family(model_cfg: ModelConfig) -> None:
     if model_cfg.family not in PEFT_FAMILIES:
         raise ValueError(
             f"model {model_cfg.name!r} is of family {model_cfg.family!r}: PEFT LoRA adapters here are the "
-            "projections of the llama family (Llama, Qwen2, Qwen3, Mistral) and Gemma 3."
+            "projections of the llama family (Llama, Qwen2, Qwen3, Mistral), Gemma 3 and gpt-oss."
         )
 
 
@@ -383,7 +383,7 @@ def import_peft_adapter(
     if model_cfg.family not in PEFT_FAMILIES:
         raise CheckpointError(
             f"model {model_cfg.name!r} is of family {model_cfg.family!r}: PEFT LoRA adapters here are the "
-            "projections of the llama family (Llama, Qwen2, Qwen3, Mistral) and Gemma 3."
+            "projections of the llama family (Llama, Qwen2, Qwen3, Mistral), Gemma 3 and gpt-oss."
         )
     weights = src / ADAPTER_WEIGHTS_NAME
     with _open_weights(src) as reader:

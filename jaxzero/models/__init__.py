@@ -27,11 +27,13 @@ from jaxzero.models.base import (
 )
 from jaxzero.models.gemma import Gemma3
 from jaxzero.models.gpt2 import GPT2
+from jaxzero.models.gpt_oss import GptOss
 from jaxzero.models.llama import Llama
 
 __all__ = [
     "GPT2",
     "Gemma3",
+    "GptOss",
     "KVCache",
     "Llama",
     "Model",
@@ -53,4 +55,8 @@ def build_model(config: ModelConfig) -> Model:
         return GPT2(config)
     if config.family == "gemma3":
         return Gemma3(config)
-    raise ValueError(f"unknown model family {config.family!r}; choose 'llama', 'gpt2' or 'gemma3'.")
+    if config.family == "gpt_oss":
+        return GptOss(config)
+    raise ValueError(
+        f"unknown model family {config.family!r}; choose 'llama', 'gpt2', 'gemma3' or 'gpt_oss'."
+    )

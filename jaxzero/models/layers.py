@@ -222,12 +222,27 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
     default: 1 / theta^(arange(0, H, 2) / H). linear: those / rope_factor. llama3 (Llama 3.1+,
     `_compute_llama3_parameters`): wavelengths 2*pi/f above rope_original_max_len / low_freq_factor
     are divided by rope_factor, those below rope_original_max_len / high_freq_factor kept, and the
-    band between interpolated smoothly. No type here scales the attention itself.
+    band between interpolated smoothly. yarn (`_compute_yarn_parameters`): a linear ramp over the
+    dimensions between the rope_beta_fast and rope_beta_slow rotations of rope_original_max_len blends
+    inv / rope_factor into inv; it also scales cos and sin (`rope_attention_factor`).
     """
     h = config.head_dim
     inv = 1.0 / (config.rope_theta ** (np.arange(0, h, 2, dtype=np.float64) / h))
     if config.rope_type == "linear":
         return inv / config.rope_factor
+    if config.rope_type == "yarn":
+
+        def dim(rotations: float) -> float:  # the dimension that turns `rotations` times in the context
+            old = config.rope_original_max_len
+            return h * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(config.rope_theta))
+
+        low, high = dim(config.rope_beta_fast), dim(config.rope_beta_slow)
+        if config.rope_truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, h - 1)
+        high = high + 0.001 if low == high else high  # transformers' guard against a zero-width ramp
+        keep = 1 - np.clip((np.arange(h // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+        return inv / config.rope_factor * (1 - keep) + inv * keep
     if config.rope_type == "llama3":
         factor, lo, hi = config.rope_factor, config.rope_low_freq_factor, config.rope_high_freq_factor
         old = config.rope_original_max_len
@@ -238,6 +253,17 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
         medium = (wavelen >= old / hi) & (wavelen <= old / lo)
         return np.where(medium, smoothed, scaled)
     return inv
+
+
+def rope_attention_factor(config: ModelConfig) -> float:
+    """The factor yarn multiplies cos and sin by (transformers' `attention_factor`):
+    `rope_attention_factor`, or 0.1 ln(rope_factor) + 1 where it is 0 (1 for a factor <= 1); 1 for
+    every other rope type."""
+    if config.rope_type != "yarn":
+        return 1.0
+    if config.rope_attention_factor:
+        return config.rope_attention_factor
+    return 1.0 if config.rope_factor <= 1 else 0.1 * math.log(config.rope_factor) + 1.0
 
 
 def rope_cos_sin(seq_len: int, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:

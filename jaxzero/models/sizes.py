@@ -26,6 +26,7 @@ Mixtures of experts count every expert's parameters; their FLOPs count the param
 multiplies by (`block_matmul_params`: the router and its top-k experts):
 
     qwen3-30b-a3b    30,532,122,624    qwen3-235b-a22b  235,093,634,560    mixtral-8x7b  46,702,792,704
+    gpt-oss-20b      20,914,757,184    gpt-oss-120b     116,829,156,672
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def block_matmul_params(cfg: ModelConfig) -> int:
     d, f = cfg.hidden_size, cfg.intermediate_size
     q_width = cfg.num_heads * cfg.head_dim
     kv_width = cfg.num_kv_heads * cfg.head_dim
-    if cfg.num_experts:
+    if cfg.num_experts:  # llama with experts, gpt_oss
         experts = d * cfg.num_experts + cfg.num_experts_per_tok * 3 * d * cfg.moe_intermediate_size
         return d * q_width + 2 * d * kv_width + q_width * d + experts
     if cfg.family in ("llama", "gemma3"):
@@ -61,7 +62,7 @@ def block_matmul_params(cfg: ModelConfig) -> int:
     if cfg.family == "gpt2":
         # fused qkv (D, 3D), attention c_proj (D, D), c_fc (D, F), mlp c_proj (F, D).
         return 3 * d * d + d * d + 2 * d * f
-    raise ConfigError(f"unknown model family {cfg.family!r}; choose 'llama', 'gpt2' or 'gemma3'.")
+    raise ConfigError(f"unknown model family {cfg.family!r}; choose 'llama', 'gpt2', 'gemma3' or 'gpt_oss'.")
 
 
 Shape = tuple[int, ...]
@@ -85,6 +86,16 @@ def unit_param_shapes(cfg: ModelConfig) -> tuple[list[Shape], list[Shape], list[
             block += [(cfg.head_dim,), (cfg.head_dim,)]  # one scale over each q head, one over each k head
         head = [(d,)] + ([] if cfg.tie_embeddings else [(d, v)])  # final norm (+ lm_head)
         return [(v, d)], block, head
+    if cfg.family == "gpt_oss":
+        # q, k, v, o (with their biases), the sinks, two RMSNorm scales, the router and the experts'
+        # [gate | up] and down kernels, each with its biases
+        e, fe = cfg.num_experts, cfg.moe_intermediate_size
+        block = [(d, q_width), (d, kv_width), (d, kv_width), (q_width, d), (cfg.num_heads,), (d,), (d,)]
+        block += [(d, e), (e,), (e, d, 2 * fe), (e, 2 * fe), (e, fe, d), (e, d)]
+        if cfg.attention_bias:
+            block += [(q_width,), (kv_width,), (kv_width,), (d,)]
+        head = [(d,)] + ([] if cfg.tie_embeddings else [(d, v)])
+        return [(v, d)], block, head
     if cfg.family == "gemma3":
         # q, k, v, o, the three GeGLU matrices, four norms of the width, the q and k head norms
         block = [(d, q_width), (d, kv_width), (d, kv_width), (q_width, d), (d, f), (d, f), (f, d)]
@@ -94,7 +105,7 @@ def unit_param_shapes(cfg: ModelConfig) -> tuple[list[Shape], list[Shape], list[
         # fused qkv (D, 3D), attention c_proj, c_fc, mlp c_proj with their biases; ln_1, ln_2
         block = [(d, 3 * d), (3 * d,), (d, d), (d,), (d, f), (f,), (f, d), (d,), (d,), (d,), (d,), (d,)]
         return [(v, d), (cfg.max_seq_len, d)], block, [(d,), (d,)]  # wte, wpe; ln_f (always tied)
-    raise ConfigError(f"unknown model family {cfg.family!r}; choose 'llama', 'gpt2' or 'gemma3'.")
+    raise ConfigError(f"unknown model family {cfg.family!r}; choose 'llama', 'gpt2', 'gemma3' or 'gpt_oss'.")
 
 
 def unit_param_counts(cfg: ModelConfig) -> tuple[int, int, int]:
@@ -162,8 +173,9 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
 def attention_span(cfg: ModelConfig, layer: int, seq_len: int) -> int:
     """The keys each query of block `layer` is counted against in the FLOP accounting: seq_len, or
-    a Gemma 3 local layer's window where that is shorter."""
-    if cfg.family == "gemma3" and (layer + 1) % cfg.sliding_window_pattern and cfg.sliding_window:
+    a Gemma 3 or gpt-oss local layer's window where that is shorter."""
+    windowed = cfg.family in ("gemma3", "gpt_oss") and (layer + 1) % cfg.sliding_window_pattern
+    if windowed and cfg.sliding_window:
         return min(seq_len, cfg.sliding_window)
     return seq_len
 

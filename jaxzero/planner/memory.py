@@ -171,7 +171,8 @@ def transient_activations(
     `documents` (attention kept inside each document), a block's backward also holds two float32
     (rows, heads, seq_len, seq_len) arrays: what document-aware attention compiled to on the GPU
     (BENCHMARKS.md, "on one H200: determinism, and document-aware attention's cost"); Gemma 3's
-    windowed attention, a mask as well, is counted as that (not measured)."""
+    windowed attention, a mask as well, and gpt-oss's, whose sinks keep its float32 scores in XLA,
+    are counted as that (not measured)."""
     compute = dtype_bytes(m.compute_dtype)
     q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
     widths = 2 * (q + 2 * kv) + 2 * m.hidden_size + 4 * m.intermediate_size
@@ -184,7 +185,8 @@ def transient_activations(
         widths += -(-2 * blocks * 3 * d * f // micro_tokens)
     block = micro_tokens * widths * compute
     seq_len = seq_len or micro_tokens
-    if documents or m.family == "gemma3":  # Gemma 3's windows are a mask too, with or without documents
+    # Gemma 3's windows are a mask too, with or without documents; gpt-oss's sinks attend in XLA
+    if documents or m.family in ("gemma3", "gpt_oss"):
         block += 2 * (micro_tokens // seq_len) * m.num_heads * seq_len * seq_len * 4
     pieces = head_pieces(max(1, micro_tokens // seq_len), seq_len, m.vocab_size)
     head_out = micro_tokens * m.hidden_size * compute

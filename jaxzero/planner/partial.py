@@ -56,7 +56,7 @@ def partial_bytes(cfg: TrainConfig, streamed: bool) -> PartialBytes:
     n_embed, n_block, n_head = unit_param_counts(m)
     narrow = storage_dtype(ft.base_dtype).itemsize
     kernels = outs = 0
-    if m.family in ("llama", "gemma3"):  # the projections LoRA and int8 apply to
+    if m.family in ("llama", "gemma3", "gpt_oss"):  # the projections LoRA and int8 apply to
         shapes = projection_shapes(m)
         kernels = sum(i * o for i, o in shapes.values())
         outs = sum(o for _, o in shapes.values())

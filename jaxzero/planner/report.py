@@ -449,7 +449,7 @@ def partial_refusal(cfg: TrainConfig, mc: Machine, frontier: list[Candidate]) ->
     )
     ft = cfg.finetune
     hint = ""
-    if ft.base_dtype != "int8" and cfg.model.family in ("llama", "gemma3"):
+    if ft.base_dtype != "int8" and cfg.model.family in ("llama", "gemma3", "gpt_oss"):
         hint += " finetune.base_dtype=int8 halves the base;"
     if ft.method == "full":
         hint += " freezing more units saves 16 bytes of each one's parameters;"

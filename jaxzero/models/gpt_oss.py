@@ -1,0 +1,295 @@
+"""gpt-oss (`GptOssForCausalLM`, model_type "gpt_oss"): pre-norm blocks of RMSNorm, grouped-query
+attention with biases on q, k, v and o and a learned per-head "sink" logit in each softmax's
+denominator, yarn rope, local (sliding-window) and global layers alternating, and a sparse MLP of
+biased experts with the clamped SwiGLU (`jaxzero.models.moe.gpt_oss_spec`); untied head.
+
+Every layer has the same parameters; what differs between a local and a global layer (its window) is
+the block's per-layer input, `GptOss.layer_input(i)`, as for Gemma 3.
+
+Parameter pytrees are named after HF `GptOssForCausalLM` (kernels stored (in, out)):
+
+    embed:  {"embed_tokens": {"embedding": (V, D)}}
+    block:  {"input_layernorm": {"scale": (D,)},
+             "self_attn": {"q_proj": {"kernel": (D, N*H), "bias": (N*H,)},
+                           "k_proj": {"kernel": (D, K*H), "bias": (K*H,)},
+                           "v_proj": {"kernel": (D, K*H), "bias": (K*H,)},
+                           "o_proj": {"kernel": (N*H, D), "bias": (D,)},
+                           "sinks": (N,)},                   (biases only with attention_bias)
+             "post_attention_layernorm": {"scale": (D,)},
+             "mlp": {"router":  {"kernel": (D, E), "bias": (E,)},
+                     "gate_up": {"kernel": (E, D, 2F), "bias": (E, 2F)},   [gate | up]
+                     "down":    {"kernel": (E, F, D), "bias": (E, D)}}}
+    head:   {"norm": {"scale": (D,)}, "lm_head": {"kernel": (D, V)}}  (no lm_head when tied)
+
+HF stores gate_up with gate and up interleaved on the last axis; `jaxzero.interop` de-interleaves.
+H = head_dim (64 in the released models, whatever D / N is), F = moe_intermediate_size.
+
+Attention is computed here with XLA (the sink is not expressible in `jax.nn.dot_product_attention`):
+float32 scores (B, N, S, S) as transformers' eager attention makes them; `model.attention_impl=cudnn`
+is refused for this family.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax.core import unfreeze
+
+from jaxzero.config import ConfigError, ModelConfig
+from jaxzero.models import layers, moe
+from jaxzero.models.base import KVCache, ModelParams, init_params
+from jaxzero.models.gemma import NO_WINDOW, is_global_layer
+from jaxzero.models.llama import _Linear, _RMSNorm
+from jaxzero.models.lora import LoraSpec, dequantize
+
+
+def moe_spec(c: ModelConfig) -> moe.MoeSpec:
+    """The experts of a gpt_oss config: biased router, softmax over the top-k logits, clamped SwiGLU."""
+    return moe.gpt_oss_spec(c.num_experts, c.num_experts_per_tok, c.swiglu_alpha, c.swiglu_limit)
+
+
+def rope_tables(c: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos and sin (S, H) float32 at int positions (S,): yarn's frequencies, both times its attention
+    factor (transformers scales the tables, so q and k each carry it)."""
+    inv = jnp.asarray(layers.rope_inv_freq(c), jnp.float32)
+    freqs = positions.astype(jnp.float32)[:, None] * inv[None, :]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    factor = jnp.float32(layers.rope_attention_factor(c))
+    return jnp.cos(emb) * factor, jnp.sin(emb) * factor
+
+
+def sink_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, sinks: jax.Array, mask: jax.Array, scale: float
+) -> jax.Array:
+    """Attention whose softmax has one more logit per head, `sinks`, that takes weight and reads no
+    value: q (B, T, N, H), k and v (B, L, K, H) in one dtype, sinks (N,), mask bool (B or 1, T, L)
+    (True: the query reads the key) -> (B, T, N, H) in q's dtype. Query head n reads key/value head
+    n // (N / K) (HF's `repeat_kv`); scores and softmax in float32."""
+    b, t, n, hd = q.shape
+    kv = k.shape[2]
+    g = n // kv
+    scores = jnp.einsum(
+        "btkgh,blkh->bkgtl", q.reshape(b, t, kv, g, hd), k, preferred_element_type=jnp.float32
+    ) * jnp.float32(scale)
+    allowed = mask[:, None, None, :, :]  # (B or 1, 1, 1, T, L)
+    scores = jnp.where(allowed, scores, jnp.finfo(jnp.float32).min)
+    sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, kv, g, 1, 1), (b, kv, g, t, 1))
+    probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
+    o = jnp.einsum("bkgtl,blkh->btkgh", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return o.reshape(b, t, n, hd).astype(q.dtype)
+
+
+def _mask(q_pos: jax.Array, k_pos: jax.Array, window: jax.Array) -> jax.Array:
+    """bool (T, L): key j at or before query i and less than `window` positions behind it."""
+    offset = q_pos[:, None] - k_pos[None, :]
+    return (offset >= 0) & (offset < window)
+
+
+class _Attention(nn.Module):
+    config: ModelConfig
+    lora: LoraSpec | None = None
+
+    @nn.compact
+    def __call__(
+        self,
+        h: jax.Array,
+        layer: dict[str, jax.Array],
+        cache: KVCache | None = None,
+        pos: jax.Array | None = None,
+        segments: jax.Array | None = None,
+    ) -> Any:
+        c, lora = self.config, self.lora
+        b, s, _ = h.shape
+        n, k, hd = c.num_heads, c.num_kv_heads, c.head_dim
+        bias = c.attention_bias
+        q = _Linear(n * hd, c.init_std, bias, lora, name="q_proj")(h).reshape(b, s, n, hd)
+        kk = _Linear(k * hd, c.init_std, bias, lora, name="k_proj")(h).reshape(b, s, k, hd)
+        v = _Linear(k * hd, c.init_std, bias, lora, name="v_proj")(h).reshape(b, s, k, hd)
+        sinks = self.param("sinks", lambda key, shape: layers.normal(key, shape, c.init_std), (n,))
+        out = _Linear(c.hidden_size, c.init_std, bias, lora, name="o_proj")
+        scale = 1.0 / math.sqrt(hd)
+        positions = jnp.arange(s) if cache is None else pos + jnp.arange(s)
+        cos, sin = rope_tables(c, positions)
+        q, kk = layers.apply_rope(q, cos, sin), layers.apply_rope(kk, cos, sin)
+        if cache is None:
+            mask = _mask(positions, positions, layer["window"])[None]
+            if segments is not None:  # each token reads only its own document
+                mask = mask & (segments[:, :, None] == segments[:, None, :])
+            o = sink_attention(q, kk, v, sinks.astype(q.dtype), mask, scale)
+            return out(o.reshape(b, s, n * hd))
+        k_cache = jax.lax.dynamic_update_slice_in_dim(cache[0], kk, pos, axis=1)
+        v_cache = jax.lax.dynamic_update_slice_in_dim(cache[1], v, pos, axis=1)
+        mask = _mask(positions, jnp.arange(k_cache.shape[1]), layer["window"])[None]
+        o = sink_attention(q, k_cache, v_cache, sinks.astype(q.dtype), mask, scale)
+        return out(o.reshape(b, s, n * hd)), (k_cache, v_cache)
+
+
+class _Experts(nn.Module):
+    """The sparse MLP (`jaxzero.models.moe`): biased router and experts, float32 masters used in x's
+    dtype (int8 kernels with their "kernel_scale" dequantised first, as `_Linear` does). No LoRA
+    adapters: LoRA adapts attention."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, h: jax.Array) -> jax.Array:
+        c = self.config
+        d, f, e = c.hidden_size, c.moe_intermediate_size, c.num_experts
+
+        def init(shape: tuple[int, ...], bias: tuple[int, ...]) -> Any:
+            return lambda key: {"kernel": layers.normal(key, shape, c.init_std), "bias": layers.zeros(bias)}
+
+        params = {
+            "router": self.param("router", init((d, e), (e,))),
+            "gate_up": self.param("gate_up", init((e, d, 2 * f), (e, 2 * f))),
+            "down": self.param("down", init((e, f, d), (e, d))),
+        }
+        for name, p in params.items():
+            if "kernel_scale" in p:
+                params[name] = {
+                    "kernel": dequantize(p["kernel"], p["kernel_scale"], h.dtype),
+                    "bias": p["bias"],
+                }
+        return moe.moe_block(params, h, moe_spec(c))[0]
+
+
+class GptOssBlock(nn.Module):
+    """One gpt-oss block: (B, S, D) -> (B, S, D) in the compute dtype, for the layer whose per-layer
+    input is `layer` ({"window": int32 scalar}).
+
+        x = x + o_proj(sink_attention(rope(q_proj(n1(x))), rope(k_proj(n1(x))), v_proj(n1(x))))
+        x = x + experts(n2(x))
+    """
+
+    config: ModelConfig
+    lora: LoraSpec | None = None
+
+    @nn.compact
+    def __call__(
+        self,
+        x: jax.Array,
+        layer: dict[str, jax.Array],
+        cache: KVCache | None = None,
+        pos: jax.Array | None = None,
+        segments: jax.Array | None = None,
+    ) -> Any:
+        c = self.config
+        x = x.astype(layers.compute_dtype(c))
+        attn = _Attention(c, self.lora, name="self_attn")
+        h = _RMSNorm(c.norm_eps, name="input_layernorm")(x)
+        if cache is None:
+            x = x + attn(h, layer, segments=segments)
+        else:
+            a, cache = attn(h, layer, cache, pos)
+            x = x + a
+        x = x + _Experts(c, name="mlp")(_RMSNorm(c.norm_eps, name="post_attention_layernorm")(x))
+        return x if cache is None else (x, cache)
+
+
+def _need_layer(layer: Any) -> None:
+    if layer is None:
+        raise ValueError(
+            "a gpt-oss block computes a local or a global layer: pass its per-layer input, "
+            "layer=model.layer_input(i) (jaxzero.models.layer_input), as the engines do."
+        )
+
+
+@dataclass(frozen=True)
+class GptOss:
+    """A gpt-oss model of shape `config`; pure, jit-able methods (the instance is static). `lora`: how
+    LoRA adapters among a block's parameters apply (`jaxzero.models.lora`)."""
+
+    config: ModelConfig
+    lora: LoraSpec | None = None
+
+    def __post_init__(self) -> None:
+        layers.check_shape(self.config, "gpt_oss")
+        if self.config.attention_impl == "cudnn":
+            raise ConfigError(
+                "model.attention_impl=cudnn cannot compute gpt-oss's attention sinks; use "
+                "model.attention_impl=auto or xla."
+            )
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return layers.compute_dtype(self.config)
+
+    def init(self, key: jax.Array) -> ModelParams:
+        """Fresh float32 parameters; a pure function of `key`."""
+        return init_params(self, key)
+
+    def init_embed(self, key: jax.Array) -> dict[str, Any]:
+        c = self.config
+        return {"embed_tokens": {"embedding": layers.normal(key, (c.vocab_size, c.hidden_size), c.init_std)}}
+
+    def init_block(self, key: jax.Array) -> dict[str, Any]:
+        x = jax.ShapeDtypeStruct((1, 1, self.config.hidden_size), self.dtype)
+        return unfreeze(GptOssBlock(self.config).lazy_init(key, x, self.layer_input(0))["params"])
+
+    def init_head(self, key: jax.Array) -> dict[str, Any]:
+        c = self.config
+        head: dict[str, Any] = {"norm": {"scale": layers.ones((c.hidden_size,))}}
+        if not c.tie_embeddings:
+            head["lm_head"] = {"kernel": layers.normal(key, (c.hidden_size, c.vocab_size), c.init_std)}
+        return head
+
+    def layer_input(self, i: int) -> dict[str, jax.Array]:
+        """Layer i's per-layer input: its window, int32 (`sliding_window` for a local layer, else none)."""
+        c = self.config
+        local = not is_global_layer(c, i) and c.sliding_window
+        return {"window": jnp.int32(c.sliding_window if local else NO_WINDOW)}
+
+    def embed(self, embed_params: Any, tokens: jax.Array) -> jax.Array:
+        """tokens (B, S) -> (B, S, D) in the compute dtype (out-of-range ids give NaN rows)."""
+        return jnp.take(embed_params["embed_tokens"]["embedding"], tokens, axis=0).astype(self.dtype)
+
+    def block(
+        self,
+        block_params: Any,
+        x: jax.Array,
+        segments: jax.Array | None = None,
+        dropout_key: jax.Array | None = None,
+        layer: dict[str, jax.Array] | None = None,
+    ) -> jax.Array:
+        """One `GptOssBlock` of the layer whose `layer_input` is `layer`: (B, S, D) -> (B, S, D)."""
+        _need_layer(layer)
+        rngs = None if dropout_key is None else {"dropout": dropout_key}
+        return GptOssBlock(self.config, self.lora).apply(
+            {"params": block_params}, x, layer, segments=segments, rngs=rngs
+        )
+
+    def init_cache(self, batch: int, length: int) -> KVCache:
+        c = self.config
+        shape = (batch, length, c.num_kv_heads, c.head_dim)
+        return jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype)
+
+    def embed_step(self, embed_params: Any, tokens: jax.Array, pos: jax.Array) -> jax.Array:
+        return self.embed(embed_params, tokens)
+
+    def block_step(
+        self,
+        block_params: Any,
+        x: jax.Array,
+        cache: KVCache,
+        pos: jax.Array,
+        layer: dict[str, jax.Array] | None = None,
+    ) -> tuple[jax.Array, KVCache]:
+        """`block` at positions pos .. pos+S-1 over the cache of the positions before."""
+        _need_layer(layer)
+        return GptOssBlock(self.config, self.lora).apply({"params": block_params}, x, layer, cache, pos)
+
+    def head(self, head_params: Any, embed_params: Any, x: jax.Array) -> jax.Array:
+        """Final RMSNorm and output projection: (B, S, D) -> logits (B, S, V) float32."""
+        c = self.config
+        head_params = layers.cast_tree(head_params, self.dtype)
+        h = layers.rms_norm(x.astype(self.dtype), head_params["norm"]["scale"], c.norm_eps)
+        if c.tie_embeddings:
+            w = embed_params["embed_tokens"]["embedding"].astype(self.dtype).T
+        else:
+            w = head_params["lm_head"]["kernel"]
+        return layers.logits_matmul(h, w)
