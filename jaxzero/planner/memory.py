@@ -54,6 +54,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from jaxzero.config import CheckpointConfig, ConfigError, ModelConfig, TrainConfig, buffer_bytes
+from jaxzero.models.moe import BLOCK_ROWS
 from jaxzero.models.sizes import NAMED_SIZES, param_count, unit_param_counts
 from jaxzero.numerics.objective import head_pieces
 from jaxzero.plan import OffloadPlan, Tier, UnitKind, UpdateMode, resolve_plan
@@ -158,15 +159,54 @@ def backward_phases(transient: Transient, head_grad: int = 0) -> int:
     return head + transient.block
 
 
+def padded_experts_bytes(
+    tokens: int,
+    top_k: int,
+    experts: int,
+    hidden: int,
+    intermediate: int,
+    compute_bytes: int,
+    block_rows: int = BLOCK_ROWS,
+    kernel_grads: bool = True,
+) -> int:
+    """Bytes one MoE layer's rematerialised backward holds for `tokens` tokens on one device, as
+    `moe.experts_padded` (the default grouping) materialises them. With N = tokens x top_k rows,
+    blocks = ceil(N / block_rows) + experts and R = blocks x block_rows padded rows, in the compute
+    dtype (`compute_bytes`) unless named:
+      each block's gathered kernels, (blocks, D, 2F) and (blocks, F, D), recomputed for the forward
+        and again as their gradients (frozen experts: transposed for the rows' gradient):
+                                                            2 x blocks x 3DF
+      the padded rows (R, D) in, (R, 2F) [gate | up], (R, F) activated, (R, D) out, and their
+        gradients:                                          2 x R x (2D + 3F)
+      the N sorted rows in and out of the experts, and their gradients: 4 x N x D
+      the kernel gradients summed over each expert's blocks, (E, D, 2F) and (E, F, D) in float32:
+                                                            3 x E x D x F x 4 bytes
+    `kernel_grads=False` (frozen experts, LoRA) drops the sums. Elementwise work fuses into these
+    on GPUs; the CPU backend compiles -15% to +20% of this (tests/test_moe_memory.py).
+    """
+    n = tokens * top_k
+    blocks = -(-n // block_rows) + experts
+    kernels = blocks * 3 * hidden * intermediate * compute_bytes
+    rows = blocks * block_rows * (2 * hidden + 3 * intermediate) * compute_bytes
+    sorted_rows = 2 * n * hidden * compute_bytes
+    held = 2 * kernels + 2 * rows + 2 * sorted_rows
+    return held + (3 * experts * hidden * intermediate * 4 if kernel_grads else 0)
+
+
 def transient_activations(
-    m: ModelConfig, micro_tokens: int, seq_len: int | None = None, documents: bool = False
+    m: ModelConfig,
+    micro_tokens: int,
+    seq_len: int | None = None,
+    documents: bool = False,
+    expert_grads: bool = True,
 ) -> Transient:
     """The transient terms of the activation estimate for `micro_tokens` tokens of one micro-batch on
     one device, fitted to the temporaries XLA compiles for them (BENCHMARKS.md, "What a step's
     transients take on the GPU"; `scripts/bench_activations.py` prints both): a block's backward
     holds its q, k, v and their gradients, two more of the width of the hidden state, and four of the
-    MLP's; the head's, the float32 logits and their gradient (of one piece of each sequence where the
-    loss runs in pieces: `objective.head_pieces`, for sequences of `seq_len`, with then the output
+    MLP's (experts: `padded_experts_bytes`, with the kernels' gradients if `expert_grads`); the
+    head's, the float32 logits and their gradient (of one piece of each sequence where the loss
+    runs in pieces: `objective.head_pieces`, for sequences of `seq_len`, with then the output
     projection in float32 and its float32 gradient sum), and the gradient it returns. With
     `documents` (attention kept inside each document), a block's backward also holds two float32
     (rows, heads, seq_len, seq_len) arrays: what document-aware attention compiled to on the GPU
@@ -175,14 +215,19 @@ def transient_activations(
     compute = dtype_bytes(m.compute_dtype)
     q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
     widths = 2 * (q + 2 * kv) + 2 * m.hidden_size + 4 * m.intermediate_size
+    experts = 0
     if m.num_experts:
-        # Not measured: each of the k (token, expert) rows in and out of its expert (2 D) and four of
-        # the expert's width; the kernels each padded block of 256 rows gathers, and their gradients.
-        d, f, k = m.hidden_size, m.moe_intermediate_size, m.num_experts_per_tok
-        widths = 2 * (q + 2 * kv) + 2 * d + k * (2 * d + 4 * f)
-        blocks = -(-micro_tokens * k // 256) + m.num_experts
-        widths += -(-2 * blocks * 3 * d * f // micro_tokens)
-    block = micro_tokens * widths * compute
+        widths = 2 * (q + 2 * kv) + 2 * m.hidden_size
+        experts = padded_experts_bytes(
+            micro_tokens,
+            m.num_experts_per_tok,
+            m.num_experts,
+            m.hidden_size,
+            m.moe_intermediate_size,
+            compute,
+            kernel_grads=expert_grads,
+        )
+    block = micro_tokens * widths * compute + experts
     seq_len = seq_len or micro_tokens
     if documents or m.family == "gemma3":  # Gemma 3's windows are a mask too, with or without documents
         block += 2 * (micro_tokens // seq_len) * m.num_heads * seq_len * seq_len * 4
