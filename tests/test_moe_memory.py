@@ -72,3 +72,22 @@ def test_bfloat16_kernel_gradients_sum_each_experts_blocks_in_float32():
         a, b = np.asarray(exact[name]["kernel"]), np.asarray(low[name]["kernel"], np.float32)
         err = np.linalg.norm(a - b) / np.linalg.norm(a)
         assert err < 0.007, (name, err)
+
+
+def test_an_int8_moe_base_is_counted_as_narrow_block_stores_it():
+    """The experts' and the router's kernels are int8 with a float32 scale per output channel of
+    each expert (`narrow_block`), as the attention's are: the plan counts the stored block's bytes."""
+    from jaxzero.config import TrainConfig
+    from jaxzero.finetune.base import narrow_block
+    from jaxzero.models import build_model
+    from jaxzero.overrides import apply_overrides
+    from jaxzero.planner.partial import partial_bytes
+
+    over = {"finetune.method": "lora", "finetune.lora_targets": "q,k,v,o", "finetune.base_dtype": "int8",
+            "model.num_experts": "8", "model.num_experts_per_tok": "2", "model.moe_intermediate_size": "48",
+            "model.num_layers": "2"}  # fmt: skip
+    cfg = apply_overrides(TrainConfig(), over)
+    model = build_model(cfg.model)
+    stored = jax.eval_shape(lambda k: narrow_block(model.init_block(k), "int8"), jax.random.key(0))
+    nbytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(stored))
+    assert partial_bytes(cfg, streamed=True).base_blocks == cfg.model.num_layers * nbytes
