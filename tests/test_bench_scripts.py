@@ -115,3 +115,56 @@ def test_jaxzero_cases_alone_run_without_deepspeed(bench, monkeypatch, tmp_path,
     out = capsys.readouterr().out
     assert len(started) == 2 and all(c[0] == sys.executable for c in started)
     assert "4.47B params" in out and "jaxzero-host" in out and "jaxzero-auto" in out
+
+
+def test_a_runs_overrides_keep_commas_inside_values():
+    runs = load_script("bench_checkpoint_runs")
+    assert runs.split_overrides("model.name=x,finetune.lora_targets=q,k,v,o,steps=4,") == [
+        "model.name=x",
+        "finetune.lora_targets=q,k,v,o",
+        "steps=4",
+    ]
+
+
+TINY_MOE = (
+    "model.hidden_size=64,model.num_layers=2,model.num_heads=4,model.num_kv_heads=2,model.head_size=16,"
+    "model.num_experts=4,model.num_experts_per_tok=2,model.moe_intermediate_size=32,model.vocab_size=256,"
+    "data.seq_len=32,data.batch_size=2,logging.progress=false"
+)
+
+
+def _moe_targets(tmp_path: Path, *models: str, **env: str):
+    import os
+    import subprocess
+
+    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(REPO), "RUNS": str(tmp_path / "runs"),
+           **env}  # fmt: skip
+    script = REPO / "scripts" / "gpu_moe_targets.sh"
+    argv = ["bash", str(script), *models]
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_the_moe_targets_refuse_a_resume_with_nothing_to_resume_from(tmp_path):
+    done = _moe_targets(tmp_path, OUT=str(tmp_path / "out"), STEPS="4", EVERY="4")
+    assert done.returncode == 2 and "EVERY=4 must be below STEPS=4" in done.stderr
+    done = _moe_targets(tmp_path)
+    assert done.returncode != 0 and "set OUT" in done.stderr
+
+
+@pytest.mark.slow  # two training processes and two plans
+def test_the_moe_targets_save_resume_and_finish_a_tiny_moe(tmp_path):
+    """A tiny Qwen3-MoE shape through the script: LoRA over an int8 base, saved at 2 and 4, resumed
+    from 2 through to the final checkpoint with the uninterrupted run's loss; logs under OUT, the run
+    directory removed."""
+    import json
+
+    out = tmp_path / "out"
+    done = _moe_targets(tmp_path, "qwen3-30b-a3b", OUT=str(out), STEPS="4", EVERY="2", EXTRA=TINY_MOE)
+    assert done.returncode == 0, done.stderr[-3000:]
+    first, resumed = json.loads((out / "qwen3-30b-a3b" / "runs.json").read_text())
+    assert first["exit"] == resumed["exit"] == 0
+    assert first["saved"] == resumed["saved"] == [2, 4]
+    assert min(int(s) for s in resumed["losses"]) > 2  # it resumed after step 2
+    assert resumed["losses"]["4"] == first["losses"]["4"]
+    assert first["plan_step_s"] is not None and "peak_gpu_gib" in first
+    assert not (tmp_path / "runs" / "lora-qwen3-30b-a3b").exists()
