@@ -40,13 +40,14 @@ def _backward_temp_bytes(T: int, k: int, E: int, D: int, F: int, B: int, kernel_
     ],
 )
 def test_planner_counts_what_the_padded_grouping_compiles_to(T, k, E, D, F, B, kernel_grads):
-    """The count is the gathered kernels, the padded and sorted rows, their gradients and the
-    float32 kernel-gradient sums; the CPU backend's compiled temporaries are those, give or take
-    its unfused elementwise intermediates and its layout copies: within -20% and +25%. Counting the
-    tokens' rows instead of the padded ones, or blocks of another size, falls far outside."""
-    count = padded_experts_bytes(T, k, E, D, F, 2, block_rows=B, kernel_grads=kernel_grads)
+    """The count is the gathered kernels, the padded rows and the sorted rows, once: what XLA's GPU
+    compiler held for one layer's gradient on an H100 (-3% to +8% at Qwen3-30B-A3B's and Mixtral's
+    layers; `padded_experts_bytes`). The CPU backend keeps those and their gradients apart, about
+    twice the count here (1.8x-2.8x). Counting the tokens' rows instead of the padded ones, or
+    blocks of another size, falls far outside."""
+    count = padded_experts_bytes(T, k, E, D, F, 2, block_rows=B)
     temp = _backward_temp_bytes(T, k, E, D, F, B, kernel_grads)
-    assert 0.8 * count <= temp <= 1.25 * count, (count, temp, temp / count)
+    assert 1.6 * count <= temp <= 3.0 * count, (count, temp, temp / count)
 
 
 def test_bfloat16_kernel_gradients_sum_each_experts_blocks_in_float32():

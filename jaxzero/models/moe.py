@@ -331,7 +331,9 @@ def _block_kernels_fwd(kernel: jax.Array, block_expert: jax.Array) -> tuple[jax.
 
 def _block_kernels_bwd(res: tuple, g: jax.Array) -> tuple[jax.Array, None]:
     kernel, block_expert = res
-    total = jax.ops.segment_sum(g.astype(jnp.float32), block_expert, kernel.shape[0], indices_are_sorted=True)
+    # A scatter-add into float32 zeros: `segment_sum` with sorted indices crashed XLA's GPU compiler
+    # at Qwen3-30B-A3B's layer (JAX 0.11.2, "SmallVector unable to grow"); this compiled there.
+    total = jnp.zeros(kernel.shape, jnp.float32).at[block_expert].add(g.astype(jnp.float32))
     return total.astype(kernel.dtype), None
 
 

@@ -167,50 +167,41 @@ def padded_experts_bytes(
     intermediate: int,
     compute_bytes: int,
     block_rows: int = BLOCK_ROWS,
-    kernel_grads: bool = True,
 ) -> int:
-    """Bytes one MoE layer's rematerialised backward holds for `tokens` tokens on one device, as
-    `moe.experts_padded` (the default grouping) materialises them. With N = tokens x top_k rows,
-    blocks = ceil(N / block_rows) + experts and R = blocks x block_rows padded rows, in the compute
-    dtype (`compute_bytes`) unless named:
-      each block's gathered kernels, (blocks, D, 2F) and (blocks, F, D), recomputed for the forward
-        and again as their gradients (frozen experts: transposed for the rows' gradient):
-                                                            2 x blocks x 3DF
-      the padded rows (R, D) in, (R, 2F) [gate | up], (R, F) activated, (R, D) out, and their
-        gradients:                                          2 x R x (2D + 3F)
-      the N sorted rows in and out of the experts, and their gradients: 4 x N x D
-      the kernel gradients summed over each expert's blocks, (E, D, 2F) and (E, F, D) in float32:
-                                                            3 x E x D x F x 4 bytes
-    `kernel_grads=False` (frozen experts, LoRA) drops the sums. Elementwise work fuses into these
-    on GPUs; the CPU backend compiles -15% to +20% of this (tests/test_moe_memory.py).
+    """Bytes one MoE layer's rematerialised backward holds at its peak for `tokens` tokens on one
+    GPU, as `moe.experts_padded` (the default grouping) materialises them. With N = tokens x top_k
+    rows, blocks = ceil(N / block_rows) + experts and R = blocks x block_rows padded rows, in the
+    compute dtype (`compute_bytes`):
+      each block's gathered kernels, (blocks, D, 2F) and (blocks, F, D):   blocks x 3DF
+      the padded rows (R, D) in, (R, 2F) [gate | up], (R, F) activated,
+        (R, D) out:                                                         R x (2D + 3F)
+      the N sorted rows:                                                    N x D
+    Their gradients and the experts' float32 kernel-gradient sums reuse what the forward's free:
+    XLA's temporaries for one layer's gradient on an H100 (JAX 0.11.2; Qwen3-30B-A3B's layer at 8K
+    and 16K tokens, Mixtral 8x7B's at 8K, with and without the kernels' gradients) were -3% to +8%
+    of this. The CPU backend reuses less and compiles about twice it (tests/test_moe_memory.py).
     """
     n = tokens * top_k
     blocks = -(-n // block_rows) + experts
-    kernels = blocks * 3 * hidden * intermediate * compute_bytes
-    rows = blocks * block_rows * (2 * hidden + 3 * intermediate) * compute_bytes
-    sorted_rows = 2 * n * hidden * compute_bytes
-    held = 2 * kernels + 2 * rows + 2 * sorted_rows
-    return held + (3 * experts * hidden * intermediate * 4 if kernel_grads else 0)
+    kernels = blocks * 3 * hidden * intermediate
+    rows = blocks * block_rows * (2 * hidden + 3 * intermediate)
+    return (kernels + rows + n * hidden) * compute_bytes
 
 
 def transient_activations(
-    m: ModelConfig,
-    micro_tokens: int,
-    seq_len: int | None = None,
-    documents: bool = False,
-    expert_grads: bool = True,
+    m: ModelConfig, micro_tokens: int, seq_len: int | None = None, documents: bool = False
 ) -> Transient:
     """The transient terms of the activation estimate for `micro_tokens` tokens of one micro-batch on
     one device, fitted to the temporaries XLA compiles for them (BENCHMARKS.md, "What a step's
     transients take on the GPU"; `scripts/bench_activations.py` prints both): a block's backward
     holds its q, k, v and their gradients, two more of the width of the hidden state, and four of the
-    MLP's (experts: `padded_experts_bytes`, with the kernels' gradients if `expert_grads`); the
-    head's, the float32 logits and their gradient (of one piece of each sequence where the loss
-    runs in pieces: `objective.head_pieces`, for sequences of `seq_len`, with then the output
-    projection in float32 and its float32 gradient sum), and the gradient it returns. With
-    `documents` (attention kept inside each document), a block's backward also holds two float32
-    (rows, heads, seq_len, seq_len) arrays: what document-aware attention compiled to on the GPU
-    (BENCHMARKS.md, "on one H200: determinism, and document-aware attention's cost"); Gemma 3's
+    MLP's (a mixture of experts' MLP: `padded_experts_bytes`, measured on an H100); the head's, the
+    float32 logits and their gradient (of one piece of each sequence where the loss runs in pieces:
+    `objective.head_pieces`, for sequences of `seq_len`, with then the output projection in float32
+    and its float32 gradient sum), and the gradient it returns. With `documents` (attention kept
+    inside each document), a block's backward also holds two float32 (rows, heads, seq_len, seq_len)
+    arrays: what document-aware attention compiled to on the GPU (BENCHMARKS.md, "on one H200:
+    determinism, and document-aware attention's cost"); Gemma 3's
     windowed attention, a mask as well, is counted as that (not measured)."""
     compute = dtype_bytes(m.compute_dtype)
     q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
@@ -218,15 +209,8 @@ def transient_activations(
     experts = 0
     if m.num_experts:
         widths = 2 * (q + 2 * kv) + 2 * m.hidden_size
-        experts = padded_experts_bytes(
-            micro_tokens,
-            m.num_experts_per_tok,
-            m.num_experts,
-            m.hidden_size,
-            m.moe_intermediate_size,
-            compute,
-            kernel_grads=expert_grads,
-        )
+        e, k, f = m.num_experts, m.num_experts_per_tok, m.moe_intermediate_size
+        experts = padded_experts_bytes(micro_tokens, k, e, m.hidden_size, f, compute)
     block = micro_tokens * widths * compute + experts
     seq_len = seq_len or micro_tokens
     if documents or m.family == "gemma3":  # Gemma 3's windows are a mask too, with or without documents

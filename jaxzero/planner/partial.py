@@ -83,9 +83,7 @@ def partial_bytes(cfg: TrainConfig, streamed: bool) -> PartialBytes:
     micro_tokens = d.batch_size // d.grad_accum * d.seq_len
     compute = memory.dtype_bytes(m.compute_dtype)
     documents = not d.cross_document_attention and d.eot_id >= 0
-    transient = memory.transient_activations(
-        m, micro_tokens, d.seq_len, documents, expert_grads=ft.method != "lora"
-    )
+    transient = memory.transient_activations(m, micro_tokens, d.seq_len, documents)
     lowest = ft.lowest_trainable_block(m.num_layers)
     saved = (m.num_layers - lowest) * micro_tokens * m.hidden_size * compute
     working = memory.backward_phases(transient)
