@@ -12,8 +12,8 @@
 # STEPS steps (default 20), a checkpoint every EVERY (default 10): the first run saves at EVERY and at
 # STEPS; the second drops the checkpoints after EVERY, resumes there and saves at STEPS again, so its
 # losses after EVERY compare with the first run's. BATCH x SEQ tokens per step (default 8 x 2048) in
-# ACCUM micro-batches (default 1; mixtral-8x7b 2: at 16K tokens in one its experts' padded blocks
-# need more than an H100 80 GB, docs/how-big.md). EXTRA: more key=value overrides, comma-separated,
+# ACCUM micro-batches (default 1; the plans for one H200 and one H100 box: docs/how-big.md, "Fine-tune
+# a MoE on one GPU"). EXTRA: more key=value overrides, comma-separated,
 # after the script's own (the last of a repeated key wins). RUNS: where the run directories go
 # (default /tmp/jaxzero-bench; each removed when its model is done). PYTHON: the interpreter (python3).
 set -euo pipefail
@@ -27,10 +27,8 @@ if [ "$every" -ge "$steps" ]; then
   exit 2
 fi
 for m in "${models[@]}"; do
-  default_accum=1
-  [ "$m" != mixtral-8x7b ] || default_accum=2
   o="model.name=$m,finetune.method=lora,finetune.base_dtype=int8,finetune.lora_targets=q,k,v,o"
-  o="$o,data.source=synthetic,data.seq_len=$seq,data.batch_size=$batch,data.grad_accum=${ACCUM:-$default_accum}"
+  o="$o,data.source=synthetic,data.seq_len=$seq,data.batch_size=$batch,data.grad_accum=${ACCUM:-1}"
   o="$o,optimizer.lr=1e-4,steps=$steps,checkpoint.enabled=true,checkpoint.every=$every"
   [ -z "${EXTRA:-}" ] || o="$o,$EXTRA"
   "${PYTHON:-python3}" "$here/bench_checkpoint_runs.py" --out="$OUT/$m" --config= \
