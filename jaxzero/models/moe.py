@@ -318,10 +318,10 @@ BLOCK_ROWS = 256
 
 @jax.custom_vjp
 def _block_kernels(kernel: jax.Array, block_expert: jax.Array) -> jax.Array:
-    """Each block's expert's kernel: kernel (E, I, O), block_expert (blocks,) int32 ascending ->
-    (blocks, I, O) in kernel's dtype. Its gradient sums the blocks of each expert in float32 and
-    rounds once to kernel's dtype: a bfloat16 scatter-add would round after every block, an error
-    growing with the expert's blocks where a dense layer's kernel gradient rounds once."""
+    """Each block's expert's kernel: kernel (E, I, O) (or a bias (E, O)), block_expert (blocks,)
+    int32 ascending -> (blocks, I, O) in kernel's dtype. Its gradient sums the blocks of each expert
+    in float32 and rounds once to kernel's dtype: a bfloat16 scatter-add would round after every
+    block, an error growing with the expert's blocks where a dense layer's kernel gradient rounds once."""
     return kernel[block_expert]
 
 
@@ -374,7 +374,7 @@ def experts_padded(
     def project(rows: jax.Array, proj: Params) -> jax.Array:
         out = jnp.einsum("nbi,nio->nbo", rows, _block_kernels(proj["kernel"], block_expert))
         if "bias" in proj:
-            out = out + proj["bias"][block_expert][:, None, :]
+            out = out + _block_kernels(proj["bias"], block_expert)[:, None, :]
         return out
 
     h = project(xp.reshape(blocks, B, D), params["gate_up"])
