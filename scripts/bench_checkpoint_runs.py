@@ -2,19 +2,22 @@
 saves cost: peak host RSS against the plan's figure, seconds per step, seconds training waited for
 the writer. Each run is its own process, sampled every 0.2 s (`/proc/<pid>/status`): its peak RSS,
 the anonymous, file and shared parts at the peak, and its largest mappings (`<name>.smaps`); and the
-peak bytes on disk under its run directory (every second) beside the plan's disk figure.
+peak bytes on disk under its run directory (every second) beside the plan's disk figure; the GPU's
+peak (`gpu_peak_gib` of metrics.jsonl) beside the plan's GPU figure and its predicted step.
 
     python scripts/bench_checkpoint_runs.py --out=DIR RUN [RUN ...]
 
-A RUN is `name:override,override,...` applied to `--config` (default configs/llama-3.4b-offload.toml),
-e.g. `bf16-saves:optimizer.state_dtype=bfloat16,checkpoint.enabled=true,checkpoint.every=10,steps=30`.
+A RUN is `name:override,override,...` applied to `--config` (default configs/llama-3.4b-offload.toml;
+`--config=` none), e.g.
+`bf16-saves:optimizer.state_dtype=bfloat16,checkpoint.enabled=true,checkpoint.every=10,steps=30`; a
+comma not followed by `key=` belongs to the value before it (`finetune.lora_targets=q,k,v,o`).
 A name starting with `resume-` reuses the run directory of the name after it (`resume-fp32` resumes
 `fp32`); `resume-fp32@10` first removes that run's checkpoints after step 10, so that it resumes from
 10 (the disk may hold too few checkpoints to keep it with `checkpoint.keep`). `--nproc=N` starts each
 run through `python -m jaxzero.launch --nproc=N`; the peak RSS is then each process's (its
 `per_process` `host_rss_gib`, the kernel's high-water mark), and losses of the steps logged are printed
 so that a resumed run's can be compared with the run it resumes.
-Run directories go under /tmp/jaxzero-bench, removed after each run unless a later one
+Run directories go under `--runs_dir` (default /tmp/jaxzero-bench), removed after each run unless a later one
 resumes it; each run's stdout and stderr under --out. Prints a table last.
 """
 
@@ -99,21 +102,27 @@ def per_process_peak(records: list[dict]) -> list[float] | None:
     return [round(max(p[i] for p in rss), 1) for i in range(len(rss[0]))] if rss else None
 
 
+def split_overrides(overrides: str) -> list[str]:
+    """A RUN's `key=value,key=value` overrides; a comma not followed by `key=` stays in the value."""
+    return [o for o in re.split(r",(?=[\w.]+=)", overrides.strip(",")) if o]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--config", default="configs/llama-3.4b-offload.toml")
     ap.add_argument("--nproc", type=int, default=1)
     ap.add_argument("--keep_run_dirs", action="store_true", help="for a resume in a later call")
+    ap.add_argument("--runs_dir", default="/tmp/jaxzero-bench", help="where the run directories go")
     ap.add_argument("runs", nargs="+")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for run in args.runs:
+    for i, run in enumerate(args.runs):
         name, _, overrides = run.partition(":")
         name, _, resume_step = name.partition("@")
-        run_dir = Path("/tmp/jaxzero-bench") / name.removeprefix("resume-")
+        run_dir = Path(args.runs_dir) / name.removeprefix("resume-")
         if resume_step:  # this benchmark's own checkpoints, newer than the step to resume from
             for newer in (run_dir / "checkpoints").glob("[0-9]*"):
                 if int(newer.name) > int(resume_step):
@@ -121,7 +130,8 @@ def main() -> None:
         train = [sys.executable, "-m", "jaxzero.train"]
         if args.nproc > 1:
             train = [sys.executable, "-m", "jaxzero.launch", f"--nproc={args.nproc}", "--"]
-        flags = [f"--config={args.config}", *(f"--{o}" for o in overrides.split(",") if o)]
+        config = [f"--config={args.config}"] if args.config else []
+        flags = [*config, *(f"--{o}" for o in split_overrides(overrides))]
         cmd = [*train, *flags, f"--run_dir={run_dir}", "--logging.plan=full"]
         metrics = run_dir / "metrics.jsonl"
         before = len(metrics.read_text().splitlines()) if metrics.exists() else 0  # a resumed run appends
@@ -136,6 +146,8 @@ def main() -> None:
             text = planned.stdout + text
         plan = re.search(r"host RAM\s+([\d.]+) GiB of ([\d.]+) GiB", text)
         plan_disk = re.search(r"([\d.]+) GiB of disk under run_dir at most", text)
+        plan_gpu = re.search(r"(?:GPU per device|device)\s+([\d.]+) GiB of", text)
+        plan_step = re.search(r"predicted step: ([\d.]+) s \(([\d,]+) tokens/s", text)
         records = []
         if metrics.exists():
             records = [json.loads(line) for line in metrics.read_text().splitlines()]
@@ -146,6 +158,7 @@ def main() -> None:
         timed = [r for r in records if r.get("step_s") is not None]
         step_s = sorted(r["step_s"] for r in timed)[len(timed) // 2] if timed else float("nan")
         tokens = [r["tokens_per_s"] for r in records if r.get("tokens_per_s")]
+        gpu = [r["gpu_peak_gib"] for r in records if r.get("gpu_peak_gib") is not None]
         rows.append(
             {
                 "run": name,
@@ -156,9 +169,13 @@ def main() -> None:
                 "plan_host_gib": float(plan.group(1)) if plan else None,
                 "peak_disk_gib": round(disk / GiB, 1),
                 "plan_disk_gib": float(plan_disk.group(1)) if plan_disk else None,
+                "peak_gpu_gib": max(gpu, default=None),
+                "plan_gpu_gib": float(plan_gpu.group(1)) if plan_gpu else None,
                 "median_step_s": round(step_s, 3),
+                "plan_step_s": float(plan_step.group(1)) if plan_step else None,
                 # over the run: equal windows of steps, so the harmonic mean of their rates
                 "tokens_per_s": round(len(tokens) / sum(1 / t for t in tokens)) if tokens else None,
+                "plan_tokens_per_s": int(plan_step.group(2).replace(",", "")) if plan_step else None,
                 "checkpoint_wait_s": round(sum(r.get("checkpoint_wait_s", 0) for r in records), 1),
                 "saved": sorted(int(p.name) for p in (run_dir / "checkpoints").glob("[0-9]*")),
                 "losses": {r["step"]: r["loss"] for r in records if r.get("loss") is not None},
@@ -166,7 +183,7 @@ def main() -> None:
         )
         print(json.dumps(rows[-1]), flush=True)
         resumed_next = any(
-            r.partition(":")[0].partition("@")[0] == f"resume-{run_dir.name}" for r in args.runs
+            r.partition(":")[0].partition("@")[0] == f"resume-{run_dir.name}" for r in args.runs[i + 1 :]
         )
         # The disk holds few checkpoints of this size: the next run needs room.
         if not (resumed_next or args.keep_run_dirs):

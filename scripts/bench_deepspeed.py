@@ -62,6 +62,20 @@ box's own typing-extensions is used:
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl pydantic-core==2.33.2
 
+The Qwen3-MoE shape (`--shape=qwen3-moe`): transformers' `Qwen3MoeForCausalLM`, hidden 2048, 12
+layers, 32 heads / 4 KV heads of 128 (q/k norms), 64 experts of width 768 (`--mlp`), top-8 renormalised,
+vocab 151,936, untied: 4,474,328,064 parameters; default cases zero3-offload (CPU Adam, pinned) and
+jaxzero's two beside it in the same run, same box:
+  jaxzero-host    jaxzero's ZeRO-3 offload with every unit's state on the host (`bench_offload.py`'s
+                  zero3-offload step case: offload.params=cpu, offload.optimizer=cpu,
+                  offload.device_state_units=0)
+  jaxzero-auto    the planner's placement for this machine (`bench_offload.py`'s auto case)
+each the same shape (`jaxzero_overrides`), tokens and AdamW, checkpoints off, run by
+`scripts/bench_offload.py --case=...` in its own process. "vs ZeRO-3" is DeepSpeed zero3-offload's
+s/step over the case's (2.50x: 2.5 times its tokens/s). jaxzero cases run with `--shape=llama` too.
+
+    python3 scripts/bench_deepspeed.py --shape=qwen3-moe --warmup=3 --steps=8 --out=$OUT
+
 Single-GPU DeepSpeed without a launcher: each case process sets RANK=0, WORLD_SIZE=1, LOCAL_RANK=0,
 MASTER_ADDR=127.0.0.1 and a free MASTER_PORT before `deepspeed.init_distributed()`. NVLink multicast
 stays off (NCCL_NVLS_ENABLE=0 and its PyTorch/NVSHMEM twins are set where absent).
@@ -81,27 +95,103 @@ import sys
 import time
 
 CASES = ["resident", "zero2-offload", "zero3-offload"]
+# jaxzero's cases: scripts/bench_offload.py's step case each runs as.
+JAXZERO_CASES = {"jaxzero-host": "zero3-offload", "jaxzero-auto": "auto"}
+# Each shape's defaults of the shape flags (mlp: a dense MLP's width, or each expert's).
+SHAPES: dict[str, dict[str, int]] = {
+    "llama": dict(hidden=3072, layers=28, mlp=8192, heads=24, kv_heads=0, head_dim=0, experts=0, top_k=0,
+                  vocab=32000),
+    "qwen3-moe": dict(hidden=2048, layers=12, mlp=768, heads=32, kv_heads=4, head_dim=128, experts=64,
+                      top_k=8, vocab=151936),
+}  # fmt: skip
+DEFAULT_CASES = {"llama": ",".join(CASES), "qwen3-moe": "zero3-offload,jaxzero-host,jaxzero-auto"}
+# The named sizes whose fields jaxzero's side overrides with the shape's.
+JAXZERO_BASE = {"llama": "llama-3.4b-bench", "qwen3-moe": "qwen3-30b-a3b"}
 # NVLink multicast can take a shared host's GPUs out of service: kept off unless set otherwise.
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 DEFAULT_EXTENSIONS_DIR = "/tmp/torch_extensions_deepspeed"
 
 
-def llama_param_count(hidden: int, layers: int, mlp: int, vocab: int) -> int:
-    """Parameters of an untied Llama with as many kv heads as heads and no biases."""
-    block = 4 * hidden * hidden + 3 * hidden * mlp + 2 * hidden  # attention, MLP, two RMSNorms
-    return 2 * vocab * hidden + layers * block + hidden  # embedding, head, final norm
+def block_param_count(args: argparse.Namespace) -> int:
+    """Parameters of one decoder layer of the shape: attention (with Qwen3-MoE's q/k norms), its two
+    RMSNorms, and the dense MLP or the router and every expert."""
+    d, hd = args.hidden, args.head_dim or args.hidden // args.heads
+    attention = 2 * d * hd * (args.heads + args.kv_heads) + (2 * hd if args.experts else 0)
+    mlp = d * args.experts + args.experts * 3 * d * args.mlp if args.experts else 3 * d * args.mlp
+    return attention + mlp + 2 * d
 
 
-def block_param_count(hidden: int, mlp: int) -> int:
-    """Parameters of one decoder layer (attention + MLP + its two RMSNorms)."""
-    return 4 * hidden * hidden + 3 * hidden * mlp + 2 * hidden
+def shape_param_count(args: argparse.Namespace) -> int:
+    """Parameters of the untied model of the shape: embedding, blocks, final norm, head."""
+    return 2 * args.vocab * args.hidden + args.layers * block_param_count(args) + args.hidden
+
+
+def resolve_shape(args: argparse.Namespace) -> argparse.Namespace:
+    """`args` with every shape flag left unset (None) taken from `--shape`'s defaults; kv_heads 0 is
+    as many as heads."""
+    for key, value in SHAPES[args.shape].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.kv_heads = args.kv_heads or args.heads
+    return args
+
+
+def hf_model_config(args: argparse.Namespace):  # -> transformers.PretrainedConfig
+    """transformers' config of the shape: `LlamaConfig`, or `Qwen3MoeConfig` (every layer sparse)."""
+    from transformers import LlamaConfig, Qwen3MoeConfig
+
+    common = dict(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=max(args.seq, 4096),
+        tie_word_embeddings=False,
+        use_cache=False,
+    )
+    if args.shape == "llama":
+        rope = {"rope_type": "default", "rope_theta": 10000.0}
+        return LlamaConfig(**common, intermediate_size=args.mlp, rms_norm_eps=1e-5, rope_parameters=rope)
+    return Qwen3MoeConfig(
+        **common,
+        head_dim=args.head_dim,
+        intermediate_size=args.mlp,  # no dense layer: decoder_sparse_step 1, mlp_only_layers empty
+        moe_intermediate_size=args.mlp,
+        num_experts=args.experts,
+        num_experts_per_tok=args.top_k,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        rms_norm_eps=1e-6,
+    )
+
+
+def jaxzero_overrides(args: argparse.Namespace) -> dict[str, str]:
+    """jaxzero's config overrides of the same shape: a named size of the family, its fields set."""
+    over = {
+        "model.name": JAXZERO_BASE[args.shape],
+        "model.vocab_size": args.vocab,
+        "model.hidden_size": args.hidden,
+        "model.num_layers": args.layers,
+        "model.num_heads": args.heads,
+        "model.num_kv_heads": args.kv_heads,
+        "model.head_size": args.head_dim,
+        "model.tie_embeddings": "false",
+    }
+    if args.experts:
+        over.update({"model.num_experts": args.experts, "model.num_experts_per_tok": args.top_k,
+                     "model.moe_intermediate_size": args.mlp, "model.norm_topk_prob": "true"})  # fmt: skip
+    else:
+        over["model.intermediate_size"] = args.mlp
+    return {k: str(v) for k, v in over.items()}
 
 
 def ds_config(case: str, args: argparse.Namespace) -> dict:
     """The DeepSpeed config dict of `case` (one of CASES), `--ds` overrides applied last."""
     if case not in CASES:
         raise ValueError(f"unknown case {case!r}; the cases are {', '.join(CASES)}")
-    block = block_param_count(args.hidden, args.mlp)
+    block = block_param_count(args)
     pinned_cpu = {"device": "cpu", "pin_memory": True}
     zero: dict = {
         "stage": 3 if case == "zero3-offload" else 2,
@@ -200,7 +290,7 @@ def run_case(case: str, args: argparse.Namespace) -> dict:
     import pydantic
     import torch
     import transformers
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
     cuda = torch.cuda.is_available()
@@ -218,19 +308,7 @@ def run_case(case: str, args: argparse.Namespace) -> dict:
     config = ds_config(case, args)
     print("DeepSpeed config " + json.dumps(config, indent=1), flush=True)
 
-    model_config = LlamaConfig(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.mlp,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.heads,
-        max_position_embeddings=max(args.seq, 4096),
-        rms_norm_eps=1e-5,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        tie_word_embeddings=False,
-        use_cache=False,
-    )
+    model_config = hf_model_config(args)
     torch.manual_seed(0)
     zero3 = config["zero_optimization"]["stage"] == 3
     t0 = time.perf_counter()
@@ -260,7 +338,7 @@ def run_case(case: str, args: argparse.Namespace) -> dict:
     sync()
     build_s = time.perf_counter() - t0
     n = sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters())
-    expected = llama_param_count(args.hidden, args.layers, args.mlp, args.vocab)
+    expected = shape_param_count(args)
     if n != expected:
         print(f"WARNING: the model has {n:,} parameters, the shape's formula gives {expected:,}", flush=True)
     after_build = torch.cuda.memory_allocated() / 2**30 if cuda else 0.0
@@ -321,7 +399,7 @@ def run_case(case: str, args: argparse.Namespace) -> dict:
             "python": sys.version.split()[0],
         },
         "cpus": os.cpu_count(),
-        "shape": {k: getattr(args, k) for k in ("hidden", "layers", "mlp", "heads", "vocab", "batch", "seq")},
+        "shape": {k: getattr(args, k) for k in ("shape", *SHAPES["llama"], "batch", "seq")},
         "ds_config": config,
         "zero_stage": engine.zero_optimization_stage(),
         "optimizer": f"{type(engine.optimizer).__name__}/{type(inner).__name__}",
@@ -344,23 +422,43 @@ def run_case(case: str, args: argparse.Namespace) -> dict:
     }
 
 
+SHAPE_FLAGS = tuple(SHAPES["llama"])
+
+
 def _child_argv(args: argparse.Namespace, case: str) -> list[str]:
-    argv = [f"--case={case}"]
-    for k in ("hidden", "layers", "mlp", "heads", "vocab", "batch", "seq", "warmup", "steps", "out"):
+    """A DeepSpeed case's process: this script with `--case`, every flag resolved."""
+    argv = [f"--case={case}", f"--shape={args.shape}"]
+    for k in (*SHAPE_FLAGS, "batch", "seq", "warmup", "steps", "out"):
         argv.append(f"--{k}={getattr(args, k)}")
     argv += [f"--ds={item}" for item in args.ds]
     return argv
 
 
-def main() -> None:
+def _jaxzero_argv(args: argparse.Namespace, case: str) -> list[str]:
+    """A jaxzero case's process: `bench_offload.py`'s step case at the same shape and tokens."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_offload.py")
+    argv = [script, f"--case={JAXZERO_CASES[case]}", f"--model={JAXZERO_BASE[args.shape]}"]
+    argv += [f"--batch={args.batch}", f"--seq={args.seq}", f"--warmup={args.warmup}", f"--steps={args.steps}"]
+    argv += [f"--out={args.out}", *(f"--set={k}={v}" for k, v in jaxzero_overrides(args).items())]
+    return argv
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, checked, with the shape's defaults filled in (`resolve_shape`); `cases` a list."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default=",".join(CASES), help=f"comma list of: {', '.join(CASES)}")
+    every = [*CASES, *JAXZERO_CASES]
+    ap.add_argument("--cases", default="", help=f"comma list of: {', '.join(every)} (default: the shape's)")
     ap.add_argument("--case", default="", help=argparse.SUPPRESS)  # child process: run one case
-    ap.add_argument("--hidden", type=int, default=3072)
-    ap.add_argument("--layers", type=int, default=28)
-    ap.add_argument("--mlp", type=int, default=8192, help="MLP intermediate size")
-    ap.add_argument("--heads", type=int, default=24, help="attention heads (as many kv heads)")
-    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--shape", default="llama", choices=sorted(SHAPES), help="the model's family and shape")
+    ap.add_argument("--hidden", type=int)
+    ap.add_argument("--layers", type=int)
+    ap.add_argument("--mlp", type=int, help="MLP intermediate size (each expert's, with experts)")
+    ap.add_argument("--heads", type=int, help="attention heads")
+    ap.add_argument("--kv_heads", type=int, help="key/value heads (0: as many as heads)")
+    ap.add_argument("--head_dim", type=int, help="width of each head (0: hidden / heads)")
+    ap.add_argument("--experts", type=int, help="experts per layer (0: a dense MLP)")
+    ap.add_argument("--top_k", type=int, help="experts per token")
+    ap.add_argument("--vocab", type=int)
     ap.add_argument("--batch", type=int, default=8, help="sequences per step (one micro-batch)")
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first")
@@ -374,9 +472,18 @@ def main() -> None:
         help="DeepSpeed config override, applied to every case, e.g. zero_optimization.overlap_comm=false",
     )
     ap.add_argument("--timeout", type=float, default=0, help="seconds per case before it is killed (0: none)")
-    args = ap.parse_args()
-    if args.hidden % args.heads:
-        ap.error(f"--hidden={args.hidden} is not a multiple of --heads={args.heads}")
+    args = resolve_shape(ap.parse_args(argv))
+    if args.hidden % args.heads or args.heads % args.kv_heads:
+        ap.error(
+            f"--hidden={args.hidden} must be a multiple of --heads={args.heads}, and --heads of "
+            f"--kv_heads={args.kv_heads}"
+        )
+    moe = args.shape == "qwen3-moe"
+    if moe != bool(args.experts) or (moe and not 0 < args.top_k <= args.experts):
+        ap.error(
+            f"--shape={args.shape} --experts={args.experts} --top_k={args.top_k}: the qwen3-moe shape has "
+            "experts (0 < top_k <= experts), the llama shape none"
+        )
     if args.steps < 1 or args.warmup < 0:
         ap.error(f"--steps={args.steps} must be at least 1 and --warmup={args.warmup} at least 0")
     for item in args.ds:  # a malformed override fails here, not in every child
@@ -384,16 +491,21 @@ def main() -> None:
             set_dotted({}, item)
         except ValueError as e:
             ap.error(str(e))
+    args.cases = [c for c in (args.cases or DEFAULT_CASES[args.shape]).split(",") if c]
+    unknown = [c for c in args.cases if c not in every]
+    if unknown:
+        ap.error(f"unknown case(s) {unknown}; the cases are {', '.join(every)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.case:
         result = run_case(args.case, args)
         print("RESULT " + json.dumps(result), flush=True)
         return
-
-    names = [c for c in args.cases.split(",") if c]
-    unknown = [c for c in names if c not in CASES]
-    if unknown:
-        ap.error(f"unknown case(s) {unknown}; the cases are {', '.join(CASES)}")
-    if importlib.util.find_spec("deepspeed") is None:
+    names = args.cases
+    if any(c in CASES for c in names) and importlib.util.find_spec("deepspeed") is None:
         sys.exit(
             "deepspeed is not importable by this Python. On a box without network access install it "
             "from the repository's .whl folder: python3 -m pip install -q --no-index --no-deps "
@@ -406,10 +518,16 @@ def main() -> None:
         env.setdefault(k, v)
     env.setdefault("TORCH_EXTENSIONS_DIR", DEFAULT_EXTENSIONS_DIR)
     env.setdefault("PYTHONUNBUFFERED", "1")
+    # jaxzero's cases import the repository's package
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (repo, env.get("PYTHONPATH", "")) if p)
     print(f"TORCH_EXTENSIONS_DIR={env['TORCH_EXTENSIONS_DIR']}", flush=True)
     results = []
     for k, case in enumerate(names):
-        cmd = [sys.executable, os.path.abspath(__file__), *_child_argv(args, case)]
+        if case in JAXZERO_CASES:
+            cmd = [sys.executable, *_jaxzero_argv(args, case)]
+        else:
+            cmd = [sys.executable, os.path.abspath(__file__), *_child_argv(args, case)]
         repeat = f"-{k}" if names.count(case) > 1 else ""  # a case named twice keeps both logs
         log = os.path.join(args.out, f"bench_ds_{case}{repeat}.log")
         t = time.perf_counter()
@@ -428,48 +546,62 @@ def main() -> None:
                 f"{case}: FAILED rc={rc} ({time.perf_counter() - t:.0f}s), log {log}; tail:\n{text[-2500:]}"
             )
             continue
-        results.append(json.loads(lines[-1][7:]))
+        results.append({**json.loads(lines[-1][7:]), "case": case})
         print(f"{case}: done in {time.perf_counter() - t:.0f}s", flush=True)
     with open(os.path.join(args.out, f"bench_ds_{'_'.join(names)}.json"), "w") as f:
         json.dump(results, f, indent=1)
-    print_table(results)
+    print_table(results, args)
 
 
-def print_table(results: list[dict]) -> None:
-    """The cases side by side; "vs resident" is resident's s/step over the case's (1.00x: as fast)."""
+def print_table(results: list[dict], args: argparse.Namespace) -> None:
+    """The cases side by side; "vs resident" is DeepSpeed resident's s/step over the case's, "vs ZeRO-3"
+    DeepSpeed zero3-offload's (1.00x: as fast)."""
     if not results:
         return
-    r0 = results[0]
-    s, v = r0["shape"], r0["versions"]
-    print(
-        f"\nLlama hidden {s['hidden']}, {s['layers']} layers, MLP {s['mlp']}, {s['heads']} heads, vocab "
-        f"{s['vocab']}: {r0['params'] / 1e9:.2f}B params; {s['batch']} x {s['seq']} = "
-        f"{s['batch'] * s['seq']} tokens/step; {r0['device']}, {r0['cpus']} CPUs"
+    hd = args.head_dim or args.hidden // args.heads
+    experts = (
+        f", {args.experts} experts of {args.mlp}, top-{args.top_k}" if args.experts else f", MLP {args.mlp}"
     )
     print(
-        f"DeepSpeed {v['deepspeed']}, torch {v['torch']} (CUDA {v['cuda']}), transformers "
-        f"{v['transformers']}, Python {v['python']}"
+        f"\n{args.shape}: hidden {args.hidden}, {args.layers} layers, {args.heads} heads / "
+        f"{args.kv_heads} KV heads of {hd}{experts}, vocab {args.vocab}: "
+        f"{shape_param_count(args) / 1e9:.2f}B params ({shape_param_count(args):,}); "
+        f"{args.batch} x {args.seq} = {args.batch * args.seq} tokens/step; {results[0]['device']}"
     )
-    base = next((r["step_s"] for r in results if r["case"] == "resident"), None)
+    ds = next((r for r in results if "versions" in r), None)
+    if ds:
+        v = ds["versions"]
+        print(
+            f"DeepSpeed {v['deepspeed']}, torch {v['torch']} (CUDA {v['cuda']}), transformers "
+            f"{v['transformers']}, Python {v['python']}; {ds['cpus']} CPUs"
+        )
+    steps = {r["case"]: r["step_s"] for r in results}
     print(
         f"{'case':14} {'s/step':>7} {'mean':>7} {'tok/s':>8} {'TFLOP/s(8N)':>11} {'GPU GiB':>8} "
-        f"{'rsv GiB':>8} {'RSS GiB':>8} {'vs resident':>11} {'loss':>7} {'gnorm':>7}"
+        f"{'RSS GiB':>8} {'vs resident':>11} {'vs ZeRO-3':>9} {'loss':>7}"
     )
     for r in results:
-        ratio = f"{base / r['step_s']:.2f}x" if base else "-"
-        gnorm = r["grad_norms"][-1]
+        ratios = [
+            f"{steps[ref] / r['step_s']:.2f}x" if ref in steps else "-"
+            for ref in ("resident", "zero3-offload")
+        ]
         print(
             f"{r['case']:14} {r['step_s']:7.3f} {r['mean_step_s']:7.3f} {r['tokens_per_s']:8.0f} "
-            f"{r['tflops_8N']:11.1f} {r['gpu_peak_gib']:8.1f} {r['gpu_reserved_gib']:8.1f} "
-            f"{r['host_rss_gib']:8.1f} {ratio:>11} {r['losses'][-1]:7.3f} "
-            f"{'-' if gnorm is None else format(gnorm, '7.3f'):>7}"
+            f"{r['tflops_8N']:11.1f} {r['gpu_peak_gib']:8.1f} {r['host_rss_gib']:8.1f} {ratios[0]:>11} "
+            f"{ratios[1]:>9} {r['losses'][-1]:7.3f}"
         )
     for r in results:
-        zero = r["ds_config"]["zero_optimization"]
-        print(
-            f"{r['case']:14} {r['optimizer']}; init {r['init_s']:.1f}s (build {r['build_s']:.1f}s); "
-            f"zero_optimization {json.dumps(zero)}"
-        )
+        if "ds_config" in r:
+            zero = r["ds_config"]["zero_optimization"]
+            print(
+                f"{r['case']:14} {r['optimizer']}; init {r['init_s']:.1f}s (build {r['build_s']:.1f}s); "
+                f"zero_optimization {json.dumps(zero)}"
+            )
+        else:
+            print(
+                f"{r['case']:14} {r['plan']}; plan {r['plan_step_s']:.3f} s/step, GPU "
+                f"{r['plan_gpu_gib']:.1f} GiB, host {r['plan_host_gib']:.1f} GiB; init {r['init_s']:.1f}s"
+            )
 
 
 if __name__ == "__main__":

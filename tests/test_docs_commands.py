@@ -69,6 +69,12 @@ RUN: dict[str, str] = {
     ),
     "docs/faults.md: python -m jaxzero.train --run_dir=runs/x --steps=2000": "--steps=3",
     "docs/lora.md: python -m jaxzero.export --run_dir=runs/lora8b --out=merged8b --merge": "",
+    "docs/how-big.md: python -m jaxzero.train --model.name=hf:/models/Qwen3-30B-A3B --finetune.method=lora "
+    "--finetune.base_dtype=int8 --finetune.lora_targets=q,k,v,o --data.path=data/mytext --data.batch_size=8 "
+    "--data.seq_len=2048 --optimizer.lr=1e-4 --steps=300 --checkpoint.every=100 --run_dir=runs/lora-moe": (
+        f"--steps=2 --checkpoint.every=1 {SMALL}"
+    ),
+    "docs/how-big.md: python -m jaxzero.export --run_dir=runs/lora-moe --out=adapter-moe": "",
     "docs/models.md: python -m jaxzero.export --run_dir=runs/x --out=export/x-hf": "",
     "docs/models.md: python -m jaxzero.export --run_dir=runs/x --out=export/x-orbax --format=orbax": "",
     "docs/models.md: python -m jaxzero.export --run_dir=runs/x --out=export/x-hf --step=500 --overwrite": (
@@ -291,8 +297,8 @@ def scratch_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def build_scratch(root: Path) -> Path:
     """What the docs' commands expect to find in `root`: corpus files, tiny random checkpoints (with
-    tokenizers) where the docs name Llama or Qwen checkpoints, token files for `DIR` and `data/mytext`,
-    a DeepSpeed file, the presets."""
+    tokenizers) where the docs name Llama, Qwen or Qwen3-MoE checkpoints, token files for `DIR` and
+    `data/mytext`, a DeepSpeed file, the presets."""
     import torch
     import transformers
 
@@ -317,7 +323,13 @@ def build_scratch(root: Path) -> Path:
     torch.manual_seed(0)
     llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape))
     qwen = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**shape))
+    moe = transformers.Qwen3MoeForCausalLM(
+        transformers.Qwen3MoeConfig(
+            **shape, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16
+        )
+    )
     for name, model in [
+        ("models/Qwen3-30B-A3B", moe),
         ("path/to/Llama-3.1-8B", llama),
         ("path/to/hf-checkpoint", llama),
         ("models/Llama-3.1-8B", llama),

@@ -312,6 +312,34 @@ def experts_ragged_dot(
     return _combine(ys, weights, s, x.dtype)
 
 
+# Rows per block of `experts_padded`: each expert's rows are padded to a multiple of this.
+BLOCK_ROWS = 256
+
+
+@jax.custom_vjp
+def _block_kernels(kernel: jax.Array, block_expert: jax.Array) -> jax.Array:
+    """Each block's expert's kernel: kernel (E, I, O) (or a bias (E, O)), block_expert (blocks,)
+    int32 ascending -> (blocks, I, O) in kernel's dtype. Its gradient sums the blocks of each expert
+    in float32 and rounds once to kernel's dtype: a bfloat16 scatter-add would round after every
+    block, an error growing with the expert's blocks where a dense layer's kernel gradient rounds once."""
+    return kernel[block_expert]
+
+
+def _block_kernels_fwd(kernel: jax.Array, block_expert: jax.Array) -> tuple[jax.Array, tuple]:
+    return kernel[block_expert], (kernel, block_expert)  # the kernel is an input: no copy
+
+
+def _block_kernels_bwd(res: tuple, g: jax.Array) -> tuple[jax.Array, None]:
+    kernel, block_expert = res
+    # A scatter-add into float32 zeros: `segment_sum` with sorted indices crashed XLA's GPU compiler
+    # at Qwen3-30B-A3B's layer (JAX 0.11.2, "SmallVector unable to grow"); this compiled there.
+    total = jnp.zeros(kernel.shape, jnp.float32).at[block_expert].add(g.astype(jnp.float32))
+    return total.astype(kernel.dtype), None
+
+
+_block_kernels.defvjp(_block_kernels_fwd, _block_kernels_bwd)
+
+
 def experts_padded(
     params: Params,
     x: jax.Array,
@@ -319,7 +347,7 @@ def experts_padded(
     experts: jax.Array,
     spec: MoeSpec,
     *,
-    block_rows: int = 256,
+    block_rows: int = BLOCK_ROWS,
 ) -> jax.Array:
     """Dropless experts without `ragged_dot`: the same contract as `experts_ragged_dot`.
 
@@ -344,9 +372,9 @@ def experts_padded(
     block_expert = jnp.minimum(block_expert, E - 1)
 
     def project(rows: jax.Array, proj: Params) -> jax.Array:
-        out = jnp.einsum("nbi,nio->nbo", rows, proj["kernel"][block_expert])
+        out = jnp.einsum("nbi,nio->nbo", rows, _block_kernels(proj["kernel"], block_expert))
         if "bias" in proj:
-            out = out + proj["bias"][block_expert][:, None, :]
+            out = out + _block_kernels(proj["bias"], block_expert)[:, None, :]
         return out
 
     h = project(xp.reshape(blocks, B, D), params["gate_up"])

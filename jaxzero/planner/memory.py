@@ -54,6 +54,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from jaxzero.config import CheckpointConfig, ConfigError, ModelConfig, TrainConfig, buffer_bytes
+from jaxzero.models.moe import BLOCK_ROWS
 from jaxzero.models.sizes import NAMED_SIZES, param_count, unit_param_counts
 from jaxzero.numerics.objective import head_pieces
 from jaxzero.plan import OffloadPlan, Tier, UnitKind, UpdateMode, resolve_plan
@@ -158,6 +159,35 @@ def backward_phases(transient: Transient, head_grad: int = 0) -> int:
     return head + transient.block
 
 
+def padded_experts_bytes(
+    tokens: int,
+    top_k: int,
+    experts: int,
+    hidden: int,
+    intermediate: int,
+    compute_bytes: int,
+    block_rows: int = BLOCK_ROWS,
+) -> int:
+    """Bytes one MoE layer's rematerialised backward holds at its peak for `tokens` tokens on one
+    GPU, as `moe.experts_padded` (the default grouping) materialises them. With N = tokens x top_k
+    rows, blocks = ceil(N / block_rows) + experts and R = blocks x block_rows padded rows, in the
+    compute dtype (`compute_bytes`):
+      each block's gathered kernels, (blocks, D, 2F) and (blocks, F, D):   blocks x 3DF
+      the padded rows (R, D) in, (R, 2F) [gate | up], (R, F) activated,
+        (R, D) out:                                                         R x (2D + 3F)
+      the N sorted rows:                                                    N x D
+    Their gradients and the experts' float32 kernel-gradient sums reuse what the forward's free:
+    XLA's temporaries for one layer's gradient on an H100 (JAX 0.11.2; Qwen3-30B-A3B's layer at 8K
+    and 16K tokens, Mixtral 8x7B's at 8K, with and without the kernels' gradients) were -3% to +8%
+    of this. The CPU backend reuses less and compiles about twice it (tests/test_moe_memory.py).
+    """
+    n = tokens * top_k
+    blocks = -(-n // block_rows) + experts
+    kernels = blocks * 3 * hidden * intermediate
+    rows = blocks * block_rows * (2 * hidden + 3 * intermediate)
+    return (kernels + rows + n * hidden) * compute_bytes
+
+
 def transient_activations(
     m: ModelConfig, micro_tokens: int, seq_len: int | None = None, documents: bool = False
 ) -> Transient:
@@ -165,25 +195,24 @@ def transient_activations(
     one device, fitted to the temporaries XLA compiles for them (BENCHMARKS.md, "What a step's
     transients take on the GPU"; `scripts/bench_activations.py` prints both): a block's backward
     holds its q, k, v and their gradients, two more of the width of the hidden state, and four of the
-    MLP's; the head's, the float32 logits and their gradient (of one piece of each sequence where the
-    loss runs in pieces: `objective.head_pieces`, for sequences of `seq_len`, with then the output
-    projection in float32 and its float32 gradient sum), and the gradient it returns. With
-    `documents` (attention kept inside each document), a block's backward also holds two float32
-    (rows, heads, seq_len, seq_len) arrays: what document-aware attention compiled to on the GPU
-    (BENCHMARKS.md, "on one H200: determinism, and document-aware attention's cost"); Gemma 3's
-    windowed attention, a mask as well, and gpt-oss's, whose sinks keep its float32 scores in XLA,
-    are counted as that (not measured)."""
+    MLP's (a mixture of experts' MLP: `padded_experts_bytes`, measured on an H100); the head's, the
+    float32 logits and their gradient (of one piece of each sequence where the loss runs in pieces:
+    `objective.head_pieces`, for sequences of `seq_len`, with then the output projection in float32
+    and its float32 gradient sum), and the gradient it returns. With `documents` (attention kept
+    inside each document), a block's backward also holds two float32 (rows, heads, seq_len, seq_len)
+    arrays: what document-aware attention compiled to on the GPU (BENCHMARKS.md, "on one H200:
+    determinism, and document-aware attention's cost"); Gemma 3's windowed attention, a mask as
+    well, and gpt-oss's, whose sinks keep its float32 scores in XLA, are counted as that (not
+    measured)."""
     compute = dtype_bytes(m.compute_dtype)
     q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
     widths = 2 * (q + 2 * kv) + 2 * m.hidden_size + 4 * m.intermediate_size
+    experts = 0
     if m.num_experts:
-        # Not measured: each of the k (token, expert) rows in and out of its expert (2 D) and four of
-        # the expert's width; the kernels each padded block of 256 rows gathers, and their gradients.
-        d, f, k = m.hidden_size, m.moe_intermediate_size, m.num_experts_per_tok
-        widths = 2 * (q + 2 * kv) + 2 * d + k * (2 * d + 4 * f)
-        blocks = -(-micro_tokens * k // 256) + m.num_experts
-        widths += -(-2 * blocks * 3 * d * f // micro_tokens)
-    block = micro_tokens * widths * compute
+        widths = 2 * (q + 2 * kv) + 2 * m.hidden_size
+        e, k, f = m.num_experts, m.num_experts_per_tok, m.moe_intermediate_size
+        experts = padded_experts_bytes(micro_tokens, k, e, m.hidden_size, f, compute)
+    block = micro_tokens * widths * compute + experts
     seq_len = seq_len or micro_tokens
     # Gemma 3's windows are a mask too, with or without documents; gpt-oss's sinks attend in XLA
     if documents or m.family in ("gemma3", "gpt_oss"):

@@ -60,6 +60,11 @@ def partial_bytes(cfg: TrainConfig, streamed: bool) -> PartialBytes:
         shapes = projection_shapes(m)
         kernels = sum(i * o for i, o in shapes.values())
         outs = sum(o for _, o in shapes.values())
+        if m.num_experts:  # the sparse MLP's kernels instead: the router's, and each expert's with its scales
+            h, e, f = m.hidden_size, m.num_experts, m.moe_intermediate_size
+            attention = [shapes[t] for t in ("q", "k", "v", "o")]
+            kernels = sum(i * o for i, o in attention) + h * e + e * 3 * h * f
+            outs = sum(o for _, o in attention) + e + e * (2 * f + h)
     if ft.base_dtype == "int8":  # a byte per kernel weight and a float32 scale per output channel
         block = kernels + 4 * outs + (n_block - kernels) * narrow
     else:
