@@ -356,7 +356,7 @@ def test_gradients_land_in_pinned_host():
     batch = build_data(cfg.data, 256, 0).train_iter().__next__()  # (1, 8, 33): one micro-batch
     seed = jax.device_put(np.float32(1.0), where.device)  # no loss scale
     with jax.transfer_guard("disallow"):
-        loss, grads, norm = streamed.grads(state.weights, trainer.put_batch(batch), seed)
+        loss, grads, norm, _ = streamed.grads(state.weights, trainer.put_batch(batch), seed)
     assert kinds(grads) == {("pinned_host", "cpu")}
     # One micro-batch: block gradients leave in the compute dtype (exact, half the link bytes).
     assert {x.dtype for x in jax.tree.leaves(grads.blocks)} == {np.dtype(jax.numpy.bfloat16)}
@@ -402,7 +402,7 @@ def test_delayed_update_is_the_reference_shifted_by_one_step(mode):
     )
     params = jax.tree.map(jax.numpy.asarray, params)
     opt_state, stale = tx.init(params), params
-    grad_fn = jax.jit(lambda p, b: averaged_grads(trainer.model, p, b))
+    grad_fn = jax.jit(lambda p, b: averaged_grads(trainer.model, p, b)[:2])
     batches = build_data(cfg.data, cfg.model.vocab_size, cfg.seed).train_iter()
     ref_losses = []
     for _ in range(cfg.steps):

@@ -70,6 +70,7 @@ class ModelConfig:
     num_experts_per_tok: int = 2  # the experts each token goes through (top-k of the router)
     moe_intermediate_size: int = 0  # each expert's MLP width
     norm_topk_prob: bool = True  # the top-k routing weights renormalised to sum 1 (Mixtral: always)
+    router_aux_loss_coef: float = 0.0  # weight of the router's load-balancing loss added to the objective
     # Sliding-window attention's window (Mistral v0.1, some Qwen2): 0 is none. Attention is computed
     # in full, which equals the windowed attention only while data.seq_len <= the window.
     sliding_window: int = 0

@@ -92,6 +92,7 @@ _REST: dict[str, Any] = dict(
     **dict(sliding_window_pattern=0, rope_local_theta=0.0, query_pre_attn_scalar=0, final_logit_softcap=0.0),
     hf_model_type="",
     **dict(num_experts=0, num_experts_per_tok=2, moe_intermediate_size=0, norm_topk_prob=True),
+    router_aux_loss_coef=0.0,
 )
 # Llama 3.1's rope scaling (transformers' "llama3"), each size with its own factor.
 _LLAMA3_ROPE = dict(
@@ -99,8 +100,17 @@ _LLAMA3_ROPE = dict(
 )
 _QWEN2 = dict(attention_bias=True, hf_model_type="qwen2")  # q, k, v biases
 _QWEN3 = dict(qk_norm=True, head_size=128, hf_model_type="qwen3")  # q/k norms; head_dim 128 at every width
-_QWEN3_MOE = dict(_QWEN3, hf_model_type="qwen3_moe", num_experts=128, num_experts_per_tok=8)
-_MIXTRAL = dict(hf_model_type="mixtral", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=14336)
+# The released MoE configs' load-balancing coefficients (router_aux_loss_coef): Qwen3-MoE 0.001, Mixtral 0.02.
+_QWEN3_MOE = dict(
+    _QWEN3, hf_model_type="qwen3_moe", num_experts=128, num_experts_per_tok=8, router_aux_loss_coef=0.001
+)
+_MIXTRAL = dict(
+    hf_model_type="mixtral",
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=14336,
+    router_aux_loss_coef=0.02,
+)
 # Gemma 3: five local layers (window 1024, rope base 1e4) to one global; from 4B on, global rope linear x8.
 _GEMMA3 = dict(
     sliding_window=1024, sliding_window_pattern=6, rope_local_theta=1e4, hf_model_type="gemma3_text"
