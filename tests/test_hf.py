@@ -704,7 +704,33 @@ MIXTRAL_8X7B_JSON = {
     "name, released", [("qwen3-30b-a3b", QWEN3_30B_A3B_JSON), ("mixtral-8x7b", MIXTRAL_8X7B_JSON)]
 )
 def test_released_moe_configs_import_as_their_named_sizes(name: str, released: dict) -> None:
-    assert model_config_from_hf(released, name=name) == ModelConfig.named(name)
+    """The named size is the released config, its load-balancing coefficient included; import trains
+    with it only where the config turns the loss on (output_router_logits), as transformers does."""
+    named = ModelConfig.named(name)
+    assert named.router_aux_loss_coef == released["router_aux_loss_coef"]
+    assert model_config_from_hf(released, name=name) == dataclasses.replace(named, router_aux_loss_coef=0.0)
+    assert model_config_from_hf({**released, "output_router_logits": True}, name=name) == named
+
+
+def test_the_load_balancing_coefficient_survives_an_export_round_trip() -> None:
+    """Export writes output_router_logits and the coefficient back; with a coefficient of 0 it writes
+    transformers' defaults (the loss off), so either objective comes back from the config."""
+    for coef in (0.0, 0.02):
+        for cfg in (dataclasses.replace(ModelConfig.named(n), router_aux_loss_coef=coef) for n in MOE_SIZES):
+            d = hf_config(cfg)
+            assert d["output_router_logits"] is (coef > 0)
+            assert d["router_aux_loss_coef"] == (coef or 0.001)
+            assert model_config_from_hf(d, name=cfg.name).router_aux_loss_coef == coef
+    bad = {**QWEN3_30B_A3B_JSON, "output_router_logits": True, "router_aux_loss_coef": -1}
+    with pytest.raises(ConfigError, match="router_aux_loss_coef=-1 must be a number >= 0"):
+        model_config_from_hf(bad)
+    from jaxzero.config.checks import validate_model
+
+    with pytest.raises(ConfigError, match="model.router_aux_loss_coef=-0.5 must be a finite number >= 0"):
+        validate_model(dataclasses.replace(ModelConfig.named("qwen3-30b-a3b"), router_aux_loss_coef=-0.5))
+
+
+MOE_SIZES = ("qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x7b")
 
 
 def test_unsupported_configs_are_refused() -> None:
