@@ -90,14 +90,15 @@ def moe_from_hf(d: Mapping[str, Any], model_type: str, where: str) -> tuple[dict
         num_experts_per_tok=top_k,
         moe_intermediate_size=width,
         norm_topk_prob=normalize,
-        router_aux_loss_coef=_aux_loss_coef(d, where),
+        router_aux_loss_coef=aux_loss_coef_from_hf(d, where),
     )
     return fields, unsupported
 
 
-def _aux_loss_coef(d: Mapping[str, Any], where: str) -> float:
+def aux_loss_coef_from_hf(d: Mapping[str, Any], where: str) -> float:
     """The load-balancing loss's weight in the objective transformers trains `d`'s model with: its
-    `router_aux_loss_coef` (default 0.001) where `output_router_logits` is true, else 0."""
+    `router_aux_loss_coef` (default 0.001) where `output_router_logits` is true, else 0. Every MoE
+    family's config (Qwen3-MoE, Mixtral, gpt-oss) spells both alike."""
     on = d.get("output_router_logits", False)
     if not isinstance(on, bool):
         raise ConfigError(f"{where}: output_router_logits={on!r} must be true or false.")
