@@ -40,9 +40,15 @@ from jax.sharding import Mesh
 
 from jaxzero.config import ConfigError, FP16Config, TrainConfig
 from jaxzero.custom import check_optimizer, model_of
-from jaxzero.models import Model, ModelParams
+from jaxzero.models import Model, ModelParams, emits_stats
 from jaxzero.numerics.loss_scale import all_finite, init_loss_scale, update_loss_scale
-from jaxzero.numerics.objective import document_eot, document_segments, loss_fn, step_weight
+from jaxzero.numerics.objective import (
+    document_eot,
+    document_segments,
+    loss_fn,
+    objective_with_aux,
+    step_weight,
+)
 from jaxzero.numerics.optim import (
     build_optimizer,
     global_norm,
@@ -65,39 +71,53 @@ def averaged_grads(
     batch: jax.Array,
     scale: jax.Array | None = None,
     eot_id: int | None = None,
-) -> tuple[jax.Array, ModelParams]:
-    """Mean loss and float32 gradients over `grad_accum` micro-batches of int32 (A, mb, S+1).
+) -> tuple[jax.Array, ModelParams, jax.Array | None]:
+    """Mean loss, float32 gradients and mean auxiliary loss over `grad_accum` micro-batches of int32
+    (A, mb, S+1).
 
     The loss is the mean over the step's counted targets (`objective.step_weight` weighs each
     micro-batch's sum; without not-a-target marks, the mean of the micro-batches' means). One
     micro-batch is differentiated directly; more are summed in a `lax.scan` (one float32 gradient
     buffer, not A of them). With a loss `scale` (float16) the gradients are those of `scale * loss`
     (the caller unscales them); the loss returned is unscaled. `eot_id` (static): each document of a
-    window attends within itself (`objective.loss_fn`).
+    window attends within itself (`objective.loss_fn`). Where the model's blocks emit statistics
+    (`jaxzero.models.emits_stats`, decided here at trace time) each micro-batch's objective adds its
+    weighted auxiliary loss (`objective.objective_with_aux`), and the third value is the mean over
+    the micro-batches of the unweighted auxiliary loss (float32 scalar); else it is None.
     """
     weight = step_weight(batch)
-    if scale is None:
-        value_and_grad = jax.value_and_grad(lambda p, window: loss_fn(model, p, window, weight, eot_id))
+    if emits_stats(model):
+
+        def value(p, window):
+            return objective_with_aux(model, p, window, weight, eot_id)
+
     else:
 
-        def scaled(p, window):
+        def value(p, window):
             loss = loss_fn(model, p, window, weight, eot_id)
-            return loss * scale, loss
+            return loss, (loss, None)
 
-        def value_and_grad(p, window):
-            (_, loss), grads = jax.value_and_grad(scaled, has_aux=True)(p, window)
-            return loss, grads
+    def scaled(p, window):
+        objective, losses = value(p, window)
+        return (objective if scale is None else objective * scale), losses
+
+    def value_and_grad(p, window):
+        (_, losses), grads = jax.value_and_grad(scaled, has_aux=True)(p, window)
+        return losses, grads
 
     if batch.shape[0] == 1:
-        return value_and_grad(params, batch[0])
+        (loss, aux), grads = value_and_grad(params, batch[0])
+        return loss, grads, aux
 
     def micro(carry, window):
-        loss, grads = value_and_grad(params, window)
-        return jax.tree.map(jnp.add, carry, (loss, grads)), None
+        losses, grads = value_and_grad(params, window)
+        return jax.tree.map(jnp.add, carry, (losses, grads)), None
 
-    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-    (loss, grads), _ = jax.lax.scan(micro, zeros, batch)
-    return jax.tree.map(lambda x: x / batch.shape[0], (loss, grads))
+    zero = jnp.zeros((), jnp.float32)
+    zeros = ((zero, zero if emits_stats(model) else None), jax.tree.map(jnp.zeros_like, params))
+    ((loss, aux), grads), _ = jax.lax.scan(micro, zeros, batch)
+    loss, aux, grads = jax.tree.map(lambda x: x / batch.shape[0], (loss, aux, grads))
+    return loss, grads, aux
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
@@ -242,20 +262,26 @@ class FrozenPartInit:
 
 
 def apply_update(
-    ctx: ResidentContext, state: TrainState, grads: ModelParams, loss: jax.Array
+    ctx: ResidentContext,
+    state: TrainState,
+    grads: ModelParams,
+    loss: jax.Array,
+    aux: jax.Array | None = None,
 ) -> tuple[TrainState, StepMetrics]:
     """The optimizer update of `state` by float32 mean gradients `grads` (optax, clipped by their
-    global norm where `optimizer.grad_clip` > 0), and the step's metrics; traced."""
+    global norm where `optimizer.grad_clip` > 0), and the step's metrics (`aux`: the mean auxiliary
+    loss, or None); traced."""
     updates, opt_state = ctx.tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = StepMetrics(loss, global_norm(grads), jnp.asarray(ctx.schedule(state.step), jnp.float32))
+    lr = jnp.asarray(ctx.schedule(state.step), jnp.float32)
+    metrics = StepMetrics(loss, global_norm(grads), lr, aux_loss=aux)
     return TrainState(state.step + 1, params, opt_state), metrics
 
 
 def train_step(ctx: ResidentContext, state: TrainState, batch: jax.Array) -> tuple[TrainState, StepMetrics]:
     """One optimizer update over int32 (A, mb, S+1); traced."""
-    loss, grads = averaged_grads(ctx.model, state.params, batch, eot_id=ctx.eot_id)
-    return apply_update(ctx, state, _split(ctx, grads), loss)
+    loss, grads, aux = averaged_grads(ctx.model, state.params, batch, eot_id=ctx.eot_id)
+    return apply_update(ctx, state, _split(ctx, grads), loss, aux)
 
 
 def train_step_fp16(
@@ -264,7 +290,7 @@ def train_step_fp16(
     """float16: a scaled loss; a step that overflows keeps params, optimizer state and step count;
     traced."""
     ls = state.loss_scale
-    loss, grads = averaged_grads(ctx.model, state.params, batch, ls.scale, ctx.eot_id)
+    loss, grads, aux = averaged_grads(ctx.model, state.params, batch, ls.scale, ctx.eot_id)
     grads = jax.tree.map(lambda g: g / ls.scale, _split(ctx, grads))
     ok = all_finite(grads)
     updates, opt_state = ctx.tx.update(grads, state.opt_state, state.params)
@@ -277,7 +303,10 @@ def train_step_fp16(
         keep(opt_state, state.opt_state),
         update_loss_scale(ls, ~ok, ctx.fp16),
     )
-    return new, StepMetrics(loss=loss, grad_norm=global_norm(grads), lr=lr, loss_scale=ls.scale, skipped=~ok)
+    metrics = StepMetrics(
+        loss=loss, grad_norm=global_norm(grads), lr=lr, loss_scale=ls.scale, skipped=~ok, aux_loss=aux
+    )
+    return new, metrics
 
 
 def _split(ctx: ResidentContext, grads: ModelParams) -> ModelParams:
@@ -341,7 +370,7 @@ class FrozenPartStep:
         """One update from int32 (A, mb, S+1) on the accelerator; consumes `state` (donated)."""
         self.fence.wait_all()  # the update donates every array a checkpoint being written may still read
         keys = _no_keys if self._keys is None else partial(self._keys, state.step)
-        loss, grads = self._streamed.grads_per_micro_batch(
+        loss, grads, aux = self._streamed.grads_per_micro_batch(
             self._trains.base_units(),
             batch,
             self._one,
@@ -349,7 +378,7 @@ class FrozenPartStep:
             segments=self._segments,
             keys=keys,
         )
-        return self._update(state, grads, loss)
+        return self._update(state, grads, loss, aux)
 
     def eval_loss(self, state: TrainState, window: jax.Array) -> jax.Array:
         """Mean loss (float32 scalar) over int32 (B, S+1), without dropout."""

@@ -61,6 +61,9 @@ class StepMetrics(NamedTuple):
     lr: jax.Array  # learning rate used by this step's update
     loss_scale: jax.Array | None = None  # float16: the scale this step used
     skipped: jax.Array | None = None  # float16: bool, the step overflowed and its update was skipped
+    # a model whose blocks emit statistics (experts): its unweighted load-balancing loss, averaged
+    # over the step's micro-batches; None for other models
+    aux_loss: jax.Array | None = None
 
 
 class BreakdownKey(NamedTuple):

@@ -67,7 +67,13 @@ def test_sizes_are_the_released_configs(name: str) -> None:
     """The released config.json imports as the named size; its count is transformers' model's (built
     on the meta device), the formula's and the published total; its FLOPs count the top-4 experts."""
     cfg = ModelConfig.named(name)
-    assert model_config_from_hf(RELEASED[name], name=name) == cfg
+    assert cfg.router_aux_loss_coef == RELEASED[name]["router_aux_loss_coef"] == 0.9
+    # The released config turns the load-balancing loss off (output_router_logits), so import trains
+    # without it, as transformers does; with it on, the coefficient is the named size's.
+    assert model_config_from_hf(RELEASED[name], name=name) == dataclasses.replace(
+        cfg, router_aux_loss_coef=0.0
+    )
+    assert model_config_from_hf({**RELEASED[name], "output_router_logits": True}, name=name) == cfg
     total, active, count = PUBLISHED[name]
     assert param_count(cfg) == count and f"{count / 1e9:.2f}B" == total
     hf = transformers.GptOssConfig(**{k: v for k, v in RELEASED[name].items() if k != "quantization_config"})

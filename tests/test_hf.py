@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import struct
 import zlib
 from pathlib import Path
@@ -763,7 +764,33 @@ MIXTRAL_8X7B_JSON = {
     "name, released", [("qwen3-30b-a3b", QWEN3_30B_A3B_JSON), ("mixtral-8x7b", MIXTRAL_8X7B_JSON)]
 )
 def test_released_moe_configs_import_as_their_named_sizes(name: str, released: dict) -> None:
-    assert model_config_from_hf(released, name=name) == ModelConfig.named(name)
+    """The named size is the released config, its load-balancing coefficient included; import trains
+    with it only where the config turns the loss on (output_router_logits), as transformers does."""
+    named = ModelConfig.named(name)
+    assert named.router_aux_loss_coef == released["router_aux_loss_coef"]
+    assert model_config_from_hf(released, name=name) == dataclasses.replace(named, router_aux_loss_coef=0.0)
+    assert model_config_from_hf({**released, "output_router_logits": True}, name=name) == named
+
+
+def test_the_load_balancing_coefficient_survives_an_export_round_trip() -> None:
+    """Export writes output_router_logits and the coefficient back; with a coefficient of 0 it writes
+    transformers' defaults (the loss off), so either objective comes back from the config."""
+    for coef in (0.0, 0.02):
+        for cfg in (dataclasses.replace(ModelConfig.named(n), router_aux_loss_coef=coef) for n in MOE_SIZES):
+            d = hf_config(cfg)
+            assert d["output_router_logits"] is (coef > 0)
+            assert d["router_aux_loss_coef"] == (coef or 0.001)
+            assert model_config_from_hf(d, name=cfg.name).router_aux_loss_coef == coef
+    bad = {**QWEN3_30B_A3B_JSON, "output_router_logits": True, "router_aux_loss_coef": -1}
+    with pytest.raises(ConfigError, match="router_aux_loss_coef=-1 must be a number >= 0"):
+        model_config_from_hf(bad)
+    from jaxzero.config.checks import validate_model
+
+    with pytest.raises(ConfigError, match="model.router_aux_loss_coef=-0.5 must be a finite number >= 0"):
+        validate_model(dataclasses.replace(ModelConfig.named("qwen3-30b-a3b"), router_aux_loss_coef=-0.5))
+
+
+MOE_SIZES = ("qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x7b", "gpt-oss-20b")
 
 
 def test_unsupported_configs_are_refused() -> None:
@@ -955,20 +982,37 @@ def test_import_reads_the_text_model_of_gemma3_for_conditional_generation(tmp_pa
     assert rel_err(got, want) < 1e-4
 
 
-@pytest.mark.parametrize("key", ["qwen3", "gemma3", "qwen3_moe", "mixtral", "gpt_oss"])
-def test_one_training_step_matches_transformers(key: str, hf_checkpoints: dict) -> None:
+AUX_COEF = 0.3  # large, so that the load-balancing loss's gradient moves the second step's loss
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["qwen3", "gemma3", "qwen3_moe", "mixtral", "gpt_oss", "qwen3_moe+aux", "mixtral+aux", "gpt_oss+aux"],
+)
+def test_one_training_step_matches_transformers(key: str, hf_checkpoints: dict, tmp_path: Path) -> None:
     """An imported checkpoint's first step through the offload engine (blocks streamed, the update on
     the host): its loss is transformers' loss of the same batch, and after one plain SGD step of both
     the next step's loss is transformers' after its step, at float32 tolerance. For the MoE models
     both objectives are the cross-entropy alone (transformers' default, output_router_logits=false),
-    and the SGD step moves routers and experts through the routing weights."""
+    and the SGD step moves routers and experts through the routing weights. "+aux": the checkpoint's
+    config sets output_router_logits=true and a coefficient, which import reads: transformers' loss is
+    then the cross-entropy plus the coefficient times its load-balancing loss, jaxzero's `loss` the
+    cross-entropy and `aux_loss` the load-balancing loss, and the gradients (their norm, and the next
+    step's loss) are of the sum."""
     from jaxzero.config import TrainConfig
     from jaxzero.overrides import apply_overrides
     from jaxzero.plan import placement
     from jaxzero.trainer import build_trainer
 
-    path, _ = hf_checkpoints[key]
+    path, _ = hf_checkpoints[key.removesuffix("+aux")]
+    if key.endswith("+aux"):
+        shutil.copytree(path, tmp_path / "aux")
+        path = tmp_path / "aux"
+        config = json.loads((path / "config.json").read_text())
+        config.update(output_router_logits=True, router_aux_loss_coef=AUX_COEF)
+        (path / "config.json").write_text(json.dumps(config))
     cfg, params = import_hf(path)
+    assert cfg.router_aux_loss_coef == (AUX_COEF if key.endswith("+aux") else 0.0)
     cfg = dataclasses.replace(cfg, compute_dtype="float32", attention_impl="xla")
     lr = 0.5
     run = apply_overrides(
@@ -990,24 +1034,40 @@ def test_one_training_step_matches_transformers(key: str, hf_checkpoints: dict) 
     )
     trainer = build_trainer(run, placement.make_mesh(jax.devices()[:1]))
     state = trainer.init_from_params(params)
-    losses = []
+    losses, aux, norms = [], [], []
     with jax.default_matmul_precision("highest"):
         for _ in range(2):
             state, m = trainer.step(state, trainer.put_batch(TOKENS[None]))
             losses.append(float(m.loss))
+            norms.append(float(m.grad_norm))
+            aux.append(None if m.aux_loss is None else float(m.aux_loss))
+    assert (aux[0] is None) == (cfg.num_experts == 0)
 
     model = load_torch(path, dtype=torch.float32)
     ids = torch.from_numpy(TOKENS).long()
-    want = []
+    # jaxzero's window of S+1 tokens runs its first S through the blocks; transformers runs all S+1,
+    # the last one's logits unused. Its attention mask leaves that token out of the load-balancing
+    # loss (nothing else reads it: the causal logits before it do not see it).
+    mask = torch.ones_like(ids)
+    mask[:, -1] = 0
+    want, want_aux, want_norms = [], [], []
     for _ in range(2):
-        loss = model(ids, labels=ids).loss  # the mean over every next-token target
+        out = model(ids, labels=ids, attention_mask=mask)  # the mean over every target (+ coef x aux)
+        loss = out.loss
         want.append(float(loss.detach()))
+        want_aux.append(None if out.get("aux_loss") is None else float(out.aux_loss.detach()))
         model.zero_grad()
         loss.backward()
+        want_norms.append(float(torch.sqrt(sum(torch.sum(p.grad**2) for p in model.parameters()))))
         with torch.no_grad():
             for p in model.parameters():
                 p -= lr * p.grad
-    np.testing.assert_allclose(losses, want, rtol=1e-5)
+    if key.endswith("+aux"):
+        np.testing.assert_allclose(aux, want_aux, rtol=1e-5)
+        np.testing.assert_allclose(np.add(losses, AUX_COEF * np.array(aux)), want, rtol=1e-5)
+        np.testing.assert_allclose(norms, want_norms, rtol=1e-4)
+    else:
+        np.testing.assert_allclose(losses, want, rtol=1e-5)
     assert abs(want[1] - want[0]) > 1e-3  # the step moved the loss: the second one compares updates
 
 

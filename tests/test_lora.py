@@ -21,7 +21,7 @@ from jaxzero.finetune.merged import merge_block, widen
 from jaxzero.finetune.part import TrainableOverBase
 from jaxzero.models import ModelParams, build_model
 from jaxzero.models.lora import merge_trees, quantize_kernel
-from jaxzero.numerics.objective import loss_fn, step_weight
+from jaxzero.numerics.objective import loss_fn, objective_with_aux, step_weight
 from jaxzero.overrides import apply_overrides
 from jaxzero.plan import placement, resolve_plan
 from jaxzero.planner.partial import partial_memory as lora_memory
@@ -71,13 +71,21 @@ def batches(cfg: TrainConfig, n: int) -> list[np.ndarray]:
     return [next(it) for _ in range(n)]
 
 
-def test_the_adapters_gradient_is_whole_model_autodiffs():
+# A mixture-of-experts base whose objective adds the load-balancing loss: its gradient reaches the
+# attention's adapters through the frozen routers' inputs.
+MOE_AUX = {"model.num_experts": "4", "model.num_experts_per_tok": "2", "model.moe_intermediate_size": "48",
+           "finetune.lora_targets": "q,k,v,o", "model.router_aux_loss_coef": "0.5"}  # fmt: skip
+
+
+@pytest.mark.parametrize("variant", ["dense", "moe+aux"])
+def test_the_adapters_gradient_is_whole_model_autodiffs(variant):
     """One step of plain SGD at lr 1 from lora_b = 0 writes -grad into lora_b: it must equal jax.grad
-    of the objective over the merged base and adapters (two micro-batches, documents kept apart)."""
+    of the objective over the merged base and adapters (two micro-batches, documents kept apart; for
+    "moe+aux" each micro-batch's objective adds coef x its load-balancing loss, averaged)."""
     sgd = {"optimizer.name": "sgd", "optimizer.momentum": "0", "optimizer.weight_decay": "0",
            "optimizer.grad_clip": "0", "optimizer.lr": "1", "optimizer.schedule": "constant",
            "data.eot_id": "10"}  # fmt: skip
-    cfg = lora_cfg(**EXACT, **sgd)
+    cfg = lora_cfg(**EXACT, **sgd, **(MOE_AUX if variant == "moe+aux" else {}))
     trainer, trains = built(cfg)
     state = trainer.init(jax.random.key(3))
     adapters0 = jax.tree.map(np.asarray, state.params)
@@ -90,12 +98,23 @@ def test_the_adapters_gradient_is_whole_model_autodiffs():
     model = dataclasses.replace(build_model(cfg.model), lora=lora_spec(cfg.finetune))
     weight = step_weight(jnp.asarray(batch)) / batch.shape[0]
 
+    coef, micro = cfg.model.router_aux_loss_coef, batch.shape[0]
+
+    def objective(params, w):
+        if variant == "dense":
+            return loss_fn(model, params, w, weight, eot_id=10), 0.0
+        ce, aux = objective_with_aux(model, params, w, weight, eot_id=10)[1]
+        return ce + coef * aux / micro, aux / micro
+
     def loss(adapters):
         blocks = tuple(merge_trees(b, a) for b, a in zip(base.blocks, adapters.blocks))
         params = ModelParams(base.embed, blocks, base.head)
-        return sum(loss_fn(model, params, jnp.asarray(w), weight, eot_id=10) for w in batch)
+        terms = [objective(params, jnp.asarray(w)) for w in batch]
+        return sum(t[0] for t in terms), sum(t[1] for t in terms)
 
-    grads = jax.grad(loss)(adapters0)
+    grads, aux = jax.grad(loss, has_aux=True)(adapters0)
+    if variant == "moe+aux":
+        assert float(metrics.aux_loss) == pytest.approx(float(aux), rel=1e-5)
     want = np.concatenate([np.ravel(np.asarray(x)) for x in jax.tree.leaves(list(grads.blocks))])
     # lora_a's gradient is 0 while lora_b is 0, so its step leaves it where it was.
     a_moved = [

@@ -5,6 +5,8 @@ import json
 import math
 import shutil
 
+import jax
+import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from test_train import tiny
@@ -122,6 +124,7 @@ def test_a_run_writes_its_records_as_tensorboard_events_and_a_resume_replaces_wh
     train_lib.train(cfg, io.StringIO())
     records = [json.loads(ln) for ln in (path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert not any("aux_loss" in r for r in records)  # a dense model has no load-balancing loss
     assert len(list((path / "tensorboard").glob("events.out.tfevents.*"))) == 2  # one per run, none deleted
     events = EventAccumulator(str(path / "tensorboard"))
     events.Reload()
@@ -136,3 +139,42 @@ def test_a_run_writes_its_records_as_tensorboard_events_and_a_resume_replaces_wh
     assert expected | {"throughput/step_s", "memory/host_rss_gib"} <= tags
     host_update = events.Scalars("breakdown/host_update_s")
     assert [e.step for e in host_update] == [2, 4]  # none in a run's first record (step 1; 3 resumed)
+
+
+MOE = {
+    "model.num_experts": "4",
+    "model.num_experts_per_tok": "2",
+    "model.moe_intermediate_size": "32",
+    "model.router_aux_loss_coef": "0.05",
+    "model.num_layers": "2",
+    "data.batch_size": "8",
+    "data.grad_accum": "2",
+}
+
+
+def test_a_moe_run_logs_its_load_balancing_loss_and_resumes_bitwise(tmp_path):
+    """An experts' model's records carry `aux_loss` (unweighted, beside the cross-entropy `loss`), on
+    the console too; a run stopped after its step-2 checkpoint and resumed logs and ends as the
+    uninterrupted run, bit for bit."""
+    from jaxzero.storage.checkpoint_masters import read_saved_state
+
+    full = tiny(tmp_path / "full", **OFFLOADED, **MOE, **{"steps": "4", "checkpoint.every": "2"})
+    console = io.StringIO()
+    path = train_lib.train(full, console)
+    records = [json.loads(ln) for ln in (path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert all(r["aux_loss"] > 0 and r["loss"] > 0 for r in records)
+    assert " | aux " in console.getvalue()
+    events = EventAccumulator(str(path / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/aux_loss")] == [1, 2, 3, 4]
+
+    first = tiny(tmp_path / "resumed", **OFFLOADED, **MOE, **{"steps": "2", "checkpoint.every": "2"})
+    resumed_path = train_lib.train(first, io.StringIO())
+    train_lib.train(train_lib.configure([f"--run_dir={resumed_path}", "--steps=4"]).config, io.StringIO())
+    resumed = [json.loads(ln) for ln in (resumed_path / "metrics.jsonl").read_text().splitlines()]
+    keys = ("step", "loss", "aux_loss", "grad_norm")
+    assert [{k: r[k] for k in keys} for r in resumed] == [{k: r[k] for k in keys} for r in records]
+    a, b = (read_saved_state(p / "checkpoints" / "4")["params"] for p in (path, resumed_path))
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

@@ -11,12 +11,15 @@ which Adam's division by sqrt(v) turns into full-size, run-specific steps. Both 
 neither is wrong.
 """
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
 
 from jaxzero.config import TrainConfig
 from jaxzero.data import build_data
+from jaxzero.models import Llama
 from jaxzero.offload import OffloadState
 from jaxzero.overrides import apply_overrides
 from jaxzero.plan import placement
@@ -298,6 +301,69 @@ def test_moe_block_offloads_like_resident():
     assert seen == {"['router']['kernel']", "['gate_up']['kernel']", "['down']['kernel']"}
 
 
+def train_moe(cfg: TrainConfig, model=None):
+    """`run`'s loop for a mixture of experts: (state, losses, aux losses, norms), with `model` in place
+    of cfg.model's where given."""
+    trainer = build_trainer(cfg, placement.make_mesh(jax.devices()[:1]), model=model)
+    batches = build_data(cfg.data, cfg.model.vocab_size, cfg.seed).train_iter()
+    state = trainer.init(jax.random.key(cfg.seed))
+    metrics = []
+    for _ in range(cfg.steps):
+        state, m = trainer.step(state, trainer.put_batch(next(batches)))
+        metrics.append(jax.device_get(m))
+    jax.block_until_ready(state)
+    losses, norms = (np.array([float(getattr(m, k)) for m in metrics]) for k in ("loss", "grad_norm"))
+    aux = [None if m.aux_loss is None else float(m.aux_loss) for m in metrics]
+    return state, losses, aux, norms
+
+
+# The load-balancing loss weighted far above the released coefficients, so that its gradient shows.
+AUX = {**MOE, "model.router_aux_loss_coef": "0.05"}
+
+
+def test_moe_load_balancing_loss_offloads_like_resident():
+    """CE + coef x the load-balancing loss of each micro-batch (two a step), its statistics summed over
+    the streamed blocks and its cotangent fed to each block's backward pass, with the block inputs
+    waiting in pinned_host: the offload engine trains as the resident trainer differentiates the
+    whole objective, and both report the same unweighted `aux_loss` beside the cross-entropy."""
+    param_tol, loss_tol = TOLERANCE["float32"]
+    ref_state, ref_losses, ref_aux, ref_norms = train_moe(tiny("llama", "float32", **AUX))
+    offload = {**MODES["zero3-offload"], "offload.activations": "cpu"}
+    state, losses, aux, norms = train_moe(tiny("llama", "float32", **AUX, **offload))
+    np.testing.assert_allclose(losses, ref_losses, atol=loss_tol, rtol=0)
+    np.testing.assert_allclose(aux, ref_aux, atol=loss_tol, rtol=0)
+    np.testing.assert_allclose(norms, ref_norms, rtol=param_tol)
+    for a, b in zip(jax.tree.leaves(jax.device_get(state.params)), jax.tree.leaves(ref_state.params)):
+        assert rel(a, b) < param_tol
+    # The coefficient moved the parameters: the same run on the cross-entropy alone ends elsewhere.
+    ce_state, _, ce_aux, _ = train_moe(tiny("llama", "float32", **MOE))
+    assert ce_aux[0] == pytest.approx(ref_aux[0], abs=loss_tol)  # the same first step's statistics
+    router = lambda s: np.asarray(jax.device_get(s.params.blocks[0]["mlp"]["router"]["kernel"]))  # noqa: E731
+    assert rel(router(ce_state), router(ref_state)) > 100 * param_tol
+
+
+@dataclasses.dataclass(frozen=True)
+class CrossEntropyOnly(Llama):
+    """The experts' model trained as before the load-balancing loss: its blocks emit no statistics."""
+
+    @property
+    def emits_stats(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("mode", ["resident", "zero3-offload"])
+def test_moe_with_coefficient_zero_trains_bitwise_as_the_cross_entropy_alone(mode):
+    """router_aux_loss_coef=0: the statistics are summed for `aux_loss` alone; the parameters are those
+    of the cross-entropy's objective bit for bit, in either engine."""
+    cfg = tiny("llama", "float32", **MOE, **MODES.get(mode, {}))
+    state, losses, aux, _ = train_moe(cfg)
+    ce_state, ce_losses, ce_aux, _ = train_moe(cfg, model=CrossEntropyOnly(cfg.model))
+    assert all(a is not None for a in aux) and ce_aux == [None] * STEPS
+    np.testing.assert_array_equal(losses, ce_losses)
+    for a, b in zip(jax.tree.leaves(jax.device_get(state.params)), jax.tree.leaves(ce_state.params)):
+        np.testing.assert_array_equal(a, b)
+
+
 def kinds(tree) -> set:
     return {(x.sharding.memory_kind, next(iter(x.devices())).platform) for x in jax.tree.leaves(tree)}
 
@@ -392,7 +458,7 @@ def test_gradients_land_in_pinned_host():
     batch = build_data(cfg.data, 256, 0).train_iter().__next__()  # (1, 8, 33): one micro-batch
     seed = jax.device_put(np.float32(1.0), where.device)  # no loss scale
     with jax.transfer_guard("disallow"):
-        loss, grads, norm = streamed.grads(state.weights, trainer.put_batch(batch), seed)
+        loss, grads, norm, _ = streamed.grads(state.weights, trainer.put_batch(batch), seed)
     assert kinds(grads) == {("pinned_host", "cpu")}
     # One micro-batch: block gradients leave in the compute dtype (exact, half the link bytes).
     assert {x.dtype for x in jax.tree.leaves(grads.blocks)} == {np.dtype(jax.numpy.bfloat16)}
@@ -438,7 +504,7 @@ def test_delayed_update_is_the_reference_shifted_by_one_step(mode):
     )
     params = jax.tree.map(jax.numpy.asarray, params)
     opt_state, stale = tx.init(params), params
-    grad_fn = jax.jit(lambda p, b: averaged_grads(trainer.model, p, b))
+    grad_fn = jax.jit(lambda p, b: averaged_grads(trainer.model, p, b)[:2])
     batches = build_data(cfg.data, cfg.model.vocab_size, cfg.seed).train_iter()
     ref_losses = []
     for _ in range(cfg.steps):

@@ -239,6 +239,18 @@ def test_moe_sharded_over_four_devices_matches_one_device():
     _four_devices_train_as_one(moe, placements=(("optimizer", 1), ("params", 3)))
 
 
+def test_moe_load_balancing_loss_sharded_over_four_devices_matches_one_device():
+    """The load-balancing loss's statistics sum each micro-batch's tokens over the devices that hold
+    its rows: with a coefficient, ZeRO-1 and ZeRO-3 offload over four devices train as one does."""
+    moe = {
+        "model.num_experts": "4",
+        "model.num_experts_per_tok": "2",
+        "model.moe_intermediate_size": "64",
+        "model.router_aux_loss_coef": "0.05",
+    }
+    _four_devices_train_as_one(moe, placements=(("optimizer", 1), ("params", 3)))
+
+
 def test_zero3_offload_on_eight_devices_matches_one_device(tmp_path):
     """The 8-GPU node's layout on 8 fake CPU devices (a process of its own: the suite's have 4)."""
     from subprocess_run import run_program

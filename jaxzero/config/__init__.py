@@ -79,6 +79,7 @@ class ModelConfig:
     norm_topk_prob: bool = True  # the top-k routing weights renormalised to sum 1 (Mixtral: always)
     swiglu_alpha: float = 1.702  # gpt_oss experts: gate * sigmoid(swiglu_alpha * gate)
     swiglu_limit: float = 7.0  # gpt_oss experts: gate clipped above, up clipped both sides at it
+    router_aux_loss_coef: float = 0.0  # weight of the router's load-balancing loss added to the objective
     # Sliding-window attention's window (Mistral v0.1, some Qwen2): 0 is none. Attention is computed
     # in full, which equals the windowed attention only while data.seq_len <= the window.
     sliding_window: int = 0

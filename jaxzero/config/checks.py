@@ -182,6 +182,11 @@ def _validate_moe(m: ModelConfig) -> None:
     """Experts: llama family only, top-k of at least k experts, a width; the MoE checkpoint types
     with experts and the dense ones without (Mixtral renormalises its top-k, no q/k norms)."""
     moe_types = ("qwen3_moe", "mixtral")
+    if not (m.router_aux_loss_coef >= 0 and math.isfinite(m.router_aux_loss_coef)):
+        raise ConfigError(
+            f"model.router_aux_loss_coef={m.router_aux_loss_coef} must be a finite number >= 0 (the "
+            "weight of the load-balancing loss; 0 trains on the cross-entropy alone)."
+        )
     if m.family == "gpt_oss":  # `validate_gpt_oss`
         return
     if not m.num_experts:

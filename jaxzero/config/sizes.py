@@ -97,6 +97,7 @@ _REST: dict[str, Any] = dict(
     hf_model_type="",
     **dict(num_experts=0, num_experts_per_tok=2, moe_intermediate_size=0, norm_topk_prob=True),
     **dict(swiglu_alpha=1.702, swiglu_limit=7.0),
+    router_aux_loss_coef=0.0,
 )
 # Llama 3.1's rope scaling (transformers' "llama3"), each size with its own factor.
 _LLAMA3_ROPE = dict(
@@ -104,7 +105,17 @@ _LLAMA3_ROPE = dict(
 )
 _QWEN2 = dict(attention_bias=True, hf_model_type="qwen2")  # q, k, v biases
 _QWEN3 = dict(qk_norm=True, head_size=128, hf_model_type="qwen3")  # q/k norms; head_dim 128 at every width
-_QWEN3_MOE = dict(_QWEN3, hf_model_type="qwen3_moe", num_experts=128, num_experts_per_tok=8)
+# The released MoE configs' load-balancing coefficients (router_aux_loss_coef): Qwen3-MoE 0.001, Mixtral 0.02.
+_QWEN3_MOE = dict(
+    _QWEN3, hf_model_type="qwen3_moe", num_experts=128, num_experts_per_tok=8, router_aux_loss_coef=0.001
+)
+_MIXTRAL = dict(
+    hf_model_type="mixtral",
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=14336,
+    router_aux_loss_coef=0.02,
+)
 # gpt-oss: a window of 128 on every other layer, yarn x32 over 4096 positions, top 4 of the experts.
 _GPT_OSS = dict(
     head_size=64,
@@ -118,8 +129,8 @@ _GPT_OSS = dict(
     rope_original_max_len=4096,
     rope_truncate=False,
     hf_model_type="gpt_oss",
+    router_aux_loss_coef=0.9,  # the released configs'
 )
-_MIXTRAL = dict(hf_model_type="mixtral", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=14336)
 # Gemma 3: five local layers (window 1024, rope base 1e4) to one global; from 4B on, global rope linear x8.
 _GEMMA3 = dict(
     sliding_window=1024, sliding_window_pattern=6, rope_local_theta=1e4, hf_model_type="gemma3_text"

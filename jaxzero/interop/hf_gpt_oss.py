@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from jaxzero.config import ConfigError, ModelConfig
+from jaxzero.interop.hf_moe_config import aux_loss_coef_from_hf
 
 ARCHITECTURE = "GptOssForCausalLM"
 # GptOssConfig's defaults (transformers 5): gpt-oss-120b's shape, for fields a config.json leaves out.
@@ -156,6 +157,7 @@ def gpt_oss_from_hf(d: Mapping[str, Any], name: str, where: str) -> ModelConfig:
         moe_intermediate_size=width,
         swiglu_alpha=_num(_get(d, "swiglu_alpha"), "swiglu_alpha", where),
         swiglu_limit=_num(_get(d, "swiglu_limit"), "swiglu_limit", where),
+        router_aux_loss_coef=aux_loss_coef_from_hf(d, where),
         sliding_window=window,
         sliding_window_pattern=pattern,
         hf_model_type="gpt_oss",
@@ -206,8 +208,9 @@ def gpt_oss_to_hf(cfg: ModelConfig, common: Mapping[str, Any]) -> dict[str, Any]
         "attention_bias": cfg.attention_bias,
         "attention_dropout": 0.0,
         "hidden_act": "silu",
-        "output_router_logits": False,
-        "router_aux_loss_coef": 0.001,
+        # transformers adds the load-balancing loss only with output_router_logits (its default: off)
+        "output_router_logits": cfg.router_aux_loss_coef > 0,
+        "router_aux_loss_coef": cfg.router_aux_loss_coef or 0.001,
         "tie_word_embeddings": cfg.tie_embeddings,
         **common,
     }

@@ -7,9 +7,11 @@ Qwen3-MoE's `decoder_sparse_step` other than 1 or a non-empty `mlp_only_layers` 
 the sparse ones) is refused, as is Mixtral's `router_jitter_noise` (training-time noise on the router).
 
 The load-balancing loss: transformers adds `router_aux_loss_coef` x the loss to the objective only
-with `output_router_logits=true`, which is false in every released config and by default. jaxzero
-trains on the cross-entropy alone, transformers' default objective: import reads neither field and
-export writes transformers' defaults (`output_router_logits=false`, coefficient 0.001).
+with `output_router_logits=true` (false in every released config and by default). Import sets
+`ModelConfig.router_aux_loss_coef` to the config's coefficient where `output_router_logits` is true,
+else 0 (the cross-entropy alone, as transformers trains it); export writes `output_router_logits=true`
+with the coefficient where it is above 0, else transformers' defaults (false, 0.001), so a round trip
+keeps the objective.
 """
 
 from __future__ import annotations
@@ -84,9 +86,28 @@ def moe_from_hf(d: Mapping[str, Any], model_type: str, where: str) -> tuple[dict
                 "layer sparse, as every released Qwen3-MoE does)"
             )
     fields = dict(
-        num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=width, norm_topk_prob=normalize
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=width,
+        norm_topk_prob=normalize,
+        router_aux_loss_coef=aux_loss_coef_from_hf(d, where),
     )
     return fields, unsupported
+
+
+def aux_loss_coef_from_hf(d: Mapping[str, Any], where: str) -> float:
+    """The load-balancing loss's weight in the objective transformers trains `d`'s model with: its
+    `router_aux_loss_coef` (default 0.001) where `output_router_logits` is true, else 0. Every MoE
+    family's config (Qwen3-MoE, Mixtral, gpt-oss) spells both alike."""
+    on = d.get("output_router_logits", False)
+    if not isinstance(on, bool):
+        raise ConfigError(f"{where}: output_router_logits={on!r} must be true or false.")
+    coef = d.get("router_aux_loss_coef", 0.001)
+    if not on:
+        return 0.0
+    if isinstance(coef, bool) or not isinstance(coef, int | float) or not coef >= 0:
+        raise ConfigError(f"{where}: router_aux_loss_coef={coef!r} must be a number >= 0.")
+    return float(coef)
 
 
 def moe_to_hf(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
@@ -101,8 +122,9 @@ def moe_to_hf(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
     out: dict[str, Any] = {
         "num_local_experts": cfg.num_experts,
         "num_experts_per_tok": cfg.num_experts_per_tok,
-        "output_router_logits": False,
-        "router_aux_loss_coef": 0.001,
+        # transformers adds the load-balancing loss only with output_router_logits (its default: off)
+        "output_router_logits": cfg.router_aux_loss_coef > 0,
+        "router_aux_loss_coef": cfg.router_aux_loss_coef or 0.001,
     }
     if model_type == "mixtral":
         out.update(intermediate_size=cfg.moe_intermediate_size, router_jitter_noise=0.0)

@@ -19,11 +19,14 @@ from jaxzero.models.base import (
     KVCache,
     Model,
     ModelParams,
+    add_layer_stats,
+    emits_stats,
     forward,
     init_keys,
     init_params,
     layer_input,
     run_block,
+    run_block_stats,
 )
 from jaxzero.models.gemma import Gemma3
 from jaxzero.models.gpt2 import GPT2
@@ -38,12 +41,15 @@ __all__ = [
     "Llama",
     "Model",
     "ModelParams",
+    "add_layer_stats",
     "build_model",
+    "emits_stats",
     "forward",
     "init_keys",
     "init_params",
     "layer_input",
     "run_block",
+    "run_block_stats",
 ]
 
 

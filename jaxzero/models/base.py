@@ -45,7 +45,14 @@ class Model(Protocol):
 
     A family whose layers share one parameter structure but not one computation (Gemma 3's local and
     global layers) also has `layer_input(i)`, a small pytree of arrays for block i, which `block` and
-    `block_step` then take as their `layer` argument (`layer_input` below)."""
+    `block_step` then take as their `layer` argument (`layer_input` below).
+
+    A family whose blocks feed an auxiliary loss (a mixture of experts' load-balancing loss) says so
+    with `emits_stats = True` and has two more functions: `block_stats(block_params, x, segments,
+    dropout_key[, layer])` -> (`block`'s output, this layer's statistics: a small pytree of float32
+    arrays, added leaf-wise over layers), and `aux_loss(stats)` -> the unweighted float32 loss of the
+    statistics summed over ALL layers of one micro-batch. Training adds `config.router_aux_loss_coef`
+    times it to each micro-batch's cross-entropy (`emits_stats` below); `block` stays the plain form."""
 
     config: ModelConfig
 
@@ -118,14 +125,55 @@ def layer_input(model: Model, i: int) -> Any:
     return None if get is None else get(i)
 
 
-def run_block(
-    model: Model, block_params: Any, x: jax.Array, segments: jax.Array | None = None, layer: Any = None
-) -> jax.Array:
-    """`model.block(block_params, x)`, within `segments` (int32 (B, S)) where they are given, for the
-    layer whose `layer_input` is `layer` where there is one; without them the block is called as the
-    protocol's first form, so models without the arguments still run."""
+def emits_stats(model: Model) -> bool:
+    """Whether `model`'s blocks emit the statistics of an auxiliary loss (`Model`'s docstring:
+    `block_stats`, `aux_loss`), read once when a step function is built: the engines then sum each
+    micro-batch's statistics over the layers and add `model.config.router_aux_loss_coef` times
+    `aux_loss` of the sum to its objective. Models without `emits_stats` (dense ones, one's own) emit
+    none and their step functions are built as before."""
+    return bool(getattr(model, "emits_stats", False))
+
+
+def add_layer_stats(a: Any, b: Any) -> Any:
+    """Two layers' (or layer sums') statistics added leaf-wise: the statistics of both."""
+    return jax.tree.map(lambda u, v: u + v, a, b)
+
+
+def run_block_stats(
+    model: Model,
+    block_params: Any,
+    x: jax.Array,
+    segments: jax.Array | None = None,
+    dropout_key: jax.Array | None = None,
+    layer: Any = None,
+) -> tuple[jax.Array, Any]:
+    """`model.block_stats`: (the block's output (B, S, D), its layer's statistics), with the
+    per-layer input `layer` where the model has one."""
     if layer is not None:
-        return model.block(block_params, x, segments, None, layer)
+        return model.block_stats(block_params, x, segments, dropout_key, layer)
+    return model.block_stats(block_params, x, segments, dropout_key)
+
+
+def run_block(
+    model: Model,
+    block_params: Any,
+    x: jax.Array,
+    segments: jax.Array | None = None,
+    layer: Any = None,
+    *,
+    dropout_key: jax.Array | None = None,
+    stats: bool = False,
+) -> Any:
+    """`model.block(block_params, x)`, within `segments` (int32 (B, S)) where they are given, with
+    the adapters' `dropout_key` where given, for the layer whose `layer_input` is `layer` where there
+    is one; without them the block is called as the protocol's first form, so models without the
+    arguments (one's own) still run. With `stats`: `run_block_stats`, (y, the layer's statistics)."""
+    if stats:
+        return run_block_stats(model, block_params, x, segments, dropout_key, layer)
+    if layer is not None:
+        return model.block(block_params, x, segments, dropout_key, layer)
+    if dropout_key is not None:
+        return model.block(block_params, x, segments, dropout_key)
     if segments is None:
         return model.block(block_params, x)
     return model.block(block_params, x, segments)

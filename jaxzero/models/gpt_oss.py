@@ -132,12 +132,13 @@ class _Attention(nn.Module):
 class _Experts(nn.Module):
     """The sparse MLP (`jaxzero.models.moe`): biased router and experts, float32 masters used in x's
     dtype (int8 kernels with their "kernel_scale" dequantised first, as `_Linear` does). No LoRA
-    adapters: LoRA adapts attention."""
+    adapters: LoRA adapts attention. Returns (y, this layer's `moe.RouterStats` over every token of h,
+    from the biased router logits, as transformers records them for the load-balancing loss)."""
 
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, h: jax.Array) -> jax.Array:
+    def __call__(self, h: jax.Array) -> tuple[jax.Array, moe.RouterStats]:
         c = self.config
         d, f, e = c.hidden_size, c.moe_intermediate_size, c.num_experts
 
@@ -155,7 +156,8 @@ class _Experts(nn.Module):
                     "kernel": dequantize(p["kernel"], p["kernel_scale"], h.dtype),
                     "bias": p["bias"],
                 }
-        return moe.moe_block(params, h, moe_spec(c))[0]
+        y, routing = moe.moe_block(params, h, moe_spec(c))
+        return y, moe.router_stats(routing)
 
 
 class GptOssBlock(nn.Module):
@@ -164,10 +166,13 @@ class GptOssBlock(nn.Module):
 
         x = x + o_proj(sink_attention(rope(q_proj(n1(x))), rope(k_proj(n1(x))), v_proj(n1(x))))
         x = x + experts(n2(x))
+
+    `stats` (without a cache): return (x, the layer's `moe.RouterStats`) instead of x.
     """
 
     config: ModelConfig
     lora: LoraSpec | None = None
+    stats: bool = False
 
     @nn.compact
     def __call__(
@@ -187,8 +192,11 @@ class GptOssBlock(nn.Module):
         else:
             a, cache = attn(h, layer, cache, pos)
             x = x + a
-        x = x + _Experts(c, name="mlp")(_RMSNorm(c.norm_eps, name="post_attention_layernorm")(x))
-        return x if cache is None else (x, cache)
+        y, stats = _Experts(c, name="mlp")(_RMSNorm(c.norm_eps, name="post_attention_layernorm")(x))
+        x = x + y
+        if cache is not None:
+            return x, cache
+        return (x, stats) if self.stats else x
 
 
 def _need_layer(layer: Any) -> None:
@@ -206,6 +214,11 @@ class GptOss:
 
     config: ModelConfig
     lora: LoraSpec | None = None
+
+    @property
+    def emits_stats(self) -> bool:
+        """Its blocks emit their router's statistics (`block_stats`, `aux_loss`): every block has experts."""
+        return True
 
     def __post_init__(self) -> None:
         layers.check_shape(self.config, "gpt_oss")
@@ -262,6 +275,27 @@ class GptOss:
         return GptOssBlock(self.config, self.lora).apply(
             {"params": block_params}, x, layer, segments=segments, rngs=rngs
         )
+
+    def block_stats(
+        self,
+        block_params: Any,
+        x: jax.Array,
+        segments: jax.Array | None = None,
+        dropout_key: jax.Array | None = None,
+        layer: dict[str, jax.Array] | None = None,
+    ) -> tuple[jax.Array, moe.RouterStats]:
+        """`block`, and its router's statistics over the B*S tokens (`moe.RouterStats`: counts (E,),
+        prob_sum (E,), rows (), float32)."""
+        _need_layer(layer)
+        rngs = None if dropout_key is None else {"dropout": dropout_key}
+        return GptOssBlock(self.config, self.lora, stats=True).apply(
+            {"params": block_params}, x, layer, segments=segments, rngs=rngs
+        )
+
+    def aux_loss(self, stats: moe.RouterStats) -> jax.Array:
+        """The load-balancing loss (float32 scalar, unweighted) of the statistics summed over every
+        layer of one micro-batch (`moe.load_balancing_loss`, transformers' `load_balancing_loss_func`)."""
+        return moe.load_balancing_loss(stats)
 
     def init_cache(self, batch: int, length: int) -> KVCache:
         c = self.config

@@ -161,12 +161,13 @@ def moe_spec(c: ModelConfig) -> moe.MoeSpec:
 class _MoE(nn.Module):
     """The sparse MLP (`jaxzero.models.moe`): router and experts, float32 masters used in x's dtype
     (int8 kernels with their "kernel_scale" dequantised first, as `_Linear` does). Experts are grouped
-    by `moe.experts_padded`, which runs on every backend. No LoRA adapters: LoRA adapts attention."""
+    by `moe.experts_padded`, which runs on every backend. No LoRA adapters: LoRA adapts attention.
+    Returns (y, this layer's `moe.RouterStats` over every token of h: the load-balancing loss's)."""
 
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, h: jax.Array) -> jax.Array:
+    def __call__(self, h: jax.Array) -> tuple[jax.Array, moe.RouterStats]:
         c = self.config
         spec = moe_spec(c)
         d, f, e = c.hidden_size, c.moe_intermediate_size, c.num_experts
@@ -182,7 +183,8 @@ class _MoE(nn.Module):
         for name, p in params.items():
             if "kernel_scale" in p:
                 params[name] = {"kernel": dequantize(p["kernel"], p["kernel_scale"], h.dtype)}
-        return moe.moe_block(params, h, spec)[0]
+        y, routing = moe.moe_block(params, h, spec)
+        return y, moe.router_stats(routing)
 
 
 class LlamaBlock(nn.Module):
@@ -194,11 +196,13 @@ class LlamaBlock(nn.Module):
     Its parameters are the block pytree of the module docstring; every weight is used in the compute
     dtype, so float32 masters and compute-dtype copies give the same result. `segments` (B, S) int32:
     attention stays within each segment (`layers.causal_attention`); not with a `cache`. `lora`: how
-    adapters in the parameters apply (`jaxzero.models.lora`).
+    adapters in the parameters apply (`jaxzero.models.lora`). `stats` (experts only, without a
+    cache): return (x, the layer's `moe.RouterStats`) instead of x.
     """
 
     config: ModelConfig
     lora: LoraSpec | None = None
+    stats: bool = False
 
     @nn.compact
     def __call__(
@@ -217,9 +221,15 @@ class LlamaBlock(nn.Module):
         else:
             a, cache = attn(h, cache, pos)
             x = x + a
-        mlp = _MoE(c, name="mlp") if c.num_experts else _MLP(c, self.lora, name="mlp")
-        x = x + mlp(_RMSNorm(c.norm_eps, name="post_attention_layernorm")(x))
-        return x if cache is None else (x, cache)
+        h = _RMSNorm(c.norm_eps, name="post_attention_layernorm")(x)
+        if not c.num_experts:
+            x = x + _MLP(c, self.lora, name="mlp")(h)
+            return x if cache is None else (x, cache)
+        y, stats = _MoE(c, name="mlp")(h)
+        x = x + y
+        if cache is not None:
+            return x, cache
+        return (x, stats) if self.stats else x
 
 
 @dataclass(frozen=True)
@@ -229,6 +239,11 @@ class Llama:
 
     config: ModelConfig
     lora: LoraSpec | None = None
+
+    @property
+    def emits_stats(self) -> bool:
+        """Experts' blocks emit their router's statistics (`block_stats`, `aux_loss`)."""
+        return self.config.num_experts > 0
 
     def __post_init__(self) -> None:
         layers.check_shape(self.config, "llama")  # includes the even head_dim that rotary embeddings need
@@ -295,6 +310,26 @@ class Llama:
         return LlamaBlock(self.config, self.lora).apply(
             {"params": block_params}, x, segments=segments, rngs=rngs
         )
+
+    def block_stats(
+        self,
+        block_params: Any,
+        x: jax.Array,
+        segments: jax.Array | None = None,
+        dropout_key: jax.Array | None = None,
+    ) -> tuple[jax.Array, moe.RouterStats]:
+        """`block` of an experts' model, and its router's statistics over the B*S tokens
+        (`moe.RouterStats`: counts (E,), prob_sum (E,), rows (), float32; every token counts, as
+        transformers counts them without a padding mask)."""
+        rngs = None if dropout_key is None else {"dropout": dropout_key}
+        return LlamaBlock(self.config, self.lora, stats=True).apply(
+            {"params": block_params}, x, segments=segments, rngs=rngs
+        )
+
+    def aux_loss(self, stats: moe.RouterStats) -> jax.Array:
+        """The load-balancing loss (float32 scalar, unweighted) of the statistics summed over every
+        layer of one micro-batch: transformers' `load_balancing_loss_func` (`moe.load_balancing_loss`)."""
+        return moe.load_balancing_loss(stats)
 
     # ---------------------------------------------------------------------------------------------
     # Generation: the same units over a key/value cache

@@ -49,7 +49,10 @@ rows (tokens x layers). Because the counts and probabilities of every layer are 
 R, the loss is NOT the sum (or mean) of per-layer losses. So each block emits its `RouterStats`
 (C, P, R of its own layer; a few hundred bytes), the caller adds them over layers (`add_stats`, a
 leaf-wise sum that is associative, so it can be accumulated as blocks run, streamed or not) and turns
-the total into the loss once (`load_balancing_loss`). The gradient flows through P only: the counts
+the total into the loss once (`load_balancing_loss`): a model says its blocks emit them
+(`jaxzero.models.emits_stats`, `block_stats`, `aux_loss`) and both engines add them up over the layers
+of each micro-batch (`jaxzero.numerics.objective.objective_with_aux`, the streamed schedule), weighing
+the loss by `router_aux_loss_coef`. The gradient flows through P only: the counts
 come from integer expert ids. transformers computes the loss per forward call, so under gradient
 accumulation each microbatch has its own loss over its own statistics. The top-k behind the counts
 is the routing's own (transformers recomputes it from softmax(logits); softmax is monotone, so the

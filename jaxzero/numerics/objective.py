@@ -12,6 +12,12 @@ Documents: a window may hold several documents one after another, each ended by 
 them (`data.cross_document_attention`), each input token attends only within its own document: its
 segment id (`document_segments`) is the count of end-of-text ids before it, and the blocks attend
 within equal ids. The id is fixed when a trainer is built (`document_eot`), never decided in a step.
+
+An auxiliary loss: where the model's blocks emit statistics (`jaxzero.models.emits_stats`: a mixture
+of experts' router), each micro-batch's objective is its weighted cross-entropy plus
+`router_aux_loss_coef` times the model's `aux_loss` of its statistics summed over every layer
+(`objective_with_aux`), as transformers adds it per forward call. The loss reported and evaluated
+stays the cross-entropy (`loss_fn`).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxzero.config import ConfigError, DataConfig
-from jaxzero.models import Model, ModelParams, layer_input
+from jaxzero.models import Model, ModelParams, add_layer_stats, layer_input, run_block_stats
 
 
 def decode_window(window: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -151,3 +157,35 @@ def loss_fn(
         else:
             x = block(p, x) if segments is None else block(p, x, segments)
     return head_loss(model, params.head, params.embed, x, window, weight)
+
+
+def objective_with_aux(
+    model: Model,
+    params: ModelParams,
+    window: jax.Array,
+    weight: jax.Array | None = None,
+    eot_id: int | None = None,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """For a model whose blocks emit statistics (`jaxzero.models.emits_stats`): (the objective, (the
+    cross-entropy term, the auxiliary loss)), float32 scalars: `loss_fn`'s weighted cross-entropy of
+    int32 window (B, S+1) plus `model.config.router_aux_loss_coef` times `model.aux_loss` of the
+    blocks' statistics summed over the layers (unweighted, the second of the pair). Blocks are
+    rematerialised as in `loss_fn`."""
+    inputs, _, _ = decode_window(window)
+    if weight is None:
+        weight = 1.0 / jnp.maximum(counted_targets(window), 1).astype(jnp.float32)
+    segments = None if eot_id is None else document_segments(window, eot_id)
+    block = jax.checkpoint(
+        lambda p, x, s, layer: run_block_stats(model, p, x, s, None, layer),
+        policy=jax.checkpoint_policies.nothing_saveable,
+    )
+    x = model.embed(params.embed, inputs)
+    total = None
+    for i, p in enumerate(params.blocks):
+        x, stats = block(p, x, segments, layer_input(model, i))
+        total = stats if total is None else add_layer_stats(total, stats)
+    ce = head_loss(model, params.head, params.embed, x, window, weight)
+    aux = model.aux_loss(total)
+    coef = model.config.router_aux_loss_coef
+    # A zero weight adds nothing, not 0 * aux: the gradients are the cross-entropy's alone.
+    return (ce if coef == 0 else ce + coef * aux), (ce, aux)

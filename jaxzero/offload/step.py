@@ -1,6 +1,6 @@
 """The offload trainer's step, and its evaluation loss.
 
-    loss, grads, norm = streamed.grads(read, batch, loss_scale)  # accelerator; grads land in pinned_host
+    loss, grads, norm, aux = streamed.grads(read, batch, loss_scale)  # accelerator; grads in pinned_host
     submitted = pipeline.submit(units, read, grads, norm, ...)   # host; one background update per unit
 
 The step returns as soon as the accelerator work is issued; the next step's forward pass waits for
@@ -63,12 +63,13 @@ class OffloadStep:
         scaling = self._scaling
         loss_scale = scaling.scale_of(state)
         segments = self._segments(batch)
-        loss, grads, norm = self._streamed.grads(state.read, batch, loss_scale, self._clock, segments)
+        loss, grads, norm, aux = self._streamed.grads(state.read, batch, loss_scale, self._clock, segments)
         on_accelerator = self._update_on_device(state, grads, norm, loss_scale)
         submitted = _merged(
             self._pipeline.submit(state.units, state.read, grads, norm, loss_scale), on_accelerator
         )
         next_step, next_ls, metrics = scaling.advance(state, loss, norm, self._lr(state.step))
+        metrics = metrics._replace(aux_loss=aux)
         new_state = OffloadState(next_step, submitted.units, self._next_read(state, submitted), next_ls)
         state.consumed = True  # as the resident step's donation does: the old state is gone
         return new_state, metrics

@@ -36,6 +36,12 @@ segment ids, int32 (A, mb, S) (`objective.document_segments`, made once per step
 `loss` and `grads`, which hand them to every block forward and backward beside its activations; the
 block programs are then compiled with that extra input (once each, as without it).
 
+An auxiliary loss (experts' load balancing, `jaxzero.models.emits_stats`) is a function of ALL
+layers' statistics summed: each block forward also returns its layer's (per micro-batch, a few
+hundred bytes), the forward pass adds them, `aux_grad` turns the sum into the loss and its cotangent,
+and every block backward takes that cotangent beside dy: exact, with no second forward pass (with a
+coefficient of 0, the cross-entropy's backward alone). Dense models' programs have none of it.
+
 Exactness: with one micro-batch, a block's gradient leaves in the compute dtype; that is exactly the
 value the resident trainer upcasts (the gradient of `astype` is an upcast), so sending it narrow
 loses nothing. With several micro-batches the float32 sum leaves, as the resident trainer keeps it.
@@ -53,7 +59,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jaxzero.models import Model, ModelParams, layer_input
+from jaxzero.models import Model, ModelParams, emits_stats, layer_input, run_block
 from jaxzero.models.sizes import ties_output
 from jaxzero.numerics import objective
 from jaxzero.offload.host_memory import copy_to
@@ -160,6 +166,7 @@ class UnitPrograms:
     tied:           the head reads the embedding (its gradient gets the head's share).
     grad_accum:     micro-batches per step (A).
     trains:         what trains of each unit (`WholeUnits` or `FrozenPart`).
+    stats:          the blocks emit an auxiliary loss's statistics (`jaxzero.models.emits_stats`).
     """
 
     model: Model
@@ -170,6 +177,7 @@ class UnitPrograms:
     tied: bool
     grad_accum: int
     trains: WholeUnits | FrozenPart = EVERY
+    stats: bool = False
 
     def weights(self, unit: Any, whole_sharding: Any) -> Any:
         """The weights the model reads of `unit` (the compute-dtype weights gathered whole, or the
@@ -196,9 +204,10 @@ class UnitPrograms:
         """(A, mb, S, D) -> the same, through one block; attention within `segments` (int32
         (A, mb, S)) where given; dropout from `keys` ((A,) keys, one per micro-batch) where given;
         `layer`: the block's per-layer input (`jaxzero.models.layer_input`), an argument of the one
-        program, or None."""
-        m, w = self.model, self.weights(w, self.whole.blocks)
-        return self.rows(jax.lax.map(lambda a: _run_block(m, w, *a, layer), (x, segments, keys)))
+        program, or None. With `stats`: (y, the layer's statistics per micro-batch, leaves (A, ...))."""
+        m, w, stats = self.model, self.weights(w, self.whole.blocks), self.stats
+        out = jax.lax.map(lambda a: _block(m, w, *a, layer, stats), (x, segments, keys))
+        return (self.rows(out[0]), out[1]) if stats else self.rows(out)
 
     def head_loss(self, head_w: Any, embed_w: Any, x: jax.Array, batch: jax.Array) -> jax.Array:
         """Float32 scalar: the step's mean over its counted targets."""
@@ -247,6 +256,20 @@ class UnitPrograms:
             g_embed = t.scatter(g_embed, self.grad_on_device.embed)
         return loss / x.shape[0], self.rows(dx), g_head, g_embed, _sq_norm(g_head)
 
+    def aux_grad(
+        self, total: Any, loss_scale: jax.Array, aux_weight: float = 1.0
+    ) -> tuple[jax.Array, Any]:
+        """Statistics summed over the layers (leaves (A, ...)) -> (mean over micro-batches of
+        aux_weight * aux_a, float32; the cotangent loss_scale * coef * aux_weight * d aux_a / d
+        total_a, or None where `router_aux_loss_coef` is 0)."""
+        coef = self.model.config.router_aux_loss_coef
+        aux, vjp = jax.vjp(jax.vmap(self.model.aux_loss), total)
+        mean = jnp.sum(aux) * aux_weight / aux.shape[0]
+        if coef == 0:
+            return mean, None
+        (g,) = vjp(jnp.broadcast_to(loss_scale * coef * aux_weight, aux.shape).astype(aux.dtype))
+        return mean, g
+
     def block_bwd(
         self,
         w: Any,
@@ -255,22 +278,25 @@ class UnitPrograms:
         segments: jax.Array | None = None,
         keys: jax.Array | None = None,
         layer: Any = None,
+        d_stats: Any = None,
     ) -> tuple[jax.Array, Any, jax.Array]:
         """Recompute block(w, x_a) and backpropagate dy_a for each micro-batch -> (dx, dw, |dw|^2),
         dw with respect to what trains; attention within `segments` (int32 (A, mb, S)) and dropout
-        from `keys` ((A,) keys) where given, as in the forward pass."""
+        from `keys` ((A,) keys) where given, as in the forward pass; `d_stats` (leaves (A, ...),
+        `aux_grad`) the cotangent of the block's statistics where given."""
         m, t = self.model, self.trains
         fixed, w = t.split(w, self.compute, self.whole.blocks)
+        stats = d_stats is not None
 
-        def one(xa, dya, segments_a, key_a):
+        def one(xa, dya, segments_a, key_a, d_stats_a):
             _, vjp = jax.vjp(
-                lambda wb, xb: _run_block(m, t.join(fixed, wb), xb, segments_a, key_a, layer), w, xa
+                lambda wb, xb: _block(m, t.join(fixed, wb), xb, segments_a, key_a, layer, stats), w, xa
             )
-            return vjp(dya)
+            return vjp((dya, d_stats_a) if stats else dya)
 
-        per_batch = (x, dy, segments, keys)
+        per_batch = (x, dy, segments, keys, d_stats)
         if x.shape[0] == 1:  # exact in the compute dtype; see the module docstring
-            g, dx = one(*(None if v is None else v[0] for v in per_batch))
+            g, dx = one(*(jax.tree.map(lambda u: u[0], v) for v in per_batch))
             g = t.scatter(g, self.grad_on_device.blocks)
             return self.rows(dx[None]), g, _sq_norm(g)
         g, dx = _accumulate(one, per_batch, _f32(jax.tree.map(jnp.zeros_like, w)))
@@ -298,20 +324,6 @@ class UnitPrograms:
     def global_norm(self, sq_norms: list[jax.Array], loss_scale: jax.Array) -> jax.Array:
         """The norm of the mean gradient: of the sums / (A * loss_scale)."""
         return jnp.sqrt(sum(sq_norms[1:], sq_norms[0])) / (jnp.float32(self.grad_accum) * loss_scale)
-
-
-def _run_block(
-    model: Model, w: Any, x: jax.Array, segments: jax.Array | None, key: jax.Array | None, layer: Any = None
-) -> jax.Array:
-    """`model.block` given only the inputs there are: a model of one's own may take neither
-    segments nor a dropout key (nor a per-layer input)."""
-    if layer is not None:
-        return model.block(w, x, segments, key, layer)
-    if key is not None:
-        return model.block(w, x, segments, key)
-    if segments is not None:
-        return model.block(w, x, segments)
-    return model.block(w, x)
 
 
 class StreamedModel:
@@ -356,12 +368,15 @@ class StreamedModel:
             tied=self.tied,
             grad_accum=grad_accum,
             trains=trains,
+            stats=emits_stats(model),
         )
+        self.stats = programs.stats
         # Each jitted once, here: every call of a unit kind reuses its compiled program.
         self._embed = jax.jit(programs.embed)
         self._block_fwd = jax.jit(programs.block_fwd)
         self._head_loss = jax.jit(programs.head_loss)
         self._head_grad = jax.jit(programs.head_grad)
+        self._aux_grad = jax.jit(programs.aux_grad, static_argnames=("aux_weight",))  # a Python float
         # The incoming gradient is consumed here: donating it lets the outgoing one reuse its memory.
         self._block_bwd = jax.jit(programs.block_bwd, donate_argnums=(2,))
         self._embed_grad = jax.jit(programs.embed_grad)
@@ -391,6 +406,8 @@ class StreamedModel:
         )
         for i, w in enumerate(blocks):
             x = self._block_fwd(unit(w, tr.blocks[i]), x, segments, None, self._layers[i])
+            if self.stats:  # the loss evaluated is the cross-entropy: the statistics are not read
+                x = x[0]
         head_w = unit(resolve(weights.head, self.num_layers + 1), tr.head)
         return self._head_loss(head_w, embed_w, x, batch)
 
@@ -405,9 +422,11 @@ class StreamedModel:
         trainable: ModelParams | None = None,
         keys: jax.Array | None = None,
         weight: jax.Array | None = None,
-    ) -> tuple[jax.Array, ModelParams, jax.Array]:
-        """Loss, gradients and their global norm over int32 (A, mb, S+1); gradients land in `pinned_host`
-        (those of units whose state is on the accelerator stay there, one shard per device).
+        aux_weight: float = 1.0,
+    ) -> tuple[jax.Array, ModelParams, jax.Array, jax.Array | None]:
+        """Loss, gradients, their global norm and the auxiliary loss over int32 (A, mb, S+1);
+        gradients land in `pinned_host` (those of units whose state is on the accelerator stay there,
+        one shard per device).
 
         Block gradients are summed over the A micro-batches (compute dtype if A == 1, float32 if A > 1);
         embed and head gradients are float32 sums. `loss_scale` (float32 scalar on the accelerator)
@@ -427,6 +446,10 @@ class StreamedModel:
         keys, (L, A) (block i's forward and backward read row i), or None. `weight`: the float32
         weight of each micro-batch's summed cross-entropy, where a caller passes the step's batch one
         micro-batch at a time (default `objective.step_weight(batch)`).
+
+        Where blocks emit statistics (`stats`), each micro-batch's objective adds coef * `aux_weight`
+        * its auxiliary loss, and the fourth value is the mean over micro-batches of `aux_weight` *
+        aux (float32 scalar on the accelerator); else None.
         """
         clock = clock or StepClock.off()
         unit, tr = self.trains.unit, _trainable_or_none(trainable, self.num_layers)
@@ -443,10 +466,14 @@ class StreamedModel:
         saved: list[jax.Array | None] = []
         rows = batch_rows_sharding(self.placement.mesh, x.ndim)
         away = rows.with_memory_kind(PINNED_HOST) if self.offloads_activations else None
+        total = None  # the statistics summed over the blocks so far (`stats`)
         for i in range(num_layers):
             with clock.waiting():
                 w = unit(next(fetched), tr.blocks[i])
             y = clock.computed(self._block_fwd(w, x, segments, keys[i], self._layers[i]))
+            if self.stats:
+                y, layer_stats = y
+                total = layer_stats if total is None else self._add(total, layer_stats)
             # The block input is all the backward pass keeps: here, or in pinned_host (async DMA,
             # issued after the block that reads it, so it overlaps that block). The last block's
             # stays: the backward pass starts with it. Below the lowest block that trains, nothing.
@@ -464,6 +491,9 @@ class StreamedModel:
             head_w, embed_w, x, batch, loss_scale, weight
         )
         clock.computed(loss)
+        aux, d_stats = (None, None)
+        if self.stats:
+            aux, d_stats = self._aux_grad(total, loss_scale, aux_weight=aux_weight)
         del x
         to_host = self._to_host
         block_grads: list[Any] = [{}] * low + [None] * (num_layers - low)  # nothing trains below `low`
@@ -472,7 +502,7 @@ class StreamedModel:
         for i in reversed(range(low, num_layers)):
             w = unit(next(fetched), tr.blocks[i])
             x_i, x_next = x_next, _back(saved, i - 1, rows) if i > low else None  # one block ahead of its use
-            dx, g, sq_i = self._block_bwd(w, x_i, dx, segments, keys[i], self._layers[i])
+            dx, g, sq_i = self._block_bwd(w, x_i, dx, segments, keys[i], self._layers[i], d_stats)
             del x_i
             clock.computed(sq_i)
             sq.append(sq_i)
@@ -489,7 +519,7 @@ class StreamedModel:
             blocks=tuple(block_grads),
             head=self._leave(num_layers + 1, g_head, to_host.head, clock),
         )
-        return loss, grads, self._global_norm(sq, loss_scale)
+        return loss, grads, self._global_norm(sq, loss_scale), aux
 
     def grads_per_micro_batch(
         self,
@@ -500,19 +530,21 @@ class StreamedModel:
         trainable: ModelParams,
         segments: Callable[[jax.Array], jax.Array | None],
         keys: Callable[[int], jax.Array | None],
-    ) -> tuple[jax.Array, ModelParams]:
+    ) -> tuple[jax.Array, ModelParams, jax.Array | None]:
         """Loss and gradient of what trains beside a frozen part (`FrozenPart`) over int32
         (A, mb, S+1), one pass of the schedule per micro-batch: only one micro-batch's activations
         live (a streamed base crosses the link twice per micro-batch). Each micro-batch's summed
         cross-entropy is weighted by the step's counted targets (`objective.step_weight`), so the
         loss (float32 scalar) and the gradients (float32, added on the accelerator) are the step's
         means. `segments(window)` and `keys(a)`: micro-batch a's segment ids and dropout keys (or
-        None)."""
+        None). The third value: the mean auxiliary loss over the micro-batches (each pass's weighted
+        by 1/A, as its objective's share is), or None (`grads`)."""
         weight = self._micro_weight(batch)
-        grads, loss = None, None
+        aux_weight = 1.0 / batch.shape[0]
+        grads, loss, aux = None, None, None
         for a in range(batch.shape[0]):
             window = batch[a : a + 1]
-            part, g, _ = self.grads(
+            part, g, _, aux_part = self.grads(
                 weights,
                 window,
                 loss_scale,
@@ -520,10 +552,13 @@ class StreamedModel:
                 trainable=trainable,
                 keys=keys(a),
                 weight=weight,
+                aux_weight=aux_weight,
             )
             grads = g if grads is None else self._add(grads, g)
             loss = part if loss is None else loss + part
-        return loss, grads
+            if aux_part is not None:
+                aux = aux_part if aux is None else aux + aux_part
+        return loss, grads, aux
 
     def _leave(self, position: int, g: Any, target: Any, clock: StepClock) -> Any:
         """A unit's gradient: an async DMA to `target` in pinned_host, or kept on the accelerator
@@ -532,6 +567,11 @@ class StreamedModel:
             return g
         with span("d2h grad", position):
             return clock.sent(copy_to(g, target))
+
+
+def _block(model: Model, w: Any, x: jax.Array, segments: Any, key: Any, layer: Any, stats: bool) -> Any:
+    """`run_block` with the inputs a micro-batch has (a model of one's own may take fewer)."""
+    return run_block(model, w, x, segments, layer, dropout_key=key, stats=stats)
 
 
 def _trainable_or_none(trainable: ModelParams | None, num_layers: int) -> ModelParams:

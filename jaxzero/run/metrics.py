@@ -159,6 +159,7 @@ class MetricsLog:
 # The TensorBoard tag of each key of a record, by group; a key not named here is a `train/` scalar.
 TAGS: dict[str, str] = {
     "loss": "train/loss",
+    "aux_loss": "train/aux_loss",
     "lr": "train/lr",
     "grad_norm": "train/grad_norm",
     "loss_tokens": "train/loss_tokens",
@@ -250,6 +251,7 @@ def format_record(rec: dict[str, Any], device: str = "GPU") -> str:
     parts = [f"step {rec['step']}"]
     names = [
         ("loss", "loss", "{:.4f}"),
+        ("aux_loss", "aux", "{:.4f}"),
         ("val_loss", "val", "{:.4f}"),
         ("lr", "lr", "{:.2e}"),
         ("grad_norm", "gnorm", "{:.3f}"),
@@ -396,6 +398,8 @@ class LogWindow:
             "step": step,
             # null for a step whose every target is masked: its mean over no targets is no loss
             "loss": float(last.loss) if int(counted[-1]) else None,
+            # experts' models: the router's load-balancing loss, unweighted, averaged over micro-batches
+            **({} if last.aux_loss is None else {"aux_loss": float(last.aux_loss)}),
             "lr": float(last.lr),
             "grad_norm": float(last.grad_norm),
             # the last step's targets counted in its loss, and those marked not-a-target (prompts)
