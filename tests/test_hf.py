@@ -137,6 +137,28 @@ MIXTRAL = dataclasses.replace(
     moe_intermediate_size=LLAMA.intermediate_size,
     hf_model_type="mixtral",
 )
+# Phi-3: q, k, v fused into qkv_proj and gate, up into gate_up_proj; rope over the first half of each
+# head (Phi-4-mini rotates 3/4); a window no shorter than the sequence (transformers applies it).
+PHI3 = dataclasses.replace(
+    LLAMA,
+    name="phi3-hf-test",
+    fused_projections=True,
+    partial_rotary_factor=0.5,
+    sliding_window=SEQ,
+    hf_model_type="phi3",
+)
+# OLMo 2: RMSNorms after the attention's and the MLP's outputs, none before; q and k RMS-normalised
+# over the whole projection (all heads at once) before the rotation.
+OLMO2 = dataclasses.replace(
+    LLAMA,
+    name="olmo2-hf-test",
+    rope_theta=5e5,
+    norm_eps=1e-6,
+    qk_norm=True,
+    qk_norm_scope="projection",
+    post_norm=True,
+    hf_model_type="olmo2",
+)
 # Gemma 3: layer 0 local (window 4 of the 16 positions, rope base 1e4), layer 1 global (rope base 1e6
 # scaled linearly by 4); heads of 32 where hidden / heads is 16; scores scaled by 24^-1/2; logits
 # soft-capped at 2.
@@ -169,12 +191,16 @@ CONFIGS = {
     "mixtral": MIXTRAL,
     "gemma3": GEMMA3,
     "gpt2": GPT2,
+    "phi3": PHI3,
+    "olmo2": OLMO2,
 }
 
 
 def hf_rope(c: ModelConfig) -> dict[str, Any]:
     """transformers' rope_parameters for `c`, written out by hand (not by jaxzero's exporter)."""
     rope: dict[str, Any] = {"rope_type": c.rope_type, "rope_theta": c.rope_theta}
+    if c.hf_model_type == "phi3":
+        rope["partial_rotary_factor"] = c.partial_rotary_factor
     if c.rope_type == "linear":
         rope["factor"] = c.rope_factor
     if c.rope_type == "llama3":
@@ -276,6 +302,12 @@ def torch_model(key: str) -> torch.nn.Module:
             model = transformers.MixtralForCausalLM(
                 transformers.MixtralConfig(**common, num_local_experts=c.num_experts, num_experts_per_tok=2)
             )
+        elif key == "phi3":  # Phi3Config's pad_token_id defaults to 32000, past this vocabulary
+            model = transformers.Phi3ForCausalLM(
+                transformers.Phi3Config(**common, sliding_window=c.sliding_window, pad_token_id=None)
+            )
+        elif key == "olmo2":
+            model = transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**common, pad_token_id=None))
         elif key == "mistral":
             model = transformers.MistralForCausalLM(
                 transformers.MistralConfig(**common, sliding_window=c.sliding_window)
@@ -596,6 +628,8 @@ def test_export_loads_in_transformers(key: str, jax_params: dict, tmp_path: Path
         "mistral": "MistralForCausalLM",
         "qwen3_moe": "Qwen3MoeForCausalLM",
         "mixtral": "MixtralForCausalLM",
+        "phi3": "Phi3ForCausalLM",
+        "olmo2": "Olmo2ForCausalLM",
         "gemma3_text": "Gemma3ForCausalLM",
     }.get(cfg.hf_model_type, "GPT2LMHeadModel" if cfg.family == "gpt2" else "LlamaForCausalLM")
     assert type(model).__name__ == want_class
@@ -661,7 +695,7 @@ def test_hf_config_round_trip() -> None:
                 cfg.num_kv_heads,
                 cfg.head_dim,
             )
-            assert cfg.head_dim == (32 if cfg.qk_norm else 16)
+            assert cfg.head_dim == (32 if cfg.qk_norm and cfg.qk_norm_scope == "head" else 16)
             assert hf.rope_parameters == hf_rope(cfg)
             assert getattr(hf, "sliding_window", None) == (cfg.sliding_window or None)
         elif cfg.family == "gemma3":
@@ -889,7 +923,7 @@ def test_import_reads_the_text_model_of_gemma3_for_conditional_generation(tmp_pa
     assert rel_err(got, want) < 1e-4
 
 
-@pytest.mark.parametrize("key", ["qwen3", "gemma3", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("key", ["qwen3", "gemma3", "qwen3_moe", "mixtral", "phi3", "olmo2"])
 def test_one_training_step_matches_transformers(key: str, hf_checkpoints: dict) -> None:
     """An imported checkpoint's first step through the offload engine (blocks streamed, the update on
     the host): its loss is transformers' loss of the same batch, and after one plain SGD step of both

@@ -27,7 +27,9 @@ class CheckpointError(ConfigError):
 
 
 # The transformers model types an export may write (`ModelConfig.hf_model_type`).
-HFModelType = Literal["", "llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "gpt2", "gemma3_text"]
+HFModelType = Literal[
+    "", "llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "phi3", "olmo2", "gpt2", "gemma3_text"
+]
 
 
 @dataclass(frozen=True)
@@ -64,14 +66,22 @@ class ModelConfig:
     rope_original_max_len: int = 8192  # llama3: the context length pretraining used
     attention_bias: bool = False  # biases on the q, k and v projections (Qwen2)
     qk_norm: bool = False  # RMSNorm of each query and key head before the rotary embedding (Qwen3)
+    # what qk_norm normalises over: each head's width (Qwen3), or the whole q and k projections (OLMo 2)
+    qk_norm_scope: Literal["head", "projection"] = "head"
+    # the RMSNorms after the attention's and the MLP's outputs, before each residual add, and none
+    # before them (OLMo 2); false: before each sub-block (Llama)
+    post_norm: bool = False
+    # q, k, v as one qkv_proj (D, (N+2K)H) and gate, up as one gate_up_proj (D, 2F), as Phi-3 stores them
+    fused_projections: bool = False
+    partial_rotary_factor: float = 1.0  # rotary embeddings rotate this fraction of each head (its first dims)
     # Mixture of experts (llama family; Qwen3-MoE, Mixtral): every block's MLP is a router over
     # num_experts SwiGLU experts, each token through its top num_experts_per_tok.
     num_experts: int = 0  # experts per block's MLP (0: a dense MLP)
     num_experts_per_tok: int = 2  # the experts each token goes through (top-k of the router)
     moe_intermediate_size: int = 0  # each expert's MLP width
     norm_topk_prob: bool = True  # the top-k routing weights renormalised to sum 1 (Mixtral: always)
-    # Sliding-window attention's window (Mistral v0.1, some Qwen2): 0 is none. Attention is computed
-    # in full, which equals the windowed attention only while data.seq_len <= the window.
+    # Sliding-window attention's window (Mistral v0.1, some Qwen2, Phi-3-mini): 0 is none. Attention
+    # is computed in full, which equals the windowed attention only while data.seq_len <= the window.
     sliding_window: int = 0
     sliding_window_pattern: int = 0  # gemma3: every N-th layer global, the others windowed (any seq_len)
     rope_local_theta: float = 0.0  # gemma3: the rotary base of the windowed layers
@@ -384,7 +394,8 @@ class ProfileConfig:
         return range(first, stop)
 
 
-LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # PEFT's Llama projections, without "_proj"
+# PEFT's Llama projections, without "_proj"; Phi-3's fused qkv_proj and gate_up_proj are qkv and gate_up.
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down", "qkv", "gate_up")
 
 
 @dataclass(frozen=True)

@@ -88,6 +88,7 @@ _REST: dict[str, Any] = dict(
     head_size=0,
     attention_bias=False,
     qk_norm=False,
+    **dict(qk_norm_scope="head", post_norm=False, fused_projections=False, partial_rotary_factor=1.0),
     sliding_window=0,
     **dict(sliding_window_pattern=0, rope_local_theta=0.0, query_pre_attn_scalar=0, final_logit_softcap=0.0),
     hf_model_type="",

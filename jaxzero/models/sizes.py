@@ -79,9 +79,16 @@ def unit_param_shapes(cfg: ModelConfig) -> tuple[list[Shape], list[Shape], list[
         if cfg.num_experts:  # the router and the experts' [gate | up] and down kernels instead
             e, fe = cfg.num_experts, cfg.moe_intermediate_size
             block[4:7] = [(d, e), (e, d, 2 * fe), (e, fe, d)]
+        if cfg.fused_projections:  # Phi-3: [q | k | v] and [gate | up] each one kernel
+            block[0:3] = [(d, q_width + 2 * kv_width)]
+            block[2:4] = [(d, 2 * f)]
+        if cfg.post_norm:  # OLMo 2: a norm after the MLP, the attention's moved after it
+            block += [(d,)]
         if cfg.attention_bias:
             block += [(q_width,), (kv_width,), (kv_width,)]
-        if cfg.qk_norm:
+        if cfg.qk_norm and cfg.qk_norm_scope == "projection":  # OLMo 2: over all q heads, all k heads
+            block += [(q_width,), (kv_width,)]
+        elif cfg.qk_norm:
             block += [(cfg.head_dim,), (cfg.head_dim,)]  # one scale over each q head, one over each k head
         head = [(d,)] + ([] if cfg.tie_embeddings else [(d, v)])  # final norm (+ lm_head)
         return [(v, d)], block, head
@@ -170,9 +177,12 @@ def attention_span(cfg: ModelConfig, layer: int, seq_len: int) -> int:
 
 def projection_shapes(m: ModelConfig) -> dict[str, tuple[int, int]]:
     """(in, out) of each of a Llama block's projections, by `LORA_TARGETS` name, from the config
-    alone (no JAX: the planner counts with it before JAX starts)."""
+    alone (no JAX: the planner counts with it before JAX starts). A model with `fused_projections`
+    has "qkv" and "gate_up" instead of q, k, v, gate and up."""
     d, f = m.hidden_size, m.intermediate_size
     q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    if m.fused_projections:
+        return {"qkv": (d, q + 2 * kv), "o": (q, d), "gate_up": (d, 2 * f), "down": (f, d)}
     return {
         "q": (d, q),
         "k": (d, kv),
