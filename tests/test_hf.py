@@ -733,10 +733,44 @@ MIXTRAL_8X7B_JSON = {
 }  # fmt: skip
 
 
+# The released config.json files of microsoft/Phi-3-mini-4k-instruct and allenai/OLMo-2-1124-7B
+# (transformers 4.40 and 4.47's spelling), less their token ids; Phi-4 and OLMo 2 13B / 32B differ
+# from them only in the numbers.
+PHI3_MINI_JSON = {
+    "architectures": ["Phi3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "embd_pdrop": 0.0, "hidden_act": "silu", "hidden_size": 3072, "initializer_range": 0.02,
+    "intermediate_size": 8192, "max_position_embeddings": 4096, "model_type": "phi3",
+    "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 32,
+    "original_max_position_embeddings": 4096, "resid_pdrop": 0.0, "rms_norm_eps": 1e-05,
+    "rope_scaling": None, "rope_theta": 10000.0, "sliding_window": 2047, "tie_word_embeddings": False,
+    "vocab_size": 32064,
+}  # fmt: skip
+OLMO2_7B_JSON = {
+    "architectures": ["Olmo2ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 11008,
+    "max_position_embeddings": 4096, "model_type": "olmo2", "num_attention_heads": 32,
+    "num_hidden_layers": 32, "num_key_value_heads": 32, "rms_norm_eps": 1e-06, "rope_scaling": None,
+    "rope_theta": 500000, "tie_word_embeddings": False, "vocab_size": 100352,
+}  # fmt: skip
+PHI4_JSON = {
+    **PHI3_MINI_JSON, "hidden_size": 5120, "intermediate_size": 17920, "max_position_embeddings": 16384,
+    "num_attention_heads": 40, "num_hidden_layers": 40, "num_key_value_heads": 10,
+    "original_max_position_embeddings": 16384, "rope_theta": 250000, "sliding_window": None,
+    "vocab_size": 100352,
+}  # fmt: skip
+
+
 @pytest.mark.parametrize(
-    "name, released", [("qwen3-30b-a3b", QWEN3_30B_A3B_JSON), ("mixtral-8x7b", MIXTRAL_8X7B_JSON)]
+    "name, released",
+    [
+        ("qwen3-30b-a3b", QWEN3_30B_A3B_JSON),
+        ("mixtral-8x7b", MIXTRAL_8X7B_JSON),
+        ("phi-3-mini", PHI3_MINI_JSON),
+        ("phi-4", PHI4_JSON),
+        ("olmo-2-7b", OLMO2_7B_JSON),
+    ],
 )
-def test_released_moe_configs_import_as_their_named_sizes(name: str, released: dict) -> None:
+def test_released_configs_import_as_their_named_sizes(name: str, released: dict) -> None:
     assert model_config_from_hf(released, name=name) == ModelConfig.named(name)
 
 
@@ -769,6 +803,14 @@ def test_unsupported_configs_are_refused() -> None:
         ({**hf_config(QWEN3_MOE), "decoder_sparse_step": 2}, "decoder_sparse_step=2"),
         ({**hf_config(MIXTRAL), "router_jitter_noise": 0.01}, "router_jitter_noise=0.01"),
         ({**hf_config(MIXTRAL), "num_experts_per_tok": 5}, "num_experts_per_tok=5"),
+        # LongRoPE (Phi-3-mini-128k, Phi-3.5, Phi-4-mini) in either spelling; OLMo 2's biases on q, k, v, o.
+        (
+            {**PHI3_MINI_JSON, "rope_scaling": {"type": "su", "long_factor": [1.0], "short_factor": [1.0]}},
+            "rope type 'su' (LongRoPE's",
+        ),
+        ({**PHI3_MINI_JSON, "rope_scaling": {"rope_type": "longrope"}}, "rope type 'longrope'"),
+        ({**OLMO2_7B_JSON, "attention_bias": True}, "attention_bias=true"),
+        ({**PHI3_MINI_JSON, "head_dim": 128}, "head_dim=128 != hidden_size/num_attention_heads"),
     ]
     for d, match in cases:
         with pytest.raises(ConfigError, match=match.replace("(", r"\(").replace("[", r"\[")):

@@ -76,6 +76,13 @@ _ROWS: dict[str, tuple[Any, ...]] = {
     "qwen3-30b-a3b":    ("llama", 151936, 2048,  48,    32,   4,  6144,  40960,  False, 1e6,  1e-6),
     "qwen3-235b-a22b":  ("llama", 151936, 4096,  94,    64,   4,  12288, 40960,  False, 1e6,  1e-6),
     "mixtral-8x7b":     ("llama", 32000,  4096,  32,    32,   8,  14336, 32768,  False, 1e6,  1e-5),
+    # Phi-3-mini 4k and Phi-4 (_PHI3: fused projections; the mini's window 2047), OLMo 2 7B, 13B
+    # (November 2024) and 32B (March 2025; _OLMO2: norms after each sub-block, q/k over the projections).
+    "phi-3-mini":       ("llama", 32064,  3072,  32,    32,   32, 8192,  4096,   False, 1e4,  1e-5),
+    "phi-4":            ("llama", 100352, 5120,  40,    40,   10, 17920, 16384,  False, 2.5e5, 1e-5),
+    "olmo-2-7b":        ("llama", 100352, 4096,  32,    32,   32, 11008, 4096,   False, 5e5,  1e-6),
+    "olmo-2-13b":       ("llama", 100352, 5120,  40,    40,   40, 13824, 4096,   False, 5e5,  1e-6),
+    "olmo-2-32b":       ("llama", 100352, 5120,  64,    40,   8,  27648, 4096,   False, 5e5,  1e-6),
 }
 # fmt: on
 # The other size fields: llama-tiny's, and every size's except where _DIFFERENT says.
@@ -107,6 +114,8 @@ _GEMMA3 = dict(
     sliding_window=1024, sliding_window_pattern=6, rope_local_theta=1e4, hf_model_type="gemma3_text"
 )
 _GEMMA3_LINEAR = {**_GEMMA3, "rope_type": "linear", "rope_factor": 8.0}
+_PHI3 = dict(fused_projections=True, hf_model_type="phi3")
+_OLMO2 = dict(qk_norm=True, qk_norm_scope="projection", post_norm=True, hf_model_type="olmo2")
 _DIFFERENT: dict[str, dict[str, Any]] = {
     "llama-3.1-8b": {**_LLAMA3_ROPE, "rope_factor": 8.0},
     "llama-3.1-70b": {**_LLAMA3_ROPE, "rope_factor": 8.0},
@@ -120,6 +129,9 @@ _DIFFERENT: dict[str, dict[str, Any]] = {
     "qwen3-30b-a3b": {**_QWEN3_MOE, "moe_intermediate_size": 768},
     "qwen3-235b-a22b": {**_QWEN3_MOE, "moe_intermediate_size": 1536},
     "mixtral-8x7b": _MIXTRAL,
+    "phi-3-mini": {**_PHI3, "sliding_window": 2047},
+    "phi-4": _PHI3,
+    **{f"olmo-2-{size}": _OLMO2 for size in ("7b", "13b", "32b")},
     "gemma-3-1b": {**_GEMMA3, "head_size": 256, "query_pre_attn_scalar": 256, "sliding_window": 512},
     "gemma-3-4b": {**_GEMMA3_LINEAR, "head_size": 256, "query_pre_attn_scalar": 256},
     "gemma-3-12b": {**_GEMMA3_LINEAR, "head_size": 256, "query_pre_attn_scalar": 256},

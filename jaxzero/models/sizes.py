@@ -22,6 +22,9 @@ Released checkpoints' shapes, with their rope scaling and biases (`model.name=hf
     qwen3-0.6b      596,049,920    qwen3-4b     4,022,468,096    qwen3-14b  14,768,307,200
     qwen3-1.7b    1,720,574,976    qwen3-8b     8,190,735,360    qwen3-32b  32,762,123,264
 
+    phi-3-mini    3,821,079,552    olmo-2-7b    7,298,617,344    olmo-2-32b  32,234,279,936
+    phi-4        14,659,507,200    olmo-2-13b  13,716,198,400
+
 Mixtures of experts count every expert's parameters; their FLOPs count the parameters a token
 multiplies by (`block_matmul_params`: the router and its top-k experts):
 
@@ -74,7 +77,8 @@ def unit_param_shapes(cfg: ModelConfig) -> tuple[list[Shape], list[Shape], list[
     d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     if cfg.family == "llama":
-        # q, k, v, o projections, the three SwiGLU matrices, the two RMSNorm scales
+        # q, k, v, o projections, the three SwiGLU matrices, the two RMSNorm scales (OLMo 2's after
+        # the attention and the MLP, the others' before them)
         block = [(d, q_width), (d, kv_width), (d, kv_width), (q_width, d), (d, f), (d, f), (f, d), (d,), (d,)]
         if cfg.num_experts:  # the router and the experts' [gate | up] and down kernels instead
             e, fe = cfg.num_experts, cfg.moe_intermediate_size
@@ -82,8 +86,6 @@ def unit_param_shapes(cfg: ModelConfig) -> tuple[list[Shape], list[Shape], list[
         if cfg.fused_projections:  # Phi-3: [q | k | v] and [gate | up] each one kernel
             block[0:3] = [(d, q_width + 2 * kv_width)]
             block[2:4] = [(d, 2 * f)]
-        if cfg.post_norm:  # OLMo 2: a norm after the MLP, the attention's moved after it
-            block += [(d,)]
         if cfg.attention_bias:
             block += [(q_width,), (kv_width,), (kv_width,)]
         if cfg.qk_norm and cfg.qk_norm_scope == "projection":  # OLMo 2: over all q heads, all k heads
