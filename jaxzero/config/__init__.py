@@ -406,7 +406,8 @@ class FinetuneConfig:
     lora_rank: int = 16  # the adapters' rank r
     lora_alpha: float = 32.0  # the adapter product is scaled by lora_alpha / lora_rank
     lora_dropout: float = 0.0  # dropout on each adapter's input (PEFT's lora_dropout)
-    # Projections that get adapters, comma-separated among q, k, v, o, gate, up, down (PEFT's q_proj ...)
+    # Projections that get adapters, comma-separated among q, k, v, o, gate, up, down (PEFT's q_proj ...;
+    # a model with fused_projections has qkv and gate_up instead of q, k, v, gate, up)
     lora_targets: str = "q,k,v,o,gate,up,down"
     # The frozen base's storage: bfloat16, int8 (weight-only, per output channel, dequantised on the
     # accelerator inside each block; the embedding, norms and head stay bfloat16), or float32

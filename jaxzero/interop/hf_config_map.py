@@ -9,8 +9,8 @@ maps; tied or untied head,
 grouped-query attention), GPT-2
 (`GPT2LMHeadModel`, model_type "gpt2") and Gemma 3's text models (`Gemma3ForCausalLM` "gemma3_text",
 and the text model of `Gemma3ForConditionalGeneration` "gemma3"). Anything these models cannot compute exactly
-(dynamic/yarn/longrope rope, partial rotary, o_proj or MLP biases, a head_dim other than hidden_size /
-num_heads outside Qwen3, other activations, quantized weights, ...) is refused with a
+(dynamic/yarn/longrope rope, partial rotary outside Phi-3, o_proj or MLP biases, a head_dim other
+than hidden_size / num_heads outside Qwen3, other activations, quantized weights, ...) is refused with a
 ConfigError that names the field, rather than loaded into a model that would silently compute
 something else. A sliding window is kept in ModelConfig.sliding_window, and runs longer than it are
 refused (`jaxzero.config.checks.validate`).
