@@ -869,7 +869,7 @@ def test_export_rejects_params_that_do_not_match_the_config(jax_params: dict, tm
 # -------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("key", ["llama3", "llama_linear", "qwen2", "qwen3", "gemma3"])
+@pytest.mark.parametrize("key", ["llama3", "llama_linear", "qwen2", "qwen3", "gemma3", "phi3", "olmo2"])
 def test_what_the_families_add_changes_the_logits(key: str, hf_checkpoints: dict) -> None:
     """The import tests could not pass without each feature: the checkpoint computed without its rope
     scaling, or without its q, k, v biases, misses transformers' logits by over 10x the import
@@ -893,6 +893,25 @@ def test_what_the_families_add_changes_the_logits(key: str, hf_checkpoints: dict
             for norm in ("q_norm", "k_norm"):
                 block["self_attn"][norm]["scale"][...] = 1.0
         plain = cfg
+    elif key == "phi3":  # rope over half of each head, not all of it
+        plain = dataclasses.replace(cfg, partial_rotary_factor=1.0)
+    elif key == "olmo2":
+        # q and k normalised over the whole projection: once q and k are far above the norms' epsilon
+        # (OLMo 2 has no norm before the attention, so its q and k are small here), all of them three
+        # times larger give the same logits; one head's q alone three times larger does not (a norm
+        # over each head would undo that).
+        for block in params.blocks:
+            for proj in ("q_proj", "k_proj"):
+                block["self_attn"][proj]["kernel"] *= 100.0
+        large = jax_logits(cfg, params)
+        for block in params.blocks:
+            for proj in ("q_proj", "k_proj"):
+                block["self_attn"][proj]["kernel"] *= 3.0
+        assert rel_err(jax_logits(cfg, params), large) < 1e-4
+        for block in params.blocks:
+            block["self_attn"]["q_proj"]["kernel"][:, : cfg.head_dim] *= 3.0
+        assert rel_err(jax_logits(cfg, params), large) > 1e-3
+        return
     elif key == "gemma3":  # each of: the window, the local rope base, the global scaling, the cap
         for change in (
             dict(sliding_window=SEQ),
