@@ -519,16 +519,17 @@ def test_export_names_adapters_that_do_not_match(tmp_path: Path) -> None:
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
-def lora_run_over_hf(tmp_path: Path, **over: str) -> tuple[Path, Path]:
+def lora_run_over_hf(tmp_path: Path, family: str = "llama", **over: str) -> tuple[Path, Path]:
     """`python -m jaxzero.train --model.name=hf:DIR --finetune.method=lora` (4 steps, float32 compute)
-    over a tiny random float32 Llama that transformers saved: (the HF directory, the run directory)."""
+    over a tiny random float32 model of `family` (a Llama by default) that transformers saved: (the HF
+    directory, the run directory)."""
     import io
 
     from jaxzero.cli import train as train_lib
     from jaxzero.overrides import apply_overrides
 
     hf_dir = tmp_path / "hf"
-    torch_model("llama").save_pretrained(hf_dir)
+    torch_model(family).save_pretrained(hf_dir)
     settings = {
         "model.name": f"hf:{hf_dir}",
         "model.compute_dtype": "float32",
@@ -549,14 +550,21 @@ def lora_run_over_hf(tmp_path: Path, **over: str) -> tuple[Path, Path]:
     return hf_dir, run
 
 
-def test_a_lora_run_of_an_hf_checkpoint_exports_what_peft_loads(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "family, targets", [("llama", "q,v,down"), ("phi3", "qkv,gate_up"), ("olmo2", "q,k,v,o,gate,up,down")]
+)
+def test_a_lora_run_of_an_hf_checkpoint_exports_what_peft_loads(
+    tmp_path: Path, family: str, targets: str
+) -> None:
     """The user's path: `python -m jaxzero.train --model.name=hf:DIR --finetune.method=lora` trains
     and saves; `python -m jaxzero.export` writes the adapter; PEFT over the same checkpoint gives the
-    logits of jaxzero's merged model (`--merge`'s), and the adapters moved from their init."""
+    logits of jaxzero's merged model (`--merge`'s), and the adapters moved from their init. Phi-3's
+    adapters are on its fused qkv_proj and gate_up_proj, PEFT's targets."""
     from jaxzero.cli import export as export_lib
     from jaxzero.storage.checkpoint_masters import load_masters
 
-    hf_dir, run = lora_run_over_hf(tmp_path, **{"finetune.base_dtype": "float32"})
+    over = {"finetune.base_dtype": "float32", "finetune.lora_targets": targets}
+    hf_dir, run = lora_run_over_hf(tmp_path, family, **over)
     assert export_lib.main([f"--run_dir={run}", f"--out={tmp_path / 'adapter'}"]) == 0
     peft_model = peft.PeftModel.from_pretrained(load_torch(hf_dir), tmp_path / "adapter").eval()
     saved_cfg, merged, _ = load_masters(run)
