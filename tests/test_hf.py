@@ -848,6 +848,15 @@ def test_import_reports_missing_unexpected_and_misshaped_tensors(
         import_hf(tmp_path)
 
 
+def test_a_block_variant_no_transformers_class_computes_is_not_exported() -> None:
+    """Partial rotary without Phi-3's fused projections, or OLMo 2's norms after each sub-block with
+    per-head q/k norms, train (model.hf_model_type='') but have no transformers class to export as."""
+    with pytest.raises(ConfigError, match="model.partial_rotary_factor=0.5: no llama model of transformers"):
+        hf_config(dataclasses.replace(LLAMA, partial_rotary_factor=0.5))
+    with pytest.raises(ConfigError, match="model.hf_model_type='olmo2' needs model.qk_norm_scope=projection"):
+        hf_config(dataclasses.replace(OLMO2, qk_norm_scope="head", hf_model_type=""))
+
+
 def test_export_rejects_params_that_do_not_match_the_config(jax_params: dict, tmp_path: Path) -> None:
     params = jax_params["llama"]
     with pytest.raises(ValueError, match=r"head: missing lm_head/kernel \(-> lm_head.weight\)"):

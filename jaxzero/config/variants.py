@@ -45,9 +45,10 @@ def validate_variants(m: ModelConfig) -> None:
     wrong = [f"model.{k}={getattr(m, k)!r}" for k in _set(m) if m.hf_model_type not in ("", *_TYPES_OF[k])]
     if wrong:
         raise ConfigError(
-            f"{', '.join(wrong)}: no {m.hf_model_type} model of transformers computes this; use "
-            "model.hf_model_type='' (or phi3 for fused projections and partial rotary, olmo2 for "
-            "norms after each sub-block and q/k norms over the projections)."
+            f"{', '.join(wrong)}: no {m.hf_model_type} model of transformers computes this. Phi-3 "
+            "(model.hf_model_type=phi3) has fused projections and partial rotary, OLMo 2 (olmo2) norms "
+            "after each sub-block and q/k norms over the projections; model.hf_model_type='' trains any "
+            "of them, but only a shape one of those types computes exports to Hugging Face."
         )
     if m.hf_model_type == "phi3":
         need = {

@@ -188,7 +188,7 @@ def hf_config(cfg: ModelConfig, dtype: str = "bfloat16") -> dict[str, Any]:
             out.update(moe_to_hf(cfg, model_type))
         if model_type in VARIANTS:
             out.pop("sliding_window")
-            out.update(variant_to_hf(cfg, model_type, rope))
+        out.update(variant_to_hf(cfg, model_type, rope))
         return out
     return {
         "architectures": ["GPT2LMHeadModel"],

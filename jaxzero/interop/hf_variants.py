@@ -14,10 +14,12 @@ Phi-3's `sliding_window` is applied by transformers (Phi-3-mini-4k: 2047) and ke
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 from jaxzero.config import ModelConfig
+from jaxzero.config.variants import validate_variants
 
 # The causal-LM classes of the variant model types.
 VARIANTS = {"phi3": "Phi3ForCausalLM", "olmo2": "Olmo2ForCausalLM"}
@@ -57,8 +59,13 @@ def variant_from_hf(
 
 
 def variant_to_hf(cfg: ModelConfig, model_type: str, rope: dict[str, Any]) -> dict[str, Any]:
-    """The fields of the config.json of `cfg` exported as `model_type` that Phi-3 or OLMo 2 add
-    (Phi-3's partial rotary factor also written into its rope settings `rope`)."""
+    """The fields of the config.json of `cfg` exported as the Llama-family `model_type` that Phi-3 or
+    OLMo 2 add (Phi-3's partial rotary factor also written into its rope settings `rope`); none for
+    the other types. Raises ConfigError if no `model_type` model computes `cfg`'s block variants (a
+    partial rotary without Phi-3's fused projections: no transformers class has both)."""
+    validate_variants(dataclasses.replace(cfg, hf_model_type=model_type))
+    if model_type not in VARIANTS:
+        return {}
     if model_type == "olmo2":
         return {"attention_bias": False}
     rope["partial_rotary_factor"] = cfg.partial_rotary_factor
