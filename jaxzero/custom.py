@@ -26,7 +26,8 @@ from jaxzero.planner.memory import optimizer_state_bytes
 # The `model.*` keys that make up a model's shape, which a model of one's own is described by.
 SHAPE_KEYS = (
     "family, vocab_size, hidden_size, num_layers, num_heads, num_kv_heads, head_size, intermediate_size, "
-    "max_seq_len (gpt2's position table), tie_embeddings, attention_bias, qk_norm"
+    "max_seq_len (gpt2's position table), tie_embeddings, attention_bias, qk_norm, qk_norm_scope, post_norm, "
+    "fused_projections"
 )
 
 

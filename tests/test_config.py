@@ -97,6 +97,29 @@ from jaxzero.planner import memory
             ["--model.sliding_window=64", "--data.seq_len=128"],
             "data.seq_len=128 exceeds model.sliding_window=64",
         ),
+        # Phi-3's and OLMo 2's block variants: each where a transformers type computes it.
+        (["--model.hf_model_type=phi3"], "model.hf_model_type='phi3' needs model.fused_projections=true"),
+        (["--model.hf_model_type=olmo2"], "model.hf_model_type='olmo2' needs model.post_norm=true"),
+        (["--model.post_norm=true", "--model.hf_model_type=qwen3"], "model.post_norm=True: no qwen3 model"),
+        (["--model.name=gpt2-tiny", "--model.fused_projections=true"], "Llama-family settings"),
+        (["--model.qk_norm_scope=projection"], "model.qk_norm_scope=projection needs model.qk_norm=true"),
+        (["--model.partial_rotary_factor=0.3"], "int(head_dim=32 x factor) = 9"),
+        (
+            ["--model.name=phi-4", "--model.rope_type=linear", "--model.rope_factor=2"],
+            "model.rope_type=default (longrope is not implemented)",
+        ),
+        (
+            ["--model.name=phi-3-mini", "--data.seq_len=4096"],
+            "data.seq_len=4096 exceeds model.sliding_window=2047",
+        ),
+        (
+            ["--model.name=phi-4", "--finetune.method=lora"],
+            "use --finetune.lora_targets=qkv,o,gate_up,down",
+        ),
+        (
+            ["--finetune.method=lora", "--finetune.lora_targets=qkv,o"],
+            "names qkv, Phi-3's fused projections",
+        ),
     ],
 )
 def test_error_messages(args, message):
@@ -166,6 +189,8 @@ def test_a_train_config_of_a_named_model_plans_its_parameters():
         ModelConfig.named("llama-7b"),
         ModelConfig.named("llama-3.1-8b", num_layers=2, compute_dtype="float32"),
         ModelConfig.named("llama-1b", tie_embeddings=False),
+        ModelConfig.named("phi-3-mini", partial_rotary_factor=0.75),
+        ModelConfig.named("olmo-2-32b"),
         ModelConfig(name="mine", hidden_size=64, num_heads=2),
     ],
     ids=lambda m: m.name,

@@ -40,6 +40,10 @@ VARIANTS = {
         num_experts_per_tok=2,
         moe_intermediate_size=64,
     ),
+    # Phi-3: fused q/k/v and gate/up, rope over the first half of each head; OLMo 2: norms after each
+    # sub-block, q/k norms over the whole projections.
+    "phi3": dict(fused_projections=True, partial_rotary_factor=0.5, hf_model_type="phi3"),
+    "olmo2": dict(qk_norm=True, qk_norm_scope="projection", post_norm=True, hf_model_type="olmo2"),
     # Gemma 3: layers 0 and 2 local (window 4), 1 and 3 global, each with its rope base.
     "gemma3": dict(
         family="gemma3",

@@ -138,6 +138,28 @@ MIXTRAL = dataclasses.replace(
     moe_intermediate_size=LLAMA.intermediate_size,
     hf_model_type="mixtral",
 )
+# Phi-3: q, k, v fused into qkv_proj and gate, up into gate_up_proj; rope over the first half of each
+# head (Phi-4-mini rotates 3/4); a window no shorter than the sequence (transformers applies it).
+PHI3 = dataclasses.replace(
+    LLAMA,
+    name="phi3-hf-test",
+    fused_projections=True,
+    partial_rotary_factor=0.5,
+    sliding_window=SEQ,
+    hf_model_type="phi3",
+)
+# OLMo 2: RMSNorms after the attention's and the MLP's outputs, none before; q and k RMS-normalised
+# over the whole projection (all heads at once) before the rotation.
+OLMO2 = dataclasses.replace(
+    LLAMA,
+    name="olmo2-hf-test",
+    rope_theta=5e5,
+    norm_eps=1e-6,
+    qk_norm=True,
+    qk_norm_scope="projection",
+    post_norm=True,
+    hf_model_type="olmo2",
+)
 # Gemma 3: layer 0 local (window 4 of the 16 positions, rope base 1e4), layer 1 global (rope base 1e6
 # scaled linearly by 4); heads of 32 where hidden / heads is 16; scores scaled by 24^-1/2; logits
 # soft-capped at 2.
@@ -193,12 +215,16 @@ CONFIGS = {
     "gemma3": GEMMA3,
     "gpt_oss": GPT_OSS,
     "gpt2": GPT2,
+    "phi3": PHI3,
+    "olmo2": OLMO2,
 }
 
 
 def hf_rope(c: ModelConfig) -> dict[str, Any]:
     """transformers' rope_parameters for `c`, written out by hand (not by jaxzero's exporter)."""
     rope: dict[str, Any] = {"rope_type": c.rope_type, "rope_theta": c.rope_theta}
+    if c.hf_model_type == "phi3":
+        rope["partial_rotary_factor"] = c.partial_rotary_factor
     if c.rope_type == "linear":
         rope["factor"] = c.rope_factor
     if c.rope_type == "llama3":
@@ -330,6 +356,12 @@ def torch_model(key: str) -> torch.nn.Module:
             model = transformers.MixtralForCausalLM(
                 transformers.MixtralConfig(**common, num_local_experts=c.num_experts, num_experts_per_tok=2)
             )
+        elif key == "phi3":  # Phi3Config's pad_token_id defaults to 32000, past this vocabulary
+            model = transformers.Phi3ForCausalLM(
+                transformers.Phi3Config(**common, sliding_window=c.sliding_window, pad_token_id=None)
+            )
+        elif key == "olmo2":
+            model = transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**common, pad_token_id=None))
         elif key == "mistral":
             model = transformers.MistralForCausalLM(
                 transformers.MistralConfig(**common, sliding_window=c.sliding_window)
@@ -652,6 +684,8 @@ def test_export_loads_in_transformers(key: str, jax_params: dict, tmp_path: Path
         "mistral": "MistralForCausalLM",
         "qwen3_moe": "Qwen3MoeForCausalLM",
         "mixtral": "MixtralForCausalLM",
+        "phi3": "Phi3ForCausalLM",
+        "olmo2": "Olmo2ForCausalLM",
         "gemma3_text": "Gemma3ForCausalLM",
         "gpt_oss": "GptOssForCausalLM",
     }.get(cfg.hf_model_type, "GPT2LMHeadModel" if cfg.family == "gpt2" else "LlamaForCausalLM")
@@ -718,7 +752,7 @@ def test_hf_config_round_trip() -> None:
                 cfg.num_kv_heads,
                 cfg.head_dim,
             )
-            assert cfg.head_dim == (32 if cfg.qk_norm else 16)
+            assert cfg.head_dim == (32 if cfg.qk_norm and cfg.qk_norm_scope == "head" else 16)
             assert hf.rope_parameters == hf_rope(cfg)
             assert getattr(hf, "sliding_window", None) == (cfg.sliding_window or None)
         elif cfg.family == "gemma3":
@@ -760,13 +794,51 @@ MIXTRAL_8X7B_JSON = {
 }  # fmt: skip
 
 
+# The released config.json files of microsoft/Phi-3-mini-4k-instruct and allenai/OLMo-2-1124-7B
+# (transformers 4.40 and 4.47's spelling), less their token ids; Phi-4 and OLMo 2 13B / 32B differ
+# from them only in the numbers.
+PHI3_MINI_JSON = {
+    "architectures": ["Phi3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "embd_pdrop": 0.0, "hidden_act": "silu", "hidden_size": 3072, "initializer_range": 0.02,
+    "intermediate_size": 8192, "max_position_embeddings": 4096, "model_type": "phi3",
+    "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 32,
+    "original_max_position_embeddings": 4096, "resid_pdrop": 0.0, "rms_norm_eps": 1e-05,
+    "rope_scaling": None, "rope_theta": 10000.0, "sliding_window": 2047, "tie_word_embeddings": False,
+    "vocab_size": 32064,
+}  # fmt: skip
+OLMO2_7B_JSON = {
+    "architectures": ["Olmo2ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 11008,
+    "max_position_embeddings": 4096, "model_type": "olmo2", "num_attention_heads": 32,
+    "num_hidden_layers": 32, "num_key_value_heads": 32, "rms_norm_eps": 1e-06, "rope_scaling": None,
+    "rope_theta": 500000, "tie_word_embeddings": False, "vocab_size": 100352,
+}  # fmt: skip
+PHI4_JSON = {
+    **PHI3_MINI_JSON, "hidden_size": 5120, "intermediate_size": 17920, "max_position_embeddings": 16384,
+    "num_attention_heads": 40, "num_hidden_layers": 40, "num_key_value_heads": 10,
+    "original_max_position_embeddings": 16384, "rope_theta": 250000, "sliding_window": None,
+    "vocab_size": 100352,
+}  # fmt: skip
+
+
 @pytest.mark.parametrize(
-    "name, released", [("qwen3-30b-a3b", QWEN3_30B_A3B_JSON), ("mixtral-8x7b", MIXTRAL_8X7B_JSON)]
+    "name, released",
+    [
+        ("qwen3-30b-a3b", QWEN3_30B_A3B_JSON),
+        ("mixtral-8x7b", MIXTRAL_8X7B_JSON),
+        ("phi-3-mini", PHI3_MINI_JSON),
+        ("phi-4", PHI4_JSON),
+        ("olmo-2-7b", OLMO2_7B_JSON),
+    ],
 )
-def test_released_moe_configs_import_as_their_named_sizes(name: str, released: dict) -> None:
-    """The named size is the released config, its load-balancing coefficient included; import trains
-    with it only where the config turns the loss on (output_router_logits), as transformers does."""
+def test_released_configs_import_as_their_named_sizes(name: str, released: dict) -> None:
+    """The named size is the released config, a mixture of experts' load-balancing coefficient
+    included; import trains with it only where the config turns the loss on (output_router_logits),
+    as transformers does."""
     named = ModelConfig.named(name)
+    if not named.num_experts:
+        assert model_config_from_hf(released, name=name) == named
+        return
     assert named.router_aux_loss_coef == released["router_aux_loss_coef"]
     assert model_config_from_hf(released, name=name) == dataclasses.replace(named, router_aux_loss_coef=0.0)
     assert model_config_from_hf({**released, "output_router_logits": True}, name=name) == named
@@ -822,6 +894,14 @@ def test_unsupported_configs_are_refused() -> None:
         ({**hf_config(QWEN3_MOE), "decoder_sparse_step": 2}, "decoder_sparse_step=2"),
         ({**hf_config(MIXTRAL), "router_jitter_noise": 0.01}, "router_jitter_noise=0.01"),
         ({**hf_config(MIXTRAL), "num_experts_per_tok": 5}, "num_experts_per_tok=5"),
+        # LongRoPE (Phi-3-mini-128k, Phi-3.5, Phi-4-mini) in either spelling; OLMo 2's biases on q, k, v, o.
+        (
+            {**PHI3_MINI_JSON, "rope_scaling": {"type": "su", "long_factor": [1.0], "short_factor": [1.0]}},
+            "rope type 'su' (LongRoPE's",
+        ),
+        ({**PHI3_MINI_JSON, "rope_scaling": {"rope_type": "longrope"}}, "rope type 'longrope'"),
+        ({**OLMO2_7B_JSON, "attention_bias": True}, "attention_bias=true"),
+        ({**PHI3_MINI_JSON, "head_dim": 128}, "head_dim=128 != hidden_size/num_attention_heads"),
     ]
     for d, match in cases:
         with pytest.raises(ConfigError, match=match.replace("(", r"\(").replace("[", r"\[")):
@@ -859,6 +939,15 @@ def test_import_reports_missing_unexpected_and_misshaped_tensors(
         import_hf(tmp_path)
 
 
+def test_a_block_variant_no_transformers_class_computes_is_not_exported() -> None:
+    """Partial rotary without Phi-3's fused projections, or OLMo 2's norms after each sub-block with
+    per-head q/k norms, train (model.hf_model_type='') but have no transformers class to export as."""
+    with pytest.raises(ConfigError, match="model.partial_rotary_factor=0.5: no llama model of transformers"):
+        hf_config(dataclasses.replace(LLAMA, partial_rotary_factor=0.5))
+    with pytest.raises(ConfigError, match="model.hf_model_type='olmo2' needs model.qk_norm_scope=projection"):
+        hf_config(dataclasses.replace(OLMO2, qk_norm_scope="head", hf_model_type=""))
+
+
 def test_export_rejects_params_that_do_not_match_the_config(jax_params: dict, tmp_path: Path) -> None:
     params = jax_params["llama"]
     with pytest.raises(ValueError, match=r"head: missing lm_head/kernel \(-> lm_head.weight\)"):
@@ -880,7 +969,9 @@ def test_export_rejects_params_that_do_not_match_the_config(jax_params: dict, tm
 # -------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("key", ["llama3", "llama_linear", "qwen2", "qwen3", "gemma3", "gpt_oss"])
+@pytest.mark.parametrize(
+    "key", ["llama3", "llama_linear", "qwen2", "qwen3", "gemma3", "gpt_oss", "phi3", "olmo2"]
+)
 def test_what_the_families_add_changes_the_logits(key: str, hf_checkpoints: dict) -> None:
     """The import tests could not pass without each feature: the checkpoint computed without its rope
     scaling, or without its q, k, v biases, misses transformers' logits by over 10x the import
@@ -904,6 +995,25 @@ def test_what_the_families_add_changes_the_logits(key: str, hf_checkpoints: dict
             for norm in ("q_norm", "k_norm"):
                 block["self_attn"][norm]["scale"][...] = 1.0
         plain = cfg
+    elif key == "phi3":  # rope over half of each head, not all of it
+        plain = dataclasses.replace(cfg, partial_rotary_factor=1.0)
+    elif key == "olmo2":
+        # q and k normalised over the whole projection: once q and k are far above the norms' epsilon
+        # (OLMo 2 has no norm before the attention, so its q and k are small here), all of them three
+        # times larger give the same logits; one head's q alone three times larger does not (a norm
+        # over each head would undo that).
+        for block in params.blocks:
+            for proj in ("q_proj", "k_proj"):
+                block["self_attn"][proj]["kernel"] *= 100.0
+        large = jax_logits(cfg, params)
+        for block in params.blocks:
+            for proj in ("q_proj", "k_proj"):
+                block["self_attn"][proj]["kernel"] *= 3.0
+        assert rel_err(jax_logits(cfg, params), large) < 1e-4
+        for block in params.blocks:
+            block["self_attn"]["q_proj"]["kernel"][:, : cfg.head_dim] *= 3.0
+        assert rel_err(jax_logits(cfg, params), large) > 1e-3
+        return
     elif key == "gemma3":  # each of: the window, the local rope base, the global scaling, the cap
         for change in (
             dict(sliding_window=SEQ),
@@ -987,7 +1097,18 @@ AUX_COEF = 0.3  # large, so that the load-balancing loss's gradient moves the se
 
 @pytest.mark.parametrize(
     "key",
-    ["qwen3", "gemma3", "qwen3_moe", "mixtral", "gpt_oss", "qwen3_moe+aux", "mixtral+aux", "gpt_oss+aux"],
+    [
+        "qwen3",
+        "gemma3",
+        "qwen3_moe",
+        "mixtral",
+        "gpt_oss",
+        "phi3",
+        "olmo2",
+        "qwen3_moe+aux",
+        "mixtral+aux",
+        "gpt_oss+aux",
+    ],
 )
 def test_one_training_step_matches_transformers(key: str, hf_checkpoints: dict, tmp_path: Path) -> None:
     """An imported checkpoint's first step through the offload engine (blocks streamed, the update on

@@ -238,6 +238,25 @@ def test_a_streamed_moe_base_trains_bitwise_as_a_resident_one():
         assert np.array_equal(q[e], qe) and np.array_equal(scale[e], se)
 
 
+PHI3 = {"model.fused_projections": "true", "model.partial_rotary_factor": "0.5",
+        "model.hf_model_type": "phi3", "finetune.lora_targets": "qkv,o,gate_up,down"}  # fmt: skip
+OLMO2 = {"model.qk_norm": "true", "model.qk_norm_scope": "projection", "model.post_norm": "true",
+         "model.hf_model_type": "olmo2"}  # fmt: skip
+
+
+@pytest.mark.parametrize("variant", [PHI3, OLMO2], ids=["phi3", "olmo2"])
+def test_streamed_phi3_and_olmo2_bases_train_bitwise_as_resident_ones(variant):
+    """Adapters on Phi-3's fused qkv_proj and gate_up_proj (PEFT's targets) and on every OLMo 2
+    projection train the same over a streamed base as over a resident one; an int8 base as well
+    (a fused kernel quantised per output channel, as any other)."""
+    out = resident_then_streamed(lora_cfg(**EXACT, **variant), 3)
+    assert out[0][0] == out[1][0]
+    assert all(np.array_equal(a, b) for a, b in zip(out[0][1], out[1][1]))
+    assert out[0][0][-1] < out[0][0][0]
+    int8 = resident_then_streamed(lora_cfg(**variant, **{"finetune.base_dtype": "int8"}), 2)
+    assert int8[0][0] == int8[1][0] and np.all(np.isfinite(int8[0][0]))
+
+
 def test_int8_kernels_stay_within_half_a_step_of_their_channel_and_dequantise_inside_the_block():
     rng = np.random.default_rng(0)
     k = rng.standard_normal((48, 40)).astype(np.float32) * rng.uniform(0.01, 3, (1, 40)).astype(np.float32)

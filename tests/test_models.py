@@ -708,6 +708,50 @@ def test_gemma3_sizes_are_the_released_configs(name: str) -> None:
     assert cfg.query_pre_attn_scalar == (168 if name == "gemma-3-27b" else 256)
 
 
+def _phi3_olmo2_count(hidden: int, layers: int, heads: int, kv: int, mlp: int, vocab: int, olmo: bool) -> int:
+    """Parameters of a Phi-3 or OLMo 2 checkpoint from its config.json's numbers, written out from
+    transformers' Phi3ForCausalLM (qkv_proj (q + 2k, D), o_proj, gate_up_proj (2F, D), down_proj, two
+    RMSNorms of the width) and Olmo2ForCausalLM (q, k, v, o, the three SwiGLU matrices, two RMSNorms
+    of the width and q_norm, k_norm of the projections' widths); untied embedding and head, final norm."""
+    q, k = hidden, kv * (hidden // heads)
+    layer = hidden * (q + 2 * k) + q * hidden + 3 * hidden * mlp + 2 * hidden + ((q + k) if olmo else 0)
+    return 2 * vocab * hidden + layers * layer + hidden
+
+
+# The released configs (microsoft/Phi-3-mini-4k-instruct, microsoft/phi-4, allenai/OLMo-2-1124-7B,
+# -1124-13B, -0325-32B: hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads,
+# intermediate_size, vocab_size; all untied), and the totals published for them (Phi-3-mini's
+# technical report: 3.8B; the Hub's counts of the safetensors: 14.7B, 7.3B, 13.7B, 32.2B).
+PHI3_OLMO2_RELEASED = {
+    "phi-3-mini": ((3072, 32, 32, 32, 8192, 32064), "3.8B"),
+    "phi-4": ((5120, 40, 40, 10, 17920, 100352), "14.7B"),
+    "olmo-2-7b": ((4096, 32, 32, 32, 11008, 100352), "7.3B"),
+    "olmo-2-13b": ((5120, 40, 40, 40, 13824, 100352), "13.7B"),
+    "olmo-2-32b": ((5120, 64, 40, 8, 27648, 100352), "32.2B"),
+}
+PUBLISHED_COUNTS.update(
+    {n: _phi3_olmo2_count(*shape, n.startswith("olmo")) for n, (shape, _) in PHI3_OLMO2_RELEASED.items()}
+)
+
+
+@pytest.mark.parametrize("name", list(PHI3_OLMO2_RELEASED))
+def test_phi3_and_olmo2_sizes_are_the_released_configs(name: str) -> None:
+    """Each size is its released config, its count rounds to the published total, and it is the
+    family's variant (Phi-3: fused projections, the mini's window 2047; OLMo 2: norms after each
+    sub-block, q/k norms over the projections)."""
+    shape, published = PHI3_OLMO2_RELEASED[name]
+    olmo = name.startswith("olmo")
+    cfg = ModelConfig.named(name)
+    assert f"{_phi3_olmo2_count(*shape, olmo) / 1e9:.1f}B" == published
+    assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads) == shape[:4]
+    assert (cfg.intermediate_size, cfg.vocab_size, cfg.tie_embeddings) == (*shape[4:], False)
+    variant = (cfg.fused_projections, cfg.post_norm, cfg.qk_norm, cfg.qk_norm_scope)
+    assert variant == ((False, True, True, "projection") if olmo else (True, False, False, "head"))
+    assert cfg.hf_model_type == ("olmo2" if olmo else "phi3")
+    assert cfg.sliding_window == (2047 if name == "phi-3-mini" else 0)
+    assert cfg.rope_theta == {"phi-3-mini": 1e4, "phi-4": 2.5e5}.get(name, 5e5)
+
+
 def test_gemma3_attention_flops_count_each_local_layer_over_its_window():
     cfg = ModelConfig.named("gemma-3-12b")  # 48 layers: 8 global, 40 within 1024 positions
     width, seq = cfg.num_heads * cfg.head_dim, 8192

@@ -209,6 +209,34 @@ def test_qwen3_block_offloads_like_resident():
     assert norms_seen == 2 * 3
 
 
+# Phi-3's block (q, k, v and gate, up fused; rope over half of each head) and OLMo 2's (norms after
+# each sub-block; q/k norms over the whole projections, widths N*H and K*H).
+PHI3 = {"model.fused_projections": "true", "model.partial_rotary_factor": "0.5",
+        "model.hf_model_type": "phi3"}  # fmt: skip
+OLMO2 = {"model.qk_norm": "true", "model.qk_norm_scope": "projection", "model.post_norm": "true",
+         "model.hf_model_type": "olmo2"}  # fmt: skip
+
+
+@pytest.mark.parametrize("variant", [PHI3, OLMO2], ids=["phi3", "olmo2"])
+def test_phi3_and_olmo2_blocks_offload_like_resident(variant):
+    _, ref_state, ref_losses, ref_norms, ref_val = run(tiny("llama", "float32", **variant))
+    offloaded = tiny("llama", "float32", **variant, **MODES["zero3-offload"])
+    _, state, losses, norms, val = run(offloaded, guard=True)
+    param_tol, loss_tol = TOLERANCE["float32"]
+    np.testing.assert_allclose(losses, ref_losses, atol=loss_tol, rtol=0)
+    np.testing.assert_allclose(norms, ref_norms, rtol=param_tol)
+    assert abs(val - ref_val) < loss_tol and losses[-1] < losses[0]
+    flat = jax.tree_util.tree_flatten_with_path(jax.device_get(state.params))[0]
+    ref = jax.tree_util.tree_flatten_with_path(jax.device_get(ref_state.params))[0]
+    for (path, a), (ref_path, b) in zip(flat, ref):
+        assert jax.tree_util.keystr(path) == jax.tree_util.keystr(ref_path)
+        assert rel(a, b) < param_tol, jax.tree_util.keystr(path)
+    names = {jax.tree_util.keystr(p) for p, _ in flat}
+    fused = ".blocks[0]['self_attn']['qkv_proj']['kernel']"
+    after = ".blocks[0]['post_feedforward_layernorm']['scale']"
+    assert any(n.endswith(fused if variant is PHI3 else after) for n in names), sorted(names)[:8]
+
+
 # A Gemma 3 shape: layers 0 and 2 local (window 8 of the 32 positions), layer 1 global, each kind with its
 # rope base: one block program, the layer's kind its per-layer input.
 GEMMA3 = {

@@ -74,6 +74,16 @@ FAMILIES: dict[str, dict[str, Any]] = {
         hf={"head_dim": 16},
         ft=FinetuneConfig(method="lora", lora_rank=4, lora_alpha=8, lora_targets="q,k,v,o,gate,up,down"),
     ),
+    # Phi-3: PEFT's targets are its fused modules (qkv_proj, gate_up_proj), as jaxzero's; rope over half
+    # of each head. OLMo 2: norms after each sub-block, q/k norms over the projections; every projection.
+    "phi3": dict(
+        hf={"pad_token_id": None, "rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+        ft=FinetuneConfig(method="lora", lora_rank=4, lora_alpha=8, lora_targets="qkv,o,gate_up,down"),
+    ),
+    "olmo2": dict(
+        hf={"pad_token_id": None},
+        ft=FinetuneConfig(method="lora", lora_rank=4, lora_alpha=8, lora_targets="q,k,v,o,gate,up,down"),
+    ),
     # Qwen3-MoE: Qwen3's attention adapted, its 4 experts (top 2) and routers frozen.
     "qwen3_moe": dict(
         hf={"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
@@ -117,6 +127,8 @@ def torch_model(family: str) -> torch.nn.Module:
         "qwen3_moe": (transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig),
         "gemma3": (transformers.Gemma3ForCausalLM, transformers.Gemma3TextConfig),
         "gpt_oss": (transformers.GptOssForCausalLM, transformers.GptOssConfig),
+        "phi3": (transformers.Phi3ForCausalLM, transformers.Phi3Config),
+        "olmo2": (transformers.Olmo2ForCausalLM, transformers.Olmo2Config),
     }
     model_cls, config_cls = classes[family]
     model = model_cls(config_cls(**common))
@@ -420,6 +432,8 @@ def test_merge_of_an_int8_base(case: Case) -> None:
     scale = case.ft.lora_alpha / case.ft.lora_rank
     for qblock, pairs, block in zip(base.blocks, case.adapters.blocks, merged.blocks):
         for group, proj in TARGET_PATHS.values():
+            if proj not in qblock[group] and not (group == "mlp" and case.cfg.num_experts):
+                continue  # the other layout's projection (Phi-3's fused ones, or the separate ones)
             if proj not in qblock[group]:  # a mixture of experts' MLP: its kernels are stacks
                 for name, q in qblock[group].items():
                     got = block[group][name]
@@ -516,16 +530,17 @@ def test_export_names_adapters_that_do_not_match(tmp_path: Path) -> None:
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
-def lora_run_over_hf(tmp_path: Path, **over: str) -> tuple[Path, Path]:
+def lora_run_over_hf(tmp_path: Path, family: str = "llama", **over: str) -> tuple[Path, Path]:
     """`python -m jaxzero.train --model.name=hf:DIR --finetune.method=lora` (4 steps, float32 compute)
-    over a tiny random float32 Llama that transformers saved: (the HF directory, the run directory)."""
+    over a tiny random float32 model of `family` (a Llama by default) that transformers saved: (the HF
+    directory, the run directory)."""
     import io
 
     from jaxzero.cli import train as train_lib
     from jaxzero.overrides import apply_overrides
 
     hf_dir = tmp_path / "hf"
-    torch_model("llama").save_pretrained(hf_dir)
+    torch_model(family).save_pretrained(hf_dir)
     settings = {
         "model.name": f"hf:{hf_dir}",
         "model.compute_dtype": "float32",
@@ -546,14 +561,21 @@ def lora_run_over_hf(tmp_path: Path, **over: str) -> tuple[Path, Path]:
     return hf_dir, run
 
 
-def test_a_lora_run_of_an_hf_checkpoint_exports_what_peft_loads(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "family, targets", [("llama", "q,v,down"), ("phi3", "qkv,gate_up"), ("olmo2", "q,k,v,o,gate,up,down")]
+)
+def test_a_lora_run_of_an_hf_checkpoint_exports_what_peft_loads(
+    tmp_path: Path, family: str, targets: str
+) -> None:
     """The user's path: `python -m jaxzero.train --model.name=hf:DIR --finetune.method=lora` trains
     and saves; `python -m jaxzero.export` writes the adapter; PEFT over the same checkpoint gives the
-    logits of jaxzero's merged model (`--merge`'s), and the adapters moved from their init."""
+    logits of jaxzero's merged model (`--merge`'s), and the adapters moved from their init. Phi-3's
+    adapters are on its fused qkv_proj and gate_up_proj, PEFT's targets."""
     from jaxzero.cli import export as export_lib
     from jaxzero.storage.checkpoint_masters import load_masters
 
-    hf_dir, run = lora_run_over_hf(tmp_path, **{"finetune.base_dtype": "float32"})
+    over = {"finetune.base_dtype": "float32", "finetune.lora_targets": targets}
+    hf_dir, run = lora_run_over_hf(tmp_path, family, **over)
     assert export_lib.main([f"--run_dir={run}", f"--out={tmp_path / 'adapter'}"]) == 0
     peft_model = peft.PeftModel.from_pretrained(load_torch(hf_dir), tmp_path / "adapter").eval()
     saved_cfg, merged, _ = load_masters(run)

@@ -296,6 +296,23 @@ def test_plan_cli_plans_qwen3_and_gemma3(capsys, monkeypatch):
     assert capsys.readouterr().out.startswith("plan for gemma-3-27b: 27.01B parameters, 8 x 4096")
 
 
+def test_plan_cli_plans_phi4_and_olmo2(capsys, monkeypatch):
+    """Phi-4 (its fused projections counted as one kernel each) and OLMo 2, full and LoRA on PEFT's
+    targets (Phi-4's fused ones)."""
+    monkeypatch.setattr(runtime, "backends_started", lambda: False)  # as in the program's fresh process
+    box = ["--machine.gpu_gib=133", "--machine.host_gib=250", "--machine.cores=16"]
+    phi = ["--model.name=phi-4", "--data.batch_size=16", "--data.seq_len=2048", *box]
+    assert plan_main([*phi, "--optimizer.state_dtype=bfloat16"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("plan for phi-4: 14.66B parameters, 16 x 2048 = 32,768 tokens per step")
+    assert "predicted step:" in out
+    assert plan_main([*phi, "--finetune.method=lora", "--finetune.lora_targets=qkv,o,gate_up,down"]) == 0
+    assert "plan for phi-4" in capsys.readouterr().out
+    olmo = ["--model.name=olmo-2-13b", "--data.batch_size=8", "--data.seq_len=4096", *box]
+    assert plan_main([*olmo, "--finetune.method=lora"]) == 0
+    assert capsys.readouterr().out.startswith("plan for olmo-2-13b: 13.72B parameters, 8 x 4096")
+
+
 def test_plan_cli_plans_mixtures_of_experts_with_the_top_k_experts_flops(capsys, monkeypatch):
     """Every expert is placed and stored; each token's FLOPs count its top-k experts only."""
     monkeypatch.setattr(runtime, "backends_started", lambda: False)  # as in the program's fresh process

@@ -251,6 +251,15 @@ def test_moe_load_balancing_loss_sharded_over_four_devices_matches_one_device():
     _four_devices_train_as_one(moe, placements=(("optimizer", 1), ("params", 3)))
 
 
+def test_phi3_and_olmo2_sharded_over_four_devices_match_one_device():
+    """Phi-3's fused (D, (N+2K)H) and (D, 2F) kernels and OLMo 2's (N*H,) and (K*H,) q/k norms shard
+    by rows like any leaf: ZeRO-3 offload over four devices trains as one device does."""
+    phi3 = {"model.fused_projections": "true", "model.partial_rotary_factor": "0.5"}
+    olmo2 = {"model.qk_norm": "true", "model.qk_norm_scope": "projection", "model.post_norm": "true"}
+    _four_devices_train_as_one({**phi3, "model.hf_model_type": "phi3"})
+    _four_devices_train_as_one({**olmo2, "model.hf_model_type": "olmo2"})
+
+
 def test_zero3_offload_on_eight_devices_matches_one_device(tmp_path):
     """The 8-GPU node's layout on 8 fake CPU devices (a process of its own: the suite's have 4)."""
     from subprocess_run import run_program

@@ -28,7 +28,18 @@ class CheckpointError(ConfigError):
 
 # The transformers model types an export may write (`ModelConfig.hf_model_type`).
 HFModelType = Literal[
-    "", "llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "gpt2", "gemma3_text", "gpt_oss"
+    "",
+    "llama",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "qwen3_moe",
+    "mixtral",
+    "phi3",
+    "olmo2",
+    "gpt2",
+    "gemma3_text",
+    "gpt_oss",
 ]
 
 
@@ -71,6 +82,14 @@ class ModelConfig:
     rope_attention_factor: float = 0.0  # yarn: cos and sin times it; 0: 0.1 ln(rope_factor) + 1
     attention_bias: bool = False  # biases on the q, k and v projections (Qwen2; gpt_oss: and o)
     qk_norm: bool = False  # RMSNorm of each query and key head before the rotary embedding (Qwen3)
+    # what qk_norm normalises over: each head's width (Qwen3), or the whole q and k projections (OLMo 2)
+    qk_norm_scope: Literal["head", "projection"] = "head"
+    # the RMSNorms after the attention's and the MLP's outputs, before each residual add, and none
+    # before them (OLMo 2); false: before each sub-block (Llama)
+    post_norm: bool = False
+    # q, k, v as one qkv_proj (D, (N+2K)H) and gate, up as one gate_up_proj (D, 2F), as Phi-3 stores them
+    fused_projections: bool = False
+    partial_rotary_factor: float = 1.0  # rotary embeddings rotate this fraction of each head (its first dims)
     # Mixture of experts (llama family: Qwen3-MoE, Mixtral; gpt_oss always): every block's MLP is a
     # router over num_experts SwiGLU experts, each token through its top num_experts_per_tok.
     num_experts: int = 0  # experts per block's MLP (0: a dense MLP)
@@ -80,8 +99,8 @@ class ModelConfig:
     swiglu_alpha: float = 1.702  # gpt_oss experts: gate * sigmoid(swiglu_alpha * gate)
     swiglu_limit: float = 7.0  # gpt_oss experts: gate clipped above, up clipped both sides at it
     router_aux_loss_coef: float = 0.0  # weight of the router's load-balancing loss added to the objective
-    # Sliding-window attention's window (Mistral v0.1, some Qwen2): 0 is none. Attention is computed
-    # in full, which equals the windowed attention only while data.seq_len <= the window.
+    # Sliding-window attention's window (Mistral v0.1, some Qwen2, Phi-3-mini): 0 is none. Attention
+    # is computed in full, which equals the windowed attention only while data.seq_len <= the window.
     sliding_window: int = 0
     # gemma3, gpt_oss: every N-th layer global, the others windowed (any seq_len)
     sliding_window_pattern: int = 0
@@ -136,8 +155,6 @@ def _not_a_size(name: str) -> str:
         f"unknown model.name {name!r}. Valid names: {', '.join(SIZE_SHAPES)}. A shape of your own takes "
         "any other name with its fields given, e.g. ModelConfig(name='mine', hidden_size=256, num_layers=8)."
     )
-
-
 
 
 @dataclass(frozen=True)
@@ -395,7 +412,8 @@ class ProfileConfig:
         return range(first, stop)
 
 
-LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # PEFT's Llama projections, without "_proj"
+# PEFT's Llama projections, without "_proj"; Phi-3's fused qkv_proj and gate_up_proj are qkv and gate_up.
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down", "qkv", "gate_up")
 
 
 @dataclass(frozen=True)
@@ -406,7 +424,8 @@ class FinetuneConfig:
     lora_rank: int = 16  # the adapters' rank r
     lora_alpha: float = 32.0  # the adapter product is scaled by lora_alpha / lora_rank
     lora_dropout: float = 0.0  # dropout on each adapter's input (PEFT's lora_dropout)
-    # Projections that get adapters, comma-separated among q, k, v, o, gate, up, down (PEFT's q_proj ...)
+    # Projections that get adapters, comma-separated among q, k, v, o, gate, up, down (PEFT's q_proj ...;
+    # a model with fused_projections has qkv and gate_up instead of q, k, v, gate, up)
     lora_targets: str = "q,k,v,o,gate,up,down"
     # The frozen base's storage: bfloat16, int8 (weight-only, per output channel, dequantised on the
     # accelerator inside each block; the embedding, norms and head stay bfloat16), or float32

@@ -24,6 +24,7 @@ from jaxzero.config import (
     TrainConfig,
 )
 from jaxzero.config.families import validate_gemma3, validate_gpt_oss
+from jaxzero.config.variants import lora_target_problem, validate_variants
 
 
 def _need(cond: bool, msg: str) -> None:
@@ -126,7 +127,7 @@ def validate_model(m: ModelConfig) -> None:
             "implements default, linear and llama3 rope."
         )
     hf_types = {
-        "llama": ("", "llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral"),
+        "llama": ("", "llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "phi3", "olmo2"),
         "gpt2": ("", "gpt2"),
         "gemma3": ("", "gemma3_text"),
         "gpt_oss": ("", "gpt_oss"),
@@ -136,6 +137,7 @@ def validate_model(m: ModelConfig) -> None:
             f"model.hf_model_type={m.hf_model_type!r} cannot describe a {m.family} model; one of {hf_types}."
         )
     _validate_moe(m)
+    validate_variants(m)
     if m.hf_model_type == "qwen2" and not m.attention_bias:
         raise ConfigError(
             "model.hf_model_type='qwen2' needs model.attention_bias=true (Qwen2 biases q, k, v)."
@@ -539,6 +541,8 @@ def _validate_finetune(cfg: TrainConfig) -> None:
         f"finetune.lora_targets={f.lora_targets!r}: {', '.join(unknown) or 'none named'}; name some of "
         f"{', '.join(LORA_TARGETS)}, comma-separated (PEFT's q_proj ... down_proj).",
     )
+    problem = lora_target_problem(cfg.model, names)
+    _need(problem is None, str(problem))
     dense = [t for t in names if t in ("gate", "up", "down")]
     _need(
         not (cfg.model.num_experts and dense),

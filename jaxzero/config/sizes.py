@@ -79,6 +79,13 @@ _ROWS: dict[str, tuple[Any, ...]] = {
     # OpenAI's gpt-oss 20B and 120B (_GPT_OSS: heads of 64, biased experts of the width, yarn rope).
     "gpt-oss-20b":      ("gpt_oss", 201088, 2880, 24,   64,   8,  2880,  131072, False, 1.5e5, 1e-5),
     "gpt-oss-120b":     ("gpt_oss", 201088, 2880, 36,   64,   8,  2880,  131072, False, 1.5e5, 1e-5),
+    # Phi-3-mini 4k and Phi-4 (_PHI3: fused projections; the mini's window 2047), OLMo 2 7B, 13B
+    # (November 2024) and 32B (March 2025; _OLMO2: norms after each sub-block, q/k over the projections).
+    "phi-3-mini":       ("llama", 32064,  3072,  32,    32,   32, 8192,  4096,   False, 1e4,  1e-5),
+    "phi-4":            ("llama", 100352, 5120,  40,    40,   10, 17920, 16384,  False, 2.5e5, 1e-5),
+    "olmo-2-7b":        ("llama", 100352, 4096,  32,    32,   32, 11008, 4096,   False, 5e5,  1e-6),
+    "olmo-2-13b":       ("llama", 100352, 5120,  40,    40,   40, 13824, 4096,   False, 5e5,  1e-6),
+    "olmo-2-32b":       ("llama", 100352, 5120,  64,    40,   8,  27648, 4096,   False, 5e5,  1e-6),
 }
 # fmt: on
 # The other size fields: llama-tiny's, and every size's except where _DIFFERENT says.
@@ -92,6 +99,7 @@ _REST: dict[str, Any] = dict(
     head_size=0,
     attention_bias=False,
     qk_norm=False,
+    **dict(qk_norm_scope="head", post_norm=False, fused_projections=False, partial_rotary_factor=1.0),
     sliding_window=0,
     **dict(sliding_window_pattern=0, rope_local_theta=0.0, query_pre_attn_scalar=0, final_logit_softcap=0.0),
     hf_model_type="",
@@ -136,6 +144,8 @@ _GEMMA3 = dict(
     sliding_window=1024, sliding_window_pattern=6, rope_local_theta=1e4, hf_model_type="gemma3_text"
 )
 _GEMMA3_LINEAR = {**_GEMMA3, "rope_type": "linear", "rope_factor": 8.0}
+_PHI3 = dict(fused_projections=True, hf_model_type="phi3")
+_OLMO2 = dict(qk_norm=True, qk_norm_scope="projection", post_norm=True, hf_model_type="olmo2")
 _DIFFERENT: dict[str, dict[str, Any]] = {
     "llama-3.1-8b": {**_LLAMA3_ROPE, "rope_factor": 8.0},
     "llama-3.1-70b": {**_LLAMA3_ROPE, "rope_factor": 8.0},
@@ -151,6 +161,9 @@ _DIFFERENT: dict[str, dict[str, Any]] = {
     "mixtral-8x7b": _MIXTRAL,
     "gpt-oss-20b": {**_GPT_OSS, "num_experts": 32},
     "gpt-oss-120b": {**_GPT_OSS, "num_experts": 128},
+    "phi-3-mini": {**_PHI3, "sliding_window": 2047},
+    "phi-4": _PHI3,
+    **{f"olmo-2-{size}": _OLMO2 for size in ("7b", "13b", "32b")},
     "gemma-3-1b": {**_GEMMA3, "head_size": 256, "query_pre_attn_scalar": 256, "sliding_window": 512},
     "gemma-3-4b": {**_GEMMA3_LINEAR, "head_size": 256, "query_pre_attn_scalar": 256},
     "gemma-3-12b": {**_GEMMA3_LINEAR, "head_size": 256, "query_pre_attn_scalar": 256},

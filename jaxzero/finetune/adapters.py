@@ -36,6 +36,8 @@ TARGET_PATHS: dict[str, tuple[str, str]] = {
     "gate": ("mlp", "gate_proj"),
     "up": ("mlp", "up_proj"),
     "down": ("mlp", "down_proj"),
+    "qkv": ("self_attn", "qkv_proj"),  # Phi-3's fused projections (model.fused_projections)
+    "gate_up": ("mlp", "gate_up_proj"),
 }
 
 

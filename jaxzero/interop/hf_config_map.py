@@ -3,16 +3,15 @@
 Supported: the Llama family (`LlamaForCausalLM` "llama" with default, linear or llama3 rope scaling;
 `Qwen2ForCausalLM` "qwen2", biases on q, k, v; `Qwen3ForCausalLM` "qwen3", q/k norms and a head_dim of
 its own; `MistralForCausalLM` "mistral"; `Qwen3MoeForCausalLM` "qwen3_moe" and `MixtralForCausalLM`
-"mixtral", whose expert fields `jaxzero.interop.hf_moe_config` maps; tied or untied head,
-grouped-query attention), GPT-2
-(`GPT2LMHeadModel`, model_type "gpt2") and Gemma 3's text models (`Gemma3ForCausalLM` "gemma3_text",
-and the text model of `Gemma3ForConditionalGeneration` "gemma3"), and gpt-oss (`GptOssForCausalLM`
-"gpt_oss", `jaxzero.interop.hf_gpt_oss`). Anything these models cannot compute exactly
-(dynamic/yarn/longrope rope, partial rotary, o_proj or MLP biases, a head_dim other than hidden_size /
-num_heads outside Qwen3, other activations, quantized weights, ...) is refused with a
-ConfigError that names the field, rather than loaded into a model that would silently compute
-something else. A sliding window is kept in ModelConfig.sliding_window, and runs longer than it are
-refused (`jaxzero.config.checks.validate`).
+"mixtral", whose expert fields `hf_moe_config` maps; `Phi3ForCausalLM` "phi3" (Phi-3, Phi-4) and
+`Olmo2ForCausalLM` "olmo2", whose block variants `hf_variants` maps; tied or untied head, grouped-query
+attention), GPT-2 (`GPT2LMHeadModel` "gpt2"), Gemma 3's text models (`Gemma3ForCausalLM` "gemma3_text"
+and the text model of `Gemma3ForConditionalGeneration` "gemma3") and gpt-oss (`GptOssForCausalLM`
+"gpt_oss", `hf_gpt_oss`). Anything these models cannot compute exactly (dynamic/yarn/longrope rope,
+partial rotary outside Phi-3, o_proj or MLP biases, a head_dim other than hidden_size / num_heads
+outside Qwen3, other activations, quantized weights, ...) is refused with a ConfigError that names the
+field, rather than loaded into a model that would silently compute something else. A sliding window is
+kept in ModelConfig.sliding_window, and runs longer than it are refused (`config.checks.validate`).
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ import numpy as np
 from jaxzero.config import ConfigError, ModelConfig
 from jaxzero.interop.hf_gpt_oss import gpt_oss_from_hf, gpt_oss_to_hf
 from jaxzero.interop.hf_moe_config import MOE_ARCHITECTURES, MOE_DEFAULTS, moe_from_hf, moe_to_hf
+from jaxzero.interop.hf_variants import VARIANT_DEFAULTS, VARIANTS, variant_from_hf, variant_to_hf
 from jaxzero.models import build_model
 
 CONFIG_NAME = "config.json"
@@ -73,6 +73,7 @@ _ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
     **MOE_ARCHITECTURES,  # Qwen3-MoE and Mixtral: the Llama family with a sparse MLP
+    **VARIANTS,  # Phi-3 and OLMo 2: the Llama family with block variants
 }
 # Defaults of Qwen2Config / Qwen3Config / MistralConfig (transformers 5) that differ from LlamaConfig's.
 _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -101,6 +102,7 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
         "sliding_window": 4096,
     },
     **MOE_DEFAULTS,
+    **VARIANT_DEFAULTS,
 }
 # GPT-2's "gelu_new" and "gelu_pytorch_tanh" are both the tanh approximation jaxzero computes.
 _GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")
@@ -138,6 +140,8 @@ def hf_config(cfg: ModelConfig, dtype: str = "bfloat16") -> dict[str, Any]:
         implied = "qwen3" if cfg.qk_norm else "qwen2" if cfg.attention_bias else "llama"
         if cfg.num_experts:
             implied = "qwen3_moe" if cfg.qk_norm else "mixtral"
+        if cfg.fused_projections or cfg.post_norm:
+            implied = "phi3" if cfg.fused_projections else "olmo2"
         model_type = cfg.hf_model_type or implied
         rope: dict[str, Any] = {"rope_type": cfg.rope_type, "rope_theta": cfg.rope_theta}
         if cfg.rope_type != "default":
@@ -183,6 +187,9 @@ def hf_config(cfg: ModelConfig, dtype: str = "bfloat16") -> dict[str, Any]:
             out["sliding_window"] = cfg.sliding_window or None
         if cfg.num_experts:
             out.update(moe_to_hf(cfg, model_type))
+        if model_type in VARIANTS:
+            out.pop("sliding_window")
+        out.update(variant_to_hf(cfg, model_type, rope))
         return out
     return {
         "architectures": ["GPT2LMHeadModel"],
@@ -433,13 +440,13 @@ def _llama_from_hf(d: Mapping[str, Any], model_type: str, name: str, where: str)
                 )
             ),
         )
-    elif rope_type not in ("default", "linear"):
+    elif rope_type not in ("default", "linear") and model_type != "phi3":  # phi3's: `variant_from_hf`
         unsupported.append(
             f"rope type {rope_type!r} (rope_parameters/rope_scaling={dict(rope)}); jaxzero implements "
             "default, linear and llama3"
         )
     partial = rope.get("partial_rotary_factor", d.get("partial_rotary_factor"))
-    if partial not in (None, 1, 1.0):
+    if partial not in (None, 1, 1.0) and model_type != "phi3":
         unsupported.append(f"partial_rotary_factor={partial} (jaxzero rotates the whole head)")
     theta = rope.get("rope_theta", d.get("rope_theta"))
     theta = _LLAMA_DEFAULTS["rope_theta"] if theta is None else theta
@@ -460,13 +467,16 @@ def _llama_from_hf(d: Mapping[str, Any], model_type: str, name: str, where: str)
             "(jaxzero derives head_dim from the two)"
         )
     window = 0
-    if model_type in ("mistral", "mixtral") and f.raw("sliding_window") is not None:
+    if model_type in ("mistral", "mixtral", "phi3") and f.raw("sliding_window") is not None:
         window = f.get_int("sliding_window")
     if model_type in ("qwen2", "qwen3", "qwen3_moe") and f.get_bool("use_sliding_window"):
         window = f.get_int("sliding_window")
-    experts: dict[str, Any] = {}
+    extra: dict[str, Any] = {}  # the experts' fields, or Phi-3's and OLMo 2's block variants
     if model_type in MOE_ARCHITECTURES:
-        experts, more = moe_from_hf(d, model_type, where)
+        extra, more = moe_from_hf(d, model_type, where)
+        unsupported += more
+    if model_type in VARIANTS:
+        extra, more = variant_from_hf(d, model_type, rope, where)
         unsupported += more
     if unsupported:
         raise ConfigError(f"{where}: unsupported {arch} features: " + "; ".join(unsupported) + ".")
@@ -489,8 +499,8 @@ def _llama_from_hf(d: Mapping[str, Any], model_type: str, name: str, where: str)
         **scaling,
         head_size=head_dim if qwen3 else 0,
         attention_bias=model_type == "qwen2",
-        qk_norm=qwen3,
-        **experts,
+        qk_norm=qwen3 or model_type == "olmo2",
+        **extra,
         sliding_window=window,
         hf_model_type="" if model_type == "llama" else model_type,
         norm_eps=f.get_float("rms_norm_eps"),

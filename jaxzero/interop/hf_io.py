@@ -443,8 +443,8 @@ def load_hf_into(
 
     Checks that the checkpoint's config matches `cfg` in every shape field (family, vocab_size,
     hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size, tie_embeddings,
-    attention_bias, qk_norm and head_dim for Llama and max_seq_len for GPT-2, whose position table
-    has that many rows) and,
+    attention_bias, qk_norm, head_dim and the block variants (`jaxzero.config.variants`) for Llama
+    and max_seq_len for GPT-2, whose position table has that many rows) and,
     unless `check_numerics=False`, in the fields that change what the weights compute (norm_eps, and
     rope_theta, rope_type and the scaling's fields for Llama; pass False to fine-tune with e.g. a raised
     rope_theta on purpose). Every mismatching field is named in one
@@ -474,7 +474,8 @@ def _check_hf_config(cfg: ModelConfig, ckpt: Path, check_numerics: bool) -> None
     hf = model_config_from_hf(ckpt)
     names = list(_SHAPE_FIELDS) + ["intermediate_size"]
     if cfg.family == "llama" and hf.family == "llama":
-        names += ["tie_embeddings", "attention_bias", "qk_norm", "head_dim"]
+        names += ["tie_embeddings", "attention_bias", "qk_norm", "head_dim", "qk_norm_scope", "post_norm"]
+        names += ["fused_projections"] + (["partial_rotary_factor"] if check_numerics else [])
         names += ["num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob"]
     if cfg.family == "gpt2":
         names.append("max_seq_len")

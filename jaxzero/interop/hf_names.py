@@ -112,29 +112,31 @@ def _llama_units(cfg: ModelConfig) -> list[HFUnit]:
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         attn = []
-        for proj, width in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+        projections = (("q_proj", q), ("k_proj", kv), ("v_proj", kv))
+        if cfg.fused_projections:  # Phi-3: [q | k | v] as one tensor, as in jaxzero
+            projections = (("qkv_proj", q + 2 * kv),)
+        for proj, width in projections:
             attn.append(
                 HFTensor(f"{p}self_attn.{proj}.weight", ("self_attn", proj, "kernel"), (d, width), True)
             )
             if cfg.attention_bias:
                 attn.append(HFTensor(f"{p}self_attn.{proj}.bias", ("self_attn", proj, "bias"), (width,)))
-        if cfg.qk_norm:
-            for norm in ("q_norm", "k_norm"):
-                attn.append(HFTensor(f"{p}self_attn.{norm}.weight", ("self_attn", norm, "scale"), (hd,)))
-        units.append(
-            HFUnit(
-                f"block {i}",
-                (
-                    HFTensor(p + "input_layernorm.weight", ("input_layernorm", "scale"), (d,)),
-                    *attn,
-                    HFTensor(p + "self_attn.o_proj.weight", ("self_attn", "o_proj", "kernel"), (q, d), True),
-                    HFTensor(
-                        p + "post_attention_layernorm.weight", ("post_attention_layernorm", "scale"), (d,)
-                    ),
-                    *_llama_mlp(cfg, p),
-                ),
-            )
-        )
+        if cfg.qk_norm:  # over each head (Qwen3) or over the whole projection (OLMo 2)
+            widths = (q, kv) if cfg.qk_norm_scope == "projection" else (hd, hd)
+            for norm, width in zip(("q_norm", "k_norm"), widths):
+                attn.append(HFTensor(f"{p}self_attn.{norm}.weight", ("self_attn", norm, "scale"), (width,)))
+
+        def norm(name: str) -> HFTensor:
+            return HFTensor(p + name + ".weight", (name, "scale"), (d,))  # noqa: B023
+
+        o_proj = HFTensor(p + "self_attn.o_proj.weight", ("self_attn", "o_proj", "kernel"), (q, d), True)
+        if cfg.post_norm:  # OLMo 2: no norm before the attention, one after the MLP
+            tensors = (*attn, o_proj, norm("post_attention_layernorm"), *_llama_mlp(cfg, p))
+            tensors += (norm("post_feedforward_layernorm"),)
+        else:
+            tensors = (norm("input_layernorm"), *attn, o_proj, norm("post_attention_layernorm"))
+            tensors += tuple(_llama_mlp(cfg, p))
+        units.append(HFUnit(f"block {i}", tensors))
     head = [HFTensor("model.norm.weight", ("norm", "scale"), (d,))]
     if not cfg.tie_embeddings:
         head.append(HFTensor("lm_head.weight", ("lm_head", "kernel"), (d, v), True))
@@ -147,6 +149,11 @@ def _llama_mlp(cfg: ModelConfig, p: str) -> list[HFTensor]:
     released checkpoints store them (Qwen3-MoE `mlp.experts.e.gate_proj`, Mixtral
     `block_sparse_moe.experts.e.w1`; transformers 5 saves them so and fuses them on load)."""
     d, f = cfg.hidden_size, cfg.intermediate_size
+    if cfg.fused_projections:  # Phi-3: [gate | up] as one tensor, as in jaxzero
+        return [
+            HFTensor(p + "mlp.gate_up_proj.weight", ("mlp", "gate_up_proj", "kernel"), (d, 2 * f), True),
+            HFTensor(p + "mlp.down_proj.weight", ("mlp", "down_proj", "kernel"), (f, d), True),
+        ]
     if not cfg.num_experts:
         return [
             HFTensor(p + "mlp.gate_proj.weight", ("mlp", "gate_proj", "kernel"), (d, f), True),

@@ -217,16 +217,18 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> j
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
-    """The (head_dim / 2,) float64 rotary frequencies of `config`, as HF's rope init functions make them.
+    """The (R / 2,) float64 rotary frequencies of `config`, as HF's rope init functions make them, R =
+    int(head_dim x partial_rotary_factor) the rotated dims of each head (all of them but for Phi-3's
+    partial rotary).
 
-    default: 1 / theta^(arange(0, H, 2) / H). linear: those / rope_factor. llama3 (Llama 3.1+,
+    default: 1 / theta^(arange(0, R, 2) / R). linear: those / rope_factor. llama3 (Llama 3.1+,
     `_compute_llama3_parameters`): wavelengths 2*pi/f above rope_original_max_len / low_freq_factor
     are divided by rope_factor, those below rope_original_max_len / high_freq_factor kept, and the
     band between interpolated smoothly. yarn (`_compute_yarn_parameters`): a linear ramp over the
     dimensions between the rope_beta_fast and rope_beta_slow rotations of rope_original_max_len blends
     inv / rope_factor into inv; it also scales cos and sin (`rope_attention_factor`).
     """
-    h = config.head_dim
+    h = int(config.head_dim * config.partial_rotary_factor)
     inv = 1.0 / (config.rope_theta ** (np.arange(0, h, 2, dtype=np.float64) / h))
     if config.rope_type == "linear":
         return inv / config.rope_factor
@@ -267,7 +269,8 @@ def rope_attention_factor(config: ModelConfig) -> float:
 
 
 def rope_cos_sin(seq_len: int, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
-    """cos and sin tables, each (seq_len, head_dim) float32, for positions 0 .. seq_len-1.
+    """cos and sin tables, each (seq_len, R) float32, for positions 0 .. seq_len-1 (R: twice
+    `inv_freq`'s length, the rotated dims of a head).
 
     Matches HF's rotary embedding for the frequencies `inv_freq` (`rope_inv_freq`): freqs = pos (x)
     inv_freq, emb = concat([freqs, freqs]). `inv_freq` is computed on the host in float64 and rounded
@@ -288,14 +291,20 @@ def rotate_half(x: jax.Array) -> jax.Array:
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate x (B, S, heads, H) by position: x * cos + rotate_half(x) * sin, cos/sin (S, H) float32.
+    """Rotate x (B, S, heads, H) by position: x * cos + rotate_half(x) * sin, cos/sin (S, R) float32.
+    With R < H (partial rotary) only the first R dims of each head rotate, the rest pass unchanged
+    (HF's `apply_rotary_pos_emb`).
 
     The rotation is done in float32 and cast back once: at long contexts the high-frequency pairs
     need more than bf16's 8 bits of mantissa to keep relative positions distinguishable.
     """
     x32 = x.astype(jnp.float32)
+    r = cos.shape[-1]
     c = cos[None, :, None, :]
     s = sin[None, :, None, :]
+    if r < x.shape[-1]:
+        turned = x32[..., :r] * c + rotate_half(x32[..., :r]) * s
+        return jnp.concatenate([turned, x32[..., r:]], axis=-1).astype(x.dtype)
     return (x32 * c + rotate_half(x32) * s).astype(x.dtype)
 
 

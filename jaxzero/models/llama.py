@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Qwen2/2.5, Qwen3, Mistral, and Llama-shaped models such as
-InternLM2): pre-norm blocks of RMSNorm, rotary grouped-query attention (rope scaled as
+"""Llama-family decoder (Llama 2/3, Qwen2/2.5, Qwen3, Mistral, Phi-3/4, OLMo 2, and Llama-shaped
+models such as InternLM2): pre-norm blocks of RMSNorm, rotary grouped-query attention (rope scaled as
 `ModelConfig.rope_type` says; q, k, v biases with `attention_bias`; each q and k head RMS-normalised
 before the rotation with `qk_norm`, as Qwen3) and a SwiGLU MLP, tied or untied output head.
 
@@ -13,7 +13,8 @@ name map plus a transpose of each "kernel" (stored (in, out) here, (out, in) in 
                            "k_proj": {"kernel": (D, K*H)},
                            "v_proj": {"kernel": (D, K*H)},
                            "o_proj": {"kernel": (N*H, D)},
-                           (and "q_norm", "k_norm": {"scale": (H,)} with qk_norm)},
+                           (and "q_norm", "k_norm": {"scale": (H,)} with qk_norm; (N*H,) and
+                            (K*H,) with qk_norm_scope=projection)},
              "post_attention_layernorm": {"scale": (D,)},
              "mlp": {"gate_proj": {"kernel": (D, F)},         ...mlp.gate_proj.weight
                      "up_proj":   {"kernel": (D, F)},
@@ -21,6 +22,12 @@ name map plus a transpose of each "kernel" (stored (in, out) here, (out, in) in 
     head:   {"norm": {"scale": (D,)},                         model.norm.weight
              "lm_head": {"kernel": (D, V)}}                   lm_head.weight
             ("lm_head" is absent when `tie_embeddings`; logits then use embed_tokens)
+
+Phi-3 (`fused_projections`) keeps q, k, v as one "qkv_proj" {"kernel": (D, (N+2K)*H)} ([q | k | v]
+along its output) and gate, up as one "gate_up_proj" {"kernel": (D, 2F)} ([gate | up]), as its
+checkpoints do, and may rotate only the first int(H x `partial_rotary_factor`) dims of each head.
+OLMo 2 (`post_norm`) has no "input_layernorm": "post_attention_layernorm" normalises the attention's
+output and "post_feedforward_layernorm" {"scale": (D,)} the MLP's, each before its residual add.
 
 With `num_experts` E > 0 (Qwen3-MoE, Mixtral) the block's "mlp" is the sparse MLP of
 `jaxzero.models.moe` instead, dropless top-k routing over SwiGLU experts of width F' =
@@ -113,10 +120,18 @@ class _Attention(nn.Module):
         n, k, hd = c.num_heads, c.num_kv_heads, c.head_dim
         bias = c.attention_bias
         lora = self.lora
-        q = _Linear(n * hd, c.init_std, bias, lora, name="q_proj")(h).reshape(b, s, n, hd)
-        kk = _Linear(k * hd, c.init_std, bias, lora, name="k_proj")(h).reshape(b, s, k, hd)
-        v = _Linear(k * hd, c.init_std, bias, lora, name="v_proj")(h).reshape(b, s, k, hd)
-        if c.qk_norm:  # each head normalised over its own width, before the rotation (Qwen3)
+        if c.fused_projections:  # one (D, (N+2K)H) matmul, [q | k | v] along its output (Phi-3)
+            qkv = _Linear((n + 2 * k) * hd, c.init_std, lora=lora, name="qkv_proj")(h)
+            q, kk, v = jnp.split(qkv, [n * hd, (n + k) * hd], axis=-1)
+        else:
+            q = _Linear(n * hd, c.init_std, bias, lora, name="q_proj")(h)
+            kk = _Linear(k * hd, c.init_std, bias, lora, name="k_proj")(h)
+            v = _Linear(k * hd, c.init_std, bias, lora, name="v_proj")(h)
+        if c.qk_norm and c.qk_norm_scope == "projection":  # over all heads at once (OLMo 2)
+            q = _RMSNorm(c.norm_eps, name="q_norm")(q)
+            kk = _RMSNorm(c.norm_eps, name="k_norm")(kk)
+        q, kk, v = q.reshape(b, s, n, hd), kk.reshape(b, s, k, hd), v.reshape(b, s, k, hd)
+        if c.qk_norm and c.qk_norm_scope == "head":  # each head over its own width (Qwen3)
             q = _RMSNorm(c.norm_eps, name="q_norm")(q)
             kk = _RMSNorm(c.norm_eps, name="k_norm")(kk)
         out = _Linear(c.hidden_size, c.init_std, lora=lora, name="o_proj")
@@ -147,8 +162,12 @@ class _MLP(nn.Module):
     @nn.compact
     def __call__(self, h: jax.Array) -> jax.Array:
         c, lora = self.config, self.lora
-        gate = _Linear(c.intermediate_size, c.init_std, lora=lora, name="gate_proj")(h)
-        up = _Linear(c.intermediate_size, c.init_std, lora=lora, name="up_proj")(h)
+        if c.fused_projections:  # one (D, 2F) matmul, [gate | up] along its output (Phi-3)
+            gate_up = _Linear(2 * c.intermediate_size, c.init_std, lora=lora, name="gate_up_proj")(h)
+            gate, up = jnp.split(gate_up, 2, axis=-1)
+        else:
+            gate = _Linear(c.intermediate_size, c.init_std, lora=lora, name="gate_proj")(h)
+            up = _Linear(c.intermediate_size, c.init_std, lora=lora, name="up_proj")(h)
         return _Linear(c.hidden_size, c.init_std, lora=lora, name="down_proj")(jax.nn.silu(gate) * up)
 
 
@@ -193,6 +212,8 @@ class LlamaBlock(nn.Module):
         x = x + o_proj(attn(rope(q_proj(n1(x))), rope(k_proj(n1(x))), v_proj(n1(x))))
         x = x + down_proj(silu(gate_proj(n2(x))) * up_proj(n2(x)))
 
+    (with `post_norm`: x = x + n1(attn(x)), then x = x + n2(mlp(x)), OLMo 2's order.)
+
     Its parameters are the block pytree of the module docstring; every weight is used in the compute
     dtype, so float32 masters and compute-dtype copies give the same result. `segments` (B, S) int32:
     attention stays within each segment (`layers.causal_attention`); not with a `cache`. `lora`: how
@@ -215,17 +236,27 @@ class LlamaBlock(nn.Module):
         c = self.config
         x = x.astype(layers.compute_dtype(c))
         attn = _Attention(c, self.lora, name="self_attn")
-        h = _RMSNorm(c.norm_eps, name="input_layernorm")(x)
+        if c.post_norm:  # OLMo 2: each sub-block's output normalised, its input not
+            h = x
+        else:
+            h = _RMSNorm(c.norm_eps, name="input_layernorm")(x)
         if cache is None:
-            x = x + attn(h, segments=segments)
+            a = attn(h, segments=segments)
         else:
             a, cache = attn(h, cache, pos)
+        if c.post_norm:
+            x = x + _RMSNorm(c.norm_eps, name="post_attention_layernorm")(a)
+            h = x
+        else:
             x = x + a
-        h = _RMSNorm(c.norm_eps, name="post_attention_layernorm")(x)
-        if not c.num_experts:
-            x = x + _MLP(c, self.lora, name="mlp")(h)
-            return x if cache is None else (x, cache)
-        y, stats = _MoE(c, name="mlp")(h)
+            h = _RMSNorm(c.norm_eps, name="post_attention_layernorm")(x)
+        stats = None
+        if c.num_experts:
+            y, stats = _MoE(c, name="mlp")(h)
+        else:
+            y = _MLP(c, self.lora, name="mlp")(h)
+        if c.post_norm:
+            y = _RMSNorm(c.norm_eps, name="post_feedforward_layernorm")(y)
         x = x + y
         if cache is not None:
             return x, cache

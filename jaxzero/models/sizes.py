@@ -22,6 +22,9 @@ Released checkpoints' shapes, with their rope scaling and biases (`model.name=hf
     qwen3-0.6b      596,049,920    qwen3-4b     4,022,468,096    qwen3-14b  14,768,307,200
     qwen3-1.7b    1,720,574,976    qwen3-8b     8,190,735,360    qwen3-32b  32,762,123,264
 
+    phi-3-mini    3,821,079,552    olmo-2-7b    7,298,617,344    olmo-2-32b  32,234,279,936
+    phi-4        14,659,507,200    olmo-2-13b  13,716,198,400
+
 Mixtures of experts count every expert's parameters; their FLOPs count the parameters a token
 multiplies by (`block_matmul_params`: the router and its top-k experts):
 
@@ -75,14 +78,20 @@ def unit_param_shapes(cfg: ModelConfig) -> tuple[list[Shape], list[Shape], list[
     d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     if cfg.family == "llama":
-        # q, k, v, o projections, the three SwiGLU matrices, the two RMSNorm scales
+        # q, k, v, o projections, the three SwiGLU matrices, the two RMSNorm scales (OLMo 2's after
+        # the attention and the MLP, the others' before them)
         block = [(d, q_width), (d, kv_width), (d, kv_width), (q_width, d), (d, f), (d, f), (f, d), (d,), (d,)]
         if cfg.num_experts:  # the router and the experts' [gate | up] and down kernels instead
             e, fe = cfg.num_experts, cfg.moe_intermediate_size
             block[4:7] = [(d, e), (e, d, 2 * fe), (e, fe, d)]
+        if cfg.fused_projections:  # Phi-3: [q | k | v] and [gate | up] each one kernel
+            block[0:3] = [(d, q_width + 2 * kv_width)]
+            block[2:4] = [(d, 2 * f)]
         if cfg.attention_bias:
             block += [(q_width,), (kv_width,), (kv_width,)]
-        if cfg.qk_norm:
+        if cfg.qk_norm and cfg.qk_norm_scope == "projection":  # OLMo 2: over all q heads, all k heads
+            block += [(q_width,), (kv_width,)]
+        elif cfg.qk_norm:
             block += [(cfg.head_dim,), (cfg.head_dim,)]  # one scale over each q head, one over each k head
         head = [(d,)] + ([] if cfg.tie_embeddings else [(d, v)])  # final norm (+ lm_head)
         return [(v, d)], block, head
@@ -182,9 +191,12 @@ def attention_span(cfg: ModelConfig, layer: int, seq_len: int) -> int:
 
 def projection_shapes(m: ModelConfig) -> dict[str, tuple[int, int]]:
     """(in, out) of each of a Llama block's projections, by `LORA_TARGETS` name, from the config
-    alone (no JAX: the planner counts with it before JAX starts)."""
+    alone (no JAX: the planner counts with it before JAX starts). A model with `fused_projections`
+    has "qkv" and "gate_up" instead of q, k, v, gate and up."""
     d, f = m.hidden_size, m.intermediate_size
     q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    if m.fused_projections:
+        return {"qkv": (d, q + 2 * kv), "o": (q, d), "gate_up": (d, 2 * f), "down": (f, d)}
     return {
         "q": (d, q),
         "k": (d, kv),

@@ -1,0 +1,78 @@
+"""The fields of a transformers `config.json` of Phi-3 / Phi-4 ("phi3", `Phi3ForCausalLM`) and OLMo 2
+("olmo2", `Olmo2ForCausalLM`) that differ from the Llama family's, and jaxzero's block variants
+(`ModelConfig.fused_projections`, `partial_rotary_factor`, `post_norm`, `qk_norm_scope`), in both
+directions; the rest of those configs is read and written as the Llama family's
+(`jaxzero.interop.hf_config_map`).
+
+Phi-3's rope scaling "longrope" (Phi-3-mini-128k, Phi-3.5, Phi-4-mini; also spelled "su" and "yarn"
+in Phi-3's configs) picks its short or long factors by the length of each call's sequence and
+rescales the rotation by an attention factor; transformers recomputes a generation's cache when it
+crosses the original length. jaxzero does not implement it and refuses such a config in one line.
+Phi-3's `sliding_window` is applied by transformers (Phi-3-mini-4k: 2047) and kept in
+`ModelConfig.sliding_window`, which limits a run's sequence length to it, as Mistral's does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from jaxzero.config import ModelConfig
+from jaxzero.config.variants import validate_variants
+
+# The causal-LM classes of the variant model types.
+VARIANTS = {"phi3": "Phi3ForCausalLM", "olmo2": "Olmo2ForCausalLM"}
+# Defaults of Phi3Config / Olmo2Config (transformers 5) that differ from LlamaConfig's.
+VARIANT_DEFAULTS: dict[str, dict[str, Any]] = {
+    "phi3": {
+        "vocab_size": 32064,
+        "hidden_size": 3072,
+        "intermediate_size": 8192,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "sliding_window": None,
+    },
+    "olmo2": {"vocab_size": 50304, "rms_norm_eps": 1e-5},
+}
+_LONGROPE = ("longrope", "su", "yarn")
+
+
+def variant_from_hf(
+    d: Mapping[str, Any], model_type: str, rope: Mapping[str, Any], where: str
+) -> tuple[dict[str, Any], list[str]]:
+    """(the ModelConfig variant fields, the unsupported features found) of a config.json dict `d` of
+    `model_type` ("phi3" or "olmo2"), whose rope settings are `rope`."""
+    if model_type == "olmo2":
+        unsupported = []
+        if d.get("attention_bias"):
+            unsupported.append("attention_bias=true (biases on q, k, v and o_proj; jaxzero's has none)")
+        return dict(qk_norm_scope="projection", post_norm=True), unsupported
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type in _LONGROPE:
+        return {}, [
+            f"rope type {rope_type!r} (LongRoPE's short and long factors by sequence length: "
+            "Phi-3-mini-128k, Phi-3.5, Phi-4-mini); jaxzero implements Phi-3's default rope only"
+        ]
+    partial = rope.get("partial_rotary_factor", d.get("partial_rotary_factor"))
+    return dict(fused_projections=True, partial_rotary_factor=1.0 if partial is None else float(partial)), []
+
+
+def variant_to_hf(cfg: ModelConfig, model_type: str, rope: dict[str, Any]) -> dict[str, Any]:
+    """The fields of the config.json of `cfg` exported as the Llama-family `model_type` that Phi-3 or
+    OLMo 2 add (Phi-3's partial rotary factor also written into its rope settings `rope`); none for
+    the other types. Raises ConfigError if no `model_type` model computes `cfg`'s block variants (a
+    partial rotary without Phi-3's fused projections: no transformers class has both)."""
+    validate_variants(dataclasses.replace(cfg, hf_model_type=model_type))
+    if model_type not in VARIANTS:
+        return {}
+    if model_type == "olmo2":
+        return {"attention_bias": False}
+    rope["partial_rotary_factor"] = cfg.partial_rotary_factor
+    return {
+        "partial_rotary_factor": cfg.partial_rotary_factor,
+        "original_max_position_embeddings": cfg.max_seq_len,
+        "sliding_window": cfg.sliding_window or None,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+    }
