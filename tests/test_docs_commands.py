@@ -259,6 +259,7 @@ def test_every_doc_command_is_run_or_listed(tmp_path):
 
 # The docs whose commands share one scratch directory, in this order: a later doc uses an earlier
 # one's runs (docs/lora.md merges the README's LoRA run; docs/models.md exports docs/faults.md's).
+# Chains that share nothing are apart, so that the suite's workers run them side by side.
 CHAINS = {
     "readme-data-lora": ["README.md", "docs/data.md", "docs/lora.md"],
     "runs-x": [
@@ -267,10 +268,8 @@ CHAINS = {
         "docs/multi-gpu.md",
         "docs/watching.md",
         "docs/deepspeed.md",
-        "docs/how-big.md",
-        "docs/architecture.md",
-        "docs/library.md",
     ],
+    "how-big": ["docs/how-big.md", "docs/architecture.md", "docs/library.md"],
 }
 SYNOPSIS = "the synopsis of the arguments, not a command"
 
@@ -412,4 +411,4 @@ def test_the_docs_commands_run(chain, scratch_template, tmp_path, monkeypatch):
     results = run_chain(chain, scratch)
     failed = [f"{key}: {error}" for key, _, error in results if error]
     assert not failed, failed[0]
-    assert sum(key in RUN for key, _, _ in results) >= 8
+    assert sum(key in RUN for key, _, _ in results) >= (2 if chain == "how-big" else 8)

@@ -234,14 +234,10 @@ def test_gemma3_sharded_over_four_devices_matches_one_device():
 
 def test_moe_sharded_over_four_devices_matches_one_device():
     """A mixture of experts' (E, D, 2F) and (E, F, D) expert kernels and (D, E) routers shard like any
-    leaf under ZeRO-1 and ZeRO-3 offload (two micro-batches a step): four devices train as one does."""
-    moe = {"model.num_experts": "4", "model.num_experts_per_tok": "2", "model.moe_intermediate_size": "64"}
-    _four_devices_train_as_one(moe, placements=(("optimizer", 1), ("params", 3)))
-
-
-def test_moe_load_balancing_loss_sharded_over_four_devices_matches_one_device():
-    """The load-balancing loss's statistics sum each micro-batch's tokens over the devices that hold
-    its rows: with a coefficient, ZeRO-1 and ZeRO-3 offload over four devices train as one does."""
+    leaf under ZeRO-1 and ZeRO-3 offload (two micro-batches a step), and the load-balancing loss's
+    statistics sum each micro-batch's tokens over the devices that hold its rows: with a coefficient,
+    four devices train as one does. (Its coefficient 0 is the cross-entropy alone, bit for bit:
+    tests/test_offload.py.)"""
     moe = {
         "model.num_experts": "4",
         "model.num_experts_per_tok": "2",

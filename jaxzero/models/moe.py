@@ -335,7 +335,7 @@ def _block_kernels_fwd(kernel: jax.Array, block_expert: jax.Array) -> tuple[jax.
 def _block_kernels_bwd(res: tuple, g: jax.Array) -> tuple[jax.Array, None]:
     kernel, block_expert = res
     # A scatter-add into float32 zeros: `segment_sum` with sorted indices crashed XLA's GPU compiler
-    # at Qwen3-30B-A3B's layer (JAX 0.11.2, "SmallVector unable to grow"); this compiled there.
+    # (BENCHMARKS.md, "What the padded expert grouping holds on the GPU"); this compiles there.
     total = jnp.zeros(kernel.shape, jnp.float32).at[block_expert].add(g.astype(jnp.float32))
     return total.astype(kernel.dtype), None
 

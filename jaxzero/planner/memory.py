@@ -176,10 +176,10 @@ def padded_experts_bytes(
       the padded rows (R, D) in, (R, 2F) [gate | up], (R, F) activated,
         (R, D) out:                                                         R x (2D + 3F)
       the N sorted rows:                                                    N x D
-    Their gradients and the experts' float32 kernel-gradient sums reuse what the forward's free:
-    XLA's temporaries for one layer's gradient on an H100 (JAX 0.11.2; Qwen3-30B-A3B's layer at 8K
-    and 16K tokens, Mixtral 8x7B's at 8K, with and without the kernels' gradients) were -3% to +8%
-    of this. The CPU backend reuses less and compiles about twice it (tests/test_moe_memory.py).
+    Their gradients and the experts' float32 kernel-gradient sums reuse what the forward's free: the
+    GPU compiler's temporaries for one layer's gradient were within a few percent of this
+    (BENCHMARKS.md, "What the padded expert grouping holds on the GPU"). The CPU backend reuses less
+    and compiles about twice it (tests/test_moe_memory.py).
     """
     n = tokens * top_k
     blocks = -(-n // block_rows) + experts
@@ -195,7 +195,7 @@ def transient_activations(
     one device, fitted to the temporaries XLA compiles for them (BENCHMARKS.md, "What a step's
     transients take on the GPU"; `scripts/bench_activations.py` prints both): a block's backward
     holds its q, k, v and their gradients, two more of the width of the hidden state, and four of the
-    MLP's (a mixture of experts' MLP: `padded_experts_bytes`, measured on an H100); the head's, the
+    MLP's (a mixture of experts' MLP: `padded_experts_bytes`); the head's, the
     float32 logits and their gradient (of one piece of each sequence where the loss runs in pieces:
     `objective.head_pieces`, for sequences of `seq_len`, with then the output projection in float32
     and its float32 gradient sum), and the gradient it returns. With `documents` (attention kept

@@ -418,14 +418,14 @@ def _fits(cfg: TrainConfig, machine: Machine, whole: tuple[int, int, int] = (0, 
 def _largest_model(search: _Search) -> str | None:
     """The largest named model size of the config's family that fits with its other settings."""
     cfg, mc = search.cfg, search.machine
-    best = None
-    for name, model in sorted(NAMED_SIZES.items(), key=lambda kv: param_count(kv[1])):
+    # From the largest down, the first that fits: each try is a whole search.
+    for name, model in reversed(sorted(NAMED_SIZES.items(), key=lambda kv: param_count(kv[1]))):
         if model.family != cfg.model.family or cfg.data.seq_len > model.max_seq_len:
             continue
         other = dataclasses.replace(model, compute_dtype=cfg.model.compute_dtype)
         if _fits(dataclasses.replace(cfg, model=other), mc):
-            best = name
-    return best
+            return name
+    return None
 
 
 def _settings_that_fit(search: _Search) -> list[str]:
