@@ -195,6 +195,39 @@ def test_qwen3_keeps_the_last_turns_reasoning_and_drops_the_earlier(fixed_date):
     assert [t for t, c in spans if c] == ["hello<|im_end|>\n", "<think>\nkeep\n</think>\n\nyes<|im_end|>\n"]
 
 
+def test_qwen3_reasoning_content_is_counted_with_its_turn(fixed_date):
+    """A record's `reasoning_content` reaches Qwen3's template as transformers passes it: the last
+    turn's is written in its think block and counted with the turn; an earlier turn's is dropped."""
+    source, special, _ = FAMILIES["qwen3"]
+    conv = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello", "reasoning_content": "skip"},
+        {"role": "user", "content": "and now"},
+        {"role": "assistant", "content": "yes", "reasoning_content": "keep"},
+    ]
+    spans = ChatTemplate(source, special).spans(conv, "chat.jsonl:1")
+    assert "".join(t for t, _ in spans) == transformers_text(source, special, conv)
+    assert [t for t, c in spans if c] == ["hello<|im_end|>\n", "<think>\nkeep\n</think>\n\nyes<|im_end|>\n"]
+
+
+def test_reasoning_a_template_writes_outside_the_counted_turn_is_refused():
+    """A template that writes the reasoning before the assistant's header (as a message of its own)
+    would leave it out of the loss: refused, naming the record and what to do."""
+    source = (
+        "{%- for m in messages -%}"
+        "{%- if m.thinking is defined -%}<|think|>{{ m.thinking }}<|end|>{%- endif -%}"
+        "<|{{ m.role }}|>{{ m.content }}<|end|>"
+        "{%- endfor -%}{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}"
+    )
+    conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes", "thinking": "hmm"}]
+    with pytest.raises(
+        DataError, match=r"chat\.jsonl:1: assistant turn 0's 'thinking' is written .* outside"
+    ):
+        ChatTemplate(source, {}).spans(conv, "chat.jsonl:1")
+    spans = ChatTemplate(source, {}).spans(conv[:1] + [{"role": "assistant", "content": "yes"}], "x")
+    assert [t for t, c in spans if c] == ["yes<|end|>"]
+
+
 def test_gemma3_counts_the_trimmed_content_and_folds_the_system_message_into_the_first_turn(fixed_date):
     source, special, _ = FAMILIES["gemma3"]
     conv = [*CONV[:2], {"role": "assistant", "content": "  hello \n"}, *CONV[3:5]]

@@ -350,6 +350,10 @@ def test_bad_fine_tuning_records_name_the_line(tmp_path):
             r"ft\.jsonl:1: messages must be .* one assistant",
         ),
         ('{"messages": "nope"}', r"ft\.jsonl:1: messages must be a list"),
+        (
+            '{"messages": [{"role": "assistant", "content": "x", "thinking": 3}]}',
+            r"ft\.jsonl:1: message 0's 'thinking' must be a string, not 3",
+        ),
     ]
     for line, match in cases:
         (tmp_path / "ft.jsonl").write_text(line + "\n")

@@ -93,13 +93,15 @@ class ChatTemplate:
         earlier one: Qwen3, gpt-oss, Phi-3) inside the one full rendering (`_located`)."""
         try:
             cut = self._by_prefixes(messages)
-            return cut if cut is not None else self._located(messages, where)
+            cut = cut if cut is not None else self._located(messages, where)
         except self._errors as e:
             raise DataError(
                 f"{where}: the chat template refused this conversation, or the part of it before an "
                 f"assistant turn (each turn is counted after the rendering of the messages before it; "
                 f"a conversation that opens with an assistant turn has none): {e}"
             ) from e
+        _check_reasoning(messages, cut, where)
+        return cut
 
     def _by_prefixes(self, messages: list[dict[str, str]]) -> list[tuple[str, int]] | None:
         """A turn's span is what rendering it adds after the conversation before it with the generation
@@ -248,3 +250,20 @@ def _refuse(where: str, why: str) -> NoReturn:
         f"{where}: the chat template's rendering of this conversation cannot be cut into its assistant "
         f"turns ({why}); write prompt/completion records instead."
     )
+
+
+def _check_reasoning(messages: list[dict[str, str]], cut: list[tuple[str, int]], where: str) -> None:
+    """A turn's reasoning (`reasoning_content`, `thinking`) that the template writes is counted with
+    its turn; DataError where it is written outside it (the loss would not train it)."""
+    counted = [t for t, c in cut if c]
+    turns = [m for m in messages if m["role"] == "assistant"]
+    text = "".join(t for t, _ in cut)
+    for n, m in enumerate(turns):
+        for key in ("reasoning_content", "thinking"):
+            reasoning = m.get(key, "").strip()
+            if reasoning and reasoning in text and (n >= len(counted) or reasoning not in counted[n]):
+                raise DataError(
+                    f"{where}: assistant turn {n}'s {key!r} is written by the chat template outside the "
+                    f"text the turn's loss counts, so training would not learn it: leave {key!r} out of "
+                    "the record, or write the reasoning into the content as the template expects it."
+                )

@@ -137,6 +137,11 @@ def _parquet_documents(span: Span, text_field: str) -> Iterator[str]:
             yield text
 
 
+# A message's reasoning, passed to the chat template as the checkpoints' templates read it: Qwen3's
+# `reasoning_content`, gpt-oss's `thinking` (each template decides where, and whether, it is written).
+REASONING_KEYS = ("reasoning_content", "thinking")
+
+
 @dataclass(frozen=True)
 class Example:
     """One fine-tuning record: prompt and completion, or chat messages; `where` is its file:line."""
@@ -176,7 +181,12 @@ def read_examples(span: Span) -> Iterator[Example]:
                     f'{where}: messages must be a list of {{"role": str, "content": str}} with at least '
                     "one assistant turn (what the loss trains)."
                 )
-            yield Example(where, messages=[{"role": m["role"], "content": m["content"]} for m in msgs])
+            for i, m in enumerate(msgs):
+                for key in REASONING_KEYS:
+                    if key in m and not isinstance(m[key], str):
+                        raise DataError(f"{where}: message {i}'s {key!r} must be a string, not {m[key]!r}.")
+            kept = ("role", "content", *REASONING_KEYS)
+            yield Example(where, messages=[{k: m[k] for k in kept if k in m} for m in msgs])
         elif isinstance(record.get("prompt"), str) and isinstance(record.get("completion"), str):
             yield Example(where, prompt=record["prompt"], completion=record["completion"])
         else:
