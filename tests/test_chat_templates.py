@@ -210,6 +210,24 @@ def test_qwen3_reasoning_content_is_counted_with_its_turn(fixed_date):
     assert [t for t, c in spans if c] == ["hello<|im_end|>\n", "<think>\nkeep\n</think>\n\nyes<|im_end|>\n"]
 
 
+def test_gpt_oss_thinking_is_counted_with_its_last_turn(fixed_date):
+    """gpt-oss's `thinking`: the last turn's is written as an analysis message after the generation
+    prompt's header, so it is counted with the turn; an earlier turn's is dropped by the template."""
+    source, special, _ = FAMILIES["gpt-oss"]
+    conv = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello", "thinking": "skip"},
+        {"role": "user", "content": "and now"},
+        {"role": "assistant", "content": "yes", "thinking": "keep"},
+    ]
+    spans = ChatTemplate(source, special).spans(conv, "chat.jsonl:1")
+    text = "".join(t for t, _ in spans)
+    assert text == transformers_text(source, special, conv) and "skip" not in text
+    last = [t for t, c in spans if c][-1]
+    analysis = "<|channel|>analysis<|message|>keep<|end|>"
+    assert last == analysis + "<|start|>assistant<|channel|>final<|message|>yes<|return|>"
+
+
 def test_reasoning_a_template_writes_outside_the_counted_turn_is_refused():
     """A template that writes the reasoning before the assistant's header (as a message of its own)
     would leave it out of the loss: refused, naming the record and what to do."""

@@ -125,10 +125,11 @@ class ChatTemplate:
 
     def _located(self, messages: list[dict[str, str]], where: str) -> list[tuple[str, int]]:
         """Each assistant turn found in the one full rendering: its content where the rendering changes
-        when the content is replaced by a sentinel, its start after the last generation-prompt header
-        before that (without a header: after the conversation before it, or where the message before
-        it ends), its end after the end-of-turn marker the template writes after the content (as the
-        last turn, or followed by another generation prompt) that the rendering goes on with."""
+        when the content is replaced by a sentinel, its start after the first generation-prompt header
+        after the message before it (else the last before the content; without a header: after the
+        conversation before it, or where the message before it ends), its end after the end-of-turn
+        marker the template writes after the content (as the last turn, or followed by another
+        generation prompt) that the rendering goes on with."""
         full = self.render(messages)
         spans: list[tuple[str, int]] = []
         done = 0
@@ -145,7 +146,13 @@ class ChatTemplate:
             first = min(_common_prefix(full, v) for v in variants)  # where the content starts
             last = len(full) - min(_common_suffix(full, v) for v in variants)  # and where it ends
             if header:
-                start = full.rfind(header, done, first)
+                # the first header after the message before (gpt-oss writes a turn's reasoning under a
+                # header of its own before the content's), else the last one before the content
+                prev = self._end_of(messages, k - 1, full) if k else -1
+                if done <= prev <= first:
+                    start = full.find(header, prev, first)
+                else:
+                    start = full.rfind(header, done, first)
                 if start < 0:
                     _refuse(where, f"message {k} (assistant) is not after a generation prompt {header!r}")
                 start += len(header)
