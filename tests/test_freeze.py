@@ -204,3 +204,49 @@ def test_the_programs_tflops_count_only_the_work_a_frozen_part_leaves():
     head = apply_overrides(TrainConfig(), {**base, "finetune.freeze": "head"})
     # every block trains (6, as a full run counts) and the frozen untied projection 4 instead of 6
     assert model_flops_per_token(head) == flops_per_token(m, 2048) - 2 * proj
+
+
+def test_an_export_writes_the_frozen_units_as_the_users_base_holds_them(tmp_path, capsys):
+    """A freeze run over a float32 Hugging Face base trains its frozen units as a bfloat16 copy
+    (`finetune.base_dtype`'s default); `export --dtype=float32` writes them as the user's files hold
+    them, bit for bit, beside the units that trained, and says which base they come from.
+    `export_state` writes the same files."""
+    from safetensors.numpy import load_file
+    from test_peft import torch_model
+
+    from jaxzero import build_trainer, export_state, restore_state
+    from jaxzero.cli import export as export_lib
+
+    hf_dir = tmp_path / "hf"
+    torch_model("llama").save_pretrained(hf_dir)
+    settings = {
+        "model.name": f"hf:{hf_dir}",
+        "model.compute_dtype": "float32",
+        "finetune.freeze": "embed,blocks:0",
+        "data.source": "synthetic",
+        "data.seq_len": "8",
+        "data.batch_size": "4",
+        "steps": "3",
+        "optimizer.lr": "1e-2",
+        "optimizer.warmup_steps": "0",
+        "logging.progress": "false",
+        "logging.samples": "0",
+        "run_dir": str(tmp_path / "run"),
+    }
+    run = train_lib.train(apply_overrides(TrainConfig(), settings), io.StringIO())
+    out = tmp_path / "out"
+    assert export_lib.main([f"--run_dir={run}", f"--out={out}", "--dtype=float32"]) == 0
+    printed = capsys.readouterr().out
+    assert "the frozen units from the base read from" in printed and str(hf_dir) in printed, printed
+    base, written = load_file(hf_dir / "model.safetensors"), load_file(out / "model.safetensors")
+    frozen = [k for k in base if k == "model.embed_tokens.weight" or k.startswith("model.layers.0.")]
+    trained = [k for k in base if k.startswith("model.layers.1.") and k.endswith("proj.weight")]
+    assert frozen and trained
+    for k in frozen:
+        np.testing.assert_array_equal(written[k], base[k].astype(np.float32))
+        assert not np.array_equal(base[k].astype(np.float32), base[k].astype(jnp.bfloat16).astype(np.float32))
+    assert all(not np.array_equal(written[k], base[k]) for k in trained)
+    cfg = train_lib.configure([f"--run_dir={run}"]).config
+    trainer = build_trainer(cfg)
+    export_state(trainer, restore_state(trainer, run)[0], tmp_path / "state", format="hf", dtype="float32")
+    assert (tmp_path / "state" / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()

@@ -8,6 +8,7 @@ base with the adapters merged in, as `--format` says. The base merged into is th
 `model.init_from`'s weights as its files hold them (float32 files stay float32, not the
 `finetune.base_dtype` copy the run trained over), so the merged model computes what PEFT's adapter
 over that base does; a base drawn from the seed (no `model.init_from`) is merged into as trained.
+A `finetune.freeze` run's frozen units are written the same way: as the user's base holds them.
 
 The checkpoint's files are checked against the checksums its save wrote, as a resume checks them,
 before anything is written: a changed file is refused, naming it. `--checkpoint.verify=false` skips
@@ -114,11 +115,16 @@ def main(argv: list[str] | None = None) -> int:
         args.dtype = args.dtype or "bfloat16"
         # Read one unit at a time; a LoRA run's files were verified as its adapters were read above.
         step = lora[2] if lora is not None else args.step
+        # A frozen part (LoRA's base, finetune.freeze's units) is written as the user gave it.
         cfg, params, step = masters_by_unit(
-            args.run_dir, step, verify=verify and lora is None, base_as_given=lora is not None
+            args.run_dir, step, verify=verify and lora is None, base_as_given=True
         )
         source = {"run_dir": os.path.abspath(args.run_dir), "step": step}
-        merged = f", the adapters merged into {merged_into(cfg)}" if lora is not None else ""
+        merged = ""
+        if lora is not None:
+            merged = f", the adapters merged into {merged_into(cfg)}"
+        elif cfg.finetune.partial:
+            merged = f", the frozen units from {merged_into(cfg)}"
         if args.format == "hf":
             files = export_hf(
                 params,

@@ -134,8 +134,8 @@ def _merged_shapes(shapes: Any, adapters: Any) -> Any:
 
 
 def merged_into(cfg: TrainConfig) -> str:
-    """Which base a merged export of a LoRA run of `cfg` holds (`merged_units`' `base_as_given`), in
-    words, for its message."""
+    """Which base an export of a run of `cfg` with a frozen part holds (`merged_units`'
+    `base_as_given`: LoRA's merged base, `finetune.freeze`'s frozen units), in words, for its message."""
     if cfg.model.init_from:
         return f"the base read from {cfg.model.init_from} (model.init_from), at the precision of its files"
     dtype = cfg.finetune.base_dtype

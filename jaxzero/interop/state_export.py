@@ -42,7 +42,8 @@ def export_state(
     with `python -m jaxzero.export` instead). A LoRA trainer's state: `format="peft"` its adapter in
     PEFT's format, "hf" / "orbax" the adapter merged into the base the user gave (`model.init_from`'s
     weights as read, not the `finetune.base_dtype` copy that trained; a base drawn from the seed, as
-    trained: `jaxzero.finetune.merged.merged_into`), as `python -m jaxzero.export --merge` does."""
+    trained: `jaxzero.finetune.merged.merged_into`), as `python -m jaxzero.export --merge` does; a
+    `finetune.freeze` trainer's frozen units alike, as the user's base holds them."""
     ensure_live(state)
     lora = trainer.layout == LORA_LAYOUT
     partial = lora or trainer.layout == FROZEN_LAYOUT
@@ -62,7 +63,7 @@ def export_state(
             base = cfg.model.init_from or None
             return export_peft_adapter(trained, cfg.model, cfg.finetune, out_dir, base, overwrite=overwrite)
         by_position = trained.units()
-        masters = merged_units(cfg, lambda k: by_position[k], base_as_given=lora)
+        masters = merged_units(cfg, lambda k: by_position[k], base_as_given=True)
     else:
         masters = jax.device_get(state.params)  # float32, one host copy
     if format == "hf":
