@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 from typing import Any, NoReturn
 
+from jaxzero.data.documents import REASONING_KEYS
 from jaxzero.data.types import DataError
 
 # The date a template's `strftime_now` prints (gpt-oss's system message, Llama 3.2's): token files
@@ -266,7 +267,7 @@ def _check_reasoning(messages: list[dict[str, str]], cut: list[tuple[str, int]],
     turns = [m for m in messages if m["role"] == "assistant"]
     text = "".join(t for t, _ in cut)
     for n, m in enumerate(turns):
-        for key in ("reasoning_content", "thinking"):
+        for key in REASONING_KEYS:
             reasoning = m.get(key, "").strip()
             if reasoning and reasoning in text and (n >= len(counted) or reasoning not in counted[n]):
                 raise DataError(

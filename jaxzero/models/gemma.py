@@ -163,10 +163,12 @@ class Gemma3Block(nn.Module):
         return x if cache is None else (x, cache)
 
 
-def _need_layer(layer: Any) -> None:
+def need_layer(layer: Any, family: str) -> None:
+    """ValueError where a block of local and global layers (`family`'s, for the message) is called
+    without its per-layer input."""
     if layer is None:
         raise ValueError(
-            "a Gemma 3 block computes a local or a global layer: pass its per-layer input, "
+            f"a {family} block computes a local or a global layer: pass its per-layer input, "
             "layer=model.layer_input(i) (jaxzero.models.layer_input), as the engines do."
         )
 
@@ -227,7 +229,7 @@ class Gemma3:
         layer: dict[str, jax.Array] | None = None,
     ) -> jax.Array:
         """One `Gemma3Block` of the layer whose `layer_input` is `layer`: (B, S, D) -> (B, S, D)."""
-        _need_layer(layer)
+        need_layer(layer, "Gemma 3")
         rngs = None if dropout_key is None else {"dropout": dropout_key}
         return Gemma3Block(self.config, self.lora).apply(
             {"params": block_params}, x, layer, segments=segments, rngs=rngs
@@ -250,7 +252,7 @@ class Gemma3:
         layer: dict[str, jax.Array] | None = None,
     ) -> tuple[jax.Array, KVCache]:
         """`block` at positions pos .. pos+S-1 over the cache of the positions before."""
-        _need_layer(layer)
+        need_layer(layer, "Gemma 3")
         return Gemma3Block(self.config, self.lora).apply({"params": block_params}, x, layer, cache, pos)
 
     def head(self, head_params: Any, embed_params: Any, x: jax.Array) -> jax.Array:

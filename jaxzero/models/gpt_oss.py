@@ -43,8 +43,8 @@ from flax.core import unfreeze
 from jaxzero.config import ConfigError, ModelConfig
 from jaxzero.models import layers, moe
 from jaxzero.models.base import KVCache, ModelParams, init_params
-from jaxzero.models.gemma import NO_WINDOW, is_global_layer
-from jaxzero.models.llama import _Linear, _RMSNorm
+from jaxzero.models.gemma import NO_WINDOW, is_global_layer, need_layer
+from jaxzero.models.llama import Llama, _Linear, _RMSNorm
 from jaxzero.models.lora import LoraSpec, dequantize
 
 
@@ -199,14 +199,6 @@ class GptOssBlock(nn.Module):
         return (x, stats) if self.stats else x
 
 
-def _need_layer(layer: Any) -> None:
-    if layer is None:
-        raise ValueError(
-            "a gpt-oss block computes a local or a global layer: pass its per-layer input, "
-            "layer=model.layer_input(i) (jaxzero.models.layer_input), as the engines do."
-        )
-
-
 @dataclass(frozen=True)
 class GptOss:
     """A gpt-oss model of shape `config`; pure, jit-able methods (the instance is static). `lora`: how
@@ -232,34 +224,27 @@ class GptOss:
     def dtype(self) -> jnp.dtype:
         return layers.compute_dtype(self.config)
 
+    # The Llama family's embedding, head and cache, unit for unit: they read only `config` and `dtype`.
+    init_embed = Llama.init_embed
+    init_head = Llama.init_head
+    embed = Llama.embed
+    embed_step = Llama.embed_step
+    init_cache = Llama.init_cache
+    head = Llama.head
+
     def init(self, key: jax.Array) -> ModelParams:
         """Fresh float32 parameters; a pure function of `key`."""
         return init_params(self, key)
 
-    def init_embed(self, key: jax.Array) -> dict[str, Any]:
-        c = self.config
-        return {"embed_tokens": {"embedding": layers.normal(key, (c.vocab_size, c.hidden_size), c.init_std)}}
-
     def init_block(self, key: jax.Array) -> dict[str, Any]:
         x = jax.ShapeDtypeStruct((1, 1, self.config.hidden_size), self.dtype)
         return unfreeze(GptOssBlock(self.config).lazy_init(key, x, self.layer_input(0))["params"])
-
-    def init_head(self, key: jax.Array) -> dict[str, Any]:
-        c = self.config
-        head: dict[str, Any] = {"norm": {"scale": layers.ones((c.hidden_size,))}}
-        if not c.tie_embeddings:
-            head["lm_head"] = {"kernel": layers.normal(key, (c.hidden_size, c.vocab_size), c.init_std)}
-        return head
 
     def layer_input(self, i: int) -> dict[str, jax.Array]:
         """Layer i's per-layer input: its window, int32 (`sliding_window` for a local layer, else none)."""
         c = self.config
         local = not is_global_layer(c, i) and c.sliding_window
         return {"window": jnp.int32(c.sliding_window if local else NO_WINDOW)}
-
-    def embed(self, embed_params: Any, tokens: jax.Array) -> jax.Array:
-        """tokens (B, S) -> (B, S, D) in the compute dtype (out-of-range ids give NaN rows)."""
-        return jnp.take(embed_params["embed_tokens"]["embedding"], tokens, axis=0).astype(self.dtype)
 
     def block(
         self,
@@ -270,7 +255,7 @@ class GptOss:
         layer: dict[str, jax.Array] | None = None,
     ) -> jax.Array:
         """One `GptOssBlock` of the layer whose `layer_input` is `layer`: (B, S, D) -> (B, S, D)."""
-        _need_layer(layer)
+        need_layer(layer, "gpt-oss")
         rngs = None if dropout_key is None else {"dropout": dropout_key}
         return GptOssBlock(self.config, self.lora).apply(
             {"params": block_params}, x, layer, segments=segments, rngs=rngs
@@ -286,7 +271,7 @@ class GptOss:
     ) -> tuple[jax.Array, moe.RouterStats]:
         """`block`, and its router's statistics over the B*S tokens (`moe.RouterStats`: counts (E,),
         prob_sum (E,), rows (), float32)."""
-        _need_layer(layer)
+        need_layer(layer, "gpt-oss")
         rngs = None if dropout_key is None else {"dropout": dropout_key}
         return GptOssBlock(self.config, self.lora, stats=True).apply(
             {"params": block_params}, x, layer, segments=segments, rngs=rngs
@@ -297,14 +282,6 @@ class GptOss:
         layer of one micro-batch (`moe.load_balancing_loss`, transformers' `load_balancing_loss_func`)."""
         return moe.load_balancing_loss(stats)
 
-    def init_cache(self, batch: int, length: int) -> KVCache:
-        c = self.config
-        shape = (batch, length, c.num_kv_heads, c.head_dim)
-        return jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype)
-
-    def embed_step(self, embed_params: Any, tokens: jax.Array, pos: jax.Array) -> jax.Array:
-        return self.embed(embed_params, tokens)
-
     def block_step(
         self,
         block_params: Any,
@@ -314,16 +291,5 @@ class GptOss:
         layer: dict[str, jax.Array] | None = None,
     ) -> tuple[jax.Array, KVCache]:
         """`block` at positions pos .. pos+S-1 over the cache of the positions before."""
-        _need_layer(layer)
+        need_layer(layer, "gpt-oss")
         return GptOssBlock(self.config, self.lora).apply({"params": block_params}, x, layer, cache, pos)
-
-    def head(self, head_params: Any, embed_params: Any, x: jax.Array) -> jax.Array:
-        """Final RMSNorm and output projection: (B, S, D) -> logits (B, S, V) float32."""
-        c = self.config
-        head_params = layers.cast_tree(head_params, self.dtype)
-        h = layers.rms_norm(x.astype(self.dtype), head_params["norm"]["scale"], c.norm_eps)
-        if c.tie_embeddings:
-            w = embed_params["embed_tokens"]["embedding"].astype(self.dtype).T
-        else:
-            w = head_params["lm_head"]["kernel"]
-        return layers.logits_matmul(h, w)
