@@ -166,20 +166,40 @@ VARIANT = {
 }
 
 
-@pytest.mark.parametrize("mode", ["zero3-offload", "zero3-mixed"])
-def test_biased_llama3_rope_variant_offloads_like_resident(mode):
-    _, ref_state, ref_losses, ref_norms, ref_val = run(tiny("llama", "float32", **VARIANT))
-    _, state, losses, norms, val = run(tiny("llama", "float32", **VARIANT, **{**MODES, **MIXED}[mode]))
+def offloads_like_resident(
+    variant: dict[str, str],
+    offload: dict[str, str] = MODES["zero3-offload"],
+    guard: bool = True,
+    unchecked=None,
+) -> list:
+    """`variant` of the tiny float32 Llama trained resident and with `offload` (under the transfer
+    guard with `guard`): the losses, gradient norms and validation loss agree, the loss falls, and every
+    parameter agrees under the same name but those whose path ends with `unchecked`. Returns the
+    offloaded run's parameters as (path, leaf) pairs, for a test's own checks."""
+    _, ref_state, ref_losses, ref_norms, ref_val = run(tiny("llama", "float32", **variant))
+    _, state, losses, norms, val = run(tiny("llama", "float32", **variant, **offload), guard=guard)
     param_tol, loss_tol = TOLERANCE["float32"]
     np.testing.assert_allclose(losses, ref_losses, atol=loss_tol, rtol=0)
     np.testing.assert_allclose(norms, ref_norms, rtol=param_tol)
     assert abs(val - ref_val) < loss_tol and losses[-1] < losses[0]
     flat = jax.tree_util.tree_flatten_with_path(jax.device_get(state.params))[0]
-    assert any(jax.tree_util.keystr(p).endswith("['q_proj']['bias']") for p, _ in flat)
-    for (path, a), b in zip(flat, jax.tree.leaves(jax.device_get(ref_state.params))):
+    ref = jax.tree_util.tree_flatten_with_path(jax.device_get(ref_state.params))[0]
+    assert len(flat) == len(ref)
+    for (path, a), (ref_path, b) in zip(flat, ref):
         name = jax.tree_util.keystr(path)
-        if not name.endswith("['k_proj']['bias']"):  # see the module docstring
+        assert name == jax.tree_util.keystr(ref_path)
+        if unchecked is None or not name.endswith(unchecked):
             assert rel(a, b) < param_tol, name
+    return flat
+
+
+@pytest.mark.parametrize("mode", ["zero3-offload", "zero3-mixed"])
+def test_biased_llama3_rope_variant_offloads_like_resident(mode):
+    # the k_proj bias: see the module docstring
+    flat = offloads_like_resident(
+        VARIANT, {**MODES, **MIXED}[mode], guard=False, unchecked="['k_proj']['bias']"
+    )
+    assert any(jax.tree_util.keystr(p).endswith("['q_proj']['bias']") for p, _ in flat)
 
 
 # Qwen3's block: q/k norms (unit parameters, streamed and updated with the rest) and heads of a width
@@ -188,25 +208,12 @@ QWEN3 = {"model.qk_norm": "true", "model.head_size": "48", "model.hf_model_type"
 
 
 def test_qwen3_block_offloads_like_resident():
-    _, ref_state, ref_losses, ref_norms, ref_val = run(tiny("llama", "float32", **QWEN3))
-    _, state, losses, norms, val = run(
-        tiny("llama", "float32", **QWEN3, **MODES["zero3-offload"]), guard=True
-    )
-    param_tol, loss_tol = TOLERANCE["float32"]
-    np.testing.assert_allclose(losses, ref_losses, atol=loss_tol, rtol=0)
-    np.testing.assert_allclose(norms, ref_norms, rtol=param_tol)
-    assert abs(val - ref_val) < loss_tol and losses[-1] < losses[0]
-    flat = jax.tree_util.tree_flatten_with_path(jax.device_get(state.params))[0]
-    ref = jax.tree_util.tree_flatten_with_path(jax.device_get(ref_state.params))[0]
-    norms_seen = 0
-    for (path, a), (ref_path, b) in zip(flat, ref):
-        name = jax.tree_util.keystr(path)
-        assert name == jax.tree_util.keystr(ref_path)
-        assert rel(a, b) < param_tol, name
-        if name.endswith("_norm']['scale']"):
-            norms_seen += 1
-            assert np.asarray(a).shape == (48,) and not np.allclose(a, 1.0)  # trained, not left at init
-    assert norms_seen == 2 * 3
+    norms = [
+        a for p, a in offloads_like_resident(QWEN3) if jax.tree_util.keystr(p).endswith("_norm']['scale']")
+    ]
+    assert len(norms) == 2 * 3
+    for a in norms:
+        assert np.asarray(a).shape == (48,) and not np.allclose(a, 1.0)  # trained, not left at init
 
 
 # Phi-3's block (q, k, v and gate, up fused; rope over half of each head) and OLMo 2's (norms after
@@ -219,19 +226,7 @@ OLMO2 = {"model.qk_norm": "true", "model.qk_norm_scope": "projection", "model.po
 
 @pytest.mark.parametrize("variant", [PHI3, OLMO2], ids=["phi3", "olmo2"])
 def test_phi3_and_olmo2_blocks_offload_like_resident(variant):
-    _, ref_state, ref_losses, ref_norms, ref_val = run(tiny("llama", "float32", **variant))
-    offloaded = tiny("llama", "float32", **variant, **MODES["zero3-offload"])
-    _, state, losses, norms, val = run(offloaded, guard=True)
-    param_tol, loss_tol = TOLERANCE["float32"]
-    np.testing.assert_allclose(losses, ref_losses, atol=loss_tol, rtol=0)
-    np.testing.assert_allclose(norms, ref_norms, rtol=param_tol)
-    assert abs(val - ref_val) < loss_tol and losses[-1] < losses[0]
-    flat = jax.tree_util.tree_flatten_with_path(jax.device_get(state.params))[0]
-    ref = jax.tree_util.tree_flatten_with_path(jax.device_get(ref_state.params))[0]
-    for (path, a), (ref_path, b) in zip(flat, ref):
-        assert jax.tree_util.keystr(path) == jax.tree_util.keystr(ref_path)
-        assert rel(a, b) < param_tol, jax.tree_util.keystr(path)
-    names = {jax.tree_util.keystr(p) for p, _ in flat}
+    names = {jax.tree_util.keystr(p) for p, _ in offloads_like_resident(variant)}
     fused = ".blocks[0]['self_attn']['qkv_proj']['kernel']"
     after = ".blocks[0]['post_feedforward_layernorm']['scale']"
     assert any(n.endswith(fused if variant is PHI3 else after) for n in names), sorted(names)[:8]
@@ -253,18 +248,7 @@ GEMMA3 = {
 
 
 def test_gemma3_block_offloads_like_resident():
-    _, ref_state, ref_losses, ref_norms, ref_val = run(tiny("llama", "float32", **GEMMA3))
-    _, state, losses, norms, val = run(
-        tiny("llama", "float32", **GEMMA3, **MODES["zero3-offload"]), guard=True
-    )
-    param_tol, loss_tol = TOLERANCE["float32"]
-    np.testing.assert_allclose(losses, ref_losses, atol=loss_tol, rtol=0)
-    np.testing.assert_allclose(norms, ref_norms, rtol=param_tol)
-    assert abs(val - ref_val) < loss_tol and losses[-1] < losses[0]
-    for a, b in zip(
-        jax.tree.leaves(jax.device_get(state.params)), jax.tree.leaves(jax.device_get(ref_state.params))
-    ):
-        assert rel(a, b) < param_tol
+    offloads_like_resident(GEMMA3)
 
 
 # gpt-oss: layers 0 and 2 local (window 8 of the 32 positions), layer 1 global; q, k, v and o biased,
@@ -288,19 +272,7 @@ GPT_OSS = {
 def test_gpt_oss_block_offloads_like_resident():
     """Its sinks, biases and experts are streamed and updated on the host with gradient accumulation,
     as the resident trainer trains them; its windows reach the one block program as per-layer inputs."""
-    _, ref_state, ref_losses, ref_norms, ref_val = run(tiny("llama", "float32", **GPT_OSS))
-    _, state, losses, norms, val = run(
-        tiny("llama", "float32", **GPT_OSS, **MODES["zero3-offload"]), guard=True
-    )
-    param_tol, loss_tol = TOLERANCE["float32"]
-    np.testing.assert_allclose(losses, ref_losses, atol=loss_tol, rtol=0)
-    np.testing.assert_allclose(norms, ref_norms, rtol=param_tol)
-    assert abs(val - ref_val) < loss_tol and losses[-1] < losses[0]
-    flat = jax.tree_util.tree_flatten_with_path(jax.device_get(state.params))[0]
-    for (path, a), b in zip(flat, jax.tree.leaves(jax.device_get(ref_state.params))):
-        name = jax.tree_util.keystr(path)
-        if not name.endswith("['k_proj']['bias']"):  # see the module docstring
-            assert rel(a, b) < param_tol, name
+    offloads_like_resident(GPT_OSS, unchecked="['k_proj']['bias']")  # see the module docstring
 
 
 # A mixture of experts: every block's MLP 4 SwiGLU experts of width 64, each token through its top 2
@@ -312,20 +284,8 @@ def test_moe_block_offloads_like_resident():
     """Routers and experts are block parameters like any: streamed, updated on the host, with
     gradient accumulation, as the resident trainer trains them (the routing itself is equal: a
     flipped expert choice would move the losses far past the tolerance)."""
-    _, ref_state, ref_losses, ref_norms, ref_val = run(tiny("llama", "float32", **MOE))
-    _, state, losses, norms, val = run(tiny("llama", "float32", **MOE, **MODES["zero3-offload"]), guard=True)
-    param_tol, loss_tol = TOLERANCE["float32"]
-    np.testing.assert_allclose(losses, ref_losses, atol=loss_tol, rtol=0)
-    np.testing.assert_allclose(norms, ref_norms, rtol=param_tol)
-    assert abs(val - ref_val) < loss_tol and losses[-1] < losses[0]
-    flat = jax.tree_util.tree_flatten_with_path(jax.device_get(state.params))[0]
-    ref = jax.device_get(ref_state.params)
-    seen = set()
-    for (path, a), b in zip(flat, jax.tree.leaves(ref)):
-        name = jax.tree_util.keystr(path)
-        assert rel(a, b) < param_tol, name
-        if "['mlp']" in name:
-            seen.add(name.split("['mlp']")[1])
+    names = [jax.tree_util.keystr(p) for p, _ in offloads_like_resident(MOE)]
+    seen = {n.split("['mlp']")[1] for n in names if "['mlp']" in n}
     assert seen == {"['router']['kernel']", "['gate_up']['kernel']", "['down']['kernel']"}
 
 
