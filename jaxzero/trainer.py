@@ -148,11 +148,14 @@ def decide_and_build(
 
 
 def _as_decided(cfg: TrainConfig, decision: Decision) -> TrainConfig:
-    """`cfg` with what a decision settles of it: the offload keys, the end-of-text id the data says
+    """`cfg` with what a decision settles of it: the offload keys, the experts' grouping where `cfg`
+    leaves it to the machine (`model.moe_impl=auto`), the end-of-text id the data says
     where `cfg` leaves it to the data (`data.eot_id=-1`), and the batch sizes resolved for the devices
     where `cfg` gives them by DeepSpeed's rule (`data.micro_batch_size`) and they agree with it."""
     decided = decision.config
     cfg = dataclasses.replace(cfg, offload=decided.offload)
+    if cfg.model.moe_impl == "auto":
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe_impl=decided.model.moe_impl))
     if cfg.data.eot_id == FROM_DATA:
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, eot_id=decided.data.eot_id))
     d, r = cfg.data, decided.data

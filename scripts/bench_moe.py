@@ -10,9 +10,9 @@ input. Implementations timed:
     ragged_dot    the library's `experts_ragged_dot` (jax.lax.ragged_dot, XLA's own lowering)
     ragged_triton the same with `jax_ragged_dot_use_gpu_pallas_triton_lowering` on (GPU only; the
                   released wheels may lack the module it imports: the row then says so)
-    mgpu          `experts_ragged_dot` with `matmul=` JAX's Pallas Mosaic GPU kernels (Hopper only):
-                  ragged_dot_mgpu forward and input gradient, transposed_ragged_dot_mgpu for the
-                  kernels' gradient, joined by a custom VJP
+    mgpu          the library's Mosaic GPU grouping (`model.moe_impl=mosaic`, Hopper only):
+                  `experts_ragged_dot` with `grouped_matmul.mosaic_matmul()` (ragged_dot_mgpu forward
+                  and input gradient, transposed_ragged_dot_mgpu for the kernels', one custom VJP)
     padded-B      the library's `experts_padded` with block_rows=B (each `--block-rows` value)
     dense         reference: every expert on every token, weighted by the routing (E/k times the FLOPs)
     loop          reference: a scan over experts, each a fixed-capacity slice of the expert-sorted
@@ -41,35 +41,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jaxzero.models import moe  # noqa: E402
+from jaxzero.models import grouped_matmul, moe  # noqa: E402
 
 TRITON_FLAG = "jax_ragged_dot_use_gpu_pallas_triton_lowering"
 IMPLS = "ragged_dot,ragged_triton,mgpu,padded,dense,loop"
-MGPU_BLOCKS = {"block_m": 128, "block_n": 128, "block_k": 64, "max_concurrent_steps": 4, "grid_block_n": 1}
-
-
-def mgpu_matmul():
-    """A grouped matmul of ragged_dot's contract from JAX's Mosaic GPU kernels, differentiable."""
-    from jax.experimental.pallas.ops.gpu.ragged_dot_mgpu import ragged_dot
-    from jax.experimental.pallas.ops.gpu.transposed_ragged_dot_mgpu import transposed_ragged_dot
-
-    @jax.custom_vjp
-    def matmul(rows, kernels, group_sizes):
-        return ragged_dot(rows, kernels, group_sizes=group_sizes, **MGPU_BLOCKS)
-
-    def fwd(rows, kernels, group_sizes):
-        return matmul(rows, kernels, group_sizes), (rows, kernels, group_sizes)
-
-    def bwd(res, dy):
-        rows, kernels, group_sizes = res
-        d_rows = ragged_dot(dy, kernels, group_sizes=group_sizes, transpose_rhs=True, **MGPU_BLOCKS)
-        d_kernels = transposed_ragged_dot(rows, dy, group_sizes=group_sizes, **MGPU_BLOCKS)
-        return d_rows, d_kernels, None
-
-    matmul.defvjp(fwd, bwd)
-    return matmul
-
-
 def set_triton(on: bool) -> bool:
     """Set the Triton lowering flag; False where this JAX lacks the option and `on` asked for it."""
     try:
@@ -167,7 +142,7 @@ def main() -> None:
             impls[name] = moe.experts_ragged_dot
         elif name == "mgpu":
             try:
-                impls[name] = functools.partial(moe.experts_ragged_dot, matmul=mgpu_matmul())
+                impls[name] = functools.partial(moe.experts_ragged_dot, matmul=grouped_matmul.mosaic_matmul())
             except ImportError as exc:
                 print(json.dumps({"impl": name, "error": f"{type(exc).__name__}: {exc}"}))
         elif name == "padded":
@@ -200,6 +175,8 @@ def main() -> None:
             print(json.dumps({"impl": name, "error": f"this JAX has no {TRITON_FLAG} option"}))
             continue
         try:
+            compiled = f.lower(params, x).compile()
+            temp = getattr(compiled.memory_analysis(), "temp_size_in_bytes", 0) / 2**30
             (_, y), grads = jax.block_until_ready(f(params, x))
         except Exception as exc:  # noqa: BLE001 (an out-of-memory reference is reported, not fatal)
             print(json.dumps({"impl": name, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}))
@@ -221,13 +198,15 @@ def main() -> None:
         set_triton(False)
         row = {"impl": name, "median_ms": round(ms, 3), "tflops": round(routed_flops / ms / 1e9, 1)}
         row |= {"rel_err_y": err_y, "rel_err_grad": err_g, "peak_gib_so_far": round(peak, 2)}
+        row |= {"compiled_temp_gib": round(temp, 3)}
         print(json.dumps(row))
         rows.append(row)
-    print(f"\n{'implementation':<14} {'median ms':>10} {'TFLOP/s':>8} {'err y':>9} {'err grad':>9}")
+    head = f"{'median ms':>10} {'TFLOP/s':>8} {'err y':>9} {'err grad':>9} {'temp GiB':>9}"
+    print(f"\n{'implementation':<14} {head}")
     for r in rows:
         print(
             f"{r['impl']:<14} {r['median_ms']:>10.3f} {r['tflops']:>8.1f} "
-            f"{r['rel_err_y']:>9.2e} {r['rel_err_grad']:>9.2e}"
+            f"{r['rel_err_y']:>9.2e} {r['rel_err_grad']:>9.2e} {r['compiled_temp_gib']:>9.2f}"
         )
 
 

@@ -112,7 +112,7 @@ def _config(args: argparse.Namespace, rest: list[str]) -> tuple[TrainConfig, str
 
 # What an evaluation of a run's checkpoint may set of model.*: how it computes, not what (llama's
 # positions are computed: a longer max_seq_len reads the same weights; gpt2's are a table of that size).
-EVAL_MODEL_SETTINGS = ("compute_dtype", "attention_impl", "init_std", "init_from")
+EVAL_MODEL_SETTINGS = ("compute_dtype", "attention_impl", "moe_impl", "init_std", "init_from")
 
 
 def _check_same_model(saved: ModelConfig, asked: ModelConfig, source: str) -> None:

@@ -156,7 +156,8 @@ class _Experts(nn.Module):
                     "kernel": dequantize(p["kernel"], p["kernel_scale"], h.dtype),
                     "bias": p["bias"],
                 }
-        y, routing = moe.moe_block(params, h, moe_spec(c))
+        experts = moe.experts_for(c.moe_impl, h.dtype, c.hidden_size, c.moe_intermediate_size)
+        y, routing = moe.moe_block(params, h, moe_spec(c), experts_fn=experts)
         return y, moe.router_stats(routing)
 
 

@@ -315,7 +315,7 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 AttentionImpl = Literal["xla", "cudnn"]
 
 
-def _cuda_backend() -> tuple[bool, tuple[int, int] | None]:
+def cuda_backend() -> tuple[bool, tuple[int, int] | None]:
     """(default backend is CUDA, compute capability of device 0 or None)."""
     if jax.default_backend() != "gpu":
         return False, None
@@ -338,7 +338,7 @@ def _cudnn_unsupported_reason(dtype: jnp.dtype, head_dim: int) -> str | None:
     configuration we use (causal, no bias, no padding): bf16/fp16 inputs, head_dim a multiple of 8 and
     at most 128 (256 on Hopper and later).
     """
-    is_cuda, cc = _cuda_backend()
+    is_cuda, cc = cuda_backend()
     if not is_cuda:
         return f"the default JAX backend is {jax.default_backend()!r}, not a CUDA GPU"
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
@@ -396,7 +396,7 @@ def packed_document_sizes(seq_len: int, num_heads: int) -> tuple[int, ...]:
 def packed_layout_applies(num_heads: int, num_kv_heads: int) -> bool:
     """Whether cuDNN's packed layout can run here: a Hopper or later GPU (cuDNN's rule), and a jax
     that offsets grouped-query keys by their own head count (0.11.0 used the query's) or K == N."""
-    _, cc = _cuda_backend()
+    _, cc = cuda_backend()
     fixed = jax.__version_info__ >= (0, 11, 1) or num_kv_heads == num_heads
     return cc is not None and cc >= (9, 0) and fixed
 

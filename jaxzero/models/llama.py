@@ -180,7 +180,7 @@ def moe_spec(c: ModelConfig) -> moe.MoeSpec:
 class _MoE(nn.Module):
     """The sparse MLP (`jaxzero.models.moe`): router and experts, float32 masters used in x's dtype
     (int8 kernels with their "kernel_scale" dequantised first, as `_Linear` does). Experts are grouped
-    by `moe.experts_padded`, which runs on every backend. No LoRA adapters: LoRA adapts attention.
+    as `model.moe_impl` says (`moe.experts_for`). No LoRA adapters: LoRA adapts attention.
     Returns (y, this layer's `moe.RouterStats` over every token of h: the load-balancing loss's)."""
 
     config: ModelConfig
@@ -202,7 +202,8 @@ class _MoE(nn.Module):
         for name, p in params.items():
             if "kernel_scale" in p:
                 params[name] = {"kernel": dequantize(p["kernel"], p["kernel_scale"], h.dtype)}
-        y, routing = moe.moe_block(params, h, spec)
+        experts = moe.experts_for(c.moe_impl, h.dtype, d, f)
+        y, routing = moe.moe_block(params, h, spec, experts_fn=experts)
         return y, moe.router_stats(routing)
 
 

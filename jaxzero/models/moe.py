@@ -27,14 +27,15 @@ float32, where transformers rounds them to the compute dtype first):
 Experts are dropless: each token reaches all of its k experts, no capacity factor. The T*k (token,
 expert) pairs are sorted by expert (stable) and each projection is one grouped matmul over the sorted
 rows; the outputs are put back in pair order, weighted by the routing weights in float32 and summed
-over k. Two groupings compute the same numbers and are chosen when the step function is built:
-`experts_padded` (the default: each expert's rows padded to a multiple of `block_rows`, then one
-batched matmul over blocks, each block reading its expert's kernels) and `experts_ragged_dot`
-(`jax.lax.ragged_dot`, or any grouped matmul of its signature passed as `matmul`, such as a GPU
-kernel). JAX defines ragged_dot's gradients, but outside TPUs it lowers to a dense masked expansion:
-every row against every expert's kernel, E times the FLOPs and an (E, T*k, D) operand (on CPU with
-JAX 0.10.2, one layer of 1024 tokens and 32 experts took 9 times padded's time; the same expansion is
-reported on GPUs for JAX 0.9-0.11), hence the default; `scripts/bench_moe.py` times both.
+over k. Two groupings compute the same numbers and are chosen when the step function is built
+(`experts_for`, from `model.moe_impl`): `experts_padded` (the portable one: each expert's rows padded
+to a multiple of `block_rows`, then one batched matmul over blocks, each block reading its expert's
+kernels) and `experts_ragged_dot` (`jax.lax.ragged_dot`, or any grouped matmul of its signature
+passed as `matmul`: on Hopper GPUs the Mosaic GPU kernels of `grouped_matmul`). JAX defines
+ragged_dot's gradients, but outside TPUs it lowers to a dense masked expansion: every row against
+every expert's kernel, E times the FLOPs and an (E, T*k, D) operand (on CPU with JAX 0.10.2, one
+layer of 1024 tokens and 32 experts took 9 times padded's time; the same expansion is reported on
+GPUs for JAX 0.9-0.11), hence padded off Hopper; `scripts/bench_moe.py` times them all.
 Putting rows in and out of sorted order is a gather by a permutation, so the backward pass scatters
 without collisions (deterministic on GPUs, unlike a scatter-add of T*k rows into T).
 
@@ -62,13 +63,14 @@ experts are the same for all three families).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from jaxzero.models import layers
+from jaxzero.models import grouped_matmul, layers
 
 Params = dict[str, Any]
 
@@ -388,6 +390,15 @@ def experts_padded(
 ExpertsFn = Callable[[Params, jax.Array, jax.Array, jax.Array, MoeSpec], jax.Array]
 
 EXPERTS: dict[str, ExpertsFn] = {"ragged_dot": experts_ragged_dot, "padded": experts_padded}
+
+
+def experts_for(requested: str, dtype: jnp.dtype, hidden: int, intermediate: int) -> ExpertsFn:
+    """The grouping `model.moe_impl=requested` runs as on this process's backend, for a layer of
+    `hidden` and experts of width `intermediate` in `dtype` (`grouped_matmul.experts_impl`): the
+    padded blocks, or the grouped matmul of the Mosaic GPU kernels. Called when the step is traced."""
+    if grouped_matmul.experts_impl(requested, dtype, hidden, intermediate) == "mosaic":
+        return functools.partial(experts_ragged_dot, matmul=grouped_matmul.mosaic_matmul())
+    return experts_padded
 
 
 def moe_block(

@@ -188,6 +188,14 @@ def padded_experts_bytes(
     return (kernels + rows + n * hidden) * compute_bytes
 
 
+def grouped_experts_bytes(tokens: int, top_k: int, hidden: int, intermediate: int, compute_bytes: int) -> int:
+    """Bytes one MoE layer's rematerialised backward holds at its peak for `tokens` tokens through
+    the grouped matmul (`grouped_matmul.mosaic_matmul`, reading each expert's kernels in place): the
+    N = tokens x top_k sorted rows (N, D) in, (N, 2F) [gate | up], (N, F) activated, (N, D) out, in the
+    compute dtype; `padded_experts_bytes`' rows with no padding and no gathered kernels."""
+    return tokens * top_k * (2 * hidden + 3 * intermediate) * compute_bytes
+
+
 def transient_activations(
     m: ModelConfig, micro_tokens: int, seq_len: int | None = None, documents: bool = False
 ) -> Transient:
@@ -195,7 +203,8 @@ def transient_activations(
     one device, fitted to the temporaries XLA compiles for them (BENCHMARKS.md, "What a step's
     transients take on the GPU"; `scripts/bench_activations.py` prints both): a block's backward
     holds its q, k, v and their gradients, two more of the width of the hidden state, and four of the
-    MLP's (a mixture of experts' MLP: `padded_experts_bytes`); the head's, the
+    MLP's (a mixture of experts' MLP: `padded_experts_bytes`, or `grouped_experts_bytes` for the
+    Mosaic grouped matmul); the head's, the
     float32 logits and their gradient (of one piece of each sequence where the loss runs in pieces:
     `objective.head_pieces`, for sequences of `seq_len`, with then the output projection in float32
     and its float32 gradient sum), and the gradient it returns. With `documents` (attention kept
@@ -211,7 +220,10 @@ def transient_activations(
     if m.num_experts:
         widths = 2 * (q + 2 * kv) + 2 * m.hidden_size
         e, k, f = m.num_experts, m.num_experts_per_tok, m.moe_intermediate_size
-        experts = padded_experts_bytes(micro_tokens, k, e, m.hidden_size, f, compute)
+        if m.moe_impl == "mosaic":
+            experts = grouped_experts_bytes(micro_tokens, k, m.hidden_size, f, compute)
+        else:  # padded, or auto not yet decided for a machine: the larger count
+            experts = padded_experts_bytes(micro_tokens, k, e, m.hidden_size, f, compute)
     block = micro_tokens * widths * compute + experts
     seq_len = seq_len or micro_tokens
     # Gemma 3's windows are a mask too, with or without documents; gpt-oss's sinks attend in XLA

@@ -31,6 +31,7 @@ import jax
 from jaxzero.config import ConfigError, TrainConfig
 from jaxzero.config.checks import check_batch_split, resolve_batch, validate
 from jaxzero.data.eot import FROM_DATA, resolve_eot_id
+from jaxzero.models import grouped_matmul
 from jaxzero.plan import placement
 from jaxzero.planner import runtime, search
 from jaxzero.planner.machine import (
@@ -117,12 +118,23 @@ def decide(
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, eot_id=resolve_eot_id(cfg)))
     seen = _accelerators(cfg) if seen is None else seen
     machine = _agreed(cfg, seen, processes, pool_fixed)
-    cfg = resolve_batch(cfg, machine.devices)
+    cfg = resolve_batch(resolve_moe_impl(cfg, machine.kind), machine.devices)
     check_batch_split(cfg, machine.devices)
     whole = placement.whole_params_of(cfg.model, machine.devices)
     if search.concrete(cfg):
         return search.as_configured(cfg, machine, whole)
     return search.choose(cfg, machine, whole)
+
+
+def resolve_moe_impl(cfg: TrainConfig, device_kind: str) -> TrainConfig:
+    """`cfg` with a mixture of experts' `model.moe_impl=auto` decided for a machine of `device_kind`
+    (`Machine.kind`): the Mosaic GPU grouped matmul on Hopper where the layer suits it, else the
+    padded grouping (`grouped_matmul.auto_impl`); the memory plan counts what that grouping holds."""
+    m = cfg.model
+    if m.moe_impl != "auto" or not (m.num_experts or m.family == "gpt_oss"):
+        return cfg
+    impl = grouped_matmul.auto_impl(device_kind, m.compute_dtype, m.hidden_size, m.moe_intermediate_size)
+    return dataclasses.replace(cfg, model=dataclasses.replace(m, moe_impl=impl))
 
 
 def as_written(cfg: TrainConfig, decision: Decision) -> TrainConfig:

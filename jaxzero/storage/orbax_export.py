@@ -34,7 +34,7 @@ FORMAT_VERSION = 1
 PREFIX = "orbax:"  # model.name=orbax:DIR
 # Choices of the run that trains or runs the weights, not properties of them: `model.name=orbax:DIR` takes
 # them from the run's own settings (ModelConfig's defaults unless given), as `hf:DIR` does.
-RUN_CHOICES = ("compute_dtype", "attention_impl")
+RUN_CHOICES = ("compute_dtype", "attention_impl", "moe_impl")
 # Fields a run over the weights may set otherwise without changing what they compute.
 _FREE_FIELDS = ("name", "init_from", "init_std", *RUN_CHOICES)
 

@@ -75,6 +75,7 @@ RESUMABLE = (
     "offload.",
     "parallel.",  # checkpoints restore at any stage and on any device count
     "machine.",  # what the planner plans for: a run may move to another machine
+    "model.moe_impl",  # how experts' rows are grouped, not what they compute: the machine's choice
     "optimizer.decay_steps",
     "data.check_tokens",
     "profile.",  # which steps are traced

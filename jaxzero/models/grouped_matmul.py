@@ -1,0 +1,138 @@
+"""The experts' grouped matmul on Hopper GPUs, and which grouping a step uses.
+
+A mixture of experts' dropless grouping multiplies each expert's consecutive sorted rows by its own
+kernel (`moe.experts_ragged_dot`'s `matmul`). Outside TPUs `jax.lax.ragged_dot` lowers to every row
+against every expert, so the library's portable grouping pads each expert's rows into blocks
+(`moe.experts_padded`); on Hopper, JAX's Pallas Mosaic GPU kernels compute the grouped product
+itself, reading each kernel in place (no per-block copy, no padded rows), 2.07x the best padded
+grouping's layer (BENCHMARKS.md, "One mixture-of-experts layer per expert grouping").
+
+    impl = experts_impl(cfg.model.moe_impl, jnp.bfloat16, hidden=2048, intermediate=768)  # "mosaic"
+    matmul = mosaic_matmul()        # rows (N, I), kernels (E, I, O), group_sizes (E,) -> (N, O)
+
+`model.moe_impl` names the grouping: "padded", "mosaic", or "auto" (the Mosaic kernels where
+`mosaic_unsupported` finds no reason against them, else padded). The run's resolution pass decides
+"auto" once for the machine it plans for (`auto_impl`); a model given "auto" (library use without a
+plan) decides by its own backend when its step is traced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxzero.config import ConfigError
+from jaxzero.models import layers
+
+GroupedMatmul = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+
+# The tiles the Mosaic kernels ran with at Qwen3-MoE's layer shape (scripts/bench_moe.py). The
+# kernels' gradient tiles both of its dimensions by 128 and the forward tiles its contraction by 64,
+# so the hidden size and each expert's width must be multiples of 128.
+MOSAIC_TILES = {"block_m": 128, "block_n": 128, "block_k": 64, "max_concurrent_steps": 4, "grid_block_n": 1}
+MOSAIC_ALIGN = 128
+IMPLS = ("auto", "padded", "mosaic")
+# Device kinds of the planner's machine that are Hopper GPUs (`planner.machine.Machine.kind`).
+HOPPER_KINDS = ("H100", "H200")
+
+
+def with_vjp(
+    forward: GroupedMatmul,
+    rows_grad: GroupedMatmul,
+    kernels_grad: Callable[[jax.Array, jax.Array, jax.Array], jax.Array],
+) -> GroupedMatmul:
+    """A differentiable grouped matmul from three kernels, each over rows sorted by group:
+      forward(rows (N, I), kernels (E, I, O), group_sizes (E,)) -> (N, O): rows_g @ kernels[g]
+      rows_grad(dy (N, O), kernels (E, I, O), group_sizes) -> (N, I): dy_g @ kernels[g].T
+      kernels_grad(rows (N, I), dy (N, O), group_sizes) -> (E, I, O): rows_g.T @ dy_g
+    group_sizes int32, summing to N; integer, so it has no gradient."""
+
+    @jax.custom_vjp
+    def matmul(rows: jax.Array, kernels: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        return forward(rows, kernels, group_sizes)
+
+    def fwd(rows: jax.Array, kernels: jax.Array, group_sizes: jax.Array) -> tuple[jax.Array, tuple]:
+        return forward(rows, kernels, group_sizes), (rows, kernels, group_sizes)
+
+    def bwd(res: tuple, dy: jax.Array) -> tuple[jax.Array, jax.Array, None]:
+        rows, kernels, group_sizes = res
+        dy = dy.astype(rows.dtype)
+        return rows_grad(dy, kernels, group_sizes), kernels_grad(rows, dy, group_sizes), None
+
+    matmul.defvjp(fwd, bwd)
+    return matmul
+
+
+def mosaic_matmul() -> GroupedMatmul:
+    """The grouped matmul of JAX's Pallas Mosaic GPU kernels (Hopper only; bf16 or f16 rows and
+    kernels of one dtype, every float32 accumulation inside the kernel): `ragged_dot_mgpu` for the
+    product and the rows' gradient, `transposed_ragged_dot_mgpu` for the kernels'. Raises ImportError
+    where this JAX lacks them."""
+    from jax.experimental.pallas.ops.gpu.ragged_dot_mgpu import ragged_dot
+    from jax.experimental.pallas.ops.gpu.transposed_ragged_dot_mgpu import transposed_ragged_dot
+
+    def forward(rows: jax.Array, kernels: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        return ragged_dot(rows, kernels, group_sizes=group_sizes, **MOSAIC_TILES)
+
+    def rows_grad(dy: jax.Array, kernels: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        return ragged_dot(dy, kernels, group_sizes=group_sizes, transpose_rhs=True, **MOSAIC_TILES)
+
+    def kernels_grad(rows: jax.Array, dy: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        return transposed_ragged_dot(rows, dy, group_sizes=group_sizes, **MOSAIC_TILES)
+
+    return with_vjp(forward, rows_grad, kernels_grad)
+
+
+def _shape_reason(dtype: jnp.dtype, hidden: int, intermediate: int) -> str | None:
+    """Why the Mosaic kernels cannot take this layer on any GPU, or None."""
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"they multiply bfloat16 or float16, and model.compute_dtype is {jnp.dtype(dtype).name}"
+    if hidden % MOSAIC_ALIGN or intermediate % MOSAIC_ALIGN:
+        return (
+            f"they need the hidden size and each expert's width multiples of {MOSAIC_ALIGN}, got "
+            f"{hidden} and {intermediate}"
+        )
+    return None
+
+
+def mosaic_unsupported(dtype: jnp.dtype, hidden: int, intermediate: int) -> str | None:
+    """Why the Mosaic kernels cannot run this layer on this process's default backend, or None."""
+    is_cuda, cc = layers.cuda_backend()
+    if not is_cuda:
+        return f"they run on CUDA GPUs, and the default JAX backend is {jax.default_backend()!r}"
+    if cc is None or cc[0] != 9:
+        return f"they are written for Hopper GPUs (compute capability 9.x), and this GPU's is {cc}"
+    reason = _shape_reason(dtype, hidden, intermediate)
+    if reason is None:
+        try:
+            mosaic_matmul()
+        except ImportError as exc:
+            reason = f"this JAX lacks them ({type(exc).__name__}: {exc})"
+    return reason
+
+
+def auto_impl(device_kind: str, dtype: jnp.dtype, hidden: int, intermediate: int) -> str:
+    """The grouping "auto" means on a machine whose device kind is `device_kind` (the planner's
+    `Machine.kind`): "mosaic" on a Hopper kind where the layer's shape and dtype suit the kernels,
+    else "padded"."""
+    if device_kind in HOPPER_KINDS and _shape_reason(dtype, hidden, intermediate) is None:
+        return "mosaic"
+    return "padded"
+
+
+def experts_impl(requested: str, dtype: jnp.dtype, hidden: int, intermediate: int) -> str:
+    """`model.moe_impl` as this process's backend runs it, when the step is traced: "padded" as
+    asked; "mosaic" as asked, raising ConfigError with the reason where it cannot run; "auto" the
+    Mosaic kernels where they can run, else padded."""
+    if requested == "padded":
+        return "padded"
+    if requested not in IMPLS:
+        raise ConfigError(f"model.moe_impl={requested!r} is not one of {list(IMPLS)}.")
+    reason = mosaic_unsupported(dtype, hidden, intermediate)
+    if requested == "mosaic" and reason is not None:
+        raise ConfigError(
+            f"model.moe_impl=mosaic cannot be used: {reason}. Use model.moe_impl=auto or padded."
+        )
+    return "mosaic" if reason is None else "padded"

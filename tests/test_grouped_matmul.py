@@ -1,0 +1,113 @@
+"""The experts' grouped matmul (jaxzero.models.grouped_matmul): its custom gradient's wiring against
+JAX's own gradient of jax.lax.ragged_dot, and which grouping `model.moe_impl` runs where. The Mosaic
+GPU kernels themselves run only on Hopper GPUs (scripts/bench_moe.py checks them there against the
+padded grouping); here three CPU kernels of the same contracts stand in for them."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxzero.config import ConfigError, TrainConfig
+from jaxzero.models import grouped_matmul, moe
+from jaxzero.models.sizes import NAMED_SIZES
+from jaxzero.planner import memory, preflight
+from jaxzero.planner.machine import CPU, H100, H200, OTHER_GPU
+
+SIZES = np.array([3, 0, 5, 1, 7], np.int32)  # an empty group, a group of one
+N, I, O = int(SIZES.sum()), 6, 4  # noqa: E741
+
+
+def _expert_of_row(sizes: jax.Array, n: int) -> jax.Array:
+    return jnp.repeat(jnp.arange(sizes.shape[0]), sizes, total_repeat_length=n)
+
+
+def _kernels_grad(rows, dy, sizes):  # rows_g.T @ dy_g for each group, by a one-hot of each row's group
+    onehot = jax.nn.one_hot(_expert_of_row(sizes, rows.shape[0]), sizes.shape[0], dtype=rows.dtype)
+    return jnp.einsum("ni,ne,no->eio", rows, onehot, dy)
+
+
+def _rows_grad(dy, kernels, sizes):
+    return jax.lax.ragged_dot(dy, jnp.swapaxes(kernels, 1, 2), sizes)
+
+
+STAND_IN = grouped_matmul.with_vjp(jax.lax.ragged_dot, _rows_grad, _kernels_grad)
+
+
+def test_the_custom_gradient_equals_ragged_dots_own():
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    rows = jax.random.normal(k1, (N, I), jnp.float32)
+    kernels = jax.random.normal(k2, (len(SIZES), I, O), jnp.float32)
+    cot = jax.random.normal(k3, (N, O), jnp.float32)
+    sizes = jnp.asarray(SIZES)
+
+    def loss(matmul, rows, kernels):
+        return jnp.sum(matmul(rows, kernels, sizes) * cot)
+
+    want = jax.grad(functools.partial(loss, jax.lax.ragged_dot), (0, 1))(rows, kernels)
+    got = jax.jit(jax.grad(functools.partial(loss, STAND_IN), (0, 1)))(rows, kernels)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-6, atol=1e-6)
+    assert float(jnp.max(jnp.abs(got[1][1]))) == 0.0  # the empty group's kernel gets nothing
+
+
+def test_experts_through_the_custom_gradient_equal_the_padded_grouping():
+    spec = moe.qwen3_moe_spec(num_experts=5, top_k=2, norm_topk_prob=True)
+    params = moe.init_moe(jax.random.key(1), spec, hidden=8, intermediate=6, std=0.3)
+    x = jax.random.normal(jax.random.key(2), (13, 8), jnp.float32)
+    cot = jax.random.normal(jax.random.key(3), (13, 8), jnp.float32)
+
+    def loss(fn, params, x):
+        return jnp.sum(moe.moe_block(params, x, spec, experts_fn=fn)[0] * cot)
+
+    grouped = functools.partial(moe.experts_ragged_dot, matmul=STAND_IN)
+    want = jax.jit(jax.grad(functools.partial(loss, moe.experts_padded), (0, 1)))(params, x)
+    got = jax.jit(jax.grad(functools.partial(loss, grouped), (0, 1)))(params, x)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=1e-6)
+
+
+def test_auto_runs_the_padded_grouping_off_hopper_and_mosaic_is_refused_there():
+    assert grouped_matmul.experts_impl("auto", jnp.bfloat16, 2048, 768) == "padded"  # the CPU backend
+    assert moe.experts_for("auto", jnp.bfloat16, 2048, 768) is moe.experts_padded
+    assert grouped_matmul.experts_impl("padded", jnp.bfloat16, 2048, 768) == "padded"
+    with pytest.raises(ConfigError, match="moe_impl=mosaic cannot be used: they run on CUDA GPUs.*'cpu'"):
+        grouped_matmul.experts_impl("mosaic", jnp.bfloat16, 2048, 768)
+    with pytest.raises(ConfigError, match="'fast' is not one of"):
+        grouped_matmul.experts_impl("fast", jnp.bfloat16, 2048, 768)
+
+
+def test_auto_means_mosaic_on_hopper_kinds_for_shapes_and_dtypes_the_kernels_take():
+    auto = grouped_matmul.auto_impl
+    assert auto(H100.kind, "bfloat16", 2048, 768) == "mosaic"  # Qwen3-30B-A3B's layer
+    assert auto(H200.kind, "bfloat16", 4096, 14336) == "mosaic"  # Mixtral 8x7B's
+    assert auto(H200.kind, "bfloat16", 2880, 2880) == "padded"  # gpt-oss's: not multiples of 128
+    assert auto(H200.kind, "float32", 2048, 768) == "padded"
+    assert auto(OTHER_GPU.kind, "bfloat16", 2048, 768) == "padded"
+    assert auto(CPU.kind, "bfloat16", 2048, 768) == "padded"
+
+
+def test_the_resolution_pass_decides_auto_for_the_machine_and_the_plan_counts_that_grouping():
+    model = dataclasses.replace(NAMED_SIZES["qwen3-30b-a3b"], num_layers=2)
+    cfg = TrainConfig(model=model)
+    on_h100 = preflight.resolve_moe_impl(cfg, H100.kind)
+    assert on_h100.model.moe_impl == "mosaic"
+    assert preflight.resolve_moe_impl(cfg, CPU.kind).model.moe_impl == "padded"
+    padded = dataclasses.replace(cfg, model=dataclasses.replace(model, moe_impl="padded"))
+    assert preflight.resolve_moe_impl(padded, H100.kind) is padded  # the user's choice stands
+    dense = TrainConfig()
+    assert preflight.resolve_moe_impl(dense, H100.kind) is dense
+
+    tokens, k, d, f = 8 * 2048, model.num_experts_per_tok, model.hidden_size, model.moe_intermediate_size
+    grouped = memory.transient_activations(on_h100.model, tokens).block
+    blocks = memory.transient_activations(padded.model, tokens).block
+    assert blocks - grouped == memory.padded_experts_bytes(tokens, k, model.num_experts, d, f, 2) - (
+        tokens * k * (2 * d + 3 * f) * 2
+    )
+    # undecided, the plan counts the larger: the padded grouping's
+    assert memory.transient_activations(model, tokens).block == blocks
