@@ -111,3 +111,20 @@ def test_the_resolution_pass_decides_auto_for_the_machine_and_the_plan_counts_th
     )
     # undecided, the plan counts the larger: the padded grouping's
     assert memory.transient_activations(model, tokens).block == blocks
+
+
+def test_layers_at_one_shape_share_one_lowering_of_the_kernels():
+    """A model's every layer calls the grouped matmul at one shape: its kernels are lowered once per
+    module, not once per layer (a Pallas kernel lowered per call site made a 48-layer model's
+    compile minutes long), under remat and differentiation as the engines run it."""
+    rows, kernels, sizes = jnp.ones((N, I)), jnp.ones((len(SIZES), I, I)), jnp.asarray(SIZES)
+
+    def products(layers: int) -> int:  # the matrix products in the lowered module's text
+        def loss(rows, kernels):
+            for _ in range(layers):
+                rows = jax.checkpoint(lambda r: jnp.tanh(STAND_IN(r, kernels, sizes)))(rows)
+            return jnp.sum(rows)
+
+        return jax.jit(jax.grad(loss, (0, 1))).lower(rows, kernels).as_text().count("dot_general")
+
+    assert products(6) == products(2) > 0

@@ -18,6 +18,7 @@ plan) decides by its own backend when its step is traced.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -47,7 +48,10 @@ def with_vjp(
       forward(rows (N, I), kernels (E, I, O), group_sizes (E,)) -> (N, O): rows_g @ kernels[g]
       rows_grad(dy (N, O), kernels (E, I, O), group_sizes) -> (N, I): dy_g @ kernels[g].T
       kernels_grad(rows (N, I), dy (N, O), group_sizes) -> (E, I, O): rows_g.T @ dy_g
-    group_sizes int32, summing to N; integer, so it has no gradient."""
+    group_sizes int32, summing to N; integer, so it has no gradient. Jitted, each kernel too: the
+    layers of a model that calls it at one shape share one lowering (a Pallas kernel is traced and
+    lowered again at every call site that is not a call of the same jitted function)."""
+    forward, rows_grad, kernels_grad = jax.jit(forward), jax.jit(rows_grad), jax.jit(kernels_grad)
 
     @jax.custom_vjp
     def matmul(rows: jax.Array, kernels: jax.Array, group_sizes: jax.Array) -> jax.Array:
@@ -62,13 +66,15 @@ def with_vjp(
         return rows_grad(dy, kernels, group_sizes), kernels_grad(rows, dy, group_sizes), None
 
     matmul.defvjp(fwd, bwd)
-    return matmul
+    return jax.jit(matmul)
 
 
+@functools.cache
 def mosaic_matmul() -> GroupedMatmul:
     """The grouped matmul of JAX's Pallas Mosaic GPU kernels (Hopper only; bf16 or f16 rows and
     kernels of one dtype, every float32 accumulation inside the kernel): `ragged_dot_mgpu` for the
-    product and the rows' gradient, `transposed_ragged_dot_mgpu` for the kernels'. Raises ImportError
+    product and the rows' gradient, `transposed_ragged_dot_mgpu` for the kernels'. One function per
+    process (`with_vjp`'s lowering is shared by its every call at one shape). Raises ImportError
     where this JAX lacks them."""
     from jax.experimental.pallas.ops.gpu.ragged_dot_mgpu import ragged_dot
     from jax.experimental.pallas.ops.gpu.transposed_ragged_dot_mgpu import transposed_ragged_dot
