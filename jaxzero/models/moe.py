@@ -208,8 +208,9 @@ def route_logits(logits: jax.Array, spec: MoeSpec) -> Routing:
 
 
 def router_stats(routing: Routing, mask: jax.Array | None = None) -> RouterStats:
-    """This layer's load-balancing statistics (module docstring) from its routing; `mask` (T,) bool or
-    float marks the tokens that count (transformers' flattened attention mask), None counts all."""
+    """This layer's load-balancing statistics (module docstring) from its routing; `mask`, bool or
+    float of T elements in any shape ((B, S) included), marks the tokens that count (transformers'
+    flattened attention mask), None counts all."""
     T, E = routing.logits.shape
     probs = jax.nn.softmax(routing.logits.astype(jnp.float32), axis=-1)
     m = jnp.ones((T,), jnp.float32) if mask is None else mask.astype(jnp.float32).reshape(T)
