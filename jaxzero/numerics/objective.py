@@ -73,9 +73,10 @@ def document_segments(window: jax.Array, eot_id: int) -> jax.Array:
 def router_padding(data: DataConfig, model: Model) -> int | None:
     """The end-of-text id after which rows are padded (`real_tokens`), where the padding is left out
     of the router's statistics, or None: every position counts (a model whose blocks emit no
-    statistics, or whose `block_stats` takes no `token_mask`; data without an end-of-text id,
-    `data.eot_id` < 0, whose rows are never padded). A static value for a trainer's step functions,
-    read once when the trainer is built."""
+    statistics, or whose `block_stats` takes no `token_mask`; `data.eot_id` < 0, no end-of-text id
+    to find the padding after: streams are never padded, and rows of examples run with
+    `data.eot_id=-2` count theirs). A static value for a trainer's step functions, read once when the
+    trainer is built."""
     if data.eot_id < 0 or not emits_stats(model):
         return None
     params = inspect.signature(model.block_stats).parameters
