@@ -47,6 +47,8 @@ from jaxzero.numerics.objective import (
     document_segments,
     loss_fn,
     objective_with_aux,
+    real_tokens,
+    router_padding,
     step_weight,
 )
 from jaxzero.numerics.optim import (
@@ -71,6 +73,7 @@ def averaged_grads(
     batch: jax.Array,
     scale: jax.Array | None = None,
     eot_id: int | None = None,
+    padding: int | None = None,
 ) -> tuple[jax.Array, ModelParams, jax.Array | None]:
     """Mean loss, float32 gradients and mean auxiliary loss over `grad_accum` micro-batches of int32
     (A, mb, S+1).
@@ -82,42 +85,60 @@ def averaged_grads(
     (the caller unscales them); the loss returned is unscaled. `eot_id` (static): each document of a
     window attends within itself (`objective.loss_fn`). Where the model's blocks emit statistics
     (`jaxzero.models.emits_stats`, decided here at trace time) each micro-batch's objective adds its
-    weighted auxiliary loss (`objective.objective_with_aux`), and the third value is the mean over
-    the micro-batches of the unweighted auxiliary loss (float32 scalar); else it is None.
+    weighted auxiliary loss (`objective.objective_with_aux`, its statistics without the rows' padding
+    after end-of-text id `padding` where given, static: `objective.router_padding`), and the third
+    value is the mean over the micro-batches of the unweighted auxiliary loss (float32 scalar); else
+    it is None.
     """
     weight = step_weight(batch)
     if emits_stats(model):
 
-        def value(p, window):
-            return objective_with_aux(model, p, window, weight, eot_id)
+        def value(p, window, mask):
+            return objective_with_aux(model, p, window, weight, eot_id, mask)
 
     else:
 
-        def value(p, window):
+        def value(p, window, mask):
             loss = loss_fn(model, p, window, weight, eot_id)
             return loss, (loss, None)
 
-    def scaled(p, window):
-        objective, losses = value(p, window)
+    def scaled(p, window, mask):
+        objective, losses = value(p, window, mask)
         return (objective if scale is None else objective * scale), losses
 
-    def value_and_grad(p, window):
-        (_, losses), grads = jax.value_and_grad(scaled, has_aux=True)(p, window)
+    def value_and_grad(window, mask=None):
+        (_, losses), grads = jax.value_and_grad(scaled, has_aux=True)(params, window, mask)
         return losses, grads
 
-    if batch.shape[0] == 1:
-        (loss, aux), grads = value_and_grad(params, batch[0])
-        return loss, grads, aux
+    def added(carry, window, mask=None):
+        return jax.tree.map(jnp.add, carry, value_and_grad(window, mask))
 
-    def micro(carry, window):
-        losses, grads = value_and_grad(params, window)
-        return jax.tree.map(jnp.add, carry, (losses, grads)), None
+    one, micro = value_and_grad, added
+    if padding is not None:
+        one, micro = _unless_padded(value_and_grad, padding), _unless_padded(added, padding)
+
+    if batch.shape[0] == 1:
+        (loss, aux), grads = one(batch[0])
+        return loss, grads, aux
 
     zero = jnp.zeros((), jnp.float32)
     zeros = ((zero, zero if emits_stats(model) else None), jax.tree.map(jnp.zeros_like, params))
-    ((loss, aux), grads), _ = jax.lax.scan(micro, zeros, batch)
+    ((loss, aux), grads), _ = jax.lax.scan(lambda c, w: (micro(c, w), None), zeros, batch)
     loss, aux, grads = jax.tree.map(lambda x: x / batch.shape[0], (loss, aux, grads))
     return loss, grads, aux
+
+
+def _unless_padded(f: Any, padding: int) -> Any:
+    """`f(*args, window)` as `f(*args, window, mask)` with the window's token mask
+    (`objective.real_tokens` after end-of-text id `padding`) where the window has padding, else as it
+    is: a window without padding runs the program without a mask, the very bits of a run without one
+    (a mask of ones, fused into the whole model's program, rounds its gradients by an ulp)."""
+
+    def chosen(*args: Any) -> Any:
+        mask = real_tokens(args[-1], padding)
+        return jax.lax.cond(jnp.all(mask), lambda *a: f(*a[:-1]), f, *args, mask)
+
+    return chosen
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
@@ -133,6 +154,8 @@ class ResidentContext:
     grad_sharding:  the gradients' shardings (split from ZeRO stage 2: a reduce-scatter).
     eot_id:         the end-of-text id whose documents attend only within themselves, or None
                     (`objective.document_eot`): baked into the step and evaluation programs.
+    padding:        the end-of-text id after which rows' padding counts in no router statistics, or
+                    None (`objective.router_padding`): baked into the step programs.
     trains:         what trains beside a frozen base (the state is over its tree, on its device), or
                     None: every parameter.
     """
@@ -148,6 +171,7 @@ class ResidentContext:
     state_sharding: TrainState
     grad_sharding: ModelParams
     eot_id: int | None
+    padding: int | None = None
     trains: FrozenTrains | None = None
 
 
@@ -204,6 +228,7 @@ def build_resident_context(
         state_sharding=state_sharding,
         grad_sharding=grad_sharding,
         eot_id=eot_id,
+        padding=router_padding(cfg.data, model),
         trains=trains,
     )
 
@@ -280,7 +305,7 @@ def apply_update(
 
 def train_step(ctx: ResidentContext, state: TrainState, batch: jax.Array) -> tuple[TrainState, StepMetrics]:
     """One optimizer update over int32 (A, mb, S+1); traced."""
-    loss, grads, aux = averaged_grads(ctx.model, state.params, batch, eot_id=ctx.eot_id)
+    loss, grads, aux = averaged_grads(ctx.model, state.params, batch, None, ctx.eot_id, ctx.padding)
     return apply_update(ctx, state, _split(ctx, grads), loss, aux)
 
 
@@ -290,7 +315,7 @@ def train_step_fp16(
     """float16: a scaled loss; a step that overflows keeps params, optimizer state and step count;
     traced."""
     ls = state.loss_scale
-    loss, grads, aux = averaged_grads(ctx.model, state.params, batch, ls.scale, ctx.eot_id)
+    loss, grads, aux = averaged_grads(ctx.model, state.params, batch, ls.scale, ctx.eot_id, ctx.padding)
     grads = jax.tree.map(lambda g: g / ls.scale, _split(ctx, grads))
     ok = all_finite(grads)
     updates, opt_state = ctx.tx.update(grads, state.opt_state, state.params)
@@ -364,6 +389,8 @@ class FrozenPartStep:
         self._segments = (
             _no_segments if eot_id is None else jax.jit(partial(document_segments, eot_id=eot_id))
         )
+        padding = ctx.padding
+        self._mask = _every_token if padding is None else jax.jit(partial(real_tokens, eot_id=padding))
         self._keys = trains.dropout_keys
 
     def step(self, state: TrainState, batch: jax.Array) -> tuple[TrainState, StepMetrics]:
@@ -377,6 +404,7 @@ class FrozenPartStep:
             trainable=state.params,
             segments=self._segments,
             keys=keys,
+            token_mask=self._mask,
         )
         return self._update(state, grads, loss, aux)
 
@@ -388,6 +416,11 @@ class FrozenPartStep:
 
 def _no_segments(batch: jax.Array) -> None:
     """Attention across each whole row: no segment ids."""
+    return None
+
+
+def _every_token(batch: jax.Array) -> None:
+    """Every position counts in the router's statistics: no token mask."""
     return None
 
 

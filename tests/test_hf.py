@@ -1120,20 +1120,73 @@ def test_one_training_step_matches_transformers(key: str, hf_checkpoints: dict, 
     then the cross-entropy plus the coefficient times its load-balancing loss, jaxzero's `loss` the
     cross-entropy and `aux_loss` the load-balancing loss, and the gradients (their norm, and the next
     step's loss) are of the sum."""
+    path, _ = hf_checkpoints[key.removesuffix("+aux")]
+    if key.endswith("+aux"):
+        path = with_aux_loss(path, tmp_path)
+    (losses, aux, norms), (want, want_aux, want_norms), cfg = two_steps_against_transformers(path, TOKENS)
+    assert (aux[0] is None) == (cfg.num_experts == 0)
+    if key.endswith("+aux"):
+        np.testing.assert_allclose(aux, want_aux, rtol=1e-5)
+        np.testing.assert_allclose(np.add(losses, AUX_COEF * np.array(aux)), want, rtol=1e-5)
+        np.testing.assert_allclose(norms, want_norms, rtol=1e-4)
+    else:
+        np.testing.assert_allclose(losses, want, rtol=1e-5)
+    assert abs(want[1] - want[0]) > 1e-3  # the step moved the loss: the second one compares updates
+
+
+@pytest.mark.parametrize("key", ["qwen3_moe", "mixtral", "gpt_oss"])
+def test_a_padded_training_step_matches_transformers_with_its_attention_mask(
+    key: str, hf_checkpoints: dict, tmp_path: Path
+) -> None:
+    """Rows of fine-tuning examples as jaxzero's data pads them (an example, its end-of-text, then
+    padding; and an example cut to fill its row), their prompts not targets: transformers given the
+    same ids, labels -100 where jaxzero counts no target and the attention mask zero at the padding
+    leaves the padding out of its load-balancing loss, and so does jaxzero: the same aux, loss and
+    gradients over two SGD steps. The prompts' tokens count in both (the mask keeps them)."""
+    from jaxzero.config import padding_id
+    from jaxzero.numerics.objective import real_tokens
+
+    eot = 5
+    window = np.where(TOKENS == eot, eot + 1, TOKENS)  # one end-of-text: the first example's
+    window[0, 9], window[0, 10:] = eot, ~padding_id(eot)  # 10 tokens, then 6 of padding
+    window[0, :4], window[1, :6] = ~window[0, :4], ~window[1, :6]  # the prompts: no targets
+    assert not np.asarray(real_tokens(jnp.asarray(window), eot))[0, 10:].any()
+    path = with_aux_loss(hf_checkpoints[key][0], tmp_path)
+    (losses, aux, norms), (want, want_aux, want_norms), _ = two_steps_against_transformers(path, window, eot)
+    np.testing.assert_allclose(aux, want_aux, rtol=1e-5)
+    np.testing.assert_allclose(np.add(losses, AUX_COEF * np.array(aux)), want, rtol=1e-5)
+    np.testing.assert_allclose(norms, want_norms, rtol=1e-4)
+    # Counted, the padding gives transformers another loss: the comparison sees it.
+    _, (_, every_aux, _), _ = two_steps_against_transformers(path, window, eot, transformers_mask=False)
+    assert abs(every_aux[0] - aux[0]) > 1e-3 * aux[0]
+
+
+def with_aux_loss(path: Path, tmp_path: Path) -> Path:
+    """A copy of the checkpoint at `path` whose config turns the load-balancing loss on
+    (output_router_logits, router_aux_loss_coef=AUX_COEF)."""
+    shutil.copytree(path, tmp_path / "aux")
+    config = json.loads((tmp_path / "aux" / "config.json").read_text())
+    config.update(output_router_logits=True, router_aux_loss_coef=AUX_COEF)
+    (tmp_path / "aux" / "config.json").write_text(json.dumps(config))
+    return tmp_path / "aux"
+
+
+def two_steps_against_transformers(
+    path: Path, window: np.ndarray, eot: int = -2, transformers_mask: bool = True
+) -> tuple[tuple[list, list, list], tuple[list, list, list], ModelConfig]:
+    """Two plain SGD steps (lr 0.5) from the checkpoint at `path` on int32 window (2, SEQ) (`~id`: no
+    target), by jaxzero's offload engine (`data.eot_id=eot`) and by transformers: ((losses, aux
+    losses, gradient norms) of each, the imported config). transformers is given the ids, labels -100
+    where jaxzero counts no target, and an attention mask zero at the rows' padding
+    (`objective.real_tokens`; with `transformers_mask` false, at the last position only)."""
     from jaxzero.config import TrainConfig
+    from jaxzero.numerics.objective import real_tokens
     from jaxzero.overrides import apply_overrides
     from jaxzero.plan import placement
     from jaxzero.trainer import build_trainer
 
-    path, _ = hf_checkpoints[key.removesuffix("+aux")]
-    if key.endswith("+aux"):
-        shutil.copytree(path, tmp_path / "aux")
-        path = tmp_path / "aux"
-        config = json.loads((path / "config.json").read_text())
-        config.update(output_router_logits=True, router_aux_loss_coef=AUX_COEF)
-        (path / "config.json").write_text(json.dumps(config))
     cfg, params = import_hf(path)
-    assert cfg.router_aux_loss_coef == (AUX_COEF if key.endswith("+aux") else 0.0)
+    assert cfg.router_aux_loss_coef == (AUX_COEF if path.name == "aux" else 0.0)
     cfg = dataclasses.replace(cfg, compute_dtype="float32", attention_impl="xla")
     lr = 0.5
     run = apply_overrides(
@@ -1143,7 +1196,7 @@ def test_one_training_step_matches_transformers(key: str, hf_checkpoints: dict, 
             "offload.params": "cpu",
             "data.seq_len": str(SEQ - 1),
             "data.batch_size": "2",
-            "data.eot_id": "-2",
+            "data.eot_id": str(eot),
             "optimizer.name": "sgd",
             "optimizer.momentum": "0",
             "optimizer.weight_decay": "0",
@@ -1158,22 +1211,24 @@ def test_one_training_step_matches_transformers(key: str, hf_checkpoints: dict, 
     losses, aux, norms = [], [], []
     with jax.default_matmul_precision("highest"):
         for _ in range(2):
-            state, m = trainer.step(state, trainer.put_batch(TOKENS[None]))
+            state, m = trainer.step(state, trainer.put_batch(window[None]))
             losses.append(float(m.loss))
             norms.append(float(m.grad_norm))
             aux.append(None if m.aux_loss is None else float(m.aux_loss))
-    assert (aux[0] is None) == (cfg.num_experts == 0)
 
     model = load_torch(path, dtype=torch.float32)
-    ids = torch.from_numpy(TOKENS).long()
+    ids = torch.from_numpy(np.where(window < 0, ~window, window)).long()
+    labels = torch.from_numpy(np.where(window < 0, -100, window)).long()
     # jaxzero's window of S+1 tokens runs its first S through the blocks; transformers runs all S+1,
     # the last one's logits unused. Its attention mask leaves that token out of the load-balancing
     # loss (nothing else reads it: the causal logits before it do not see it).
     mask = torch.ones_like(ids)
+    if eot >= 0 and transformers_mask:
+        mask[:, :-1] = torch.from_numpy(np.asarray(real_tokens(jnp.asarray(window), eot))).long()
     mask[:, -1] = 0
     want, want_aux, want_norms = [], [], []
     for _ in range(2):
-        out = model(ids, labels=ids, attention_mask=mask)  # the mean over every target (+ coef x aux)
+        out = model(ids, labels=labels, attention_mask=mask)  # the mean over every target (+ coef x aux)
         loss = out.loss
         want.append(float(loss.detach()))
         want_aux.append(None if out.get("aux_loss") is None else float(out.aux_loss.detach()))
@@ -1183,13 +1238,7 @@ def test_one_training_step_matches_transformers(key: str, hf_checkpoints: dict, 
         with torch.no_grad():
             for p in model.parameters():
                 p -= lr * p.grad
-    if key.endswith("+aux"):
-        np.testing.assert_allclose(aux, want_aux, rtol=1e-5)
-        np.testing.assert_allclose(np.add(losses, AUX_COEF * np.array(aux)), want, rtol=1e-5)
-        np.testing.assert_allclose(norms, want_norms, rtol=1e-4)
-    else:
-        np.testing.assert_allclose(losses, want, rtol=1e-5)
-    assert abs(want[1] - want[0]) > 1e-3  # the step moved the loss: the second one compares updates
+    return (losses, aux, norms), (want, want_aux, want_norms), cfg
 
 
 def test_sliding_windows() -> None:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxzero.cli import train as train_lib
-from jaxzero.config import ConfigError, TrainConfig
+from jaxzero.config import ConfigError, TrainConfig, padding_id
 from jaxzero.config.checks import validate
 from jaxzero.data import build_data
 from jaxzero.finetune.adapters import adapter_shapes, lora_spec
@@ -21,7 +21,7 @@ from jaxzero.finetune.merged import merge_block, widen
 from jaxzero.finetune.part import TrainableOverBase
 from jaxzero.models import ModelParams, build_model
 from jaxzero.models.lora import merge_trees, quantize_kernel
-from jaxzero.numerics.objective import loss_fn, objective_with_aux, step_weight
+from jaxzero.numerics.objective import loss_fn, objective_with_aux, real_tokens, step_weight
 from jaxzero.overrides import apply_overrides
 from jaxzero.plan import placement, resolve_plan
 from jaxzero.planner.partial import partial_memory as lora_memory
@@ -77,20 +77,24 @@ MOE_AUX = {"model.num_experts": "4", "model.num_experts_per_tok": "2", "model.mo
            "finetune.lora_targets": "q,k,v,o", "model.router_aux_loss_coef": "0.5"}  # fmt: skip
 
 
-@pytest.mark.parametrize("variant", ["dense", "moe+aux"])
+@pytest.mark.parametrize("variant", ["dense", "moe+aux", "moe+aux+padding"])
 def test_the_adapters_gradient_is_whole_model_autodiffs(variant):
     """One step of plain SGD at lr 1 from lora_b = 0 writes -grad into lora_b: it must equal jax.grad
     of the objective over the merged base and adapters (two micro-batches, documents kept apart; for
-    "moe+aux" each micro-batch's objective adds coef x its load-balancing loss, averaged)."""
+    "moe+aux" each micro-batch's objective adds coef x its load-balancing loss, averaged; for
+    "+padding" rows end with padding after an end-of-text, which that loss's statistics leave out)."""
     sgd = {"optimizer.name": "sgd", "optimizer.momentum": "0", "optimizer.weight_decay": "0",
            "optimizer.grad_clip": "0", "optimizer.lr": "1", "optimizer.schedule": "constant",
            "data.eot_id": "10"}  # fmt: skip
-    cfg = lora_cfg(**EXACT, **sgd, **(MOE_AUX if variant == "moe+aux" else {}))
+    cfg = lora_cfg(**EXACT, **sgd, **(MOE_AUX if variant.startswith("moe") else {}))
     trainer, trains = built(cfg)
     state = trainer.init(jax.random.key(3))
     adapters0 = jax.tree.map(np.asarray, state.params)
     base = jax.tree.map(np.asarray, trains.base().units)
     batch = batches(cfg, 1)[0]
+    if variant.endswith("+padding"):  # as the data pads rows of examples (`jaxzero.data.packing`)
+        batch = batch.copy()
+        batch[:, :2, 20], batch[:, :2, 21:] = 10, ~padding_id(10)
     state, metrics = trainer.step(state, trainer.put_batch(batch))
     stepped = -np.concatenate([np.ravel(np.asarray(x)) for x in jax.tree.leaves(
         jax.tree.map(lambda b: b, [blk for blk in state.params.blocks]))])  # fmt: skip
@@ -103,7 +107,8 @@ def test_the_adapters_gradient_is_whole_model_autodiffs(variant):
     def objective(params, w):
         if variant == "dense":
             return loss_fn(model, params, w, weight, eot_id=10), 0.0
-        ce, aux = objective_with_aux(model, params, w, weight, eot_id=10)[1]
+        mask = real_tokens(w, 10) if variant.endswith("+padding") else None
+        ce, aux = objective_with_aux(model, params, w, weight, eot_id=10, token_mask=mask)[1]
         return ce + coef * aux / micro, aux / micro
 
     def loss(adapters):
@@ -113,7 +118,7 @@ def test_the_adapters_gradient_is_whole_model_autodiffs(variant):
         return sum(t[0] for t in terms), sum(t[1] for t in terms)
 
     grads, aux = jax.grad(loss, has_aux=True)(adapters0)
-    if variant == "moe+aux":
+    if variant != "dense":
         assert float(metrics.aux_loss) == pytest.approx(float(aux), rel=1e-5)
     want = np.concatenate([np.ravel(np.asarray(x)) for x in jax.tree.leaves(list(grads.blocks))])
     # lora_a's gradient is 0 while lora_b is 0, so its step leaves it where it was.

@@ -352,6 +352,92 @@ def test_moe_with_coefficient_zero_trains_bitwise_as_the_cross_entropy_alone(mod
         np.testing.assert_array_equal(a, b)
 
 
+# Rows of fine-tuning examples ending with end-of-text id 7, padded as the data pads them; the
+# load-balancing loss weighted as in AUX.
+PADDED = {**AUX, "data.eot_id": "7"}
+
+
+def example_rows(cfg: TrainConfig, lengths: list[int]) -> np.ndarray:
+    """int32 (steps, A, mb, S+1): one example per row as `jaxzero.data.packing` lays rows out (its
+    prompt's 3 tokens not targets, its end-of-text last, then the padding), each example of the
+    given length in turn (the row's width or more: no padding)."""
+    from jaxzero.config import padding_id
+    from jaxzero.data.packing import _gather_rows  # the data's own layout of rows
+
+    d, eot = cfg.data, cfg.data.eot_id
+    width, n = d.seq_len + 1, cfg.steps * d.batch_size
+    lengths = np.resize(np.asarray(lengths, np.int64), n)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(8, cfg.model.vocab_size, size=int(lengths.sum()))  # no 7 among them
+    ends = np.cumsum(lengths)
+    tokens[ends - 1] = eot
+    starts = ends - lengths
+    counted = np.ones(tokens.size, bool)
+    for s in starts:
+        counted[s : s + 3] = False
+    rows = [np.asarray([i]) for i in range(n)]
+    out = _gather_rows(tokens, counted, starts, lengths, rows, width, padding_id(eot))
+    return out.reshape(cfg.steps, d.grad_accum, -1, width)
+
+
+def train_rows(cfg: TrainConfig, rows: np.ndarray, model=None):
+    """`train_moe` over the given batches `rows`."""
+    trainer = build_trainer(cfg, placement.make_mesh(jax.devices()[:1]), model=model)
+    state = trainer.init(jax.random.key(cfg.seed))
+    metrics = []
+    for batch in rows:
+        state, m = trainer.step(state, trainer.put_batch(batch))
+        metrics.append(jax.device_get(m))
+    jax.block_until_ready(state)
+    losses, norms = (np.array([float(getattr(m, k)) for m in metrics]) for k in ("loss", "grad_norm"))
+    return state, losses, [float(m.aux_loss) for m in metrics], norms
+
+
+@dataclasses.dataclass(frozen=True)
+class EveryToken(Llama):
+    """The experts' model counting every position in its router's statistics, the rows' padding
+    included: its `block_stats` takes no `token_mask` (`objective.router_padding`)."""
+
+    def block_stats(self, block_params, x, segments=None, dropout_key=None):
+        return super().block_stats(block_params, x, segments, dropout_key)
+
+
+def test_moe_padding_counts_in_no_router_statistics_offloaded_as_resident():
+    """Rows padded after their example (grad accumulation of two micro-batches, the block inputs in
+    pinned_host): the padding counts in none of the load-balancing loss's statistics, whose sum the
+    streamed blocks add and whose cotangent each block's backward takes, as the resident trainer
+    differentiates it; counting it (a model without `token_mask`) gives another loss."""
+    param_tol, loss_tol = TOLERANCE["float32"]
+    cfg = tiny("llama", "float32", **PADDED)
+    rows = example_rows(cfg, [10, 33, 20, 5, 40, 28, 17])
+    assert (rows[..., -1] == ~0).mean() > 0.5  # most rows end with padding
+    ref_state, ref_losses, ref_aux, ref_norms = train_rows(cfg, rows)
+    offload = {**MODES["zero3-offload"], "offload.activations": "cpu"}
+    state, losses, aux, norms = train_rows(tiny("llama", "float32", **PADDED, **offload), rows)
+    np.testing.assert_allclose(losses, ref_losses, atol=loss_tol, rtol=0)
+    np.testing.assert_allclose(aux, ref_aux, atol=loss_tol, rtol=0)
+    np.testing.assert_allclose(norms, ref_norms, rtol=param_tol)
+    for a, b in zip(jax.tree.leaves(jax.device_get(state.params)), jax.tree.leaves(ref_state.params)):
+        assert rel(a, b) < param_tol
+    _, _, every_aux, _ = train_rows(cfg, rows, model=EveryToken(cfg.model))
+    assert abs(every_aux[0] - ref_aux[0]) > 100 * loss_tol
+
+
+@pytest.mark.parametrize("mode", ["resident", "resident-one-micro-batch", "zero3-offload"])
+def test_moe_rows_without_padding_train_bitwise_as_counting_every_token(mode):
+    """Rows of examples that fill them (no padding), with an end-of-text id: the token mask changes
+    nothing, bit for bit, in either engine, with or without gradient accumulation."""
+    one = {"data.grad_accum": "1"} if mode == "resident-one-micro-batch" else {}
+    cfg = tiny("llama", "float32", **PADDED, **MODES.get(mode, {}), **one)
+    rows = example_rows(cfg, [33, 40])
+    state, losses, aux, _ = train_rows(cfg, rows)
+    every_state, every_losses, every_aux, _ = train_rows(cfg, rows, model=EveryToken(cfg.model))
+    np.testing.assert_array_equal(losses, every_losses)
+    np.testing.assert_array_equal(aux, every_aux)
+    for a, b in zip(jax.tree.leaves(jax.device_get(state.params)), jax.tree.leaves(every_state.params)):
+        np.testing.assert_array_equal(a, b)
+
+
 def kinds(tree) -> set:
     return {(x.sharding.memory_kind, next(iter(x.devices())).platform) for x in jax.tree.leaves(tree)}
 

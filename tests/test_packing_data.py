@@ -213,6 +213,27 @@ def test_one_example_per_row_without_packing(tmp_path: Path) -> None:
     assert it.truncated == data.truncated_examples == 1 and it.state == DataState(1, 0, 12)
 
 
+@pytest.mark.parametrize("pack", [True, False])
+def test_the_padding_the_rows_end_with_is_what_the_router_statistics_leave_out(
+    tmp_path: Path, pack: bool
+) -> None:
+    """`objective.real_tokens` of the rows the data makes is False exactly at each row's padding:
+    every example's tokens count (their prompts, an example cut to fill its row), as transformers'
+    attention mask keeps them for a mixture of experts' load-balancing loss."""
+    import jax.numpy as jnp
+
+    from jaxzero.numerics.objective import real_tokens
+
+    lengths = _lengths(24, seed=3, top=SEQ + 6)  # some cut to the row
+    data = build_data(_cfg(_sft_dir(tmp_path, lengths), pack=pack), VOCAB, seed=0)
+    rows = np.concatenate([_rows(b) for b in _take(data.train_iter(), 6)])
+    real = np.asarray(real_tokens(jnp.asarray(rows), EOT))
+    for row, counts in zip(rows, real):
+        used = sum(min(lengths[k], len(row)) for k in _parse(row, lengths))
+        np.testing.assert_array_equal(counts, np.arange(SEQ) < used)
+    assert not real.all() and real.all(axis=1).any() and real[:, 0].all()
+
+
 def test_truncated_examples_are_counted_as_they_pass(tmp_path: Path) -> None:
     lengths = [20, 3, 3, 33, 5, 16, 17, 2]  # 20, 33, 17 longer than 16
     data = build_data(_cfg(_sft_dir(tmp_path, lengths), batch_size=2), VOCAB, seed=0)

@@ -247,6 +247,39 @@ def test_moe_sharded_over_four_devices_matches_one_device():
     _four_devices_train_as_one(moe, placements=(("optimizer", 1), ("params", 3)))
 
 
+def test_moe_padding_sharded_over_four_devices_matches_one_device():
+    """Rows of fine-tuning examples padded after their end-of-text: the padding of each device's rows
+    counts in none of the load-balancing loss's statistics, which sum over the devices, so under
+    ZeRO-2 resident, ZeRO-1 and ZeRO-3 offload four devices train as one does."""
+    from test_offload import example_rows  # rows as the data pads them
+
+    padded = {
+        "model.num_experts": "4",
+        "model.num_experts_per_tok": "2",
+        "model.moe_intermediate_size": "64",
+        "model.router_aux_loss_coef": "0.05",
+        "data.eot_id": "7",
+    }
+    rows = example_rows(tiny("llama", **padded), [10, 33, 20, 5, 40, 28, 17])
+
+    def train(cfg: TrainConfig, devices: int):
+        trainer = build_trainer(cfg, placement.make_mesh(jax.devices()[:devices]))
+        state = trainer.init(jax.random.key(cfg.seed))
+        metrics = []
+        for batch in rows:
+            state, m = trainer.step(state, trainer.put_batch(batch))
+            metrics.append((float(m.loss), float(m.aux_loss)))
+        return state, np.array(metrics)
+
+    ref_state, ref = train(tiny("llama", **padded), 1)
+    for offload, stage in (("none", 2), ("optimizer", 1), ("params", 3)):
+        cfg = tiny("llama", **padded, **OFFLOAD[offload], **{"parallel.zero_stage": str(stage)})
+        state, got = train(cfg, 4)
+        np.testing.assert_allclose(got, ref, atol=LOSS_TOL, rtol=0)
+        for a, b in zip(jax.tree.leaves(jax.device_get(state.params)), jax.tree.leaves(ref_state.params)):
+            assert rel(a, b) < PARAM_TOL, offload
+
+
 def test_phi3_and_olmo2_sharded_over_four_devices_match_one_device():
     """Phi-3's fused (D, (N+2K)H) and (D, 2F) kernels and OLMo 2's (N*H,) and (K*H,) q/k norms shard
     by rows like any leaf: ZeRO-3 offload over four devices trains as one device does."""

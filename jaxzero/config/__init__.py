@@ -199,6 +199,14 @@ class DataConfig:
     pack: bool = True
 
 
+def padding_id(eot_id: int) -> int:
+    """The id that pads rows of fine-tuning examples ending with `eot_id` (`jaxzero.data.packing`),
+    marked not-a-target: any id but `eot_id`, so that the padding is one run after the row's last
+    end-of-text. The data writes it and the training objective knows it by it
+    (`jaxzero.numerics.objective.real_tokens`)."""
+    return 1 if eot_id == 0 else 0
+
+
 @dataclass(frozen=True)
 class OptimizerConfig:
     """AdamW with warmup then decay, weight decay masked off norms/biases/embeddings, global-norm clipping."""

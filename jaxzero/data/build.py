@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxzero.config import DataConfig
+from jaxzero.config import DataConfig, padding_id
 from jaxzero.data.batches import SyntheticData, WindowData
 from jaxzero.data.eot import data_eot_id, prepared_eot_id
 from jaxzero.data.packing import ExampleData
@@ -100,4 +100,4 @@ def _pad_id(cfg: DataConfig, vocab_size: int) -> int:
     if eot < 0:
         prepared = prepared_eot_id(cfg.path)
         eot = -1 if prepared is None else prepared
-    return 1 if eot == 0 else 0
+    return padding_id(eot)

@@ -49,10 +49,13 @@ class Model(Protocol):
 
     A family whose blocks feed an auxiliary loss (a mixture of experts' load-balancing loss) says so
     with `emits_stats = True` and has two more functions: `block_stats(block_params, x, segments,
-    dropout_key[, layer])` -> (`block`'s output, this layer's statistics: a small pytree of float32
-    arrays, added leaf-wise over layers), and `aux_loss(stats)` -> the unweighted float32 loss of the
-    statistics summed over ALL layers of one micro-batch. Training adds `config.router_aux_loss_coef`
-    times it to each micro-batch's cross-entropy (`emits_stats` below); `block` stays the plain form."""
+    dropout_key[, layer], token_mask=None)` -> (`block`'s output, this layer's statistics: a small
+    pytree of float32 arrays, added leaf-wise over layers), and `aux_loss(stats)` -> the unweighted
+    float32 loss of the statistics summed over ALL layers of one micro-batch. `token_mask`, bool
+    (B, S) or None, is False at the rows' padding, which counts in no statistics (transformers'
+    attention mask); a `block_stats` without the argument counts every position. Training adds
+    `config.router_aux_loss_coef` times `aux_loss` to each micro-batch's cross-entropy (`emits_stats`
+    below); `block` stays the plain form."""
 
     config: ModelConfig
 
@@ -146,12 +149,16 @@ def run_block_stats(
     segments: jax.Array | None = None,
     dropout_key: jax.Array | None = None,
     layer: Any = None,
+    *,
+    token_mask: jax.Array | None = None,
 ) -> tuple[jax.Array, Any]:
     """`model.block_stats`: (the block's output (B, S, D), its layer's statistics), with the
-    per-layer input `layer` where the model has one."""
+    per-layer input `layer` where the model has one, over the tokens of `token_mask` (bool (B, S))
+    where given (a model without the argument is never given one: `objective.router_padding`)."""
+    masked = {} if token_mask is None else {"token_mask": token_mask}
     if layer is not None:
-        return model.block_stats(block_params, x, segments, dropout_key, layer)
-    return model.block_stats(block_params, x, segments, dropout_key)
+        return model.block_stats(block_params, x, segments, dropout_key, layer, **masked)
+    return model.block_stats(block_params, x, segments, dropout_key, **masked)
 
 
 def run_block(
@@ -163,13 +170,15 @@ def run_block(
     *,
     dropout_key: jax.Array | None = None,
     stats: bool = False,
+    token_mask: jax.Array | None = None,
 ) -> Any:
     """`model.block(block_params, x)`, within `segments` (int32 (B, S)) where they are given, with
     the adapters' `dropout_key` where given, for the layer whose `layer_input` is `layer` where there
     is one; without them the block is called as the protocol's first form, so models without the
-    arguments (one's own) still run. With `stats`: `run_block_stats`, (y, the layer's statistics)."""
+    arguments (one's own) still run. With `stats`: `run_block_stats`, (y, the layer's statistics),
+    over the tokens of `token_mask` (bool (B, S)) where given."""
     if stats:
-        return run_block_stats(model, block_params, x, segments, dropout_key, layer)
+        return run_block_stats(model, block_params, x, segments, dropout_key, layer, token_mask=token_mask)
     if layer is not None:
         return model.block(block_params, x, segments, dropout_key, layer)
     if dropout_key is not None:

@@ -132,13 +132,16 @@ class _Attention(nn.Module):
 class _Experts(nn.Module):
     """The sparse MLP (`jaxzero.models.moe`): biased router and experts, float32 masters used in x's
     dtype (int8 kernels with their "kernel_scale" dequantised first, as `_Linear` does). No LoRA
-    adapters: LoRA adapts attention. Returns (y, this layer's `moe.RouterStats` over every token of h,
-    from the biased router logits, as transformers records them for the load-balancing loss)."""
+    adapters: LoRA adapts attention. Returns (y, this layer's `moe.RouterStats` over the tokens of h
+    where `token_mask` (bool (B, S)) is True, every token without one, from the biased router logits,
+    as transformers records them for the load-balancing loss)."""
 
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, h: jax.Array) -> tuple[jax.Array, moe.RouterStats]:
+    def __call__(
+        self, h: jax.Array, token_mask: jax.Array | None = None
+    ) -> tuple[jax.Array, moe.RouterStats]:
         c = self.config
         d, f, e = c.hidden_size, c.moe_intermediate_size, c.num_experts
 
@@ -158,7 +161,7 @@ class _Experts(nn.Module):
                 }
         experts = moe.experts_for(c.moe_impl, h.dtype, c.hidden_size, c.moe_intermediate_size)
         y, routing = moe.moe_block(params, h, moe_spec(c), experts_fn=experts)
-        return y, moe.router_stats(routing)
+        return y, moe.router_stats(routing, token_mask)
 
 
 class GptOssBlock(nn.Module):
@@ -183,6 +186,7 @@ class GptOssBlock(nn.Module):
         cache: KVCache | None = None,
         pos: jax.Array | None = None,
         segments: jax.Array | None = None,
+        token_mask: jax.Array | None = None,
     ) -> Any:
         c = self.config
         x = x.astype(layers.compute_dtype(c))
@@ -193,7 +197,8 @@ class GptOssBlock(nn.Module):
         else:
             a, cache = attn(h, layer, cache, pos)
             x = x + a
-        y, stats = _Experts(c, name="mlp")(_RMSNorm(c.norm_eps, name="post_attention_layernorm")(x))
+        h = _RMSNorm(c.norm_eps, name="post_attention_layernorm")(x)
+        y, stats = _Experts(c, name="mlp")(h, token_mask)
         x = x + y
         if cache is not None:
             return x, cache
@@ -269,13 +274,16 @@ class GptOss:
         segments: jax.Array | None = None,
         dropout_key: jax.Array | None = None,
         layer: dict[str, jax.Array] | None = None,
+        *,
+        token_mask: jax.Array | None = None,
     ) -> tuple[jax.Array, moe.RouterStats]:
         """`block`, and its router's statistics over the B*S tokens (`moe.RouterStats`: counts (E,),
-        prob_sum (E,), rows (), float32)."""
+        prob_sum (E,), rows (), float32): those where `token_mask` (bool (B, S)) is True, every token
+        without one."""
         need_layer(layer, "gpt-oss")
         rngs = None if dropout_key is None else {"dropout": dropout_key}
         return GptOssBlock(self.config, self.lora, stats=True).apply(
-            {"params": block_params}, x, layer, segments=segments, rngs=rngs
+            {"params": block_params}, x, layer, segments=segments, token_mask=token_mask, rngs=rngs
         )
 
     def aux_loss(self, stats: moe.RouterStats) -> jax.Array:

@@ -181,12 +181,15 @@ class _MoE(nn.Module):
     """The sparse MLP (`jaxzero.models.moe`): router and experts, float32 masters used in x's dtype
     (int8 kernels with their "kernel_scale" dequantised first, as `_Linear` does). Experts are grouped
     as `model.moe_impl` says (`moe.experts_for`). No LoRA adapters: LoRA adapts attention.
-    Returns (y, this layer's `moe.RouterStats` over every token of h: the load-balancing loss's)."""
+    Returns (y, this layer's `moe.RouterStats` over the tokens of h where `token_mask` (bool (B, S))
+    is True, over every token without one: the load-balancing loss's)."""
 
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, h: jax.Array) -> tuple[jax.Array, moe.RouterStats]:
+    def __call__(
+        self, h: jax.Array, token_mask: jax.Array | None = None
+    ) -> tuple[jax.Array, moe.RouterStats]:
         c = self.config
         spec = moe_spec(c)
         d, f, e = c.hidden_size, c.moe_intermediate_size, c.num_experts
@@ -204,7 +207,7 @@ class _MoE(nn.Module):
                 params[name] = {"kernel": dequantize(p["kernel"], p["kernel_scale"], h.dtype)}
         experts = moe.experts_for(c.moe_impl, h.dtype, d, f)
         y, routing = moe.moe_block(params, h, spec, experts_fn=experts)
-        return y, moe.router_stats(routing)
+        return y, moe.router_stats(routing, token_mask)
 
 
 class LlamaBlock(nn.Module):
@@ -219,7 +222,8 @@ class LlamaBlock(nn.Module):
     dtype, so float32 masters and compute-dtype copies give the same result. `segments` (B, S) int32:
     attention stays within each segment (`layers.causal_attention`); not with a `cache`. `lora`: how
     adapters in the parameters apply (`jaxzero.models.lora`). `stats` (experts only, without a
-    cache): return (x, the layer's `moe.RouterStats`) instead of x.
+    cache): return (x, the layer's `moe.RouterStats` over the tokens of `token_mask`, bool (B, S), where
+    given) instead of x.
     """
 
     config: ModelConfig
@@ -233,6 +237,7 @@ class LlamaBlock(nn.Module):
         cache: KVCache | None = None,
         pos: jax.Array | None = None,
         segments: jax.Array | None = None,
+        token_mask: jax.Array | None = None,
     ) -> Any:
         c = self.config
         x = x.astype(layers.compute_dtype(c))
@@ -253,7 +258,7 @@ class LlamaBlock(nn.Module):
             h = _RMSNorm(c.norm_eps, name="post_attention_layernorm")(x)
         stats = None
         if c.num_experts:
-            y, stats = _MoE(c, name="mlp")(h)
+            y, stats = _MoE(c, name="mlp")(h, token_mask)
         else:
             y = _MLP(c, self.lora, name="mlp")(h)
         if c.post_norm:
@@ -349,13 +354,16 @@ class Llama:
         x: jax.Array,
         segments: jax.Array | None = None,
         dropout_key: jax.Array | None = None,
+        *,
+        token_mask: jax.Array | None = None,
     ) -> tuple[jax.Array, moe.RouterStats]:
         """`block` of an experts' model, and its router's statistics over the B*S tokens
-        (`moe.RouterStats`: counts (E,), prob_sum (E,), rows (), float32; every token counts, as
-        transformers counts them without a padding mask)."""
+        (`moe.RouterStats`: counts (E,), prob_sum (E,), rows (), float32): those where `token_mask`
+        (bool (B, S)) is True, as transformers counts those its attention mask keeps; every token
+        without one."""
         rngs = None if dropout_key is None else {"dropout": dropout_key}
         return LlamaBlock(self.config, self.lora, stats=True).apply(
-            {"params": block_params}, x, segments=segments, rngs=rngs
+            {"params": block_params}, x, segments=segments, token_mask=token_mask, rngs=rngs
         )
 
     def aux_loss(self, stats: moe.RouterStats) -> jax.Array:

@@ -46,8 +46,10 @@ ALL layers concatenated (the Switch Transformer loss, scaled by E):
 
 where, summed over layers and the (unmasked) tokens of one forward pass, C_e counts the top-k
 assignments to expert e, P_e sums softmax(logits)[e] over all E experts in float32, and R counts the
-rows (tokens x layers). Because the counts and probabilities of every layer are divided by the total
-R, the loss is NOT the sum (or mean) of per-layer losses. So each block emits its `RouterStats`
+rows (tokens x layers). The masked tokens are those transformers' attention mask zeroes: the engines
+mask the padding that ends a row of fine-tuning examples (`jaxzero.numerics.objective.real_tokens`).
+Because the counts and probabilities of every layer are divided by the total R, the loss is NOT the
+sum (or mean) of per-layer losses. So each block emits its `RouterStats`
 (C, P, R of its own layer; a few hundred bytes), the caller adds them over layers (`add_stats`, a
 leaf-wise sum that is associative, so it can be accumulated as blocks run, streamed or not) and turns
 the total into the loss once (`load_balancing_loss`): a model says its blocks emit them
@@ -210,8 +212,9 @@ def route_logits(logits: jax.Array, spec: MoeSpec) -> Routing:
 
 
 def router_stats(routing: Routing, mask: jax.Array | None = None) -> RouterStats:
-    """This layer's load-balancing statistics (module docstring) from its routing; `mask` (T,) bool or
-    float marks the tokens that count (transformers' flattened attention mask), None counts all."""
+    """This layer's load-balancing statistics (module docstring) from its routing; `mask`, bool or
+    float of T elements in any shape ((B, S) included), marks the tokens that count (transformers'
+    flattened attention mask), None counts all."""
     T, E = routing.logits.shape
     probs = jax.nn.softmax(routing.logits.astype(jnp.float32), axis=-1)
     m = jnp.ones((T,), jnp.float32) if mask is None else mask.astype(jnp.float32).reshape(T)

@@ -18,6 +18,11 @@ of experts' router), each micro-batch's objective is its weighted cross-entropy 
 `router_aux_loss_coef` times the model's `aux_loss` of its statistics summed over every layer
 (`objective_with_aux`), as transformers adds it per forward call. The loss reported and evaluated
 stays the cross-entropy (`loss_fn`).
+
+Padding: a row of fine-tuning examples ends, after its last example's end-of-text, with a run of
+`~padding_id(eot_id)` (`jaxzero.data.packing`). Those positions are what transformers' attention mask
+zeroes, so they are left out of the router's statistics (`real_tokens`, `router_padding`); every other
+position counts, prompt tokens that are no target included, as with transformers.
 """
 
 from __future__ import annotations
@@ -28,8 +33,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxzero.config import ConfigError, DataConfig
-from jaxzero.models import Model, ModelParams, add_layer_stats, layer_input, run_block_stats
+from jaxzero.config import ConfigError, DataConfig, padding_id
+from jaxzero.models import Model, ModelParams, add_layer_stats, emits_stats, layer_input, run_block_stats
 
 
 def decode_window(window: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -63,6 +68,35 @@ def document_segments(window: jax.Array, eot_id: int) -> jax.Array:
     inputs = jnp.where(window < 0, ~window, window)[..., :-1]
     ends = (inputs == eot_id).astype(jnp.int32)
     return jnp.cumsum(ends, axis=-1, dtype=jnp.int32) - ends
+
+
+def router_padding(data: DataConfig, model: Model) -> int | None:
+    """The end-of-text id after which rows are padded (`real_tokens`), where the padding is left out
+    of the router's statistics, or None: every position counts (a model whose blocks emit no
+    statistics, or whose `block_stats` takes no `token_mask`; `data.eot_id` < 0, no end-of-text id
+    to find the padding after: streams are never padded, and rows of examples run with
+    `data.eot_id=-2` count theirs). A static value for a trainer's step functions, read once when the
+    trainer is built."""
+    if data.eot_id < 0 or not emits_stats(model):
+        return None
+    params = inspect.signature(model.block_stats).parameters
+    takes = "token_mask" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+    return data.eot_id if takes else None
+
+
+def real_tokens(window: jax.Array, eot_id: int) -> jax.Array:
+    """int32 (..., S+1) windows -> bool (..., S): which inputs are tokens, False for a row's padding
+    (transformers' attention mask). The padding is the run of `~padding_id(eot_id)` entries that ends
+    the row right after an end-of-text id (marked or not); a row without one (a window of a stream, an
+    example cut to the row) has none. Made once per step, as the segment ids are."""
+    pad = ~padding_id(eot_id)
+    ids = jnp.where(window < 0, ~window, window)
+    # Entries from which every entry to the end of the row is padding: the row's padded tail.
+    tail = jnp.flip(jnp.cumprod(jnp.flip(window == pad, -1), axis=-1, dtype=jnp.int32), -1)
+    before = window.shape[-1] - 1 - jnp.sum(tail, axis=-1, keepdims=True)  # the entry before the tail
+    after_eot = jnp.take_along_axis(ids, jnp.maximum(before, 0), axis=-1) == eot_id
+    padding = (tail == 1) & after_eot & (before >= 0)
+    return ~padding[..., :-1]
 
 
 def counted_targets(batch: jax.Array) -> jax.Array:
@@ -165,24 +199,26 @@ def objective_with_aux(
     window: jax.Array,
     weight: jax.Array | None = None,
     eot_id: int | None = None,
+    token_mask: jax.Array | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """For a model whose blocks emit statistics (`jaxzero.models.emits_stats`): (the objective, (the
     cross-entropy term, the auxiliary loss)), float32 scalars: `loss_fn`'s weighted cross-entropy of
     int32 window (B, S+1) plus `model.config.router_aux_loss_coef` times `model.aux_loss` of the
-    blocks' statistics summed over the layers (unweighted, the second of the pair). Blocks are
-    rematerialised as in `loss_fn`."""
+    blocks' statistics summed over the layers (unweighted, the second of the pair), over the tokens of
+    `token_mask` (bool (B, S), `real_tokens`: the rows' padding left out) where given, else over
+    every position. Blocks are rematerialised as in `loss_fn`."""
     inputs, _, _ = decode_window(window)
     if weight is None:
         weight = 1.0 / jnp.maximum(counted_targets(window), 1).astype(jnp.float32)
     segments = None if eot_id is None else document_segments(window, eot_id)
     block = jax.checkpoint(
-        lambda p, x, s, layer: run_block_stats(model, p, x, s, None, layer),
+        lambda p, x, s, layer, m: run_block_stats(model, p, x, s, None, layer, token_mask=m),
         policy=jax.checkpoint_policies.nothing_saveable,
     )
     x = model.embed(params.embed, inputs)
     total = None
     for i, p in enumerate(params.blocks):
-        x, stats = block(p, x, segments, layer_input(model, i))
+        x, stats = block(p, x, segments, layer_input(model, i), token_mask)
         total = stats if total is None else add_layer_stats(total, stats)
     ce = head_loss(model, params.head, params.embed, x, window, weight)
     aux = model.aux_loss(total)

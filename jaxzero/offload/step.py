@@ -11,7 +11,8 @@ The strategies are chosen once, when the step is built, never inside it: float16
 (`LossScaling`), which weights the next pass reads (overlapped: the new ones, waiting for each
 unit's update; delayed: those from before this update), and whether each document of a row attends
 only within itself (`objective.document_eot`: then the batch's segment ids are made once per step, one
-small program, and every block reads them).
+small program, and every block reads them), and whether rows' padding is left out of the router's
+statistics (`objective.router_padding`: then the batch's token mask is made once per step the same way).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import numpy as np
 from jaxzero.config import FP16Config
 from jaxzero.models import ModelParams
 from jaxzero.numerics.loss_scale import LossScaleState, update_loss_scale
-from jaxzero.numerics.objective import document_eot, document_segments
+from jaxzero.numerics.objective import document_eot, document_segments, real_tokens, router_padding
 from jaxzero.offload.context import EngineContext, put_everywhere
 from jaxzero.offload.futures import OffloadState, done, weights_of
 from jaxzero.offload.host_optimizer import HostUnit
@@ -57,13 +58,17 @@ class OffloadStep:
         self._segments = (
             _no_segments if eot_id is None else jax.jit(partial(document_segments, eot_id=eot_id))
         )
+        padding = router_padding(ctx.cfg.data, ctx.model)
+        self._mask = _every_token if padding is None else jax.jit(partial(real_tokens, eot_id=padding))
 
     def step(self, state: OffloadState, batch: jax.Array) -> tuple[OffloadState, StepMetrics]:
         """One optimizer step; consumes `state` (its host arrays are updated in place)."""
         scaling = self._scaling
         loss_scale = scaling.scale_of(state)
-        segments = self._segments(batch)
-        loss, grads, norm, aux = self._streamed.grads(state.read, batch, loss_scale, self._clock, segments)
+        segments, mask = self._segments(batch), self._mask(batch)
+        loss, grads, norm, aux = self._streamed.grads(
+            state.read, batch, loss_scale, self._clock, segments, token_mask=mask
+        )
         on_accelerator = self._update_on_device(state, grads, norm, loss_scale)
         submitted = _merged(
             self._pipeline.submit(state.units, state.read, grads, norm, loss_scale), on_accelerator
@@ -162,6 +167,11 @@ def _advance_fp16(
 
 def _no_segments(batch: jax.Array) -> None:
     """Attention across each whole row: no segment ids."""
+    return None
+
+
+def _every_token(batch: jax.Array) -> None:
+    """Every position counts in the router's statistics: no token mask."""
     return None
 
 

@@ -40,7 +40,8 @@ An auxiliary loss (experts' load balancing, `jaxzero.models.emits_stats`) is a f
 layers' statistics summed: each block forward also returns its layer's (per micro-batch, a few
 hundred bytes), the forward pass adds them, `aux_grad` turns the sum into the loss and its cotangent,
 and every block backward takes that cotangent beside dy: exact, with no second forward pass (with a
-coefficient of 0, the cross-entropy's backward alone). Dense models' programs have none of it.
+coefficient of 0, the cross-entropy's backward alone); the rows' padding counts in none where `grads`
+is given a token mask (`objective.real_tokens`). Dense models' programs have none of it.
 
 Exactness: with one micro-batch, a block's gradient leaves in the compute dtype; that is exactly the
 value the resident trainer upcasts (the gradient of `astype` is an upcast), so sending it narrow
@@ -114,14 +115,12 @@ def stream_blocks(
     copies in flight: the one block prefetch of every engine. Blocks `is_streamed` says live in
     `pinned_host` are copied; resident blocks are yielded as they are; a block accessed twice in a
     row (the last block, where the forward pass turns into the backward pass) is reused, not copied
-    again.
-    A block may be a `Future` of its weights (still being updated on the host): it is waited for
-    when its copy is issued, not before.
+    again. A block may be a `Future` of its weights (still being updated on the host): it is waited
+    for when its copy is issued, not before.
 
     Each copy is an asynchronous `device_put` from `pinned_host` to `target` (a tree of shardings in
     `device` memory: each device copies in its own shard), passed to `on_copy` as it is issued; the
-    previous copy is released (and its accelerator memory freed) once
-    the consumer moves on.
+    previous copy is released (and its accelerator memory freed) once the consumer moves on.
     """
     inflight: deque[Any] = deque()
     issued = 0
@@ -200,13 +199,15 @@ class UnitPrograms:
         segments: jax.Array | None = None,
         keys: jax.Array | None = None,
         layer: Any = None,
+        token_mask: jax.Array | None = None,
     ) -> jax.Array:
         """(A, mb, S, D) -> the same, through one block; attention within `segments` (int32
         (A, mb, S)) where given; dropout from `keys` ((A,) keys, one per micro-batch) where given;
         `layer`: the block's per-layer input (`jaxzero.models.layer_input`), an argument of the one
-        program, or None. With `stats`: (y, the layer's statistics per micro-batch, leaves (A, ...))."""
+        program, or None. With `stats`: (y, the layer's statistics per micro-batch, leaves (A, ...)),
+        over the tokens of `token_mask` (bool (A, mb, S)) where given."""
         m, w, stats = self.model, self.weights(w, self.whole.blocks), self.stats
-        out = jax.lax.map(lambda a: _block(m, w, *a, layer, stats), (x, segments, keys))
+        out = jax.lax.map(lambda a: _block(m, w, *a, layer, stats), (x, segments, keys, token_mask))
         return (self.rows(out[0]), out[1]) if stats else self.rows(out)
 
     def head_loss(self, head_w: Any, embed_w: Any, x: jax.Array, batch: jax.Array) -> jax.Array:
@@ -279,22 +280,21 @@ class UnitPrograms:
         keys: jax.Array | None = None,
         layer: Any = None,
         d_stats: Any = None,
+        token_mask: jax.Array | None = None,
     ) -> tuple[jax.Array, Any, jax.Array]:
         """Recompute block(w, x_a) and backpropagate dy_a for each micro-batch -> (dx, dw, |dw|^2),
-        dw with respect to what trains; attention within `segments` (int32 (A, mb, S)) and dropout
-        from `keys` ((A,) keys) where given, as in the forward pass; `d_stats` (leaves (A, ...),
-        `aux_grad`) the cotangent of the block's statistics where given."""
+        dw with respect to what trains; `segments`, `keys` and `token_mask` where given, as in the
+        forward pass (`block_fwd`); `d_stats` (leaves (A, ...), `aux_grad`) the cotangent of the
+        block's statistics where given."""
         m, t = self.model, self.trains
         fixed, w = t.split(w, self.compute, self.whole.blocks)
         stats = d_stats is not None
 
-        def one(xa, dya, segments_a, key_a, d_stats_a):
-            _, vjp = jax.vjp(
-                lambda wb, xb: _block(m, t.join(fixed, wb), xb, segments_a, key_a, layer, stats), w, xa
-            )
+        def one(xa, dya, d_stats_a, *inputs_a):  # inputs_a: the micro-batch's segments, key, mask
+            _, vjp = jax.vjp(lambda wb, xb: _block(m, t.join(fixed, wb), xb, *inputs_a, layer, stats), w, xa)
             return vjp((dya, d_stats_a) if stats else dya)
 
-        per_batch = (x, dy, segments, keys, d_stats)
+        per_batch = (x, dy, d_stats, segments, keys, token_mask)
         if x.shape[0] == 1:  # exact in the compute dtype; see the module docstring
             g, dx = one(*(jax.tree.map(lambda u: u[0], v) for v in per_batch))
             g = t.scatter(g, self.grad_on_device.blocks)
@@ -423,6 +423,7 @@ class StreamedModel:
         keys: jax.Array | None = None,
         weight: jax.Array | None = None,
         aux_weight: float = 1.0,
+        token_mask: jax.Array | None = None,
     ) -> tuple[jax.Array, ModelParams, jax.Array, jax.Array | None]:
         """Loss, gradients, their global norm and the auxiliary loss over int32 (A, mb, S+1);
         gradients land in `pinned_host` (those of units whose state is on the accelerator stay there,
@@ -449,7 +450,8 @@ class StreamedModel:
 
         Where blocks emit statistics (`stats`), each micro-batch's objective adds coef * `aux_weight`
         * its auxiliary loss, and the fourth value is the mean over micro-batches of `aux_weight` *
-        aux (float32 scalar on the accelerator); else None.
+        aux (float32 scalar on the accelerator); else None, over the tokens of `token_mask` (bool
+        (A, mb, S), False at the rows' padding: `objective.real_tokens`) where given.
         """
         clock = clock or StepClock.off()
         unit, tr = self.trains.unit, _trainable_or_none(trainable, self.num_layers)
@@ -470,7 +472,7 @@ class StreamedModel:
         for i in range(num_layers):
             with clock.waiting():
                 w = unit(next(fetched), tr.blocks[i])
-            y = clock.computed(self._block_fwd(w, x, segments, keys[i], self._layers[i]))
+            y = clock.computed(self._block_fwd(w, x, segments, keys[i], self._layers[i], token_mask))
             if self.stats:
                 y, layer_stats = y
                 total = layer_stats if total is None else self._add(total, layer_stats)
@@ -502,7 +504,7 @@ class StreamedModel:
         for i in reversed(range(low, num_layers)):
             w = unit(next(fetched), tr.blocks[i])
             x_i, x_next = x_next, _back(saved, i - 1, rows) if i > low else None  # one block ahead of its use
-            dx, g, sq_i = self._block_bwd(w, x_i, dx, segments, keys[i], self._layers[i], d_stats)
+            dx, g, sq_i = self._block_bwd(w, x_i, dx, segments, keys[i], self._layers[i], d_stats, token_mask)
             del x_i
             clock.computed(sq_i)
             sq.append(sq_i)
@@ -530,15 +532,16 @@ class StreamedModel:
         trainable: ModelParams,
         segments: Callable[[jax.Array], jax.Array | None],
         keys: Callable[[int], jax.Array | None],
+        token_mask: Callable[[jax.Array], jax.Array | None],
     ) -> tuple[jax.Array, ModelParams, jax.Array | None]:
         """Loss and gradient of what trains beside a frozen part (`FrozenPart`) over int32
         (A, mb, S+1), one pass of the schedule per micro-batch: only one micro-batch's activations
         live (a streamed base crosses the link twice per micro-batch). Each micro-batch's summed
         cross-entropy is weighted by the step's counted targets (`objective.step_weight`), so the
         loss (float32 scalar) and the gradients (float32, added on the accelerator) are the step's
-        means. `segments(window)` and `keys(a)`: micro-batch a's segment ids and dropout keys (or
-        None). The third value: the mean auxiliary loss over the micro-batches (each pass's weighted
-        by 1/A, as its objective's share is), or None (`grads`)."""
+        means. `segments(window)`, `keys(a)`, `token_mask(window)`: micro-batch a's segment ids,
+        dropout keys and statistics' token mask (or None). The third value: the mean auxiliary loss
+        over the micro-batches (each pass's weighted by 1/A, as its objective's share is), or None."""
         weight = self._micro_weight(batch)
         aux_weight = 1.0 / batch.shape[0]
         grads, loss, aux = None, None, None
@@ -553,6 +556,7 @@ class StreamedModel:
                 keys=keys(a),
                 weight=weight,
                 aux_weight=aux_weight,
+                token_mask=token_mask(window),
             )
             grads = g if grads is None else self._add(grads, g)
             loss = part if loss is None else loss + part
@@ -569,9 +573,9 @@ class StreamedModel:
             return clock.sent(copy_to(g, target))
 
 
-def _block(model: Model, w: Any, x: jax.Array, segments: Any, key: Any, layer: Any, stats: bool) -> Any:
+def _block(model: Model, w: Any, x: jax.Array, segments: Any, key: Any, mask: Any, layer: Any, stats: bool):
     """`run_block` with the inputs a micro-batch has (a model of one's own may take fewer)."""
-    return run_block(model, w, x, segments, layer, dropout_key=key, stats=stats)
+    return run_block(model, w, x, segments, layer, dropout_key=key, stats=stats, token_mask=mask)
 
 
 def _trainable_or_none(trainable: ModelParams | None, num_layers: int) -> ModelParams:
