@@ -12,6 +12,7 @@ keeps at most the optimizer state per parameter that `cfg.optimizer` describes
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -42,8 +43,13 @@ def model_of(cfg: ModelConfig, model: Model | None) -> Model:
 def check_model(cfg: ModelConfig, model: Model) -> None:
     """Raise ConfigError unless `model` is what `cfg` describes: `model.config == cfg`, and
     `model.init` makes float32 `ModelParams` with `cfg.num_layers` blocks of one structure and, per
-    unit (embedding, one block, head), the parameters `unit_param_counts(cfg)` counts."""
-    if getattr(model, "config", None) != cfg:
+    unit (embedding, one block, head), the parameters `unit_param_counts(cfg)` counts. A model
+    given `moe_impl="auto"` passes where the run's decision grouped its experts as the machine's
+    (the model decides by its backend when traced, as the decision did for the machine)."""
+    given = getattr(model, "config", None)
+    if isinstance(given, ModelConfig) and given.moe_impl == "auto":
+        given = dataclasses.replace(given, moe_impl=cfg.moe_impl)
+    if given != cfg:
         raise ConfigError(
             "the model passed to build_trainer must carry the trainer's cfg.model as its `config` (the "
             "engines read num_layers, vocab_size and tie_embeddings from it, the memory planner its "

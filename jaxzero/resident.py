@@ -114,8 +114,8 @@ def averaged_grads(
         return jax.tree.map(jnp.add, carry, value_and_grad(window, mask))
 
     one, micro = value_and_grad, added
-    if padding is not None:
-        one, micro = _unless_padded(value_and_grad, padding), _unless_padded(added, padding)
+    if padding is not None:  # one program with the mask: a second without would double the compile
+        one, micro = _with_mask(value_and_grad, padding), _with_mask(added, padding)
 
     if batch.shape[0] == 1:
         (loss, aux), grads = one(batch[0])
@@ -128,17 +128,16 @@ def averaged_grads(
     return loss, grads, aux
 
 
-def _unless_padded(f: Any, padding: int) -> Any:
+def _with_mask(f: Any, padding: int) -> Any:
     """`f(*args, window)` as `f(*args, window, mask)` with the window's token mask
-    (`objective.real_tokens` after end-of-text id `padding`) where the window has padding, else as it
-    is: a window without padding runs the program without a mask, the very bits of a run without one
-    (a mask of ones, fused into the whole model's program, rounds its gradients by an ulp)."""
+    (`objective.real_tokens` after end-of-text id `padding`). A window without padding computes
+    what a run counting every token does, to rounding (a mask of ones fused into the whole model's
+    program may round its gradients by an ulp)."""
 
-    def chosen(*args: Any) -> Any:
-        mask = real_tokens(args[-1], padding)
-        return jax.lax.cond(jnp.all(mask), lambda *a: f(*a[:-1]), f, *args, mask)
+    def masked(*args: Any) -> Any:
+        return f(*args, real_tokens(args[-1], padding))
 
-    return chosen
+    return masked
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)

@@ -424,18 +424,28 @@ def test_moe_padding_counts_in_no_router_statistics_offloaded_as_resident():
 
 
 @pytest.mark.parametrize("mode", ["resident", "resident-one-micro-batch", "zero3-offload"])
-def test_moe_rows_without_padding_train_bitwise_as_counting_every_token(mode):
+def test_moe_rows_without_padding_train_as_counting_every_token(mode):
     """Rows of examples that fill them (no padding), with an end-of-text id: the token mask changes
-    nothing, bit for bit, in either engine, with or without gradient accumulation."""
+    nothing, with or without gradient accumulation: bit for bit in the streamed blocks' programs, to
+    rounding in the resident engine's whole-model program (a mask of ones fused into it may round
+    its gradients by an ulp; one program with the mask compiles once, where a second would double it)."""
     one = {"data.grad_accum": "1"} if mode == "resident-one-micro-batch" else {}
     cfg = tiny("llama", "float32", **PADDED, **MODES.get(mode, {}), **one)
     rows = example_rows(cfg, [33, 40])
     state, losses, aux, _ = train_rows(cfg, rows)
     every_state, every_losses, every_aux, _ = train_rows(cfg, rows, model=EveryToken(cfg.model))
-    np.testing.assert_array_equal(losses, every_losses)
-    np.testing.assert_array_equal(aux, every_aux)
-    for a, b in zip(jax.tree.leaves(jax.device_get(state.params)), jax.tree.leaves(every_state.params)):
-        np.testing.assert_array_equal(a, b)
+    params = jax.tree.leaves(jax.device_get(state.params))
+    if mode == "zero3-offload":
+        np.testing.assert_array_equal(losses, every_losses)
+        np.testing.assert_array_equal(aux, every_aux)
+        for a, b in zip(params, jax.tree.leaves(every_state.params)):
+            np.testing.assert_array_equal(a, b)
+        return
+    param_tol, loss_tol = TOLERANCE["float32"]
+    np.testing.assert_allclose(losses, every_losses, atol=loss_tol, rtol=0)
+    np.testing.assert_allclose(aux, every_aux, atol=loss_tol, rtol=0)
+    for a, b in zip(params, jax.tree.leaves(every_state.params)):
+        assert rel(a, b) < param_tol
 
 
 def kinds(tree) -> set:
