@@ -107,7 +107,7 @@ def test_the_resolution_pass_decides_auto_for_the_machine_and_the_plan_counts_th
     grouped = memory.transient_activations(on_h100.model, tokens).block
     blocks = memory.transient_activations(padded.model, tokens).block
     assert blocks - grouped == memory.padded_experts_bytes(tokens, k, model.num_experts, d, f, 2) - (
-        tokens * k * (2 * d + 3 * f) * 2
+        tokens * k * (3 * d + 3 * f) * 2
     )
     # undecided, the plan counts the larger: the padded grouping's
     assert memory.transient_activations(model, tokens).block == blocks

@@ -76,6 +76,7 @@ def mosaic_matmul() -> GroupedMatmul:
     product and the rows' gradient, `transposed_ragged_dot_mgpu` for the kernels'. One function per
     process (`with_vjp`'s lowering is shared by its every call at one shape). Raises ImportError
     where this JAX lacks them."""
+    # Here, not at the top: the Mosaic GPU modules are Hopper's alone and may be absent from a JAX.
     from jax.experimental.pallas.ops.gpu.ragged_dot_mgpu import ragged_dot
     from jax.experimental.pallas.ops.gpu.transposed_ragged_dot_mgpu import transposed_ragged_dot
 

@@ -149,6 +149,14 @@ def inactive_expert_params(cfg: ModelConfig) -> int:
     return (cfg.num_experts - cfg.num_experts_per_tok) * 3 * cfg.hidden_size * cfg.moe_intermediate_size
 
 
+def routed_expert_params(cfg: ModelConfig) -> int:
+    """Kernel parameters of one block's experts that a token multiplies by: its top-k's, k x 3 x D x
+    F'; 0 without experts."""
+    if not cfg.num_experts:
+        return 0
+    return cfg.num_experts_per_tok * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+
+
 def matmul_param_count(cfg: ModelConfig) -> int:
     """Parameters that take part in each token's matmuls: all block kernels (of experts, the top-k's)
     plus the (D, V) output projection.

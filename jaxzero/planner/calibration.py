@@ -31,6 +31,11 @@ H100_OF_H200 = 0.98
 # An H100's rate for attention past `CALIBRATION_SEQ` as a share of the H200's: its long-sequence steps.
 # BENCHMARKS.md, "Calibration: the link and the GPU"
 H100_ATTENTION_OF_H200 = 0.7
+# The rate of a mixture of experts' grouped matmuls (forward and backward of one layer, routing
+# included) as a share of the dense rate, per grouping (`model.moe_impl`): Qwen3-30B-A3B's layer on
+# an H100 (Mixtral's wider experts reach 0.69 and 0.28: this errs long).
+# BENCHMARKS.md, "Calibration: the experts' grouped matmuls"
+EXPERTS_SHARE_OF_DENSE = {"mosaic": 0.41, "padded": 0.25}
 # What XLA's GPU allocator leaves out of a GPU's memory before taking its fraction: the CUDA context.
 # BENCHMARKS.md, "Calibration: the link and the GPU"
 CUDA_CONTEXT_BYTES = 640 * MiB

@@ -3,6 +3,8 @@
 Per step (tokens per device T, parameters N; `Machine`'s rates):
 - gpu = 8 N T / gpu_flops: forward, rematerialised forward and backward; the forward is 1/4 of it,
   spread over units by their matmul work (blocks; the head's hidden x vocab; the embedding none).
+  A mixture of experts counts each token's top-k experts only, divided by their grouped matmuls'
+  share of the dense rate (`EXPERTS_SHARE_OF_DENSE`, per `model.moe_impl`; padded where undecided).
   Sequences longer than the rates' calibration (`CALIBRATION_SEQ`) add their attention
   (`ATTENTION_COST`, times the device kind's `Machine.attention_scale`).
 - link = streamed compute-dtype weights crossing twice (forward, backward) plus the new weights of
@@ -45,12 +47,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from jaxzero.config import TrainConfig
-from jaxzero.models.sizes import param_count, unit_param_counts
+from jaxzero.models.sizes import (
+    inactive_expert_params,
+    param_count,
+    routed_expert_params,
+    unit_param_counts,
+)
 from jaxzero.plan import OffloadPlan, Tier, UnitKind, UpdateMode
 from jaxzero.planner import memory, partial
 from jaxzero.planner.calibration import (
     ATTENTION_COST,
     CALIBRATION_SEQ,
+    EXPERTS_SHARE_OF_DENSE,
     OPTAX_SLOWDOWN,
     STATE_PASS_SHARE,
     WEIGHTS_PASS_SHARE,
@@ -94,10 +102,13 @@ def predict(cfg: TrainConfig, plan: OffloadPlan, machine: Machine) -> Prediction
         * max(d.seq_len - CALIBRATION_SEQ, 0)
         * machine.attention_scale
     )
-    gpu_s = 8 * (param_count(m) + m.num_layers * attention) * tokens / machine.gpu_flops
+    # A token multiplies by its top-k experts only, at their grouped matmuls' share of the rate.
+    share = EXPERTS_SHARE_OF_DENSE.get(m.moe_impl, EXPERTS_SHARE_OF_DENSE["padded"])
+    block = n_block - inactive_expert_params(m) + routed_expert_params(m) * (1 / share - 1)
+    gpu_s = 8 * (param_count(m) + m.num_layers * (block - n_block + attention)) * tokens / machine.gpu_flops
     work = {
         UnitKind.EMBED: 0,
-        UnitKind.BLOCK: n_block + attention,
+        UnitKind.BLOCK: block + attention,
         UnitKind.HEAD: m.hidden_size * m.vocab_size,
     }
     total_work = sum(work[u.kind] for u in plan.units)
@@ -167,7 +178,8 @@ def predict(cfg: TrainConfig, plan: OffloadPlan, machine: Machine) -> Prediction
 def _predict_partial(cfg: TrainConfig, machine: Machine) -> Prediction:
     """The step of a run with a frozen part: the accelerator's work (`partial.step_flops`) at the
     machine's rate, against a streamed base's crossings of the link (`partial.link_bytes`)."""
-    gpu_s = partial.step_flops(cfg) / machine.gpu_flops
+    share = EXPERTS_SHARE_OF_DENSE.get(cfg.model.moe_impl, EXPERTS_SHARE_OF_DENSE["padded"])
+    gpu_s = partial.step_flops(cfg, expert_share=share) / machine.gpu_flops
     link_s = partial.link_bytes(cfg) / machine.h2d if cfg.offload.params == "cpu" else 0.0
     return Prediction(
         step_s=max(gpu_s, link_s),

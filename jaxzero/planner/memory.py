@@ -191,9 +191,10 @@ def padded_experts_bytes(
 def grouped_experts_bytes(tokens: int, top_k: int, hidden: int, intermediate: int, compute_bytes: int) -> int:
     """Bytes one MoE layer's rematerialised backward holds at its peak for `tokens` tokens through
     the grouped matmul (`grouped_matmul.mosaic_matmul`, reading each expert's kernels in place): the
-    N = tokens x top_k sorted rows (N, D) in, (N, 2F) [gate | up], (N, F) activated, (N, D) out, in the
-    compute dtype; `padded_experts_bytes`' rows with no padding and no gathered kernels."""
-    return tokens * top_k * (2 * hidden + 3 * intermediate) * compute_bytes
+    N = tokens x top_k sorted rows (N, D) in and their gradient, (N, 2F) [gate | up], (N, F)
+    activated, (N, D) out, in the compute dtype; no padding and no gathered kernels. -5% and -7% of
+    the H100 compiles of Qwen3-30B-A3B's and Mixtral's layers (BENCHMARKS.md, "Issue 45 on one H100")."""
+    return tokens * top_k * (3 * hidden + 3 * intermediate) * compute_bytes
 
 
 def transient_activations(

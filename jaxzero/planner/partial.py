@@ -30,6 +30,7 @@ from jaxzero.models.sizes import (
     inactive_expert_params,
     param_count,
     projection_shapes,
+    routed_expert_params,
     ties_output,
     unit_param_counts,
 )
@@ -104,14 +105,19 @@ def partial_memory(cfg: TrainConfig, streamed: bool) -> MemoryPlan:
     return MemoryPlan(host=host, pinned=pinned, accelerator_state=on_device, activations=b.activations)
 
 
-def step_flops(cfg: TrainConfig) -> float:
-    """The accelerator's FLOPs per step (the module docstring's count; matmuls only)."""
+def step_flops(cfg: TrainConfig, expert_share: float = 1.0) -> float:
+    """The accelerator's FLOPs per step (the module docstring's count; matmuls only). With
+    `expert_share` below 1, the dense-rate equivalent: the routed experts' FLOPs divided by it (their
+    grouped matmuls' share of the dense rate)."""
     m, d, ft = cfg.model, cfg.data, cfg.finetune
     tokens = d.batch_size * d.seq_len
+    # a token multiplies by its top-k experts only, at their grouped matmuls' rate
+    routed = routed_expert_params(m)
+    extra = routed * (1 / expert_share - 1)
     if ft.method == "lora":
-        return 6 * (param_count(m) - m.num_layers * inactive_expert_params(m)) * tokens
+        return 6 * (param_count(m) - m.num_layers * (inactive_expert_params(m) - extra)) * tokens
     _, n_block, _ = unit_param_counts(m)
-    n_block -= inactive_expert_params(m)  # a token multiplies by its top-k experts only
+    n_block += extra - inactive_expert_params(m)
     kept, lowest = ft.base_positions(m.num_layers), ft.lowest_trainable_block(m.num_layers)
     flops = 0.0
     for i in range(m.num_layers):  # blocks: forward 2, recomputation and input gradients 4, weights 2
