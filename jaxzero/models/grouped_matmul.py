@@ -78,7 +78,7 @@ def mosaic_matmul() -> GroupedMatmul:
     where this JAX lacks them."""
     # Here, not at the top: the Mosaic GPU modules are Hopper's alone and may be absent from a JAX.
     from jax.experimental.pallas.ops.gpu.ragged_dot_mgpu import ragged_dot
-    from jax.experimental.pallas.ops.gpu.transposed_ragged_dot_mgpu import transposed_ragged_dot
+    from jax.experimental.pallas.ops.gpu.transposed_ragged_dot_mgpu import transposed_ragged_dot  # likewise
 
     def forward(rows: jax.Array, kernels: jax.Array, group_sizes: jax.Array) -> jax.Array:
         return ragged_dot(rows, kernels, group_sizes=group_sizes, **MOSAIC_TILES)
