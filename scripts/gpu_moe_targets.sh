@@ -14,7 +14,8 @@
 # losses after EVERY compare with the first run's. BATCH x SEQ tokens per step (default 8 x 2048) in
 # ACCUM micro-batches (default 1; the plans for one H200 and one H100 box: docs/how-big.md, "Fine-tune
 # a MoE on one GPU"). EXTRA: more key=value overrides, comma-separated,
-# after the script's own (the last of a repeated key wins). RUNS: where the run directories go
+# after the script's own (the last of a repeated key wins); on a box that runs jaxzero from its source
+# tree without tensorboardX, EXTRA=logging.tensorboard=false (the run refuses at once otherwise). RUNS: where the run directories go
 # (default /tmp/jaxzero-bench; each removed when its model is done). PYTHON: the interpreter (python3).
 set -euo pipefail
 : "${OUT:?set OUT to the folder for the logs}"

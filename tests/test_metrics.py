@@ -4,6 +4,7 @@ import io
 import json
 import math
 import shutil
+import sys
 
 import jax
 import numpy as np
@@ -178,3 +179,16 @@ def test_a_moe_run_logs_its_load_balancing_loss_and_resumes_bitwise(tmp_path):
     a, b = (read_saved_state(p / "checkpoints" / "4")["params"] for p in (path, resumed_path))
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_a_missing_tensorboardx_is_refused_before_anything_is_built(tmp_path, monkeypatch, capsys):
+    """Without tensorboardX the program stops at once, naming the fix, and writes nothing (it found
+    out only when its loop opened the event files, minutes into building a large model)."""
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)  # `import tensorboardX` raises ImportError
+    run_dir = tmp_path / "run"
+    assert train_lib.main(["--steps=1", "--model.num_layers=1", f"--run_dir={run_dir}"]) == 2
+    err = capsys.readouterr().err
+    assert "tensorboardX" in err and "--logging.tensorboard=false" in err, err
+    assert not run_dir.exists()
+    monkeypatch.delitem(sys.modules, "tensorboardX")
+    metrics.require_tensorboard()  # installed: nothing to say

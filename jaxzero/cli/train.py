@@ -65,6 +65,7 @@ from jaxzero.primitives.coordination import agree
 from jaxzero.run import distributed
 from jaxzero.run.console import HangupSafe, to_stderr
 from jaxzero.run.loop import train
+from jaxzero.run.metrics import require_tensorboard
 from jaxzero.run.outcome import (
     EXIT_CONFIG,
     EXIT_INTERRUPTED,
@@ -190,6 +191,8 @@ def configure(argv: list[str]) -> Layered:
     layered = layer(base, args)
     cfg = layered.config
     validate(cfg)
+    if cfg.logging.tensorboard:
+        require_tensorboard()
     cfg = dataclasses.replace(cfg, run_dir=str(run_dir_lib.locate(cfg.run_dir, cfg.model.name)))
     return dataclasses.replace(layered, config=cfg)
 

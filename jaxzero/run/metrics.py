@@ -32,7 +32,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxzero.config import TrainConfig
+from jaxzero.config import ConfigError, TrainConfig
 from jaxzero.planner.partial import model_flops_per_token
 from jaxzero.run.outcome import TrainingError
 from jaxzero.state import BREAKDOWN, BREAKDOWN_COUNTS, BREAKDOWN_DISK, BREAKDOWN_TIMES, StepMetrics, Trainer
@@ -228,6 +228,20 @@ class TensorBoardLog:
     def close(self) -> None:
         """Write and flush every queued event and close the event file; closing again does nothing."""
         self._writer.close()
+
+
+def require_tensorboard() -> None:
+    """ConfigError, before anything is built, where `logging.tensorboard` is on and tensorboardX (a
+    dependency of jaxzero, absent where it runs from a source tree) cannot be imported: a run found
+    out only when its loop opened the event files, after building a large model."""
+    try:
+        _summary_writer_class()
+    except ImportError as e:
+        raise ConfigError(
+            f"logging.tensorboard=true writes TensorBoard event files through tensorboardX, which this "
+            f"Python cannot import ({type(e).__name__}: {e}): install it (pip install 'tensorboardX>=2.6', "
+            "a dependency of jaxzero) or pass --logging.tensorboard=false."
+        ) from e
 
 
 def _summary_writer_class() -> type:
