@@ -84,12 +84,13 @@ def test_auto_runs_the_padded_grouping_off_hopper_and_mosaic_is_refused_there():
 
 def test_auto_means_mosaic_on_hopper_kinds_for_shapes_and_dtypes_the_kernels_take():
     auto = grouped_matmul.auto_impl
-    assert auto(H100.kind, "bfloat16", 2048, 768) == "mosaic"  # Qwen3-30B-A3B's layer
-    assert auto(H200.kind, "bfloat16", 4096, 14336) == "mosaic"  # Mixtral 8x7B's
-    assert auto(H200.kind, "bfloat16", 2880, 2880) == "padded"  # gpt-oss's: not multiples of 128
-    assert auto(H200.kind, "float32", 2048, 768) == "padded"
-    assert auto(OTHER_GPU.kind, "bfloat16", 2048, 768) == "padded"
-    assert auto(CPU.kind, "bfloat16", 2048, 768) == "padded"
+    assert auto(H100.kind, 1, "bfloat16", 2048, 768) == "mosaic"  # Qwen3-30B-A3B's layer
+    assert auto(H200.kind, 1, "bfloat16", 4096, 14336) == "mosaic"  # Mixtral 8x7B's
+    assert auto(H200.kind, 1, "bfloat16", 2880, 2880) == "padded"  # gpt-oss's: not multiples of 128
+    assert auto(H200.kind, 1, "float32", 2048, 768) == "padded"
+    assert auto(H200.kind, 2, "bfloat16", 2048, 768) == "padded"  # over a mesh: not partitioned
+    assert auto(OTHER_GPU.kind, 1, "bfloat16", 2048, 768) == "padded"
+    assert auto(CPU.kind, 1, "bfloat16", 2048, 768) == "padded"
 
 
 def test_the_resolution_pass_decides_auto_for_the_machine_and_the_plan_counts_that_grouping():
@@ -98,6 +99,7 @@ def test_the_resolution_pass_decides_auto_for_the_machine_and_the_plan_counts_th
     on_h100 = preflight.resolve_moe_impl(cfg, H100.kind)
     assert on_h100.model.moe_impl == "mosaic"
     assert preflight.resolve_moe_impl(cfg, CPU.kind).model.moe_impl == "padded"
+    assert preflight.resolve_moe_impl(cfg, H100.kind, devices=2).model.moe_impl == "padded"
     padded = dataclasses.replace(cfg, model=dataclasses.replace(model, moe_impl="padded"))
     assert preflight.resolve_moe_impl(padded, H100.kind) is padded  # the user's choice stands
     dense = TrainConfig()

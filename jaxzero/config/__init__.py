@@ -100,7 +100,7 @@ class ModelConfig:
     swiglu_limit: float = 7.0  # gpt_oss experts: gate clipped above, up clipped both sides at it
     router_aux_loss_coef: float = 0.0  # weight of the router's load-balancing loss added to the objective
     # how experts' rows are grouped: "padded" blocks (every backend), "mosaic" (the Mosaic GPU grouped
-    # matmul, Hopper), "auto" (mosaic where it runs, decided for the machine the run plans for)
+    # matmul, one Hopper GPU), "auto" (mosaic where it runs, decided for the machine the run plans for)
     moe_impl: Literal["auto", "padded", "mosaic"] = "auto"
     # Sliding-window attention's window (Mistral v0.1, some Qwen2, Phi-3-mini): 0 is none. Attention
     # is computed in full, which equals the windowed attention only while data.seq_len <= the window.

@@ -37,6 +37,9 @@ MOSAIC_ALIGN = 128
 IMPLS = ("auto", "padded", "mosaic")
 # Device kinds of the planner's machine that are Hopper GPUs (`planner.machine.Machine.kind`).
 HOPPER_KINDS = ("H100", "H200")
+# A Pallas kernel is not partitioned by XLA's SPMD partitioner: over a mesh its operands would be
+# gathered to every device. Runs over several devices group their experts by the padded blocks.
+SHARDED = "over a mesh XLA would gather its operands to every device; use model.moe_impl=padded"
 
 
 def with_vjp(
@@ -111,6 +114,8 @@ def mosaic_unsupported(dtype: jnp.dtype, hidden: int, intermediate: int) -> str 
         return f"they run on CUDA GPUs, and the default JAX backend is {jax.default_backend()!r}"
     if cc is None or cc[0] != 9:
         return f"they are written for Hopper GPUs (compute capability 9.x), and this GPU's is {cc}"
+    if jax.device_count() > 1:
+        return f"they are a kernel of one device, and the run spans {jax.device_count()} ({SHARDED})"
     reason = _shape_reason(dtype, hidden, intermediate)
     if reason is None:
         try:
@@ -120,13 +125,12 @@ def mosaic_unsupported(dtype: jnp.dtype, hidden: int, intermediate: int) -> str 
     return reason
 
 
-def auto_impl(device_kind: str, dtype: jnp.dtype, hidden: int, intermediate: int) -> str:
-    """The grouping "auto" means on a machine whose device kind is `device_kind` (the planner's
-    `Machine.kind`): "mosaic" on a Hopper kind where the layer's shape and dtype suit the kernels,
-    else "padded"."""
-    if device_kind in HOPPER_KINDS and _shape_reason(dtype, hidden, intermediate) is None:
-        return "mosaic"
-    return "padded"
+def auto_impl(device_kind: str, devices: int, dtype: jnp.dtype, hidden: int, intermediate: int) -> str:
+    """The grouping "auto" means on a machine of `devices` devices of kind `device_kind` (the
+    planner's `Machine.kind`): "mosaic" on one Hopper GPU where the layer's shape and dtype suit the
+    kernels, else "padded"."""
+    hopper = device_kind in HOPPER_KINDS and devices == 1
+    return "mosaic" if hopper and _shape_reason(dtype, hidden, intermediate) is None else "padded"
 
 
 def experts_impl(requested: str, dtype: jnp.dtype, hidden: int, intermediate: int) -> str:

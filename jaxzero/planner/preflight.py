@@ -118,7 +118,9 @@ def decide(
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, eot_id=resolve_eot_id(cfg)))
     seen = _accelerators(cfg) if seen is None else seen
     machine = _agreed(cfg, seen, processes, pool_fixed)
-    cfg = resolve_batch(resolve_moe_impl(cfg, machine.kind), machine.devices)
+    # every device of every process: the Mosaic grouping runs on one GPU alone
+    cfg = resolve_moe_impl(cfg, machine.kind, machine.devices * machine.processes)
+    cfg = resolve_batch(cfg, machine.devices)
     check_batch_split(cfg, machine.devices)
     whole = placement.whole_params_of(cfg.model, machine.devices)
     if search.concrete(cfg):
@@ -126,14 +128,17 @@ def decide(
     return search.choose(cfg, machine, whole)
 
 
-def resolve_moe_impl(cfg: TrainConfig, device_kind: str) -> TrainConfig:
-    """`cfg` with a mixture of experts' `model.moe_impl=auto` decided for a machine of `device_kind`
-    (`Machine.kind`): the Mosaic GPU grouped matmul on Hopper where the layer suits it, else the
-    padded grouping (`grouped_matmul.auto_impl`); the memory plan counts what that grouping holds."""
+def resolve_moe_impl(cfg: TrainConfig, device_kind: str, devices: int = 1) -> TrainConfig:
+    """`cfg` with a mixture of experts' `model.moe_impl=auto` decided for a machine of `devices`
+    devices of `device_kind` (`Machine.kind`, `Machine.devices`): the Mosaic GPU grouped matmul on one
+    Hopper GPU where the layer suits it, else the padded grouping (`grouped_matmul.auto_impl`); the
+    memory plan counts what that grouping holds."""
     m = cfg.model
     if m.moe_impl != "auto" or not (m.num_experts or m.family == "gpt_oss"):
         return cfg
-    impl = grouped_matmul.auto_impl(device_kind, m.compute_dtype, m.hidden_size, m.moe_intermediate_size)
+    impl = grouped_matmul.auto_impl(
+        device_kind, devices, m.compute_dtype, m.hidden_size, m.moe_intermediate_size
+    )
     return dataclasses.replace(cfg, model=dataclasses.replace(m, moe_impl=impl))
 
 
