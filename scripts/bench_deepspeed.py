@@ -27,7 +27,8 @@ gradient clipping at 1.0, one micro-batch per step. Each step is timed between t
 `torch.cuda.synchronize()` calls; the table gives the median and mean of the steps after `--warmup`.
 
 FLOP accounting: "TFLOP/s (8N)" counts 8 x params x tokens per step (forward, recomputed forward,
-backward), as `bench_offload.py` does; N is counted from the built model (`ds_numel` under ZeRO-3).
+backward), as `bench_offload.py` does; N is counted from the built model (`ds_numel` under ZeRO-3),
+less, with experts, those outside each token's top-k.
 GPU GiB is `torch.cuda.max_memory_allocated` over the whole process (rsv: `max_memory_reserved`); RSS
 GiB is the process's peak resident set (VmHWM in /proc/self/status), pinned host buffers included.
 
@@ -119,6 +120,11 @@ def block_param_count(args: argparse.Namespace) -> int:
     attention = 2 * d * hd * (args.heads + args.kv_heads) + (2 * hd if args.experts else 0)
     mlp = d * args.experts + args.experts * 3 * d * args.mlp if args.experts else 3 * d * args.mlp
     return attention + mlp + 2 * d
+
+
+def inactive_experts(args: argparse.Namespace) -> int:
+    """Expert kernel parameters of the shape a token does not multiply by (0 without experts)."""
+    return args.layers * max(args.experts - args.top_k, 0) * 3 * args.hidden * args.mlp if args.experts else 0
 
 
 def shape_param_count(args: argparse.Namespace) -> int:
@@ -410,7 +416,7 @@ def run_case(case: str, args: argparse.Namespace) -> dict:
         "mean_step_s": float(np.mean(timed)),
         "step_times": ts,
         "tokens_per_s": tokens_per_step / step_s,
-        "tflops_8N": 8 * n * tokens_per_step / step_s / 1e12,
+        "tflops_8N": 8 * (n - inactive_experts(args)) * tokens_per_step / step_s / 1e12,
         "gpu_after_build_gib": after_build,
         "gpu_peak_gib": max(peak_warm, peak_timed) / 2**30,
         "gpu_reserved_gib": max(reserved_warm, reserved_timed) / 2**30,

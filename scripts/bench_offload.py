@@ -18,7 +18,8 @@ Cases
            left to the planner (the default, -1)
 
 FLOP accounting: "TFLOP/s (8N)" counts 8 x params x tokens (forward, recomputed forward, backward), the
-figure BENCHMARKS.md's DeepSpeed comparisons use; "model TFLOP/s" is jaxzero's
+figure BENCHMARKS.md's DeepSpeed comparisons use (a mixture of experts' N leaves out the experts outside
+each token's top-k); "model TFLOP/s" is jaxzero's
 metrics accounting (6 x matmul params + attention, no recompute). The link bound for streaming is
 2 x (streamed bf16 bytes) / measured host-to-device bandwidth.
 """
@@ -93,7 +94,7 @@ def run_grad_case(case: str, args) -> dict:
 
     from jaxzero.config import TrainConfig
     from jaxzero.models import ModelParams, build_model
-    from jaxzero.models.sizes import flops_per_token, param_count, unit_param_counts
+    from jaxzero.models.sizes import flops_per_token, inactive_expert_params, param_count, unit_param_counts
     from jaxzero.offload.streaming import StreamedModel
     from jaxzero.overrides import apply_overrides
     from jaxzero.plan import placement, resolve_plan
@@ -103,7 +104,7 @@ def run_grad_case(case: str, args) -> dict:
     over = {"model.name": args.model, "data.seq_len": str(args.seq), "data.grad_accum": "1"}
     cfg = apply_overrides(TrainConfig(), {**over, "offload.optimizer": "cpu", "offload.params": params_mode})
     model = build_model(cfg.model)
-    n = param_count(cfg.model)
+    n = param_count(cfg.model) - cfg.model.num_layers * inactive_expert_params(cfg.model)
     mesh = placement.make_mesh(jax.devices()[:1])
     plan = resolve_plan(cfg)
     where = placement.offload_placement(mesh, plan)
@@ -155,7 +156,7 @@ def run_step_case(case: str, args) -> dict:
 
     from jaxzero.config import TrainConfig
     from jaxzero.data import DataShard, build_data
-    from jaxzero.models.sizes import flops_per_token, param_count
+    from jaxzero.models.sizes import flops_per_token, inactive_expert_params, param_count
     from jaxzero.overrides import apply_overrides
     from jaxzero.planner import preflight
     from jaxzero.run import distributed
@@ -243,7 +244,7 @@ def run_step_case(case: str, args) -> dict:
     if trainer.timings is not None:
         jax.block_until_ready(state)  # the last host update too (a host sync)
         breakdown = trainer.timings(time.perf_counter() - t_timed, args.steps)
-    n = param_count(cfg.model)
+    n = param_count(cfg.model) - cfg.model.num_layers * inactive_expert_params(cfg.model)
     tokens = args.batch * args.seq
     peak = max((d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in jax.local_devices())
     out = {
