@@ -102,6 +102,12 @@ def test_the_resolution_pass_decides_auto_for_the_machine_and_the_plan_counts_th
     assert preflight.resolve_moe_impl(cfg, H100.kind, devices=2).model.moe_impl == "padded"
     padded = dataclasses.replace(cfg, model=dataclasses.replace(model, moe_impl="padded"))
     assert preflight.resolve_moe_impl(padded, H100.kind) is padded  # the user's choice stands
+    mosaic = dataclasses.replace(cfg, model=dataclasses.replace(model, moe_impl="mosaic"))
+    assert preflight.resolve_moe_impl(mosaic, H200.kind) is mosaic
+    with pytest.raises(ConfigError, match="moe_impl=mosaic cannot be used: they are written for Hopper.*CPU"):
+        preflight.resolve_moe_impl(mosaic, CPU.kind)  # before anything is built
+    with pytest.raises(ConfigError, match="the run spans 2"):
+        preflight.resolve_moe_impl(mosaic, H100.kind, devices=2)
     dense = TrainConfig()
     assert preflight.resolve_moe_impl(dense, H100.kind) is dense
 

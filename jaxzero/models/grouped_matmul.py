@@ -126,12 +126,25 @@ def mosaic_unsupported(dtype: jnp.dtype, hidden: int, intermediate: int) -> str 
     return reason
 
 
+def planned_reason(
+    device_kind: str, devices: int, dtype: jnp.dtype, hidden: int, intermediate: int
+) -> str | None:
+    """Why the Mosaic kernels cannot run this layer on a machine of `devices` devices of kind
+    `device_kind` (the planner's `Machine.kind`), or None: they run on one Hopper GPU, for shapes
+    and dtypes that suit them."""
+    if device_kind not in HOPPER_KINDS:
+        hopper = ", ".join(HOPPER_KINDS)
+        return f"they are written for Hopper GPUs ({hopper}), and the machine's is {device_kind}"
+    if devices > 1:
+        return f"they are a kernel of one device, and the run spans {devices} ({SHARDED})"
+    return _shape_reason(dtype, hidden, intermediate)
+
+
 def auto_impl(device_kind: str, devices: int, dtype: jnp.dtype, hidden: int, intermediate: int) -> str:
-    """The grouping "auto" means on a machine of `devices` devices of kind `device_kind` (the
-    planner's `Machine.kind`): "mosaic" on one Hopper GPU where the layer's shape and dtype suit the
-    kernels, else "padded"."""
-    hopper = device_kind in HOPPER_KINDS and devices == 1
-    return "mosaic" if hopper and _shape_reason(dtype, hidden, intermediate) is None else "padded"
+    """The grouping "auto" means on a machine of `devices` devices of kind `device_kind`: "mosaic"
+    where `planned_reason` finds none against it, else "padded"."""
+    reason = planned_reason(device_kind, devices, dtype, hidden, intermediate)
+    return "mosaic" if reason is None else "padded"
 
 
 def experts_impl(requested: str, dtype: jnp.dtype, hidden: int, intermediate: int) -> str:
