@@ -13,7 +13,8 @@
 # STEPS; the second drops the checkpoints after EVERY, resumes there and saves at STEPS again, so its
 # losses after EVERY compare with the first run's. BATCH x SEQ tokens per step (default 8 x 2048) in
 # ACCUM micro-batches (default 1; the plans for one H200 and one H100 box: docs/how-big.md, "Fine-tune
-# a MoE on one GPU"). EXTRA: more key=value overrides, comma-separated,
+# a MoE on one GPU"). BASE: the base's storage dtype (default int8; `BASE=bfloat16 ... gemma-3-27b` for
+# a dense model's LoRA over a bf16 base). EXTRA: more key=value overrides, comma-separated,
 # after the script's own (the last of a repeated key wins); on a box that runs jaxzero from its source
 # tree without tensorboardX, EXTRA=logging.tensorboard=false (the run refuses at once otherwise). RUNS: where the run directories go
 # (default /tmp/jaxzero-bench; each removed when its model is done). PYTHON: the interpreter (python3).
@@ -28,7 +29,7 @@ if [ "$every" -ge "$steps" ]; then
   exit 2
 fi
 for m in "${models[@]}"; do
-  o="model.name=$m,finetune.method=lora,finetune.base_dtype=int8,finetune.lora_targets=q,k,v,o"
+  o="model.name=$m,finetune.method=lora,finetune.base_dtype=${BASE:-int8},finetune.lora_targets=q,k,v,o"
   o="$o,data.source=synthetic,data.seq_len=$seq,data.batch_size=$batch,data.grad_accum=${ACCUM:-1}"
   o="$o,optimizer.lr=1e-4,steps=$steps,checkpoint.enabled=true,checkpoint.every=$every"
   [ -z "${EXTRA:-}" ] || o="$o,$EXTRA"
