@@ -22,7 +22,10 @@ changed it refuses unless `--overwrite`, and it never replaces token files that 
 Fine-tuning data (`--sft`): JSONL records `{"prompt": ..., "completion": ...}` (encoded separately,
 then the end-of-text id) or `{"messages": [{"role": ..., "content": ...}, ...]}` (rendered with the
 checkpoint's `chat_template` from tokenizer_config.json, as transformers' apply_chat_template renders
-it, with `strftime_now` at a fixed date). Each example ends with the end-of-text id, and they are
+it, with `strftime_now` at a fixed date, and each `--template_arg KEY=VALUE` passed to the template as
+`apply_chat_template(..., KEY=VALUE)` passes it: VALUE read as JSON where it parses, else a string,
+e.g. `--template_arg enable_thinking=false` for Qwen3, `--template_arg reasoning_effort=high` for
+gpt-oss). Each example ends with the end-of-text id, and they are
 written one after another; `train.mask.bin` (and `val.mask.bin`) hold one byte per token, 1 where the
 token is a target the loss counts: completions and their end-of-text, assistant turns (from after
 the generation prompt's header through the turn's end-of-turn marker); prompts, system and user turns
@@ -46,14 +49,14 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
 import numpy as np
 
-from jaxzero.data.chat_template import ChatTemplate
+from jaxzero.data.chat_template import ChatTemplate, check_template_args, parse_template_args
 from jaxzero.data.documents import expand_inputs
 from jaxzero.data.encoding import encoded_spans
 from jaxzero.data.tokenizer import META_NAME, ByteTokenizer, HFTokenizer, default_eot_id, tokenizer_file
@@ -87,14 +90,23 @@ class Recipe:
     # The chat template that split SFT conversations (tokenizer_config.json's, with its special tokens
     # and the date strftime_now prints): a changed template changes the counted tokens. "": none used.
     chat_template_sha256: str = ""
+    # The keyword arguments every rendering of the chat template was given (--template_arg): other
+    # arguments render other text. {}: none.
+    chat_template_args: dict[str, Any] = field(default_factory=dict)
 
     def recorded(self) -> dict[str, Any]:
-        """What prepare.json holds: the fields, without an unused chat template's empty hash (so
-        preparations of plain text from before the field still read as up to date)."""
+        """What prepare.json holds: the fields, without an unused chat template's empty hash or empty
+        arguments (so preparations from before those fields still read as up to date)."""
         d = json.loads(json.dumps(asdict(self)))
-        if not d["chat_template_sha256"]:
-            del d["chat_template_sha256"]
+        for key in ("chat_template_sha256", "chat_template_args"):
+            if not d[key]:
+                del d[key]
         return d
+
+
+def _shown(args: Mapping[str, Any]) -> str:
+    """Template arguments as the command line gives them: `enable_thinking=false`."""
+    return " ".join(f"{k}={json.dumps(v)}" for k, v in args.items())
 
 
 def _sha256(path: Path) -> str:
@@ -216,6 +228,7 @@ def prepare(
     eot_id: int | None = None,
     val_docs: int = 0,
     sft: bool = False,
+    template_args: Mapping[str, Any] | None = None,
     workers: int = 0,
     overwrite: bool = False,
     progress: bool = True,
@@ -223,14 +236,28 @@ def prepare(
     """Tokenize `inputs` (globs) into `out`/train.bin (and val.bin); returns what prepare.json holds.
 
     Everything is checked before a token is written: the globs match files, the tokenizer and its
-    end-of-text id exist, `out` holds nothing this would wrongly replace. `workers` processes encode
-    (0: one per core). See the module docstring for formats and files.
+    end-of-text id exist, `out` holds nothing this would wrongly replace. `template_args` are the chat
+    template's keyword arguments (`--template_arg`; with `sft` and a tokenizer whose
+    tokenizer_config.json has a chat template). `workers` processes encode (0: one per core). See the
+    module docstring for formats and files.
     """
     files = expand_inputs(inputs)
     if val_docs < 0:
         raise DataError(f"--val_docs={val_docs} must be >= 0.")
     if workers < 0:
         raise DataError(f"--workers={workers}: give a number of encoding processes, or 0 for one per core.")
+    template_args = check_template_args(template_args or {})
+    if template_args and not sft:
+        raise DataError(
+            f"--template_arg {_shown(template_args)} is given to a chat template, which only --sft uses "
+            "(for messages records): add --sft, or leave the --template_arg out."
+        )
+    if template_args and tokenizer is None:
+        raise DataError(
+            f"--template_arg {_shown(template_args)} needs a chat template, which the built-in byte "
+            "tokenizer has none of: pass --tokenizer=DIR of a checkpoint whose tokenizer_config.json has "
+            "a chat_template, or leave the --template_arg out."
+        )
     chat = None
     if tokenizer is None:
         tok: ByteTokenizer | HFTokenizer = ByteTokenizer()
@@ -241,7 +268,13 @@ def prepare(
         tok = HFTokenizer(file)
         tok_name, tok_sha = str(file.resolve()), _sha256(file)
         eot = default_eot_id(file, tok) if eot_id is None else eot_id
-        chat = ChatTemplate.of(file) if sft else None
+        chat = ChatTemplate.of(file, template_args) if sft else None
+        if template_args and chat is None:
+            raise DataError(
+                f"--template_arg {_shown(template_args)} needs a chat template, and "
+                f"{file.parent / 'tokenizer_config.json'} has no chat_template: pass the --tokenizer of a "
+                "checkpoint with one, or leave the --template_arg out."
+            )
     if not 0 <= eot < tok.vocab_size:
         raise DataError(f"--eot_id={eot} is outside the tokenizer's vocabulary of {tok.vocab_size}.")
     stats = [f.stat() for f in files]
@@ -257,6 +290,7 @@ def prepare(
         val_docs=val_docs,
         sft=sft,
         chat_template_sha256="" if chat is None else chat.sha256(),
+        chat_template_args=template_args,
     )
     out_dir = Path(out)
     if out_dir.exists() and not out_dir.is_dir():
@@ -363,6 +397,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eot_id", type=int, default=None, help="end-of-text id (default: the tokenizer's eos)")
     ap.add_argument("--val_docs", type=int, default=0, help="the first N documents go to val.bin")
     ap.add_argument("--sft", action="store_true", help="JSONL fine-tuning examples, with loss masks")
+    ap.add_argument(
+        "--template_arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a keyword argument of the chat template (VALUE as JSON where it parses, else a string), "
+        "e.g. enable_thinking=false; repeat for more",
+    )
     ap.add_argument("--workers", type=int, default=0, help="encoding processes (0: one per core)")
     ap.add_argument("--overwrite", action="store_true", help="replace an earlier preparation in --out")
     args = ap.parse_args(argv)
@@ -391,6 +433,7 @@ def main(argv: list[str] | None = None) -> int:
             eot_id=args.eot_id,
             val_docs=args.val_docs,
             sft=args.sft,
+            template_args=parse_template_args(args.template_arg),
             workers=args.workers,
             overwrite=args.overwrite,
         )

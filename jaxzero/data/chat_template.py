@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -21,13 +22,104 @@ TEMPLATE_DATE = datetime.datetime(2026, 1, 1)
 # of them cannot hide its edges from the other.
 _SENTINELS = ("\ue000\ue001", "\ue002\ue003")
 
+# The special tokens of tokenizer_config.json a rendering is given, as transformers gives them.
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+# Names a template argument cannot take: the variables every rendering is given (an argument would
+# replace them), and apply_chat_template's own parameters (transformers never passes them to the template).
+_RESERVED = {
+    **dict.fromkeys(
+        ("messages", "add_generation_prompt", *SPECIAL_TOKENS, "raise_exception", "strftime_now"),
+        "a variable jaxzero gives every rendering itself",
+    ),
+    **dict.fromkeys(
+        ("tools", "documents"),
+        "a variable jaxzero never gives: it renders conversations without tools or documents",
+    ),
+    **dict.fromkeys(
+        (
+            "conversation",
+            "chat_template",
+            "continue_final_message",
+            "tokenize",
+            "sanitize_control_tokens",
+            "padding",
+            "truncation",
+            "max_length",
+            "return_tensors",
+            "return_dict",
+            "return_assistant_tokens_mask",
+            "tokenizer_kwargs",
+        ),
+        "a parameter of transformers' apply_chat_template, which never reaches the template",
+    ),
+}
+
+
+def parse_template_args(pairs: Sequence[str]) -> dict[str, Any]:
+    """`--template_arg KEY=VALUE` strings as the template's keyword arguments: VALUE as JSON where it
+    parses (`false`, `3`, `"high"`), else the string itself. DataError for a malformed pair, a name
+    given twice or one `check_template_args` refuses."""
+    args: dict[str, Any] = {}
+    for pair in pairs:
+        key, eq, text = pair.partition("=")
+        if not eq or not key.isidentifier():
+            raise DataError(
+                f"--template_arg {pair!r} is not KEY=VALUE with KEY a template variable's name (letters, "
+                "digits and _, not starting with a digit): write e.g. --template_arg enable_thinking=false."
+            )
+        if key in args:
+            raise DataError(
+                f"--template_arg {key} is given twice ({args[key]!r} and {text!r}): give each name once."
+            )
+        try:  # NaN and Infinity, which Python's json reads, are no JSON: taken as strings
+            args[key] = json.loads(text, parse_constant=_no_constant)
+        except ValueError:
+            args[key] = text
+    return check_template_args(args)
+
+
+def _no_constant(name: str) -> NoReturn:
+    raise ValueError(name)
+
+
+def check_template_args(args: Mapping[str, Any]) -> dict[str, Any]:
+    """`args` as a plain dict, checked: names a template can read that no rendering is given anyway
+    (`_RESERVED`), values that JSON holds (prepare.json records them). DataError naming the value and
+    the fix otherwise."""
+    for key, value in args.items():
+        if not isinstance(key, str) or not key.isidentifier():
+            raise DataError(
+                f"template argument {key!r}: a name must be a template variable's (letters, digits and _, "
+                "not starting with a digit)."
+            )
+        if key in _RESERVED:
+            raise DataError(
+                f"template argument {key}={value!r}: {key!r} is {_RESERVED[key]}, so it cannot be given "
+                "as a template argument: leave it out (the arguments a template reads beside these, such "
+                "as Qwen3's enable_thinking or gpt-oss's reasoning_effort, are the ones to give)."
+            )
+        try:
+            json.dumps(value, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise DataError(
+                f"template argument {key}={value!r} is not a JSON value ({e}): give a string, number, "
+                "boolean, null, list or object."
+            ) from e
+    return dict(args)
+
 
 class ChatTemplate:
     """A checkpoint's Jinja chat template, rendered as transformers' apply_chat_template renders it
     (sandboxed, trim_blocks and lstrip_blocks, `raise_exception`, `tojson`, the special tokens), with
-    `strftime_now` at `TEMPLATE_DATE`."""
+    `strftime_now` at `TEMPLATE_DATE`, and `arguments` passed to every rendering as
+    `apply_chat_template(..., **arguments)` passes them (Qwen3's `enable_thinking`, gpt-oss's
+    `reasoning_effort`), checked by `check_template_args`."""
 
-    def __init__(self, source: str, special: dict[str, str]) -> None:
+    def __init__(
+        self, source: str, special: dict[str, str], arguments: Mapping[str, Any] | None = None
+    ) -> None:
+        self.arguments = check_template_args(arguments or {})
         try:
             import jinja2.ext  # optional (jaxzero[prepare]): only chat-formatted fine-tuning data needs it
             from jinja2.sandbox import ImmutableSandboxedEnvironment  # with the line above
@@ -53,17 +145,18 @@ class ChatTemplate:
         self._errors = (jinja2.exceptions.TemplateError,)
 
     def __reduce__(self) -> Any:  # workers rebuild it from the source
-        return (ChatTemplate, (self.source, self.special))
+        return (ChatTemplate, (self.source, self.special, self.arguments))
 
     def sha256(self) -> str:
         """A digest of everything a rendering depends on: the source, the special tokens it is given
-        and the date `strftime_now` prints."""
+        and the date `strftime_now` prints (the arguments are recorded beside it, `Recipe`)."""
         key = json.dumps([self.source, self.special, TEMPLATE_DATE.isoformat()], sort_keys=True)
         return hashlib.sha256(key.encode()).hexdigest()
 
     @classmethod
-    def of(cls, tokenizer_json: Path) -> ChatTemplate | None:
-        """The template of the tokenizer_config.json beside `tokenizer_json`, or None without one."""
+    def of(cls, tokenizer_json: Path, arguments: Mapping[str, Any] | None = None) -> ChatTemplate | None:
+        """The template of the tokenizer_config.json beside `tokenizer_json`, given `arguments` at every
+        rendering, or None without one."""
         config = tokenizer_json.parent / "tokenizer_config.json"
         if not config.is_file():
             return None
@@ -74,16 +167,16 @@ class ChatTemplate:
         if not isinstance(source, str):
             return None
         special = {}
-        for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
+        for key in SPECIAL_TOKENS:
             v = d.get(key)
             v = v.get("content") if isinstance(v, dict) else v
             if isinstance(v, str):
                 special[key] = v
-        return cls(source, special)
+        return cls(source, special, arguments)
 
     def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
         return self.template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **self.special
+            messages=messages, add_generation_prompt=add_generation_prompt, **self.special, **self.arguments
         )
 
     def spans(self, messages: list[dict[str, str]], where: str) -> list[tuple[str, int]]:
@@ -127,7 +220,8 @@ class ChatTemplate:
     def _located(self, messages: list[dict[str, str]], where: str) -> list[tuple[str, int]]:
         """Each assistant turn found in the one full rendering: its content where the rendering changes
         when the content is replaced by a sentinel, its start after the first generation-prompt header
-        after the message before it (else the last before the content; without a header: after the
+        after the message before it (else the last before the content; where only the header's beginning
+        is written between the two, at the content; without a header: after the
         conversation before it, or where the message before it ends), its end after the end-of-turn
         marker the template writes after the content (as the last turn, or followed by another
         generation prompt) that the rendering goes on with."""
@@ -154,9 +248,14 @@ class ChatTemplate:
                     start = full.find(header, prev, first)
                 else:
                     start = full.rfind(header, done, first)
-                if start < 0:
+                if start >= 0:
+                    start += len(header)
+                elif done <= prev < first and header.startswith(full[prev:first]):
+                    # the part of the header written for a turn before the last: Qwen3 with
+                    # enable_thinking=false writes its empty think block only after the generation prompt
+                    start = first
+                else:
                     _refuse(where, f"message {k} (assistant) is not after a generation prompt {header!r}")
-                start += len(header)
             elif full.startswith(prompt) and done <= len(prompt) <= first:
                 start = len(prompt)
             elif k and done <= (start := self._end_of(messages, k - 1, full)) <= first:
