@@ -10,9 +10,14 @@ import pickle
 import re
 from pathlib import Path
 
-import numpy as np
 import pytest
-from test_chat_templates import CONV, FAMILIES, family_checkpoint, fixed_date  # noqa: F401 (a fixture)
+from test_chat_templates import (  # noqa: F401 (fixed_date: a fixture)
+    CONV,
+    FAMILIES,
+    family_checkpoint,
+    fixed_date,
+    prepared_conversation,
+)
 
 from jaxzero.cli.prepare import main, prepare
 from jaxzero.data import DataError
@@ -80,26 +85,8 @@ def test_the_arguments_reach_worker_processes():
 def test_prepare_writes_apply_chat_template_tokens_and_records_the_arguments(tmp_path, case, workers):
     """Through `prepare` (in worker processes too): the tokens of transformers' text with the
     arguments, the counted ones each turn's, and prepare.json's recipe holding the arguments."""
-    from tokenizers import Tokenizer
-
     family, args, counted, _ = CASES[case]
-    ckpt = family_checkpoint(tmp_path / "ckpt", family)
-    hf = hf_tokenizer(ckpt, family)
-    (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": CONV}) + "\n")
-    meta = prepare(
-        [str(tmp_path / "chat.jsonl")],
-        tmp_path / "out",
-        tokenizer=str(ckpt),
-        sft=True,
-        template_args=args,
-        workers=workers,
-        eot_id=0,
-        progress=False,
-    )
-    ids = np.fromfile(tmp_path / "out" / "train.bin", np.uint16)
-    marks = np.fromfile(tmp_path / "out" / "train.mask.bin", np.uint8)
-    tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
-    text = hf.apply_chat_template(CONV, tokenize=False, **args)
+    meta, ids, marks, tok, text = prepared_conversation(tmp_path, family, workers, args)
     assert ids[:-1].tolist() == tok.encode(text, add_special_tokens=False).ids and ids[-1] == 0
     want = [i for t in counted for i in tok.encode(t, add_special_tokens=False).ids]
     assert ids[marks == 1].tolist() == want

@@ -313,35 +313,39 @@ def family_checkpoint(root: Path, family: str) -> Path:
     return root
 
 
+def prepared_conversation(tmp_path: Path, family: str, workers: int, template_args: dict | None = None):
+    """`prepare --sft` of CONV with `family`'s template (given `template_args`) in `workers` processes:
+    (prepare.json's dict, the token ids, the loss marks, the tokenizer, transformers'
+    apply_chat_template text of CONV with the same arguments)."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer  # the prepare extra's, as jaxzero.data.tokenizer imports it
+
+    source, special, _ = FAMILIES[family]
+    ckpt = family_checkpoint(tmp_path / "ckpt", family)
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": CONV}) + "\n")
+    given = {} if template_args is None else {"template_args": template_args}
+    out = tmp_path / "out"
+    meta = prepare(
+        [str(tmp_path / "chat.jsonl")], out, tokenizer=str(ckpt), sft=True, workers=workers, eot_id=0,
+        progress=False, **given,
+    )  # fmt: skip
+    ids = np.fromfile(out / "train.bin", np.uint16)
+    marks = np.fromfile(out / "train.mask.bin", np.uint8)
+    hf = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(ckpt / "tokenizer.json"), chat_template=source, **special
+    )
+    text = hf.apply_chat_template(CONV, tokenize=False, **(template_args or {}))
+    return meta, ids, marks, Tokenizer.from_file(str(ckpt / "tokenizer.json")), text
+
+
 @pytest.mark.parametrize(("family", "workers"), [(f, 1) for f in sorted(FAMILIES)] + [("qwen3", 2)])
 def test_prepare_writes_transformers_tokens_and_counts_the_assistant_turns(
     tmp_path, family, workers, fixed_date
 ):
     """Through `prepare` (in worker processes too): the tokens are those of transformers'
     apply_chat_template text, then the end-of-text id; the counted ones are each turn's, in order."""
-    transformers = pytest.importorskip("transformers")
-    from tokenizers import Tokenizer
-
-    source, special, counted = FAMILIES[family]
-    ckpt = family_checkpoint(tmp_path / "ckpt", family)
-    (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": CONV}) + "\n")
-    meta = prepare(
-        [str(tmp_path / "chat.jsonl")],
-        tmp_path / "out",
-        tokenizer=str(ckpt),
-        sft=True,
-        workers=workers,
-        eot_id=0,
-        progress=False,
-    )
-    ids = np.fromfile(tmp_path / "out" / "train.bin", np.uint16)
-    marks = np.fromfile(tmp_path / "out" / "train.mask.bin", np.uint8)
-    hf = transformers.PreTrainedTokenizerFast(
-        tokenizer_file=str(ckpt / "tokenizer.json"), chat_template=source, **special
-    )
-    tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
-    text = hf.apply_chat_template(CONV, tokenize=False)
+    meta, ids, marks, tok, text = prepared_conversation(tmp_path, family, workers)
     assert ids[:-1].tolist() == tok.encode(text, add_special_tokens=False).ids and ids[-1] == 0
-    want = [i for t in counted for i in tok.encode(t, add_special_tokens=False).ids]
+    want = [i for t in FAMILIES[family][2] for i in tok.encode(t, add_special_tokens=False).ids]
     assert ids[marks == 1].tolist() == want and marks[-1] == 0
     assert meta["train"]["loss_tokens"] == len(want)
