@@ -136,3 +136,36 @@ def test_layers_at_one_shape_share_one_lowering_of_the_kernels():
         return jax.jit(jax.grad(loss, (0, 1))).lower(rows, kernels).as_text().count("dot_general")
 
     assert products(6) == products(2) > 0
+
+
+def test_the_plan_counts_each_tokens_top_k_experts_at_their_groupings_share_of_the_rate():
+    """A MoE step's predicted GPU time counts the experts a token is routed to, not every expert, at
+    the grouped matmuls' measured share of the dense rate (`EXPERTS_SHARE_OF_DENSE`); so does LoRA's."""
+    from jaxzero import parse_args
+    from jaxzero.planner import partial
+    from jaxzero.planner.calibration import EXPERTS_SHARE_OF_DENSE as SHARE
+
+    shape = ["--model.name=qwen3-30b-a3b", "--model.num_layers=4", "--data.batch_size=2"]
+    h100 = ["--machine.gpu_gib=75", "--machine.host_gib=125", "--machine.cores=16"]
+
+    def decided(*more: str):
+        return preflight.decide(parse_args([*shape, *h100, "--offload.optimizer=cpu", *more]))
+
+    mosaic = decided()
+    assert mosaic.config.model.moe_impl == "mosaic"  # one H100, known by its memory
+    padded = decided("--model.moe_impl=padded")
+    m, d = mosaic.config.model, mosaic.config.data
+    routed = m.num_experts_per_tok * 3 * m.hidden_size * m.moe_intermediate_size
+    tokens = d.batch_size * d.seq_len
+    extra = 8 * m.num_layers * routed * (1 / SHARE["padded"] - 1 / SHARE["mosaic"]) * tokens
+    assert padded.prediction.gpu_s - mosaic.prediction.gpu_s == pytest.approx(
+        extra / mosaic.machine.gpu_flops, rel=1e-6
+    )
+    # twice the experts, each token still routed to k of them: the same work but for the router's
+    more = decided(f"--model.num_experts={2 * m.num_experts}")
+    assert more.prediction.gpu_s == pytest.approx(mosaic.prediction.gpu_s, rel=1e-3)
+    # LoRA over the frozen experts: forward, recomputation and input gradients, at the same share
+    ft = dataclasses.replace(mosaic.config.finetune, method="lora")
+    lora = dataclasses.replace(mosaic.config, finetune=ft)
+    slower = partial.step_flops(lora, expert_share=SHARE["mosaic"]) - partial.step_flops(lora)
+    assert slower == pytest.approx(6 * m.num_layers * routed * (1 / SHARE["mosaic"] - 1) * tokens, rel=1e-9)

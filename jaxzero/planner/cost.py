@@ -46,7 +46,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from jaxzero.config import TrainConfig
+from jaxzero.config import ModelConfig, TrainConfig
 from jaxzero.models.sizes import (
     inactive_expert_params,
     param_count,
@@ -103,8 +103,7 @@ def predict(cfg: TrainConfig, plan: OffloadPlan, machine: Machine) -> Prediction
         * machine.attention_scale
     )
     # A token multiplies by its top-k experts only, at their grouped matmuls' share of the rate.
-    share = EXPERTS_SHARE_OF_DENSE.get(m.moe_impl, EXPERTS_SHARE_OF_DENSE["padded"])
-    block = n_block - inactive_expert_params(m) + routed_expert_params(m) * (1 / share - 1)
+    block = n_block - inactive_expert_params(m) + routed_expert_params(m) * (1 / _experts_share(m) - 1)
     gpu_s = 8 * (param_count(m) + m.num_layers * (block - n_block + attention)) * tokens / machine.gpu_flops
     work = {
         UnitKind.EMBED: 0,
@@ -175,11 +174,15 @@ def predict(cfg: TrainConfig, plan: OffloadPlan, machine: Machine) -> Prediction
     )
 
 
+def _experts_share(m: ModelConfig) -> float:
+    """The experts' grouped matmuls' share of the dense rate for `m.moe_impl` (padded where not decided)."""
+    return EXPERTS_SHARE_OF_DENSE.get(m.moe_impl, EXPERTS_SHARE_OF_DENSE["padded"])
+
+
 def _predict_partial(cfg: TrainConfig, machine: Machine) -> Prediction:
     """The step of a run with a frozen part: the accelerator's work (`partial.step_flops`) at the
     machine's rate, against a streamed base's crossings of the link (`partial.link_bytes`)."""
-    share = EXPERTS_SHARE_OF_DENSE.get(cfg.model.moe_impl, EXPERTS_SHARE_OF_DENSE["padded"])
-    gpu_s = partial.step_flops(cfg, expert_share=share) / machine.gpu_flops
+    gpu_s = partial.step_flops(cfg, expert_share=_experts_share(cfg.model)) / machine.gpu_flops
     link_s = partial.link_bytes(cfg) / machine.h2d if cfg.offload.params == "cpu" else 0.0
     return Prediction(
         step_s=max(gpu_s, link_s),
