@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_offload import GPT_OSS
 
 from jaxzero.cli import train as train_lib
 from jaxzero.config import ConfigError, TrainConfig, padding_id
@@ -198,18 +199,9 @@ def test_a_streamed_gpt_oss_base_trains_bitwise_as_a_resident_one():
     """gpt-oss's adapters on its biased attention (PEFT's q_proj ... o_proj) over a frozen base of
     sinks and biased experts, whose windows are per-layer inputs: streamed as resident; int8 as well."""
     gpt_oss = {
-        "model.family": "gpt_oss",
+        **GPT_OSS,
         "model.head_size": "32",
-        "model.attention_bias": "true",
-        "model.num_experts": "4",
-        "model.num_experts_per_tok": "2",
         "model.moe_intermediate_size": "48",
-        "model.sliding_window": "8",
-        "model.sliding_window_pattern": "2",
-        "model.rope_type": "yarn",
-        "model.rope_factor": "32",
-        "model.rope_original_max_len": "64",
-        "model.hf_model_type": "gpt_oss",
         "finetune.lora_targets": "q,k,v,o",
     }
     out = resident_then_streamed(lora_cfg(**EXACT, **gpt_oss), 3)

@@ -9,6 +9,7 @@ per-step losses within 1e-5 absolute, final parameters within 2e-5 relative per 
 import jax
 import numpy as np
 import pytest
+from test_offload import GPT_OSS
 
 from jaxzero.config import ConfigError, TrainConfig
 from jaxzero.data import build_data
@@ -303,18 +304,5 @@ def test_zero3_offload_on_eight_devices_matches_one_device(tmp_path):
 def test_gpt_oss_sharded_over_four_devices_matches_one_device():
     """gpt-oss's sinks, biases, biased experts and per-layer windows under ZeRO-3 offload over four
     devices: trains as one device does (its k_proj bias exempt, as the Qwen2 variant's)."""
-    gpt_oss = {
-        "model.family": "gpt_oss",
-        "model.head_size": "32",
-        "model.attention_bias": "true",
-        "model.num_experts": "4",
-        "model.num_experts_per_tok": "2",
-        "model.moe_intermediate_size": "64",
-        "model.sliding_window": "8",
-        "model.sliding_window_pattern": "2",
-        "model.rope_type": "yarn",
-        "model.rope_factor": "32",
-        "model.rope_original_max_len": "64",
-        "model.hf_model_type": "gpt_oss",
-    }
+    gpt_oss = {**GPT_OSS, "model.head_size": "32"}
     _four_devices_train_as_one(gpt_oss, unchecked="['k_proj']['bias']")

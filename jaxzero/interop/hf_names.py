@@ -137,11 +137,17 @@ def _llama_units(cfg: ModelConfig) -> list[HFUnit]:
             tensors = (norm("input_layernorm"), *attn, o_proj, norm("post_attention_layernorm"))
             tensors += tuple(_llama_mlp(cfg, p))
         units.append(HFUnit(f"block {i}", tensors))
+    units.append(_head_unit(cfg))
+    return units
+
+
+def _head_unit(cfg: ModelConfig) -> HFUnit:
+    """The final norm and, unless the embeddings are tied, `lm_head` (Llama's names, gpt-oss's too)."""
+    d = cfg.hidden_size
     head = [HFTensor("model.norm.weight", ("norm", "scale"), (d,))]
     if not cfg.tie_embeddings:
-        head.append(HFTensor("lm_head.weight", ("lm_head", "kernel"), (d, v), True))
-    units.append(HFUnit("head", tuple(head)))
-    return units
+        head.append(HFTensor("lm_head.weight", ("lm_head", "kernel"), (d, cfg.vocab_size), True))
+    return HFUnit("head", tuple(head))
 
 
 def _llama_mlp(cfg: ModelConfig, p: str) -> list[HFTensor]:
@@ -244,10 +250,7 @@ def _gpt_oss_units(cfg: ModelConfig) -> list[HFUnit]:
             HFTensor(x + "down_proj_bias", ("mlp", "down", "bias"), (e, d)),
         )
         units.append(HFUnit(f"block {i}", tensors))
-    head = [HFTensor("model.norm.weight", ("norm", "scale"), (d,))]
-    if not cfg.tie_embeddings:
-        head.append(HFTensor("lm_head.weight", ("lm_head", "kernel"), (d, v), True))
-    units.append(HFUnit("head", tuple(head)))
+    units.append(_head_unit(cfg))
     return units
 
 
