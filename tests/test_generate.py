@@ -16,6 +16,7 @@ import pytest
 from jaxzero import decode
 from jaxzero.cli import generate as gen_lib
 from jaxzero.config import ConfigError, ModelConfig, TrainConfig
+from jaxzero.data.tokenizer import ByteTokenizer, TextCodec
 from jaxzero.decode import Generator, Sampling, sample_next
 from jaxzero.models import build_model, forward, layer_input
 from jaxzero.overrides import apply_overrides
@@ -215,3 +216,12 @@ def test_a_run_on_the_builtin_corpus_ends_with_samples_and_the_cli_reads_it(tmp_
     assert gen_lib.main([f"--run_dir={tmp_path / 'nowhere'}", "--prompt=x"]) == 2
     assert "nowhere' does not exist" in capsys.readouterr().err
     assert json.loads((path / "summary.json").read_text())["status"] == "complete"
+
+
+def test_ids_past_the_bytes_decode_as_replacement_characters():
+    """A model trained on bytes with a wider vocabulary can sample an id past 255: the byte-level
+    decoder writes it as U+FFFD (as it writes a byte that is no UTF-8) instead of failing."""
+    codec = TextCodec(ByteTokenizer(), stop_id=None)
+    assert codec.decode(list("héllo".encode())) == "héllo"
+    assert codec.decode([104, 300, *"é".encode(), 999, 256]) == "h\ufffdé\ufffd\ufffd"
+    assert codec.decode([0xC3, 700, 0xA9]) == "\ufffd\ufffd\ufffd"  # a split character stays split

@@ -98,7 +98,16 @@ class TextCodec:
 
     def decode(self, ids: Sequence[int]) -> str:
         if isinstance(self.tokenizer, ByteTokenizer):
-            return bytes(ids).decode("utf-8", errors="replace")
+            # A model's vocabulary may be wider than the bytes it trained on, and an id past them is no
+            # byte: each is written as U+FFFD, as a byte that is no UTF-8 is.
+            text, run = [], bytearray()
+            for i in ids:
+                if 0 <= i < 256:
+                    run.append(i)
+                    continue
+                text += [bytes(run).decode("utf-8", errors="replace"), "\ufffd"]
+                run.clear()
+            return "".join([*text, bytes(run).decode("utf-8", errors="replace")])
         return self.tokenizer.tok.decode(list(ids))
 
 
