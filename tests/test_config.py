@@ -87,7 +87,7 @@ from jaxzero.planner import memory
         ),
         (
             ["--model.num_experts=4", "--model.moe_intermediate_size=64", "--model.hf_model_type=qwen3"],
-            "model.hf_model_type='qwen3' (a dense type; use qwen3_moe, mixtral or '')",
+            "model.hf_model_type='qwen3' (a dense type; use qwen3_moe, mixtral, granitemoe or '')",
         ),
         (
             ["--model.name=gemma-3-1b", "--model.num_experts=4", "--model.moe_intermediate_size=64"],
