@@ -673,6 +673,19 @@ def _rewrite_checkpoint(src: Path, dst: Path, edit: Any) -> Path:
     return dst
 
 
+def test_load_hf_into_compares_granites_scalars(hf_checkpoints: dict) -> None:
+    """A run config without Granite's scalars computes something else than the checkpoint: refused,
+    naming each, unless the numerics are left unchecked on purpose."""
+    path, want = hf_checkpoints["granitemoe"]
+    assert rel_err(jax_logits(GRANITE_MOE, load_hf_into(GRANITE_MOE, path)), want) < 1e-4
+    plain = dataclasses.replace(GRANITE_MOE, embedding_multiplier=1.0, logits_scaling=1.0)
+    with pytest.raises(ConfigError) as e:
+        load_hf_into(plain, path)
+    assert "model.embedding_multiplier: run config has 1.0, checkpoint has 12.0" in str(e.value)
+    assert "model.logits_scaling: run config has 1.0, checkpoint has 6.0" in str(e.value)
+    load_hf_into(plain, path, check_numerics=False)
+
+
 def test_import_legacy_gpt2_layout(hf_checkpoints: dict, tmp_path: Path) -> None:
     """openai-community/gpt2's files: no "transformer." prefix, causal-mask buffers, a tied lm_head copy."""
     path, want = hf_checkpoints["gpt2"]
