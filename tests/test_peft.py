@@ -104,6 +104,12 @@ FAMILIES: dict[str, dict[str, Any]] = {
             "residual_multiplier": 0.22, "attention_multiplier": 0.125, "logits_scaling": 2.0},  # fmt: skip
         ft=FinetuneConfig(method="lora", lora_rank=4, lora_alpha=8, lora_targets="q,k,v,o"),
     ),
+    # Granite (dense): the same scalars over Llama's block; every projection.
+    "granite": dict(
+        hf={"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.125,
+            "logits_scaling": 2.0},  # fmt: skip
+        ft=FinetuneConfig(method="lora", lora_rank=4, lora_alpha=8, lora_targets="q,k,v,o,gate,up,down"),
+    ),
 }
 
 
@@ -121,7 +127,7 @@ def torch_model(family: str) -> torch.nn.Module:
         max_position_embeddings=SEQ,
         rms_norm_eps=1e-6,
         initializer_range=0.1,
-        tie_word_embeddings=family in ("qwen2", "gemma3", "granitemoe"),
+        tie_word_embeddings=family in ("qwen2", "gemma3", "granitemoe", "granite"),
         bos_token_id=None,
         eos_token_id=None,
         **FAMILIES[family]["hf"],
@@ -137,6 +143,7 @@ def torch_model(family: str) -> torch.nn.Module:
         "phi3": (transformers.Phi3ForCausalLM, transformers.Phi3Config),
         "olmo2": (transformers.Olmo2ForCausalLM, transformers.Olmo2Config),
         "granitemoe": (transformers.GraniteMoeForCausalLM, transformers.GraniteMoeConfig),
+        "granite": (transformers.GraniteForCausalLM, transformers.GraniteConfig),
     }
     model_cls, config_cls = classes[family]
     model = model_cls(config_cls(**common))
