@@ -153,7 +153,8 @@ _GEMMA3_LINEAR = {**_GEMMA3, "rope_type": "linear", "rope_factor": 8.0}
 _PHI3 = dict(fused_projections=True, hf_model_type="phi3")
 _OLMO2 = dict(qk_norm=True, qk_norm_scope="projection", post_norm=True, hf_model_type="olmo2")
 # Granite 3.1: embeddings x12, each sub-block's output x0.22, scores x1/head_dim (not its root), logits
-# / logits_scaling; the MoE sizes route each token to 8 experts (router_aux_loss_coef 0: off).
+# / logits_scaling; the MoE sizes route each token to 8 experts (router_aux_loss_coef 0: off). The
+# 1B-A400M's config.json was read; the 3B-A800M's scalars are taken as the 1B's (both heads of 64).
 _GRANITE = dict(hf_model_type="granite", embedding_multiplier=12.0, residual_multiplier=0.22)
 _GRANITE_MOE = dict(
     _GRANITE,
