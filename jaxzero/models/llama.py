@@ -263,7 +263,7 @@ class LlamaBlock(nn.Module):
         else:
             a, cache = attn(h, cache, pos)
         if c.post_norm:
-            x = x + _RMSNorm(c.norm_eps, name="post_attention_layernorm")(a)
+            x = x + _residual(_RMSNorm(c.norm_eps, name="post_attention_layernorm")(a), c)
             h = x
         else:
             x = x + _residual(a, c)
