@@ -75,6 +75,27 @@ MISTRAL = (
     .replace("' [/INST]'", "'[/INST]'")
 )
 
+# Granite 3.x's format (written from its instruct models' renderings, not copied: without tools or
+# documents): each turn between <|start_of_role|>ROLE<|end_of_role|> and <|end_of_text|>, a newline;
+# with no system message, IBM's default one, dated by strftime_now.
+GRANITE = """{%- if messages[0]['role'] == 'system' %}
+    {%- set system_message = messages[0]['content'] %}
+    {%- set loop_messages = messages[1:] %}
+{%- else %}
+    {%- set system_message = "Knowledge Cutoff Date: April 2024.\nToday's Date: " +
+        strftime_now('%B %d, %Y') + ".\nYou are Granite, developed by IBM. You are a helpful AI assistant." %}
+    {%- set loop_messages = messages %}
+{%- endif %}
+{{- '<|start_of_role|>system<|end_of_role|>' + system_message + '<|end_of_text|>\n' }}
+{%- for message in loop_messages %}
+    {{- '<|start_of_role|>' + message['role'] + '<|end_of_role|>' }}
+    {{- message['content'] + '<|end_of_text|>\n' }}
+    {%- if loop.last and add_generation_prompt %}
+        {{- '<|start_of_role|>assistant<|end_of_role|>' }}
+    {%- endif %}
+{%- endfor %}
+"""
+
 CONV = [
     {"role": "system", "content": "be brief"},
     {"role": "user", "content": "hi there"},
@@ -126,6 +147,11 @@ FAMILIES = {
         {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"},
         ["hello<|endoftext|>", "see you<|endoftext|>", "yes<|endoftext|>"],
     ),
+    "granite": (
+        GRANITE,
+        {"eos_token": "<|end_of_text|>"},
+        ["hello<|end_of_text|>\n", "see you<|end_of_text|>\n", "yes<|end_of_text|>\n"],
+    ),
 }
 
 # The markers each family's template writes, as the family's tokenizer holds them: one token each.
@@ -152,6 +178,9 @@ MARKERS = [
     "<|endoftext|>",
     "<think>",
     "</think>",
+    "<|start_of_role|>",
+    "<|end_of_role|>",
+    "<|end_of_text|>",
 ]
 
 
@@ -179,6 +208,15 @@ def test_spans_join_to_transformers_text_and_count_each_turn_through_its_end(fam
     source, special, counted = FAMILIES[family]
     spans = ChatTemplate(source, special).spans(CONV, "chat.jsonl:1")
     assert "".join(t for t, _ in spans) == transformers_text(source, special, CONV)
+    assert [t for t, c in spans if c] == counted
+
+
+def test_granite_writes_its_dated_system_message_where_none_is_given(fixed_date):
+    source, special, counted = FAMILIES["granite"]
+    spans = ChatTemplate(source, special).spans(CONV[1:], "chat.jsonl:1")
+    text = "".join(t for t, _ in spans)
+    assert text == transformers_text(source, special, CONV[1:])
+    assert f"Today's Date: {TEMPLATE_DATE.strftime('%B %d, %Y')}." in text
     assert [t for t, c in spans if c] == counted
 
 

@@ -87,7 +87,7 @@ from jaxzero.planner import memory
         ),
         (
             ["--model.num_experts=4", "--model.moe_intermediate_size=64", "--model.hf_model_type=qwen3"],
-            "model.hf_model_type='qwen3' (a dense type; use qwen3_moe, mixtral or '')",
+            "model.hf_model_type='qwen3' (a dense type; use qwen3_moe, mixtral, granitemoe or '')",
         ),
         (
             ["--model.name=gemma-3-1b", "--model.num_experts=4", "--model.moe_intermediate_size=64"],
@@ -119,6 +119,23 @@ from jaxzero.planner import memory
         (
             ["--finetune.method=lora", "--finetune.lora_targets=qkv,o"],
             "names qkv, Phi-3's fused projections",
+        ),
+        # Granite's four scalars: positive, the Llama family's, exported as granite or granitemoe only.
+        (["--model.logits_scaling=0"], "logits_scaling=0.0 must be > 0"),
+        (["--model.name=gpt2-tiny", "--model.residual_multiplier=0.5"], "Llama-family settings"),
+        (
+            ["--model.qk_norm=true", "--model.hf_model_type=qwen3", "--model.embedding_multiplier=2"],
+            "model.embedding_multiplier=2.0: no qwen3 model of transformers computes this",
+        ),
+        (["--model.hf_model_type=granite", "--model.qk_norm=true"], "'granite' needs model.qk_norm=false"),
+        (["--model.hf_model_type=granitemoe"], "'granitemoe' needs model.num_experts >= 1"),
+        (
+            ["--model.name=granite-3.1-3b-a800m", "--model.norm_topk_prob=false"],
+            "'granitemoe' needs model.norm_topk_prob=true",
+        ),
+        (
+            ["--model.name=granite-3.1-3b-a800m", "--finetune.method=lora", "--finetune.lora_targets=q,up"],
+            "model.num_experts=40 experts has not",
         ),
     ],
 )

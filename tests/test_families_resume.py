@@ -1,18 +1,19 @@
 """Resumed == uninterrupted for the 2026 families' blocks on the offload engine (blocks streamed, the
-update on the host): Qwen3's q/k norms, Gemma 3's per-layer kinds and a mixture of experts. A run saved
+update on the host): Qwen3's q/k norms, Gemma 3's per-layer kinds, a mixture of experts and Granite
+MoE's scalars with its load-balancing loss. A run saved
 after two steps and restored by a new trainer goes on bit for bit as the run that never stopped."""
 
 import jax
 import numpy as np
 import pytest
 from test_nnx_model import batches, steps
-from test_offload import GEMMA3, MODES, MOE, QWEN3, STEPS, tiny
+from test_offload import GEMMA3, GRANITE_MOE, MODES, MOE, QWEN3, STEPS, tiny
 
 from jaxzero.plan import placement
 from jaxzero.storage.state_io import restore_state, save_state
 from jaxzero.trainer import build_trainer
 
-FAMILIES = {"qwen3": QWEN3, "gemma3": GEMMA3, "moe": MOE}
+FAMILIES = {"qwen3": QWEN3, "gemma3": GEMMA3, "moe": MOE, "granitemoe": GRANITE_MOE}
 
 
 def _trainer(cfg):

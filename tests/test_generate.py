@@ -41,6 +41,19 @@ VARIANTS = {
         num_experts_per_tok=2,
         moe_intermediate_size=64,
     ),
+    # Granite MoE: the four scalars (scores times 1/8 where 1/sqrt(head_dim) is 1/sqrt(32)), a tied
+    # head, 2 of 4 experts.
+    "granitemoe": dict(
+        tie_embeddings=True,
+        hf_model_type="granitemoe",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        embedding_multiplier=12.0,
+        residual_multiplier=0.22,
+        attention_multiplier=0.125,
+        logits_scaling=6.0,
+    ),
     # Phi-3: fused q/k/v and gate/up, rope over the first half of each head; OLMo 2: norms after each
     # sub-block, q/k norms over the whole projections.
     "phi3": dict(fused_projections=True, partial_rotary_factor=0.5, hf_model_type="phi3"),

@@ -35,6 +35,7 @@ from jaxzero.interop import (
     load_hf_into,
     model_config_from_hf,
 )
+from jaxzero.interop.hf_variants import GRANITE_SCALARS
 from jaxzero.interop.safetensors import (
     SafetensorsError,
     SafetensorsReader,
@@ -202,6 +203,33 @@ GPT_OSS = dataclasses.replace(
     rope_truncate=False,
     hf_model_type="gpt_oss",
 )
+# Granite MoE: Mixtral's experts (4 of the MLP's width, top 2: the softmax over the top-2 logits), a
+# tied head and the four scalars (scores times 1/8 where 1/sqrt(head_dim) is 1/4). Granite: the dense
+# Llama block with the same scalars.
+GRANITE_MOE = dataclasses.replace(
+    LLAMA,
+    name="granitemoe-hf-test",
+    tie_embeddings=True,
+    rope_theta=1e7,
+    norm_eps=1e-6,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=LLAMA.intermediate_size,
+    embedding_multiplier=12.0,
+    residual_multiplier=0.22,
+    attention_multiplier=0.125,
+    logits_scaling=6.0,
+    hf_model_type="granitemoe",
+)
+GRANITE = dataclasses.replace(
+    GRANITE_MOE,
+    name="granite-hf-test",
+    num_experts=0,
+    num_experts_per_tok=2,
+    moe_intermediate_size=0,
+    logits_scaling=16.0,
+    hf_model_type="granite",
+)
 CONFIGS = {
     "llama": LLAMA,
     "llama_tied": LLAMA_TIED,
@@ -217,6 +245,8 @@ CONFIGS = {
     "gpt2": GPT2,
     "phi3": PHI3,
     "olmo2": OLMO2,
+    "granitemoe": GRANITE_MOE,
+    "granite": GRANITE,
 }
 
 
@@ -362,6 +392,15 @@ def torch_model(key: str) -> torch.nn.Module:
             )
         elif key == "olmo2":
             model = transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**common, pad_token_id=None))
+        elif key in ("granitemoe", "granite"):
+            scalars = {k: getattr(c, k) for k in GRANITE_SCALARS}
+            if key == "granite":
+                model = transformers.GraniteForCausalLM(transformers.GraniteConfig(**common, **scalars))
+            else:
+                moe = dict(num_local_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok)
+                model = transformers.GraniteMoeForCausalLM(
+                    transformers.GraniteMoeConfig(**common, **moe, **scalars)
+                )
         elif key == "mistral":
             model = transformers.MistralForCausalLM(
                 transformers.MistralConfig(**common, sliding_window=c.sliding_window)
@@ -380,6 +419,12 @@ def torch_model(key: str) -> torch.nn.Module:
                 p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.1 * torch.randn_like(p))
             elif name.endswith("_bias"):  # gpt-oss's experts' biases, (E, out)
                 p.copy_(0.1 * torch.randn_like(p))
+            elif key.startswith("granite") and name.endswith(
+                ("q_proj.weight", "k_proj.weight", "o_proj.weight", "router.weight")
+            ):
+                # scores and router logits far from uniform: the attention's scale and the masked
+                # tokens' share of the load-balancing loss move the logits and the loss
+                p.mul_(10.0)
     return model.eval()
 
 
@@ -628,6 +673,19 @@ def _rewrite_checkpoint(src: Path, dst: Path, edit: Any) -> Path:
     return dst
 
 
+def test_load_hf_into_compares_granites_scalars(hf_checkpoints: dict) -> None:
+    """A run config without Granite's scalars computes something else than the checkpoint: refused,
+    naming each, unless the numerics are left unchecked on purpose."""
+    path, want = hf_checkpoints["granitemoe"]
+    assert rel_err(jax_logits(GRANITE_MOE, load_hf_into(GRANITE_MOE, path)), want) < 1e-4
+    plain = dataclasses.replace(GRANITE_MOE, embedding_multiplier=1.0, logits_scaling=1.0)
+    with pytest.raises(ConfigError) as e:
+        load_hf_into(plain, path)
+    assert "model.embedding_multiplier: run config has 1.0, checkpoint has 12.0" in str(e.value)
+    assert "model.logits_scaling: run config has 1.0, checkpoint has 6.0" in str(e.value)
+    load_hf_into(plain, path, check_numerics=False)
+
+
 def test_import_legacy_gpt2_layout(hf_checkpoints: dict, tmp_path: Path) -> None:
     """openai-community/gpt2's files: no "transformer." prefix, causal-mask buffers, a tied lm_head copy."""
     path, want = hf_checkpoints["gpt2"]
@@ -688,6 +746,8 @@ def test_export_loads_in_transformers(key: str, jax_params: dict, tmp_path: Path
         "olmo2": "Olmo2ForCausalLM",
         "gemma3_text": "Gemma3ForCausalLM",
         "gpt_oss": "GptOssForCausalLM",
+        "granitemoe": "GraniteMoeForCausalLM",
+        "granite": "GraniteForCausalLM",
     }.get(cfg.hf_model_type, "GPT2LMHeadModel" if cfg.family == "gpt2" else "LlamaForCausalLM")
     assert type(model).__name__ == want_class
     if cfg.tie_embeddings:
@@ -821,11 +881,40 @@ PHI4_JSON = {
 }  # fmt: skip
 
 
+# ibm-granite/granite-3.1-1b-a400m-instruct's config.json (transformers 4.47), less its token ids; the
+# 3B-A800M differs in the numbers (its router_aux_loss_coef taken as the 1B's, the loss off in both);
+# granite-3.1-8b's as granite-3.3-8b's (the same architecture) with 3.1's vocabulary.
+GRANITE_1B_A400M_JSON = {
+    "architectures": ["GraniteMoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "attention_multiplier": 0.015625, "embedding_multiplier": 12.0, "hidden_act": "silu",
+    "hidden_size": 1024, "initializer_range": 0.02, "intermediate_size": 512, "logits_scaling": 6.0,
+    "max_position_embeddings": 131072, "model_type": "granitemoe", "num_attention_heads": 16,
+    "num_experts_per_tok": 8, "num_hidden_layers": 24, "num_key_value_heads": 8, "num_local_experts": 32,
+    "output_router_logits": False, "residual_multiplier": 0.22, "rms_norm_eps": 1e-06, "rope_scaling": None,
+    "rope_theta": 1500000.0, "router_aux_loss_coef": 0.0, "tie_word_embeddings": True, "vocab_size": 49155,
+}  # fmt: skip
+GRANITE_3B_A800M_JSON = {
+    **GRANITE_1B_A400M_JSON, "hidden_size": 1536, "num_attention_heads": 24, "num_hidden_layers": 32,
+    "num_local_experts": 40, "rope_theta": 10000000.0,
+}  # fmt: skip
+GRANITE_8B_JSON = {
+    "architectures": ["GraniteForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "attention_multiplier": 0.0078125, "embedding_multiplier": 12.0, "hidden_act": "silu",
+    "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 12800, "logits_scaling": 16.0,
+    "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "granite", "num_attention_heads": 32,
+    "num_hidden_layers": 40, "num_key_value_heads": 8, "residual_multiplier": 0.22, "rms_norm_eps": 1e-05,
+    "rope_scaling": None, "rope_theta": 10000000.0, "tie_word_embeddings": True, "vocab_size": 49155,
+}  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "name, released",
     [
         ("qwen3-30b-a3b", QWEN3_30B_A3B_JSON),
         ("mixtral-8x7b", MIXTRAL_8X7B_JSON),
+        ("granite-3.1-1b-a400m", GRANITE_1B_A400M_JSON),
+        ("granite-3.1-3b-a800m", GRANITE_3B_A800M_JSON),
+        ("granite-3.1-8b", GRANITE_8B_JSON),
         ("phi-3-mini", PHI3_MINI_JSON),
         ("phi-4", PHI4_JSON),
         ("olmo-2-7b", OLMO2_7B_JSON),
@@ -862,7 +951,7 @@ def test_the_load_balancing_coefficient_survives_an_export_round_trip() -> None:
         validate_model(dataclasses.replace(ModelConfig.named("qwen3-30b-a3b"), router_aux_loss_coef=-0.5))
 
 
-MOE_SIZES = ("qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x7b", "gpt-oss-20b")
+MOE_SIZES = ("qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x7b", "gpt-oss-20b", "granite-3.1-3b-a800m")
 
 
 def test_unsupported_configs_are_refused() -> None:
@@ -894,6 +983,13 @@ def test_unsupported_configs_are_refused() -> None:
         ({**hf_config(QWEN3_MOE), "decoder_sparse_step": 2}, "decoder_sparse_step=2"),
         ({**hf_config(MIXTRAL), "router_jitter_noise": 0.01}, "router_jitter_noise=0.01"),
         ({**hf_config(MIXTRAL), "num_experts_per_tok": 5}, "num_experts_per_tok=5"),
+        # Granite's biases would also bias o_proj (and the MLP); its scalars are positive.
+        (
+            {**GRANITE_1B_A400M_JSON, "attention_bias": True},
+            "attention_bias=true (biases on q, k, v and o_proj",
+        ),
+        ({**GRANITE_8B_JSON, "mlp_bias": True}, "mlp_bias=true (biases on the MLP"),
+        ({**GRANITE_8B_JSON, "logits_scaling": 0}, "logits_scaling=0 must be a positive number"),
         # LongRoPE (Phi-3-mini-128k, Phi-3.5, Phi-4-mini) in either spelling; OLMo 2's biases on q, k, v, o.
         (
             {**PHI3_MINI_JSON, "rope_scaling": {"type": "su", "long_factor": [1.0], "short_factor": [1.0]}},
@@ -970,7 +1066,7 @@ def test_export_rejects_params_that_do_not_match_the_config(jax_params: dict, tm
 
 
 @pytest.mark.parametrize(
-    "key", ["llama3", "llama_linear", "qwen2", "qwen3", "gemma3", "gpt_oss", "phi3", "olmo2"]
+    "key", ["llama3", "llama_linear", "qwen2", "qwen3", "gemma3", "gpt_oss", "phi3", "olmo2", "granitemoe"]
 )
 def test_what_the_families_add_changes_the_logits(key: str, hf_checkpoints: dict) -> None:
     """The import tests could not pass without each feature: the checkpoint computed without its rope
@@ -1023,6 +1119,14 @@ def test_what_the_families_add_changes_the_logits(key: str, hf_checkpoints: dict
         ):
             assert rel_err(jax_logits(dataclasses.replace(cfg, **change), params), want) > 1e-3, change
         plain = dataclasses.replace(cfg, sliding_window_pattern=1)  # every layer global
+    elif key == "granitemoe":  # each of the four scalars at its neutral value
+        for change in (
+            dict(embedding_multiplier=1.0),
+            dict(residual_multiplier=1.0),
+            dict(attention_multiplier=0.0),
+        ):
+            assert rel_err(jax_logits(dataclasses.replace(cfg, **change), params), want) > 1e-3, change
+        plain = dataclasses.replace(cfg, logits_scaling=1.0)
     elif key == "gpt_oss":  # each of: the window, yarn, yarn's cos/sin factor alone; then the sinks
         for change in (dict(sliding_window=SEQ), dict(rope_type="default"), dict(rope_attention_factor=1.0)):
             assert rel_err(jax_logits(dataclasses.replace(cfg, **change), params), want) > 1e-3, change
@@ -1105,9 +1209,12 @@ AUX_COEF = 0.3  # large, so that the load-balancing loss's gradient moves the se
         "gpt_oss",
         "phi3",
         "olmo2",
+        "granitemoe",
+        "granite",
         "qwen3_moe+aux",
         "mixtral+aux",
         "gpt_oss+aux",
+        "granitemoe+aux",
     ],
 )
 def test_one_training_step_matches_transformers(key: str, hf_checkpoints: dict, tmp_path: Path) -> None:
@@ -1134,7 +1241,7 @@ def test_one_training_step_matches_transformers(key: str, hf_checkpoints: dict, 
     assert abs(want[1] - want[0]) > 1e-3  # the step moved the loss: the second one compares updates
 
 
-@pytest.mark.parametrize("key", ["qwen3_moe", "mixtral", "gpt_oss"])
+@pytest.mark.parametrize("key", ["qwen3_moe", "mixtral", "gpt_oss", "granitemoe"])
 def test_a_padded_training_step_matches_transformers_with_its_attention_mask(
     key: str, hf_checkpoints: dict, tmp_path: Path
 ) -> None:

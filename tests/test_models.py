@@ -752,6 +752,65 @@ def test_phi3_and_olmo2_sizes_are_the_released_configs(name: str) -> None:
     assert cfg.rope_theta == {"phi-3-mini": 1e4, "phi-4": 2.5e5}.get(name, 5e5)
 
 
+def _granite_count(
+    hidden: int, layers: int, heads: int, kv: int, experts: int, width: int, vocab: int
+) -> tuple[int, int]:
+    """(total, per token less the embedding) parameters of a Granite 3.1 checkpoint from its
+    config.json's numbers, written out from transformers' GraniteMoeForCausalLM (per layer q, k, v, o,
+    the router (E, D), input_linear (E, 2F, D), output_linear (E, D, F), two RMSNorms of the width) and
+    GraniteForCausalLM (experts=0: gate, up (F, D), down (D, F)); the tied embedding, the final norm.
+    Per token: the top 8 experts."""
+    q, k = hidden, kv * (hidden // heads)
+    attention = hidden * q + 2 * hidden * k + q * hidden + 2 * hidden
+    mlp = 3 * hidden * width
+    total = vocab * hidden + hidden + layers * (attention + (experts * (hidden + mlp) if experts else mlp))
+    active = hidden + layers * (attention + (experts * hidden + 8 * mlp if experts else mlp))
+    return total, active
+
+
+# The Granite 3.1 configs (ibm-granite/granite-3.1-1b-a400m-*, -3b-a800m-*, -8b-*: hidden_size,
+# num_hidden_layers, num_attention_heads, num_key_value_heads, num_local_experts, intermediate_size,
+# vocab_size; all tied), their counts, and the figures their names publish (3B total, 800M active).
+# The counts are these shapes', derived here: no card publishes them to the parameter.
+GRANITE_RELEASED = {
+    "granite-3.1-1b-a400m": ((1024, 24, 16, 8, 32, 512, 49155), 1_334_628_352, "1B", "400M"),
+    "granite-3.1-3b-a800m": ((1536, 32, 24, 8, 40, 512, 49155), 3_298_793_472, "3B", "800M"),
+    "granite-3.1-8b": ((4096, 40, 32, 8, 0, 12800, 49155), 8_170_848_256, "8B", ""),
+}
+PUBLISHED_COUNTS.update({name: count for name, (_, count, _, _) in GRANITE_RELEASED.items()})
+
+
+@pytest.mark.parametrize("name", list(GRANITE_RELEASED))
+def test_granite_sizes_are_the_released_configs(name: str) -> None:
+    """Each Granite size is its released config: the count of the config's numbers is the named
+    size's and rounds to its name's figures; it has Granite's four scalars (attention_multiplier
+    1/head_dim) and, for the MoE sizes, 8 of its experts per token, which its FLOPs count."""
+    shape, count, total_name, active_name = GRANITE_RELEASED[name]
+    hidden, layers, heads, kv, experts, width, vocab = shape
+    cfg = ModelConfig.named(name)
+    total, active = _granite_count(*shape)
+    assert total == count == param_count(cfg)
+    assert f"{total / 1e9:.0f}B" == total_name
+    assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size) == shape[:4] + (
+        vocab,
+    )
+    assert (cfg.num_experts, cfg.tie_embeddings, cfg.hf_model_type) == (
+        experts,
+        True,
+        "granitemoe" if experts else "granite",
+    )
+    assert (cfg.moe_intermediate_size if experts else cfg.intermediate_size) == width
+    scalars = (cfg.embedding_multiplier, cfg.residual_multiplier, cfg.attention_multiplier)
+    assert scalars == (12.0, 0.22, 1 / cfg.head_dim)
+    assert cfg.logits_scaling == (6.0 if experts else 16.0)
+    assert cfg.rope_theta == (1.5e6 if name == "granite-3.1-1b-a400m" else 1e7)
+    # FLOPs: 6 per multiplied weight (the embedding is a lookup, the norms no matmul; tied head counted).
+    assert matmul_param_count(cfg) == active - hidden - 2 * hidden * layers + vocab * hidden
+    if experts:
+        assert cfg.num_experts_per_tok == 8
+        assert f"{active / 1e8:.0f}00M" == active_name
+
+
 def test_gemma3_attention_flops_count_each_local_layer_over_its_window():
     cfg = ModelConfig.named("gemma-3-12b")  # 48 layers: 8 global, 40 within 1024 positions
     width, seq = cfg.num_heads * cfg.head_dim, 8192

@@ -21,6 +21,9 @@ SPECS = {
     "qwen3_moe": moe.qwen3_moe_spec(num_experts=8, top_k=3, norm_topk_prob=True),
     "qwen3_moe_unnormalised": moe.qwen3_moe_spec(num_experts=8, top_k=3, norm_topk_prob=False),
     "gpt_oss": moe.gpt_oss_spec(num_experts=6, top_k=2, swiglu_alpha=1.702, swiglu_limit=0.05),
+    # Granite's softmax over its top-k logits, computed as Mixtral's renormalised top-k of the softmax
+    # (`jaxzero.models.llama.moe_spec`): transformers' GraniteMoeMoE is the reference.
+    "granitemoe": moe.mixtral_spec(num_experts=5, top_k=3),
 }
 EXPERTS_FNS = {
     "ragged_dot": moe.experts_ragged_dot,
@@ -150,6 +153,18 @@ def hf_block(family: str, spec: moe.MoeSpec):
         )
         config._experts_implementation = "eager"
         block, router = Qwen3MoeSparseMoeBlock(config), "gate"
+    elif family == "granitemoe":
+        from transformers import GraniteMoeConfig
+        from transformers.models.granitemoe.modeling_granitemoe import GraniteMoeMoE
+
+        config = GraniteMoeConfig(
+            hidden_size=D,
+            intermediate_size=F,
+            num_local_experts=spec.num_experts,
+            num_experts_per_tok=spec.top_k,
+        )
+        config._experts_implementation = "eager"
+        block, router = GraniteMoeMoE(config), "router"
     else:
         from transformers import GptOssConfig
         from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
@@ -183,7 +198,7 @@ def hf_block(family: str, spec: moe.MoeSpec):
         }
     else:  # (E, 2F, D) [gate; up] -> (E, D, 2F); (E, D, F) -> (E, F, D)
         params = {
-            "router": {"kernel": sd["gate.weight"].T},
+            "router": {"kernel": sd["router.weight" if family == "granitemoe" else "gate.weight"].T},
             "gate_up": {"kernel": gu.transpose(0, 2, 1)},
             "down": {"kernel": down.transpose(0, 2, 1)},
         }
@@ -212,10 +227,14 @@ def test_block_equals_transformers_module(family):
 # ---------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "gpt_oss", "granitemoe"])
 @pytest.mark.parametrize("masked", [False, True])
 def test_load_balancing_loss_and_its_gradient_equal_transformers(family, masked):
+    from transformers.models.granitemoe import modeling_granitemoe
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    if family == "granitemoe":  # its own copy of the function
+        load_balancing_loss_func = modeling_granitemoe.load_balancing_loss_func
 
     spec = SPECS[family]
     B, S, L, E = 2, 5, 3, spec.num_experts

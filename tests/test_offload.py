@@ -289,6 +289,18 @@ def test_moe_block_offloads_like_resident():
     assert seen == {"['router']['kernel']", "['gate_up']['kernel']", "['down']['kernel']"}
 
 
+# Granite MoE: the same experts under Granite's four scalars, with the load-balancing loss.
+GRANITE_MOE = {**MOE, "model.hf_model_type": "granitemoe", "model.tie_embeddings": "true",
+               "model.embedding_multiplier": "12", "model.residual_multiplier": "0.22",
+               "model.attention_multiplier": "0.125", "model.logits_scaling": "6",
+               "model.router_aux_loss_coef": "0.05"}  # fmt: skip
+
+
+def test_granitemoe_block_offloads_like_resident():
+    """Granite's scaled embeddings, residuals, scores and logits stream and train as resident."""
+    offloads_like_resident(GRANITE_MOE)
+
+
 def train_moe(cfg: TrainConfig, model=None):
     """`run`'s loop for a mixture of experts: (state, losses, aux losses, norms), with `model` in place
     of cfg.model's where given."""

@@ -1,7 +1,7 @@
 """PEFT interop against the real library: jaxzero's LoRA adapters exported in PEFT's format load with
 `peft.PeftModel.from_pretrained` and compute the same logits and gradients; PEFT's own files import back.
 
-For each of the Llama, Qwen2 (q/k/v biases, tied head) and Mistral families a tiny random transformers
+For each of the Llama, Qwen2 (q/k/v biases, tied head), Mistral, ... families a tiny random transformers
 model (hidden 32, 2 layers, vocab 100) is saved and imported with `import_hf`, and random adapters with a
 nonzero lora_b (PEFT initialises it to zero, which would make a missing or misread adapter invisible)
 are put on a few projections. Compute is float32 on both sides.
@@ -97,6 +97,19 @@ FAMILIES: dict[str, dict[str, Any]] = {
             "layer_types": ["sliding_attention", "full_attention"], "pad_token_id": None},  # fmt: skip
         ft=FinetuneConfig(method="lora", lora_rank=4, lora_alpha=8, lora_targets="q,k,v,o"),
     ),
+    # Granite MoE: tied, the four scalars (scores times 1/8 where 1/sqrt(head_dim) is 1/4); its 4 fused
+    # experts (top 2) and routers frozen.
+    "granitemoe": dict(
+        hf={"num_local_experts": 4, "num_experts_per_tok": 2, "embedding_multiplier": 12.0,
+            "residual_multiplier": 0.22, "attention_multiplier": 0.125, "logits_scaling": 2.0},  # fmt: skip
+        ft=FinetuneConfig(method="lora", lora_rank=4, lora_alpha=8, lora_targets="q,k,v,o"),
+    ),
+    # Granite (dense): the same scalars over Llama's block; every projection.
+    "granite": dict(
+        hf={"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.125,
+            "logits_scaling": 2.0},  # fmt: skip
+        ft=FinetuneConfig(method="lora", lora_rank=4, lora_alpha=8, lora_targets="q,k,v,o,gate,up,down"),
+    ),
 }
 
 
@@ -114,7 +127,7 @@ def torch_model(family: str) -> torch.nn.Module:
         max_position_embeddings=SEQ,
         rms_norm_eps=1e-6,
         initializer_range=0.1,
-        tie_word_embeddings=family in ("qwen2", "gemma3"),
+        tie_word_embeddings=family in ("qwen2", "gemma3", "granitemoe", "granite"),
         bos_token_id=None,
         eos_token_id=None,
         **FAMILIES[family]["hf"],
@@ -129,6 +142,8 @@ def torch_model(family: str) -> torch.nn.Module:
         "gpt_oss": (transformers.GptOssForCausalLM, transformers.GptOssConfig),
         "phi3": (transformers.Phi3ForCausalLM, transformers.Phi3Config),
         "olmo2": (transformers.Olmo2ForCausalLM, transformers.Olmo2Config),
+        "granitemoe": (transformers.GraniteMoeForCausalLM, transformers.GraniteMoeConfig),
+        "granite": (transformers.GraniteForCausalLM, transformers.GraniteConfig),
     }
     model_cls, config_cls = classes[family]
     model = model_cls(config_cls(**common))

@@ -233,18 +233,23 @@ def test_gemma3_sharded_over_four_devices_matches_one_device():
     _four_devices_train_as_one(gemma3)
 
 
-def test_moe_sharded_over_four_devices_matches_one_device():
+@pytest.mark.parametrize("granite", [False, True], ids=["mixtral", "granitemoe"])
+def test_moe_sharded_over_four_devices_matches_one_device(granite):
     """A mixture of experts' (E, D, 2F) and (E, F, D) expert kernels and (D, E) routers shard like any
     leaf under ZeRO-1 and ZeRO-3 offload (two micro-batches a step), and the load-balancing loss's
     statistics sum each micro-batch's tokens over the devices that hold its rows: with a coefficient,
     four devices train as one does. (Its coefficient 0 is the cross-entropy alone, bit for bit:
-    tests/test_offload.py.)"""
+    tests/test_offload.py.) Granite MoE's four scalars change none of that."""
     moe = {
         "model.num_experts": "4",
         "model.num_experts_per_tok": "2",
         "model.moe_intermediate_size": "64",
         "model.router_aux_loss_coef": "0.05",
     }
+    if granite:
+        from test_offload import GRANITE_MOE
+
+        moe = {**GRANITE_MOE, **moe}
     _four_devices_train_as_one(moe, placements=(("optimizer", 1), ("params", 3)))
 
 

@@ -40,6 +40,8 @@ HFModelType = Literal[
     "gpt2",
     "gemma3_text",
     "gpt_oss",
+    "granitemoe",
+    "granite",
 ]
 
 
@@ -110,8 +112,13 @@ class ModelConfig:
     rope_local_theta: float = 0.0  # gemma3: the rotary base of the windowed layers
     query_pre_attn_scalar: int = 0  # gemma3: scores scaled by its -1/2 power; 0: head_dim's
     final_logit_softcap: float = 0.0  # gemma3: logits = cap * tanh(logits / cap); 0: none
+    # Granite's four scalars (llama family; the defaults leave every other model as it is):
+    embedding_multiplier: float = 1.0  # the token embeddings times it
+    residual_multiplier: float = 1.0  # each sub-block's output times it, before its residual add
+    attention_multiplier: float = 0.0  # the attention scores' factor; 0: 1/sqrt(head_dim)
+    logits_scaling: float = 1.0  # the logits divided by it
     # The transformers model_type an export writes: "" is the family's own (llama, gpt2); Llama-family
-    # checkpoints imported as qwen2, qwen3 or mistral keep theirs.
+    # checkpoints imported as qwen2, qwen3, mistral, granite, ... keep theirs.
     hf_model_type: HFModelType = ""
     norm_eps: float = 1e-5  # epsilon of RMSNorm / LayerNorm
     init_std: float = 0.02  # standard deviation of the random init of matrices

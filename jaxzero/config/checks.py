@@ -24,7 +24,7 @@ from jaxzero.config import (
     TrainConfig,
 )
 from jaxzero.config.families import validate_gemma3, validate_gpt_oss
-from jaxzero.config.variants import lora_target_problem, validate_variants
+from jaxzero.config.variants import LLAMA_TYPES, lora_target_problem, validate_variants
 
 
 def _need(cond: bool, msg: str) -> None:
@@ -127,7 +127,7 @@ def validate_model(m: ModelConfig) -> None:
             "implements default, linear and llama3 rope."
         )
     hf_types = {
-        "llama": ("", "llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "phi3", "olmo2"),
+        "llama": LLAMA_TYPES,
         "gpt2": ("", "gpt2"),
         "gemma3": ("", "gemma3_text"),
         "gpt_oss": ("", "gpt_oss"),
@@ -183,7 +183,7 @@ def validate_model(m: ModelConfig) -> None:
 def _validate_moe(m: ModelConfig) -> None:
     """Experts: llama family only, top-k of at least k experts, a width; the MoE checkpoint types
     with experts and the dense ones without (Mixtral renormalises its top-k, no q/k norms)."""
-    moe_types = ("qwen3_moe", "mixtral")
+    moe_types = ("qwen3_moe", "mixtral", "granitemoe")
     if not (m.router_aux_loss_coef >= 0 and math.isfinite(m.router_aux_loss_coef)):
         raise ConfigError(
             f"model.router_aux_loss_coef={m.router_aux_loss_coef} must be a finite number >= 0 (the "
@@ -203,7 +203,10 @@ def _validate_moe(m: ModelConfig) -> None:
     if m.moe_intermediate_size < 1:
         bad.append(f"model.moe_intermediate_size={m.moe_intermediate_size} (each expert's width, >= 1)")
     if m.hf_model_type not in ("", *moe_types):
-        bad.append(f"model.hf_model_type={m.hf_model_type!r} (a dense type; use qwen3_moe, mixtral or '')")
+        bad.append(
+            f"model.hf_model_type={m.hf_model_type!r} (a dense type; use qwen3_moe, mixtral, "
+            "granitemoe or '')"
+        )
     if m.hf_model_type == "mixtral" and (not m.norm_topk_prob or m.attention_bias):
         bad.append("model.hf_model_type='mixtral' with norm_topk_prob=false or attention_bias=true")
     if m.hf_model_type == "qwen3_moe" and (not m.qk_norm or m.attention_bias):

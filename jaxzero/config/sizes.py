@@ -86,6 +86,11 @@ _ROWS: dict[str, tuple[Any, ...]] = {
     "olmo-2-7b":        ("llama", 100352, 4096,  32,    32,   32, 11008, 4096,   False, 5e5,  1e-6),
     "olmo-2-13b":       ("llama", 100352, 5120,  40,    40,   40, 13824, 4096,   False, 5e5,  1e-6),
     "olmo-2-32b":       ("llama", 100352, 5120,  64,    40,   8,  27648, 4096,   False, 5e5,  1e-6),
+    # IBM Granite 3.1 MoE 1B-A400M and 3B-A800M, dense 8B (_GRANITE: the four scalars; "mlp" of the
+    # MoE sizes is their experts' width, as their config.json's intermediate_size is).
+    "granite-3.1-1b-a400m": ("llama", 49155, 1024, 24,  16,   8,  512,   131072, True,  1.5e6, 1e-6),
+    "granite-3.1-3b-a800m": ("llama", 49155, 1536, 32,  24,   8,  512,   131072, True,  1e7,  1e-6),
+    "granite-3.1-8b":       ("llama", 49155, 4096, 40,  32,   8,  12800, 131072, True,  1e7,  1e-5),
 }
 # fmt: on
 # The other size fields: llama-tiny's, and every size's except where _DIFFERENT says.
@@ -106,6 +111,7 @@ _REST: dict[str, Any] = dict(
     **dict(num_experts=0, num_experts_per_tok=2, moe_intermediate_size=0, norm_topk_prob=True),
     **dict(swiglu_alpha=1.702, swiglu_limit=7.0),
     router_aux_loss_coef=0.0,
+    **dict(embedding_multiplier=1.0, residual_multiplier=1.0, attention_multiplier=0.0, logits_scaling=1.0),
 )
 # Llama 3.1's rope scaling (transformers' "llama3"), each size with its own factor.
 _LLAMA3_ROPE = dict(
@@ -146,6 +152,18 @@ _GEMMA3 = dict(
 _GEMMA3_LINEAR = {**_GEMMA3, "rope_type": "linear", "rope_factor": 8.0}
 _PHI3 = dict(fused_projections=True, hf_model_type="phi3")
 _OLMO2 = dict(qk_norm=True, qk_norm_scope="projection", post_norm=True, hf_model_type="olmo2")
+# Granite 3.1: embeddings x12, each sub-block's output x0.22, scores x1/head_dim (not its root), logits
+# / logits_scaling; the MoE sizes route each token to 8 experts (router_aux_loss_coef 0: off). The
+# 1B-A400M's config.json was read; the 3B-A800M's scalars are taken as the 1B's (both heads of 64).
+_GRANITE = dict(hf_model_type="granite", embedding_multiplier=12.0, residual_multiplier=0.22)
+_GRANITE_MOE = dict(
+    _GRANITE,
+    hf_model_type="granitemoe",
+    num_experts_per_tok=8,
+    moe_intermediate_size=512,
+    attention_multiplier=0.015625,
+    logits_scaling=6.0,
+)
 _DIFFERENT: dict[str, dict[str, Any]] = {
     "llama-3.1-8b": {**_LLAMA3_ROPE, "rope_factor": 8.0},
     "llama-3.1-70b": {**_LLAMA3_ROPE, "rope_factor": 8.0},
@@ -164,6 +182,9 @@ _DIFFERENT: dict[str, dict[str, Any]] = {
     "phi-3-mini": {**_PHI3, "sliding_window": 2047},
     "phi-4": _PHI3,
     **{f"olmo-2-{size}": _OLMO2 for size in ("7b", "13b", "32b")},
+    "granite-3.1-1b-a400m": {**_GRANITE_MOE, "num_experts": 32},
+    "granite-3.1-3b-a800m": {**_GRANITE_MOE, "num_experts": 40},
+    "granite-3.1-8b": {**_GRANITE, "attention_multiplier": 0.0078125, "logits_scaling": 16.0},
     "gemma-3-1b": {**_GEMMA3, "head_size": 256, "query_pre_attn_scalar": 256, "sliding_window": 512},
     "gemma-3-4b": {**_GEMMA3_LINEAR, "head_size": 256, "query_pre_attn_scalar": 256},
     "gemma-3-12b": {**_GEMMA3_LINEAR, "head_size": 256, "query_pre_attn_scalar": 256},

@@ -1,19 +1,27 @@
-"""The rules of the Llama family's block variants that Phi-3 and OLMo 2 checkpoints need: fused
-q/k/v and gate/up projections, partial rotary embeddings, q/k norms over the whole projections, and
-norms after each sub-block instead of before it (`ModelConfig` fields). Called by
-`jaxzero.config.checks.validate_model`; imports only the config.
+"""The rules of the Llama family's block variants that Phi-3, OLMo 2 and Granite checkpoints need:
+fused q/k/v and gate/up projections, partial rotary embeddings, q/k norms over the whole projections,
+norms after each sub-block instead of before it, and Granite's four scalars (`ModelConfig` fields).
+Called by `jaxzero.config.checks.validate_model`; imports only the config.
 """
 
 from __future__ import annotations
 
 from jaxzero.config import ConfigError, ModelConfig
 
+# Granite's model types: the MoE (GraniteMoeForCausalLM) and the dense (GraniteForCausalLM).
+GRANITE = ("granitemoe", "granite")
+# The transformers model types of the Llama family ('': jaxzero's own).
+LLAMA_TYPES = ("", "llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "phi3", "olmo2", *GRANITE)
 # The transformers model types that compute each variant; '' (jaxzero's own) computes every one.
 _TYPES_OF = {
     "fused_projections": ("phi3",),
     "partial_rotary_factor": ("phi3",),
     "post_norm": ("olmo2",),
     "qk_norm_scope": ("olmo2",),
+    "embedding_multiplier": GRANITE,
+    "residual_multiplier": GRANITE,
+    "attention_multiplier": GRANITE,
+    "logits_scaling": GRANITE,
 }
 
 
@@ -35,6 +43,13 @@ def validate_variants(m: ModelConfig) -> None:
             f"number of rotated dims of each head: int(head_dim={m.head_dim} x factor) = "
             f"{int(m.head_dim * m.partial_rotary_factor)}."
         )
+    scalars = (m.embedding_multiplier, m.residual_multiplier, m.logits_scaling)
+    if min(scalars) <= 0 or m.attention_multiplier < 0:
+        raise ConfigError(
+            f"model.embedding_multiplier={m.embedding_multiplier}, residual_multiplier="
+            f"{m.residual_multiplier} and logits_scaling={m.logits_scaling} must be > 0, "
+            f"attention_multiplier={m.attention_multiplier} >= 0 (0: 1/sqrt(head_dim))."
+        )
     if m.qk_norm_scope == "projection" and not m.qk_norm:
         raise ConfigError("model.qk_norm_scope=projection needs model.qk_norm=true (the norms it places).")
     if m.fused_projections and (m.num_experts or m.attention_bias):
@@ -47,9 +62,20 @@ def validate_variants(m: ModelConfig) -> None:
         raise ConfigError(
             f"{', '.join(wrong)}: no {m.hf_model_type} model of transformers computes this. Phi-3 "
             "(model.hf_model_type=phi3) has fused projections and partial rotary, OLMo 2 (olmo2) norms "
-            "after each sub-block and q/k norms over the projections; model.hf_model_type='' trains any "
-            "of them, but only a shape one of those types computes exports to Hugging Face."
+            "after each sub-block and q/k norms over the projections, Granite (granite, granitemoe) the "
+            "four multipliers; model.hf_model_type='' trains any of them, but only a shape one of those "
+            "types computes exports to Hugging Face."
         )
+    if m.hf_model_type in GRANITE:
+        need = {
+            "qk_norm=false": not m.qk_norm,
+            "attention_bias=false (Granite's would also bias o_proj)": not m.attention_bias,
+            "head_size=0 (hidden_size / num_heads)": m.head_size in (0, m.hidden_size // m.num_heads),
+            "sliding_window=0": not m.sliding_window,
+            # top-k of the logits, softmax over the k: the softmax's top-k renormalised
+            "norm_topk_prob=true": m.norm_topk_prob or not m.num_experts,
+        }
+        _need_all(m.hf_model_type, need, m)
     if m.hf_model_type == "phi3":
         need = {
             "fused_projections=true": m.fused_projections,

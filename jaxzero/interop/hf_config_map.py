@@ -4,7 +4,8 @@ Supported: the Llama family (`LlamaForCausalLM` "llama" with default, linear or 
 `Qwen2ForCausalLM` "qwen2", biases on q, k, v; `Qwen3ForCausalLM` "qwen3", q/k norms and a head_dim of
 its own; `MistralForCausalLM` "mistral"; `Qwen3MoeForCausalLM` "qwen3_moe" and `MixtralForCausalLM`
 "mixtral", whose expert fields `hf_moe_config` maps; `Phi3ForCausalLM` "phi3" (Phi-3, Phi-4) and
-`Olmo2ForCausalLM` "olmo2", whose block variants `hf_variants` maps; tied or untied head, grouped-query
+`Olmo2ForCausalLM` "olmo2", `GraniteForCausalLM` "granite" and `GraniteMoeForCausalLM` "granitemoe",
+whose block variants `hf_variants` maps (Granite MoE's experts too); tied or untied head, grouped-query
 attention), GPT-2 (`GPT2LMHeadModel` "gpt2"), Gemma 3's text models (`Gemma3ForCausalLM` "gemma3_text"
 and the text model of `Gemma3ForConditionalGeneration` "gemma3") and gpt-oss (`GptOssForCausalLM`
 "gpt_oss", `hf_gpt_oss`). Anything these models cannot compute exactly (dynamic/yarn/longrope rope,
@@ -26,9 +27,9 @@ import ml_dtypes
 import numpy as np
 
 from jaxzero.config import ConfigError, ModelConfig
+from jaxzero.interop import hf_variants
 from jaxzero.interop.hf_gpt_oss import gpt_oss_from_hf, gpt_oss_to_hf
 from jaxzero.interop.hf_moe_config import MOE_ARCHITECTURES, MOE_DEFAULTS, moe_from_hf, moe_to_hf
-from jaxzero.interop.hf_variants import VARIANT_DEFAULTS, VARIANTS, variant_from_hf, variant_to_hf
 from jaxzero.models import build_model
 
 CONFIG_NAME = "config.json"
@@ -73,7 +74,7 @@ _ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
     **MOE_ARCHITECTURES,  # Qwen3-MoE and Mixtral: the Llama family with a sparse MLP
-    **VARIANTS,  # Phi-3 and OLMo 2: the Llama family with block variants
+    **hf_variants.VARIANTS,  # Phi-3, OLMo 2 and Granite: the Llama family with block variants
 }
 # Defaults of Qwen2Config / Qwen3Config / MistralConfig (transformers 5) that differ from LlamaConfig's.
 _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -102,7 +103,7 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
         "sliding_window": 4096,
     },
     **MOE_DEFAULTS,
-    **VARIANT_DEFAULTS,
+    **hf_variants.VARIANT_DEFAULTS,
 }
 # GPT-2's "gelu_new" and "gelu_pytorch_tanh" are both the tanh approximation jaxzero computes.
 _GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")
@@ -140,8 +141,7 @@ def hf_config(cfg: ModelConfig, dtype: str = "bfloat16") -> dict[str, Any]:
         implied = "qwen3" if cfg.qk_norm else "qwen2" if cfg.attention_bias else "llama"
         if cfg.num_experts:
             implied = "qwen3_moe" if cfg.qk_norm else "mixtral"
-        if cfg.fused_projections or cfg.post_norm:
-            implied = "phi3" if cfg.fused_projections else "olmo2"
+        implied = hf_variants.implied_type(cfg) or implied
         model_type = cfg.hf_model_type or implied
         rope: dict[str, Any] = {"rope_type": cfg.rope_type, "rope_theta": cfg.rope_theta}
         if cfg.rope_type != "default":
@@ -187,9 +187,9 @@ def hf_config(cfg: ModelConfig, dtype: str = "bfloat16") -> dict[str, Any]:
             out["sliding_window"] = cfg.sliding_window or None
         if cfg.num_experts:
             out.update(moe_to_hf(cfg, model_type))
-        if model_type in VARIANTS:
+        if model_type in (*hf_variants.VARIANTS, "granitemoe"):
             out.pop("sliding_window")
-        out.update(variant_to_hf(cfg, model_type, rope))
+        out.update(hf_variants.variant_to_hf(cfg, model_type, rope))
         return out
     return {
         "architectures": ["GPT2LMHeadModel"],
@@ -475,9 +475,8 @@ def _llama_from_hf(d: Mapping[str, Any], model_type: str, name: str, where: str)
     if model_type in MOE_ARCHITECTURES:
         extra, more = moe_from_hf(d, model_type, where)
         unsupported += more
-    if model_type in VARIANTS:
-        extra, more = variant_from_hf(d, model_type, rope, where)
-        unsupported += more
+    variant, more = hf_variants.variant_from_hf(d, model_type, rope, where)
+    extra, unsupported = {**extra, **variant}, unsupported + more
     if unsupported:
         raise ConfigError(f"{where}: unsupported {arch} features: " + "; ".join(unsupported) + ".")
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:

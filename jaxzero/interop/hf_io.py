@@ -33,6 +33,7 @@ from jaxzero.interop.hf_names import (
     set_path,
     unit_trees,
 )
+from jaxzero.interop.hf_variants import GRANITE_SCALARS
 from jaxzero.interop.mxfp4 import dequantize_expert, packed_shapes
 from jaxzero.interop.safetensors import SafetensorsError, SafetensorsReader, SafetensorsWriter, TensorSpec
 from jaxzero.models import ModelParams
@@ -446,10 +447,10 @@ def load_hf_into(
     attention_bias, qk_norm, head_dim and the block variants (`jaxzero.config.variants`) for Llama
     and max_seq_len for GPT-2, whose position table has that many rows) and,
     unless `check_numerics=False`, in the fields that change what the weights compute (norm_eps, and
-    rope_theta, rope_type and the scaling's fields for Llama; pass False to fine-tune with e.g. a raised
-    rope_theta on purpose). Every mismatching field is named in one
-    ConfigError. Training knobs (compute_dtype, attention_impl, init_std, Llama's max_seq_len) are the
-    run's own and are not compared.
+    rope_theta, rope_type, the scaling's fields and Granite's scalars for Llama; pass False to fine-tune
+    with e.g. a raised rope_theta on purpose). Every mismatching field is named in one ConfigError.
+    Training knobs (compute_dtype, attention_impl, init_std, Llama's max_seq_len) are the run's own and
+    are not compared.
     """
     ckpt = Path(path)
     _check_hf_config(cfg, ckpt, check_numerics)
@@ -494,7 +495,7 @@ def _check_hf_config(cfg: ModelConfig, ckpt: Path, check_numerics: bool) -> None
         if cfg.family == "llama":
             names += [
                 n for n in _ROPE_FIELDS if n in ("rope_theta", "rope_type") or hf.rope_type != "default"
-            ]
+            ] + list(GRANITE_SCALARS)
     differ = [n for n in names if getattr(cfg, n) != getattr(hf, n)]
     if differ:
         bad = [

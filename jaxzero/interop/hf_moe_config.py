@@ -1,6 +1,9 @@
 """The mixture-of-experts fields of a transformers `config.json` (Qwen3-MoE "qwen3_moe", Mixtral
-"mixtral") and jaxzero's `ModelConfig.num_experts` and friends, in both directions; the rest of those
-configs is the Llama family's (`jaxzero.interop.hf_config_map`).
+"mixtral", Granite MoE "granitemoe") and jaxzero's `ModelConfig.num_experts` and friends, in both
+directions; the rest of those configs is the Llama family's (`jaxzero.interop.hf_config_map`, with
+Granite's scalars in `jaxzero.interop.hf_variants`). Granite's experts are Mixtral's: their width is
+`intermediate_size`, and its router's softmax over the top-k logits is the top-k of the softmax
+renormalised.
 
 Every released Qwen3-MoE and Mixtral has a sparse MLP in every layer, which is what jaxzero computes:
 Qwen3-MoE's `decoder_sparse_step` other than 1 or a non-empty `mlp_only_layers` (dense layers among
@@ -22,7 +25,11 @@ from typing import Any
 from jaxzero.config import ConfigError, ModelConfig
 
 # The causal-LM classes of the MoE model types.
-MOE_ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+MOE_ARCHITECTURES = {
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "granitemoe": "GraniteMoeForCausalLM",
+}
 # Defaults of Qwen3MoeConfig / MixtralConfig (transformers 5) that differ from LlamaConfig's.
 MOE_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3_moe": {
@@ -47,6 +54,7 @@ MOE_DEFAULTS: dict[str, dict[str, Any]] = {
         "num_local_experts": 8,
         "num_experts_per_tok": 2,
     },
+    "granitemoe": {"num_local_experts": 8, "num_experts_per_tok": 2},
 }
 
 
@@ -63,14 +71,14 @@ def _positive_int(
 
 def moe_from_hf(d: Mapping[str, Any], model_type: str, where: str) -> tuple[dict[str, Any], list[str]]:
     """(the ModelConfig fields of the experts, the unsupported features found) of a config.json dict
-    `d` of `model_type` ("qwen3_moe" or "mixtral")."""
+    `d` of `model_type` ("qwen3_moe", "mixtral" or "granitemoe")."""
     defaults = MOE_DEFAULTS[model_type]
     unsupported = []
     # transformers reads either spelling of the expert count (num_experts, num_local_experts).
     experts = _positive_int(d, defaults, ("num_experts", "num_local_experts"), where)
     top_k = _positive_int(d, defaults, ("num_experts_per_tok",), where)
-    if model_type == "mixtral":
-        width = _positive_int(d, defaults, ("intermediate_size",), where)
+    if model_type in ("mixtral", "granitemoe"):
+        width = _positive_int(d, {"intermediate_size": 11008, **defaults}, ("intermediate_size",), where)
         normalize = True
         if d.get("router_jitter_noise"):
             unsupported.append(f"router_jitter_noise={d['router_jitter_noise']} (random router noise)")
@@ -112,12 +120,13 @@ def aux_loss_coef_from_hf(d: Mapping[str, Any], where: str) -> float:
 
 def moe_to_hf(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
     """The expert fields of the config.json of `cfg` exported as `model_type`."""
-    if model_type == "mixtral" and (not cfg.norm_topk_prob or cfg.qk_norm or cfg.attention_bias):
+    moe_alike = model_type in ("mixtral", "granitemoe")
+    if moe_alike and (not cfg.norm_topk_prob or cfg.qk_norm or cfg.attention_bias):
         raise ConfigError(
             f"a model of {cfg.num_experts} experts with norm_topk_prob={cfg.norm_topk_prob}, qk_norm="
             f"{cfg.qk_norm}, attention_bias={cfg.attention_bias} has no transformers class: Mixtral "
-            "renormalises its top-k without q/k norms or biases; Qwen3-MoE (model.qk_norm=true) has q/k "
-            "norms."
+            "and Granite renormalise their top-k without q/k norms or biases; Qwen3-MoE "
+            "(model.qk_norm=true) has q/k norms."
         )
     out: dict[str, Any] = {
         "num_local_experts": cfg.num_experts,
@@ -126,9 +135,11 @@ def moe_to_hf(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
         "output_router_logits": cfg.router_aux_loss_coef > 0,
         "router_aux_loss_coef": cfg.router_aux_loss_coef or 0.001,
     }
+    if moe_alike:
+        out.update(intermediate_size=cfg.moe_intermediate_size)
     if model_type == "mixtral":
-        out.update(intermediate_size=cfg.moe_intermediate_size, router_jitter_noise=0.0)
-    else:
+        out.update(router_jitter_noise=0.0)
+    if model_type == "qwen3_moe":
         out.update(
             num_experts=cfg.num_experts,
             moe_intermediate_size=cfg.moe_intermediate_size,

@@ -48,7 +48,8 @@ IGNORED = {
 @dataclass(frozen=True)
 class HFTensor:
     """One parameter: its HF name (with the base prefix), where it lives in its jaxzero unit, its
-    jaxzero shape, and whether HF stores it transposed (torch Linear's (out, in))."""
+    jaxzero shape, and whether HF stores it transposed (torch Linear's (out, in); of a stack of
+    matrices, each one's: the last two axes swapped)."""
 
     hf_name: str
     path: tuple[str, ...]
@@ -66,7 +67,7 @@ class HFTensor:
 
     @property
     def hf_shape(self) -> tuple[int, ...]:
-        return self.shape[::-1] if self.transpose else self.shape
+        return (*self.shape[:-2], self.shape[-1], self.shape[-2]) if self.transpose else self.shape
 
     @property
     def full_shape(self) -> tuple[int, ...]:
@@ -82,7 +83,7 @@ class HFTensor:
 
     def from_hf(self, stored: Any) -> np.ndarray:
         """A fresh float32 C-contiguous array in jaxzero's layout of the tensor `stored` as HF holds it."""
-        array = stored.T if self.transpose else stored
+        array = np.swapaxes(stored, -1, -2) if self.transpose else stored
         if self.interleaved:
             array = np.concatenate([array[..., 0::2], array[..., 1::2]], axis=-1)
         return np.array(array, dtype=np.float32, order="C")
@@ -94,7 +95,7 @@ class HFTensor:
             out = np.empty(leaf.shape, dtype)
             out[..., 0::2], out[..., 1::2] = leaf[..., :half], leaf[..., half:]
             return out
-        return np.array(leaf.T if self.transpose else leaf, dtype=dtype, order="C")
+        return np.array(np.swapaxes(leaf, -1, -2) if self.transpose else leaf, dtype=dtype, order="C")
 
 
 @dataclass(frozen=True)
@@ -153,7 +154,8 @@ def _head_unit(cfg: ModelConfig) -> HFUnit:
 def _llama_mlp(cfg: ModelConfig, p: str) -> list[HFTensor]:
     """Block `p`'s MLP tensors: dense, or the router and every expert's three matrices as the
     released checkpoints store them (Qwen3-MoE `mlp.experts.e.gate_proj`, Mixtral
-    `block_sparse_moe.experts.e.w1`; transformers 5 saves them so and fuses them on load)."""
+    `block_sparse_moe.experts.e.w1`; transformers 5 saves them so and fuses them on load; Granite's
+    experts are fused: `block_sparse_moe.input_linear` (E, 2F, D), `output_linear` (E, D, F))."""
     d, f = cfg.hidden_size, cfg.intermediate_size
     if cfg.fused_projections:  # Phi-3: [gate | up] as one tensor, as in jaxzero
         return [
@@ -167,6 +169,13 @@ def _llama_mlp(cfg: ModelConfig, p: str) -> list[HFTensor]:
             HFTensor(p + "mlp.down_proj.weight", ("mlp", "down_proj", "kernel"), (f, d), True),
         ]
     e, f = cfg.num_experts, cfg.moe_intermediate_size
+    if cfg.hf_model_type == "granitemoe":  # every expert in one (E, out, in) tensor, [gate; up] rows
+        m = p + "block_sparse_moe."
+        return [
+            HFTensor(m + "router.layer.weight", ("mlp", "router", "kernel"), (d, e), True),
+            HFTensor(m + "input_linear.weight", ("mlp", "gate_up", "kernel"), (e, d, 2 * f), True),
+            HFTensor(m + "output_linear.weight", ("mlp", "down", "kernel"), (e, f, d), True),
+        ]
     mixtral = cfg.hf_model_type == "mixtral"
     m = p + ("block_sparse_moe." if mixtral else "mlp.")
     names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")

@@ -1,7 +1,9 @@
-"""Llama-family decoder (Llama 2/3, Qwen2/2.5, Qwen3, Mistral, Phi-3/4, OLMo 2, and Llama-shaped
-models such as InternLM2): pre-norm blocks of RMSNorm, rotary grouped-query attention (rope scaled as
-`ModelConfig.rope_type` says; q, k, v biases with `attention_bias`; each q and k head RMS-normalised
-before the rotation with `qk_norm`, as Qwen3) and a SwiGLU MLP, tied or untied output head.
+"""Llama-family decoder (Llama 2/3, Qwen2/2.5, Qwen3, Mistral, Phi-3/4, OLMo 2, Granite 3, and
+Llama-shaped models such as InternLM2): pre-norm blocks of RMSNorm, rotary grouped-query attention
+(rope scaled as `ModelConfig.rope_type` says; q, k, v biases with `attention_bias`; each q and k head
+RMS-normalised before the rotation with `qk_norm`, as Qwen3) and a SwiGLU MLP, tied or untied output
+head. Granite scales the embeddings, each sub-block's output, the attention scores and the logits by
+the config's four scalars (`embedding_multiplier`, ...; 1 and 1/sqrt(head_dim) for every other model).
 
 Parameter pytrees are plain nested dicts named after HF `LlamaForCausalLM`, so that conversion is a
 name map plus a transpose of each "kernel" (stored (in, out) here, (out, in) in torch):
@@ -29,7 +31,7 @@ checkpoints do, and may rotate only the first int(H x `partial_rotary_factor`) d
 OLMo 2 (`post_norm`) has no "input_layernorm": "post_attention_layernorm" normalises the attention's
 output and "post_feedforward_layernorm" {"scale": (D,)} the MLP's, each before its residual add.
 
-With `num_experts` E > 0 (Qwen3-MoE, Mixtral) the block's "mlp" is the sparse MLP of
+With `num_experts` E > 0 (Qwen3-MoE, Mixtral, Granite MoE) the block's "mlp" is the sparse MLP of
 `jaxzero.models.moe` instead, dropless top-k routing over SwiGLU experts of width F' =
 `moe_intermediate_size`:
 
@@ -135,6 +137,7 @@ class _Attention(nn.Module):
             q = _RMSNorm(c.norm_eps, name="q_norm")(q)
             kk = _RMSNorm(c.norm_eps, name="k_norm")(kk)
         out = _Linear(c.hidden_size, c.init_std, lora=lora, name="o_proj")
+        scale = c.attention_multiplier or None  # Granite's factor; None: 1/sqrt(head_dim)
         if cache is None:
             cos, sin = layers.rope_cos_sin(s, layers.rope_inv_freq(c))
             # Rotary positions run over the whole row, not from 0 at each segment: scores depend only on
@@ -145,13 +148,14 @@ class _Attention(nn.Module):
                 v,
                 c.attention_impl,
                 segments,
+                scale=scale,
             )
             return out(o.reshape(b, s, n * hd))
         cos, sin = layers.rope_cos_sin(cache[0].shape[1], layers.rope_inv_freq(c))
         cos, sin = (jax.lax.dynamic_slice_in_dim(t, pos, s) for t in (cos, sin))
         k_cache = jax.lax.dynamic_update_slice_in_dim(cache[0], layers.apply_rope(kk, cos, sin), pos, axis=1)
         v_cache = jax.lax.dynamic_update_slice_in_dim(cache[1], v, pos, axis=1)
-        o = layers.cached_attention(layers.apply_rope(q, cos, sin), k_cache, v_cache, pos)
+        o = layers.cached_attention(layers.apply_rope(q, cos, sin), k_cache, v_cache, pos, scale=scale)
         return out(o.reshape(b, s, n * hd)), (k_cache, v_cache)
 
 
@@ -173,7 +177,8 @@ class _MLP(nn.Module):
 
 def moe_spec(c: ModelConfig) -> moe.MoeSpec:
     """The experts' routing of a Llama-family config with `num_experts` > 0: softmax over all
-    experts, the top `num_experts_per_tok`, renormalised with `norm_topk_prob` (Mixtral always is)."""
+    experts, the top `num_experts_per_tok`, renormalised with `norm_topk_prob` (Mixtral always is;
+    so is Granite, whose softmax over the top-k logits is the same weights: tests/test_moe.py)."""
     return moe.qwen3_moe_spec(c.num_experts, c.num_experts_per_tok, c.norm_topk_prob)
 
 
@@ -210,13 +215,20 @@ class _MoE(nn.Module):
         return y, moe.router_stats(routing, token_mask)
 
 
+def _residual(y: jax.Array, c: ModelConfig) -> jax.Array:
+    """A sub-block's output y as its residual add takes it: times `residual_multiplier` (Granite)
+    in y's dtype, as transformers multiplies; y itself where the multiplier is 1."""
+    return y if c.residual_multiplier == 1.0 else y * jnp.asarray(c.residual_multiplier, y.dtype)
+
+
 class LlamaBlock(nn.Module):
     """One pre-norm Llama block as a Flax module: (B, S, D) -> (B, S, D) in the compute dtype.
 
         x = x + o_proj(attn(rope(q_proj(n1(x))), rope(k_proj(n1(x))), v_proj(n1(x))))
         x = x + down_proj(silu(gate_proj(n2(x))) * up_proj(n2(x)))
 
-    (with `post_norm`: x = x + n1(attn(x)), then x = x + n2(mlp(x)), OLMo 2's order.)
+    (with `post_norm`: x = x + n1(attn(x)), then x = x + n2(mlp(x)), OLMo 2's order; Granite: each
+    added output times `residual_multiplier`, the scores times `attention_multiplier`.)
 
     Its parameters are the block pytree of the module docstring; every weight is used in the compute
     dtype, so float32 masters and compute-dtype copies give the same result. `segments` (B, S) int32:
@@ -251,10 +263,10 @@ class LlamaBlock(nn.Module):
         else:
             a, cache = attn(h, cache, pos)
         if c.post_norm:
-            x = x + _RMSNorm(c.norm_eps, name="post_attention_layernorm")(a)
+            x = x + _residual(_RMSNorm(c.norm_eps, name="post_attention_layernorm")(a), c)
             h = x
         else:
-            x = x + a
+            x = x + _residual(a, c)
             h = _RMSNorm(c.norm_eps, name="post_attention_layernorm")(x)
         stats = None
         if c.num_experts:
@@ -263,7 +275,7 @@ class LlamaBlock(nn.Module):
             y = _MLP(c, self.lora, name="mlp")(h)
         if c.post_norm:
             y = _RMSNorm(c.norm_eps, name="post_feedforward_layernorm")(y)
-        x = x + y
+        x = x + _residual(y, c)
         if cache is not None:
             return x, cache
         return (x, stats) if self.stats else x
@@ -321,14 +333,17 @@ class Llama:
     # ---------------------------------------------------------------------------------------------
 
     def embed(self, embed_params: Any, tokens: jax.Array) -> jax.Array:
-        """tokens int (B, S) -> activations (B, S, D) in the compute dtype.
+        """tokens int (B, S) -> activations (B, S, D) in the compute dtype, times
+        `embedding_multiplier` (Granite).
 
         Rows are gathered first and cast after: identical values to casting the table first, without
         materializing a compute-dtype copy of the whole (V, D) table. Out-of-range ids give NaN rows
         (`jnp.take`'s "fill" mode) so that bad data fails loudly instead of aliasing another token.
         """
         table = embed_params["embed_tokens"]["embedding"]
-        return jnp.take(table, tokens, axis=0).astype(self.dtype)
+        x = jnp.take(table, tokens, axis=0).astype(self.dtype)
+        m = self.config.embedding_multiplier  # Granite's; in the compute dtype, as transformers scales
+        return x if m == 1.0 else x * jnp.asarray(m, self.dtype)
 
     def block(
         self,
@@ -394,7 +409,8 @@ class Llama:
         return LlamaBlock(self.config, self.lora).apply({"params": block_params}, x, cache, pos)
 
     def head(self, head_params: Any, embed_params: Any, x: jax.Array) -> jax.Array:
-        """Final RMSNorm and output projection: (B, S, D) -> logits (B, S, V) float32.
+        """Final RMSNorm and output projection: (B, S, D) -> logits (B, S, V) float32, divided by
+        `logits_scaling` (Granite).
 
         With `tie_embeddings` the projection is embed_tokens^T and `head_params` holds only the norm.
         """
@@ -407,4 +423,6 @@ class Llama:
             w = embed_params["embed_tokens"]["embedding"].astype(self.dtype).T  # (D, V)
         else:
             w = head_params["lm_head"]["kernel"].astype(self.dtype)
-        return layers.logits_matmul(h, w)
+        logits = layers.logits_matmul(h, w)
+        # Granite's logits are divided (not multiplied by the inverse), in float32, as transformers does
+        return logits if c.logits_scaling == 1.0 else logits / jnp.float32(c.logits_scaling)

@@ -30,6 +30,9 @@ multiplies by (`block_matmul_params`: the router and its top-k experts):
 
     qwen3-30b-a3b    30,532,122,624    qwen3-235b-a22b  235,093,634,560    mixtral-8x7b  46,702,792,704
     gpt-oss-20b      20,914,757,184    gpt-oss-120b     116,829,156,672
+
+    granite-3.1-1b-a400m  1,334,628,352    granite-3.1-3b-a800m  3,298,793,472    (Granite 3.1 MoE,
+    granite-3.1-8b        8,170,848,256    (dense)                                 tied; derived)
 """
 
 from __future__ import annotations
