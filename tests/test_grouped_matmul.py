@@ -169,3 +169,40 @@ def test_the_plan_counts_each_tokens_top_k_experts_at_their_groupings_share_of_t
     lora = dataclasses.replace(mosaic.config, finetune=ft)
     slower = partial.step_flops(lora, expert_share=SHARE["mosaic"]) - partial.step_flops(lora)
     assert slower == pytest.approx(6 * m.num_layers * routed * (1 / SHARE["mosaic"] - 1) * tokens, rel=1e-9)
+
+
+def test_rows_padded_to_the_kernels_tile_give_the_same_product_and_gradients():
+    """The Mosaic kernels refuse a row count that is no multiple of their tile (decoding a prompt
+    routes a few rows): `rows_padded` hands the kernels zero rows up to it, in the last group, and
+    cuts the product back. Product and both gradients equal the unpadded ones, where the last group
+    has rows of its own and where it is empty and takes the padding alone."""
+    seen = []
+
+    def tiled(rows, kernels, sizes):  # a grouped matmul that, like the kernels, takes whole tiles only
+        seen.append(rows.shape[0])
+        assert rows.shape[0] % 8 == 0, rows.shape
+        return STAND_IN(rows, kernels, sizes)
+
+    padded = grouped_matmul.rows_padded(tiled, 8)
+    k1, k2, k3 = jax.random.split(jax.random.key(1), 3)
+    for sizes in (np.array([3, 0, 5, 1, 4], np.int32), np.array([3, 2, 0, 4, 0], np.int32)):
+        n = int(sizes.sum())
+        rows = jax.random.normal(k1, (n, I), jnp.float32)
+        kernels = jax.random.normal(k2, (len(sizes), I, O), jnp.float32)
+        cot = jax.random.normal(k3, (n, O), jnp.float32)
+
+        group_sizes = jnp.asarray(sizes)
+
+        def loss(matmul, rows, kernels, group_sizes=group_sizes, cot=cot):
+            return jnp.sum(matmul(rows, kernels, group_sizes) * cot)
+
+        want = jax.value_and_grad(functools.partial(loss, jax.lax.ragged_dot), (0, 1))(rows, kernels)
+        got = jax.value_and_grad(functools.partial(loss, padded), (0, 1))(rows, kernels)
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+        for g, w in zip(got[1], want[1]):
+            assert g.shape == w.shape
+            np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+    assert seen and all(s % 8 == 0 for s in seen) and min(seen) > 0
+    rows = jnp.ones((16, I), jnp.float32)  # already whole tiles: handed over as they are
+    padded(rows, jnp.ones((len(SIZES), I, O), jnp.float32), jnp.asarray(np.array([16, 0, 0, 0, 0], np.int32)))
+    assert seen[-1] == 16

@@ -73,13 +73,31 @@ def with_vjp(
     return jax.jit(matmul)
 
 
+def rows_padded(matmul: GroupedMatmul, multiple: int) -> GroupedMatmul:
+    """`matmul` over its rows padded with zero rows to a multiple of `multiple`, counted in the last
+    group, and its product cut back to the rows given. The Mosaic kernels tile the rows and refuse a
+    count that is no multiple of their tile (a prompt's 9 tokens x top-2 = 18 rows while decoding).
+    Exact: each row's product is its own, and zero rows add nothing to the kernels' gradient."""
+
+    @jax.jit
+    def padded(rows: jax.Array, kernels: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        n = rows.shape[0]
+        pad = -n % multiple
+        if pad == 0:
+            return matmul(rows, kernels, group_sizes)
+        rows = jnp.pad(rows, ((0, pad), (0, 0)))
+        return matmul(rows, kernels, group_sizes.at[-1].add(pad))[:n]
+
+    return padded
+
+
 @functools.cache
 def mosaic_matmul() -> GroupedMatmul:
     """The grouped matmul of JAX's Pallas Mosaic GPU kernels (Hopper only; bf16 or f16 rows and
     kernels of one dtype, every float32 accumulation inside the kernel): `ragged_dot_mgpu` for the
     product and the rows' gradient, `transposed_ragged_dot_mgpu` for the kernels'. One function per
-    process (`with_vjp`'s lowering is shared by its every call at one shape). Raises ImportError
-    where this JAX lacks them."""
+    process (`with_vjp`'s lowering is shared by its every call at one shape), over rows padded to
+    the kernels' row tile (`rows_padded`). Raises ImportError where this JAX lacks them."""
     # Here, not at the top: the Mosaic GPU modules are Hopper's alone and may be absent from a JAX.
     from jax.experimental.pallas.ops.gpu.ragged_dot_mgpu import ragged_dot
     from jax.experimental.pallas.ops.gpu.transposed_ragged_dot_mgpu import transposed_ragged_dot  # likewise
@@ -93,7 +111,7 @@ def mosaic_matmul() -> GroupedMatmul:
     def kernels_grad(rows: jax.Array, dy: jax.Array, group_sizes: jax.Array) -> jax.Array:
         return transposed_ragged_dot(rows, dy, group_sizes=group_sizes, **MOSAIC_TILES)
 
-    return with_vjp(forward, rows_grad, kernels_grad)
+    return rows_padded(with_vjp(forward, rows_grad, kernels_grad), MOSAIC_TILES["block_m"])
 
 
 def _shape_reason(dtype: jnp.dtype, hidden: int, intermediate: int) -> str | None:
