@@ -238,3 +238,32 @@ def test_ids_past_the_bytes_decode_as_replacement_characters():
     assert codec.decode(list("héllo".encode())) == "héllo"
     assert codec.decode([104, 300, *"é".encode(), 999, 256]) == "h\ufffdé\ufffd\ufffd"
     assert codec.decode([0xC3, 700, 0xA9]) == "\ufffd\ufffd\ufffd"  # a split character stays split
+
+
+def test_a_run_whose_samples_fail_still_ends_complete(tmp_path, monkeypatch):
+    """The end-of-run samples come after the final checkpoint and summary: a sampler that fails
+    (a kernel that refuses the decoder's shapes) is reported as a warning, and the run still
+    returns its directory, complete, its checkpoint readable."""
+    from jaxzero.cli import train as train_lib
+    from jaxzero.run import samples
+
+    class Failing:
+        def __init__(self, *args, **kwargs):
+            raise ValueError("the decoder's rows are no multiple of the kernel's tile")
+
+    monkeypatch.setattr(samples, "Generator", Failing)
+    over = {
+        "steps": "2",
+        "data.seq_len": "16",
+        "data.batch_size": "4",
+        "model.num_layers": "1",
+        "logging.progress": "false",
+        "run_dir": str(tmp_path / "run"),
+    }
+    console = io.StringIO()
+    path = train_lib.train(apply_overrides(TrainConfig(), over), console)
+    out = console.getvalue()
+    assert "jaxzero: warning: the end-of-run samples failed (ValueError: the decoder's rows" in out
+    assert f"python -m jaxzero.generate --run_dir={path}" in out
+    assert json.loads((path / "summary.json").read_text())["status"] == "complete"
+    assert (path / "checkpoints" / "2").is_dir()

@@ -283,7 +283,15 @@ def _steps(run: ReadyRun, console: TextIO) -> Path:
     if main_process:
         finish(cfg, log.last, ckpt, time.perf_counter() - run.t_start, console, truncated=batches.truncated)
         if cfg.logging.samples and cfg.data.source == "builtin" and ckpt is not None and ckpt.last_saved:
-            print_samples(cfg, console)
+            try:
+                print_samples(cfg, console)
+            except Exception as exc:  # the run is complete and saved: its samples failing does not fail it
+                print(
+                    f"jaxzero: warning: the end-of-run samples failed ({type(exc).__name__}: {exc}); the run "
+                    f"is complete. python -m jaxzero.generate --run_dir={run_dir_lib.pasteable(cfg.run_dir)} "
+                    "--prompt=TEXT runs the same decoder.",
+                    file=console,
+                )
     return path
 
 
