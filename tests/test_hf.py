@@ -1413,3 +1413,23 @@ def test_an_import_reads_each_unit_when_the_trainer_places_it(jax_params: dict, 
         hf_io._open_weights = open_weights
     for a, b in zip(jax.tree.leaves(jax.device_get(state.params)), jax.tree.leaves(params)):
         np.testing.assert_array_equal(a, np.asarray(b))
+
+
+@pytest.mark.parametrize("key", ["mixtral", "qwen3_moe", "granitemoe"])
+def test_a_moe_without_a_model_type_exports_under_the_type_it_implies(
+    key: str, jax_params: dict, tmp_path: Path
+) -> None:
+    """A jaxzero-own mixture of experts (model.hf_model_type='') is written as the type its settings
+    imply (q/k norms: Qwen3-MoE; Granite's scalars: Granite MoE; else Mixtral), config.json and the
+    tensors' names alike: transformers loads every expert (no tensor missing or unexpected) to the
+    same logits, and the import reads the type back."""
+    cfg, params = dataclasses.replace(CONFIGS[key], hf_model_type=""), jax_params[key]
+    export_hf(params, cfg, tmp_path / "f32", dtype="float32")
+    assert json.loads((tmp_path / "f32" / "config.json").read_text())["model_type"] == key
+    assert set(hf_tensor_names(cfg)) == set(hf_tensor_names(CONFIGS[key]))
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "f32", dtype=torch.float32, output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert rel_err(torch_logits(model), jax_logits(cfg, params)) < 1e-4
+    assert import_hf(tmp_path / "f32")[0].hf_model_type == key

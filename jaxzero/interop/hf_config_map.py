@@ -138,11 +138,7 @@ def hf_config(cfg: ModelConfig, dtype: str = "bfloat16") -> dict[str, Any]:
     if cfg.family == "gpt_oss":
         return gpt_oss_to_hf(cfg, common)
     if cfg.family == "llama":
-        implied = "qwen3" if cfg.qk_norm else "qwen2" if cfg.attention_bias else "llama"
-        if cfg.num_experts:
-            implied = "qwen3_moe" if cfg.qk_norm else "mixtral"
-        implied = hf_variants.implied_type(cfg) or implied
-        model_type = cfg.hf_model_type or implied
+        model_type = hf_variants.llama_model_type(cfg)
         rope: dict[str, Any] = {"rope_type": cfg.rope_type, "rope_theta": cfg.rope_theta}
         if cfg.rope_type != "default":
             rope["factor"] = cfg.rope_factor

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from jaxzero.config import ModelConfig
+from jaxzero.interop.hf_variants import llama_model_type
 from jaxzero.models import ModelParams, build_model
 
 # The prefix of the base model's modules inside `*ForCausalLM` (transformers' `base_model_prefix`).
@@ -169,14 +170,15 @@ def _llama_mlp(cfg: ModelConfig, p: str) -> list[HFTensor]:
             HFTensor(p + "mlp.down_proj.weight", ("mlp", "down_proj", "kernel"), (f, d), True),
         ]
     e, f = cfg.num_experts, cfg.moe_intermediate_size
-    if cfg.hf_model_type == "granitemoe":  # every expert in one (E, out, in) tensor, [gate; up] rows
+    model_type = llama_model_type(cfg)  # what config.json says, which transformers names by
+    if model_type == "granitemoe":  # every expert in one (E, out, in) tensor, [gate; up] rows
         m = p + "block_sparse_moe."
         return [
             HFTensor(m + "router.layer.weight", ("mlp", "router", "kernel"), (d, e), True),
             HFTensor(m + "input_linear.weight", ("mlp", "gate_up", "kernel"), (e, d, 2 * f), True),
             HFTensor(m + "output_linear.weight", ("mlp", "down", "kernel"), (e, f, d), True),
         ]
-    mixtral = cfg.hf_model_type == "mixtral"
+    mixtral = model_type == "mixtral"
     m = p + ("block_sparse_moe." if mixtral else "mlp.")
     names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
     out = [HFTensor(m + "gate.weight", ("mlp", "router", "kernel"), (d, e), True)]

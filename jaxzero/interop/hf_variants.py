@@ -56,6 +56,20 @@ def implied_type(cfg: ModelConfig) -> str:
     return ""
 
 
+def llama_model_type(cfg: ModelConfig) -> str:
+    """The transformers model_type a Llama-family `cfg` is written and named as: `hf_model_type`
+    where set, else the one its settings imply (its block variants' type; a mixture of experts'
+    qwen3_moe with q/k norms, else mixtral; a dense model's qwen3, qwen2 with biases, else llama).
+    config.json's model_type and the tensors' names both follow it."""
+    if cfg.hf_model_type:
+        return cfg.hf_model_type
+    if implied_type(cfg):
+        return implied_type(cfg)
+    if cfg.num_experts:
+        return "qwen3_moe" if cfg.qk_norm else "mixtral"
+    return "qwen3" if cfg.qk_norm else "qwen2" if cfg.attention_bias else "llama"
+
+
 def variant_from_hf(
     d: Mapping[str, Any], model_type: str, rope: Mapping[str, Any], where: str
 ) -> tuple[dict[str, Any], list[str]]:
