@@ -206,20 +206,24 @@ def test_bad_requests_are_refused():
         g.generate([1], Sampling(max_new_tokens=0))
 
 
-def test_a_run_on_the_builtin_corpus_ends_with_samples_and_the_cli_reads_it(tmp_path, capsys):
+def _builtin_run(run_dir, steps: int):
+    """(run directory, console text) of a tiny run on the built-in corpus, which ends with samples."""
     from jaxzero.cli import train as train_lib
 
     over = {
-        "steps": "3",
+        "steps": str(steps),
         "data.seq_len": "16",
         "data.batch_size": "4",
         "model.num_layers": "1",
         "logging.progress": "false",
-        "run_dir": str(tmp_path / "run"),
+        "run_dir": str(run_dir),
     }
     console = io.StringIO()
-    path = train_lib.train(apply_overrides(TrainConfig(), over), console)
-    out = console.getvalue()
+    return train_lib.train(apply_overrides(TrainConfig(), over), console), console.getvalue()
+
+
+def test_a_run_on_the_builtin_corpus_ends_with_samples_and_the_cli_reads_it(tmp_path, capsys):
+    path, out = _builtin_run(tmp_path / "run", steps=3)
     assert (
         "jaxzero: samples of step 3" in out and "--- 'def '\ndef " in out and "--- 'import '\nimport " in out
     )
@@ -244,7 +248,6 @@ def test_a_run_whose_samples_fail_still_ends_complete(tmp_path, monkeypatch):
     """The end-of-run samples come after the final checkpoint and summary: a sampler that fails
     (a kernel that refuses the decoder's shapes) is reported as a warning, and the run still
     returns its directory, complete, its checkpoint readable."""
-    from jaxzero.cli import train as train_lib
     from jaxzero.run import samples
 
     class Failing:
@@ -252,17 +255,7 @@ def test_a_run_whose_samples_fail_still_ends_complete(tmp_path, monkeypatch):
             raise ValueError("the decoder's rows are no multiple of the kernel's tile")
 
     monkeypatch.setattr(samples, "Generator", Failing)
-    over = {
-        "steps": "2",
-        "data.seq_len": "16",
-        "data.batch_size": "4",
-        "model.num_layers": "1",
-        "logging.progress": "false",
-        "run_dir": str(tmp_path / "run"),
-    }
-    console = io.StringIO()
-    path = train_lib.train(apply_overrides(TrainConfig(), over), console)
-    out = console.getvalue()
+    path, out = _builtin_run(tmp_path / "run", steps=2)
     assert "jaxzero: warning: the end-of-run samples failed (ValueError: the decoder's rows" in out
     assert f"python -m jaxzero.generate --run_dir={path}" in out
     assert json.loads((path / "summary.json").read_text())["status"] == "complete"
