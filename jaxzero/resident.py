@@ -47,6 +47,7 @@ from jaxzero.numerics.objective import (
     document_segments,
     loss_fn,
     objective_with_aux,
+    per_step,
     real_tokens,
     router_padding,
     step_weight,
@@ -384,12 +385,8 @@ class FrozenPartStep:
             partial(apply_update, ctx), donate_argnums=(0,), out_shardings=(ctx.state_sharding, device)
         )
         self._one = jax.device_put(np.float32(1.0), device)  # the loss's cotangent: no loss scale
-        eot_id = ctx.eot_id
-        self._segments = (
-            _no_segments if eot_id is None else jax.jit(partial(document_segments, eot_id=eot_id))
-        )
-        padding = ctx.padding
-        self._mask = _every_token if padding is None else jax.jit(partial(real_tokens, eot_id=padding))
+        self._segments = per_step(document_segments, ctx.eot_id)
+        self._mask = per_step(real_tokens, ctx.padding)
         self._keys = trains.dropout_keys
 
     def step(self, state: TrainState, batch: jax.Array) -> tuple[TrainState, StepMetrics]:
@@ -411,16 +408,6 @@ class FrozenPartStep:
         """Mean loss (float32 scalar) over int32 (B, S+1), without dropout."""
         batch = window[None]
         return self._streamed.loss(self._trains.base_units(), batch, self._segments(batch), state.params)
-
-
-def _no_segments(batch: jax.Array) -> None:
-    """Attention across each whole row: no segment ids."""
-    return None
-
-
-def _every_token(batch: jax.Array) -> None:
-    """Every position counts in the router's statistics: no token mask."""
-    return None
 
 
 def _no_keys(a: int) -> None:

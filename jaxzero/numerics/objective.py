@@ -28,6 +28,8 @@ position counts, prompt tokens that are no target included, as with transformers
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import jax
@@ -97,6 +99,20 @@ def real_tokens(window: jax.Array, eot_id: int) -> jax.Array:
     after_eot = jnp.take_along_axis(ids, jnp.maximum(before, 0), axis=-1) == eot_id
     padding = (tail == 1) & after_eot & (before >= 0)
     return ~padding[..., :-1]
+
+
+def per_step(
+    fn: Callable[..., jax.Array], eot_id: int | None
+) -> Callable[[jax.Array], jax.Array | None]:
+    """`fn(batch, eot_id=eot_id)` (`document_segments`, `real_tokens`) as the one small program a
+    step runs on its batch, whose output every block reads; where `eot_id` is None (no documents to
+    keep apart, no padding to leave out), a function of the batch that returns None."""
+    return _absent if eot_id is None else jax.jit(partial(fn, eot_id=eot_id))
+
+
+def _absent(batch: jax.Array) -> None:
+    """No per-step input: attention across each whole row, every position in the statistics."""
+    return None
 
 
 def counted_targets(batch: jax.Array) -> jax.Array:

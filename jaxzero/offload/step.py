@@ -26,7 +26,7 @@ import numpy as np
 from jaxzero.config import FP16Config
 from jaxzero.models import ModelParams
 from jaxzero.numerics.loss_scale import LossScaleState, update_loss_scale
-from jaxzero.numerics.objective import document_eot, document_segments, real_tokens, router_padding
+from jaxzero.numerics.objective import document_eot, document_segments, per_step, real_tokens, router_padding
 from jaxzero.offload.context import EngineContext, put_everywhere
 from jaxzero.offload.futures import OffloadState, done, weights_of
 from jaxzero.offload.host_optimizer import HostUnit
@@ -54,12 +54,8 @@ class OffloadStep:
         self._scaling: LossScaling = DynamicLossScale(ctx.cfg.fp16) if ctx.fp16 else NoLossScale(ctx.where)
         delayed = ctx.plan.host_update.mode is UpdateMode.DELAYED
         self._next_read = _weights_before_update if delayed else _weights_after_update
-        eot_id = document_eot(ctx.cfg.data, ctx.model)
-        self._segments = (
-            _no_segments if eot_id is None else jax.jit(partial(document_segments, eot_id=eot_id))
-        )
-        padding = router_padding(ctx.cfg.data, ctx.model)
-        self._mask = _every_token if padding is None else jax.jit(partial(real_tokens, eot_id=padding))
+        self._segments = per_step(document_segments, document_eot(ctx.cfg.data, ctx.model))
+        self._mask = per_step(real_tokens, router_padding(ctx.cfg.data, ctx.model))
 
     def step(self, state: OffloadState, batch: jax.Array) -> tuple[OffloadState, StepMetrics]:
         """One optimizer step; consumes `state` (its host arrays are updated in place)."""
@@ -163,16 +159,6 @@ def _advance_fp16(
         update_loss_scale(ls, ~jnp.isfinite(norm), cfg),
         ~jnp.isfinite(norm),
     )
-
-
-def _no_segments(batch: jax.Array) -> None:
-    """Attention across each whole row: no segment ids."""
-    return None
-
-
-def _every_token(batch: jax.Array) -> None:
-    """Every position counts in the router's statistics: no token mask."""
-    return None
 
 
 def _weights_before_update(state: OffloadState, submitted: Submitted) -> ModelParams:
