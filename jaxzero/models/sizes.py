@@ -160,6 +160,14 @@ def routed_expert_params(cfg: ModelConfig) -> int:
     return cfg.num_experts_per_tok * 3 * cfg.hidden_size * cfg.moe_intermediate_size
 
 
+def experts_at_rate(cfg: ModelConfig, share: float) -> float:
+    """What one block's experts add to its parameter count as the accelerator's time counts them:
+    its top-k experts' kernel parameters divided by their grouped matmuls' `share` of the dense rate,
+    in place of every expert's (`routed_expert_params`, `inactive_expert_params`). Negative where
+    the experts the tokens skip outweigh the slower rate; 0 without experts."""
+    return routed_expert_params(cfg) * (1 / share - 1) - inactive_expert_params(cfg)
+
+
 def matmul_param_count(cfg: ModelConfig) -> int:
     """Parameters that take part in each token's matmuls: all block kernels (of experts, the top-k's)
     plus the (D, V) output projection.

@@ -47,12 +47,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from jaxzero.config import ModelConfig, TrainConfig
-from jaxzero.models.sizes import (
-    inactive_expert_params,
-    param_count,
-    routed_expert_params,
-    unit_param_counts,
-)
+from jaxzero.models.sizes import experts_at_rate, param_count, unit_param_counts
 from jaxzero.plan import OffloadPlan, Tier, UnitKind, UpdateMode
 from jaxzero.planner import memory, partial
 from jaxzero.planner.calibration import (
@@ -103,11 +98,11 @@ def predict(cfg: TrainConfig, plan: OffloadPlan, machine: Machine) -> Prediction
         * machine.attention_scale
     )
     # A token multiplies by its top-k experts only, at their grouped matmuls' share of the rate.
-    block = n_block - inactive_expert_params(m) + routed_expert_params(m) * (1 / _experts_share(m) - 1)
-    gpu_s = 8 * (param_count(m) + m.num_layers * (block - n_block + attention)) * tokens / machine.gpu_flops
+    experts = experts_at_rate(m, _experts_share(m))
+    gpu_s = 8 * (param_count(m) + m.num_layers * (experts + attention)) * tokens / machine.gpu_flops
     work = {
         UnitKind.EMBED: 0,
-        UnitKind.BLOCK: block + attention,
+        UnitKind.BLOCK: n_block + experts + attention,
         UnitKind.HEAD: m.hidden_size * m.vocab_size,
     }
     total_work = sum(work[u.kind] for u in plan.units)

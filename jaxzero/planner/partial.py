@@ -26,11 +26,10 @@ from jaxzero.models.lora import storage_dtype
 from jaxzero.models.sizes import (
     attention_span,
     block_matmul_params,
+    experts_at_rate,
     flops_per_token,
-    inactive_expert_params,
     param_count,
     projection_shapes,
-    routed_expert_params,
     ties_output,
     unit_param_counts,
 )
@@ -112,12 +111,11 @@ def step_flops(cfg: TrainConfig, expert_share: float = 1.0) -> float:
     m, d, ft = cfg.model, cfg.data, cfg.finetune
     tokens = d.batch_size * d.seq_len
     # a token multiplies by its top-k experts only, at their grouped matmuls' rate
-    routed = routed_expert_params(m)
-    extra = routed * (1 / expert_share - 1)
+    experts = experts_at_rate(m, expert_share)
     if ft.method == "lora":
-        return 6 * (param_count(m) - m.num_layers * (inactive_expert_params(m) - extra)) * tokens
+        return 6 * (param_count(m) + m.num_layers * experts) * tokens
     _, n_block, _ = unit_param_counts(m)
-    n_block += extra - inactive_expert_params(m)
+    n_block += experts
     kept, lowest = ft.base_positions(m.num_layers), ft.lowest_trainable_block(m.num_layers)
     flops = 0.0
     for i in range(m.num_layers):  # blocks: forward 2, recomputation and input gradients 4, weights 2
