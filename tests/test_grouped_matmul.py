@@ -83,7 +83,7 @@ def test_auto_runs_the_padded_grouping_off_hopper_and_mosaic_is_refused_there():
 
 
 def test_auto_means_mosaic_on_hopper_kinds_for_shapes_and_dtypes_the_kernels_take():
-    auto = grouped_matmul.auto_impl
+    auto = functools.partial(grouped_matmul.planned_impl, "auto")
     assert auto(H100.kind, 1, "bfloat16", 2048, 768) == "mosaic"  # Qwen3-30B-A3B's layer
     assert auto(H200.kind, 1, "bfloat16", 4096, 14336) == "mosaic"  # Mixtral 8x7B's
     assert auto(H200.kind, 1, "bfloat16", 2880, 2880) == "padded"  # gpt-oss's: not multiples of 128

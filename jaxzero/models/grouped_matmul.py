@@ -13,7 +13,7 @@ itself, reading each kernel in place (no per-block copy, no padded rows): 1.6x (
 
 `model.moe_impl` names the grouping: "padded", "mosaic", or "auto" (the Mosaic kernels where
 `mosaic_unsupported` finds no reason against them, else padded). The run's resolution pass decides
-"auto" once for the machine it plans for (`auto_impl`); a model given "auto" (library use without a
+"auto" once for the machine it plans for (`planned_impl`); a model given "auto" (library use without a
 plan) decides by its own backend when its step is traced.
 """
 
@@ -158,24 +158,32 @@ def planned_reason(
     return _shape_reason(dtype, hidden, intermediate)
 
 
-def auto_impl(device_kind: str, devices: int, dtype: jnp.dtype, hidden: int, intermediate: int) -> str:
-    """The grouping "auto" means on a machine of `devices` devices of kind `device_kind`: "mosaic"
-    where `planned_reason` finds none against it, else "padded"."""
-    reason = planned_reason(device_kind, devices, dtype, hidden, intermediate)
-    return "mosaic" if reason is None else "padded"
+def planned_impl(
+    requested: str, device_kind: str, devices: int, dtype: jnp.dtype, hidden: int, intermediate: int
+) -> str:
+    """The grouping `model.moe_impl=requested` ("auto" or "mosaic") runs as on a machine of `devices`
+    devices of kind `device_kind`, by `planned_reason` (`_decided`)."""
+    return _decided(requested, planned_reason(device_kind, devices, dtype, hidden, intermediate))
 
 
 def experts_impl(requested: str, dtype: jnp.dtype, hidden: int, intermediate: int) -> str:
     """`model.moe_impl` as this process's backend runs it, when the step is traced: "padded" as
-    asked; "mosaic" as asked, raising ConfigError with the reason where it cannot run; "auto" the
-    Mosaic kernels where they can run, else padded."""
+    asked; "auto" or "mosaic" by `mosaic_unsupported` (`_decided`)."""
     if requested == "padded":
         return "padded"
     if requested not in IMPLS:
         raise ConfigError(f"model.moe_impl={requested!r} is not one of {list(IMPLS)}.")
-    reason = mosaic_unsupported(dtype, hidden, intermediate)
-    if requested == "mosaic" and reason is not None:
+    return _decided(requested, mosaic_unsupported(dtype, hidden, intermediate))
+
+
+def _decided(requested: str, reason: str | None) -> str:
+    """"auto" or "mosaic" where `reason` says why the Mosaic kernels cannot run (None: nothing
+    does): "mosaic" where nothing does; else "padded" for "auto", and for "mosaic" a ConfigError
+    with the reason."""
+    if reason is None:
+        return "mosaic"
+    if requested == "mosaic":
         raise ConfigError(
             f"model.moe_impl=mosaic cannot be used: {reason}. Use model.moe_impl=auto or padded."
         )
-    return "mosaic" if reason is None else "padded"
+    return "padded"
