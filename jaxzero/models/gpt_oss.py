@@ -159,9 +159,7 @@ class _Experts(nn.Module):
                     "kernel": dequantize(p["kernel"], p["kernel_scale"], h.dtype),
                     "bias": p["bias"],
                 }
-        experts = moe.experts_for(c.moe_impl, h.dtype, c.hidden_size, c.moe_intermediate_size)
-        y, routing = moe.moe_block(params, h, moe_spec(c), experts_fn=experts)
-        return y, moe.router_stats(routing, token_mask)
+        return moe.moe_layer(params, h, moe_spec(c), c.moe_impl, token_mask)
 
 
 class GptOssBlock(nn.Module):

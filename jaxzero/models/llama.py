@@ -185,7 +185,7 @@ def moe_spec(c: ModelConfig) -> moe.MoeSpec:
 class _MoE(nn.Module):
     """The sparse MLP (`jaxzero.models.moe`): router and experts, float32 masters used in x's dtype
     (int8 kernels with their "kernel_scale" dequantised first, as `_Linear` does). Experts are grouped
-    as `model.moe_impl` says (`moe.experts_for`). No LoRA adapters: LoRA adapts attention.
+    as `model.moe_impl` says (`moe.moe_layer`). No LoRA adapters: LoRA adapts attention.
     Returns (y, this layer's `moe.RouterStats` over the tokens of h where `token_mask` (bool (B, S))
     is True, over every token without one: the load-balancing loss's)."""
 
@@ -210,9 +210,7 @@ class _MoE(nn.Module):
         for name, p in params.items():
             if "kernel_scale" in p:
                 params[name] = {"kernel": dequantize(p["kernel"], p["kernel_scale"], h.dtype)}
-        experts = moe.experts_for(c.moe_impl, h.dtype, d, f)
-        y, routing = moe.moe_block(params, h, spec, experts_fn=experts)
-        return y, moe.router_stats(routing, token_mask)
+        return moe.moe_layer(params, h, spec, c.moe_impl, token_mask)
 
 
 def _residual(y: jax.Array, c: ModelConfig) -> jax.Array:

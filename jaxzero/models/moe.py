@@ -423,3 +423,14 @@ def moe_block(
     expert_params = layers.cast_tree({"gate_up": params["gate_up"], "down": params["down"]}, x.dtype)
     y = experts_fn(expert_params, xt, routing.weights, routing.experts, spec)
     return y.reshape(shape), routing
+
+
+def moe_layer(
+    params: Params, x: jax.Array, spec: MoeSpec, impl: str, token_mask: jax.Array | None = None
+) -> tuple[jax.Array, RouterStats]:
+    """A family's sparse MLP: `moe_block` with the experts grouped as `model.moe_impl=impl` runs on
+    this backend (`experts_for`, decided when the step is traced), and the layer's `RouterStats`
+    over the tokens where `token_mask` (bool, x's leading shape) is True, every token without one."""
+    experts = experts_for(impl, x.dtype, x.shape[-1], params["down"]["kernel"].shape[-2])
+    y, routing = moe_block(params, x, spec, experts_fn=experts)
+    return y, router_stats(routing, token_mask)
