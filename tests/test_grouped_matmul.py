@@ -56,16 +56,30 @@ def test_the_custom_gradient_equals_ragged_dots_own():
     assert float(jnp.max(jnp.abs(got[1][1]))) == 0.0  # the empty group's kernel gets nothing
 
 
-def test_experts_through_the_custom_gradient_equal_the_padded_grouping():
-    spec = moe.qwen3_moe_spec(num_experts=5, top_k=2, norm_topk_prob=True)
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_experts_through_the_custom_gradient_equal_the_padded_grouping(family):
+    """The grouped matmul as the Mosaic kernels get it (rows and widths padded to whole tiles, here
+    of 8) equals the padded grouping, product and every gradient; gpt-oss's experts carry biases,
+    which reach the kernels as one more row of each expert's kernel (`moe._grouped`)."""
+    spec = {
+        "qwen3_moe": moe.qwen3_moe_spec(num_experts=5, top_k=2, norm_topk_prob=True),
+        "gpt_oss": moe.gpt_oss_spec(num_experts=5, top_k=2),
+    }[family]
     params = moe.init_moe(jax.random.key(1), spec, hidden=8, intermediate=6, std=0.3)
+    noise = jax.random.key(4)  # nonzero biases too
+    params = jax.tree.map(lambda a: a + 0.1 * jax.random.normal(noise, a.shape), params)
     x = jax.random.normal(jax.random.key(2), (13, 8), jnp.float32)
     cot = jax.random.normal(jax.random.key(3), (13, 8), jnp.float32)
 
     def loss(fn, params, x):
         return jnp.sum(moe.moe_block(params, x, spec, experts_fn=fn)[0] * cot)
 
-    grouped = functools.partial(moe.experts_ragged_dot, matmul=STAND_IN)
+    def tiled(rows, kernels, sizes):  # like the kernels, whole tiles only
+        assert rows.shape[0] % 8 == 0 and kernels.shape[1] % 8 == 0 and kernels.shape[2] % 8 == 0
+        return STAND_IN(rows, kernels, sizes)
+
+    mosaic_like = grouped_matmul.rows_padded(grouped_matmul.dims_padded(tiled, 8), 8)
+    grouped = functools.partial(moe.experts_ragged_dot, matmul=mosaic_like)
     want = jax.jit(jax.grad(functools.partial(loss, moe.experts_padded), (0, 1)))(params, x)
     got = jax.jit(jax.grad(functools.partial(loss, grouped), (0, 1)))(params, x)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
@@ -73,24 +87,24 @@ def test_experts_through_the_custom_gradient_equal_the_padded_grouping():
 
 
 def test_auto_runs_the_padded_grouping_off_hopper_and_mosaic_is_refused_there():
-    assert grouped_matmul.experts_impl("auto", jnp.bfloat16, 2048, 768) == "padded"  # the CPU backend
-    assert moe.experts_for("auto", jnp.bfloat16, 2048, 768) is moe.experts_padded
-    assert grouped_matmul.experts_impl("padded", jnp.bfloat16, 2048, 768) == "padded"
+    assert grouped_matmul.experts_impl("auto", jnp.bfloat16, False) == "padded"  # the CPU backend
+    assert moe.experts_for("auto", jnp.bfloat16, False) is moe.experts_padded
+    assert grouped_matmul.experts_impl("padded", jnp.bfloat16, False) == "padded"
     with pytest.raises(ConfigError, match="moe_impl=mosaic cannot be used: they run on CUDA GPUs.*'cpu'"):
-        grouped_matmul.experts_impl("mosaic", jnp.bfloat16, 2048, 768)
+        grouped_matmul.experts_impl("mosaic", jnp.bfloat16, False)
     with pytest.raises(ConfigError, match="'fast' is not one of"):
-        grouped_matmul.experts_impl("fast", jnp.bfloat16, 2048, 768)
+        grouped_matmul.experts_impl("fast", jnp.bfloat16, False)
 
 
 def test_auto_means_mosaic_on_hopper_kinds_for_shapes_and_dtypes_the_kernels_take():
     auto = functools.partial(grouped_matmul.planned_impl, "auto")
-    assert auto(H100.kind, 1, "bfloat16", 2048, 768) == "mosaic"  # Qwen3-30B-A3B's layer
-    assert auto(H200.kind, 1, "bfloat16", 4096, 14336) == "mosaic"  # Mixtral 8x7B's
-    assert auto(H200.kind, 1, "bfloat16", 2880, 2880) == "padded"  # gpt-oss's: not multiples of 128
-    assert auto(H200.kind, 1, "float32", 2048, 768) == "padded"
-    assert auto(H200.kind, 2, "bfloat16", 2048, 768) == "padded"  # over a mesh: not partitioned
-    assert auto(OTHER_GPU.kind, 1, "bfloat16", 2048, 768) == "padded"
-    assert auto(CPU.kind, 1, "bfloat16", 2048, 768) == "padded"
+    assert auto(H100.kind, 1, "bfloat16", False) == "mosaic"  # Qwen3-MoE's, Mixtral's, any widths
+    assert auto(H200.kind, 1, "bfloat16", True) == "padded"  # gpt-oss's biased experts: padded
+    assert grouped_matmul.planned_impl("mosaic", H200.kind, 1, "bfloat16", True) == "mosaic"  # if asked
+    assert auto(H200.kind, 1, "float32", False) == "padded"
+    assert auto(H200.kind, 2, "bfloat16", False) == "padded"  # over a mesh: not partitioned
+    assert auto(OTHER_GPU.kind, 1, "bfloat16", False) == "padded"
+    assert auto(CPU.kind, 1, "bfloat16", False) == "padded"
 
 
 def test_the_resolution_pass_decides_auto_for_the_machine_and_the_plan_counts_that_grouping():
@@ -119,6 +133,16 @@ def test_the_resolution_pass_decides_auto_for_the_machine_and_the_plan_counts_th
     )
     # undecided, the plan counts the larger: the padded grouping's
     assert memory.transient_activations(model, tokens).block == blocks
+    # gpt-oss's experts (biased) stay padded unless mosaic is asked; their widths (2,880) reach the
+    # kernels padded to 2,944, and the plan then counts the padded copies
+    oss = dataclasses.replace(NAMED_SIZES["gpt-oss-20b"], num_layers=2)
+    assert preflight.resolve_moe_impl(TrainConfig(model=oss), H100.kind).model.moe_impl == "padded"
+    oss_mosaic = TrainConfig(model=dataclasses.replace(oss, moe_impl="mosaic"))
+    assert preflight.resolve_moe_impl(oss_mosaic, H100.kind) is oss_mosaic
+    rows_only = tokens * 4 * (3 * 2880 + 3 * 2880) * 2
+    copies = 2 * 32 * 3 * 2944 * 2944 * 2  # the padded kernels and their gradient
+    assert memory.grouped_experts_bytes(tokens, 4, 32, 2880, 2880, 2) == rows_only + copies
+    assert memory.grouped_experts_bytes(tokens, k, 128, d, f, 2) == tokens * k * (3 * d + 3 * f) * 2
 
 
 def test_layers_at_one_shape_share_one_lowering_of_the_kernels():
@@ -169,6 +193,39 @@ def test_the_plan_counts_each_tokens_top_k_experts_at_their_groupings_share_of_t
     lora = dataclasses.replace(mosaic.config, finetune=ft)
     slower = partial.step_flops(lora, expert_share=SHARE["mosaic"]) - partial.step_flops(lora)
     assert slower == pytest.approx(6 * m.num_layers * routed * (1 / SHARE["mosaic"] - 1) * tokens, rel=1e-9)
+
+
+def test_widths_padded_to_the_kernels_tile_give_the_same_product_and_gradients():
+    """The Mosaic kernels tile both widths of the kernels by 128, and gpt-oss's are 2,880:
+    `dims_padded` hands them zero columns of the rows and zero rows and columns of the kernels, and
+    cuts the product back. Product and both gradients equal the unpadded ones (the same terms plus
+    zeros; the CPU stand-in may associate a longer sum differently, so to float32 rounding), for
+    widths padded on either side, both, or neither."""
+    seen = []
+
+    def tiled(rows, kernels, sizes):  # a grouped matmul that, like the kernels, takes whole tiles only
+        seen.append(kernels.shape[1:])
+        assert rows.shape[1] == kernels.shape[1] and kernels.shape[1] % 8 == 0 and kernels.shape[2] % 8 == 0
+        return STAND_IN(rows, kernels, sizes)
+
+    padded = grouped_matmul.dims_padded(tiled, 8)
+    k1, k2, k3 = jax.random.split(jax.random.key(2), 3)
+    group_sizes = jnp.asarray(SIZES)
+    for i, o in ((6, 4), (16, 12), (13, 16), (16, 8)):
+        rows = jax.random.normal(k1, (N, i), jnp.float32)
+        kernels = jax.random.normal(k2, (len(SIZES), i, o), jnp.float32)
+        cot = jax.random.normal(k3, (N, o), jnp.float32)
+
+        def loss(matmul, rows, kernels, cot=cot):
+            return jnp.sum(matmul(rows, kernels, group_sizes) * cot)
+
+        want = jax.value_and_grad(functools.partial(loss, STAND_IN), (0, 1))(rows, kernels)
+        got = jax.value_and_grad(functools.partial(loss, padded), (0, 1))(rows, kernels)
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+        for g, w in zip(got[1], want[1]):
+            assert g.shape == w.shape
+            np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+        assert seen[-1] == (-(-i // 8) * 8, -(-o // 8) * 8)
 
 
 def test_rows_padded_to_the_kernels_tile_give_the_same_product_and_gradients():

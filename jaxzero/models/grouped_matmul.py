@@ -8,13 +8,13 @@ itself, reading each kernel in place (no per-block copy, no padded rows): 1.6x (
 2.5x (Mixtral) the padded grouping's layer on an H100, with 4-14x less memory (BENCHMARKS.md,
 "Issue 45 on one H100").
 
-    impl = experts_impl(cfg.model.moe_impl, jnp.bfloat16, hidden=2048, intermediate=768)  # "mosaic"
+    impl = experts_impl(cfg.model.moe_impl, jnp.bfloat16, biased=False)  # "mosaic" on one Hopper GPU
     matmul = mosaic_matmul()        # rows (N, I), kernels (E, I, O), group_sizes (E,) -> (N, O)
 
 `model.moe_impl` names the grouping: "padded", "mosaic", or "auto" (the Mosaic kernels where
-`mosaic_unsupported` finds no reason against them, else padded). The run's resolution pass decides
-"auto" once for the machine it plans for (`planned_impl`); a model given "auto" (library use without a
-plan) decides by its own backend when its step is traced.
+`mosaic_unsupported` finds no reason against them and the experts have no biases, else padded). The
+run's resolution pass decides "auto" once for the machine it plans for (`planned_impl`); a model
+given "auto" (library use without a plan) decides by its own backend when its step is traced.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ GroupedMatmul = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
 # The tiles the Mosaic kernels ran with at Qwen3-MoE's layer shape (scripts/bench_moe.py). The
 # kernels' gradient tiles both of its dimensions by 128 and the forward tiles its contraction by 64,
-# so the hidden size and each expert's width must be multiples of 128.
+# so a hidden size or expert width that is no multiple of 128 reaches them padded (`dims_padded`).
 MOSAIC_TILES = {"block_m": 128, "block_n": 128, "block_k": 64, "max_concurrent_steps": 4, "grid_block_n": 1}
 MOSAIC_ALIGN = 128
 IMPLS = ("auto", "padded", "mosaic")
@@ -91,13 +91,36 @@ def rows_padded(matmul: GroupedMatmul, multiple: int) -> GroupedMatmul:
     return padded
 
 
+def dims_padded(matmul: GroupedMatmul, multiple: int) -> GroupedMatmul:
+    """`matmul` over kernels (E, I, O) whose I and O are padded with zeros to multiples of
+    `multiple` (and the rows' I likewise), its product cut back to (N, O). The Mosaic kernels tile
+    both widths by 128 and gpt-oss's are 2,880 (BENCHMARKS.md, "gpt-oss's experts on the Mosaic
+    grouping"). Exact: a padded column of the rows meets a padded row of the kernels, so each
+    product and gradient sums the same terms plus zeros (the kernels add whole tiles of zeros after
+    the others); the gradients of the padding are cut off.
+    Costs a padded copy of the kernels per call (and of their gradient in the backward pass)."""
+
+    @jax.jit
+    def padded(rows: jax.Array, kernels: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        i, o = kernels.shape[1:]
+        pad_i, pad_o = -i % multiple, -o % multiple
+        if pad_i == 0 and pad_o == 0:
+            return matmul(rows, kernels, group_sizes)
+        rows = jnp.pad(rows, ((0, 0), (0, pad_i)))
+        kernels = jnp.pad(kernels, ((0, 0), (0, pad_i), (0, pad_o)))
+        return matmul(rows, kernels, group_sizes)[:, :o]
+
+    return padded
+
+
 @functools.cache
 def mosaic_matmul() -> GroupedMatmul:
     """The grouped matmul of JAX's Pallas Mosaic GPU kernels (Hopper only; bf16 or f16 rows and
     kernels of one dtype, every float32 accumulation inside the kernel): `ragged_dot_mgpu` for the
     product and the rows' gradient, `transposed_ragged_dot_mgpu` for the kernels'. One function per
     process (`with_vjp`'s lowering is shared by its every call at one shape), over rows padded to
-    the kernels' row tile (`rows_padded`). Raises ImportError where this JAX lacks them."""
+    the kernels' row tile (`rows_padded`) and widths padded to their column tile (`dims_padded`).
+    Raises ImportError where this JAX lacks them."""
     # Here, not at the top: the Mosaic GPU modules are Hopper's alone and may be absent from a JAX.
     from jax.experimental.pallas.ops.gpu.ragged_dot_mgpu import ragged_dot
     from jax.experimental.pallas.ops.gpu.transposed_ragged_dot_mgpu import transposed_ragged_dot  # likewise
@@ -111,22 +134,18 @@ def mosaic_matmul() -> GroupedMatmul:
     def kernels_grad(rows: jax.Array, dy: jax.Array, group_sizes: jax.Array) -> jax.Array:
         return transposed_ragged_dot(rows, dy, group_sizes=group_sizes, **MOSAIC_TILES)
 
-    return rows_padded(with_vjp(forward, rows_grad, kernels_grad), MOSAIC_TILES["block_m"])
+    tiled = with_vjp(forward, rows_grad, kernels_grad)
+    return rows_padded(dims_padded(tiled, MOSAIC_ALIGN), MOSAIC_TILES["block_m"])
 
 
-def _shape_reason(dtype: jnp.dtype, hidden: int, intermediate: int) -> str | None:
-    """Why the Mosaic kernels cannot take this layer on any GPU, or None."""
+def _dtype_reason(dtype: jnp.dtype) -> str | None:
+    """Why the Mosaic kernels cannot take this layer on any GPU, or None (any widths: `dims_padded`)."""
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"they multiply bfloat16 or float16, and model.compute_dtype is {jnp.dtype(dtype).name}"
-    if hidden % MOSAIC_ALIGN or intermediate % MOSAIC_ALIGN:
-        return (
-            f"they need the hidden size and each expert's width multiples of {MOSAIC_ALIGN}, got "
-            f"{hidden} and {intermediate}"
-        )
     return None
 
 
-def mosaic_unsupported(dtype: jnp.dtype, hidden: int, intermediate: int) -> str | None:
+def mosaic_unsupported(dtype: jnp.dtype) -> str | None:
     """Why the Mosaic kernels cannot run this layer on this process's default backend, or None."""
     is_cuda, cc = layers.cuda_backend()
     if not is_cuda:
@@ -135,7 +154,7 @@ def mosaic_unsupported(dtype: jnp.dtype, hidden: int, intermediate: int) -> str 
         return f"they are written for Hopper GPUs (compute capability 9.x), and this GPU's is {cc}"
     if jax.device_count() > 1:
         return f"they are a kernel of one device, and the run spans {jax.device_count()} ({SHARDED})"
-    reason = _shape_reason(dtype, hidden, intermediate)
+    reason = _dtype_reason(dtype)
     if reason is None:
         try:
             mosaic_matmul()
@@ -144,9 +163,7 @@ def mosaic_unsupported(dtype: jnp.dtype, hidden: int, intermediate: int) -> str 
     return reason
 
 
-def planned_reason(
-    device_kind: str, devices: int, dtype: jnp.dtype, hidden: int, intermediate: int
-) -> str | None:
+def planned_reason(device_kind: str, devices: int, dtype: jnp.dtype) -> str | None:
     """Why the Mosaic kernels cannot run this layer on a machine of `devices` devices of kind
     `device_kind` (the planner's `Machine.kind`), or None: they run on one Hopper GPU, for shapes
     and dtypes that suit them."""
@@ -155,33 +172,32 @@ def planned_reason(
         return f"they are written for Hopper GPUs ({hopper}), and the machine's is {device_kind}"
     if devices > 1:
         return f"they are a kernel of one device, and the run spans {devices} ({SHARDED})"
-    return _shape_reason(dtype, hidden, intermediate)
+    return _dtype_reason(dtype)
 
 
-def planned_impl(
-    requested: str, device_kind: str, devices: int, dtype: jnp.dtype, hidden: int, intermediate: int
-) -> str:
+def planned_impl(requested: str, device_kind: str, devices: int, dtype: jnp.dtype, biased: bool) -> str:
     """The grouping `model.moe_impl=requested` ("auto" or "mosaic") runs as on a machine of `devices`
-    devices of kind `device_kind`, by `planned_reason` (`_decided`)."""
-    return _decided(requested, planned_reason(device_kind, devices, dtype, hidden, intermediate))
+    devices of kind `device_kind`, by `planned_reason` (`_decided`); `biased`: the experts carry biases."""
+    return _decided(requested, planned_reason(device_kind, devices, dtype), biased)
 
 
-def experts_impl(requested: str, dtype: jnp.dtype, hidden: int, intermediate: int) -> str:
+def experts_impl(requested: str, dtype: jnp.dtype, biased: bool) -> str:
     """`model.moe_impl` as this process's backend runs it, when the step is traced: "padded" as
-    asked; "auto" or "mosaic" by `mosaic_unsupported` (`_decided`)."""
+    asked; "auto" or "mosaic" by `mosaic_unsupported` (`_decided`); `biased`: the experts carry biases."""
     if requested == "padded":
         return "padded"
     if requested not in IMPLS:
         raise ConfigError(f"model.moe_impl={requested!r} is not one of {list(IMPLS)}.")
-    return _decided(requested, mosaic_unsupported(dtype, hidden, intermediate))
+    return _decided(requested, mosaic_unsupported(dtype), biased)
 
 
-def _decided(requested: str, reason: str | None) -> str:
+def _decided(requested: str, reason: str | None, biased: bool) -> str:
     """"auto" or "mosaic" where `reason` says why the Mosaic kernels cannot run (None: nothing
-    does): "mosaic" where nothing does; else "padded" for "auto", and for "mosaic" a ConfigError
-    with the reason."""
+    does): "mosaic" where nothing does, except that "auto" keeps biased experts (gpt-oss's) on the
+    padded grouping, the one measured for them (BENCHMARKS.md, "gpt-oss's experts on the Mosaic
+    grouping"); else "padded" for "auto", and for "mosaic" a ConfigError with the reason."""
     if reason is None:
-        return "mosaic"
+        return "padded" if biased and requested == "auto" else "mosaic"
     if requested == "mosaic":
         raise ConfigError(
             f"model.moe_impl=mosaic cannot be used: {reason}. Use model.moe_impl=auto or padded."

@@ -311,13 +311,23 @@ def experts_ragged_dot(
     """
     s = _sort_pairs(experts, spec.num_experts)
     xs = _gather_rows(x, experts.shape[1], s)
-    h = matmul(xs, params["gate_up"]["kernel"], s.group_sizes)
-    if "bias" in params["gate_up"]:
-        h = h + params["gate_up"]["bias"][s.experts]
-    ys = matmul(activation(h, spec), params["down"]["kernel"], s.group_sizes)
-    if "bias" in params["down"]:
-        ys = ys + params["down"]["bias"][s.experts]
+    h = _grouped(matmul, xs, params["gate_up"], s.group_sizes)
+    ys = _grouped(matmul, activation(h, spec), params["down"], s.group_sizes)
     return _combine(ys, weights, s, x.dtype)
+
+
+def _grouped(matmul: GroupedMatmul, rows: jax.Array, proj: Params, group_sizes: jax.Array) -> jax.Array:
+    """rows (N, I) sorted by expert -> (N, O): each group's rows times its expert's kernel (E, I, O),
+    plus its bias (E, O) where the projection has one, as one more row of the kernel against a
+    column of ones. The bias's gradient is then the grouped matmul's own per-expert sum: adding
+    bias[experts] instead scatter-adds every row's gradient into E rows (gpt-oss's layer on an H100:
+    BENCHMARKS.md, "gpt-oss's experts on the Mosaic grouping")."""
+    kernel = proj["kernel"]
+    if "bias" not in proj:
+        return matmul(rows, kernel, group_sizes)
+    ones = jnp.ones((rows.shape[0], 1), rows.dtype)
+    bias = proj["bias"].astype(kernel.dtype)[:, None, :]
+    return matmul(jnp.concatenate([rows, ones], axis=1), jnp.concatenate([kernel, bias], axis=1), group_sizes)
 
 
 # Rows per block of `experts_padded`: each expert's rows are padded to a multiple of this.
@@ -395,11 +405,11 @@ ExpertsFn = Callable[[Params, jax.Array, jax.Array, jax.Array, MoeSpec], jax.Arr
 EXPERTS: dict[str, ExpertsFn] = {"ragged_dot": experts_ragged_dot, "padded": experts_padded}
 
 
-def experts_for(requested: str, dtype: jnp.dtype, hidden: int, intermediate: int) -> ExpertsFn:
-    """The grouping `model.moe_impl=requested` runs as on this process's backend, for a layer of
-    `hidden` and experts of width `intermediate` in `dtype` (`grouped_matmul.experts_impl`): the
-    padded blocks, or the grouped matmul of the Mosaic GPU kernels. Called when the step is traced."""
-    if grouped_matmul.experts_impl(requested, dtype, hidden, intermediate) == "mosaic":
+def experts_for(requested: str, dtype: jnp.dtype, biased: bool) -> ExpertsFn:
+    """The grouping `model.moe_impl=requested` runs as on this process's backend, for experts in
+    `dtype`, with biases or not (`grouped_matmul.experts_impl`): the padded blocks, or the grouped
+    matmul of the Mosaic GPU kernels. Called when the step is traced."""
+    if grouped_matmul.experts_impl(requested, dtype, biased) == "mosaic":
         return functools.partial(experts_ragged_dot, matmul=grouped_matmul.mosaic_matmul())
     return experts_padded
 
@@ -431,6 +441,6 @@ def moe_layer(
     """A family's sparse MLP: `moe_block` with the experts grouped as `model.moe_impl=impl` runs on
     this backend (`experts_for`, decided when the step is traced), and the layer's `RouterStats`
     over the tokens where `token_mask` (bool, x's leading shape) is True, every token without one."""
-    experts = experts_for(impl, x.dtype, x.shape[-1], params["down"]["kernel"].shape[-2])
+    experts = experts_for(impl, x.dtype, spec.bias)
     y, routing = moe_block(params, x, spec, experts_fn=experts)
     return y, router_stats(routing, token_mask)

@@ -54,6 +54,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from jaxzero.config import CheckpointConfig, ConfigError, ModelConfig, TrainConfig, buffer_bytes
+from jaxzero.models.grouped_matmul import MOSAIC_ALIGN
 from jaxzero.models.moe import BLOCK_ROWS
 from jaxzero.models.sizes import NAMED_SIZES, param_count, unit_param_counts
 from jaxzero.numerics.objective import head_pieces
@@ -188,13 +189,21 @@ def padded_experts_bytes(
     return (kernels + rows + n * hidden) * compute_bytes
 
 
-def grouped_experts_bytes(tokens: int, top_k: int, hidden: int, intermediate: int, compute_bytes: int) -> int:
+def grouped_experts_bytes(
+    tokens: int, top_k: int, experts: int, hidden: int, intermediate: int, compute_bytes: int
+) -> int:
     """Bytes one MoE layer's rematerialised backward holds at its peak for `tokens` tokens through
     the grouped matmul (`grouped_matmul.mosaic_matmul`, reading each expert's kernels in place): the
     N = tokens x top_k sorted rows (N, D) in and their gradient, (N, 2F) [gate | up], (N, F)
-    activated, (N, D) out, in the compute dtype; no padding and no gathered kernels. -5% and -7% of
-    the H100 compiles of Qwen3-30B-A3B's and Mixtral's layers (BENCHMARKS.md, "Issue 45 on one H100")."""
-    return tokens * top_k * (3 * hidden + 3 * intermediate) * compute_bytes
+    activated, (N, D) out, in the compute dtype; no padded rows and no gathered kernels. -5% and -7%
+    of the H100 compiles of Qwen3-30B-A3B's and Mixtral's layers (BENCHMARKS.md, "Issue 45 on one
+    H100"). Widths that are no multiple of the kernels' tile (gpt-oss's 2,880) add the padded copy of
+    the `experts` kernels and of their gradient (`grouped_matmul.dims_padded`)."""
+    rows = tokens * top_k * (3 * hidden + 3 * intermediate)
+    if hidden % MOSAIC_ALIGN == 0 and intermediate % MOSAIC_ALIGN == 0:
+        return rows * compute_bytes
+    wide, deep = -(-hidden // MOSAIC_ALIGN) * MOSAIC_ALIGN, -(-intermediate // MOSAIC_ALIGN) * MOSAIC_ALIGN
+    return (rows + 2 * experts * 3 * wide * deep) * compute_bytes
 
 
 def transient_activations(
@@ -222,7 +231,7 @@ def transient_activations(
         widths = 2 * (q + 2 * kv) + 2 * m.hidden_size
         e, k, f = m.num_experts, m.num_experts_per_tok, m.moe_intermediate_size
         if m.moe_impl == "mosaic":
-            experts = grouped_experts_bytes(micro_tokens, k, m.hidden_size, f, compute)
+            experts = grouped_experts_bytes(micro_tokens, k, e, m.hidden_size, f, compute)
         else:  # padded, or auto not yet decided for a machine: the larger count
             experts = padded_experts_bytes(micro_tokens, k, e, m.hidden_size, f, compute)
     block = micro_tokens * widths * compute + experts

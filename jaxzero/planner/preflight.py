@@ -131,14 +131,15 @@ def decide(
 def resolve_moe_impl(cfg: TrainConfig, device_kind: str, devices: int = 1) -> TrainConfig:
     """`cfg` with a mixture of experts' `model.moe_impl=auto` decided for a machine of `devices`
     devices of `device_kind` (`Machine.kind`, `Machine.devices`): the Mosaic GPU grouped matmul on one
-    Hopper GPU where the layer suits it, else the padded grouping (`grouped_matmul.planned_impl`); the
-    memory plan counts what that grouping holds. `mosaic` where that machine cannot run it: ConfigError."""
+    Hopper GPU where the layer suits it and its experts have no biases, else the padded grouping
+    (`grouped_matmul.planned_impl`); the memory plan counts what that grouping holds. `mosaic`
+    where that machine cannot run it: ConfigError."""
     m = cfg.model
     if m.moe_impl == "padded" or not (m.num_experts or m.family == "gpt_oss"):
         return cfg
     # mosaic where it cannot run is refused now, not when the step is traced after building the model
-    shape = (m.compute_dtype, m.hidden_size, m.moe_intermediate_size)
-    impl = grouped_matmul.planned_impl(m.moe_impl, device_kind, devices, *shape)
+    biased = m.family == "gpt_oss"  # its experts carry biases (`jaxzero.models.gpt_oss`)
+    impl = grouped_matmul.planned_impl(m.moe_impl, device_kind, devices, m.compute_dtype, biased)
     if impl == m.moe_impl:
         return cfg
     return dataclasses.replace(cfg, model=dataclasses.replace(m, moe_impl=impl))
