@@ -260,3 +260,35 @@ def test_a_run_whose_samples_fail_still_ends_complete(tmp_path, monkeypatch):
     assert f"python -m jaxzero.generate --run_dir={path}" in out
     assert json.loads((path / "summary.json").read_text())["status"] == "complete"
     assert (path / "checkpoints" / "2").is_dir()
+
+
+@pytest.mark.parametrize("offload", ["none", "cpu"])
+def test_the_trainers_state_is_released_before_the_samples_read_the_weights(tmp_path, monkeypatch, offload):
+    """The end-of-run samples read the checkpoint's float32 weights whole; the trainer's state
+    (masters, moments; on the host too when offloaded) is released first, so that the run's peak RAM
+    is the training's, as the plan counts it: when the sampler starts, the arrays alive hold less than
+    the weights twice over, where the state alone holds them three times (AdamW's two moments)."""
+    from jaxzero.models.sizes import param_count
+    from jaxzero.run import samples
+
+    seen = []
+    real = samples.Generator
+
+    def counting(model, params, *args, **kwargs):
+        seen.append((sum(a.nbytes for a in jax.live_arrays()), 4 * param_count(model)))
+        return real(model, params, *args, **kwargs)
+
+    monkeypatch.setattr(samples, "Generator", counting)
+    over = {"offload.params": offload, "offload.optimizer": offload}
+    from jaxzero.cli import train as train_lib
+
+    cfg = apply_overrides(
+        TrainConfig(),
+        {"steps": "2", "data.seq_len": "16", "data.batch_size": "4", "model.num_layers": "2",
+         "logging.progress": "false", "logging.samples": "1", "run_dir": str(tmp_path / "run"), **over},
+    )  # fmt: skip
+    out = io.StringIO()
+    train_lib.train(cfg, out)
+    assert "jaxzero: samples of step 2" in out.getvalue()
+    (live, weights), = seen
+    assert live < 2 * weights, (live, weights)

@@ -193,7 +193,29 @@ def _train_held(
         main_process=main_process,
         defaulted=defaulted,
     )
-    return _steps(ready, console)
+    _steps(ready, console)
+    # The trainer's state goes before the samples read the checkpoint's weights whole: the run's
+    # peak host RAM stays the plan's (the loop's `state` went with `_steps`).
+    del ready, begin
+    gc.collect()
+    saved_one = ckpt is not None and ckpt.last_saved is not None
+    if main_process and cfg.logging.samples and cfg.data.source == "builtin" and saved_one:
+        _samples(cfg, console)
+    return path
+
+
+def _samples(cfg: TrainConfig, console: TextIO) -> None:
+    """The end-of-run samples (`print_samples`); the run is complete and saved, so their failing is
+    a warning that names the command that runs the same decoder, not a failed run."""
+    try:
+        print_samples(cfg, console)
+    except Exception as exc:
+        print(
+            f"jaxzero: warning: the end-of-run samples failed ({type(exc).__name__}: {exc}); the run "
+            f"is complete. python -m jaxzero.generate --run_dir={run_dir_lib.pasteable(cfg.run_dir)} "
+            "--prompt=TEXT runs the same decoder.",
+            file=console,
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -221,8 +243,8 @@ def settle_heap() -> None:
     gc.freeze()
 
 
-def _steps(run: ReadyRun, console: TextIO) -> Path:
-    """The loop: for each step, step, log, save, stop; then the summary. Returns the run directory."""
+def _steps(run: ReadyRun, console: TextIO) -> None:
+    """The loop: for each step, step, log, save, stop; then the summary."""
     cfg, trainer, begin, ckpt, main_process = run.cfg, run.trainer, run.begin, run.ckpt, run.main_process
     path = Path(cfg.run_dir)
     bar = ProgressBar(cfg.steps, cfg.logging.progress and main_process)
@@ -282,17 +304,6 @@ def _steps(run: ReadyRun, console: TextIO) -> Path:
         ckpt.close()  # host sync: wait for the last asynchronous save
     if main_process:
         finish(cfg, log.last, ckpt, time.perf_counter() - run.t_start, console, truncated=batches.truncated)
-        if cfg.logging.samples and cfg.data.source == "builtin" and ckpt is not None and ckpt.last_saved:
-            try:
-                print_samples(cfg, console)
-            except Exception as exc:  # the run is complete and saved: its samples failing does not fail it
-                print(
-                    f"jaxzero: warning: the end-of-run samples failed ({type(exc).__name__}: {exc}); the run "
-                    f"is complete. python -m jaxzero.generate --run_dir={run_dir_lib.pasteable(cfg.run_dir)} "
-                    "--prompt=TEXT runs the same decoder.",
-                    file=console,
-                )
-    return path
 
 
 # int32 scalar: the targets a (global, placed) batch's loss counts; `objective.counted_targets`.
