@@ -12,6 +12,9 @@
     python scripts/check_packed_attention.py                 # GPU: the 3.37B model's attention
     python scripts/check_packed_attention.py --small         # CPU-sized shapes (the default without a GPU)
 
+`--scale=X` multiplies the scores by X instead of 1/sqrt(H) (Granite's `attention_multiplier`, Gemma 3's
+`query_pre_attn_scalar`), in every path and the reference.
+
 Defaults on a GPU are llama-3.4b-bench's attention (24 heads, 24 key/value heads, head_dim 128) over a
 micro-batch of 8 sequences of 2048 tokens in bfloat16, documents ~400 tokens long. Exits 1 if a
 numerical check fails.
@@ -44,8 +47,11 @@ def documents(rng: np.random.Generator, batch: int, seq: int, mean_len: float) -
     return (np.cumsum(ends, axis=1) - ends).astype(np.int32)
 
 
-def reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, segments: np.ndarray) -> np.ndarray:
-    """float64 attention of each document alone (causal, grouped-query heads): (B, S, N, H)."""
+def reference(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, segments: np.ndarray, scale: float
+) -> np.ndarray:
+    """float64 attention of each document alone (causal, grouped-query heads, scores times
+    `scale`): (B, S, N, H)."""
     b, s, n, h = q.shape
     group = n // k.shape[2]
     out = np.zeros((b, s, n, h))
@@ -53,7 +59,7 @@ def reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, segments: np.ndarray)
         for d in np.unique(segments[r]):
             idx = np.flatnonzero(segments[r] == d)
             qd, kd, vd = q[r, idx], np.repeat(k[r, idx], group, 1), np.repeat(v[r, idx], group, 1)
-            scores = np.einsum("tnh,snh->nts", qd, kd) / math.sqrt(h)
+            scores = np.einsum("tnh,snh->nts", qd, kd) * scale
             scores = np.where(np.tril(np.ones((len(idx), len(idx)), bool))[None], scores, -np.inf)
             p = np.exp(scores - scores.max(-1, keepdims=True))
             out[r, idx] = np.einsum("nts,snh->tnh", p / p.sum(-1, keepdims=True), vd)
@@ -65,12 +71,12 @@ def rel(a: jax.Array | np.ndarray, b: jax.Array | np.ndarray) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def fwd_bwd(impl: str, with_segments: bool) -> Callable[..., tuple[jax.Array, ...]]:
+def fwd_bwd(impl: str, with_segments: bool, scale: float) -> Callable[..., tuple[jax.Array, ...]]:
     """jit of (q, k, v, segments, cotangent) -> (output, dq, dk, dv) of the library's attention."""
 
     def run(q, k, v, segments, ct):
         seg = segments if with_segments else None
-        out, vjp = jax.vjp(lambda q, k, v: causal_attention(q, k, v, impl, seg), q, k, v)
+        out, vjp = jax.vjp(lambda q, k, v: causal_attention(q, k, v, impl, seg, scale=scale), q, k, v)
         return (out, *vjp(ct))
 
     return jax.jit(run)
@@ -102,11 +108,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16" if on_gpu else "float32", choices=["bfloat16", "float32"])
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--check_rows", type=int, default=2, help="rows checked against the float64 reference")
+    p.add_argument("--scale", type=float, default=0.0, help="the scores' factor (0: 1/sqrt(head_dim))")
     a = p.parse_args(argv)
     if a.small or not on_gpu:  # XLA's (B, N, S, S) float32 scores of the GPU shape would not suit a CPU
         a.batch, a.seq, a.heads, a.kv_heads, a.head_dim, a.doc_len = 2, 128, 4, 2, 32, 20
         a.iters = min(a.iters, 5)
     dtype = jnp.dtype(a.dtype)
+    scale = a.scale or 1.0 / math.sqrt(a.head_dim)
     tol = BF16_TOL if dtype == jnp.bfloat16 else F32_TOL
     rng = np.random.default_rng(0)
     b, s, n, kh, h = a.batch, a.seq, a.heads, a.kv_heads, a.head_dim
@@ -131,15 +139,16 @@ def main(argv: list[str] | None = None) -> int:
 
     # (a) numerics
     for name, args in cases:
-        xla = fwd_bwd("xla", True)(*args)
+        xla = fwd_bwd("xla", True, scale)(*args)
         rows = min(a.check_rows, b)
-        ref = reference(*(np.asarray(t[:rows], np.float64) for t in args[:3]), np.asarray(args[3][:rows]))
+        qkv = (np.asarray(t[:rows], np.float64) for t in args[:3])
+        ref = reference(*qkv, np.asarray(args[3][:rows]), scale)
         err = rel(xla[0][:rows], ref)
         failed |= err >= tol
         verdict = "ok" if err < tol else "FAILED"
         print(f"{name} documents, xla vs float64 per-document reference ({rows} rows): {err:.2e} {verdict}")
         if cudnn:
-            errs = [rel(g, x) for g, x in zip(fwd_bwd("cudnn", True)(*args), xla, strict=True)]
+            errs = [rel(g, x) for g, x in zip(fwd_bwd("cudnn", True, scale)(*args), xla, strict=True)]
             failed |= max(errs) >= tol
             verdict = "ok" if max(errs) < tol else "FAILED"
             print(f"{name} documents, cudnn vs xla: out {errs[0]:.2e}, dq {errs[1]:.2e}, dk {errs[2]:.2e}, "
@@ -148,9 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     # (b) speed
     variants = []
     for impl in ("cudnn", "xla") if cudnn else ("xla",):
-        variants.append((f"{impl}, no segments", fwd_bwd(impl, False), cases[0][1]))
+        variants.append((f"{impl}, no segments", fwd_bwd(impl, False, scale), cases[0][1]))
         variants += [
-            (f"{impl}, segments, {name} documents", fwd_bwd(impl, True), args) for name, args in cases
+            (f"{impl}, segments, {name} documents", fwd_bwd(impl, True, scale), args) for name, args in cases
         ]
     print(f"\nattention forward + backward, median of {a.iters}")
     print(f"{'variant':<36} {'ms':>9} {'ratio':>7}")

@@ -421,11 +421,12 @@ def _packed(doc: jax.Array, max_docs: int) -> tuple[jax.Array, jax.Array]:
     return seqlen, offsets
 
 
-def _cudnn_within_segments(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array) -> jax.Array:
-    """cuDNN flash attention inside each document: the packed layout of the smallest of
-    `packed_document_sizes` that holds every row where it applies, else the segment mask as cuDNN's
-    bias; chosen on the device (`lax.switch`)."""
-    scale = 1.0 / math.sqrt(q.shape[-1])
+def _cudnn_within_segments(
+    q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array, scale: float
+) -> jax.Array:
+    """cuDNN flash attention inside each document, the scores times `scale`: the packed layout of the
+    smallest of `packed_document_sizes` that holds every row where it applies, else the segment mask
+    as cuDNN's bias; chosen on the device (`lax.switch`)."""
 
     def masked(q, k, v, doc):
         mask = same_segment(doc)
@@ -493,8 +494,8 @@ def causal_attention(
     head_dim = q.shape[-1]
     impl = resolve_attention_impl(requested_impl, q.dtype, head_dim)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    if impl == "cudnn" and segments is not None and window is None and scale == 1.0 / math.sqrt(head_dim):
-        return _cudnn_within_segments(q, k, v, segments)
+    if impl == "cudnn" and segments is not None and window is None:
+        return _cudnn_within_segments(q, k, v, segments, scale)
     mask = None if segments is None else same_segment(segments)
     if window is not None:
         s = q.shape[1]
