@@ -5,6 +5,7 @@ CLI reads a run."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import io
 import json
 
@@ -267,15 +268,20 @@ def test_the_trainers_state_is_released_before_the_samples_read_the_weights(tmp_
     """The end-of-run samples read the checkpoint's float32 weights whole; the trainer's state
     (masters, moments; on the host too when offloaded) is released first, so that the run's peak RAM
     is the training's, as the plan counts it: when the sampler starts, the arrays alive hold less than
-    the weights twice over, where the state alone holds them three times (AdamW's two moments)."""
+    the weights twice over beyond those alive before the run, where the state alone holds them three
+    times (AdamW's two moments)."""
     from jaxzero.models.sizes import param_count
     from jaxzero.run import samples
 
     seen = []
     real = samples.Generator
 
+    def live_bytes() -> int:  # of the arrays alive in this process, earlier tests' included
+        gc.collect()
+        return sum(a.nbytes for a in jax.live_arrays())
+
     def counting(model, params, *args, **kwargs):
-        seen.append((sum(a.nbytes for a in jax.live_arrays()), 4 * param_count(model)))
+        seen.append((live_bytes() - before, 4 * param_count(model)))
         return real(model, params, *args, **kwargs)
 
     monkeypatch.setattr(samples, "Generator", counting)
@@ -288,6 +294,7 @@ def test_the_trainers_state_is_released_before_the_samples_read_the_weights(tmp_
          "logging.progress": "false", "logging.samples": "1", "run_dir": str(tmp_path / "run"), **over},
     )  # fmt: skip
     out = io.StringIO()
+    before = live_bytes()
     train_lib.train(cfg, out)
     assert "jaxzero: samples of step 2" in out.getvalue()
     (live, weights), = seen

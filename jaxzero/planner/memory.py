@@ -28,13 +28,13 @@ With checkpoints on, a save or a restore, asynchronous or not, adds `checkpoint_
 the checkpoint buffer (`checkpoint.buffer_gib`), one unit's masters and state (a part is copied
 from the accelerator, or read from disk, whole; `jaxzero.storage.checkpoint`), and `SAVE_WORKING_BYTES`.
 The pinned bytes of an offloaded run live in XLA's pinned pool, which takes host RAM by regions of
-powers of two (`pinned_pool_bytes`). Activations are the saved block inputs and the head's and a block's
-backward transients (`transient_activations`): the larger of the two, or, where a block's do not fit
-the hole the head's leave below the gradient the head returns, both (`backward_phases`); a resident
-run's gradients, and
-those of the units the accelerator updates, take the place of the block inputs as the backward pass
-frees them. A GPU process holds about `GPU_PROCESS_RSS` more of its own per GPU it drives, and an
-offloaded one `OFFLOAD_PROCESS_RSS` more (`process_allowance`, `host_ram_need`).
+powers of two (`pinned_pool_bytes`). Activations are the saved block inputs and the head's and a
+block's backward transients (`transient_activations`): the larger of the two, or, where a block's do
+not fit the hole the head's leave below the gradient the head returns, both (`backward_phases`); a
+resident run's gradients, and those of the units the accelerator updates, take the place of the
+block inputs as the backward pass frees them. A GPU process holds about `GPU_PROCESS_RSS` more of its
+own per GPU it drives, and an offloaded one `OFFLOAD_PROCESS_RSS` more (`process_allowance`,
+`host_ram_need`).
 
 Over a mesh of D devices in P processes (`devices`, `processes`), the figures are per process (host
 RAM, pinned) and per device (accelerator): what the ZeRO stage shards divides by D on the
@@ -160,13 +160,8 @@ def backward_phases(transient: Transient, head_grad: int = 0) -> int:
     return head + transient.block
 
 
-def padded_experts_bytes(
-    tokens: int,
-    top_k: int,
-    experts: int,
-    hidden: int,
-    intermediate: int,
-    compute_bytes: int,
+def padded_experts_bytes(  # fmt: skip
+    tokens: int, top_k: int, experts: int, hidden: int, intermediate: int, compute_bytes: int,
     block_rows: int = BLOCK_ROWS,
 ) -> int:
     """Bytes one MoE layer's rematerialised backward holds at its peak for `tokens` tokens on one
@@ -180,8 +175,7 @@ def padded_experts_bytes(
     Their gradients and the experts' float32 kernel-gradient sums reuse what the forward's free: the
     GPU compiler's temporaries for one layer's gradient were within a few percent of this
     (BENCHMARKS.md, "What the padded expert grouping holds on the GPU"). The CPU backend reuses less
-    and compiles about twice it (tests/test_moe_memory.py).
-    """
+    and compiles about twice it (tests/test_moe_memory.py)."""
     n = tokens * top_k
     blocks = -(-n // block_rows) + experts
     kernels = blocks * 3 * hidden * intermediate
@@ -195,15 +189,13 @@ def grouped_experts_bytes(
     """Bytes one MoE layer's rematerialised backward holds at its peak for `tokens` tokens through
     the grouped matmul (`grouped_matmul.mosaic_matmul`, reading each expert's kernels in place): the
     N = tokens x top_k sorted rows (N, D) in and their gradient, (N, 2F) [gate | up], (N, F)
-    activated, (N, D) out, in the compute dtype; no padded rows and no gathered kernels. -5% and -7%
-    of the H100 compiles of Qwen3-30B-A3B's and Mixtral's layers (BENCHMARKS.md, "Issue 45 on one
-    H100"). Widths that are no multiple of the kernels' tile (gpt-oss's 2,880) add the padded copy of
-    the `experts` kernels and of their gradient (`grouped_matmul.dims_padded`)."""
+    activated, (N, D) out, in the compute dtype (-5% and -7% of the H100 compiles of Qwen3-30B-A3B's
+    and Mixtral's layers: BENCHMARKS.md, "Issue 45 on one H100"); widths that are no multiple of the
+    kernels' tile add the padded copy of the `experts` kernels and its gradient (`dims_padded`)."""
     rows = tokens * top_k * (3 * hidden + 3 * intermediate)
-    if hidden % MOSAIC_ALIGN == 0 and intermediate % MOSAIC_ALIGN == 0:
-        return rows * compute_bytes
-    wide, deep = -(-hidden // MOSAIC_ALIGN) * MOSAIC_ALIGN, -(-intermediate // MOSAIC_ALIGN) * MOSAIC_ALIGN
-    return (rows + 2 * experts * 3 * wide * deep) * compute_bytes
+    wide, deep = (-(-n // MOSAIC_ALIGN) * MOSAIC_ALIGN for n in (hidden, intermediate))
+    padded = 0 if (wide, deep) == (hidden, intermediate) else 2 * experts * 3 * wide * deep
+    return (rows + padded) * compute_bytes
 
 
 def transient_activations(
