@@ -620,6 +620,29 @@ def test_saves_that_would_block_much_of_the_run_are_warned_with_an_interval_that
     assert preflight.decide(parse_args([*preset, "--checkpoint.every=0"])).save_warning() is None
     off = [*preset, "--checkpoint.every=10", "--checkpoint.enabled=false"]
     assert preflight.decide(parse_args(off)).save_warning() is None
+    # Every unit's state on the host: the buffer that holds a copy of all of it (25 GiB, and 1 GiB in
+    # flight) fits the RAM this plan leaves free; the warning names it, and with it training copies
+    # instead of waiting.
+    host = [*preset, "--checkpoint.every=10", "--offload.device_state_units=0"]
+    warning = preflight.decide(parse_args(host)).save_warning()
+    buffer = re.search(r"checkpoint.buffer_gib=(\d+) \(now 2; the plan leaves ([\d.]+) GiB", warning)
+    assert buffer and "accelerator" not in warning, warning
+    assert 26 <= int(buffer.group(1)) <= 28 and float(buffer.group(2)) > int(buffer.group(1))
+    enough = [*host, f"--checkpoint.buffer_gib={buffer.group(1)}"]
+    assert preflight.decide(parse_args(enough)).save_warning() is None
+    half = [*host, f"--checkpoint.buffer_gib={int(buffer.group(1)) // 2}"]  # half the units copied
+    assert "training may wait up to ~1" in preflight.decide(parse_args(half)).save_warning()
+    # With too little RAM free for it, the warning says how much there is
+    smaller = [a for a in host if not a.startswith("--machine.host_gib")] + ["--machine.host_gib=80"]
+    larger = r"a larger checkpoint.buffer_gib \(now 2; the plan leaves [\d.]+ GiB"
+    assert re.search(larger, preflight.decide(parse_args(smaller)).save_warning())
+    # The units whose state the accelerator holds wait for the writer whatever the buffer: the
+    # preset on this card keeps the first units' state there, and a resident run all of it
+    assert re.search(r"; the [\d.]+ GiB of state the accelerator holds is waited for.$", d.save_warning())
+    resident = [*preset, "--checkpoint.every=10", "--offload.optimizer=none", "--offload.params=none"]
+    said = preflight.decide(parse_args(resident)).save_warning()
+    assert said.endswith("of state the accelerator holds is written before its updates go on, whatever "
+                         "checkpoint.buffer_gib is."), said  # fmt: skip
 
 
 def test_a_long_sequence_within_documents_is_advised_to_attend_across_them():

@@ -373,6 +373,16 @@ def buffer_bytes(cfg: CheckpointConfig) -> int:
     return int(cfg.buffer_gib * 2**30)
 
 
+IN_FLIGHT_MAX = 2**30  # bytes a save keeps in flight to disk at most (`in_flight_bytes`)
+
+
+def in_flight_bytes(cfg: CheckpointConfig) -> int:
+    """Of the buffer, what a save or a restore keeps in flight to or from disk: half of it, at most
+    1 GiB; a save holds copies of units the next step updates before the writer has written them in
+    the rest (`jaxzero.primitives.write_fence`), so that those updates need not wait."""
+    return min(buffer_bytes(cfg) // 2, IN_FLIGHT_MAX)
+
+
 @dataclass(frozen=True)
 class LoggingConfig:
     """How often scalars are read back from the device (a host sync) and validation runs."""

@@ -11,7 +11,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from jaxzero.config import TrainConfig
+from jaxzero.config import IN_FLIGHT_MAX, TrainConfig, buffer_bytes, in_flight_bytes
 from jaxzero.models.sizes import NAMED_SIZES, param_count, unit_param_counts
 from jaxzero.plan import OffloadPlan, Tier, UnitKind, UnitPlan
 from jaxzero.planner import memory, partial, runtime
@@ -114,21 +114,63 @@ class Decision:
         """A warning where saves every `checkpoint.every` steps may block training for more than
         `SAVE_COST_WARNING` of the run: a step waits for the writer at each unit it has not written
         yet and the buffer does not hold, so a save may block training for up to its whole writing
-        time. Names the interval that keeps the cost under that share."""
+        time. None where the buffer holds a copy of all this process saves (training then copies
+        instead of waiting). Names the interval that keeps the cost under that share, and the
+        buffer that holds the state where the plan leaves the RAM for it (`_buffer_advice`)."""
         ck = self.config.checkpoint
         if not ck.enabled or ck.every <= 0:
             return None
+        state, copyable = self.checkpoint_bytes() // self.machine.processes, self._copyable_bytes()
+        waited = state - min(copyable, buffer_bytes(ck) - in_flight_bytes(ck))
         save_s, between_s = self.save_seconds(), ck.every * self.step_s
-        if save_s <= SAVE_COST_WARNING * (between_s + save_s):
+        wait_s = save_s * waited / max(state, 1)
+        if wait_s <= SAVE_COST_WARNING * (between_s + wait_s):
             return None
-        every = math.ceil(save_s * (1 - SAVE_COST_WARNING) / SAVE_COST_WARNING / self.step_s)
+        every = math.ceil(wait_s * (1 - SAVE_COST_WARNING) / SAVE_COST_WARNING / self.step_s)
         return (
             f"warning: a save every {ck.every} steps writes for ~{save_s:.3g} s (at ~"
             f"{CHECKPOINT_WRITE_BPS / GB:.2g} GB/s), while {ck.every} steps take ~{between_s:.3g} s: "
-            f"training may wait up to ~{save_s:.3g} s per save, up to "
-            f"{save_s / (between_s + save_s):.0%} of the run. checkpoint.every={every} or more keeps it "
-            f"under {SAVE_COST_WARNING:.0%}; a larger checkpoint.buffer_gib lets training copy more units "
-            "and wait less."
+            f"training may wait up to ~{wait_s:.3g} s per save, up to "
+            f"{wait_s / (between_s + wait_s):.0%} of the run. checkpoint.every={every} or more keeps it "
+            f"under {SAVE_COST_WARNING:.0%}; {self._buffer_advice(copyable, state - copyable)}"
+        )
+
+    def _copyable_bytes(self) -> int:
+        """Bytes this process's save writes of the units whose masters and state are in host RAM or
+        on disk: those a save copies into its buffer ahead of their next update, where it has room.
+        A unit whose state the accelerator holds waits for the writer, and so does a run with a
+        frozen part (its step updates what trains at once)."""
+        if self.config.finetune.partial:
+            return 0
+        embed, block, head = unit_param_counts(self.config.model)
+        params = {UnitKind.EMBED: embed, UnitKind.BLOCK: block, UnitKind.HEAD: head}
+        host = sum(params[u.kind] for u in self.plan.units if u.state is not Tier.DEVICE)
+        return host * (4 + memory.optimizer_state_bytes(self.config)) // self.machine.processes
+
+    def _buffer_advice(self, copyable: int, on_device: int) -> str:
+        """The `checkpoint.buffer_gib` that holds a copy of the `copyable` bytes beside what a save
+        keeps in flight, where the RAM the plan leaves free holds the difference; else how much is
+        free for a larger one (the 3.37B preset's saves held training 1.4 s with a buffer of its
+        state against 20.6 s: BENCHMARKS.md, "Checkpoints in bounded host RAM (issue 26)").
+        `on_device`: the bytes of units whose updates wait whatever the buffer."""
+        ck = self.config.checkpoint
+        free = max(0, self.machine.host_usable - self._ram_needed())
+        need = math.ceil((copyable + IN_FLIGHT_MAX) / GiB)
+        device = f"; the {gib(on_device)} of state the accelerator holds is waited for" if on_device else ""
+        if copyable and need > ck.buffer_gib and (need - ck.buffer_gib) * GiB <= free:
+            return (
+                f"checkpoint.buffer_gib={need} (now {ck.buffer_gib:g}; the plan leaves {gib(free)} of "
+                f"RAM free) holds a copy of every unit whose state is in host RAM or on disk, so "
+                f"training copies them instead of waiting{device}."
+            )
+        if copyable and need > ck.buffer_gib:
+            return (
+                f"a larger checkpoint.buffer_gib (now {ck.buffer_gib:g}; the plan leaves {gib(free)} of "
+                f"RAM free) lets training copy more units and wait less{device}."
+            )
+        return (
+            f"the {gib(on_device)} of state the accelerator holds is written before its updates go on, "
+            "whatever checkpoint.buffer_gib is."
         )
 
     def line(self) -> str:

@@ -50,7 +50,7 @@ import orbax.checkpoint as ocp
 from absl import flags
 from jax.experimental import multihost_utils
 
-from jaxzero.config import CheckpointConfig, CheckpointError, TrainConfig, buffer_bytes
+from jaxzero.config import CheckpointConfig, CheckpointError, TrainConfig, buffer_bytes, in_flight_bytes
 from jaxzero.finetune.provenance import check_base
 from jaxzero.primitives.deferred import is_deferred, resolved
 from jaxzero.primitives.write_fence import WriteFence
@@ -77,7 +77,6 @@ from jaxzero.storage.checkpoint_layout import (
 
 log = logging.getLogger(__name__)  # the library speaks through logging (`jaxzero.run.console`)
 
-IN_FLIGHT_MAX = 2**30  # bytes a save keeps in flight to disk at most (`in_flight_bytes`)
 # Orbax's barriers are named with this prefix (set on the manager), so that the name of the barrier
 # that ends Orbax's `Checkpointer.restore` is known: a process whose restore raised before it joins it.
 ORBAX_BARRIER_PREFIX = "jaxzero"
@@ -500,13 +499,6 @@ class _WriteFailure:
             "the checkpoints listed there are complete, and a run resumes from the newest of them once the "
             "cause is fixed."
         ) from error
-
-
-def in_flight_bytes(cfg: CheckpointConfig) -> int:
-    """Of the buffer, what a save or a restore keeps in flight to or from disk: half of it, at most
-    1 GiB; a save holds copies of units the next step updates before the writer has written them in
-    the rest (`WriteFence`)."""
-    return min(buffer_bytes(cfg) // 2, IN_FLIGHT_MAX)
 
 
 def trim_host_heap() -> None:
