@@ -604,7 +604,7 @@ def test_an_obvious_plan_is_one_line_in_the_words_of_the_device_that_runs():
     assert choose(cfg(**ZERO3), h200(139)).obvious() is False  # the host updates: worth a table
 
 
-def test_saves_that_would_block_much_of_the_run_are_warned_with_an_interval_that_does_not():
+def test_saves_that_would_block_much_of_the_run_are_warned_with_an_interval_that_does_not(capsys):
     """A save blocks training up to its writing time: the 3.37B preset with bf16 moments writes 25 GiB
     a save (~21 s at the writer's rate) while 10 steps take ~12 s, so a save every 10 steps is warned,
     and the interval the warning names is not."""
@@ -628,6 +628,8 @@ def test_saves_that_would_block_much_of_the_run_are_warned_with_an_interval_that
     buffer = re.search(r"checkpoint.buffer_gib=(\d+) \(now 2; the plan leaves ([\d.]+) GiB", warning)
     assert buffer and "accelerator" not in warning, warning
     assert 26 <= int(buffer.group(1)) <= 28 and float(buffer.group(2)) > int(buffer.group(1))
+    assert plan_main(host) == 0  # python -m jaxzero.plan prints it as the run's start does
+    assert f"jaxzero: {warning}" in capsys.readouterr().out
     enough = [*host, f"--checkpoint.buffer_gib={buffer.group(1)}"]
     assert preflight.decide(parse_args(enough)).save_warning() is None
     half = [*host, f"--checkpoint.buffer_gib={int(buffer.group(1)) // 2}"]  # half the units copied

@@ -4,7 +4,8 @@ state would live.
 Takes the arguments of `python -m jaxzero.train` (the same parsing, presets and checks) and prints
 what the planner (`jaxzero.planner.search`) decides for that run on this machine, or on the machine
 `--machine.*` describes: every unit's tier, memory against capacity, the predicted step and its
-bottleneck, and the figures it used. It starts no JAX backend and allocates nothing: the devices are
+bottleneck, and the figures it used (and the warning a run's start prints where its saves would hold
+training for much of it). It starts no JAX backend and allocates nothing: the devices are
 told as `python -m jaxzero.train` tells them before JAX starts (`jaxzero.planner.preflight`: `nvidia-smi`,
 or the CPU backend's settings), and it plans for every device, as that run would use them; with
 `--machine.gpu_gib`, for a GPU of that size.
@@ -54,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jaxzero: config error: {e}", file=sys.stderr)
         return EXIT_CONFIG
     print(decision.table())
+    slow_saves = decision.save_warning()  # as the run's start warns
+    if slow_saves is not None:
+        print(f"jaxzero: {slow_saves}")
     short = decision.checkpoint_shortfall()
     if short is not None:  # the placement fits, its checkpoints do not: train would refuse it
         print(f"jaxzero: config error: {short}", file=sys.stderr)
