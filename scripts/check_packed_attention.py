@@ -47,9 +47,7 @@ def documents(rng: np.random.Generator, batch: int, seq: int, mean_len: float) -
     return (np.cumsum(ends, axis=1) - ends).astype(np.int32)
 
 
-def reference(
-    q: np.ndarray, k: np.ndarray, v: np.ndarray, segments: np.ndarray, scale: float
-) -> np.ndarray:
+def reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, segments: np.ndarray, scale: float) -> np.ndarray:
     """float64 attention of each document alone (causal, grouped-query heads, scores times
     `scale`): (B, S, N, H)."""
     b, s, n, h = q.shape

@@ -297,5 +297,5 @@ def test_the_trainers_state_is_released_before_the_samples_read_the_weights(tmp_
     before = live_bytes()
     train_lib.train(cfg, out)
     assert "jaxzero: samples of step 2" in out.getvalue()
-    (live, weights), = seen
+    ((live, weights),) = seen
     assert live < 2 * weights, (live, weights)

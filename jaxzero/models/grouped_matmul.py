@@ -192,8 +192,8 @@ def experts_impl(requested: str, dtype: jnp.dtype, biased: bool) -> str:
 
 
 def _decided(requested: str, reason: str | None, biased: bool) -> str:
-    """"auto" or "mosaic" where `reason` says why the Mosaic kernels cannot run (None: nothing
-    does): "mosaic" where nothing does, except that "auto" keeps biased experts (gpt-oss's) on the
+    """What "auto" or "mosaic" becomes, where `reason` says why the Mosaic kernels cannot run (None:
+    nothing does): "mosaic" where nothing does, except that "auto" keeps biased experts (gpt-oss's) on the
     padded grouping, the one measured for them (BENCHMARKS.md, "gpt-oss's experts on the Mosaic
     grouping"); else "padded" for "auto", and for "mosaic" a ConfigError with the reason."""
     if reason is None:

@@ -160,10 +160,12 @@ def backward_phases(transient: Transient, head_grad: int = 0) -> int:
     return head + transient.block
 
 
-def padded_experts_bytes(  # fmt: skip
+# fmt: off
+def padded_experts_bytes(
     tokens: int, top_k: int, experts: int, hidden: int, intermediate: int, compute_bytes: int,
     block_rows: int = BLOCK_ROWS,
 ) -> int:
+    # fmt: on
     """Bytes one MoE layer's rematerialised backward holds at its peak for `tokens` tokens on one
     GPU, as `moe.experts_padded` (the default grouping) materialises them. With N = tokens x top_k
     rows, blocks = ceil(N / block_rows) + experts and R = blocks x block_rows padded rows, in the
