@@ -74,11 +74,15 @@ def test_experts_through_the_custom_gradient_equal_the_padded_grouping(family):
     def loss(fn, params, x):
         return jnp.sum(moe.moe_block(params, x, spec, experts_fn=fn)[0] * cot)
 
-    def tiled(rows, kernels, sizes):  # like the kernels, whole tiles only
-        assert rows.shape[0] % 8 == 0 and kernels.shape[1] % 8 == 0 and kernels.shape[2] % 8 == 0
-        return STAND_IN(rows, kernels, sizes)
+    def whole_tiles(kernel):  # like each Mosaic kernel, whole tiles of 8 only
+        def run(a, b, sizes):
+            assert all(n % 8 == 0 for n in (*a.shape, *b.shape[-2:])), (a.shape, b.shape)
+            return kernel(a, b, sizes)
 
-    mosaic_like = grouped_matmul.rows_padded(grouped_matmul.dims_padded(tiled, 8), 8)
+        return run
+
+    kernels = (jax.lax.ragged_dot, _rows_grad, _kernels_grad)
+    mosaic_like = grouped_matmul.tiled_matmul(*map(whole_tiles, kernels), rows=8, widths=8)
     grouped = functools.partial(moe.experts_ragged_dot, matmul=mosaic_like)
     want = jax.jit(jax.grad(functools.partial(loss, moe.experts_padded), (0, 1)))(params, x)
     got = jax.jit(jax.grad(functools.partial(loss, grouped), (0, 1)))(params, x)

@@ -134,8 +134,21 @@ def mosaic_matmul() -> GroupedMatmul:
     def kernels_grad(rows: jax.Array, dy: jax.Array, group_sizes: jax.Array) -> jax.Array:
         return transposed_ragged_dot(rows, dy, group_sizes=group_sizes, **MOSAIC_TILES)
 
-    tiled = with_vjp(forward, rows_grad, kernels_grad)
-    return rows_padded(dims_padded(tiled, MOSAIC_ALIGN), MOSAIC_TILES["block_m"])
+    return tiled_matmul(forward, rows_grad, kernels_grad, rows=MOSAIC_TILES["block_m"], widths=MOSAIC_ALIGN)
+
+
+def tiled_matmul(
+    forward: GroupedMatmul,
+    rows_grad: GroupedMatmul,
+    kernels_grad: Callable[[jax.Array, jax.Array, jax.Array], jax.Array],
+    *,
+    rows: int,
+    widths: int,
+) -> GroupedMatmul:
+    """The differentiable grouped matmul (`with_vjp`) of three kernels that take whole tiles only:
+    rows padded to a multiple of `rows` (`rows_padded`), both widths of the kernels to a multiple
+    of `widths` (`dims_padded`). `mosaic_matmul` is this over the Mosaic GPU kernels."""
+    return rows_padded(dims_padded(with_vjp(forward, rows_grad, kernels_grad), widths), rows)
 
 
 def _dtype_reason(dtype: jnp.dtype) -> str | None:
