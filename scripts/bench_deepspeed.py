@@ -71,6 +71,9 @@ jaxzero's two beside it in the same run, same box:
                   zero3-offload step case: offload.params=cpu, offload.optimizer=cpu,
                   offload.device_state_units=0)
   jaxzero-auto    the planner's placement for this machine (`bench_offload.py`'s auto case)
+and, named in --cases, a third:
+  jaxzero-host-bf16  jaxzero-host with bf16 moments (`optimizer.state_dtype=bfloat16`: 20 bytes of host
+                  traffic per parameter against fp32's 28; DeepSpeed's CPU Adam keeps fp32 moments)
 each the same shape (`jaxzero_overrides`), tokens and AdamW, checkpoints off, run by
 `scripts/bench_offload.py --case=...` in its own process. "vs ZeRO-3" is DeepSpeed zero3-offload's
 s/step over the case's (2.50x: 2.5 times its tokens/s). jaxzero cases run with `--shape=llama` too.
@@ -96,8 +99,12 @@ import sys
 import time
 
 CASES = ["resident", "zero2-offload", "zero3-offload"]
-# jaxzero's cases: scripts/bench_offload.py's step case each runs as.
-JAXZERO_CASES = {"jaxzero-host": "zero3-offload", "jaxzero-auto": "auto"}
+# jaxzero's cases: scripts/bench_offload.py's step case each runs as, and its own config overrides.
+JAXZERO_CASES: dict[str, tuple[str, dict[str, str]]] = {
+    "jaxzero-host": ("zero3-offload", {}),
+    "jaxzero-host-bf16": ("zero3-offload", {"optimizer.state_dtype": "bfloat16"}),
+    "jaxzero-auto": ("auto", {}),
+}
 # Each shape's defaults of the shape flags (mlp: a dense MLP's width, or each expert's).
 SHAPES: dict[str, dict[str, int]] = {
     "llama": dict(hidden=3072, layers=28, mlp=8192, heads=24, kv_heads=0, head_dim=0, experts=0, top_k=0,
@@ -443,9 +450,11 @@ def _child_argv(args: argparse.Namespace, case: str) -> list[str]:
 def _jaxzero_argv(args: argparse.Namespace, case: str) -> list[str]:
     """A jaxzero case's process: `bench_offload.py`'s step case at the same shape and tokens."""
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_offload.py")
-    argv = [script, f"--case={JAXZERO_CASES[case]}", f"--model={JAXZERO_BASE[args.shape]}"]
+    step_case, own = JAXZERO_CASES[case]
+    argv = [script, f"--case={step_case}", f"--model={JAXZERO_BASE[args.shape]}"]
     argv += [f"--batch={args.batch}", f"--seq={args.seq}", f"--warmup={args.warmup}", f"--steps={args.steps}"]
-    argv += [f"--out={args.out}", *(f"--set={k}={v}" for k, v in jaxzero_overrides(args).items())]
+    over = {**jaxzero_overrides(args), **own}
+    argv += [f"--out={args.out}", *(f"--set={k}={v}" for k, v in over.items())]
     return argv
 
 

@@ -73,6 +73,10 @@ def test_one_run_holds_deepspeed_and_both_jaxzero_placements(bench, tmp_path):
     host = bench._jaxzero_argv(args, "jaxzero-host")
     assert host[0].endswith("scripts/bench_offload.py") and "--case=zero3-offload" in host
     assert "--case=auto" in bench._jaxzero_argv(args, "jaxzero-auto")
+    assert "--set=optimizer.state_dtype=bfloat16" not in host
+    bf16 = bench._jaxzero_argv(args, "jaxzero-host-bf16")  # the same case with bf16 moments
+    assert set(bf16) - set(host) == {"--set=optimizer.state_dtype=bfloat16"}
+    assert "--case=zero3-offload" in bf16
     assert "--set=model.num_experts=64" in host and "--batch=8" in host and "--seq=2048" in host
     child = bench.parse_args(bench._child_argv(args, "zero3-offload"))
     assert child.case == "zero3-offload" and bench.shape_param_count(child) == MOE_PARAMS
