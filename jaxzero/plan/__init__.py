@@ -50,6 +50,12 @@ class UnitKind(enum.Enum):
     BLOCK = "blocks"
     HEAD = "head"
 
+    @staticmethod
+    def keyed(values: tuple[int, int, int]) -> dict[UnitKind, int]:
+        """(embedding, one block, head) values, as `jaxzero.models.sizes.unit_param_counts` gives
+        them, keyed by kind."""
+        return dict(zip(UnitKind, values, strict=True))
+
 
 class UpdateMode(enum.Enum):
     """How the host update of step t meets the accelerator's work of step t+1."""

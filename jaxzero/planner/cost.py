@@ -87,7 +87,7 @@ def predict(cfg: TrainConfig, plan: OffloadPlan, machine: Machine) -> Prediction
         return _predict_partial(cfg, machine)
     m, d = cfg.model, cfg.data
     n_embed, n_block, n_head = unit_param_counts(m)
-    count = {UnitKind.EMBED: n_embed, UnitKind.BLOCK: n_block, UnitKind.HEAD: n_head}
+    count = UnitKind.keyed((n_embed, n_block, n_head))
     tokens = d.batch_size * d.seq_len / machine.devices
     # Per token and block, attention's FLOPs past the calibration, in parameter-equivalents (8 each).
     attention = (

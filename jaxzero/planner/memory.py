@@ -270,8 +270,7 @@ def plan_memory(
 
     m, d = cfg.model, cfg.data
     n_embed, n_block, n_head = unit_param_counts(m)
-    params = {UnitKind.EMBED: n_embed, UnitKind.BLOCK: n_block, UnitKind.HEAD: n_head}
-    unsplit = dict(zip((UnitKind.EMBED, UnitKind.BLOCK, UnitKind.HEAD), whole))
+    params, unsplit = UnitKind.keyed((n_embed, n_block, n_head)), UnitKind.keyed(whole)
     n = n_embed + m.num_layers * n_block + n_head
     n_whole = whole[0] + m.num_layers * whole[1] + whole[2]
 

@@ -114,9 +114,9 @@ class Decision:
         """A warning where saves every `checkpoint.every` steps may block training for more than
         `SAVE_COST_WARNING` of the run: a step waits for the writer at each unit it has not written
         yet and the buffer does not hold, so a save may block training for up to its whole writing
-        time. None where the buffer holds a copy of all this process saves (training then copies
-        instead of waiting). Names the interval that keeps the cost under that share, and the
-        buffer that holds the state where the plan leaves the RAM for it (`_buffer_advice`)."""
+        time, less what the buffer copies instead (`_copyable_bytes`, as much as it has room for).
+        Names the interval that keeps the cost under that share, and the buffer that holds a copy of
+        every unit it can copy where the plan leaves the RAM for it (`_buffer_advice`)."""
         ck = self.config.checkpoint
         if not ck.enabled or ck.every <= 0:
             return None
@@ -142,10 +142,9 @@ class Decision:
         frozen part (its step updates what trains at once)."""
         if self.config.finetune.partial:
             return 0
-        embed, block, head = unit_param_counts(self.config.model)
-        params = {UnitKind.EMBED: embed, UnitKind.BLOCK: block, UnitKind.HEAD: head}
+        params = UnitKind.keyed(unit_param_counts(self.config.model))
         host = sum(params[u.kind] for u in self.plan.units if u.state is not Tier.DEVICE)
-        return host * (4 + memory.optimizer_state_bytes(self.config)) // self.machine.processes
+        return self.checkpoint_bytes() * host // param_count(self.config.model) // self.machine.processes
 
     def _buffer_advice(self, copyable: int, on_device: int) -> str:
         """The `checkpoint.buffer_gib` that holds a copy of the `copyable` bytes beside what a save
