@@ -75,6 +75,36 @@ def test_bfloat16_kernel_gradients_sum_each_experts_blocks_in_float32():
         assert err < 0.007, (name, err)
 
 
+def test_bfloat16_bias_gradients_sum_each_blocks_rows_in_float32():
+    """gpt-oss's expert biases in 256-row blocks: a bias's gradient sums its block's rows. Summed in
+    bfloat16 (the transpose of a bfloat16 broadcast add) its error against float32 compute on the
+    same rounded inputs was 0.7% for both biases; summed in float32 and rounded once, 0.4% and 0.2%."""
+    T, E, D, F = 2048, 2, 32, 16
+    spec = moe.gpt_oss_spec(E, 1)
+
+    def rounded(a: jax.Array) -> jax.Array:
+        return a.astype(jnp.bfloat16).astype(jnp.float32)
+
+    params = jax.tree.map(rounded, moe.init_moe(jax.random.PRNGKey(0), spec, D, F))
+    x = rounded(jax.random.normal(jax.random.PRNGKey(1), (T, D), jnp.float32))
+    cotangent = rounded(jax.random.normal(jax.random.PRNGKey(2), (T, D), jnp.float32))
+    experts_fn = functools.partial(moe.experts_padded, block_rows=256)
+
+    def grads(dtype):
+        def loss(p):
+            p = jax.tree.map(lambda a: a.astype(dtype), p)
+            y = moe.moe_block(p, x.astype(dtype), spec, experts_fn=experts_fn)[0]
+            return jnp.sum(y.astype(jnp.float32) * cotangent)
+
+        return jax.jit(jax.grad(loss))(params)
+
+    exact, low = grads(jnp.float32), grads(jnp.bfloat16)
+    for name in ("gate_up", "down"):
+        a, b = np.asarray(exact[name]["bias"]), np.asarray(low[name]["bias"], np.float32)
+        err = np.linalg.norm(a - b) / np.linalg.norm(a)
+        assert err < 0.005, (name, err)
+
+
 def test_an_int8_moe_base_is_counted_as_narrow_block_stores_it():
     """The experts' and the router's kernels are int8 with a float32 scale per output channel of
     each expert (`narrow_block`), as the attention's are: the plan counts the stored block's bytes."""

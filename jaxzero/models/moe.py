@@ -391,9 +391,12 @@ def experts_padded(
 
     def project(rows: jax.Array, proj: Params) -> jax.Array:
         out = jnp.einsum("nbi,nio->nbo", rows, _block_kernels(proj["kernel"], block_expert))
-        if "bias" in proj:
-            out = out + _block_kernels(proj["bias"], block_expert)[:, None, :]
-        return out
+        if "bias" not in proj:
+            return out
+        # The add in float32: its gradient, each block's rows summed, then accumulates in float32
+        # and rounds once (`_block_kernels`); the forward rounds the same sum once as before.
+        bias = _block_kernels(proj["bias"].astype(jnp.float32), block_expert)[:, None, :]
+        return (out.astype(jnp.float32) + bias).astype(out.dtype)
 
     h = project(xp.reshape(blocks, B, D), params["gate_up"])
     yp = project(activation(h, spec), params["down"]).reshape(blocks * B, D)
