@@ -15,6 +15,10 @@
 `--scale=X` multiplies the scores by X instead of 1/sqrt(H) (Granite's `attention_multiplier`, Gemma 3's
 `query_pre_attn_scalar`), in every path and the reference.
 
+`--window=W` checks and times Gemma 3's sliding window instead (no segments): a layer whose window is
+W (`local_window=W`: the kernel's own window) and a global one (its causal mask), each against the dense
+mask of the window (`local_window` unset) and the float64 reference, and their times beside the dense mask's.
+
 Defaults on a GPU are llama-3.4b-bench's attention (24 heads, 24 key/value heads, head_dim 128) over a
 micro-batch of 8 sequences of 2048 tokens in bfloat16, documents ~400 tokens long. Exits 1 if a
 numerical check fails.
@@ -47,9 +51,11 @@ def documents(rng: np.random.Generator, batch: int, seq: int, mean_len: float) -
     return (np.cumsum(ends, axis=1) - ends).astype(np.int32)
 
 
-def reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, segments: np.ndarray, scale: float) -> np.ndarray:
+def reference(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, segments: np.ndarray, scale: float, window: int = 2**30
+) -> np.ndarray:
     """float64 attention of each document alone (causal, grouped-query heads, scores times
-    `scale`): (B, S, N, H)."""
+    `scale`, each query over the keys less than `window` behind it): (B, S, N, H)."""
     b, s, n, h = q.shape
     group = n // k.shape[2]
     out = np.zeros((b, s, n, h))
@@ -58,7 +64,8 @@ def reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, segments: np.ndarray,
             idx = np.flatnonzero(segments[r] == d)
             qd, kd, vd = q[r, idx], np.repeat(k[r, idx], group, 1), np.repeat(v[r, idx], group, 1)
             scores = np.einsum("tnh,snh->nts", qd, kd) * scale
-            scores = np.where(np.tril(np.ones((len(idx), len(idx)), bool))[None], scores, -np.inf)
+            i, j = np.arange(len(idx))[:, None], np.arange(len(idx))[None, :]
+            scores = np.where(((j <= i) & (i - j < window))[None], scores, -np.inf)
             p = np.exp(scores - scores.max(-1, keepdims=True))
             out[r, idx] = np.einsum("nts,snh->tnh", p / p.sum(-1, keepdims=True), vd)
     return out
@@ -78,6 +85,54 @@ def fwd_bwd(impl: str, with_segments: bool, scale: float) -> Callable[..., tuple
         return (out, *vjp(ct))
 
     return jax.jit(run)
+
+
+def windowed(impl: str, local_window: int | None, scale: float) -> Callable[..., tuple[jax.Array, ...]]:
+    """jit of (q, k, v, window, cotangent) -> (output, dq, dk, dv), no segments, `window` traced."""
+
+    def run(q, k, v, window, ct):
+        def attend(q, k, v):
+            return causal_attention(q, k, v, impl, window=window, local_window=local_window, scale=scale)
+
+        out, vjp = jax.vjp(attend, q, k, v)
+        return (out, *vjp(ct))
+
+    return jax.jit(run)
+
+
+def check_window(
+    args: tuple, width: int, scale: float, tol: float, cudnn: bool, a: argparse.Namespace
+) -> bool:
+    """(c) a local layer of window `width` and a global one: numerics and times. True if one failed."""
+    q, k, v, ct = args
+    failed = False
+    variants = []
+    for name, window in ((f"window {width}", width), ("global", 2**30)):
+        w = jnp.int32(window)
+        dense = windowed("xla", None, scale)(q, k, v, w, ct)
+        rows = min(a.check_rows, q.shape[0])
+        qkv = [np.asarray(t[:rows], np.float64) for t in (q, k, v)]
+        err = rel(dense[0][:rows], reference(*qkv, np.zeros((rows, q.shape[1]), np.int32), scale, window))
+        errs = [rel(g, x) for g, x in zip(windowed("xla", width, scale)(q, k, v, w, ct), dense, strict=True)]
+        if cudnn:
+            errs += [
+                rel(g, x) for g, x in zip(windowed("cudnn", width, scale)(q, k, v, w, ct), dense, strict=True)
+            ]
+        bad = err >= tol or max(errs) >= tol
+        failed |= bad
+        impls = "xla and cudnn" if cudnn else "xla"
+        print(f"{name}: xla dense vs float64 {err:.2e}; kernel's window vs dense mask (worst of out, dq, "
+              f"dk, dv; {impls}) {max(errs):.2e} {'FAILED' if bad else 'ok'}")  # fmt: skip
+        for impl in ("cudnn", "xla") if cudnn else ("xla",):
+            variants.append((f"{impl}, {name}, kernel's", windowed(impl, width, scale), (q, k, v, w, ct)))
+            variants.append((f"{impl}, {name}, dense mask", windowed(impl, None, scale), (q, k, v, w, ct)))
+    print(f"\nattention forward + backward, median of {a.iters}")
+    for name, fn, fargs in variants:
+        try:
+            print(f"{name:<36} {timed(fn, fargs, a.iters) * 1e3:9.3f} ms")
+        except Exception as e:  # XLA's (B, N, S, S) float32 scores may not fit: reported, not fatal
+            print(f"{name:<36} n/a ({type(e).__name__}: {str(e).splitlines()[0][:100]})")
+    return failed
 
 
 def timed(fn: Callable[..., tuple[jax.Array, ...]], args: tuple, iters: int) -> float:
@@ -107,10 +162,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--check_rows", type=int, default=2, help="rows checked against the float64 reference")
     p.add_argument("--scale", type=float, default=0.0, help="the scores' factor (0: 1/sqrt(head_dim))")
+    p.add_argument(
+        "--window", type=int, default=0, help="check a sliding window of this many keys (0: documents)"
+    )
     a = p.parse_args(argv)
     if a.small or not on_gpu:  # XLA's (B, N, S, S) float32 scores of the GPU shape would not suit a CPU
         a.batch, a.seq, a.heads, a.kv_heads, a.head_dim, a.doc_len = 2, 128, 4, 2, 32, 20
         a.iters = min(a.iters, 5)
+        a.window = min(a.window, 40)
     dtype = jnp.dtype(a.dtype)
     scale = a.scale or 1.0 / math.sqrt(a.head_dim)
     tol = BF16_TOL if dtype == jnp.bfloat16 else F32_TOL
@@ -118,11 +177,15 @@ def main(argv: list[str] | None = None) -> int:
     b, s, n, kh, h = a.batch, a.seq, a.heads, a.kv_heads, a.head_dim
     q, ct = (jnp.asarray(rng.standard_normal((b, s, n, h)), dtype) for _ in range(2))
     k, v = (jnp.asarray(rng.standard_normal((b, s, kh, h)), dtype) for _ in range(2))
+    cudnn = on_gpu and dtype != jnp.float32
+    if a.window:
+        shape = f"B={b} S={s} N={n} K={kh} H={h} {dtype.name}"
+        print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}; {shape}")
+        return 1 if check_window((q, k, v, ct), a.window, scale, tol, cudnn, a) else 0
     sizes = packed_document_sizes(s, n)
     bound = sizes[-1]
     few = documents(rng, b, s, a.doc_len)
     many = documents(rng, b, s, max(1.0, s / (2 * bound + 8)))  # every row past the bound
-    cudnn = on_gpu and dtype != jnp.float32
     print(
         f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}; "
         f"B={b} S={s} N={n} K={kh} H={h} {dtype.name}; packed layout: "

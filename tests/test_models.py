@@ -21,7 +21,7 @@ import pytest
 
 from jaxzero.config import ConfigError, ModelConfig
 from jaxzero.models import ModelParams, build_model, forward
-from jaxzero.models.layers import logits_matmul, resolve_attention_impl
+from jaxzero.models.layers import causal_attention, logits_matmul, resolve_attention_impl
 from jaxzero.models.sizes import (
     NAMED_SIZES,
     flops_per_token,
@@ -432,6 +432,50 @@ def test_attention_impl_resolution() -> None:
         resolve_attention_impl("cudnn", jnp.bfloat16, 64)
     with pytest.raises(ConfigError, match="attention_impl"):
         resolve_attention_impl("flash", jnp.bfloat16, 64)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16])
+def test_a_local_window_runs_the_kernels_own_window_and_equals_the_dense_mask(dtype) -> None:
+    """With `local_window`, a layer whose traced window is the local one runs the kernel's sliding
+    window and one whose window spans the sequence its causal mask; any other window the dense mask.
+    Each equals the dense mask's output and gradients, and the numpy reference of its window."""
+    b, s, n, kv, h, local = 2, 12, 4, 2, 8, 5
+    keys = jax.random.split(jax.random.key(3), 4)
+    q = jax.random.normal(keys[0], (b, s, n, h)).astype(dtype)
+    k, v = (jax.random.normal(key, (b, s, kv, h)).astype(dtype) for key in keys[1:3])
+    cot = jax.random.normal(keys[3], (b, s, n, h), jnp.float32)
+
+    @functools.partial(jax.jit, static_argnames="local_window")
+    def run(q, k, v, window, local_window):
+        def loss(q, k, v):
+            o = causal_attention(q, k, v, "xla", window=window, local_window=local_window)
+            return jnp.sum(o.astype(jnp.float32) * cot), o
+
+        return jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+
+    for window in (local, 2**30, s, 3):
+        (_, out), grads = run(q, k, v, jnp.int32(window), local)
+        (_, dense), dense_grads = run(q, k, v, jnp.int32(window), None)
+        assert out.dtype == dtype
+        np.testing.assert_allclose(
+            np.asarray(out, np.float32), np.asarray(dense, np.float32), rtol=1e-6, atol=1e-6
+        )
+        for a, c in zip(grads, dense_grads):
+            np.testing.assert_allclose(
+                np.asarray(a, np.float32), np.asarray(c, np.float32), rtol=1e-5, atol=1e-5
+            )
+        qn, kn, vn = (np.asarray(t, np.float64) for t in (q, k, v))
+        i, j = np.arange(s)[:, None], np.arange(s)[None, :]
+        want = np.zeros((b, s, n, h))
+        for head in range(n):
+            scores = np.einsum("bth,bsh->bts", qn[:, :, head], kn[:, :, head // 2]) / math.sqrt(h)
+            scores = np.where((j <= i) & (i - j < window), scores, -np.inf)
+            p = np.exp(scores - scores.max(axis=-1, keepdims=True))
+            want[:, :, head] = np.einsum(
+                "bts,bsh->bth", p / p.sum(axis=-1, keepdims=True), vn[:, :, head // 2]
+            )
+        tol = 1e-5 if dtype == jnp.float32 else 2e-3
+        np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=tol, atol=tol)
 
 
 def test_gpt2_rejects_too_long_sequences() -> None:

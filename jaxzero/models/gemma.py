@@ -106,7 +106,16 @@ class _Attention(nn.Module):
         if cache is None:
             positions = jnp.arange(s)
             q, kk = _rope(q, inv_freq, positions), _rope(kk, inv_freq, positions)
-            o = layers.causal_attention(q, kk, v, c.attention_impl, segments, window=window, scale=scale)
+            o = layers.causal_attention(
+                q,
+                kk,
+                v,
+                c.attention_impl,
+                segments,
+                window=window,
+                local_window=c.sliding_window or None,
+                scale=scale,
+            )
             return out(o.reshape(b, s, n * hd))
         positions = pos + jnp.arange(s)
         q, kk = _rope(q, inv_freq, positions), _rope(kk, inv_freq, positions)

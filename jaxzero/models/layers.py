@@ -467,6 +467,7 @@ def causal_attention(
     segments: jax.Array | None = None,
     *,
     window: jax.Array | None = None,
+    local_window: int | None = None,
     scale: float | None = None,
 ) -> jax.Array:
     """Causal scaled dot-product attention with grouped-query heads, optionally within segments.
@@ -489,32 +490,67 @@ def causal_attention(
 
     window: None, or an int32 scalar (traced: one program serves every window): query i also reads
     only keys j > i - window (transformers' sliding window), as a dense (1, 1, S, S) mask beside the
-    segments' (cuDNN takes it as its bias). scale: the scores' factor (None: 1/sqrt(H)).
+    segments' (cuDNN takes it as its bias). local_window: the window of the model's local layers
+    (static), when there are no segments: a layer whose `window` is `local_window` then runs the
+    kernel's own sliding window and one whose window spans the sequence its causal mask, no dense
+    mask (cuDNN computes only the tiles inside the window), chosen per call on the device; any other
+    window still the dense mask. scale: the scores' factor (None: 1/sqrt(H)).
     """
     head_dim = q.shape[-1]
     impl = resolve_attention_impl(requested_impl, q.dtype, head_dim)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     if impl == "cudnn" and segments is not None and window is None:
         return _cudnn_within_segments(q, k, v, segments, scale)
-    mask = None if segments is None else same_segment(segments)
-    if window is not None:
-        s = q.shape[1]
-        near = (jnp.arange(s)[:, None] - jnp.arange(s)[None, :] < window)[None, None]  # (1, 1, S, S)
-        mask = near if mask is None else mask & near
-        if impl == "cudnn":  # cuDNN's bias is per row: (B, 1, S, S), as the segments' mask is
-            mask = jnp.broadcast_to(mask, (q.shape[0], 1, s, s))
-    if impl == "xla" and q.dtype == jnp.float16:
+
+    def masked(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        mask = None if segments is None else same_segment(segments)
+        if window is not None:
+            s = q.shape[1]
+            near = (jnp.arange(s)[:, None] - jnp.arange(s)[None, :] < window)[None, None]  # (1, 1, S, S)
+            mask = near if mask is None else mask & near
+            if impl == "cudnn":  # cuDNN's bias is per row: (B, 1, S, S), as the segments' mask is
+                mask = jnp.broadcast_to(mask, (q.shape[0], 1, s, s))
+        return _causal(q, k, v, mask, scale, impl)
+
+    if window is None or segments is not None or local_window is None:
+        return masked(q, k, v)
+    branches = [
+        functools.partial(
+            _causal, mask=None, scale=scale, impl=impl, local_window_size=(local_window - 1, 0)
+        ),
+        functools.partial(_causal, mask=None, scale=scale, impl=impl),
+        masked,
+    ]
+    which = jnp.where(window == local_window, 0, jnp.where(window >= q.shape[1], 1, 2))
+    return jax.lax.switch(which, branches, q, k, v)
+
+
+def _causal(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array | None,
+    scale: float,
+    impl: AttentionImpl,
+    local_window_size: tuple[int, int] | None = None,
+) -> jax.Array:
+    """`jax.nn.dot_product_attention`, causal, in q's dtype."""
+    dtype = q.dtype
+    if impl == "xla" and dtype == jnp.float16:
         # XLA's CPU backend has no float16 x float16 -> float32 dot, which the XLA path asks for;
         # float16 inputs are exact in float32, so attend there and round once at the end.
-        out = jax.nn.dot_product_attention(
-            *(t.astype(jnp.float32) for t in (q, k, v)),
-            mask=mask,
-            scale=scale,
-            is_causal=True,
-            implementation="xla",
-        )
-        return out.astype(jnp.float16)
-    return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, is_causal=True, implementation=impl)
+        q, k, v = (t.astype(jnp.float32) for t in (q, k, v))
+    out = jax.nn.dot_product_attention(
+        q,
+        k,
+        v,
+        mask=mask,
+        scale=scale,
+        is_causal=True,
+        local_window_size=local_window_size,
+        implementation=impl,
+    )
+    return out.astype(dtype)
 
 
 def cached_attention(
