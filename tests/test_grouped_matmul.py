@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxzero.config import ConfigError, TrainConfig
+from jaxzero.config import ConfigError, ModelConfig, TrainConfig
 from jaxzero.models import grouped_matmul, moe
 from jaxzero.models.sizes import NAMED_SIZES
 from jaxzero.planner import memory, preflight
@@ -168,10 +168,10 @@ def test_layers_at_one_shape_share_one_lowering_of_the_kernels():
 
 def test_the_plan_counts_each_tokens_top_k_experts_at_their_groupings_share_of_the_rate():
     """A MoE step's predicted GPU time counts the experts a token is routed to, not every expert, at
-    the grouped matmuls' measured share of the dense rate (`EXPERTS_SHARE_OF_DENSE`); so does LoRA's."""
+    the grouped matmuls' share of the dense rate for their shape (`cost.experts_share`); so does LoRA's."""
     from jaxzero import parse_args
     from jaxzero.planner import partial
-    from jaxzero.planner.calibration import EXPERTS_SHARE_OF_DENSE as SHARE
+    from jaxzero.planner.cost import experts_share
 
     shape = ["--model.name=qwen3-30b-a3b", "--model.num_layers=4", "--data.batch_size=2"]
     h100 = ["--machine.gpu_gib=75", "--machine.host_gib=125", "--machine.cores=16"]
@@ -185,18 +185,38 @@ def test_the_plan_counts_each_tokens_top_k_experts_at_their_groupings_share_of_t
     m, d = mosaic.config.model, mosaic.config.data
     routed = m.num_experts_per_tok * 3 * m.hidden_size * m.moe_intermediate_size
     tokens = d.batch_size * d.seq_len
-    extra = 8 * m.num_layers * routed * (1 / SHARE["padded"] - 1 / SHARE["mosaic"]) * tokens
+    share = {i: experts_share(dataclasses.replace(m, moe_impl=i), tokens) for i in ("mosaic", "padded")}
+    # fewer rows per expert than the calibration's: its least intensity's share, not extrapolated
+    assert (share["mosaic"], share["padded"]) == pytest.approx((0.41, 0.25), abs=5e-3)
+    extra = 8 * m.num_layers * routed * (1 / share["padded"] - 1 / share["mosaic"]) * tokens
     assert padded.prediction.gpu_s - mosaic.prediction.gpu_s == pytest.approx(
         extra / mosaic.machine.gpu_flops, rel=1e-6
     )
     # twice the experts, each token still routed to k of them: the same work but for the router's
     more = decided(f"--model.num_experts={2 * m.num_experts}")
     assert more.prediction.gpu_s == pytest.approx(mosaic.prediction.gpu_s, rel=1e-3)
+    # a micro-batch of 16 x 2,048 tokens: 4,096 rows per expert, a larger share than the least
+    wide = dataclasses.replace(m, num_experts=64)
+    assert experts_share(wide, 16 * 2048) > experts_share(wide, 2 * 2048) == share["mosaic"]
     # LoRA over the frozen experts: forward, recomputation and input gradients, at the same share
     ft = dataclasses.replace(mosaic.config.finetune, method="lora")
     lora = dataclasses.replace(mosaic.config, finetune=ft)
-    slower = partial.step_flops(lora, expert_share=SHARE["mosaic"]) - partial.step_flops(lora)
-    assert slower == pytest.approx(6 * m.num_layers * routed * (1 / SHARE["mosaic"] - 1) * tokens, rel=1e-9)
+    slower = partial.step_flops(lora, expert_share=share["mosaic"]) - partial.step_flops(lora)
+    assert slower == pytest.approx(6 * m.num_layers * routed * (1 / share["mosaic"] - 1) * tokens, rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    "name, mosaic, padded", [("qwen3-30b-a3b", 0.41, 0.25), ("mixtral-8x7b", 0.69, 0.28)]
+)
+def test_the_experts_share_of_the_rate_is_the_measured_one_at_the_calibrated_layers(name, mosaic, padded):
+    """The share curve passes through the layers it was fitted to (16,384 tokens on an H100:
+    BENCHMARKS.md, "Calibration: the experts' grouped matmuls"): small experts and wide ones."""
+    from jaxzero.planner.cost import experts_share
+
+    m = ModelConfig.named(name)
+    assert experts_share(dataclasses.replace(m, moe_impl="mosaic"), 16384) == pytest.approx(mosaic, abs=5e-3)
+    assert experts_share(dataclasses.replace(m, moe_impl="padded"), 16384) == pytest.approx(padded, abs=5e-3)
+    assert experts_share(ModelConfig.named("llama-tiny"), 16384) == 1.0
 
 
 def test_widths_padded_to_the_kernels_tile_give_the_same_product_and_gradients():

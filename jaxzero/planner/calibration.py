@@ -32,10 +32,14 @@ H100_OF_H200 = 0.98
 # BENCHMARKS.md, "Calibration: the link and the GPU"
 H100_ATTENTION_OF_H200 = 0.7
 # The rate of a mixture of experts' grouped matmuls (forward and backward of one layer, routing
-# included) as a share of the dense rate, per grouping (`model.moe_impl`): Qwen3-30B-A3B's layer on
-# an H100 (Mixtral's wider experts reach 0.69 and 0.28: this errs long).
+# included) as a share of the dense rate, per grouping (`model.moe_impl`): (most, half) gives
+# most * i / (i + half), where i = 1 / (1/rows + 1/width + 1/hidden) grows with each expert's matmul
+# (rows: a micro-batch's tokens x top-k / experts). Fitted to Qwen3-30B-A3B's layer (i = 361:
+# 0.41 and 0.25) and Mixtral's (i = 1,793: 0.69 and 0.28) on an H100.
 # BENCHMARKS.md, "Calibration: the experts' grouped matmuls"
-EXPERTS_SHARE_OF_DENSE = {"mosaic": 0.41, "padded": 0.25}
+EXPERTS_SHARE_OF_DENSE = {"mosaic": (0.834, 373.0), "padded": (0.289, 56.0)}
+# Below the smallest intensity measured the curve is not extrapolated: smaller matmuls take its share.
+EXPERTS_LEAST_INTENSITY = 361.0
 # What XLA's GPU allocator leaves out of a GPU's memory before taking its fraction: the CUDA context.
 # BENCHMARKS.md, "Calibration: the link and the GPU"
 CUDA_CONTEXT_BYTES = 640 * MiB

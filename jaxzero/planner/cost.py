@@ -4,7 +4,8 @@ Per step (tokens per device T, parameters N; `Machine`'s rates):
 - gpu = 8 N T / gpu_flops: forward, rematerialised forward and backward; the forward is 1/4 of it,
   spread over units by their matmul work (blocks; the head's hidden x vocab; the embedding none).
   A mixture of experts counts each token's top-k experts only, divided by their grouped matmuls'
-  share of the dense rate (`EXPERTS_SHARE_OF_DENSE`, per `model.moe_impl`; padded where undecided).
+  share of the dense rate, which grows with each expert's matmul (`experts_share`, per
+  `model.moe_impl`; padded where undecided).
   Sequences longer than the rates' calibration (`CALIBRATION_SEQ`) add their attention
   (`ATTENTION_COST`, times the device kind's `Machine.attention_scale`).
 - link = streamed compute-dtype weights crossing twice (forward, backward) plus the new weights of
@@ -53,6 +54,7 @@ from jaxzero.planner import memory, partial
 from jaxzero.planner.calibration import (
     ATTENTION_COST,
     CALIBRATION_SEQ,
+    EXPERTS_LEAST_INTENSITY,
     EXPERTS_SHARE_OF_DENSE,
     OPTAX_SLOWDOWN,
     STATE_PASS_SHARE,
@@ -98,7 +100,7 @@ def predict(cfg: TrainConfig, plan: OffloadPlan, machine: Machine) -> Prediction
         * machine.attention_scale
     )
     # A token multiplies by its top-k experts only, at their grouped matmuls' share of the rate.
-    experts = experts_at_rate(m, _experts_share(m))
+    experts = experts_at_rate(m, experts_share(m, tokens / d.grad_accum))
     gpu_s = 8 * (param_count(m) + m.num_layers * (experts + attention)) * tokens / machine.gpu_flops
     work = {
         UnitKind.EMBED: 0,
@@ -169,15 +171,25 @@ def predict(cfg: TrainConfig, plan: OffloadPlan, machine: Machine) -> Prediction
     )
 
 
-def _experts_share(m: ModelConfig) -> float:
-    """The experts' grouped matmuls' share of the dense rate for `m.moe_impl` (padded where not decided)."""
-    return EXPERTS_SHARE_OF_DENSE.get(m.moe_impl, EXPERTS_SHARE_OF_DENSE["padded"])
+def experts_share(m: ModelConfig, micro_tokens: float) -> float:
+    """The experts' grouped matmuls' share of the dense rate for `m.moe_impl` (padded where not
+    decided), over `micro_tokens` tokens per micro-batch and device: `EXPERTS_SHARE_OF_DENSE`'s
+    curve at the intensity of one expert's matmul, no lower than the least measured
+    (`EXPERTS_LEAST_INTENSITY`). 1 without experts (nothing counts it)."""
+    if not m.num_experts:
+        return 1.0
+    most, half = EXPERTS_SHARE_OF_DENSE.get(m.moe_impl, EXPERTS_SHARE_OF_DENSE["padded"])
+    rows = micro_tokens * m.num_experts_per_tok / m.num_experts
+    intensity = 1 / (1 / max(rows, 1) + 1 / m.moe_intermediate_size + 1 / m.hidden_size)
+    intensity = max(intensity, EXPERTS_LEAST_INTENSITY)
+    return most * intensity / (intensity + half)
 
 
 def _predict_partial(cfg: TrainConfig, machine: Machine) -> Prediction:
     """The step of a run with a frozen part: the accelerator's work (`partial.step_flops`) at the
     machine's rate, against a streamed base's crossings of the link (`partial.link_bytes`)."""
-    gpu_s = partial.step_flops(cfg, expert_share=_experts_share(cfg.model)) / machine.gpu_flops
+    micro_tokens = cfg.data.batch_size * cfg.data.seq_len / machine.devices / cfg.data.grad_accum
+    gpu_s = partial.step_flops(cfg, expert_share=experts_share(cfg.model, micro_tokens)) / machine.gpu_flops
     link_s = partial.link_bytes(cfg) / machine.h2d if cfg.offload.params == "cpu" else 0.0
     return Prediction(
         step_s=max(gpu_s, link_s),
