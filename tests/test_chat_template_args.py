@@ -163,7 +163,7 @@ def test_bad_template_arguments_are_refused_before_anything_is_written(tmp_path,
         ([*sft, "--template_arg", "eos_token=x"], r"eos_token='x': 'eos_token' is a variable .* leave it"),
         (
             [*sft, "--template_arg", "tools=[]"],
-            r"'tools' is a variable jaxzero never gives: it renders conversations without tools",
+            r"'tools' is a variable each rendering is given from its record \(a record's \"tools\"\)",
         ),
         ([*sft, "--template_arg", "tokenize=false"], r"'tokenize' is a parameter of transformers'"),
         (

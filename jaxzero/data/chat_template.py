@@ -4,9 +4,10 @@ counts (assistant turns) or leaves out (everything around them)."""
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -22,6 +23,9 @@ TEMPLATE_DATE = datetime.datetime(2026, 1, 1)
 # of them cannot hide its edges from the other.
 _SENTINELS = ("\ue000\ue001", "\ue002\ue003")
 
+# A rendering of messages, with or without the generation prompt, the record's tools bound.
+Render = Callable[..., str]
+
 # The special tokens of tokenizer_config.json a rendering is given, as transformers gives them.
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
@@ -32,10 +36,8 @@ _RESERVED = {
         ("messages", "add_generation_prompt", *SPECIAL_TOKENS, "raise_exception", "strftime_now"),
         "a variable jaxzero gives every rendering itself",
     ),
-    **dict.fromkeys(
-        ("tools", "documents"),
-        "a variable jaxzero never gives: it renders conversations without tools or documents",
-    ),
+    "tools": 'a variable each rendering is given from its record (a record\'s "tools")',
+    "documents": "a variable jaxzero gives every rendering as None (it renders no documents)",
     **dict.fromkeys(
         (
             "conversation",
@@ -174,20 +176,37 @@ class ChatTemplate:
                 special[key] = v
         return cls(source, special, arguments)
 
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The template's text of `messages`, given `tools` (function schemas) and no documents, as
+        transformers' apply_chat_template gives them (None where there are none)."""
         return self.template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **self.special, **self.arguments
+            messages=messages,
+            tools=tools,
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
+            **self.special,
+            **self.arguments,
         )
 
-    def spans(self, messages: list[dict[str, str]], where: str) -> list[tuple[str, int]]:
+    def spans(
+        self, messages: list[dict[str, Any]], where: str, tools: list[dict[str, Any]] | None = None
+    ) -> list[tuple[str, int]]:
         """The rendered conversation cut into (text, counted) spans, which joined are its rendering: each
         assistant turn counted (1) from after the generation prompt's header through its end-of-turn
         marker, the text around it not (0). Templates that render the conversation turn by turn are cut
         where each turn's rendering ends (`_by_prefixes`); the others (a last turn rendered unlike an
-        earlier one: Qwen3, gpt-oss, Phi-3) inside the one full rendering (`_located`)."""
+        earlier one: Qwen3, gpt-oss, Phi-3) inside the one full rendering (`_located`). An assistant
+        turn's function calls (`tool_calls`) are counted with it; `tools`, the record's function
+        schemas, are given to every rendering."""
+        render = functools.partial(self.render, tools=tools)
         try:
-            cut = self._by_prefixes(messages)
-            cut = cut if cut is not None else self._located(messages, where)
+            cut = self._by_prefixes(messages, render)
+            cut = cut if cut is not None else self._located(messages, where, render)
         except self._errors as e:
             raise DataError(
                 f"{where}: the chat template refused this conversation, or the part of it before an "
@@ -197,7 +216,7 @@ class ChatTemplate:
         _check_reasoning(messages, cut, where)
         return cut
 
-    def _by_prefixes(self, messages: list[dict[str, str]]) -> list[tuple[str, int]] | None:
+    def _by_prefixes(self, messages: list[dict[str, Any]], render: Render) -> list[tuple[str, int]] | None:
         """A turn's span is what rendering it adds after the conversation before it with the generation
         prompt, so the prompt's header stays uncounted; None where a rendering is not a prefix of the
         later ones."""
@@ -206,18 +225,18 @@ class ChatTemplate:
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
-            before = self.render(messages[:i], add_generation_prompt=True)
-            through = self.render(messages[: i + 1])
+            before = render(messages[:i], add_generation_prompt=True)
+            through = render(messages[: i + 1])
             if not (before.startswith(done) and through.startswith(before)):
                 return None
             spans += [(before[len(done) :], 0), (through[len(before) :], 1)]
             done = through
-        full = self.render(messages)
+        full = render(messages)
         if not full.startswith(done):
             return None
         return [(t, c) for t, c in spans + [(full[len(done) :], 0)] if t]
 
-    def _located(self, messages: list[dict[str, str]], where: str) -> list[tuple[str, int]]:
+    def _located(self, messages: list[dict[str, Any]], where: str, render: Render) -> list[tuple[str, int]]:
         """Each assistant turn found in the one full rendering: its content where the rendering changes
         when the content is replaced by a sentinel, its start after the first generation-prompt header
         after the message before it (else the last before the content; where only the header's beginning
@@ -225,7 +244,7 @@ class ChatTemplate:
         conversation before it, or where the message before it ends), its end after the end-of-turn
         marker the template writes after the content (as the last turn, or followed by another
         generation prompt) that the rendering goes on with."""
-        full = self.render(messages)
+        full = render(messages)
         spans: list[tuple[str, int]] = []
         done = 0
         for k, m in enumerate(messages):
@@ -233,17 +252,18 @@ class ChatTemplate:
                 continue
             # the header: what the generation prompt writes where the conversation before ends (Phi-3's
             # writes it instead of the end-of-text that rendering ends with otherwise)
-            prompt = self.render(messages[:k], add_generation_prompt=True)
-            context = self.render(messages[:k])
+            prompt = render(messages[:k], add_generation_prompt=True)
+            context = render(messages[:k])
             at = len(context) if prompt.startswith(context) else _common_prefix(prompt, context)
             header = prompt[_token_edge(prompt, at) :]
-            variants = [self.render(_replaced(messages, k, s)) for s in _SENTINELS]
+            variants = [render(_replaced(messages, k, s)) for s in _SENTINELS]
             first = min(_common_prefix(full, v) for v in variants)  # where the content starts
-            last = len(full) - min(_common_suffix(full, v) for v in variants)  # and where it ends
+            # and where it ends (an empty content where it starts: the suffixes may match into the header)
+            last = max(len(full) - min(_common_suffix(full, v) for v in variants), first)
             if header:
                 # the first header after the message before (gpt-oss writes a turn's reasoning under a
                 # header of its own before the content's), else the last one before the content
-                prev = self._end_of(messages, k - 1, full) if k else -1
+                prev = self._end_of(messages, k - 1, full, render) if k else -1
                 if done <= prev <= first:
                     start = full.find(header, prev, first)
                 else:
@@ -258,11 +278,13 @@ class ChatTemplate:
                     _refuse(where, f"message {k} (assistant) is not after a generation prompt {header!r}")
             elif full.startswith(prompt) and done <= len(prompt) <= first:
                 start = len(prompt)
-            elif k and done <= (start := self._end_of(messages, k - 1, full)) <= first:
+            elif k and done <= (start := self._end_of(messages, k - 1, full, render)) <= first:
                 pass  # no header (Mistral's) and a context rendered otherwise: after the message before
             else:
                 _refuse(where, f"the rendering does not begin with the conversation before message {k}")
-            markers = [e for e in self._end_markers(messages[:k], header) if full.startswith(e, last)]
+            markers = [
+                e for e in self._end_markers(messages[:k], m, header, render) if full.startswith(e, last)
+            ]
             if not markers or last < start:
                 _refuse(
                     where, f"message {k} (assistant) is not followed by an end-of-turn the template writes"
@@ -272,33 +294,42 @@ class ChatTemplate:
             done = end
         return [(t, c) for t, c in spans + [(full[done:], 0)] if t]
 
-    def _end_of(self, messages: list[dict[str, str]], j: int, full: str) -> int:
+    def _end_of(self, messages: list[dict[str, Any]], j: int, full: str, render: Render) -> int:
         """Where message `j` ends in `full`, the rendering of `messages`: after its content (where the
         rendering changes when the content is replaced by a sentinel) and the text the template writes
         after it as the last message; -1 where `full` does not go on with that text."""
-        variants = [self.render(_replaced(messages, j, s)) for s in _SENTINELS]
+        variants = [render(_replaced(messages, j, s)) for s in _SENTINELS]
         last = len(full) - min(_common_suffix(full, v) for v in variants)
-        text = self.render(_replaced(messages[: j + 1], j, _SENTINELS[0]))
+        text = render(_replaced(messages[: j + 1], j, _SENTINELS[0]))
         at = text.rfind(_SENTINELS[0])
         after = text[at + len(_SENTINELS[0]) :]
         return last + len(after) if at >= 0 and full.startswith(after, last) else -1
 
-    def _end_markers(self, context: list[dict[str, str]], header: str) -> list[str]:
-        """What the template writes after an assistant turn's content that follows `context`: as the
-        conversation's last message, and followed by the generation prompt (`header`, taken off)."""
-        turn = [*context, {"role": "assistant", "content": _SENTINELS[0]}]
+    def _end_markers(
+        self, context: list[dict[str, Any]], message: dict[str, Any], header: str, render: Render
+    ) -> list[str]:
+        """What the template writes after the content of the assistant turn `message` (its function
+        calls, its end of turn) that follows `context`: as the conversation's last message, and
+        followed by the generation prompt (`header`, taken off); after a sentinel content, and after
+        the turn's own where the template writes it as given (what follows may depend on it: Qwen3
+        writes a newline before a function call only after content)."""
+        plain = {k: v for k, v in message.items() if k not in REASONING_KEYS}
+        content = plain.get("content") or ""
         markers = []
         for prompt in (False, True):
-            text = self.render(turn, add_generation_prompt=prompt)
+            text = render([*context, {**plain, "content": _SENTINELS[0]}], add_generation_prompt=prompt)
             at = text.rfind(_SENTINELS[0])
-            if at < 0:
-                continue
-            after = text[at + len(_SENTINELS[0]) :]
-            if prompt and header:
-                if not after.endswith(header):
-                    continue
-                after = after[: -len(header)]
-            markers.append(after)
+            afters = [text[at + len(_SENTINELS[0]) :]] if at >= 0 else []
+            own = render([*context, plain], add_generation_prompt=prompt)
+            at = _common_prefix(own, text)
+            if own.startswith(content, at):
+                afters.append(own[at + len(content) :])
+            for after in afters:
+                if prompt and header:
+                    if not after.endswith(header):
+                        continue
+                    after = after[: -len(header)]
+                markers.append(after)
         return markers
 
 
@@ -320,7 +351,7 @@ def _generation_tag(jinja2: Any) -> type:
     return Generation
 
 
-def _replaced(messages: list[dict[str, str]], k: int, content: str) -> list[dict[str, str]]:
+def _replaced(messages: list[dict[str, Any]], k: int, content: str) -> list[dict[str, Any]]:
     """`messages` with message `k`'s content replaced."""
     return [{**m, "content": content} if i == k else m for i, m in enumerate(messages)]
 
@@ -359,7 +390,7 @@ def _refuse(where: str, why: str) -> NoReturn:
     )
 
 
-def _check_reasoning(messages: list[dict[str, str]], cut: list[tuple[str, int]], where: str) -> None:
+def _check_reasoning(messages: list[dict[str, Any]], cut: list[tuple[str, int]], where: str) -> None:
     """A turn's reasoning (`reasoning_content`, `thinking`) that the template writes is counted with
     its turn; DataError where it is written outside it (the loss would not train it)."""
     counted = [t for t, c in cut if c]

@@ -149,13 +149,14 @@ class Example:
     where: str
     prompt: str = ""
     completion: str = ""
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None  # the record's function schemas, given to the template
 
     @property
     def chars(self) -> int:
         if self.messages is None:
             return len(self.prompt) + len(self.completion)
-        return sum(len(m["content"]) for m in self.messages)
+        return sum(len(m["content"] or "") for m in self.messages)
 
 
 def read_examples(span: Span) -> Iterator[Example]:
@@ -165,28 +166,8 @@ def read_examples(span: Span) -> Iterator[Example]:
     for line_no, record in _json_lines(span):
         where = f"{path}:{line_no}"
         if "messages" in record:
-            msgs = record["messages"]
-            ok = (
-                isinstance(msgs, list)
-                and msgs
-                and all(
-                    isinstance(m, dict)
-                    and isinstance(m.get("role"), str)
-                    and isinstance(m.get("content"), str)
-                    for m in msgs
-                )
-            )
-            if not ok or not any(m["role"] == "assistant" for m in msgs):
-                raise DataError(
-                    f'{where}: messages must be a list of {{"role": str, "content": str}} with at least '
-                    "one assistant turn (what the loss trains)."
-                )
-            for i, m in enumerate(msgs):
-                for key in REASONING_KEYS:
-                    if key in m and not isinstance(m[key], str):
-                        raise DataError(f"{where}: message {i}'s {key!r} must be a string, not {m[key]!r}.")
-            kept = ("role", "content", *REASONING_KEYS)
-            yield Example(where, messages=[{k: m[k] for k in kept if k in m} for m in msgs])
+            messages, tools = _chat(record, where)
+            yield Example(where, messages=messages, tools=tools)
         elif isinstance(record.get("prompt"), str) and isinstance(record.get("completion"), str):
             yield Example(where, prompt=record["prompt"], completion=record["completion"])
         else:
@@ -194,6 +175,52 @@ def read_examples(span: Span) -> Iterator[Example]:
                 f'{where}: a fine-tuning record holds "prompt" and "completion" strings, or '
                 f'"messages"; this one has {sorted(record)}.'
             )
+
+
+# What a message passes to the chat template beside its role and content: its reasoning, the
+# function calls of an assistant turn, and a tool message's call id and function name.
+_CALL_KEYS = {"tool_calls": list, "tool_call_id": str, "name": str}
+
+
+def _chat(record: dict[str, Any], where: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """A messages record's messages (the keys a template reads kept) and its "tools" (None without);
+    DataError naming the record and the fix where they are malformed."""
+    msgs = record["messages"]
+
+    def content_ok(m: dict[str, Any]) -> bool:  # a turn that calls functions may have no content
+        return isinstance(m.get("content"), str) or (m.get("content") is None and bool(m.get("tool_calls")))
+
+    ok = (
+        isinstance(msgs, list)
+        and msgs
+        and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in msgs)
+    )
+    if not ok or not all(content_ok(m) for m in msgs) or not any(m["role"] == "assistant" for m in msgs):
+        raise DataError(
+            f'{where}: messages must be a list of {{"role": str, "content": str}} with at least '
+            'one assistant turn (what the loss trains); an assistant turn with "tool_calls" may have '
+            '"content": null.'
+        )
+    for i, m in enumerate(msgs):
+        for key in REASONING_KEYS:
+            if key in m and not isinstance(m[key], str):
+                raise DataError(f"{where}: message {i}'s {key!r} must be a string, not {m[key]!r}.")
+        for key, kind in _CALL_KEYS.items():
+            if key in m and not isinstance(m[key], kind):
+                raise DataError(f"{where}: message {i}'s {key!r} must be a {kind.__name__}, not {m[key]!r}.")
+        if "tool_calls" in m and not all(isinstance(c, dict) for c in m["tool_calls"]):
+            raise DataError(
+                f'{where}: message {i}\'s "tool_calls" must be a list of objects (e.g. {{"type": "function", '
+                f'"function": {{"name": ..., "arguments": {{...}}}}}}), not {m["tool_calls"]!r}.'
+            )
+    tools = record.get("tools")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise DataError(
+            f'{where}: "tools" must be a list of function schemas (JSON objects, as transformers\' '
+            f"apply_chat_template takes them), not {tools!r}."
+        )
+    kept = ("role", "content", *REASONING_KEYS, *_CALL_KEYS)
+    return [{k: m[k] for k in kept if k in m} for m in msgs], tools
 
 
 def _json_lines(span: Span) -> Iterator[tuple[int, dict[str, Any]]]:

@@ -46,7 +46,7 @@ class Encoder:
                     f"{example.where}: a messages record needs the tokenizer's chat_template "
                     "(tokenizer_config.json); this tokenizer has none. Write prompt/completion records."
                 )
-            spans = self.chat.spans(example.messages, example.where)
+            spans = self.chat.spans(example.messages, example.where, example.tools)
             encoded = self.tok.encode([text for text, _ in spans])
             parts = [(ids, counted) for ids, (_, counted) in zip(encoded, spans)]
             parts.append((np.asarray([self.eot]), 0))  # the separator; the template ends each turn
