@@ -91,24 +91,23 @@ def test_experts_through_the_custom_gradient_equal_the_padded_grouping(family):
 
 
 def test_auto_runs_the_padded_grouping_off_hopper_and_mosaic_is_refused_there():
-    assert grouped_matmul.experts_impl("auto", jnp.bfloat16, False) == "padded"  # the CPU backend
-    assert moe.experts_for("auto", jnp.bfloat16, False) is moe.experts_padded
-    assert grouped_matmul.experts_impl("padded", jnp.bfloat16, False) == "padded"
+    assert grouped_matmul.experts_impl("auto", jnp.bfloat16) == "padded"  # the CPU backend
+    assert moe.experts_for("auto", jnp.bfloat16) is moe.experts_padded
+    assert grouped_matmul.experts_impl("padded", jnp.bfloat16) == "padded"
     with pytest.raises(ConfigError, match="moe_impl=mosaic cannot be used: they run on CUDA GPUs.*'cpu'"):
-        grouped_matmul.experts_impl("mosaic", jnp.bfloat16, False)
+        grouped_matmul.experts_impl("mosaic", jnp.bfloat16)
     with pytest.raises(ConfigError, match="'fast' is not one of"):
-        grouped_matmul.experts_impl("fast", jnp.bfloat16, False)
+        grouped_matmul.experts_impl("fast", jnp.bfloat16)
 
 
 def test_auto_means_mosaic_on_hopper_kinds_for_shapes_and_dtypes_the_kernels_take():
     auto = functools.partial(grouped_matmul.planned_impl, "auto")
-    assert auto(H100.kind, 1, "bfloat16", False) == "mosaic"  # Qwen3-MoE's, Mixtral's, any widths
-    assert auto(H200.kind, 1, "bfloat16", True) == "padded"  # gpt-oss's biased experts: padded
-    assert grouped_matmul.planned_impl("mosaic", H200.kind, 1, "bfloat16", True) == "mosaic"  # if asked
-    assert auto(H200.kind, 1, "float32", False) == "padded"
-    assert auto(H200.kind, 2, "bfloat16", False) == "padded"  # over a mesh: not partitioned
-    assert auto(OTHER_GPU.kind, 1, "bfloat16", False) == "padded"
-    assert auto(CPU.kind, 1, "bfloat16", False) == "padded"
+    assert auto(H100.kind, 1, "bfloat16") == "mosaic"  # Qwen3-MoE's, Mixtral's, gpt-oss's; any widths
+    assert grouped_matmul.planned_impl("mosaic", H200.kind, 1, "bfloat16") == "mosaic"
+    assert auto(H200.kind, 1, "float32") == "padded"
+    assert auto(H200.kind, 2, "bfloat16") == "padded"  # over a mesh: not partitioned
+    assert auto(OTHER_GPU.kind, 1, "bfloat16") == "padded"
+    assert auto(CPU.kind, 1, "bfloat16") == "padded"
 
 
 def test_the_resolution_pass_decides_auto_for_the_machine_and_the_plan_counts_that_grouping():
@@ -137,10 +136,10 @@ def test_the_resolution_pass_decides_auto_for_the_machine_and_the_plan_counts_th
     )
     # undecided, the plan counts the larger: the padded grouping's
     assert memory.transient_activations(model, tokens).block == blocks
-    # gpt-oss's experts (biased) stay padded unless mosaic is asked; their widths (2,880) reach the
-    # kernels padded to 2,944, and the plan then counts the padded copies
+    # gpt-oss's biased experts take the Mosaic kernels too; their widths (2,880) reach the kernels
+    # padded to 2,944, and the plan then counts the padded copies
     oss = dataclasses.replace(NAMED_SIZES["gpt-oss-20b"], num_layers=2)
-    assert preflight.resolve_moe_impl(TrainConfig(model=oss), H100.kind).model.moe_impl == "padded"
+    assert preflight.resolve_moe_impl(TrainConfig(model=oss), H100.kind).model.moe_impl == "mosaic"
     oss_mosaic = TrainConfig(model=dataclasses.replace(oss, moe_impl="mosaic"))
     assert preflight.resolve_moe_impl(oss_mosaic, H100.kind) is oss_mosaic
     rows_only = tokens * 4 * (3 * 2880 + 3 * 2880) * 2

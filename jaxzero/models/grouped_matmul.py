@@ -8,11 +8,12 @@ itself, reading each kernel in place (no per-block copy, no padded rows): 1.6x (
 2.5x (Mixtral) the padded grouping's layer on an H100, with 4-14x less memory (BENCHMARKS.md,
 "Issue 45 on one H100").
 
-    impl = experts_impl(cfg.model.moe_impl, jnp.bfloat16, biased=False)  # "mosaic" on one Hopper GPU
+    impl = experts_impl(cfg.model.moe_impl, jnp.bfloat16)  # "mosaic" on one Hopper GPU
     matmul = mosaic_matmul()        # rows (N, I), kernels (E, I, O), group_sizes (E,) -> (N, O)
 
 `model.moe_impl` names the grouping: "padded", "mosaic", or "auto" (the Mosaic kernels where
-`mosaic_unsupported` finds no reason against them and the experts have no biases, else padded). The
+`mosaic_unsupported` finds no reason against them, else padded; gpt-oss's biased experts too, their
+bias one more row of the kernel: `moe._grouped`). The
 run's resolution pass decides "auto" once for the machine it plans for (`planned_impl`); a model
 given "auto" (library use without a plan) decides by its own backend when its step is traced.
 """
@@ -188,29 +189,28 @@ def planned_reason(device_kind: str, devices: int, dtype: jnp.dtype) -> str | No
     return _dtype_reason(dtype)
 
 
-def planned_impl(requested: str, device_kind: str, devices: int, dtype: jnp.dtype, biased: bool) -> str:
+def planned_impl(requested: str, device_kind: str, devices: int, dtype: jnp.dtype) -> str:
     """The grouping `model.moe_impl=requested` ("auto" or "mosaic") runs as on a machine of `devices`
-    devices of kind `device_kind`, by `planned_reason` (`_decided`); `biased`: the experts carry biases."""
-    return _decided(requested, planned_reason(device_kind, devices, dtype), biased)
+    devices of kind `device_kind`, by `planned_reason` (`_decided`)."""
+    return _decided(requested, planned_reason(device_kind, devices, dtype))
 
 
-def experts_impl(requested: str, dtype: jnp.dtype, biased: bool) -> str:
+def experts_impl(requested: str, dtype: jnp.dtype) -> str:
     """`model.moe_impl` as this process's backend runs it, when the step is traced: "padded" as
-    asked; "auto" or "mosaic" by `mosaic_unsupported` (`_decided`); `biased`: the experts carry biases."""
+    asked; "auto" or "mosaic" by `mosaic_unsupported` (`_decided`)."""
     if requested == "padded":
         return "padded"
     if requested not in IMPLS:
         raise ConfigError(f"model.moe_impl={requested!r} is not one of {list(IMPLS)}.")
-    return _decided(requested, mosaic_unsupported(dtype), biased)
+    return _decided(requested, mosaic_unsupported(dtype))
 
 
-def _decided(requested: str, reason: str | None, biased: bool) -> str:
+def _decided(requested: str, reason: str | None) -> str:
     """What "auto" or "mosaic" becomes, where `reason` says why the Mosaic kernels cannot run (None:
-    nothing does): "mosaic" where nothing does, except that "auto" keeps biased experts (gpt-oss's) on the
-    padded grouping, the one measured for them (BENCHMARKS.md, "gpt-oss's experts on the Mosaic
-    grouping"); else "padded" for "auto", and for "mosaic" a ConfigError with the reason."""
+    nothing does): "mosaic" where nothing does; else "padded" for "auto", and for "mosaic" a
+    ConfigError with the reason."""
     if reason is None:
-        return "padded" if biased and requested == "auto" else "mosaic"
+        return "mosaic"
     if requested == "mosaic":
         raise ConfigError(
             f"model.moe_impl=mosaic cannot be used: {reason}. Use model.moe_impl=auto or padded."

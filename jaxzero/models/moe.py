@@ -408,11 +408,11 @@ ExpertsFn = Callable[[Params, jax.Array, jax.Array, jax.Array, MoeSpec], jax.Arr
 EXPERTS: dict[str, ExpertsFn] = {"ragged_dot": experts_ragged_dot, "padded": experts_padded}
 
 
-def experts_for(requested: str, dtype: jnp.dtype, biased: bool) -> ExpertsFn:
+def experts_for(requested: str, dtype: jnp.dtype) -> ExpertsFn:
     """The grouping `model.moe_impl=requested` runs as on this process's backend, for experts in
-    `dtype`, with biases or not (`grouped_matmul.experts_impl`): the padded blocks, or the grouped
+    `dtype` (`grouped_matmul.experts_impl`): the padded blocks, or the grouped
     matmul of the Mosaic GPU kernels. Called when the step is traced."""
-    if grouped_matmul.experts_impl(requested, dtype, biased) == "mosaic":
+    if grouped_matmul.experts_impl(requested, dtype) == "mosaic":
         return functools.partial(experts_ragged_dot, matmul=grouped_matmul.mosaic_matmul())
     return experts_padded
 
@@ -444,6 +444,6 @@ def moe_layer(
     """A family's sparse MLP: `moe_block` with the experts grouped as `model.moe_impl=impl` runs on
     this backend (`experts_for`, decided when the step is traced), and the layer's `RouterStats`
     over the tokens where `token_mask` (bool, x's leading shape) is True, every token without one."""
-    experts = experts_for(impl, x.dtype, spec.bias)
+    experts = experts_for(impl, x.dtype)
     y, routing = moe_block(params, x, spec, experts_fn=experts)
     return y, router_stats(routing, token_mask)

@@ -138,8 +138,7 @@ def resolve_moe_impl(cfg: TrainConfig, device_kind: str, devices: int = 1) -> Tr
     if m.moe_impl == "padded" or not (m.num_experts or m.family == "gpt_oss"):
         return cfg
     # mosaic where it cannot run is refused now, not when the step is traced after building the model
-    biased = m.family == "gpt_oss"  # its experts carry biases (`jaxzero.models.gpt_oss`)
-    impl = grouped_matmul.planned_impl(m.moe_impl, device_kind, devices, m.compute_dtype, biased)
+    impl = grouped_matmul.planned_impl(m.moe_impl, device_kind, devices, m.compute_dtype)
     if impl == m.moe_impl:
         return cfg
     return dataclasses.replace(cfg, model=dataclasses.replace(m, moe_impl=impl))
@@ -211,9 +210,7 @@ def _agreed(cfg: TrainConfig, seen: Accelerators | None, count: int, pool_fixed:
         cfg, seen, devices=local * count, processes=count, local_processes=here, pool_fixed=pool_fixed
     )
     figures = [mine.gpu_bytes or 0, mine.host_share, mine.host_bw / here, mine.cores, local]
-    every = [
-        json.loads(t) for t in gather("machine", json.dumps(figures), cfg.parallel.timeout_s)
-    ]
+    every = [json.loads(t) for t in gather("machine", json.dumps(figures), cfg.parallel.timeout_s)]
     gpu, share, bw, cores, _ = (min(column) for column in zip(*every, strict=True))
     devices = sum(e[4] for e in every)
     return dataclasses.replace(
