@@ -21,7 +21,7 @@ import pytest
 
 from jaxzero.config import ConfigError, ModelConfig
 from jaxzero.models import ModelParams, build_model, forward
-from jaxzero.models.layers import causal_attention, logits_matmul, resolve_attention_impl
+from jaxzero.models.layers import causal_attention, logits_matmul, resolve_attention_impl, windowed_attention
 from jaxzero.models.sizes import (
     NAMED_SIZES,
     flops_per_token,
@@ -436,9 +436,10 @@ def test_attention_impl_resolution() -> None:
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16])
 def test_a_local_window_runs_the_kernels_own_window_and_equals_the_dense_mask(dtype) -> None:
-    """With `local_window`, a layer whose traced window is the local one runs the kernel's sliding
-    window and one whose window spans the sequence its causal mask; any other window the dense mask.
-    Each equals the dense mask's output and gradients, and the numpy reference of its window."""
+    """`windowed_attention` (cuDNN's path for a model's local layers; run here through XLA): a layer
+    whose traced window is the local one runs the kernel's sliding window and one whose window spans
+    the sequence its causal mask; any other window the dense mask. Each equals the dense mask's output
+    and gradients, and the numpy reference of its window."""
     b, s, n, kv, h, local = 2, 12, 4, 2, 8, 5
     keys = jax.random.split(jax.random.key(3), 4)
     q = jax.random.normal(keys[0], (b, s, n, h)).astype(dtype)
@@ -448,7 +449,10 @@ def test_a_local_window_runs_the_kernels_own_window_and_equals_the_dense_mask(dt
     @functools.partial(jax.jit, static_argnames="local_window")
     def run(q, k, v, window, local_window):
         def loss(q, k, v):
-            o = causal_attention(q, k, v, "xla", window=window, local_window=local_window)
+            if local_window is None:
+                o = causal_attention(q, k, v, "xla", window=window)
+            else:
+                o = windowed_attention(q, k, v, "xla", window, local_window, 1 / math.sqrt(h))
             return jnp.sum(o.astype(jnp.float32) * cot), o
 
         return jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)

@@ -491,35 +491,48 @@ def causal_attention(
     window: None, or an int32 scalar (traced: one program serves every window): query i also reads
     only keys j > i - window (transformers' sliding window), as a dense (1, 1, S, S) mask beside the
     segments' (cuDNN takes it as its bias). local_window: the window of the model's local layers
-    (static), when there are no segments: a layer whose `window` is `local_window` then runs the
-    kernel's own sliding window and one whose window spans the sequence its causal mask, no dense
-    mask (cuDNN computes only the tiles inside the window), chosen per call on the device; any other
-    window still the dense mask. scale: the scores' factor (None: 1/sqrt(H)).
+    (static): with cuDNN and no segments, `windowed_attention` (the kernel's own sliding window, no
+    dense mask). scale: the scores' factor (None: 1/sqrt(H)).
     """
     head_dim = q.shape[-1]
     impl = resolve_attention_impl(requested_impl, q.dtype, head_dim)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     if impl == "cudnn" and segments is not None and window is None:
         return _cudnn_within_segments(q, k, v, segments, scale)
+    if impl == "cudnn" and window is not None and segments is None and local_window is not None:
+        return windowed_attention(q, k, v, impl, window, local_window, scale)
+    mask = None if segments is None else same_segment(segments)
+    if window is not None:
+        s = q.shape[1]
+        near = (jnp.arange(s)[:, None] - jnp.arange(s)[None, :] < window)[None, None]  # (1, 1, S, S)
+        mask = near if mask is None else mask & near
+        if impl == "cudnn":  # cuDNN's bias is per row: (B, 1, S, S), as the segments' mask is
+            mask = jnp.broadcast_to(mask, (q.shape[0], 1, s, s))
+    return _causal(q, k, v, mask, scale, impl)
 
-    def masked(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-        mask = None if segments is None else same_segment(segments)
-        if window is not None:
-            s = q.shape[1]
-            near = (jnp.arange(s)[:, None] - jnp.arange(s)[None, :] < window)[None, None]  # (1, 1, S, S)
-            mask = near if mask is None else mask & near
-            if impl == "cudnn":  # cuDNN's bias is per row: (B, 1, S, S), as the segments' mask is
-                mask = jnp.broadcast_to(mask, (q.shape[0], 1, s, s))
-        return _causal(q, k, v, mask, scale, impl)
 
-    if window is None or segments is not None or local_window is None:
-        return masked(q, k, v)
+def windowed_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    impl: AttentionImpl,
+    window: jax.Array,
+    local_window: int,
+    scale: float,
+) -> jax.Array:
+    """`causal_attention` over the keys less than `window` (int32 scalar, traced) behind each query,
+    where `window` is `local_window` (static) or spans the sequence: the kernel's own sliding window,
+    or its plain causal mask, chosen on the device (`lax.switch`); any other window, the dense mask.
+    `causal_attention` takes it for cuDNN, which then computes only the tiles inside the window (XLA
+    computes every score either way, and measured slower through the switch: BENCHMARKS.md, "Issue 45
+    on one H100, fourth session")."""
+    dense = functools.partial(causal_attention, requested_impl=impl, window=window, scale=scale)
     branches = [
         functools.partial(
             _causal, mask=None, scale=scale, impl=impl, local_window_size=(local_window - 1, 0)
         ),
         functools.partial(_causal, mask=None, scale=scale, impl=impl),
-        masked,
+        dense,
     ]
     which = jnp.where(window == local_window, 0, jnp.where(window >= q.shape[1], 1, 2))
     return jax.lax.switch(which, branches, q, k, v)
