@@ -55,9 +55,9 @@ VARIANTS = {
         attention_multiplier=0.125,
         logits_scaling=6.0,
     ),
-    # Phi-3: fused q/k/v and gate/up, rope over the first half of each head; OLMo 2: norms after each
-    # sub-block, q/k norms over the whole projections.
-    "phi3": dict(fused_projections=True, partial_rotary_factor=0.5, hf_model_type="phi3"),
+    # Phi-3: fused q/k/v and gate/up, rope over the first half of each head, every layer within a
+    # window of 4; OLMo 2: norms after each sub-block, q/k norms over the whole projections.
+    "phi3": dict(fused_projections=True, partial_rotary_factor=0.5, sliding_window=4, hf_model_type="phi3"),
     "olmo2": dict(qk_norm=True, qk_norm_scope="projection", post_norm=True, hf_model_type="olmo2"),
     # Gemma 3: layers 0 and 2 local (window 4), 1 and 3 global, each with its rope base.
     "gemma3": dict(

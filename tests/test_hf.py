@@ -103,8 +103,9 @@ QWEN2 = dataclasses.replace(
     attention_bias=True,
     hf_model_type="qwen2",
 )
+# Mistral: every layer within a window of 4 of the 16 positions.
 MISTRAL = dataclasses.replace(
-    LLAMA, name="mistral-hf-test", rope_theta=1e6, sliding_window=SEQ, hf_model_type="mistral"
+    LLAMA, name="mistral-hf-test", rope_theta=1e6, sliding_window=4, hf_model_type="mistral"
 )
 # Qwen3: q/k norms, and heads twice as wide as hidden_size / num_heads (the 0.6B and 4B's shape).
 QWEN3 = dataclasses.replace(
@@ -140,13 +141,13 @@ MIXTRAL = dataclasses.replace(
     hf_model_type="mixtral",
 )
 # Phi-3: q, k, v fused into qkv_proj and gate, up into gate_up_proj; rope over the first half of each
-# head (Phi-4-mini rotates 3/4); a window no shorter than the sequence (transformers applies it).
+# head (Phi-4-mini rotates 3/4); every layer within a window of 8 of the 16 positions.
 PHI3 = dataclasses.replace(
     LLAMA,
     name="phi3-hf-test",
     fused_projections=True,
     partial_rotary_factor=0.5,
-    sliding_window=SEQ,
+    sliding_window=8,
     hf_model_type="phi3",
 )
 # OLMo 2: RMSNorms after the attention's and the MLP's outputs, none before; q and k RMS-normalised
@@ -1066,7 +1067,19 @@ def test_export_rejects_params_that_do_not_match_the_config(jax_params: dict, tm
 
 
 @pytest.mark.parametrize(
-    "key", ["llama3", "llama_linear", "qwen2", "qwen3", "gemma3", "gpt_oss", "phi3", "olmo2", "granitemoe"]
+    "key",
+    [
+        "llama3",
+        "llama_linear",
+        "qwen2",
+        "qwen3",
+        "gemma3",
+        "gpt_oss",
+        "phi3",
+        "olmo2",
+        "granitemoe",
+        "mistral",
+    ],
 )
 def test_what_the_families_add_changes_the_logits(key: str, hf_checkpoints: dict) -> None:
     """The import tests could not pass without each feature: the checkpoint computed without its rope
@@ -1091,8 +1104,12 @@ def test_what_the_families_add_changes_the_logits(key: str, hf_checkpoints: dict
             for norm in ("q_norm", "k_norm"):
                 block["self_attn"][norm]["scale"][...] = 1.0
         plain = cfg
-    elif key == "phi3":  # rope over half of each head, not all of it
+    elif key == "phi3":  # rope over half of each head, not all of it; then the window
+        wide = dataclasses.replace(cfg, sliding_window=SEQ)
+        assert rel_err(jax_logits(wide, params), want) > 1e-3
         plain = dataclasses.replace(cfg, partial_rotary_factor=1.0)
+    elif key == "mistral":  # the window, every layer's
+        plain = dataclasses.replace(cfg, sliding_window=SEQ)
     elif key == "olmo2":
         # q and k normalised over the whole projection: once q and k are far above the norms' epsilon
         # (OLMo 2 has no norm before the attention, so its q and k are small here), all of them three
@@ -1349,8 +1366,10 @@ def two_steps_against_transformers(
 
 
 def test_sliding_windows() -> None:
-    """A window is kept from the checkpoint; a run longer than it is refused before anything runs.
-    Qwen2 uses its window only with use_sliding_window; Mistral's null window means none."""
+    """A window is kept from the checkpoint. Qwen2 uses its window only with use_sliding_window, and
+    then only on the layers from max_window_layers on: a Qwen run longer than it is refused before
+    anything runs; Mistral's, every layer's, is computed at any length. Mistral's null window means
+    none."""
     mistral = hf_config(MISTRAL)
     assert model_config_from_hf({**mistral, "sliding_window": 4096}).sliding_window == 4096
     assert model_config_from_hf({**mistral, "sliding_window": None}).sliding_window == 0
@@ -1358,25 +1377,22 @@ def test_sliding_windows() -> None:
     assert (
         model_config_from_hf({**qwen2, "use_sliding_window": False, "sliding_window": 8}).sliding_window == 0
     )
-    assert (
-        model_config_from_hf({**qwen2, "use_sliding_window": True, "sliding_window": 8}).sliding_window == 8
-    )
+    windowed_qwen = model_config_from_hf({**qwen2, "use_sliding_window": True, "sliding_window": 8})
+    assert windowed_qwen.sliding_window == 8
 
     from jaxzero.config import TrainConfig
     from jaxzero.config.checks import validate
 
-    windowed = dataclasses.replace(MISTRAL, sliding_window=8, max_seq_len=64)
-    validate(
-        dataclasses.replace(
-            TrainConfig(), model=windowed, data=dataclasses.replace(TrainConfig().data, seq_len=8)
-        )
-    )
-    with pytest.raises(ConfigError, match=r"data.seq_len=16 exceeds model.sliding_window=8.*at most 8"):
-        validate(
-            dataclasses.replace(
-                TrainConfig(), model=windowed, data=dataclasses.replace(TrainConfig().data, seq_len=16)
-            )
-        )
+    def run(model: ModelConfig, seq_len: int) -> TrainConfig:
+        data = dataclasses.replace(TrainConfig().data, seq_len=seq_len)
+        return dataclasses.replace(TrainConfig(), model=dataclasses.replace(model, max_seq_len=64), data=data)
+
+    validate(run(windowed_qwen, 8))
+    with pytest.raises(
+        ConfigError, match=r"data.seq_len=16 exceeds model.sliding_window=8 of a qwen2.*at most 8"
+    ):
+        validate(run(windowed_qwen, 16))
+    validate(run(dataclasses.replace(MISTRAL, sliding_window=8), 16))
 
 
 def test_an_import_reads_each_unit_when_the_trainer_places_it(jax_params: dict, tmp_path: Path) -> None:

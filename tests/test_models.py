@@ -867,6 +867,16 @@ def test_gemma3_attention_flops_count_each_local_layer_over_its_window():
     assert flops_per_token(cfg, 512) == 6 * matmul_param_count(cfg) + 12 * width * 48 * 512
 
 
+def test_phi3_mini_trains_past_its_window_and_counts_each_layer_over_it():
+    """Phi-3-mini-4k windows every layer to 2,047 positions: a 4,096-token run is accepted (transformers
+    computes the same window: tests/test_hf.py), and its attention FLOPs count the window."""
+    from jaxzero import parse_args
+
+    cfg = parse_args(["--model.name=phi-3-mini", "--data.seq_len=4096"]).model
+    width, seq = cfg.num_heads * cfg.head_dim, 4096
+    assert flops_per_token(cfg, seq) == 6 * matmul_param_count(cfg) + 12 * width * cfg.num_layers * 2047
+
+
 @pytest.mark.parametrize("name", list(QWEN3_RELEASED))
 def test_qwen3_sizes_are_the_released_configs(name: str) -> None:
     """Each qwen3 size is its released config, and its count rounds to the published figures (the

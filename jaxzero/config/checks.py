@@ -24,7 +24,7 @@ from jaxzero.config import (
     TrainConfig,
 )
 from jaxzero.config.families import validate_gemma3, validate_gpt_oss
-from jaxzero.config.variants import LLAMA_TYPES, lora_target_problem, validate_variants
+from jaxzero.config.variants import LLAMA_TYPES, QWEN_WINDOWS, lora_target_problem, validate_variants
 
 
 def _need(cond: bool, msg: str) -> None:
@@ -257,10 +257,10 @@ def _validate_data(cfg: TrainConfig, num_devices: int | None) -> None:
         "raise model.max_seq_len.",
     )
     _need(
-        not m.sliding_window or m.family in ("gemma3", "gpt_oss") or d.seq_len <= m.sliding_window,
-        f"data.seq_len={d.seq_len} exceeds model.sliding_window={m.sliding_window}: jaxzero attends over "
-        "the whole sequence, which equals this model's windowed attention only within one window. "
-        f"Lower data.seq_len to at most {m.sliding_window}.",
+        not m.sliding_window or m.hf_model_type not in QWEN_WINDOWS or d.seq_len <= m.sliding_window,
+        f"data.seq_len={d.seq_len} exceeds model.sliding_window={m.sliding_window} of a {m.hf_model_type} "
+        "model: its window covers only the layers from max_window_layers on, and jaxzero windows every "
+        f"layer, which equals it only within one window. Lower data.seq_len to at most {m.sliding_window}.",
     )
     batch = {"data.batch_size": d.batch_size, "data.grad_accum": d.grad_accum}
     batch["data.micro_batch_size"] = d.micro_batch_size

@@ -12,6 +12,9 @@ from jaxzero.config import ConfigError, ModelConfig
 GRANITE = ("granitemoe", "granite")
 # The transformers model types of the Llama family ('': jaxzero's own).
 LLAMA_TYPES = ("", "llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "phi3", "olmo2", *GRANITE)
+# Qwen's types, whose `use_sliding_window` windows only the layers from `max_window_layers` on: a
+# Llama-family model windows every layer (Mistral's, Mixtral's, Phi-3's), so theirs fit one window.
+QWEN_WINDOWS = ("qwen2", "qwen3", "qwen3_moe")
 # The transformers model types that compute each variant; '' (jaxzero's own) computes every one.
 _TYPES_OF = {
     "fused_projections": ("phi3",),

@@ -12,7 +12,7 @@ and the text model of `Gemma3ForConditionalGeneration` "gemma3") and gpt-oss (`G
 partial rotary outside Phi-3, o_proj or MLP biases, a head_dim other than hidden_size / num_heads
 outside Qwen3, other activations, quantized weights, ...) is refused with a ConfigError that names the
 field, rather than loaded into a model that would silently compute something else. A sliding window is
-kept in ModelConfig.sliding_window, and runs longer than it are refused (`config.checks.validate`).
+kept in ModelConfig.sliding_window; Qwen's runs longer than it are refused (`config.checks.validate`).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ in Phi-3's configs) picks its short or long factors by the length of each call's
 rescales the rotation by an attention factor; transformers recomputes a generation's cache when it
 crosses the original length. jaxzero does not implement it and refuses such a config in one line.
 Phi-3's `sliding_window` is applied by transformers (Phi-3-mini-4k: 2047) and kept in
-`ModelConfig.sliding_window`, which limits a run's sequence length to it, as Mistral's does.
+`ModelConfig.sliding_window`, every layer's, as Mistral's is (`models.llama`).
 """
 
 from __future__ import annotations

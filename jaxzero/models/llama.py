@@ -55,6 +55,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxzero.config import ModelConfig
+from jaxzero.config.variants import QWEN_WINDOWS
 from jaxzero.models import layers, moe
 from jaxzero.models.base import KVCache, ModelParams, init_params
 from jaxzero.models.lora import LoraSpec, dequantize, lora_delta
@@ -138,6 +139,10 @@ class _Attention(nn.Module):
             kk = _RMSNorm(c.norm_eps, name="k_norm")(kk)
         out = _Linear(c.hidden_size, c.init_std, lora=lora, name="o_proj")
         scale = c.attention_multiplier or None  # Granite's factor; None: 1/sqrt(head_dim)
+        # Mistral's, Mixtral's and Phi-3's window covers every layer; Qwen's only some, so it is left
+        # out (`config.checks` refuses a Qwen run longer than it)
+        windowed = c.sliding_window and c.hf_model_type not in QWEN_WINDOWS
+        window = jnp.int32(c.sliding_window) if windowed else None
         if cache is None:
             cos, sin = layers.rope_cos_sin(s, layers.rope_inv_freq(c))
             # Rotary positions run over the whole row, not from 0 at each segment: scores depend only on
@@ -148,6 +153,8 @@ class _Attention(nn.Module):
                 v,
                 c.attention_impl,
                 segments,
+                window=window,
+                local_window=c.sliding_window if windowed else None,
                 scale=scale,
             )
             return out(o.reshape(b, s, n * hd))
@@ -155,7 +162,8 @@ class _Attention(nn.Module):
         cos, sin = (jax.lax.dynamic_slice_in_dim(t, pos, s) for t in (cos, sin))
         k_cache = jax.lax.dynamic_update_slice_in_dim(cache[0], layers.apply_rope(kk, cos, sin), pos, axis=1)
         v_cache = jax.lax.dynamic_update_slice_in_dim(cache[1], v, pos, axis=1)
-        o = layers.cached_attention(layers.apply_rope(q, cos, sin), k_cache, v_cache, pos, scale=scale)
+        q = layers.apply_rope(q, cos, sin)
+        o = layers.cached_attention(q, k_cache, v_cache, pos, window=window, scale=scale)
         return out(o.reshape(b, s, n * hd)), (k_cache, v_cache)
 
 

@@ -201,8 +201,9 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
 def attention_span(cfg: ModelConfig, layer: int, seq_len: int) -> int:
     """The keys each query of block `layer` is counted against in the FLOP accounting: seq_len, or
-    a Gemma 3 or gpt-oss local layer's window where that is shorter."""
-    windowed = cfg.family in ("gemma3", "gpt_oss") and (layer + 1) % cfg.sliding_window_pattern
+    a Gemma 3 or gpt-oss local layer's window where that is shorter, or any Llama-family layer's."""
+    local = cfg.family in ("gemma3", "gpt_oss") and (layer + 1) % cfg.sliding_window_pattern
+    windowed = local or cfg.family == "llama"
     if windowed and cfg.sliding_window:
         return min(seq_len, cfg.sliding_window)
     return seq_len
