@@ -140,8 +140,10 @@ class _Attention(nn.Module):
         out = _Linear(c.hidden_size, c.init_std, lora=lora, name="o_proj")
         scale = c.attention_multiplier or None  # Granite's factor; None: 1/sqrt(head_dim)
         # Mistral's, Mixtral's and Phi-3's window covers every layer; Qwen's only some, so it is left
-        # out (`config.checks` refuses a Qwen run longer than it)
-        windowed = c.sliding_window and c.hf_model_type not in QWEN_WINDOWS
+        # out (`config.checks` refuses a Qwen run longer than it). Where the keys fit in one window
+        # it changes nothing, and is left out too (packed documents keep cuDNN's packed layout).
+        keys = s if cache is None else cache[0].shape[1]
+        windowed = c.sliding_window and c.hf_model_type not in QWEN_WINDOWS and keys > c.sliding_window
         window = jnp.int32(c.sliding_window) if windowed else None
         if cache is None:
             cos, sin = layers.rope_cos_sin(s, layers.rope_inv_freq(c))
