@@ -38,7 +38,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxzero.config import ModelConfig
-from jaxzero.models.layers import causal_attention, packed_document_sizes, packed_layout_applies
+from jaxzero.models.layers import (
+    causal_attention,
+    packed_document_sizes,
+    packed_layout_applies,
+    windowed_attention,
+)
 
 BF16_TOL = 2e-2  # tests/test_models.py: relative error of bfloat16 outputs against float64
 F32_TOL = 1e-5
@@ -88,11 +93,15 @@ def fwd_bwd(impl: str, with_segments: bool, scale: float) -> Callable[..., tuple
 
 
 def windowed(impl: str, local_window: int | None, scale: float) -> Callable[..., tuple[jax.Array, ...]]:
-    """jit of (q, k, v, window, cotangent) -> (output, dq, dk, dv), no segments, `window` traced."""
+    """jit of (q, k, v, window, cotangent) -> (output, dq, dk, dv), no segments, `window` traced:
+    with `local_window`, `windowed_attention` (what `causal_attention` runs for cuDNN; called here
+    for XLA too, to time its switch), else the dense mask."""
 
     def run(q, k, v, window, ct):
         def attend(q, k, v):
-            return causal_attention(q, k, v, impl, window=window, local_window=local_window, scale=scale)
+            if local_window is None:
+                return causal_attention(q, k, v, impl, window=window, scale=scale)
+            return windowed_attention(q, k, v, impl, window, local_window, scale)
 
         out, vjp = jax.vjp(attend, q, k, v)
         return (out, *vjp(ct))

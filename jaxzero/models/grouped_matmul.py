@@ -12,10 +12,10 @@ itself, reading each kernel in place (no per-block copy, no padded rows): 1.6x (
     matmul = mosaic_matmul()        # rows (N, I), kernels (E, I, O), group_sizes (E,) -> (N, O)
 
 `model.moe_impl` names the grouping: "padded", "mosaic", or "auto" (the Mosaic kernels where
-`mosaic_unsupported` finds no reason against them, else padded; gpt-oss's biased experts too, their
-bias one more row of the kernel: `moe._grouped`). The
-run's resolution pass decides "auto" once for the machine it plans for (`planned_impl`); a model
-given "auto" (library use without a plan) decides by its own backend when its step is traced.
+`mosaic_unsupported` finds no reason against them, else padded). Biased experts (gpt-oss's) take the
+kernels too, each bias one more row of its kernel (`moe._grouped`). The run's resolution pass decides
+"auto" once for the machine it plans for (`planned_impl`); a model given "auto" (library use without
+a plan) decides by its own backend when its step is traced.
 """
 
 from __future__ import annotations

@@ -100,7 +100,7 @@ def predict(cfg: TrainConfig, plan: OffloadPlan, machine: Machine) -> Prediction
         * machine.attention_scale
     )
     # A token multiplies by its top-k experts only, at their grouped matmuls' share of the rate.
-    experts = experts_at_rate(m, experts_share(m, tokens / d.grad_accum))
+    experts = experts_at_rate(m, _run_experts_share(cfg, machine))
     gpu_s = 8 * (param_count(m) + m.num_layers * (experts + attention)) * tokens / machine.gpu_flops
     work = {
         UnitKind.EMBED: 0,
@@ -185,11 +185,16 @@ def experts_share(m: ModelConfig, micro_tokens: float) -> float:
     return most * intensity / (intensity + half)
 
 
+def _run_experts_share(cfg: TrainConfig, machine: Machine) -> float:
+    """`experts_share` of the run's experts over its micro-batch's tokens on one device."""
+    d = cfg.data
+    return experts_share(cfg.model, d.batch_size * d.seq_len / machine.devices / d.grad_accum)
+
+
 def _predict_partial(cfg: TrainConfig, machine: Machine) -> Prediction:
     """The step of a run with a frozen part: the accelerator's work (`partial.step_flops`) at the
     machine's rate, against a streamed base's crossings of the link (`partial.link_bytes`)."""
-    micro_tokens = cfg.data.batch_size * cfg.data.seq_len / machine.devices / cfg.data.grad_accum
-    gpu_s = partial.step_flops(cfg, expert_share=experts_share(cfg.model, micro_tokens)) / machine.gpu_flops
+    gpu_s = partial.step_flops(cfg, expert_share=_run_experts_share(cfg, machine)) / machine.gpu_flops
     link_s = partial.link_bytes(cfg) / machine.h2d if cfg.offload.params == "cpu" else 0.0
     return Prediction(
         step_s=max(gpu_s, link_s),

@@ -131,9 +131,9 @@ def decide(
 def resolve_moe_impl(cfg: TrainConfig, device_kind: str, devices: int = 1) -> TrainConfig:
     """`cfg` with a mixture of experts' `model.moe_impl=auto` decided for a machine of `devices`
     devices of `device_kind` (`Machine.kind`, `Machine.devices`): the Mosaic GPU grouped matmul on one
-    Hopper GPU where the layer suits it and its experts have no biases, else the padded grouping
-    (`grouped_matmul.planned_impl`); the memory plan counts what that grouping holds. `mosaic`
-    where that machine cannot run it: ConfigError."""
+    Hopper GPU where the layer suits it, else the padded grouping (`grouped_matmul.planned_impl`);
+    the memory plan counts what that grouping holds. `mosaic` where that machine cannot run it:
+    ConfigError."""
     m = cfg.model
     if m.moe_impl == "padded" or not (m.num_experts or m.family == "gpt_oss"):
         return cfg
