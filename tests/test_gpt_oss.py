@@ -181,8 +181,7 @@ def test_an_mxfp4_checkpoint_imports_to_transformers_logits(tmp_path: Path) -> N
 
 
 def test_what_gpt_oss_cannot_compute_is_refused() -> None:
-    """Another quantisation, irregular layer kinds, another rope; cuDNN attention (no sinks); yarn
-    outside gpt-oss."""
+    """Another quantisation, irregular layer kinds, another rope; yarn outside gpt-oss."""
     d = hf_config(ModelConfig.named("gpt-oss-20b", num_layers=4))
     for edit, match in [
         ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config=.*MXFP4 only"),
@@ -199,8 +198,6 @@ def test_what_gpt_oss_cannot_compute_is_refused() -> None:
             continue
         with pytest.raises(ConfigError, match=match):
             model_config_from_hf({**d, **edit})
-    with pytest.raises(ConfigError, match="attention_impl=cudnn cannot compute gpt-oss's attention sinks"):
-        build_model(ModelConfig.named("gpt-oss-20b", attention_impl="cudnn"))
     with pytest.raises(ConfigError, match="model.rope_type=yarn scales cos and sin as gpt-oss does"):
         build_model(ModelConfig(rope_type="yarn", rope_factor=4.0))
     with pytest.raises(ConfigError, match=r"model.family=gpt_oss needs model.num_experts >= 1"):

@@ -24,9 +24,11 @@ Parameter pytrees are named after HF `GptOssForCausalLM` (kernels stored (in, ou
 HF stores gate_up with gate and up interleaved on the last axis; `jaxzero.interop` de-interleaves.
 H = head_dim (64 in the released models, whatever D / N is), F = moe_intermediate_size.
 
-Attention is computed here with XLA (the sink is not expressible in `jax.nn.dot_product_attention`):
-float32 scores (B, N, S, S) as transformers' eager attention makes them; `model.attention_impl=cudnn`
-is refused for this family.
+Attention with its sinks is `jaxzero.models.sinks`: with XLA (`model.attention_impl=xla` or `auto`),
+float32 scores (B, N, S, S) as transformers' eager attention makes them; with `model.attention_impl=cudnn`,
+a global layer runs the kernel's causal attention with the sink as a prepended key and a local layer
+runs blocks of its window in XLA, chosen per layer on the device (`sinks.windowed_sink_attention`).
+Packed documents and decoding attend with XLA's dense mask either way.
 """
 
 from __future__ import annotations
@@ -40,12 +42,13 @@ import jax
 import jax.numpy as jnp
 from flax.core import unfreeze
 
-from jaxzero.config import ConfigError, ModelConfig
+from jaxzero.config import ModelConfig
 from jaxzero.models import layers, moe
 from jaxzero.models.base import KVCache, ModelParams, init_params
 from jaxzero.models.gemma import NO_WINDOW, is_global_layer, need_layer
 from jaxzero.models.llama import Llama, _Linear, _RMSNorm
 from jaxzero.models.lora import LoraSpec, dequantize
+from jaxzero.models.sinks import augmented_head_dim, sink_attention, window_mask, windowed_sink_attention
 
 
 def moe_spec(c: ModelConfig) -> moe.MoeSpec:
@@ -61,33 +64,6 @@ def rope_tables(c: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Ar
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     factor = jnp.float32(layers.rope_attention_factor(c))
     return jnp.cos(emb) * factor, jnp.sin(emb) * factor
-
-
-def sink_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, sinks: jax.Array, mask: jax.Array, scale: float
-) -> jax.Array:
-    """Attention whose softmax has one more logit per head, `sinks`, that takes weight and reads no
-    value: q (B, T, N, H), k and v (B, L, K, H) in one dtype, sinks (N,), mask bool (B or 1, T, L)
-    (True: the query reads the key) -> (B, T, N, H) in q's dtype. Query head n reads key/value head
-    n // (N / K) (HF's `repeat_kv`); scores and softmax in float32."""
-    b, t, n, hd = q.shape
-    kv = k.shape[2]
-    g = n // kv
-    scores = jnp.einsum(
-        "btkgh,blkh->bkgtl", q.reshape(b, t, kv, g, hd), k, preferred_element_type=jnp.float32
-    ) * jnp.float32(scale)
-    allowed = mask[:, None, None, :, :]  # (B or 1, 1, 1, T, L)
-    scores = jnp.where(allowed, scores, jnp.finfo(jnp.float32).min)
-    sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, kv, g, 1, 1), (b, kv, g, t, 1))
-    probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
-    o = jnp.einsum("bkgtl,blkh->btkgh", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return o.reshape(b, t, n, hd).astype(q.dtype)
-
-
-def _mask(q_pos: jax.Array, k_pos: jax.Array, window: jax.Array) -> jax.Array:
-    """bool (T, L): key j at or before query i and less than `window` positions behind it."""
-    offset = q_pos[:, None] - k_pos[None, :]
-    return (offset >= 0) & (offset < window)
 
 
 class _Attention(nn.Module):
@@ -116,15 +92,31 @@ class _Attention(nn.Module):
         positions = jnp.arange(s) if cache is None else pos + jnp.arange(s)
         cos, sin = rope_tables(c, positions)
         q, kk = layers.apply_rope(q, cos, sin), layers.apply_rope(kk, cos, sin)
+        # `auto` keeps XLA's dense path: the cuDNN path has not yet run on a GPU
+        # (scripts/check_sink_attention.py checks and times it there); `cudnn` asks for it.
+        requested = "xla" if c.attention_impl == "auto" else c.attention_impl
+        impl = layers.resolve_attention_impl(requested, q.dtype, augmented_head_dim(hd))
+        if cache is None and segments is None and impl == "cudnn":
+            o = windowed_sink_attention(
+                q,
+                kk,
+                v,
+                sinks.astype(q.dtype),
+                window=layer["window"],
+                local_window=c.sliding_window or NO_WINDOW,
+                scale=scale,
+                impl=impl,
+            )
+            return out(o.reshape(b, s, n * hd))
         if cache is None:
-            mask = _mask(positions, positions, layer["window"])[None]
+            mask = window_mask(positions, positions, layer["window"])[None]
             if segments is not None:  # each token reads only its own document
                 mask = mask & (segments[:, :, None] == segments[:, None, :])
             o = sink_attention(q, kk, v, sinks.astype(q.dtype), mask, scale)
             return out(o.reshape(b, s, n * hd))
         k_cache = jax.lax.dynamic_update_slice_in_dim(cache[0], kk, pos, axis=1)
         v_cache = jax.lax.dynamic_update_slice_in_dim(cache[1], v, pos, axis=1)
-        mask = _mask(positions, jnp.arange(k_cache.shape[1]), layer["window"])[None]
+        mask = window_mask(positions, jnp.arange(k_cache.shape[1]), layer["window"])[None]
         o = sink_attention(q, k_cache, v_cache, sinks.astype(q.dtype), mask, scale)
         return out(o.reshape(b, s, n * hd)), (k_cache, v_cache)
 
@@ -218,11 +210,6 @@ class GptOss:
 
     def __post_init__(self) -> None:
         layers.check_shape(self.config, "gpt_oss")
-        if self.config.attention_impl == "cudnn":
-            raise ConfigError(
-                "model.attention_impl=cudnn cannot compute gpt-oss's attention sinks; use "
-                "model.attention_impl=auto or xla."
-            )
 
     @property
     def dtype(self) -> jnp.dtype:

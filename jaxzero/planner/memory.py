@@ -215,8 +215,8 @@ def transient_activations(
     inside each document), a block's backward also holds two float32 (rows, heads, seq_len, seq_len)
     arrays: what document-aware attention compiled to on the GPU (BENCHMARKS.md, "on one H200:
     determinism, and document-aware attention's cost"); Gemma 3's windowed attention, a mask as
-    well, and gpt-oss's, whose sinks keep its float32 scores in XLA, are counted as that (not
-    measured)."""
+    well, and gpt-oss's in XLA count as that; its local layers on cuDNN's path (attention_impl=cudnn)
+    as two float32 (rows, heads, seq_len, 2 * window) arrays (neither measured)."""
     compute = dtype_bytes(m.compute_dtype)
     q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
     widths = 2 * (q + 2 * kv) + 2 * m.hidden_size + 4 * m.intermediate_size
@@ -230,10 +230,12 @@ def transient_activations(
             experts = padded_experts_bytes(micro_tokens, k, e, m.hidden_size, f, compute)
     block = micro_tokens * widths * compute + experts
     seq_len = seq_len or micro_tokens
-    # Gemma 3's windows are a mask too, with or without documents; gpt-oss's sinks attend in XLA
-    if documents or m.family in ("gemma3", "gpt_oss"):
-        block += 2 * (micro_tokens // seq_len) * m.num_heads * seq_len * seq_len * 4
-    pieces = head_pieces(max(1, micro_tokens // seq_len), seq_len, m.vocab_size)
+    rows = micro_tokens // seq_len  # gpt-oss's local layers on cuDNN's path: blocks of two windows
+    if m.family == "gpt_oss" and not documents and m.attention_impl == "cudnn" and m.sliding_window:
+        block += 2 * rows * m.num_heads * seq_len * min(seq_len, 2 * m.sliding_window) * 4
+    elif documents or m.family in ("gemma3", "gpt_oss"):
+        block += 2 * rows * m.num_heads * seq_len * seq_len * 4
+    pieces = head_pieces(max(1, rows), seq_len, m.vocab_size)
     head_out = micro_tokens * m.hidden_size * compute
     head = micro_tokens // pieces * 2 * m.vocab_size * 4 + head_out
     if pieces > 1:  # the output projection's float32 copy and the float32 sum of its gradient
