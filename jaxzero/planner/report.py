@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from jaxzero.config import IN_FLIGHT_MAX, TrainConfig, buffer_bytes, in_flight_bytes
-from jaxzero.models.sizes import NAMED_SIZES, param_count, unit_param_counts
+from jaxzero.models.sizes import NAMED_SIZES, inactive_expert_params, param_count, unit_param_counts
 from jaxzero.plan import OffloadPlan, Tier, UnitKind, UnitPlan
 from jaxzero.planner import memory, partial, runtime
 from jaxzero.planner.calibration import (
@@ -259,7 +259,9 @@ class Decision:
                 f"{gib(memory.checkpoint_bytes(cfg, _largest_unit_bytes(cfg), size))} of host RAM; a "
                 f"save writes for ~{self.save_seconds():.3g} s at ~{CHECKPOINT_WRITE_BPS / GB:.2g} GB/s"
             )
-        flops = 8 * param_count(m) * tokens / p.step_s / mc.devices / 1e12
+        # 8N with N what a token multiplies by: a mixture's experts outside the top-k do not count
+        active = param_count(m) - m.num_layers * inactive_expert_params(m)
+        flops = 8 * active * tokens / p.step_s / mc.devices / 1e12
         lines += [
             f"predicted step: {p.step_s:.3g} s ({tokens / p.step_s:,.0f} tokens/s, {flops:.3g} TFLOP/s (8N) "
             f"per device); bottleneck: {_in_words(p.bottleneck, word)}",
