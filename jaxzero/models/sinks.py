@@ -13,8 +13,10 @@ Three exact ways to compute it, one module per concern of the block's attention:
   with the sink prepended. The sink's logit rides in two extra head dimensions: each query head
   carries its sink over `scale` (as a bfloat16 pair, hi + lo), the prepended key carries ones there
   and every other key zeros, so the prepended key scores exactly `sink[n]` for every query of head n
-  and reads a zero value. A zero query in front keeps the causal mask square (query i + 1 reads keys
-  0 .. i + 1: the sink and keys 0 .. i). Gradients, the sinks' too, are the kernel's.
+  and reads a zero value; a dead key beside it (a third extra dimension scores it far below any
+  other) keeps the length even, as jax's cuDNN attention needs in training. Zero queries in front
+  keep the causal mask square (query i + 2 reads keys 0 .. i + 2: the sink, the dead key and keys
+  0 .. i). Gradients, the sinks' too, are the kernel's.
 
 `windowed_sink_attention` picks between the last two per layer on the device (`lax.switch` on the
 layer's traced window), so one compiled block serves local and global layers.
@@ -29,6 +31,10 @@ from jaxzero.models.layers import AttentionImpl
 
 # Head dimensions are padded to this multiple for cuDNN (its rule for bfloat16 flash attention).
 _HEAD_MULTIPLE = 8
+# Keys in front of the sequence: the sink's and a dead one, so that the length stays even (jax's
+# cuDNN attention refuses an odd one in training). The dead key scores -_DEAD * scale: exp() is 0.
+_FRONT = 2
+_DEAD = 2.0**20
 
 
 def sink_attention(
@@ -98,9 +104,9 @@ def banded_sink_attention(
 
 
 def augmented_head_dim(head_dim: int) -> int:
-    """The head dimension `cudnn_sink_attention` hands the kernel: two more for the sink, rounded up
-    to a multiple of 8."""
-    return -(-(head_dim + 2) // _HEAD_MULTIPLE) * _HEAD_MULTIPLE
+    """The head dimension `cudnn_sink_attention` hands the kernel: three more (the sink's two, the
+    dead key's one), rounded up to a multiple of 8."""
+    return -(-(head_dim + 3) // _HEAD_MULTIPLE) * _HEAD_MULTIPLE
 
 
 def cudnn_sink_attention(
@@ -108,7 +114,7 @@ def cudnn_sink_attention(
 ) -> jax.Array:
     """Causal `sink_attention` through `jax.nn.dot_product_attention(implementation=impl)`:
     q (B, S, N, H), k and v (B, S, K, H) in one dtype, sinks (N,) -> (B, S, N, H) in q's dtype. The
-    kernel sees (B, S + 1, ., `augmented_head_dim(H)`) (the module docstring says how); with
+    kernel sees (B, S + 2, ., `augmented_head_dim(H)`) (the module docstring says how); with
     impl="xla" it is the same computation in XLA, which the CPU tests check."""
     b, s, n, hd = q.shape
     kv = k.shape[2]
@@ -117,18 +123,19 @@ def cudnn_sink_attention(
     logit = sinks.astype(jnp.float32) / jnp.float32(scale)
     hi = logit.astype(dtype).astype(jnp.float32)
     lo = logit - hi  # hi + lo: the logit to ~16 bits, whatever `scale` is
-    parts = jnp.zeros((n, extra), jnp.float32).at[:, 0].set(hi).at[:, 1].set(lo)
+    # Extra dims: [hi, lo] meet the sink key's ones; the third meets the dead key's -_DEAD.
+    parts = jnp.zeros((n, extra), jnp.float32).at[:, 0].set(hi).at[:, 1].set(lo).at[:, 2].set(1.0)
     # Broadcast in float32, then round: the sinks' gradient sums over (B, S) in float32.
     q_extra = jnp.broadcast_to(parts, (b, s, n, extra)).astype(dtype)
-    sink_key = jnp.zeros((b, 1, kv, hd + extra), dtype).at[..., hd : hd + 2].set(1)
+    front = jnp.zeros((b, _FRONT, kv, hd + extra), dtype)
+    front = front.at[:, 0, :, hd : hd + 2].set(1).at[:, 1, :, hd + 2].set(-_DEAD)
     q_aug = jnp.concatenate([q, q_extra], axis=-1)
     k_aug = jnp.concatenate([k, jnp.zeros((b, s, kv, extra), dtype)], axis=-1)
-    v_aug = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, extra)))
-    q_aug = jnp.pad(q_aug, ((0, 0), (1, 0), (0, 0), (0, 0)))  # the zero query in front
-    k_aug = jnp.concatenate([sink_key, k_aug], axis=1)
-    v_aug = jnp.pad(v_aug, ((0, 0), (1, 0), (0, 0), (0, 0)))  # the sink reads a zero value
+    v_aug = jnp.pad(v, ((0, 0), (_FRONT, 0), (0, 0), (0, extra)))  # the front keys read zeros
+    q_aug = jnp.pad(q_aug, ((0, 0), (_FRONT, 0), (0, 0), (0, 0)))  # zero queries in front
+    k_aug = jnp.concatenate([front, k_aug], axis=1)
     out = jax.nn.dot_product_attention(q_aug, k_aug, v_aug, scale=scale, is_causal=True, implementation=impl)
-    return out[:, 1:, :, :hd].astype(dtype)
+    return out[:, _FRONT:, :, :hd].astype(dtype)
 
 
 def windowed_sink_attention(
