@@ -174,11 +174,15 @@ def test_cudnn_without_a_gpu_is_refused_by_name() -> None:
 
 def test_the_plan_counts_what_each_path_holds() -> None:
     """The memory plan's block transient: XLA's two float32 (rows, heads, S, S) arrays, cuDNN's
-    path's two (rows, heads, S, 2 * window) of its local layers in their place."""
+    path's two (rows, heads, S, 2 * window) of its local layers in their place (the plan is for the
+    GPU, where `auto` takes cuDNN's path)."""
     from jaxzero.planner.memory import transient_activations
 
-    xla, cudnn = (ModelConfig.named("gpt-oss-20b", attention_impl=impl) for impl in ("xla", "cudnn"))
+    xla, auto, cudnn = (
+        ModelConfig.named("gpt-oss-20b", attention_impl=impl) for impl in ("xla", "auto", "cudnn")
+    )
     rows, s, heads, window = 8, 2048, xla.num_heads, xla.sliding_window
     dense = transient_activations(xla, rows * s, s).block
     banded = transient_activations(cudnn, rows * s, s).block
     assert dense - banded == 2 * rows * heads * s * (s - 2 * window) * 4
+    assert transient_activations(auto, rows * s, s).block == banded  # a GPU's auto: cuDNN's path

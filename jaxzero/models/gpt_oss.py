@@ -24,11 +24,12 @@ Parameter pytrees are named after HF `GptOssForCausalLM` (kernels stored (in, ou
 HF stores gate_up with gate and up interleaved on the last axis; `jaxzero.interop` de-interleaves.
 H = head_dim (64 in the released models, whatever D / N is), F = moe_intermediate_size.
 
-Attention with its sinks is `jaxzero.models.sinks`: with XLA (`model.attention_impl=xla` or `auto`),
-float32 scores (B, N, S, S) as transformers' eager attention makes them; with `model.attention_impl=cudnn`,
-a global layer runs the kernel's causal attention with the sink as a prepended key and a local layer
-runs blocks of its window in XLA, chosen per layer on the device (`sinks.windowed_sink_attention`).
-Packed documents and decoding attend with XLA's dense mask either way.
+Attention with its sinks is `jaxzero.models.sinks`: with cuDNN (`model.attention_impl=auto` on a CUDA
+GPU in bfloat16, or `cudnn`), a global layer runs the kernel's causal attention with the sink as a
+prepended key and a local layer runs blocks of its window in XLA, chosen per layer on the device
+(`sinks.windowed_sink_attention`); with XLA (`xla`, or `auto` elsewhere), float32 scores (B, N, S, S)
+as transformers' eager attention makes them. Packed documents and decoding attend with XLA's dense
+mask either way.
 """
 
 from __future__ import annotations
@@ -92,10 +93,7 @@ class _Attention(nn.Module):
         positions = jnp.arange(s) if cache is None else pos + jnp.arange(s)
         cos, sin = rope_tables(c, positions)
         q, kk = layers.apply_rope(q, cos, sin), layers.apply_rope(kk, cos, sin)
-        # `auto` keeps XLA's dense path: the cuDNN path has not yet run on a GPU
-        # (scripts/check_sink_attention.py checks and times it there); `cudnn` asks for it.
-        requested = "xla" if c.attention_impl == "auto" else c.attention_impl
-        impl = layers.resolve_attention_impl(requested, q.dtype, augmented_head_dim(hd))
+        impl = layers.resolve_attention_impl(c.attention_impl, q.dtype, augmented_head_dim(hd))
         if cache is None and segments is None and impl == "cudnn":
             o = windowed_sink_attention(
                 q,

@@ -215,8 +215,8 @@ def transient_activations(
     inside each document), a block's backward also holds two float32 (rows, heads, seq_len, seq_len)
     arrays: what document-aware attention compiled to on the GPU (BENCHMARKS.md, "on one H200:
     determinism, and document-aware attention's cost"); Gemma 3's windowed attention, a mask as
-    well, and gpt-oss's in XLA count as that; its local layers on cuDNN's path (attention_impl=cudnn)
-    as two float32 (rows, heads, seq_len, 2 * window) arrays (neither measured)."""
+    well, and gpt-oss's in XLA count as that; its local layers on cuDNN's path (not attention_impl=xla),
+    two float32 (rows, heads, seq_len, 2 * window) arrays ("Issue 45 on one H100, fifth session")."""
     compute = dtype_bytes(m.compute_dtype)
     q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
     widths = 2 * (q + 2 * kv) + 2 * m.hidden_size + 4 * m.intermediate_size
@@ -231,7 +231,7 @@ def transient_activations(
     block = micro_tokens * widths * compute + experts
     seq_len = seq_len or micro_tokens
     rows = micro_tokens // seq_len  # gpt-oss's local layers on cuDNN's path: blocks of two windows
-    if m.family == "gpt_oss" and not documents and m.attention_impl == "cudnn" and m.sliding_window:
+    if m.family == "gpt_oss" and not documents and m.attention_impl != "xla" and m.sliding_window:
         block += 2 * rows * m.num_heads * seq_len * min(seq_len, 2 * m.sliding_window) * 4
     elif documents or m.family in ("gemma3", "gpt_oss"):
         block += 2 * rows * m.num_heads * seq_len * seq_len * 4
