@@ -136,6 +136,12 @@ def test_the_switch_takes_each_layers_window() -> None:
         got = out_and_grads(functools.partial(run, jnp.int32(window)), args, ct)
         for name, x, y in zip(("out", "dq", "dk", "dv", "dsinks"), got, want, strict=True):
             assert rel(x, y) < F32_TOL, (window, name)
+    # a model without local layers (window "none"), or a run no longer than its window: causal
+    for local in (NO_WINDOW, 40):
+        got = sinks.windowed_sink_attention(
+            *args, window=jnp.int32(local), local_window=local, scale=scale, impl="xla"
+        )
+        assert rel(got, dense(NO_WINDOW, scale)(*args)) < F32_TOL
 
 
 def test_gpt_oss_through_the_switch_is_the_dense_path(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -152,9 +152,12 @@ def windowed_sink_attention(
     """Causal `sink_attention` over the keys less than `window` (int32 scalar, traced) behind each
     query, self-attention (q (B, S, N, H), k and v (B, S, K, H)), where `window` is the model's
     `local_window` (static) or spans the sequence, as its layers' inputs are: `banded_sink_attention`
-    for the one, `cudnn_sink_attention` for the other, chosen on the device (`lax.switch`). No branch
-    for other windows: a switch holds its largest branch's temporaries, and the dense mask's
-    (B, N, S, S) float32 scores are what this path exists to avoid."""
+    for the one, `cudnn_sink_attention` for the other, chosen on the device (`lax.switch`); only the
+    latter where `local_window` spans the sequence (a model without local layers, or a short run).
+    No branch for other windows: a switch holds its largest branch's temporaries, and the dense
+    mask's (B, N, S, S) float32 scores are what this path exists to avoid."""
+    if local_window >= q.shape[1]:  # every layer reads every earlier key (no window, or a short run)
+        return cudnn_sink_attention(q, k, v, sinks, scale, impl)
     branches = [
         lambda q, k, v, sinks: banded_sink_attention(q, k, v, sinks, local_window, scale),
         lambda q, k, v, sinks: cudnn_sink_attention(q, k, v, sinks, scale, impl),
