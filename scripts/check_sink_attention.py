@@ -17,14 +17,13 @@ with the window traced, as the model calls it). Exits 1 if a numerical check fai
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from check_packed_attention import rel, timed  # this script's folder: run as python scripts/...
 
 from jaxzero.config import ModelConfig
 from jaxzero.models import sinks
@@ -46,11 +45,6 @@ def reference(q, k, v, sk, window: int, scale: float) -> np.ndarray:
     full = np.concatenate([scores, np.broadcast_to(sk[None, :, None, None], (b, n, s, 1))], -1)
     p = np.exp(full - full.max(-1, keepdims=True))
     return np.einsum("bnij,bjnd->bind", (p / p.sum(-1, keepdims=True))[..., :-1], v)
-
-
-def rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def fwd_bwd(attend: Callable[..., jax.Array]) -> Callable[..., tuple[jax.Array, ...]]:
@@ -80,18 +74,6 @@ def paths(local: int, scale: float, cudnn: bool) -> dict[str, Callable[..., jax.
             q, k, v, sk, window=window, local_window=local, scale=scale, impl=impl
         )
     return out
-
-
-def timed(fn: Callable[..., tuple[jax.Array, ...]], args: tuple, iters: int) -> float:
-    """Median seconds of one call, after two warm-up calls (the first compiles)."""
-    for _ in range(2):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -172,3 +172,16 @@ def test_the_moe_targets_save_resume_and_finish_a_tiny_moe(tmp_path):
     assert resumed["losses"]["4"] == first["losses"]["4"]
     assert first["plan_step_s"] is not None and "peak_gpu_gib" in first
     assert not (tmp_path / "runs" / "lora-qwen3-30b-a3b").exists()
+
+
+def test_the_sink_attention_check_passes_on_the_cpu():
+    """`scripts/check_sink_attention.py` at its CPU shapes: every path within float32 tolerance of the
+    dense one and the dense one of float64, and the timing table printed (exit 1 on a failed check)."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
+    argv = [sys.executable, str(REPO / "scripts" / "check_sink_attention.py"), "--small", "--iters=1"]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "FAILED" not in done.stdout and "global  switch, xla" in done.stdout
