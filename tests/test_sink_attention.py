@@ -192,3 +192,8 @@ def test_the_plan_counts_what_each_path_holds() -> None:
     banded = transient_activations(cudnn, rows * s, s).block
     assert dense - banded == 2 * rows * heads * s * (s - 2 * window) * 4
     assert transient_activations(auto, rows * s, s).block == banded  # a GPU's auto: cuDNN's path
+    f32_auto, f32_xla = (
+        ModelConfig.named("gpt-oss-20b", compute_dtype="float32", attention_impl=impl)
+        for impl in ("auto", "xla")
+    )  # in float32 `auto` resolves to XLA (cuDNN needs bf16): the dense arrays
+    assert transient_activations(f32_auto, rows * s, s) == transient_activations(f32_xla, rows * s, s)

@@ -101,8 +101,7 @@ class MemoryPlan:
 
 def dtype_bytes(dtype: str) -> int:
     """Bytes per element of `dtype` ("float32", "bfloat16" or "float16", as `model.compute_dtype`,
-    `optimizer.state_dtype` and a plan's `grad_dtype` name it): 4, 2, 2. The one rule every byte count
-    of jaxzero's state uses."""
+    `optimizer.state_dtype` and a plan's `grad_dtype` name it): 4, 2, 2; every state byte count's rule."""
     try:
         return DTYPE_BYTES[dtype]
     except KeyError:
@@ -231,7 +230,8 @@ def transient_activations(
     block = micro_tokens * widths * compute + experts
     seq_len = seq_len or micro_tokens
     rows = micro_tokens // seq_len  # gpt-oss's local layers on cuDNN's path: blocks of two windows
-    if m.family == "gpt_oss" and not documents and m.attention_impl != "xla" and m.sliding_window:
+    cudnn = m.attention_impl != "xla" and m.compute_dtype != "float32"  # as a GPU's `auto` resolves
+    if m.family == "gpt_oss" and not documents and cudnn and m.sliding_window:
         block += 2 * rows * m.num_heads * seq_len * min(seq_len, 2 * m.sliding_window) * 4
     elif documents or m.family in ("gemma3", "gpt_oss"):
         block += 2 * rows * m.num_heads * seq_len * seq_len * 4
