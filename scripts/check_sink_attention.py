@@ -23,13 +23,11 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from check_packed_attention import rel, timed  # this script's folder: run as python scripts/...
+from check_packed_attention import BF16_TOL, F32_TOL, rel, timed  # this script's folder
 
 from jaxzero.config import ModelConfig
 from jaxzero.models import sinks
 
-BF16_TOL = 2e-2  # tests/test_models.py: relative error of bfloat16 outputs against float64
-F32_TOL = 1e-5
 GLOBAL = 2**30
 
 

@@ -93,13 +93,14 @@ class _Attention(nn.Module):
         positions = jnp.arange(s) if cache is None else pos + jnp.arange(s)
         cos, sin = rope_tables(c, positions)
         q, kk = layers.apply_rope(q, cos, sin), layers.apply_rope(kk, cos, sin)
+        sinks = sinks.astype(q.dtype)
         impl = layers.resolve_attention_impl(c.attention_impl, q.dtype, augmented_head_dim(hd))
         if cache is None and segments is None and impl == "cudnn":
             o = windowed_sink_attention(
                 q,
                 kk,
                 v,
-                sinks.astype(q.dtype),
+                sinks,
                 window=layer["window"],
                 local_window=c.sliding_window or NO_WINDOW,
                 scale=scale,
@@ -110,12 +111,12 @@ class _Attention(nn.Module):
             mask = window_mask(positions, positions, layer["window"])[None]
             if segments is not None:  # each token reads only its own document
                 mask = mask & (segments[:, :, None] == segments[:, None, :])
-            o = sink_attention(q, kk, v, sinks.astype(q.dtype), mask, scale)
+            o = sink_attention(q, kk, v, sinks, mask, scale)
             return out(o.reshape(b, s, n * hd))
         k_cache = jax.lax.dynamic_update_slice_in_dim(cache[0], kk, pos, axis=1)
         v_cache = jax.lax.dynamic_update_slice_in_dim(cache[1], v, pos, axis=1)
         mask = window_mask(positions, jnp.arange(k_cache.shape[1]), layer["window"])[None]
-        o = sink_attention(q, k_cache, v_cache, sinks.astype(q.dtype), mask, scale)
+        o = sink_attention(q, k_cache, v_cache, sinks, mask, scale)
         return out(o.reshape(b, s, n * hd)), (k_cache, v_cache)
 
 

@@ -51,11 +51,17 @@ def sink_attention(
         "btkgh,blkh->bkgtl", q.reshape(b, t, kv, g, hd), k, preferred_element_type=jnp.float32
     ) * jnp.float32(scale)
     allowed = mask[:, None, None, :, :]  # (B or 1, 1, 1, T, L)
-    scores = jnp.where(allowed, scores, jnp.finfo(jnp.float32).min)
-    sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, kv, g, 1, 1), (b, kv, g, t, 1))
-    probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
+    probs = _probs(scores, allowed, sinks.reshape(1, kv, g, 1, 1))
     o = jnp.einsum("bkgtl,blkh->btkgh", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return o.reshape(b, t, n, hd).astype(q.dtype)
+
+
+def _probs(scores: jax.Array, allowed: jax.Array, sink: jax.Array) -> jax.Array:
+    """The softmax of float32 `scores` (keys last) over the keys `allowed` (bool, broadcast to them)
+    and one more logit, `sink` (broadcast to scores[..., :1]), whose own weight is dropped."""
+    scores = jnp.where(allowed, scores, jnp.finfo(jnp.float32).min)
+    sink = jnp.broadcast_to(sink.astype(jnp.float32), (*scores.shape[:-1], 1))
+    return jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
 
 
 def window_mask(q_pos: jax.Array, k_pos: jax.Array, window: jax.Array | int) -> jax.Array:
@@ -87,18 +93,15 @@ def banded_sink_attention(
 
     qb = blocked(q).reshape(b, blocks, c, kv, g, hd)
     kb, vb = with_previous(blocked(k)), with_previous(blocked(v))
-    scores = jnp.einsum("bncKgh,bnlKh->bnKgcl", qb, kb, preferred_element_type=jnp.float32) * jnp.float32(
-        scale
-    )
+    scores = jnp.einsum("bncKgh,bnlKh->bnKgcl", qb, kb, preferred_element_type=jnp.float32)
+    scores = scores * jnp.float32(scale)
     # Query r of block m is at m*c + r, key l of its 2c at (m-1)*c + l: offset c + r - l; block 0's
     # first c keys are padding before the sequence.
     r, col = jnp.arange(c)[:, None], jnp.arange(2 * c)[None, :]
     offset = c + r - col
     allowed = (offset >= 0) & (offset < window)
     allowed = allowed[None, :, :] & ((jnp.arange(blocks)[:, None, None] > 0) | (col >= c)[None])
-    scores = jnp.where(allowed[None, :, None, None], scores, jnp.finfo(jnp.float32).min)
-    sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, 1, kv, g, 1, 1), (*scores.shape[:-1], 1))
-    probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
+    probs = _probs(scores, allowed[None, :, None, None], sinks.reshape(1, 1, kv, g, 1, 1))
     o = jnp.einsum("bnKgcl,bnlKh->bncKgh", probs.astype(v.dtype), vb, preferred_element_type=jnp.float32)
     return o.reshape(b, blocks * c, n, hd)[:, :s].astype(q.dtype)
 
