@@ -2,10 +2,11 @@
 restored to where it belongs, in bounded host RAM; the layout on disk is
 `jaxzero.storage.checkpoint_layout`'s.
 
-Host RAM. A save writes one part at a time with Orbax's PyTree handler (`jaxzero.storage.checkpoint_handler`),
-at most half of `checkpoint.buffer_gib` (1 GiB at most) in flight to disk at once
-(`save_concurrent_gb`); accelerator arrays are copied to host RAM one part at a time. A restore reads
-one part at a time, at most the buffer at once, and places each array where the target says. So a
+Host RAM. A save writes one part at a time with Orbax's PyTree handler
+(`jaxzero.storage.checkpoint_handler`), at most half of `checkpoint.buffer_gib` (1 GiB at most, or the
+largest array, which Orbax writes whole) in flight to disk at once (`save_concurrent_gb`);
+accelerator arrays are copied to host RAM one part at a time. A restore reads one part at a time, at
+most the buffer (or the largest array) at once, and places each array where the target says. So a
 save or a restore takes at most the buffer plus one unit of host RAM beyond the state, whatever the
 model's size; nothing is copied whole first.
 
@@ -63,7 +64,7 @@ from jaxzero.storage.checkpoint_disk import (
     verify_checksums,
     write_checksums,
 )
-from jaxzero.storage.checkpoint_handler import PartsHandler, PartsRestore, PartsSave
+from jaxzero.storage.checkpoint_handler import ARRAY_MARGIN, PartsHandler, PartsRestore, PartsSave
 from jaxzero.storage.checkpoint_layout import (
     CHECKPOINT_DIR,
     UNREADABLE_DIR,
@@ -122,8 +123,7 @@ class Checkpointer:
         self.directory = Path(run_dir).absolute() / CHECKPOINT_DIR
         self.cfg = cfg
         self.buffer = buffer_bytes(cfg)
-        # (Orbax refuses an array that fills its limit exactly: a MiB over the largest admits it.)
-        restore_batch = None if largest_array is None else max(self.buffer, largest_array + 2**20)
+        restore_batch = None if largest_array is None else max(self.buffer, largest_array + ARRAY_MARGIN)
         self._pool = ThreadPoolExecutor(
             max(1, min(16, os.cpu_count() or 1)), thread_name_prefix="jaxzero-ckpt"
         )

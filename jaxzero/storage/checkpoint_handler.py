@@ -15,7 +15,10 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from jaxzero.primitives.deferred import Deferred, resolved
-from jaxzero.storage.checkpoint_layout import PYTREE_METADATA, Part, join_parts
+from jaxzero.storage.checkpoint_layout import PYTREE_METADATA, Part, join_parts, largest_array_bytes
+
+# Orbax refuses an array that fills its in-flight limit exactly: a MiB over the largest admits it.
+ARRAY_MARGIN = 2**20
 
 
 @dataclass
@@ -54,9 +57,9 @@ class PartsHandler(ocp.CheckpointHandler):
         self._restore_gb = None if restore_batch is None else restore_batch / 10**9
         self._multiprocessing = multiprocessing
 
-    def _pytree(self) -> ocp.PyTreeCheckpointHandler:
+    def _pytree(self, save_gb: float | None = None) -> ocp.PyTreeCheckpointHandler:
         return ocp.PyTreeCheckpointHandler(
-            save_concurrent_gb=self._in_flight_gb,
+            save_concurrent_gb=self._in_flight_gb if save_gb is None else save_gb,
             restore_concurrent_gb=self._restore_gb,
             multiprocessing_options=self._multiprocessing,
             # Uncompressed: training weights barely compress, and compressing more than doubles a
@@ -70,7 +73,11 @@ class PartsHandler(ocp.CheckpointHandler):
         )
 
     def save(self, directory: epath.Path, args: PartsSave) -> None:
-        pytree = self._pytree()
+        # Orbax writes an array whole and refuses one over its in-flight limit (gpt-oss-20b's float32
+        # embedding is 2.3 GB): the limit admits the state's largest array, within the one unit of host
+        # RAM a save may take beyond the buffer (module docstring).
+        largest = largest_array_bytes([part.tree for part in args.parts]) + ARRAY_MARGIN
+        pytree = self._pytree(max(self._in_flight_gb, largest / 10**9))
         for i in range(len(args.parts)):
             if args.parts[i].position is not None:
                 args.start(args.parts[i].position)
